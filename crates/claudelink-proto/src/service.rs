@@ -1,0 +1,326 @@
+//! The boundary between the protocol/gateway layer and an inference engine.
+//!
+//! Everything the transports need from a model goes through [`InferenceService`]. Implementations
+//! must be cheap to call from async code: [`InferenceService::submit`] only enqueues work and
+//! returns at once; tokens arrive through the returned [`EventStream`]. Dropping the stream
+//! cancels the request and frees its resources (KV cache, batch slot).
+
+use std::pin::Pin;
+
+use futures::Stream;
+
+/// Who wrote a chat message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ChatRole {
+    /// The system prompt.
+    System,
+    /// The user.
+    User,
+    /// The model.
+    Assistant,
+}
+
+/// One chat turn, with its text content already flattened (content blocks joined).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ChatMessage {
+    /// Author of the turn.
+    pub role: ChatRole,
+    /// Text of the turn.
+    pub content: String,
+}
+
+/// What the model is asked to continue.
+#[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
+pub enum Prompt {
+    /// Raw text, tokenized as is (no chat template). Special-token text stays plain text.
+    Text(String),
+    /// Chat turns; the service applies the model's chat template with a generation prompt.
+    /// A trailing assistant message is a prefill that the answer continues.
+    Chat(Vec<ChatMessage>),
+    /// Token ids fed to the model unchanged.
+    TokenIds(Vec<u32>),
+}
+
+/// Sampling parameters. `None` means "the service's default" (greedy when all are `None`).
+#[derive(Debug, Clone, Default, PartialEq)]
+#[non_exhaustive]
+pub struct SamplingParams {
+    /// Softmax temperature; `0.0` means greedy.
+    pub temperature: Option<f32>,
+    /// Nucleus sampling mass in (0, 1].
+    pub top_p: Option<f32>,
+    /// Keep only the `k` most likely tokens.
+    pub top_k: Option<u32>,
+    /// Drop tokens whose probability is below `min_p` times the top probability.
+    pub min_p: Option<f32>,
+    /// Repetition penalty (1.0 = none).
+    pub repetition_penalty: Option<f32>,
+    /// Seed making a sampled run reproducible.
+    pub seed: Option<u64>,
+}
+
+/// Weight-cache warm-up hint carried by a request.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum CacheStrategy {
+    /// Warm from the recorded profile (the default).
+    #[default]
+    Deterministic,
+    /// Learn from live accesses.
+    Adaptive,
+}
+
+/// A request for one generation.
+#[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
+pub struct InferenceRequest {
+    /// Model name as the client sent it (the service may ignore it if it serves one model).
+    pub model: String,
+    /// The prompt.
+    pub prompt: Prompt,
+    /// Hard cap on generated tokens.
+    pub max_tokens: u32,
+    /// Sampling parameters.
+    pub sampling: SamplingParams,
+    /// Generation stops when the output text contains one of these.
+    pub stop_sequences: Vec<String>,
+    /// Warm-up hint.
+    pub cache_strategy: CacheStrategy,
+    /// Scheduling priority (higher first; 0 is normal).
+    pub priority: i32,
+}
+
+impl InferenceRequest {
+    /// A greedy request with no stop sequences.
+    ///
+    /// ```
+    /// use claudelink_proto::{InferenceRequest, Prompt};
+    /// let r = InferenceRequest::new("smollm2", Prompt::Text("Hello".into()), 16);
+    /// assert_eq!(r.max_tokens, 16);
+    /// ```
+    pub fn new(model: impl Into<String>, prompt: Prompt, max_tokens: u32) -> Self {
+        Self {
+            model: model.into(),
+            prompt,
+            max_tokens,
+            sampling: SamplingParams::default(),
+            stop_sequences: Vec::new(),
+            cache_strategy: CacheStrategy::default(),
+            priority: 0,
+        }
+    }
+}
+
+/// Why a generation ended (the Anthropic API's values).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum StopReason {
+    /// The model emitted an end-of-turn / EOS token.
+    EndTurn,
+    /// `max_tokens` was reached.
+    MaxTokens,
+    /// A stop sequence matched.
+    StopSequence,
+}
+
+impl StopReason {
+    /// The wire string (`end_turn`, `max_tokens`, `stop_sequence`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::EndTurn => "end_turn",
+            Self::MaxTokens => "max_tokens",
+            Self::StopSequence => "stop_sequence",
+        }
+    }
+}
+
+/// Token counts of a finished request.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Usage {
+    /// Prompt tokens.
+    pub input_tokens: u32,
+    /// Generated tokens.
+    pub output_tokens: u32,
+}
+
+/// Error classes shared by the protocol, the gateway and the service.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum ErrorCode {
+    /// The request is malformed or asks for something invalid.
+    InvalidRequest,
+    /// The prompt does not fit the context.
+    ContextLength,
+    /// The named model is not served here.
+    NotFound,
+    /// The server is at capacity; retry later or elsewhere.
+    Overloaded,
+    /// The request was cancelled.
+    Cancelled,
+    /// The request took too long.
+    Timeout,
+    /// A bug or failure inside the server.
+    Internal,
+}
+
+/// One event of a running request, in order: `Started`, zero or more `Delta`, then exactly one of
+/// `Finished` or `Error`.
+#[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
+pub enum InferenceEvent {
+    /// The prompt was accepted and tokenized.
+    Started {
+        /// Prompt length in tokens.
+        input_tokens: u32,
+    },
+    /// New output tokens and the complete UTF-8 text they finished.
+    Delta {
+        /// Token ids generated since the last delta.
+        ids: Vec<u32>,
+        /// Text made complete by these tokens (may be empty when a character is split).
+        text: String,
+    },
+    /// The generation ended.
+    Finished {
+        /// Why.
+        stop_reason: StopReason,
+        /// The stop sequence that matched, if any.
+        stop_sequence: Option<String>,
+        /// Token counts.
+        usage: Usage,
+    },
+    /// The generation failed.
+    Error {
+        /// Error class.
+        code: ErrorCode,
+        /// Human-readable detail.
+        message: String,
+    },
+}
+
+/// The events of one request. Dropping it cancels the request.
+pub type EventStream = Pin<Box<dyn Stream<Item = InferenceEvent> + Send + 'static>>;
+
+/// Why a request could not be submitted.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ServiceError {
+    /// Queue or KV budget full; retry after the hint.
+    #[error("overloaded; retry after {retry_after_ms} ms")]
+    Overloaded {
+        /// Suggested wait before retrying.
+        retry_after_ms: u64,
+    },
+    /// The prompt plus `max_tokens` do not fit the model's context.
+    #[error("prompt of {prompt_tokens} tokens does not fit the context of {limit} tokens")]
+    ContextLength {
+        /// Prompt length in tokens.
+        prompt_tokens: u32,
+        /// The limit that was exceeded.
+        limit: u32,
+    },
+    /// A field has an invalid value.
+    #[error("invalid value for `{field}`: {reason}")]
+    InvalidRequest {
+        /// The offending field.
+        field: &'static str,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// The service is shutting down.
+    #[error("the service is shutting down")]
+    ShuttingDown,
+}
+
+impl ServiceError {
+    /// The protocol error class of this error.
+    pub fn code(&self) -> ErrorCode {
+        match self {
+            Self::Overloaded { .. } | Self::ShuttingDown => ErrorCode::Overloaded,
+            Self::ContextLength { .. } => ErrorCode::ContextLength,
+            Self::InvalidRequest { .. } => ErrorCode::InvalidRequest,
+        }
+    }
+}
+
+/// A model the service serves.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ModelInfo {
+    /// Id clients put in `model`.
+    pub id: String,
+    /// Human-readable name.
+    pub display_name: String,
+    /// Context length in tokens.
+    pub context_length: u32,
+}
+
+/// A point-in-time snapshot of service metrics, for `/metrics` and debug headers.
+#[derive(Debug, Clone, Default, PartialEq)]
+#[non_exhaustive]
+pub struct ServiceMetrics {
+    /// Requests waiting for admission to the batch.
+    pub queue_depth: u64,
+    /// Sequences currently in the batch.
+    pub running: u64,
+    /// Generated tokens since start.
+    pub generated_tokens: u64,
+    /// Prompt tokens processed since start.
+    pub prompt_tokens: u64,
+    /// KV-cache bytes in use.
+    pub kv_bytes_used: u64,
+    /// KV-cache budget in bytes.
+    pub kv_bytes_budget: u64,
+    /// Weight-cache hit rate in [0, 1] (first touches that found the block resident).
+    pub weight_cache_hit_rate: f64,
+    /// Prefix-cache hits (prompt tokens reused) since start.
+    pub prefix_cache_hit_tokens: u64,
+}
+
+/// An inference engine as the transports see it.
+///
+/// ```
+/// use claudelink_proto::*;
+/// use futures::stream;
+///
+/// /// Echoes the prompt back, one word per delta.
+/// struct Echo;
+/// impl InferenceService for Echo {
+///     fn submit(&self, req: InferenceRequest) -> Result<EventStream, ServiceError> {
+///         let Prompt::Text(text) = req.prompt else {
+///             return Err(ServiceError::InvalidRequest { field: "prompt", reason: "text only".into() });
+///         };
+///         let words: Vec<String> = text.split(' ').map(str::to_owned).collect();
+///         let n = words.len() as u32;
+///         let mut events = vec![InferenceEvent::Started { input_tokens: n }];
+///         events.extend(words.into_iter().map(|w| InferenceEvent::Delta { ids: vec![], text: w }));
+///         events.push(InferenceEvent::Finished {
+///             stop_reason: StopReason::EndTurn,
+///             stop_sequence: None,
+///             usage: Usage { input_tokens: n, output_tokens: n },
+///         });
+///         Ok(Box::pin(stream::iter(events)))
+///     }
+///     fn count_tokens(&self, prompt: &Prompt) -> Result<u32, ServiceError> {
+///         Ok(match prompt { Prompt::Text(t) => t.split(' ').count() as u32, _ => 0 })
+///     }
+///     fn models(&self) -> Vec<ModelInfo> {
+///         vec![ModelInfo { id: "echo".into(), display_name: "Echo".into(), context_length: 2048 }]
+///     }
+///     fn metrics(&self) -> ServiceMetrics { ServiceMetrics::default() }
+/// }
+/// let s = Echo;
+/// assert_eq!(s.count_tokens(&Prompt::Text("a b".into())).unwrap(), 2);
+/// ```
+pub trait InferenceService: Send + Sync + 'static {
+    /// Enqueue a request. Returns at once; `Err` means it was refused (nothing was enqueued).
+    fn submit(&self, request: InferenceRequest) -> Result<EventStream, ServiceError>;
+    /// Number of tokens the prompt would use (with the chat template applied for chat prompts).
+    fn count_tokens(&self, prompt: &Prompt) -> Result<u32, ServiceError>;
+    /// The models served.
+    fn models(&self) -> Vec<ModelInfo>;
+    /// Current metrics.
+    fn metrics(&self) -> ServiceMetrics;
+    /// Whether the service is ready to serve (weights mapped, warm-up far enough).
+    fn ready(&self) -> bool {
+        true
+    }
+}

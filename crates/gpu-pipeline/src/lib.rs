@@ -1,0 +1,1 @@
+//! gpu-pipeline: see the crate README. (Skeleton; the implementation lands with its issue.)

@@ -1,0 +1,1 @@
+//! kv-ring: see the crate README. (Skeleton; the implementation lands with its issue.)

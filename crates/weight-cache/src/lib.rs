@@ -1,0 +1,1 @@
+//! weight-cache: see the crate README. (Skeleton; the implementation lands with its issue.)
