@@ -1,1 +1,6 @@
-//! gpu-pipeline: see the crate README. (Skeleton; the implementation lands with its issue.)
+//! gpu-pipeline: the Llama-family transformer forward pass over mmap'd quantized weights.
+//!
+//! The CPU backend (the default) runs SIMD kernels directly over the GGUF blocks in the mapping,
+//! on a persistent thread pool.
+
+pub mod kernels;
