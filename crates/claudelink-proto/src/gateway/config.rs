@@ -1,0 +1,130 @@
+//! Gateway configuration.
+
+use std::time::Duration;
+
+/// The layer/protocol version sent in every `x-claude-layer` header.
+pub const LAYER_VERSION: &str = "v2.1.0-alpha";
+
+/// How the gateway behaves: limits, keys, advertised HTTP/3 port.
+///
+/// ```
+/// use std::time::Duration;
+/// use claudelink_proto::GatewayConfig;
+///
+/// let config = GatewayConfig::default()
+///     .api_keys(["sk-local-1".to_string()])
+///     .max_body_bytes(1 << 20)
+///     .request_timeout(Duration::from_secs(120))
+///     .h3_port(Some(8443));
+/// assert_eq!(config.max_body_bytes, 1 << 20);
+/// ```
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct GatewayConfig {
+    /// Accepted API keys (`x-api-key` or `Authorization: Bearer`). Empty: the gateway is open.
+    pub api_keys: Vec<String>,
+    /// Largest accepted request body; bigger bodies get 413 `request_too_large`.
+    pub max_body_bytes: usize,
+    /// Largest accepted prompt in tokens (on top of the service's own context check).
+    pub max_prompt_tokens: Option<u32>,
+    /// Largest accepted `max_tokens`.
+    pub max_output_tokens: u32,
+    /// `max_tokens` used by Chat Completions requests that do not send one.
+    pub default_chat_max_tokens: u32,
+    /// Wall-clock limit for one request, from its headers to its last byte.
+    pub request_timeout: Duration,
+    /// Limit for receiving a request body.
+    pub body_timeout: Duration,
+    /// Generation requests in flight before new ones get 529 `overloaded_error` (0: no limit).
+    pub max_concurrent_requests: usize,
+    /// Generation requests in flight per API key before 429 `rate_limit_error` (0: no limit).
+    pub max_concurrent_per_key: usize,
+    /// `retry-after-ms` sent with 429 and 529 responses the gateway itself decides.
+    pub retry_after_ms: u64,
+    /// UDP port on which HTTP/3 is served, advertised with `Alt-Svc` on TCP responses.
+    pub h3_port: Option<u16>,
+    /// Serve requests naming an unknown model with the first served model instead of 404.
+    pub accept_any_model: bool,
+}
+
+impl Default for GatewayConfig {
+    fn default() -> Self {
+        Self {
+            api_keys: Vec::new(),
+            max_body_bytes: 32 * 1024 * 1024,
+            max_prompt_tokens: None,
+            max_output_tokens: 1 << 20,
+            default_chat_max_tokens: 1024,
+            request_timeout: Duration::from_secs(600),
+            body_timeout: Duration::from_secs(30),
+            max_concurrent_requests: 0,
+            max_concurrent_per_key: 0,
+            retry_after_ms: 1000,
+            h3_port: None,
+            accept_any_model: false,
+        }
+    }
+}
+
+impl GatewayConfig {
+    /// Sets the accepted API keys (empty: open gateway).
+    pub fn api_keys(mut self, keys: impl IntoIterator<Item = String>) -> Self {
+        self.api_keys = keys.into_iter().filter(|k| !k.is_empty()).collect();
+        self
+    }
+    /// Sets the largest accepted request body.
+    pub fn max_body_bytes(mut self, bytes: usize) -> Self {
+        self.max_body_bytes = bytes;
+        self
+    }
+    /// Sets the largest accepted prompt in tokens.
+    pub fn max_prompt_tokens(mut self, tokens: Option<u32>) -> Self {
+        self.max_prompt_tokens = tokens;
+        self
+    }
+    /// Sets the largest accepted `max_tokens`.
+    pub fn max_output_tokens(mut self, tokens: u32) -> Self {
+        self.max_output_tokens = tokens;
+        self
+    }
+    /// Sets the `max_tokens` of Chat Completions requests that do not send one.
+    pub fn default_chat_max_tokens(mut self, tokens: u32) -> Self {
+        self.default_chat_max_tokens = tokens;
+        self
+    }
+    /// Sets the per-request wall-clock limit.
+    pub fn request_timeout(mut self, timeout: Duration) -> Self {
+        self.request_timeout = timeout;
+        self
+    }
+    /// Sets the limit for receiving a request body.
+    pub fn body_timeout(mut self, timeout: Duration) -> Self {
+        self.body_timeout = timeout;
+        self
+    }
+    /// Sets the number of generation requests in flight before 529 (0: no limit).
+    pub fn max_concurrent_requests(mut self, n: usize) -> Self {
+        self.max_concurrent_requests = n;
+        self
+    }
+    /// Sets the number of generation requests in flight per key before 429 (0: no limit).
+    pub fn max_concurrent_per_key(mut self, n: usize) -> Self {
+        self.max_concurrent_per_key = n;
+        self
+    }
+    /// Sets the `retry-after-ms` hint of gateway-decided 429/529 responses.
+    pub fn retry_after_ms(mut self, ms: u64) -> Self {
+        self.retry_after_ms = ms;
+        self
+    }
+    /// Sets the UDP port advertised in `Alt-Svc: h3=":PORT"` (None: no `Alt-Svc`).
+    pub fn h3_port(mut self, port: Option<u16>) -> Self {
+        self.h3_port = port;
+        self
+    }
+    /// Serve unknown model names with the first served model instead of answering 404.
+    pub fn accept_any_model(mut self, yes: bool) -> Self {
+        self.accept_any_model = yes;
+        self
+    }
+}

@@ -1,0 +1,712 @@
+//! The transport-independent gateway: routing, auth, validation, generation and its bodies.
+//! The TCP (hyper) and HTTP/3 (h3) shells turn their requests into [`Incoming`] and send the
+//! [`Reply`] back.
+
+use std::collections::VecDeque;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use bytes::Bytes;
+use futures::{Stream, StreamExt};
+use http::header::{CACHE_CONTROL, CONTENT_TYPE, HeaderName, HeaderValue, RETRY_AFTER};
+use http::{HeaderMap, Method, StatusCode};
+use serde_json::{Value, json};
+use tokio::sync::watch;
+
+use super::config::{GatewayConfig, LAYER_VERSION};
+use super::error::{ApiError, ApiErrorKind};
+use super::ids::{KeySet, new_id};
+use super::metrics::{Endpoint, GatewayMetrics, Outcome, Protocol};
+use super::sse::{Flavor, StreamFormat};
+use super::validate::{GenRequest, Limits, parse_chat, parse_messages};
+use crate::service::{
+    EventStream, InferenceEvent, InferenceRequest, InferenceService, StopReason, Usage,
+};
+
+/// Anthropic API versions accepted in `anthropic-version`.
+pub const SUPPORTED_ANTHROPIC_VERSIONS: [&str; 2] = ["2023-06-01", "2026-10-21"];
+
+pub(crate) const X_CLAUDE_LAYER: HeaderName = HeaderName::from_static("x-claude-layer");
+pub(crate) const X_CLAUDE_LAYER_DEBUG: HeaderName = HeaderName::from_static("x-claude-layer-debug");
+const X_ANTHROPIC_DEBUG: HeaderName = HeaderName::from_static("x-anthropic-debug");
+const REQUEST_ID: HeaderName = HeaderName::from_static("request-id");
+const X_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
+const RETRY_AFTER_MS: HeaderName = HeaderName::from_static("retry-after-ms");
+const X_SHOULD_RETRY: HeaderName = HeaderName::from_static("x-should-retry");
+const X_API_KEY: HeaderName = HeaderName::from_static("x-api-key");
+const ANTHROPIC_VERSION: HeaderName = HeaderName::from_static("anthropic-version");
+
+/// Why a request body could not be read.
+#[derive(Debug)]
+pub(crate) enum BodyError {
+    /// Larger than `max_body_bytes`.
+    TooLarge,
+    /// Not received within `body_timeout`.
+    Timeout,
+    /// The transport failed.
+    Transport(String),
+}
+
+/// A request as the transports hand it over.
+#[derive(Debug)]
+pub(crate) struct Incoming {
+    pub(crate) method: Method,
+    pub(crate) path: String,
+    pub(crate) headers: HeaderMap,
+    pub(crate) body: Result<Bytes, BodyError>,
+    pub(crate) protocol: Protocol,
+    pub(crate) received: Instant,
+}
+
+/// A response body: complete, or a stream of chunks (SSE events) that cancels its generation when
+/// dropped.
+pub(crate) enum ReplyBody {
+    Full(Bytes),
+    Stream(Pin<Box<dyn Stream<Item = Bytes> + Send>>),
+}
+
+impl std::fmt::Debug for ReplyBody {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Full(b) => write!(f, "Full({} bytes)", b.len()),
+            Self::Stream(_) => f.write_str("Stream"),
+        }
+    }
+}
+
+/// A response as the transports send it.
+#[derive(Debug)]
+pub(crate) struct Reply {
+    pub(crate) status: StatusCode,
+    pub(crate) headers: HeaderMap,
+    pub(crate) body: ReplyBody,
+}
+
+impl Reply {
+    fn json(status: StatusCode, v: &Value) -> Self {
+        let mut headers = HeaderMap::new();
+        headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+        Self { status, headers, body: ReplyBody::Full(Bytes::from(v.to_string())) }
+    }
+
+    fn text(status: StatusCode, content_type: &'static str, body: String) -> Self {
+        let mut headers = HeaderMap::new();
+        headers.insert(CONTENT_TYPE, HeaderValue::from_static(content_type));
+        Self { status, headers, body: ReplyBody::Full(Bytes::from(body)) }
+    }
+}
+
+/// The Anthropic Messages / OpenAI Chat Completions gateway over an [`InferenceService`].
+///
+/// Cheap to clone (shared state behind an `Arc`). Serve it over TCP with
+/// [`Gateway::serve_tcp`] and over HTTP/3 with [`Gateway::serve_h3_connection`] (or
+/// [`Gateway::serve_h3`] on an endpoint of its own).
+///
+/// ```no_run
+/// # async fn run(service: std::sync::Arc<dyn claudelink_proto::InferenceService>) -> std::io::Result<()> {
+/// use claudelink_proto::{Gateway, GatewayConfig};
+///
+/// let gateway = Gateway::new(service, GatewayConfig::default().api_keys(["sk-1".to_string()]));
+/// let listener = tokio::net::TcpListener::bind("127.0.0.1:8080").await?;
+/// gateway.serve_tcp(listener, std::future::pending()).await
+/// # }
+/// ```
+#[derive(Clone)]
+pub struct Gateway {
+    pub(crate) inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for Gateway {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Gateway").field("config", &self.inner.config).finish_non_exhaustive()
+    }
+}
+
+pub(crate) struct Inner {
+    pub(crate) service: Arc<dyn InferenceService>,
+    pub(crate) config: GatewayConfig,
+    pub(crate) metrics: Arc<GatewayMetrics>,
+    keys: KeySet,
+    per_key: Arc<Vec<AtomicUsize>>,
+    draining: AtomicBool,
+    pub(crate) drain_tx: watch::Sender<bool>,
+}
+
+/// Who sent a request, after auth.
+#[derive(Debug, Clone, Copy)]
+struct Caller {
+    key: Option<usize>,
+}
+
+impl Gateway {
+    /// A gateway over `service`. Logs a warning when no API key is configured (open mode).
+    pub fn new(service: Arc<dyn InferenceService>, config: GatewayConfig) -> Self {
+        let keys = KeySet::new(&config.api_keys);
+        if keys.is_empty() {
+            tracing::warn!("no API key configured: the gateway accepts every request (open mode)");
+        }
+        let per_key = Arc::new((0..keys.len()).map(|_| AtomicUsize::new(0)).collect());
+        let (drain_tx, _) = watch::channel(false);
+        Self {
+            inner: Arc::new(Inner {
+                service,
+                config,
+                metrics: Arc::new(GatewayMetrics::new()),
+                keys,
+                per_key,
+                draining: AtomicBool::new(false),
+                drain_tx,
+            }),
+        }
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &GatewayConfig {
+        &self.inner.config
+    }
+
+    /// Starts a graceful shutdown: `/health` answers 503, new generations get 529 with
+    /// `x-should-retry: true`, HTTP/3 connections get GOAWAY; running streams continue.
+    pub fn start_draining(&self) {
+        self.inner.draining.store(true, Ordering::SeqCst);
+        self.inner.drain_tx.send_replace(true);
+    }
+
+    /// Whether [`Gateway::start_draining`] was called.
+    pub fn is_draining(&self) -> bool {
+        self.inner.draining.load(Ordering::SeqCst)
+    }
+
+    /// Generation requests in flight.
+    pub fn in_flight(&self) -> u64 {
+        self.inner.metrics.in_flight()
+    }
+
+    /// The `/metrics` text (Prometheus exposition format).
+    pub fn render_metrics(&self) -> String {
+        self.inner.metrics.render(&self.inner.service.metrics(), self.inner.service.ready())
+    }
+
+    /// The `Alt-Svc` value advertising HTTP/3, when an h3 port is configured.
+    pub fn alt_svc(&self) -> Option<HeaderValue> {
+        self.inner
+            .config
+            .h3_port
+            .and_then(|p| HeaderValue::from_str(&format!("h3=\":{p}\"; ma=86400")).ok())
+    }
+
+    pub(crate) async fn handle(&self, req: Incoming) -> Reply {
+        let request_id = new_id("req_");
+        let path = req.path.split('?').next().unwrap_or("").to_owned();
+        let endpoint = route_endpoint(&path);
+        let flavor = if endpoint == Endpoint::ChatCompletions { Flavor::OpenAi } else { Flavor::Anthropic };
+        let protocol = req.protocol;
+        let mut reply = match self.dispatch(req, &path, endpoint, flavor, &request_id).await {
+            Ok(r) => r,
+            Err(e) => error_reply(&e, flavor, &request_id),
+        };
+        let h = &mut reply.headers;
+        h.insert(X_CLAUDE_LAYER, HeaderValue::from_static(LAYER_VERSION));
+        if let Ok(v) = HeaderValue::from_str(&request_id) {
+            h.insert(REQUEST_ID, v.clone());
+            h.insert(X_REQUEST_ID, v);
+        }
+        self.inner.metrics.request_done(endpoint, protocol, reply.status.as_u16());
+        reply
+    }
+
+    async fn dispatch(
+        &self,
+        req: Incoming,
+        path: &str,
+        endpoint: Endpoint,
+        flavor: Flavor,
+        request_id: &str,
+    ) -> Result<Reply, ApiError> {
+        let m = &req.method;
+        match (endpoint, m) {
+            (Endpoint::Health, &Method::GET | &Method::HEAD) => return Ok(self.health(m == Method::HEAD)),
+            (Endpoint::Metrics, &Method::GET) => {
+                return Ok(Reply::text(StatusCode::OK, "text/plain; version=0.0.4; charset=utf-8", self.render_metrics()));
+            }
+            (Endpoint::Other, _) => {
+                return Err(ApiError::new(ApiErrorKind::NotFound, format!("{} {path}: no such endpoint", req.method)));
+            }
+            _ => {}
+        }
+        let allowed = match endpoint {
+            Endpoint::Models => m == Method::GET,
+            Endpoint::Health => m == Method::GET || m == Method::HEAD,
+            Endpoint::Metrics => m == Method::GET,
+            _ => m == Method::POST,
+        };
+        if !allowed {
+            return Err(ApiError::new(
+                ApiErrorKind::NotFound,
+                format!("{} {path}: method not allowed on this endpoint", req.method),
+            ));
+        }
+        let caller = self.authenticate(&req.headers)?;
+        if flavor == Flavor::Anthropic {
+            check_version(&req.headers)?;
+        }
+        if endpoint == Endpoint::Models {
+            return self.models(path);
+        }
+        let body = match req.body {
+            Ok(b) => b,
+            Err(BodyError::TooLarge) => {
+                return Err(ApiError::new(
+                    ApiErrorKind::RequestTooLarge,
+                    format!("request body exceeds the limit of {} bytes", self.inner.config.max_body_bytes),
+                ));
+            }
+            Err(BodyError::Timeout) => {
+                return Err(ApiError::new(ApiErrorKind::Timeout, "request body not received in time"));
+            }
+            Err(BodyError::Transport(e)) => return Err(ApiError::invalid(format!("request body: {e}"))),
+        };
+        let value: Value = serde_json::from_slice(&body)
+            .map_err(|e| ApiError::invalid(format!("request body: invalid JSON: {e}")))?;
+        let limits = Limits {
+            max_output_tokens: self.inner.config.max_output_tokens,
+            default_chat_max_tokens: self.inner.config.default_chat_max_tokens,
+        };
+        let debug = req
+            .headers
+            .get(X_ANTHROPIC_DEBUG)
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|v| v.eq_ignore_ascii_case("true") || v == "1");
+        match endpoint {
+            Endpoint::CountTokens => {
+                let parsed = parse_messages(&value, limits, true)?;
+                self.check_model(&parsed.model)?;
+                let n = self.inner.service.count_tokens(&parsed.prompt())?;
+                Ok(Reply::json(StatusCode::OK, &json!({"input_tokens": n})))
+            }
+            Endpoint::Messages => {
+                let parsed = parse_messages(&value, limits, false)?;
+                self.generate(parsed, flavor, caller, debug, req.received, request_id).await
+            }
+            Endpoint::ChatCompletions => {
+                let parsed = parse_chat(&value, limits)?;
+                self.generate(parsed, flavor, caller, debug, req.received, request_id).await
+            }
+            _ => Err(ApiError::new(ApiErrorKind::NotFound, format!("{path}: no such endpoint"))),
+        }
+    }
+
+    fn health(&self, head: bool) -> Reply {
+        let ready = self.inner.service.ready();
+        let (status, state) = match (self.is_draining(), ready) {
+            (true, _) => (StatusCode::SERVICE_UNAVAILABLE, "draining"),
+            (false, false) => (StatusCode::SERVICE_UNAVAILABLE, "starting"),
+            (false, true) => (StatusCode::OK, "ok"),
+        };
+        let mut r = Reply::json(status, &json!({"status": state, "layer": LAYER_VERSION}));
+        if head {
+            r.body = ReplyBody::Full(Bytes::new());
+        }
+        r
+    }
+
+    fn authenticate(&self, headers: &HeaderMap) -> Result<Caller, ApiError> {
+        if self.inner.keys.is_empty() {
+            return Ok(Caller { key: None });
+        }
+        // x-api-key wins when both are sent (as upstream does).
+        let presented = if let Some(k) = headers.get(X_API_KEY) {
+            Some(k.as_bytes())
+        } else {
+            headers.get(http::header::AUTHORIZATION).map(|v| {
+                let v = v.as_bytes();
+                if v.len() > 7 && v[..7].eq_ignore_ascii_case(b"bearer ") { &v[7..] } else { v }
+            })
+        };
+        let Some(presented) = presented else {
+            return Err(ApiError::new(
+                ApiErrorKind::Authentication,
+                "x-api-key header (or Authorization: Bearer) is required",
+            ));
+        };
+        match self.inner.keys.find(presented) {
+            Some(i) => Ok(Caller { key: Some(i) }),
+            None => Err(ApiError::new(ApiErrorKind::Authentication, "invalid x-api-key")),
+        }
+    }
+
+    fn models(&self, path: &str) -> Result<Reply, ApiError> {
+        let item = |m: &crate::service::ModelInfo| {
+            json!({
+                "type": "model", "id": m.id, "display_name": m.display_name,
+                "created_at": "2024-11-01T00:00:00Z", "context_length": m.context_length,
+                "object": "model", "created": 1_730_419_200u64, "owned_by": "zerolayer",
+            })
+        };
+        let models = self.inner.service.models();
+        if let Some(id) = path.strip_prefix("/v1/models/") {
+            return match models.iter().find(|m| m.id == id) {
+                Some(m) => Ok(Reply::json(StatusCode::OK, &item(m))),
+                None => Err(ApiError::new(ApiErrorKind::NotFound, format!("model: {id}"))),
+            };
+        }
+        let data: Vec<Value> = models.iter().map(item).collect();
+        Ok(Reply::json(
+            StatusCode::OK,
+            &json!({
+                "object": "list", "data": data, "has_more": false,
+                "first_id": models.first().map(|m| m.id.clone()),
+                "last_id": models.last().map(|m| m.id.clone()),
+            }),
+        ))
+    }
+
+    fn check_model(&self, model: &str) -> Result<(), ApiError> {
+        if self.inner.config.accept_any_model {
+            return Ok(());
+        }
+        let models = self.inner.service.models();
+        if models.is_empty() || models.iter().any(|m| m.id == model) {
+            return Ok(());
+        }
+        let served: Vec<&str> = models.iter().map(|m| m.id.as_str()).collect();
+        Err(ApiError::new(
+            ApiErrorKind::NotFound,
+            format!("model: {model} is not served here (served: {})", served.join(", ")),
+        ))
+    }
+
+    async fn generate(
+        &self,
+        parsed: GenRequest,
+        flavor: Flavor,
+        caller: Caller,
+        debug: bool,
+        received: Instant,
+        request_id: &str,
+    ) -> Result<Reply, ApiError> {
+        self.check_model(&parsed.model)?;
+        let cfg = &self.inner.config;
+        if self.is_draining() {
+            return Err(ApiError::new(ApiErrorKind::Overloaded, "Overloaded: the server is shutting down")
+                .with_retry_after(cfg.retry_after_ms));
+        }
+        let deadline = tokio::time::Instant::from_std(received + cfg.request_timeout);
+        let slot = Slot::acquire(self, caller)?;
+        let prompt = parsed.prompt();
+        let mut request = InferenceRequest::new(parsed.model.clone(), prompt, parsed.max_tokens);
+        request.sampling = parsed.sampling.clone();
+        request.stop_sequences = parsed.stop_sequences.clone();
+        let submitted = Instant::now();
+        let events = self.inner.service.submit(request)?;
+        let mut g = Generation {
+            events,
+            buffered: None,
+            deadline,
+            received,
+            input_tokens: 0,
+            first_token: None,
+            done: false,
+            metrics: self.inner.metrics.clone(),
+            _slot: slot,
+        };
+        // Wait for the service to accept the prompt so early failures get a proper status.
+        match g.recv().await {
+            Some(InferenceEvent::Started { input_tokens }) => g.input_tokens = input_tokens,
+            Some(InferenceEvent::Error { code, message }) => {
+                g.done = true;
+                g.record(Outcome::Error, 0);
+                return Err(ApiError::from_code(code, message));
+            }
+            Some(other) => g.buffered = Some(other),
+            None if g.timed_out() => return Err(g.fail_timeout()),
+            None => return Err(g.fail_ended()),
+        }
+        let queue = submitted.elapsed();
+        self.inner.metrics.observe_queue(queue);
+        if let Some(limit) = cfg.max_prompt_tokens.filter(|&l| g.input_tokens > l) {
+            g.done = true;
+            g.record(Outcome::Error, 0);
+            return Err(ApiError::invalid(format!(
+                "prompt is too long: {} tokens > {limit} maximum",
+                g.input_tokens
+            )));
+        }
+        let now_secs = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
+        let fmt = StreamFormat {
+            flavor,
+            id: new_id(if flavor == Flavor::Anthropic { "msg_" } else { "chatcmpl-" }),
+            model: parsed.model.clone(),
+            created: now_secs,
+            include_usage: parsed.include_usage,
+        };
+        let debug_header = |ttft: Option<Duration>| {
+            let v = json!({
+                "layer": LAYER_VERSION,
+                "cache_hit_rate": self.inner.service.metrics().weight_cache_hit_rate,
+                "ttft_ms": ttft.map(|d| d.as_secs_f64() * 1e3),
+                "queue_ms": queue.as_secs_f64() * 1e3,
+            });
+            HeaderValue::from_str(&v.to_string()).ok()
+        };
+        if !parsed.stream {
+            return Ok(collect(g, fmt, request_id, debug.then_some(&debug_header)).await);
+        }
+        let mut headers = HeaderMap::new();
+        headers.insert(CONTENT_TYPE, HeaderValue::from_static("text/event-stream; charset=utf-8"));
+        headers.insert(CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+        if debug {
+            // Hold the headers until the first token so the header carries a measured TTFT.
+            if g.buffered.is_none() {
+                g.buffered = g.recv().await;
+            }
+            if let Some(v) = debug_header(g.first_token.map(|t| t - g.received)) {
+                headers.insert(X_CLAUDE_LAYER_DEBUG, v);
+            }
+        }
+        let state = SseState {
+            pending: fmt.start(g.input_tokens).into(),
+            run: g,
+            fmt,
+            request_id: request_id.to_owned(),
+            finished: false,
+        };
+        Ok(Reply { status: StatusCode::OK, headers, body: ReplyBody::Stream(Box::pin(futures::stream::unfold(state, SseState::step))) })
+    }
+}
+
+fn route_endpoint(path: &str) -> Endpoint {
+    match path {
+        "/v1/messages" => Endpoint::Messages,
+        "/v1/messages/count_tokens" => Endpoint::CountTokens,
+        "/v1/chat/completions" => Endpoint::ChatCompletions,
+        "/v1/models" => Endpoint::Models,
+        p if p.starts_with("/v1/models/") && p.len() > "/v1/models/".len() => Endpoint::Models,
+        "/health" => Endpoint::Health,
+        "/metrics" => Endpoint::Metrics,
+        _ => Endpoint::Other,
+    }
+}
+
+fn check_version(headers: &HeaderMap) -> Result<(), ApiError> {
+    let Some(v) = headers.get(ANTHROPIC_VERSION) else { return Ok(()) };
+    let v = v.to_str().unwrap_or("");
+    if SUPPORTED_ANTHROPIC_VERSIONS.contains(&v) {
+        Ok(())
+    } else {
+        Err(ApiError::invalid(format!(
+            "anthropic-version: unsupported version `{v}` (supported: {})",
+            SUPPORTED_ANTHROPIC_VERSIONS.join(", ")
+        )))
+    }
+}
+
+pub(crate) fn error_reply(e: &ApiError, flavor: Flavor, request_id: &str) -> Reply {
+    let body = match flavor {
+        Flavor::Anthropic => e.anthropic_body(request_id),
+        Flavor::OpenAi => e.openai_body(request_id),
+    };
+    let mut r = Reply::json(e.kind.status(), &body);
+    if let Some(ms) = e.retry_after_ms {
+        let h = &mut r.headers;
+        h.insert(RETRY_AFTER_MS, HeaderValue::from(ms));
+        h.insert(RETRY_AFTER, HeaderValue::from(ms.div_ceil(1000).max(1)));
+        h.insert(X_SHOULD_RETRY, HeaderValue::from_static("true"));
+    }
+    r
+}
+
+/// A generation slot: counts toward the global and per-key limits until dropped.
+struct Slot {
+    metrics: Arc<GatewayMetrics>,
+    per_key: Option<(Arc<Vec<AtomicUsize>>, usize)>,
+}
+
+impl Slot {
+    fn acquire(gw: &Gateway, caller: Caller) -> Result<Self, ApiError> {
+        let cfg = &gw.inner.config;
+        let n = gw.inner.metrics.generation_started();
+        let mut slot = Self { metrics: gw.inner.metrics.clone(), per_key: None };
+        if cfg.max_concurrent_requests > 0 && n > cfg.max_concurrent_requests as u64 {
+            return Err(ApiError::new(ApiErrorKind::Overloaded, "Overloaded")
+                .with_retry_after(cfg.retry_after_ms));
+        }
+        if let Some(k) = caller.key {
+            let now = gw.inner.per_key[k].fetch_add(1, Ordering::SeqCst) + 1;
+            slot.per_key = Some((gw.inner.per_key.clone(), k));
+            if cfg.max_concurrent_per_key > 0 && now > cfg.max_concurrent_per_key {
+                return Err(ApiError::new(
+                    ApiErrorKind::RateLimit,
+                    format!("rate limited: at most {} concurrent requests per API key", cfg.max_concurrent_per_key),
+                )
+                .with_retry_after(cfg.retry_after_ms));
+            }
+        }
+        Ok(slot)
+    }
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        self.metrics.generation_ended();
+        if let Some((counts, k)) = &self.per_key {
+            counts[*k].fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+}
+
+/// One running generation. Dropping it drops the service's [`EventStream`], which cancels the
+/// request; an unfinished generation is counted as cancelled.
+struct Generation {
+    events: EventStream,
+    buffered: Option<InferenceEvent>,
+    deadline: tokio::time::Instant,
+    received: Instant,
+    input_tokens: u32,
+    first_token: Option<Instant>,
+    done: bool,
+    metrics: Arc<GatewayMetrics>,
+    _slot: Slot,
+}
+
+/// A step of a generation, as the bodies need it.
+enum Step {
+    Text(String),
+    Finished { stop: StopReason, stop_sequence: Option<String>, usage: Usage },
+    Failed(ApiError),
+}
+
+impl Generation {
+    /// The next raw event (a buffered one first); `None` at the end or on timeout.
+    async fn recv(&mut self) -> Option<InferenceEvent> {
+        if let Some(ev) = self.buffered.take() {
+            return Some(ev);
+        }
+        let ev = tokio::time::timeout_at(self.deadline, self.events.next()).await.ok().flatten();
+        if let Some(InferenceEvent::Delta { ids, text }) = &ev {
+            if self.first_token.is_none() && (!ids.is_empty() || !text.is_empty()) {
+                let now = Instant::now();
+                self.first_token = Some(now);
+                self.metrics.observe_ttft(now - self.received);
+            }
+            self.metrics.tokens(ids.len() as u64);
+        }
+        ev
+    }
+
+    fn timed_out(&self) -> bool {
+        tokio::time::Instant::now() >= self.deadline
+    }
+
+    fn record(&self, outcome: Outcome, output_tokens: u32) {
+        let decode = self.first_token.map(|t| t.elapsed());
+        self.metrics.generation_outcome(outcome, self.received.elapsed(), self.input_tokens, output_tokens, decode);
+    }
+
+    fn fail_timeout(&mut self) -> ApiError {
+        self.done = true;
+        self.record(Outcome::Timeout, 0);
+        ApiError::new(ApiErrorKind::Timeout, "the request ran past its time limit")
+    }
+
+    fn fail_ended(&mut self) -> ApiError {
+        self.done = true;
+        self.record(Outcome::Error, 0);
+        ApiError::new(ApiErrorKind::Api, "the generation ended without a result")
+    }
+
+    /// The next step; `None` after the last one.
+    async fn step(&mut self) -> Option<Step> {
+        if self.done {
+            return None;
+        }
+        loop {
+            match self.recv().await {
+                Some(InferenceEvent::Delta { text, .. }) if text.is_empty() => {}
+                Some(InferenceEvent::Delta { text, .. }) => return Some(Step::Text(text)),
+                Some(InferenceEvent::Started { .. }) => {}
+                Some(InferenceEvent::Finished { stop_reason, stop_sequence, usage }) => {
+                    self.done = true;
+                    self.record(Outcome::Finished, usage.output_tokens);
+                    return Some(Step::Finished { stop: stop_reason, stop_sequence, usage });
+                }
+                Some(InferenceEvent::Error { code, message }) => {
+                    self.done = true;
+                    self.record(Outcome::Error, 0);
+                    return Some(Step::Failed(ApiError::from_code(code, message)));
+                }
+                None if self.timed_out() => return Some(Step::Failed(self.fail_timeout())),
+                None => return Some(Step::Failed(self.fail_ended())),
+            }
+        }
+    }
+}
+
+impl Drop for Generation {
+    fn drop(&mut self) {
+        if !self.done {
+            self.record(Outcome::Cancelled, 0);
+        }
+    }
+}
+
+/// Runs a generation to its end and answers with one JSON body.
+async fn collect(
+    mut g: Generation,
+    fmt: StreamFormat,
+    request_id: &str,
+    debug: Option<&(dyn Fn(Option<Duration>) -> Option<HeaderValue> + Sync)>,
+) -> Reply {
+    let mut text = String::new();
+    let mut reply = loop {
+        match g.step().await {
+            Some(Step::Text(t)) => text.push_str(&t),
+            Some(Step::Finished { stop, stop_sequence, usage }) => {
+                let body = fmt.full(&text, stop, stop_sequence.as_deref(), usage);
+                break Reply::json(StatusCode::OK, &body);
+            }
+            Some(Step::Failed(e)) => break error_reply(&e, fmt.flavor, request_id),
+            None => break error_reply(&g.fail_ended(), fmt.flavor, request_id),
+        }
+    };
+    if let Some(v) = debug.and_then(|f| f(g.first_token.map(|t| t - g.received))) {
+        reply.headers.insert(X_CLAUDE_LAYER_DEBUG, v);
+    }
+    reply
+}
+
+/// State of a streaming body.
+struct SseState {
+    run: Generation,
+    fmt: StreamFormat,
+    pending: VecDeque<Bytes>,
+    request_id: String,
+    finished: bool,
+}
+
+impl SseState {
+    async fn step(mut self) -> Option<(Bytes, Self)> {
+        loop {
+            if let Some(b) = self.pending.pop_front() {
+                return Some((b, self));
+            }
+            if self.finished {
+                return None;
+            }
+            match self.run.step().await {
+                Some(Step::Text(t)) => self.pending.push_back(self.fmt.delta(&t)),
+                Some(Step::Finished { stop, stop_sequence, usage }) => {
+                    self.pending.extend(self.fmt.finish(stop, stop_sequence.as_deref(), usage));
+                    self.finished = true;
+                }
+                Some(Step::Failed(e)) => {
+                    self.pending.push_back(self.fmt.error(&e, &self.request_id));
+                    self.finished = true;
+                }
+                None => self.finished = true,
+            }
+        }
+    }
+}
