@@ -1,0 +1,160 @@
+//! The crate's error type.
+
+use crate::KvShape;
+
+/// Which of the two cached tensors an error is about.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
+pub enum KvTensor {
+    /// Keys.
+    K,
+    /// Values.
+    V,
+}
+
+/// Everything the pool and rings refuse, with the facts needed to act on it.
+///
+/// No method of this crate panics on API misuse that is reported here; a rejected call leaves
+/// the ring or pool unchanged.
+#[non_exhaustive]
+#[derive(Clone, PartialEq, Eq, Debug, thiserror::Error)]
+pub enum KvError {
+    /// [`KvPool::new`](crate::KvPool::new): a dimension of the shape is zero.
+    #[error("KV shape {shape:?} has a zero dimension")]
+    ZeroDimension {
+        /// The rejected shape.
+        shape: KvShape,
+    },
+    /// [`KvPool::new`](crate::KvPool::new): bytes per token do not fit in `usize`.
+    #[error("KV shape {shape:?}: bytes per token overflow usize")]
+    ShapeOverflow {
+        /// The rejected shape.
+        shape: KvShape,
+    },
+    /// A ring of capacity 0 was requested.
+    #[error("a KV ring needs a capacity of at least one token")]
+    ZeroCapacity,
+    /// Sliding mode with `sinks >= capacity` leaves no room for the window.
+    #[error("sliding ring with {sinks} sinks needs a capacity above {sinks}, got {capacity}")]
+    SinksTooLarge {
+        /// Requested sink count.
+        sinks: usize,
+        /// Requested capacity.
+        capacity: usize,
+    },
+    /// `capacity * bytes_per_token` does not fit in `usize`.
+    #[error("a ring of {capacity} tokens at {bytes_per_token} B/token overflows usize")]
+    CapacityOverflow {
+        /// Requested capacity in tokens.
+        capacity: usize,
+        /// The pool's bytes per token.
+        bytes_per_token: usize,
+    },
+    /// The pool's budget cannot cover the request.
+    #[error("KV pool over budget: {requested} B requested, {used} B of {budget} B in use")]
+    OverBudget {
+        /// Bytes the request needs.
+        requested: usize,
+        /// Bytes held by live rings at the time of the request.
+        used: usize,
+        /// The pool's budget in bytes.
+        budget: usize,
+    },
+    /// Strict ring: the append does not fit (context length reached).
+    #[error("strict KV ring full: {len} cached + {requested} new > capacity {capacity}")]
+    Full {
+        /// Cached positions.
+        len: usize,
+        /// Tokens in the rejected append.
+        requested: usize,
+        /// Ring capacity.
+        capacity: usize,
+    },
+    /// Sliding ring: a chunk that needs eviction must fit in the window (capacity - sinks),
+    /// otherwise it would evict its own tokens.
+    #[error(
+        "sliding KV ring: chunk of {requested} tokens needs eviction but the window is {window} \
+         (len {len}, capacity {capacity})"
+    )]
+    ChunkTooLarge {
+        /// Tokens in the rejected append.
+        requested: usize,
+        /// Cached positions.
+        len: usize,
+        /// Ring capacity.
+        capacity: usize,
+        /// Evictable slots: capacity - sinks.
+        window: usize,
+    },
+    /// `begin` was called while a chunk is pending (call `commit` first).
+    #[error("a chunk of {pending} tokens is pending; commit it first")]
+    ChunkPending {
+        /// Tokens of the pending chunk.
+        pending: usize,
+    },
+    /// `write_layer`/`commit` without a pending chunk (call `begin` first).
+    #[error("no pending chunk: call begin() first")]
+    NoPendingChunk,
+    /// A layer index at or past `n_layers`.
+    #[error("layer {layer} out of range (n_layers {n_layers})")]
+    LayerOutOfRange {
+        /// Requested layer.
+        layer: usize,
+        /// Layers in the shape.
+        n_layers: usize,
+    },
+    /// A kv-head index at or past `n_kv_heads`.
+    #[error("kv head {head} out of range (n_kv_heads {n_kv_heads})")]
+    HeadOutOfRange {
+        /// Requested head.
+        head: usize,
+        /// KV heads in the shape.
+        n_kv_heads: usize,
+    },
+    /// A K or V slice passed to a write has the wrong length; nothing was written.
+    #[error("{tensor:?} slice has {actual} elements, expected {expected}")]
+    SliceLength {
+        /// Which slice.
+        tensor: KvTensor,
+        /// Expected element count.
+        expected: usize,
+        /// Given element count.
+        actual: usize,
+    },
+    /// `commit` before every layer of the pending chunk was written.
+    #[error("commit: layer {layer} of the pending {pending}-token chunk was not written")]
+    LayerNotWritten {
+        /// First unwritten layer.
+        layer: usize,
+        /// Tokens of the pending chunk.
+        pending: usize,
+    },
+    /// `fork(n)` with `n` above the committed length.
+    #[error("fork of {requested} positions from a ring holding {len}")]
+    ForkTooLong {
+        /// Requested prefix length.
+        requested: usize,
+        /// Committed positions in the source ring.
+        len: usize,
+    },
+    /// `fork(n)` of a sliding ring whose first `n` positions were partly evicted.
+    #[error(
+        "fork of {requested} positions: only the {sinks} sink positions survive after {evicted} \
+         evictions"
+    )]
+    ForkEvicted {
+        /// Requested prefix length.
+        requested: usize,
+        /// Sink positions still cached.
+        sinks: usize,
+        /// Positions evicted so far.
+        evicted: u64,
+    },
+    /// `fork_into` with a prefix longer than the new ring's capacity.
+    #[error("fork of {requested} positions into a ring of capacity {capacity}")]
+    ForkCapacity {
+        /// Requested prefix length.
+        requested: usize,
+        /// Capacity of the new ring.
+        capacity: usize,
+    },
+}

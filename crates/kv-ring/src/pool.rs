@@ -1,0 +1,292 @@
+//! The budgeted pool that hands out rings.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+
+use crate::ring::KvRing;
+use crate::storage::Storage;
+use crate::{KvError, KvShape, RingMode};
+
+/// A memory budget for the KV caches of many streams, sharing one [`KvShape`].
+///
+/// `KvPool` is `Send + Sync`; share it as `Arc<KvPool>` (what [`KvPool::new`] returns).
+///
+/// # Allocation design
+///
+/// Each ring owns one contiguous buffer of exactly `capacity * shape.bytes_per_token()` bytes,
+/// allocated whole by [`alloc`](Self::alloc), so appending and viewing never allocate.
+/// Budget accounting is exact: [`used_bytes`](Self::used_bytes) is the sum of live rings'
+/// buffer sizes (small fixed per-ring metadata, about a hundred bytes plus one flag per layer,
+/// is not counted).
+///
+/// - **Recycling.** A dropped ring's buffer goes to a free list keyed by size; the next `alloc` of
+///   the same capacity pops it (O(1): a lock, a map lookup, a pop; no system call, no page
+///   faults, no zeroing: rows are never readable before they are written). Cached buffers count
+///   against the budget too, so resident memory (`used + cached`) never exceeds the budget:
+///   an `alloc` that needs a fresh buffer first releases cached ones (largest first).
+///   [`trim`](Self::trim) releases them all; [`set_recycling`](Self::set_recycling)`(false)`
+///   turns the free list off.
+/// - **Fresh buffers** come from `alloc_zeroed` (`calloc`; large sizes are lazily mapped zero
+///   pages), so their cost does not grow with capacity; pages are faulted in on first write.
+///   The budget is the guard against OOM: the allocation itself, like any Rust allocation,
+///   aborts if the OS refuses.
+///
+/// Shared pages between rings were rejected: a (layer, head) view must stay at most two
+/// contiguous slices, which per-ring contiguous storage gives for free (see [`KvRing::fork`]).
+pub struct KvPool {
+    shape: KvShape,
+    bytes_per_token: usize,
+    budget: usize,
+    recycle: AtomicBool,
+    state: Mutex<PoolState>,
+    fresh_allocs: AtomicU64,
+    recycled_allocs: AtomicU64,
+    rejected_allocs: AtomicU64,
+    frees: AtomicU64,
+}
+
+#[derive(Default)]
+struct PoolState {
+    /// Bytes held by live rings.
+    used: usize,
+    /// Bytes held by cached free buffers.
+    cached: usize,
+    live: usize,
+    /// Free buffers by element count.
+    free: BTreeMap<usize, Vec<Storage>>,
+}
+
+/// Counters of a pool, for metrics.
+#[non_exhaustive]
+#[derive(Clone, Copy, PartialEq, Eq, Debug, Default)]
+pub struct PoolStats {
+    /// Rings currently alive.
+    pub live_rings: usize,
+    /// Bytes held by live rings.
+    pub used_bytes: usize,
+    /// Bytes held by recycled buffers waiting for reuse.
+    pub cached_bytes: usize,
+    /// Allocations served by a fresh buffer.
+    pub fresh_allocs: u64,
+    /// Allocations served from the free list.
+    pub recycled_allocs: u64,
+    /// Allocations refused with [`KvError::OverBudget`].
+    pub rejected_allocs: u64,
+    /// Rings returned (dropped).
+    pub frees: u64,
+}
+
+impl std::fmt::Debug for KvPool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KvPool")
+            .field("shape", &self.shape)
+            .field("budget", &self.budget)
+            .field("stats", &self.stats())
+            .finish()
+    }
+}
+
+impl KvPool {
+    /// A pool for `shape` that never holds more than `budget_bytes` of KV buffers.
+    ///
+    /// Allocates nothing up front. Errors: [`KvError::ZeroDimension`],
+    /// [`KvError::ShapeOverflow`].
+    pub fn new(shape: KvShape, budget_bytes: usize) -> Result<Arc<Self>, KvError> {
+        if shape.n_layers == 0 || shape.n_kv_heads == 0 || shape.head_dim == 0 {
+            return Err(KvError::ZeroDimension { shape });
+        }
+        let Some(bytes_per_token) = shape.checked_bytes_per_token() else {
+            return Err(KvError::ShapeOverflow { shape });
+        };
+        Ok(Arc::new(Self {
+            shape,
+            bytes_per_token,
+            budget: budget_bytes,
+            recycle: AtomicBool::new(true),
+            state: Mutex::new(PoolState::default()),
+            fresh_allocs: AtomicU64::new(0),
+            recycled_allocs: AtomicU64::new(0),
+            rejected_allocs: AtomicU64::new(0),
+            frees: AtomicU64::new(0),
+        }))
+    }
+
+    /// The shape every ring of this pool has.
+    pub fn shape(&self) -> KvShape {
+        self.shape
+    }
+
+    /// `shape().bytes_per_token()`.
+    pub fn bytes_per_token(&self) -> usize {
+        self.bytes_per_token
+    }
+
+    /// Bytes a ring of `capacity_tokens` takes from the budget, or `None` on overflow.
+    pub fn ring_bytes(&self, capacity_tokens: usize) -> Option<usize> {
+        capacity_tokens.checked_mul(self.bytes_per_token)
+    }
+
+    /// The budget given to [`new`](Self::new).
+    pub fn budget_bytes(&self) -> usize {
+        self.budget
+    }
+
+    /// Bytes held by live rings.
+    pub fn used_bytes(&self) -> usize {
+        self.lock().used
+    }
+
+    /// Bytes held by recycled buffers not in use (included in the budget).
+    pub fn cached_bytes(&self) -> usize {
+        self.lock().cached
+    }
+
+    /// Counters for metrics.
+    pub fn stats(&self) -> PoolStats {
+        let st = self.lock();
+        PoolStats {
+            live_rings: st.live,
+            used_bytes: st.used,
+            cached_bytes: st.cached,
+            fresh_allocs: self.fresh_allocs.load(Ordering::Relaxed),
+            recycled_allocs: self.recycled_allocs.load(Ordering::Relaxed),
+            rejected_allocs: self.rejected_allocs.load(Ordering::Relaxed),
+            frees: self.frees.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Turns buffer recycling on (the default) or off. Turning it off does not release cached
+    /// buffers; call [`trim`](Self::trim) for that.
+    pub fn set_recycling(&self, on: bool) {
+        self.recycle.store(on, Ordering::Relaxed);
+    }
+
+    /// Releases every cached free buffer to the allocator; returns the bytes released.
+    pub fn trim(&self) -> usize {
+        let released = {
+            let mut st = self.lock();
+            st.cached = 0;
+            std::mem::take(&mut st.free)
+        };
+        released
+            .values()
+            .flatten()
+            .map(Storage::allocated_bytes)
+            .sum()
+    }
+
+    /// A ring of `capacity_tokens` positions in `mode`, taking
+    /// `capacity_tokens * bytes_per_token()` bytes of the budget until it is dropped.
+    ///
+    /// O(1): reuses a cached buffer of the same size when there is one, else one zeroed
+    /// allocation (see the type docs). Errors: [`KvError::ZeroCapacity`],
+    /// [`KvError::SinksTooLarge`], [`KvError::CapacityOverflow`], [`KvError::OverBudget`].
+    pub fn alloc(
+        self: &Arc<Self>,
+        capacity_tokens: usize,
+        mode: RingMode,
+    ) -> Result<KvRing, KvError> {
+        if capacity_tokens == 0 {
+            return Err(KvError::ZeroCapacity);
+        }
+        if let RingMode::Sliding { sinks } = mode
+            && sinks >= capacity_tokens
+        {
+            return Err(KvError::SinksTooLarge {
+                sinks,
+                capacity: capacity_tokens,
+            });
+        }
+        let storage = self.take_storage(capacity_tokens)?;
+        Ok(KvRing::new(
+            Arc::clone(self),
+            storage,
+            capacity_tokens,
+            mode,
+        ))
+    }
+
+    /// Reserves budget for and obtains a buffer of `capacity` tokens.
+    fn take_storage(&self, capacity: usize) -> Result<Storage, KvError> {
+        let Some(bytes) = self.ring_bytes(capacity) else {
+            return Err(KvError::CapacityOverflow {
+                capacity,
+                bytes_per_token: self.bytes_per_token,
+            });
+        };
+        let elems = bytes / self.shape.dtype.elem_bytes();
+        let mut to_release = Vec::new();
+        {
+            let mut st = self.lock();
+            if bytes > self.budget - st.used {
+                let used = st.used;
+                drop(st);
+                self.rejected_allocs.fetch_add(1, Ordering::Relaxed);
+                return Err(KvError::OverBudget {
+                    requested: bytes,
+                    used,
+                    budget: self.budget,
+                });
+            }
+            st.used += bytes;
+            st.live += 1;
+            if let Some(list) = st.free.get_mut(&elems) {
+                let storage = list.pop();
+                if list.is_empty() {
+                    st.free.remove(&elems);
+                }
+                if let Some(storage) = storage {
+                    st.cached -= bytes;
+                    drop(st);
+                    self.recycled_allocs.fetch_add(1, Ordering::Relaxed);
+                    debug_assert_eq!(storage.allocated_bytes(), bytes);
+                    return Ok(storage);
+                }
+            }
+            // Fresh buffer: make room by releasing cached buffers, largest first.
+            while st.used + st.cached > self.budget {
+                let Some(mut entry) = st.free.last_entry() else {
+                    break;
+                };
+                let storage = entry.get_mut().pop();
+                if entry.get().is_empty() {
+                    entry.remove();
+                }
+                if let Some(storage) = storage {
+                    st.cached -= storage.allocated_bytes();
+                    to_release.push(storage);
+                }
+            }
+            debug_assert!(st.used + st.cached <= self.budget);
+        }
+        drop(to_release); // outside the lock: large frees are munmap calls
+        self.fresh_allocs.fetch_add(1, Ordering::Relaxed);
+        let storage = Storage::zeroed(self.shape.dtype, elems);
+        debug_assert_eq!(storage.allocated_bytes(), bytes);
+        Ok(storage)
+    }
+
+    /// Returns a dropped ring's buffer and its budget.
+    pub(crate) fn release(&self, storage: Storage) {
+        let bytes = storage.allocated_bytes();
+        self.frees.fetch_add(1, Ordering::Relaxed);
+        let keep = self.recycle.load(Ordering::Relaxed);
+        let mut st = self.lock();
+        debug_assert!(st.used >= bytes && st.live > 0);
+        st.used -= bytes;
+        st.live -= 1;
+        if keep {
+            st.cached += bytes;
+            st.free.entry(storage.elems()).or_default().push(storage);
+        } else {
+            drop(st);
+            drop(storage);
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, PoolState> {
+        // The critical sections run no user code and cannot leave the state inconsistent.
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}

@@ -1,0 +1,468 @@
+//! One stream's KV cache.
+
+use std::sync::Arc;
+
+use crate::storage::Storage;
+use crate::{KvError, KvPool, KvSlices, KvTensor, KvView, RingMode};
+
+/// One stream's KV cache: a fixed-capacity ring of positions, obtained from a [`KvPool`] and
+/// returning its memory there on drop. `Send + Sync`.
+///
+/// # Appending
+///
+/// `begin(n)` → `write_layer(layer, k, v)` for every layer (any order, rewrites allowed) →
+/// `commit()`. Between `begin` and `commit` a layer's [`view`](Self::view) includes the pending
+/// rows once that layer was written, so a prefill chunk's query `i` attends to the first
+/// `len() + i + 1` rows of the view (causal). Nothing on this path allocates.
+///
+/// # Positions and RoPE
+///
+/// The writer rotates each key at its **absolute position** before writing it: pending token `i`
+/// of a chunk has position `next_pos() + i`. `next_pos()` only grows (by `n` at each commit),
+/// also in sliding mode after evictions, and so stays the RoPE position of the next token.
+/// Keys are never re-rotated, so a query at position `p` sees each cached key at its true
+/// distance `p - q`. View index `i` holds position [`position_of(i)`](Self::position_of):
+/// `i` for the sinks (`i < sinks`), `i + evicted()` for the rest.
+/// (StreamingLLM itself re-assigns positions within the cache, which needs unrotated keys and
+/// a re-rotation per step; this crate stores rotated keys as the contract asks. Past the
+/// model's trained context, distances to the sinks exceed what the model saw in training.)
+///
+/// # Modes
+///
+/// - [`RingMode::Strict`]: `begin` fails with [`KvError::Full`] when `len + n > capacity`.
+/// - [`RingMode::Sliding`]: `begin` evicts the oldest non-sink entries as needed, at once, so
+///   `len()` drops by the evicted count until `commit`. A chunk that needs eviction must fit in
+///   the window (`n <= capacity - sinks`, else [`KvError::ChunkTooLarge`]).
+///
+/// # Layout
+///
+/// One buffer; per layer, per kv head: K as `[capacity][head_dim]`, then V likewise. View
+/// index `i` lives in slot `(start + i) % capacity`, so every view is at most two slices.
+/// Sinks stay in position order just before the oldest window entry: an evicting `begin(n)`
+/// moves the `sinks` rows forward by the evicted count (O(sinks) row copies per layer and head,
+/// independent of capacity) and the new rows take the freed slots.
+pub struct KvRing {
+    pool: Arc<KvPool>,
+    storage: Storage,
+    capacity: usize,
+    mode: RingMode,
+    sinks: usize,
+    n_layers: usize,
+    n_kv_heads: usize,
+    head_dim: usize,
+    /// Elements of one (layer, head, K-or-V) block: `capacity * head_dim`.
+    block: usize,
+    /// Slot of view index 0.
+    start: usize,
+    len: usize,
+    next_pos: u64,
+    in_chunk: bool,
+    pending: usize,
+    written: Vec<bool>,
+    n_written: usize,
+}
+
+impl std::fmt::Debug for KvRing {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KvRing")
+            .field("capacity", &self.capacity)
+            .field("mode", &self.mode)
+            .field("len", &self.len)
+            .field("next_pos", &self.next_pos)
+            .field("pending", &self.pending())
+            .finish_non_exhaustive()
+    }
+}
+
+impl KvRing {
+    pub(crate) fn new(
+        pool: Arc<KvPool>,
+        storage: Storage,
+        capacity: usize,
+        mode: RingMode,
+    ) -> Self {
+        let shape = pool.shape();
+        let block = capacity * shape.head_dim;
+        debug_assert_eq!(
+            storage.elems(),
+            2 * shape.n_layers * shape.n_kv_heads * block
+        );
+        Self {
+            storage,
+            capacity,
+            mode,
+            sinks: mode.sinks(),
+            n_layers: shape.n_layers,
+            n_kv_heads: shape.n_kv_heads,
+            head_dim: shape.head_dim,
+            block,
+            start: 0,
+            len: 0,
+            next_pos: 0,
+            in_chunk: false,
+            pending: 0,
+            written: vec![false; shape.n_layers],
+            n_written: 0,
+            pool,
+        }
+    }
+
+    /// Committed positions currently cached (during a chunk: after `begin`'s evictions, without
+    /// the pending tokens).
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// `len() == 0`.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Maximum cached positions.
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    /// The ring's mode.
+    pub fn mode(&self) -> RingMode {
+        self.mode
+    }
+
+    /// Absolute position (for RoPE) of the next token appended; the first pending token's
+    /// position during a chunk.
+    pub fn next_pos(&self) -> u64 {
+        self.next_pos
+    }
+
+    /// Positions evicted so far (0 in strict mode): `next_pos() - len()`.
+    pub fn evicted(&self) -> u64 {
+        self.next_pos - self.len as u64
+    }
+
+    /// Tokens of the pending chunk (0 outside `begin`..`commit`).
+    pub fn pending(&self) -> usize {
+        if self.in_chunk { self.pending } else { 0 }
+    }
+
+    /// The pool this ring's memory belongs to.
+    pub fn pool(&self) -> &Arc<KvPool> {
+        &self.pool
+    }
+
+    /// Bytes of the ring's buffer, measured from the allocation itself; equals
+    /// `capacity() * pool().bytes_per_token()`.
+    pub fn allocated_bytes(&self) -> usize {
+        self.storage.allocated_bytes()
+    }
+
+    /// Absolute position of view index `i` (pending rows included), or `None` past
+    /// `len() + pending()`.
+    pub fn position_of(&self, i: usize) -> Option<u64> {
+        if i >= self.len + self.pending() {
+            return None;
+        }
+        Some(if i < self.sinks {
+            i as u64
+        } else {
+            i as u64 + self.evicted()
+        })
+    }
+
+    /// Starts appending `n` tokens (a prefill chunk, or 1 for decode).
+    ///
+    /// Errors (the ring is unchanged): [`KvError::ChunkPending`], [`KvError::Full`] (strict),
+    /// [`KvError::ChunkTooLarge`] (sliding).
+    pub fn begin(&mut self, n: usize) -> Result<(), KvError> {
+        if self.in_chunk {
+            return Err(KvError::ChunkPending {
+                pending: self.pending,
+            });
+        }
+        if n > self.capacity - self.len {
+            match self.mode {
+                RingMode::Strict => {
+                    return Err(KvError::Full {
+                        len: self.len,
+                        requested: n,
+                        capacity: self.capacity,
+                    });
+                }
+                RingMode::Sliding { sinks } => {
+                    let window = self.capacity - sinks;
+                    if n > window {
+                        return Err(KvError::ChunkTooLarge {
+                            requested: n,
+                            len: self.len,
+                            capacity: self.capacity,
+                            window,
+                        });
+                    }
+                    self.evict(self.len + n - self.capacity);
+                }
+            }
+        }
+        self.in_chunk = true;
+        self.pending = n;
+        self.written.fill(false);
+        self.n_written = 0;
+        Ok(())
+    }
+
+    /// Drops the `e` oldest non-sink entries; moves the sinks forward by `e` slots.
+    fn evict(&mut self, e: usize) {
+        debug_assert!(e > 0 && self.len >= self.sinks + e);
+        let (cap, hd, s) = (self.capacity, self.head_dim, self.sinks);
+        if s > 0 {
+            for b in 0..2 * self.n_layers * self.n_kv_heads {
+                let base = b * self.block;
+                // Back to front: a row's destination is the source of a later sink, already moved.
+                for i in (0..s).rev() {
+                    let src = (self.start + i) % cap;
+                    let dst = (self.start + e + i) % cap;
+                    self.storage
+                        .copy_within(base + src * hd, base + dst * hd, hd);
+                }
+            }
+        }
+        self.start = (self.start + e) % cap;
+        self.len -= e;
+    }
+
+    fn block_base(&self, layer: usize, head: usize, tensor: KvTensor) -> usize {
+        let kv = match tensor {
+            KvTensor::K => 0,
+            KvTensor::V => 1,
+        };
+        ((layer * self.n_kv_heads + head) * 2 + kv) * self.block
+    }
+
+    /// Writes K and V of the pending tokens for one layer. `k` and `v` are
+    /// `[pending][n_kv_heads][head_dim]` row-major `f32` (keys already rotated), converted to
+    /// the pool's dtype.
+    ///
+    /// Errors (nothing is written): [`KvError::NoPendingChunk`], [`KvError::LayerOutOfRange`],
+    /// [`KvError::SliceLength`].
+    pub fn write_layer(&mut self, layer: usize, k: &[f32], v: &[f32]) -> Result<(), KvError> {
+        if !self.in_chunk {
+            return Err(KvError::NoPendingChunk);
+        }
+        if layer >= self.n_layers {
+            return Err(KvError::LayerOutOfRange {
+                layer,
+                n_layers: self.n_layers,
+            });
+        }
+        let row = self.n_kv_heads * self.head_dim;
+        let expected = self.pending * row;
+        for (tensor, s) in [(KvTensor::K, k), (KvTensor::V, v)] {
+            if s.len() != expected {
+                return Err(KvError::SliceLength {
+                    tensor,
+                    expected,
+                    actual: s.len(),
+                });
+            }
+        }
+        let hd = self.head_dim;
+        let first = self.start + self.len;
+        for (tensor, src) in [(KvTensor::K, k), (KvTensor::V, v)] {
+            for h in 0..self.n_kv_heads {
+                let base = self.block_base(layer, h, tensor);
+                for (i, tok) in src.chunks_exact(row).enumerate() {
+                    let slot = (first + i) % self.capacity;
+                    self.storage
+                        .write_f32(base + slot * hd, &tok[h * hd..(h + 1) * hd]);
+                }
+            }
+        }
+        if !self.written[layer] {
+            self.written[layer] = true;
+            self.n_written += 1;
+        }
+        Ok(())
+    }
+
+    /// Writes all layers of the pending tokens at once: `k` and `v` are
+    /// `[n_layers][pending][n_kv_heads][head_dim]` row-major `f32`.
+    ///
+    /// Errors as [`write_layer`](Self::write_layer); lengths are checked before anything is
+    /// written.
+    pub fn write_all_layers(&mut self, k: &[f32], v: &[f32]) -> Result<(), KvError> {
+        if !self.in_chunk {
+            return Err(KvError::NoPendingChunk);
+        }
+        let per_layer = self.pending * self.n_kv_heads * self.head_dim;
+        let expected = per_layer * self.n_layers;
+        for (tensor, s) in [(KvTensor::K, k), (KvTensor::V, v)] {
+            if s.len() != expected {
+                return Err(KvError::SliceLength {
+                    tensor,
+                    expected,
+                    actual: s.len(),
+                });
+            }
+        }
+        if per_layer == 0 {
+            for layer in 0..self.n_layers {
+                self.write_layer(layer, &[], &[])?;
+            }
+            return Ok(());
+        }
+        for (layer, (kl, vl)) in k
+            .chunks_exact(per_layer)
+            .zip(v.chunks_exact(per_layer))
+            .enumerate()
+        {
+            self.write_layer(layer, kl, vl)?;
+        }
+        Ok(())
+    }
+
+    /// Keys and values of `(layer, head)` in position order: the committed rows, plus the
+    /// pending chunk's rows if this layer was written since `begin`. At most two slices each.
+    ///
+    /// Errors: [`KvError::LayerOutOfRange`], [`KvError::HeadOutOfRange`].
+    pub fn view(&self, layer: usize, head: usize) -> Result<KvView<'_>, KvError> {
+        if layer >= self.n_layers {
+            return Err(KvError::LayerOutOfRange {
+                layer,
+                n_layers: self.n_layers,
+            });
+        }
+        if head >= self.n_kv_heads {
+            return Err(KvError::HeadOutOfRange {
+                head,
+                n_kv_heads: self.n_kv_heads,
+            });
+        }
+        let rows = self.len
+            + if self.in_chunk && self.written[layer] {
+                self.pending
+            } else {
+                0
+            };
+        debug_assert!(rows <= self.capacity && self.start < self.capacity);
+        let hd = self.head_dim;
+        let first = rows.min(self.capacity - self.start);
+        let a = self.start * hd..(self.start + first) * hd;
+        let b = 0..(rows - first) * hd;
+        let kb = self.block_base(layer, head, KvTensor::K);
+        let vb = kb + self.block;
+        let (keys, values) = match &self.storage {
+            Storage::F32(s) => {
+                let (k, v) = (&s[kb..kb + self.block], &s[vb..vb + self.block]);
+                (
+                    KvSlices::F32([&k[a.clone()], &k[b.clone()]]),
+                    KvSlices::F32([&v[a], &v[b]]),
+                )
+            }
+            Storage::F16(s) => {
+                let k: &[half::f16] = bytemuck::cast_slice(&s[kb..kb + self.block]);
+                let v: &[half::f16] = bytemuck::cast_slice(&s[vb..vb + self.block]);
+                (
+                    KvSlices::F16([&k[a.clone()], &k[b.clone()]]),
+                    KvSlices::F16([&v[a], &v[b]]),
+                )
+            }
+        };
+        Ok(KvView {
+            keys,
+            values,
+            len: rows,
+        })
+    }
+
+    /// Finishes the pending chunk: `len += n`, `next_pos += n`.
+    ///
+    /// Errors (the chunk stays pending; write the missing layers and retry):
+    /// [`KvError::NoPendingChunk`], [`KvError::LayerNotWritten`] (a chunk of 0 tokens needs no
+    /// writes).
+    pub fn commit(&mut self) -> Result<(), KvError> {
+        if !self.in_chunk {
+            return Err(KvError::NoPendingChunk);
+        }
+        if self.pending > 0 && self.n_written < self.n_layers {
+            let layer = self.written.iter().position(|w| !w).unwrap_or(0);
+            return Err(KvError::LayerNotWritten {
+                layer,
+                pending: self.pending,
+            });
+        }
+        self.len += self.pending;
+        self.next_pos += self.pending as u64;
+        self.in_chunk = false;
+        self.pending = 0;
+        debug_assert!(self.len <= self.capacity);
+        Ok(())
+    }
+
+    /// Empties the ring for a new stream (keeps its memory): `len`, `next_pos` back to 0, any
+    /// pending chunk dropped.
+    pub fn reset(&mut self) {
+        self.start = 0;
+        self.len = 0;
+        self.next_pos = 0;
+        self.in_chunk = false;
+        self.pending = 0;
+    }
+
+    /// A new ring of the same capacity and mode, from the same pool, holding a **copy** of this
+    /// ring's first `n` positions (prefix reuse, e.g. a shared system prompt): `len() ==
+    /// next_pos() == n`. See [`fork_into`](Self::fork_into).
+    pub fn fork(&self, n: usize) -> Result<Self, KvError> {
+        self.fork_into(n, self.capacity, self.mode)
+    }
+
+    /// Like [`fork`](Self::fork) with another capacity and mode (e.g. a short ring holding a
+    /// system prompt, forked into full-context rings).
+    ///
+    /// The prefix is copied (`n * bytes_per_token` bytes of memcpy), not shared: rings stay
+    /// independent and every view stays at most two contiguous slices. Only committed positions
+    /// are forked; a pending chunk is ignored.
+    ///
+    /// Errors: [`KvError::ForkTooLong`] (`n > len()`), [`KvError::ForkEvicted`] (the first `n`
+    /// positions are no longer all cached), [`KvError::ForkCapacity`], and those of
+    /// [`KvPool::alloc`].
+    pub fn fork_into(&self, n: usize, capacity: usize, mode: RingMode) -> Result<Self, KvError> {
+        if n > self.len {
+            return Err(KvError::ForkTooLong {
+                requested: n,
+                len: self.len,
+            });
+        }
+        let evicted = self.evicted();
+        if evicted > 0 && n > self.sinks {
+            return Err(KvError::ForkEvicted {
+                requested: n,
+                sinks: self.sinks,
+                evicted,
+            });
+        }
+        if n > capacity {
+            return Err(KvError::ForkCapacity {
+                requested: n,
+                capacity,
+            });
+        }
+        let mut out = self.pool.alloc(capacity, mode)?;
+        let hd = self.head_dim;
+        let first = n.min(self.capacity - self.start);
+        for b in 0..2 * self.n_layers * self.n_kv_heads {
+            let (src, dst) = (b * self.block, b * out.block);
+            out.storage
+                .copy_from(dst, &self.storage, src + self.start * hd, first * hd);
+            out.storage
+                .copy_from(dst + first * hd, &self.storage, src, (n - first) * hd);
+        }
+        out.len = n;
+        out.next_pos = n as u64;
+        Ok(out)
+    }
+}
+
+impl Drop for KvRing {
+    fn drop(&mut self) {
+        let storage = std::mem::replace(&mut self.storage, Storage::empty(self.pool.shape().dtype));
+        self.pool.release(storage);
+    }
+}

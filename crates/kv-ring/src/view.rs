@@ -1,0 +1,72 @@
+//! Borrowed views of one (layer, kv head) for attention kernels.
+
+use half::f16;
+
+/// Up to two contiguous runs of `[row][head_dim]` elements, in position order: all rows of
+/// `[0]`, then all rows of `[1]` (empty unless the ring wrapped).
+#[non_exhaustive]
+#[derive(Clone, Copy, PartialEq, Debug)]
+pub enum KvSlices<'a> {
+    /// `f32` storage.
+    F32([&'a [f32]; 2]),
+    /// `f16` storage.
+    F16([&'a [f16]; 2]),
+}
+
+impl KvSlices<'_> {
+    /// Total elements in both runs.
+    pub fn len(&self) -> usize {
+        match self {
+            Self::F32([a, b]) => a.len() + b.len(),
+            Self::F16([a, b]) => a.len() + b.len(),
+        }
+    }
+
+    /// `true` when both runs are empty.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Element counts of the two runs.
+    pub fn part_lens(&self) -> [usize; 2] {
+        match self {
+            Self::F32([a, b]) => [a.len(), b.len()],
+            Self::F16([a, b]) => [a.len(), b.len()],
+        }
+    }
+
+    /// Element `i` (in position order) widened to `f32`, or `None` past the end.
+    pub fn get(&self, i: usize) -> Option<f32> {
+        match self {
+            Self::F32([a, b]) => a.get(i).or_else(|| b.get(i - a.len())).copied(),
+            Self::F16([a, b]) => a.get(i).or_else(|| b.get(i - a.len())).map(|x| x.to_f32()),
+        }
+    }
+
+    /// Both runs concatenated and widened to `f32` (allocates; for tests and debugging, not
+    /// for kernels).
+    pub fn to_f32_vec(&self) -> Vec<f32> {
+        match self {
+            Self::F32([a, b]) => [*a, *b].concat(),
+            Self::F16([a, b]) => a.iter().chain(b.iter()).map(|x| x.to_f32()).collect(),
+        }
+    }
+}
+
+/// Keys and values of one (layer, kv head), as returned by [`KvRing::view`].
+///
+/// `len` rows each of `head_dim` elements; row `i` is view index `i` (its absolute position is
+/// [`KvRing::position_of`]`(i)`). During a pending chunk the view includes that chunk's rows once
+/// the layer was written, so query `i` of the chunk attends to the first `ring.len() + i + 1` rows.
+///
+/// [`KvRing::view`]: crate::KvRing::view
+/// [`KvRing::position_of`]: crate::KvRing::position_of
+#[derive(Clone, Copy, PartialEq, Debug)]
+pub struct KvView<'a> {
+    /// Keys (already rotated by the writer at their absolute position).
+    pub keys: KvSlices<'a>,
+    /// Values.
+    pub values: KvSlices<'a>,
+    /// Rows in the view.
+    pub len: usize,
+}

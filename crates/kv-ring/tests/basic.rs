@@ -1,0 +1,354 @@
+//! Unit-level behaviour of the pool and rings: budget, modes, views, errors, forks.
+
+use std::sync::Arc;
+
+use kv_ring::{KvDtype, KvError, KvPool, KvRing, KvShape, KvSlices, KvTensor, RingMode};
+
+fn shape(dtype: KvDtype) -> KvShape {
+    KvShape::new(2, 2, 4, dtype)
+}
+
+/// K rows for a chunk: value encodes (token position, layer, head, element) so views can be
+/// checked exactly (small integers are exact in f16 too).
+fn chunk(shape: KvShape, layer: usize, first_pos: u64, n: usize, sign: f32) -> Vec<f32> {
+    let mut out = Vec::new();
+    for i in 0..n {
+        for h in 0..shape.n_kv_heads {
+            for e in 0..shape.head_dim {
+                let p = first_pos + i as u64;
+                out.push(sign * (p as f32 * 16.0 + layer as f32 * 8.0 + h as f32 * 4.0 + e as f32));
+            }
+        }
+    }
+    out
+}
+
+fn append(ring: &mut KvRing, n: usize) -> Result<(), KvError> {
+    let s = ring.pool().shape();
+    let p = ring.next_pos();
+    ring.begin(n)?;
+    for layer in 0..s.n_layers {
+        ring.write_layer(
+            layer,
+            &chunk(s, layer, p, n, 1.0),
+            &chunk(s, layer, p, n, -1.0),
+        )?;
+    }
+    ring.commit()
+}
+
+/// Checks every (layer, head) view against the positions the ring reports.
+fn check_views(ring: &KvRing) {
+    let s = ring.pool().shape();
+    for layer in 0..s.n_layers {
+        for h in 0..s.n_kv_heads {
+            let v = ring.view(layer, h).unwrap();
+            assert_eq!(v.len, ring.len());
+            let keys = v.keys.to_f32_vec();
+            let vals = v.values.to_f32_vec();
+            assert_eq!(keys.len(), v.len * s.head_dim);
+            for i in 0..v.len {
+                let p = ring.position_of(i).unwrap();
+                for e in 0..s.head_dim {
+                    let want = p as f32 * 16.0 + layer as f32 * 8.0 + h as f32 * 4.0 + e as f32;
+                    assert_eq!(
+                        keys[i * s.head_dim + e],
+                        want,
+                        "layer {layer} head {h} row {i}"
+                    );
+                    assert_eq!(vals[i * s.head_dim + e], -want);
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn memory_per_token_matches_formula_and_allocation() {
+    for dtype in [KvDtype::F32, KvDtype::F16] {
+        let s = KvShape::new(30, 3, 64, dtype);
+        assert_eq!(s.bytes_per_token(), 2 * 30 * 3 * 64 * dtype.elem_bytes());
+        let pool = KvPool::new(s, 1 << 30).unwrap();
+        let a = pool.alloc(100, RingMode::Strict).unwrap();
+        let b = pool.alloc(37, RingMode::Sliding { sinks: 4 }).unwrap();
+        assert_eq!(a.allocated_bytes(), 100 * s.bytes_per_token());
+        assert_eq!(b.allocated_bytes(), 37 * s.bytes_per_token());
+        assert_eq!(pool.used_bytes(), a.allocated_bytes() + b.allocated_bytes());
+        drop(a);
+        assert_eq!(pool.used_bytes(), 37 * s.bytes_per_token());
+        drop(b);
+        assert_eq!(pool.used_bytes(), 0);
+    }
+}
+
+#[test]
+fn over_budget_is_typed_and_budget_is_exact() {
+    let s = shape(KvDtype::F32);
+    let bpt = s.bytes_per_token();
+    let pool = KvPool::new(s, 10 * bpt).unwrap();
+    let a = pool.alloc(6, RingMode::Strict).unwrap();
+    let err = pool.alloc(5, RingMode::Strict).unwrap_err();
+    assert_eq!(
+        err,
+        KvError::OverBudget {
+            requested: 5 * bpt,
+            used: 6 * bpt,
+            budget: 10 * bpt
+        }
+    );
+    let b = pool.alloc(4, RingMode::Strict).unwrap(); // exactly fills the budget
+    assert_eq!(pool.used_bytes(), pool.budget_bytes());
+    assert!(matches!(
+        pool.alloc(1, RingMode::Strict),
+        Err(KvError::OverBudget { .. })
+    ));
+    drop(a);
+    let _c = pool.alloc(6, RingMode::Strict).unwrap(); // recycled buffer
+    assert_eq!(pool.stats().recycled_allocs, 1);
+    assert_eq!(pool.stats().rejected_allocs, 2);
+    drop(b);
+    // Cached buffers count against the budget, released when a fresh one needs room.
+    assert_eq!(pool.cached_bytes(), 4 * bpt);
+    let _d = pool.alloc(3, RingMode::Strict).unwrap();
+    assert!(pool.used_bytes() + pool.cached_bytes() <= pool.budget_bytes());
+    assert_eq!(pool.cached_bytes(), 0);
+}
+
+#[test]
+fn bad_arguments_are_typed_errors() {
+    assert!(matches!(
+        KvPool::new(KvShape::new(0, 1, 1, KvDtype::F32), 1),
+        Err(KvError::ZeroDimension { .. })
+    ));
+    assert!(matches!(
+        KvPool::new(KvShape::new(usize::MAX, 2, 1, KvDtype::F32), 1),
+        Err(KvError::ShapeOverflow { .. })
+    ));
+    let pool = KvPool::new(shape(KvDtype::F16), usize::MAX).unwrap();
+    assert_eq!(
+        pool.alloc(0, RingMode::Strict).unwrap_err(),
+        KvError::ZeroCapacity
+    );
+    assert_eq!(
+        pool.alloc(4, RingMode::Sliding { sinks: 4 }).unwrap_err(),
+        KvError::SinksTooLarge {
+            sinks: 4,
+            capacity: 4
+        }
+    );
+    assert!(matches!(
+        pool.alloc(usize::MAX / 2, RingMode::Strict),
+        Err(KvError::CapacityOverflow { .. })
+    ));
+    let mut r = pool.alloc(4, RingMode::Strict).unwrap();
+    assert_eq!(
+        r.write_layer(0, &[], &[]).unwrap_err(),
+        KvError::NoPendingChunk
+    );
+    assert_eq!(r.commit().unwrap_err(), KvError::NoPendingChunk);
+    r.begin(2).unwrap();
+    assert_eq!(
+        r.begin(1).unwrap_err(),
+        KvError::ChunkPending { pending: 2 }
+    );
+    assert_eq!(
+        r.write_layer(2, &[0.0; 16], &[0.0; 16]).unwrap_err(),
+        KvError::LayerOutOfRange {
+            layer: 2,
+            n_layers: 2
+        }
+    );
+    assert_eq!(
+        r.write_layer(0, &[0.0; 16], &[0.0; 15]).unwrap_err(),
+        KvError::SliceLength {
+            tensor: KvTensor::V,
+            expected: 16,
+            actual: 15
+        }
+    );
+    assert_eq!(
+        r.view(0, 2).unwrap_err(),
+        KvError::HeadOutOfRange {
+            head: 2,
+            n_kv_heads: 2
+        }
+    );
+    // A rejected write wrote nothing: the view does not include pending rows.
+    assert_eq!(r.view(0, 0).unwrap().len, 0);
+    r.write_layer(1, &[1.0; 16], &[1.0; 16]).unwrap();
+    assert_eq!(
+        r.commit().unwrap_err(),
+        KvError::LayerNotWritten {
+            layer: 0,
+            pending: 2
+        }
+    );
+    assert_eq!(r.view(0, 0).unwrap().len, 0);
+    assert_eq!(r.view(1, 0).unwrap().len, 2);
+    r.write_layer(0, &[1.0; 16], &[1.0; 16]).unwrap();
+    r.commit().unwrap();
+    assert_eq!(
+        r.begin(3).unwrap_err(),
+        KvError::Full {
+            len: 2,
+            requested: 3,
+            capacity: 4
+        }
+    );
+    assert_eq!(
+        r.fork(3).unwrap_err(),
+        KvError::ForkTooLong {
+            requested: 3,
+            len: 2
+        }
+    );
+    assert_eq!(
+        r.fork_into(2, 1, RingMode::Strict).unwrap_err(),
+        KvError::ForkCapacity {
+            requested: 2,
+            capacity: 1
+        }
+    );
+}
+
+#[test]
+fn strict_fills_then_errors() {
+    for dtype in [KvDtype::F32, KvDtype::F16] {
+        let pool = KvPool::new(shape(dtype), 1 << 20).unwrap();
+        let mut r = pool.alloc(5, RingMode::Strict).unwrap();
+        append(&mut r, 3).unwrap();
+        append(&mut r, 1).unwrap();
+        append(&mut r, 1).unwrap();
+        check_views(&r);
+        assert!(matches!(append(&mut r, 1), Err(KvError::Full { .. })));
+        assert_eq!((r.len(), r.next_pos(), r.evicted()), (5, 5, 0));
+        check_views(&r);
+    }
+}
+
+#[test]
+fn sliding_keeps_sinks_and_wraps() {
+    for dtype in [KvDtype::F32, KvDtype::F16] {
+        let pool = KvPool::new(shape(dtype), 1 << 20).unwrap();
+        let mut r = pool.alloc(7, RingMode::Sliding { sinks: 2 }).unwrap();
+        append(&mut r, 6).unwrap();
+        for step in 0..20 {
+            append(&mut r, 1 + step % 3).unwrap();
+            check_views(&r);
+            assert_eq!(r.len(), 7);
+            let positions: Vec<u64> = (0..7).map(|i| r.position_of(i).unwrap()).collect();
+            let np = r.next_pos();
+            assert_eq!(
+                positions,
+                vec![0, 1, np - 5, np - 4, np - 3, np - 2, np - 1]
+            );
+            // At most two runs, each whole rows.
+            let parts = r.view(1, 1).unwrap().keys.part_lens();
+            assert!(parts.iter().all(|p| p % 4 == 0));
+        }
+        assert!(matches!(
+            append(&mut r, 6),
+            Err(KvError::ChunkTooLarge { window: 5, .. })
+        ));
+    }
+}
+
+#[test]
+fn pending_rows_visible_per_layer_for_causal_prefill() {
+    let s = shape(KvDtype::F32);
+    let pool = KvPool::new(s, 1 << 20).unwrap();
+    let mut r = pool.alloc(6, RingMode::Sliding { sinks: 1 }).unwrap();
+    append(&mut r, 5).unwrap();
+    r.begin(3).unwrap(); // evicts 2
+    assert_eq!((r.len(), r.pending(), r.evicted()), (3, 3, 2));
+    assert_eq!(r.view(0, 0).unwrap().len, 3);
+    r.write_layer(0, &chunk(s, 0, 5, 3, 1.0), &chunk(s, 0, 5, 3, -1.0))
+        .unwrap();
+    let v = r.view(0, 1).unwrap();
+    assert_eq!(v.len, 6);
+    let pos: Vec<u64> = (0..6).map(|i| r.position_of(i).unwrap()).collect();
+    assert_eq!(pos, vec![0, 3, 4, 5, 6, 7]);
+    assert_eq!(v.keys.get(3 * 4), Some(5.0 * 16.0 + 4.0));
+    assert_eq!(r.view(1, 0).unwrap().len, 3);
+    r.write_layer(1, &chunk(s, 1, 5, 3, 1.0), &chunk(s, 1, 5, 3, -1.0))
+        .unwrap();
+    r.commit().unwrap();
+    check_views(&r);
+}
+
+#[test]
+fn fork_copies_prefix() {
+    for dtype in [KvDtype::F32, KvDtype::F16] {
+        let pool = KvPool::new(shape(dtype), 1 << 20).unwrap();
+        let mut r = pool.alloc(8, RingMode::Strict).unwrap();
+        append(&mut r, 5).unwrap();
+        let mut f = r.fork(3).unwrap();
+        assert_eq!((f.len(), f.next_pos(), f.capacity()), (3, 3, 8));
+        check_views(&f);
+        append(&mut f, 2).unwrap(); // diverges from r; r unchanged
+        check_views(&f);
+        check_views(&r);
+        let g = r.fork_into(5, 32, RingMode::Sliding { sinks: 4 }).unwrap();
+        assert_eq!(g.capacity(), 32);
+        check_views(&g);
+        assert_eq!(pool.used_bytes(), (8 + 8 + 32) * pool.bytes_per_token());
+    }
+}
+
+#[test]
+fn fork_of_evicted_sliding_prefix() {
+    let pool = KvPool::new(shape(KvDtype::F32), 1 << 20).unwrap();
+    let mut r = pool.alloc(4, RingMode::Sliding { sinks: 2 }).unwrap();
+    append(&mut r, 4).unwrap();
+    append(&mut r, 1).unwrap();
+    assert_eq!(
+        r.fork(3).unwrap_err(),
+        KvError::ForkEvicted {
+            requested: 3,
+            sinks: 2,
+            evicted: 1
+        }
+    );
+    append(&mut r, 2).unwrap(); // sinks now wrapped around the buffer end
+    let f = r.fork(2).unwrap();
+    check_views(&f);
+}
+
+#[test]
+fn write_all_layers_and_reset() {
+    let s = shape(KvDtype::F16);
+    let pool = KvPool::new(s, 1 << 20).unwrap();
+    let mut r = pool.alloc(4, RingMode::Strict).unwrap();
+    r.begin(2).unwrap();
+    let k: Vec<f32> = (0..2).flat_map(|l| chunk(s, l, 0, 2, 1.0)).collect();
+    let v: Vec<f32> = (0..2).flat_map(|l| chunk(s, l, 0, 2, -1.0)).collect();
+    assert!(matches!(
+        r.write_all_layers(&k[1..], &v),
+        Err(KvError::SliceLength { .. })
+    ));
+    r.write_all_layers(&k, &v).unwrap();
+    r.commit().unwrap();
+    check_views(&r);
+    r.reset();
+    assert_eq!((r.len(), r.next_pos()), (0, 0));
+    append(&mut r, 4).unwrap();
+    check_views(&r);
+}
+
+#[test]
+fn f16_views_are_f16_slices() {
+    let pool = KvPool::new(shape(KvDtype::F16), 1 << 20).unwrap();
+    let mut r = pool.alloc(4, RingMode::Strict).unwrap();
+    append(&mut r, 2).unwrap();
+    match r.view(0, 0).unwrap().values {
+        KvSlices::F16([a, b]) => assert_eq!((a.len(), b.len()), (8, 0)),
+        other => panic!("expected f16, got {other:?}"),
+    }
+}
+
+#[test]
+fn send_sync() {
+    fn assert_send_sync<T: Send + Sync>() {}
+    assert_send_sync::<Arc<KvPool>>();
+    assert_send_sync::<KvRing>();
+}
