@@ -1,0 +1,390 @@
+//! Scalar reference dequantization and quantization, with ggml's semantics
+//! (`dequantize_row_*` and `quantize_row_*_ref` in `ggml-quants.c`).
+//!
+//! These are the format truth, written for clarity; fast kernels live in `gpu-pipeline`.
+
+use bytemuck::Pod;
+use half::{bf16, f16};
+
+use crate::GgmlType;
+use crate::quant::{
+    BlockQ4_0, BlockQ4_1, BlockQ4K, BlockQ5_0, BlockQ5_1, BlockQ5K, BlockQ6K, BlockQ8_0, QK, QK_K,
+    scale_min_k4,
+};
+
+/// Error of [`dequantize`].
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum DequantError {
+    /// The reference dequantizer does not implement this type.
+    #[error("dequantizing {dtype} is not supported")]
+    Unsupported {
+        /// The type.
+        dtype: GgmlType,
+    },
+    /// The number of output values is not a multiple of the type's block size.
+    #[error("{n} values of {dtype} is not a multiple of its block size {block_size}")]
+    NotBlockMultiple {
+        /// The type.
+        dtype: GgmlType,
+        /// Number of output values requested.
+        n: usize,
+        /// The type's block size.
+        block_size: usize,
+    },
+    /// The source length does not match the number of output values.
+    #[error("{n} values of {dtype} need {expected} source bytes, got {got}")]
+    LengthMismatch {
+        /// The type.
+        dtype: GgmlType,
+        /// Number of output values requested.
+        n: usize,
+        /// Bytes needed.
+        expected: usize,
+        /// Bytes given.
+        got: usize,
+    },
+}
+
+/// Error of [`quantize`].
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum QuantizeError {
+    /// The reference quantizer does not implement this type.
+    #[error("quantizing to {dtype} is not supported")]
+    Unsupported {
+        /// The type.
+        dtype: GgmlType,
+    },
+    /// The number of input values is not a multiple of the type's block size.
+    #[error("{n} values is not a multiple of the {dtype} block size {block_size}")]
+    NotBlockMultiple {
+        /// The type.
+        dtype: GgmlType,
+        /// Number of input values.
+        n: usize,
+        /// The type's block size.
+        block_size: usize,
+    },
+}
+
+fn blocks<T: Pod>(src: &[u8]) -> impl Iterator<Item = T> + '_ {
+    src.chunks_exact(size_of::<T>())
+        .map(bytemuck::pod_read_unaligned::<T>)
+}
+
+/// Dequantize `dst.len()` values of type `dtype` from `src` (exactly
+/// `dtype.row_bytes(dst.len())` bytes) into `dst`, with ggml's reference semantics.
+///
+/// Supported: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K.
+///
+/// ```
+/// use weight_cache::{GgmlType, dequantize, quantize};
+/// let x: Vec<f32> = (0..32).map(|i| i as f32 / 4.0).collect();
+/// let q = quantize(GgmlType::Q8_0, &x).unwrap();
+/// let mut y = vec![0.0; 32];
+/// dequantize(GgmlType::Q8_0, &q, &mut y).unwrap();
+/// assert!(x.iter().zip(&y).all(|(a, b)| (a - b).abs() < 0.02));
+/// ```
+pub fn dequantize(dtype: GgmlType, src: &[u8], dst: &mut [f32]) -> Result<(), DequantError> {
+    if !dtype.can_dequantize() {
+        return Err(DequantError::Unsupported { dtype });
+    }
+    let n = dst.len();
+    let block_size = dtype.block_size();
+    let expected = dtype.row_bytes(n).ok_or(DequantError::NotBlockMultiple {
+        dtype,
+        n,
+        block_size,
+    })?;
+    if src.len() != expected {
+        return Err(DequantError::LengthMismatch {
+            dtype,
+            n,
+            expected,
+            got: src.len(),
+        });
+    }
+    match dtype {
+        GgmlType::F32 => {
+            for (y, c) in dst.iter_mut().zip(src.chunks_exact(4)) {
+                *y = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+            }
+        }
+        GgmlType::F16 => {
+            for (y, c) in dst.iter_mut().zip(src.chunks_exact(2)) {
+                *y = f16::from_le_bytes([c[0], c[1]]).to_f32();
+            }
+        }
+        GgmlType::BF16 => {
+            for (y, c) in dst.iter_mut().zip(src.chunks_exact(2)) {
+                *y = bf16::from_le_bytes([c[0], c[1]]).to_f32();
+            }
+        }
+        GgmlType::Q4_0 => {
+            for (b, y) in blocks::<BlockQ4_0>(src).zip(dst.chunks_exact_mut(QK)) {
+                let d = b.d.to_f32();
+                for j in 0..QK / 2 {
+                    let x0 = i32::from(b.qs[j] & 0x0F) - 8;
+                    let x1 = i32::from(b.qs[j] >> 4) - 8;
+                    y[j] = x0 as f32 * d;
+                    y[j + QK / 2] = x1 as f32 * d;
+                }
+            }
+        }
+        GgmlType::Q4_1 => {
+            for (b, y) in blocks::<BlockQ4_1>(src).zip(dst.chunks_exact_mut(QK)) {
+                let d = b.d.to_f32();
+                let m = b.m.to_f32();
+                for j in 0..QK / 2 {
+                    let x0 = b.qs[j] & 0x0F;
+                    let x1 = b.qs[j] >> 4;
+                    y[j] = f32::from(x0) * d + m;
+                    y[j + QK / 2] = f32::from(x1) * d + m;
+                }
+            }
+        }
+        GgmlType::Q5_0 => {
+            for (b, y) in blocks::<BlockQ5_0>(src).zip(dst.chunks_exact_mut(QK)) {
+                let d = b.d.to_f32();
+                let qh = u32::from_le_bytes(b.qh);
+                for j in 0..QK / 2 {
+                    let xh0 = ((qh >> j) << 4) & 0x10;
+                    let xh1 = (qh >> (j + 12)) & 0x10;
+                    let x0 = (u32::from(b.qs[j] & 0x0F) | xh0) as i32 - 16;
+                    let x1 = (u32::from(b.qs[j] >> 4) | xh1) as i32 - 16;
+                    y[j] = x0 as f32 * d;
+                    y[j + QK / 2] = x1 as f32 * d;
+                }
+            }
+        }
+        GgmlType::Q5_1 => {
+            for (b, y) in blocks::<BlockQ5_1>(src).zip(dst.chunks_exact_mut(QK)) {
+                let d = b.d.to_f32();
+                let m = b.m.to_f32();
+                let qh = u32::from_le_bytes(b.qh);
+                for j in 0..QK / 2 {
+                    let xh0 = ((qh >> j) << 4) & 0x10;
+                    let xh1 = (qh >> (j + 12)) & 0x10;
+                    let x0 = u32::from(b.qs[j] & 0x0F) | xh0;
+                    let x1 = u32::from(b.qs[j] >> 4) | xh1;
+                    y[j] = x0 as f32 * d + m;
+                    y[j + QK / 2] = x1 as f32 * d + m;
+                }
+            }
+        }
+        GgmlType::Q8_0 => {
+            for (b, y) in blocks::<BlockQ8_0>(src).zip(dst.chunks_exact_mut(QK)) {
+                let d = b.d.to_f32();
+                for (y, &q) in y.iter_mut().zip(&b.qs) {
+                    *y = f32::from(q) * d;
+                }
+            }
+        }
+        GgmlType::Q4_K => {
+            for (b, y) in blocks::<BlockQ4K>(src).zip(dst.chunks_exact_mut(QK_K)) {
+                let d = b.d.to_f32();
+                let min = b.dmin.to_f32();
+                for (g, y) in y.chunks_exact_mut(64).enumerate() {
+                    let q = &b.qs[g * 32..g * 32 + 32];
+                    let (sc1, m1) = scale_min_k4(2 * g, &b.scales);
+                    let (sc2, m2) = scale_min_k4(2 * g + 1, &b.scales);
+                    let (d1, m1) = (d * f32::from(sc1), min * f32::from(m1));
+                    let (d2, m2) = (d * f32::from(sc2), min * f32::from(m2));
+                    for l in 0..32 {
+                        y[l] = d1 * f32::from(q[l] & 0xF) - m1;
+                        y[l + 32] = d2 * f32::from(q[l] >> 4) - m2;
+                    }
+                }
+            }
+        }
+        GgmlType::Q5_K => {
+            for (b, y) in blocks::<BlockQ5K>(src).zip(dst.chunks_exact_mut(QK_K)) {
+                let d = b.d.to_f32();
+                let min = b.dmin.to_f32();
+                for (g, y) in y.chunks_exact_mut(64).enumerate() {
+                    let ql = &b.qs[g * 32..g * 32 + 32];
+                    let u1 = 1u8 << (2 * g);
+                    let u2 = 2u8 << (2 * g);
+                    let (sc1, m1) = scale_min_k4(2 * g, &b.scales);
+                    let (sc2, m2) = scale_min_k4(2 * g + 1, &b.scales);
+                    let (d1, m1) = (d * f32::from(sc1), min * f32::from(m1));
+                    let (d2, m2) = (d * f32::from(sc2), min * f32::from(m2));
+                    for l in 0..32 {
+                        let h1 = if b.qh[l] & u1 != 0 { 16 } else { 0 };
+                        let h2 = if b.qh[l] & u2 != 0 { 16 } else { 0 };
+                        y[l] = d1 * f32::from((ql[l] & 0xF) + h1) - m1;
+                        y[l + 32] = d2 * f32::from((ql[l] >> 4) + h2) - m2;
+                    }
+                }
+            }
+        }
+        GgmlType::Q6_K => {
+            for (b, y) in blocks::<BlockQ6K>(src).zip(dst.chunks_exact_mut(QK_K)) {
+                let d = b.d.to_f32();
+                for (h, y) in y.chunks_exact_mut(128).enumerate() {
+                    let ql = &b.ql[h * 64..h * 64 + 64];
+                    let qh = &b.qh[h * 32..h * 32 + 32];
+                    let sc = &b.scales[h * 8..h * 8 + 8];
+                    for l in 0..32 {
+                        let is = l / 16;
+                        let q1 = ((ql[l] & 0xF) | ((qh[l] & 3) << 4)) as i8 - 32;
+                        let q2 = ((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) as i8 - 32;
+                        let q3 = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) as i8 - 32;
+                        let q4 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) as i8 - 32;
+                        y[l] = d * f32::from(sc[is]) * f32::from(q1);
+                        y[l + 32] = d * f32::from(sc[is + 2]) * f32::from(q2);
+                        y[l + 64] = d * f32::from(sc[is + 4]) * f32::from(q3);
+                        y[l + 96] = d * f32::from(sc[is + 6]) * f32::from(q4);
+                    }
+                }
+            }
+        }
+        _ => return Err(DequantError::Unsupported { dtype }),
+    }
+    Ok(())
+}
+
+/// Quantize `src` to `dtype` with ggml's reference quantizers (`quantize_row_*_ref`), returning the
+/// encoded bytes (`dtype.row_bytes(src.len())` of them).
+///
+/// Supported: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0. Useful for tests of other crates'
+/// kernels.
+pub fn quantize(dtype: GgmlType, src: &[f32]) -> Result<Vec<u8>, QuantizeError> {
+    let n = src.len();
+    let block_size = dtype.block_size();
+    let bytes = dtype.row_bytes(n).ok_or(QuantizeError::NotBlockMultiple {
+        dtype,
+        n,
+        block_size,
+    })?;
+    let mut out = Vec::with_capacity(bytes);
+    match dtype {
+        GgmlType::F32 => src.iter().for_each(|v| out.extend(v.to_le_bytes())),
+        GgmlType::F16 => src
+            .iter()
+            .for_each(|v| out.extend(f16::from_f32(*v).to_le_bytes())),
+        GgmlType::BF16 => src
+            .iter()
+            .for_each(|v| out.extend(bf16::from_f32(*v).to_le_bytes())),
+        GgmlType::Q8_0 => {
+            for x in src.chunks_exact(QK) {
+                let amax = x.iter().fold(0.0f32, |a, v| a.max(v.abs()));
+                let d = amax / 127.0;
+                let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+                let mut b = BlockQ8_0 {
+                    d: f16::from_f32(d),
+                    qs: [0; QK],
+                };
+                for (q, v) in b.qs.iter_mut().zip(x) {
+                    *q = (v * id).round() as i8;
+                }
+                out.extend_from_slice(bytemuck::bytes_of(&b));
+            }
+        }
+        GgmlType::Q4_0 | GgmlType::Q5_0 => {
+            let five = dtype == GgmlType::Q5_0;
+            for x in src.chunks_exact(QK) {
+                let (mut amax, mut max) = (0.0f32, 0.0f32);
+                for &v in x {
+                    if amax < v.abs() {
+                        amax = v.abs();
+                        max = v;
+                    }
+                }
+                let d = if five { max / -16.0 } else { max / -8.0 };
+                let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+                let mut qs = [0u8; QK / 2];
+                let mut qh = 0u32;
+                for j in 0..QK / 2 {
+                    let (x0, x1) = (x[j] * id, x[j + QK / 2] * id);
+                    if five {
+                        let xi0 = ((x0 + 16.5) as i8).min(31) as u8;
+                        let xi1 = ((x1 + 16.5) as i8).min(31) as u8;
+                        qs[j] = (xi0 & 0x0F) | ((xi1 & 0x0F) << 4);
+                        qh |= u32::from((xi0 & 0x10) >> 4) << j;
+                        qh |= u32::from((xi1 & 0x10) >> 4) << (j + QK / 2);
+                    } else {
+                        let xi0 = ((x0 + 8.5) as i8).min(15) as u8;
+                        let xi1 = ((x1 + 8.5) as i8).min(15) as u8;
+                        qs[j] = xi0 | (xi1 << 4);
+                    }
+                }
+                let d = f16::from_f32(d);
+                if five {
+                    let b = BlockQ5_0 {
+                        d,
+                        qh: qh.to_le_bytes(),
+                        qs,
+                    };
+                    out.extend_from_slice(bytemuck::bytes_of(&b));
+                } else {
+                    out.extend_from_slice(bytemuck::bytes_of(&BlockQ4_0 { d, qs }));
+                }
+            }
+        }
+        GgmlType::Q4_1 | GgmlType::Q5_1 => {
+            let five = dtype == GgmlType::Q5_1;
+            for x in src.chunks_exact(QK) {
+                let (mut min, mut max) = (f32::MAX, -f32::MAX);
+                for &v in x {
+                    if v < min {
+                        min = v;
+                    }
+                    if v > max {
+                        max = v;
+                    }
+                }
+                let d = (max - min) / if five { 31.0 } else { 15.0 };
+                let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+                let mut qs = [0u8; QK / 2];
+                let mut qh = 0u32;
+                for j in 0..QK / 2 {
+                    let x0 = (x[j] - min) * id;
+                    let x1 = (x[j + QK / 2] - min) * id;
+                    if five {
+                        let xi0 = (x0 + 0.5) as u8;
+                        let xi1 = (x1 + 0.5) as u8;
+                        qs[j] = (xi0 & 0x0F) | ((xi1 & 0x0F) << 4);
+                        qh |= u32::from((xi0 & 0x10) >> 4) << j;
+                        qh |= u32::from((xi1 & 0x10) >> 4) << (j + QK / 2);
+                    } else {
+                        let xi0 = ((x0 + 0.5) as i8).min(15) as u8;
+                        let xi1 = ((x1 + 0.5) as i8).min(15) as u8;
+                        qs[j] = xi0 | (xi1 << 4);
+                    }
+                }
+                let (d, m) = (f16::from_f32(d), f16::from_f32(min));
+                if five {
+                    let b = BlockQ5_1 {
+                        d,
+                        m,
+                        qh: qh.to_le_bytes(),
+                        qs,
+                    };
+                    out.extend_from_slice(bytemuck::bytes_of(&b));
+                } else {
+                    out.extend_from_slice(bytemuck::bytes_of(&BlockQ4_1 { d, m, qs }));
+                }
+            }
+        }
+        _ => return Err(QuantizeError::Unsupported { dtype }),
+    }
+    debug_assert_eq!(out.len(), bytes);
+    Ok(out)
+}
+
+/// [`quantize`] to Q8_0.
+pub fn quantize_q8_0(src: &[f32]) -> Result<Vec<u8>, QuantizeError> {
+    quantize(GgmlType::Q8_0, src)
+}
+
+/// [`quantize`] to Q4_0.
+pub fn quantize_q4_0(src: &[f32]) -> Result<Vec<u8>, QuantizeError> {
+    quantize(GgmlType::Q4_0, src)
+}
+
+/// [`quantize`] to Q4_1.
+pub fn quantize_q4_1(src: &[f32]) -> Result<Vec<u8>, QuantizeError> {
+    quantize(GgmlType::Q4_1, src)
+}
