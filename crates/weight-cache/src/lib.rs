@@ -24,6 +24,7 @@ mod ggml_type;
 mod gguf;
 mod locate;
 pub mod quant;
+mod safetensors;
 #[allow(dead_code)] // residency helpers: used by the block cache (next commit)
 mod sys;
 
@@ -37,3 +38,6 @@ pub use gguf::{
     TensorView,
 };
 pub use locate::{DEFAULT_MODEL_FILE, ModelNotFound, locate_default_model, model_cache_dir};
+pub use safetensors::{
+    MAX_SAFETENSORS_HEADER, Safetensors, SafetensorsError, StDtype, StTensorView,
+};
