@@ -706,7 +706,7 @@ impl Gguf {
         };
         let file = File::open(path).map_err(io_err)?;
         // SAFETY: forwarded to our caller (see `# Safety`).
-        let backing = unsafe { Backing::map(&file) }.map_err(io_err)?;
+        let backing = unsafe { Backing::map(file) }.map_err(io_err)?;
         let mut g = Self::parse(backing)?;
         g.path = Some(path.to_path_buf());
         Ok(g)
@@ -917,7 +917,6 @@ impl Gguf {
         self.backing.bytes()
     }
 
-    #[allow(dead_code)]
     pub(crate) fn backing(&self) -> &Backing {
         &self.backing
     }

@@ -18,17 +18,24 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
+mod block_table;
 mod builder;
+mod cache;
 mod dequant;
 mod ggml_type;
 mod gguf;
 mod locate;
+mod profile;
 pub mod quant;
 mod safetensors;
-#[allow(dead_code)] // residency helpers: used by the block cache (next commit)
 mod sys;
 
+pub use block_table::{BlockTable, BlockTableError, DEFAULT_BLOCK_SIZE};
 pub use builder::GgufBuilder;
+pub use cache::{
+    BudgetReport, CacheConfig, CacheStats, DEFAULT_WARM_FRACTION, ReleaseMode, RequestId,
+    WarmupHandle, WarmupProgress, WarmupStrategy, WeightCache,
+};
 pub use dequant::{
     DequantError, QuantizeError, dequantize, quantize, quantize_q4_0, quantize_q4_1, quantize_q8_0,
 };
@@ -38,6 +45,7 @@ pub use gguf::{
     TensorView,
 };
 pub use locate::{DEFAULT_MODEL_FILE, ModelNotFound, locate_default_model, model_cache_dir};
+pub use profile::{AccessProfile, ProfileError};
 pub use safetensors::{
     MAX_SAFETENSORS_HEADER, Safetensors, SafetensorsError, StDtype, StTensorView,
 };

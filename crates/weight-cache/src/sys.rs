@@ -10,8 +10,8 @@ use std::sync::OnceLock;
 
 /// The bytes of a model file: a read-only file mapping, or an owned, 8-byte aligned copy.
 pub(crate) enum Backing {
-    /// A read-only shared mapping of a file.
-    Mapped(memmap2::Mmap),
+    /// A read-only shared mapping of a file (the file is kept for posix_fadvise).
+    Mapped { map: memmap2::Mmap, file: File },
     /// An owned buffer (tests, `from_bytes`); stored as `u64`s so tensor data is 8-byte aligned.
     Owned { words: Vec<u64>, len: usize },
 }
@@ -22,10 +22,18 @@ impl Backing {
     /// # Safety
     /// The file must not be modified or truncated while the mapping lives (that would change or
     /// invalidate memory behind `&[u8]` references).
-    pub(crate) unsafe fn map(file: &File) -> io::Result<Self> {
+    pub(crate) unsafe fn map(file: File) -> io::Result<Self> {
         // SAFETY: forwarded to the caller (see the function's safety section).
-        let map = unsafe { memmap2::MmapOptions::new().map(file)? };
-        Ok(Self::Mapped(map))
+        let map = unsafe { memmap2::MmapOptions::new().map(&file)? };
+        Ok(Self::Mapped { map, file })
+    }
+
+    /// The mapped file, if any.
+    pub(crate) fn file(&self) -> Option<&File> {
+        match self {
+            Self::Mapped { file, .. } => Some(file),
+            Self::Owned { .. } => None,
+        }
     }
 
     /// Copy `bytes` into an aligned owned buffer.
@@ -41,14 +49,14 @@ impl Backing {
     /// All bytes.
     pub(crate) fn bytes(&self) -> &[u8] {
         match self {
-            Self::Mapped(m) => m,
+            Self::Mapped { map, .. } => map,
             Self::Owned { words, len } => &bytemuck::cast_slice::<u64, u8>(words)[..*len],
         }
     }
 
     /// Whether the bytes are a file mapping (so pages can be dropped and re-read from the file).
     pub(crate) fn is_file_backed(&self) -> bool {
-        matches!(self, Self::Mapped(_))
+        matches!(self, Self::Mapped { .. })
     }
 }
 
@@ -201,14 +209,22 @@ pub(crate) fn lock(bytes: &[u8], range: Range<usize>, lock: bool) -> io::Result<
     }
 }
 
-/// posix_fadvise(POSIX_FADV_DONTNEED) on the whole file: drop its clean pages from the page cache
-/// (only pages no process maps stay dropped). Linux only; elsewhere `Unsupported`.
-pub(crate) fn fadvise_dontneed(file: &File) -> io::Result<()> {
+/// posix_fadvise(POSIX_FADV_DONTNEED) on `range` of the file (the whole file for `0..0`): drop its
+/// clean pages from the page cache (pages some process still maps stay). Linux only; elsewhere
+/// `Unsupported`.
+pub(crate) fn fadvise_dontneed(file: &File, range: Range<usize>) -> io::Result<()> {
     #[cfg(target_os = "linux")]
     {
         use std::os::fd::AsRawFd;
         // SAFETY: posix_fadvise only reads its integer arguments; the fd is open for the call.
-        let rc = unsafe { libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
+        let rc = unsafe {
+            libc::posix_fadvise(
+                file.as_raw_fd(),
+                range.start as libc::off_t,
+                (range.end - range.start) as libc::off_t,
+                libc::POSIX_FADV_DONTNEED,
+            )
+        };
         if rc != 0 {
             return Err(io::Error::from_raw_os_error(rc));
         }
@@ -216,7 +232,7 @@ pub(crate) fn fadvise_dontneed(file: &File) -> io::Result<()> {
     }
     #[cfg(not(target_os = "linux"))]
     {
-        let _ = file;
+        let _ = (file, range);
         Err(io::Error::new(io::ErrorKind::Unsupported, "posix_fadvise"))
     }
 }
