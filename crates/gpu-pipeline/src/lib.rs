@@ -4,3 +4,6 @@
 //! on a persistent thread pool.
 
 pub mod kernels;
+mod threadpool;
+
+pub use threadpool::ThreadPool;

@@ -1,1 +1,496 @@
 //! CPU kernels over quantized weights in place (matrix-vector and matrix-matrix products).
+//!
+//! The weights stay in the GGUF mapping, in their ggml block layout; nothing is dequantized to a
+//! copy. For the integer-quantized types (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K) the f32 activations are
+//! quantized on the fly to 8 bits per 32-element block (one f32 scale per block, as llama.cpp's
+//! q8 formats do) and the products run as integer dot products (AVX-512 VNNI `vpdpbusd` where the
+//! CPU has it), with the block scales applied in f32. Float weights (F32, F16, BF16) are multiplied
+//! with the f32 activations directly.
+//!
+//! Backends are picked at run time ([`Backend::detect`]): AVX-512 (F, BW, VL, VNNI, VBMI), AVX2 +
+//! FMA (float weights; quantized weights use the scalar code there), and a portable scalar backend
+//! that computes the same quantities (it is also the reference the SIMD code is tested against).
+//!
+//! **Batch invariance.** Row `i` of [`matmul`] over `n` tokens equals [`matvec`] on token `i`
+//! bit for bit, for every `n`, thread count and partitioning: each output element is reduced in
+//! a fixed order that depends only on the column count, and threads split rows, never columns.
+//!
+//! ```
+//! use gpu_pipeline::ThreadPool;
+//! use gpu_pipeline::kernels::{GgmlType, WeightMatrix, matvec};
+//!
+//! // A 2 x 4 F32 matrix.
+//! let w: Vec<f32> = vec![1.0, 2.0, 3.0, 4.0, -1.0, 0.5, 0.0, 2.0];
+//! let bytes: &[u8] = bytemuck::cast_slice(&w);
+//! let m = WeightMatrix::new(GgmlType::F32, 2, 4, bytes)?;
+//! let mut y = [0.0f32; 2];
+//! matvec(m, &[1.0, 1.0, 1.0, 1.0], &mut y, &ThreadPool::new(1))?;
+//! assert_eq!(y, [10.0, 1.5]);
+//! # Ok::<(), gpu_pipeline::kernels::KernelError>(())
+//! ```
+
+mod act;
+#[cfg(target_arch = "x86_64")]
+mod avx2;
+#[cfg(target_arch = "x86_64")]
+mod avx512;
+mod format;
+mod ops;
+mod scalar;
+
+use std::cell::RefCell;
+use std::sync::OnceLock;
+
+use crate::ThreadPool;
+pub use weight_cache::GgmlType;
+
+use act::ActQuad;
+use format::Fmt;
+pub use ops::{
+    OpsError, add_assign, axpy, axpy_f16, dot, dot_f16, rmsnorm, rope_neox, rope_normal, silu_mul,
+    softmax,
+};
+
+/// A row-major weight matrix in its ggml encoding, borrowed from a model file mapping.
+///
+/// `cols` is the row length (ggml `ne0`, `shape[0]`), `rows` the number of rows (`shape[1]`).
+#[derive(Clone, Copy, Debug)]
+pub struct WeightMatrix<'a> {
+    /// Element encoding.
+    pub dtype: GgmlType,
+    /// Number of rows (outputs of a product).
+    pub rows: usize,
+    /// Elements per row (inputs of a product).
+    pub cols: usize,
+    /// `rows * dtype.row_bytes(cols)` bytes.
+    pub data: &'a [u8],
+}
+
+impl<'a> WeightMatrix<'a> {
+    /// A checked matrix: the dtype is supported, `cols` is a multiple of its block size and `data`
+    /// has exactly the right length.
+    pub fn new(
+        dtype: GgmlType,
+        rows: usize,
+        cols: usize,
+        data: &'a [u8],
+    ) -> Result<Self, KernelError> {
+        let m = Self {
+            dtype,
+            rows,
+            cols,
+            data,
+        };
+        m.check()?;
+        Ok(m)
+    }
+
+    /// The matrix of a 2-D tensor view (`cols = shape[0]`, `rows = shape[1]`; a 1-D tensor is one
+    /// row).
+    pub fn from_tensor(t: &weight_cache::TensorView<'a>) -> Result<Self, KernelError> {
+        let cols = t.shape.first().copied().unwrap_or(1);
+        let rows: u64 = t.shape.iter().skip(1).product();
+        let to_usize =
+            |v: u64| usize::try_from(v).map_err(|_| KernelError::SizeOverflow { rows: v, cols });
+        Self::new(t.dtype, to_usize(rows)?, to_usize(cols)?, t.data)
+    }
+
+    /// Bytes of one encoded row.
+    pub fn row_bytes(&self) -> usize {
+        Fmt::of(self.dtype).map_or(0, |f| f.row_bytes(self.cols))
+    }
+
+    fn check(&self) -> Result<Fmt, KernelError> {
+        let fmt = Fmt::of(self.dtype).ok_or(KernelError::UnsupportedDtype { dtype: self.dtype })?;
+        if self.cols % fmt.block_elems() != 0 {
+            return Err(KernelError::ColsNotBlockAligned {
+                dtype: self.dtype,
+                cols: self.cols,
+                block: fmt.block_elems(),
+            });
+        }
+        let expected =
+            fmt.row_bytes(self.cols)
+                .checked_mul(self.rows)
+                .ok_or(KernelError::SizeOverflow {
+                    rows: self.rows as u64,
+                    cols: self.cols as u64,
+                })?;
+        if self.data.len() != expected {
+            return Err(KernelError::DataLength {
+                dtype: self.dtype,
+                rows: self.rows,
+                cols: self.cols,
+                expected,
+                actual: self.data.len(),
+            });
+        }
+        Ok(fmt)
+    }
+}
+
+/// Errors of [`matvec`], [`matmul`] and [`dequantize_row`].
+#[non_exhaustive]
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum KernelError {
+    /// The weight encoding has no kernel here.
+    #[error("no CPU kernel for weights of type {}", dtype.name())]
+    UnsupportedDtype {
+        /// The encoding.
+        dtype: GgmlType,
+    },
+    /// The row length is not a whole number of blocks of the encoding.
+    #[error("{cols} columns are not a multiple of the {} block size {block}", dtype.name())]
+    ColsNotBlockAligned {
+        /// The encoding.
+        dtype: GgmlType,
+        /// Row length.
+        cols: usize,
+        /// Elements per block.
+        block: usize,
+    },
+    /// The weight bytes do not have the length the shape implies.
+    #[error("a {rows} x {cols} {} matrix needs {expected} bytes, got {actual}", dtype.name())]
+    DataLength {
+        /// The encoding.
+        dtype: GgmlType,
+        /// Rows.
+        rows: usize,
+        /// Columns.
+        cols: usize,
+        /// `rows * row_bytes(cols)`.
+        expected: usize,
+        /// Bytes given.
+        actual: usize,
+    },
+    /// The shape does not fit in memory sizes.
+    #[error("a {rows} x {cols} matrix overflows usize")]
+    SizeOverflow {
+        /// Rows.
+        rows: u64,
+        /// Columns.
+        cols: u64,
+    },
+    /// The input has the wrong length (`n * cols` expected).
+    #[error("input has {actual} elements, expected {expected}")]
+    InputLength {
+        /// Expected elements.
+        expected: usize,
+        /// Given elements.
+        actual: usize,
+    },
+    /// The output has the wrong length (`n * rows` expected, or `cols` for a row).
+    #[error("output has {actual} elements, expected {expected}")]
+    OutputLength {
+        /// Expected elements.
+        expected: usize,
+        /// Given elements.
+        actual: usize,
+    },
+    /// [`dequantize_row`] was asked for a row past the end.
+    #[error("row {row} out of range for a matrix of {rows} rows")]
+    RowOutOfRange {
+        /// Requested row.
+        row: usize,
+        /// Rows in the matrix.
+        rows: usize,
+    },
+    /// The requested backend is not supported by this CPU.
+    #[error("backend {backend:?} is not available on this CPU")]
+    BackendUnavailable {
+        /// The backend.
+        backend: Backend,
+    },
+}
+
+/// A kernel implementation.
+#[non_exhaustive]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Backend {
+    /// Portable Rust; same quantities as the SIMD backends.
+    Scalar,
+    /// x86-64 AVX2 + FMA + F16C (float weights; quantized weights fall back to scalar).
+    Avx2,
+    /// x86-64 AVX-512 F/BW/VL/DQ + VNNI + VBMI.
+    Avx512,
+}
+
+impl Backend {
+    /// Whether this CPU can run the backend.
+    pub fn is_available(self) -> bool {
+        match self {
+            Self::Scalar => true,
+            #[cfg(target_arch = "x86_64")]
+            Self::Avx2 => {
+                is_x86_feature_detected!("avx2")
+                    && is_x86_feature_detected!("fma")
+                    && is_x86_feature_detected!("f16c")
+            }
+            #[cfg(target_arch = "x86_64")]
+            Self::Avx512 => {
+                Self::Avx2.is_available()
+                    && is_x86_feature_detected!("avx512f")
+                    && is_x86_feature_detected!("avx512bw")
+                    && is_x86_feature_detected!("avx512vl")
+                    && is_x86_feature_detected!("avx512dq")
+                    && is_x86_feature_detected!("avx512vnni")
+                    && is_x86_feature_detected!("avx512vbmi")
+            }
+            #[cfg(not(target_arch = "x86_64"))]
+            _ => false,
+        }
+    }
+
+    /// All backends this CPU can run, slowest first.
+    pub fn available() -> Vec<Self> {
+        [Self::Scalar, Self::Avx2, Self::Avx512]
+            .into_iter()
+            .filter(|b| b.is_available())
+            .collect()
+    }
+
+    /// The backend [`matvec`] and [`matmul`] use: the fastest available, unless
+    /// `$ZEROLAYER_KERNELS` names another available one (`scalar`, `avx2`, `avx512`).
+    pub fn detect() -> Self {
+        static DETECTED: OnceLock<Backend> = OnceLock::new();
+        *DETECTED.get_or_init(|| {
+            let forced = std::env::var("ZEROLAYER_KERNELS").ok().and_then(|v| {
+                match v.trim().to_ascii_lowercase().as_str() {
+                    "scalar" => Some(Self::Scalar),
+                    "avx2" => Some(Self::Avx2),
+                    "avx512" => Some(Self::Avx512),
+                    _ => None,
+                }
+            });
+            match forced {
+                Some(b) if b.is_available() => b,
+                _ => *Self::available().last().unwrap_or(&Self::Scalar),
+            }
+        })
+    }
+}
+
+/// `y = W x` for one token: `x` has `cols` elements, `y` has `rows`.
+pub fn matvec(
+    w: WeightMatrix<'_>,
+    x: &[f32],
+    y: &mut [f32],
+    pool: &ThreadPool,
+) -> Result<(), KernelError> {
+    matmul_with(Backend::detect(), w, x, 1, y, pool)
+}
+
+/// `Y = X Wᵀ` for `n` tokens: `x` is `n x cols` row-major, `y` is `n x rows` row-major.
+/// Row `i` of `y` equals `matvec` on row `i` of `x` bit for bit.
+pub fn matmul(
+    w: WeightMatrix<'_>,
+    x: &[f32],
+    n: usize,
+    y: &mut [f32],
+    pool: &ThreadPool,
+) -> Result<(), KernelError> {
+    matmul_with(Backend::detect(), w, x, n, y, pool)
+}
+
+/// [`matmul`] on a chosen backend (for tests and benchmarks).
+pub fn matmul_with(
+    backend: Backend,
+    w: WeightMatrix<'_>,
+    x: &[f32],
+    n: usize,
+    y: &mut [f32],
+    pool: &ThreadPool,
+) -> Result<(), KernelError> {
+    if !backend.is_available() {
+        return Err(KernelError::BackendUnavailable { backend });
+    }
+    let fmt = w.check()?;
+    let expected_in = n.checked_mul(w.cols).ok_or(KernelError::SizeOverflow {
+        rows: n as u64,
+        cols: w.cols as u64,
+    })?;
+    if x.len() != expected_in {
+        return Err(KernelError::InputLength {
+            expected: expected_in,
+            actual: x.len(),
+        });
+    }
+    let expected_out = n.checked_mul(w.rows).ok_or(KernelError::SizeOverflow {
+        rows: n as u64,
+        cols: w.rows as u64,
+    })?;
+    if y.len() != expected_out {
+        return Err(KernelError::OutputLength {
+            expected: expected_out,
+            actual: y.len(),
+        });
+    }
+    if n == 0 || w.rows == 0 {
+        return Ok(());
+    }
+    if w.cols == 0 {
+        y.fill(0.0);
+        return Ok(());
+    }
+    let _span = tracing::trace_span!(
+        "matmul",
+        dtype = w.dtype.name(),
+        rows = w.rows,
+        cols = w.cols,
+        n
+    )
+    .entered();
+    if fmt.is_float() {
+        run_rows(w, n, y, pool, &|rows, out| {
+            float_rows(backend, fmt, w, x, n, rows, out)
+        });
+        return Ok(());
+    }
+    // Quantize the activations once (on the calling thread), then share them read-only.
+    ACT_SCRATCH.with(|scratch| {
+        let mut acts = scratch.borrow_mut();
+        let nq = act::quads_per_token(w.cols);
+        let needed = nq * n;
+        if acts.len() < needed {
+            acts.resize(needed, ActQuad::ZERO);
+        }
+        let acts = &mut acts[..needed];
+        act::quantize_tokens(backend, x, w.cols, acts);
+        let acts: &[ActQuad] = acts;
+        run_rows(w, n, y, pool, &|rows, out| {
+            quant_rows(backend, fmt, w, acts, n, rows, out)
+        });
+    });
+    Ok(())
+}
+
+thread_local! {
+    /// Reused per calling thread so a decode step does not allocate.
+    static ACT_SCRATCH: RefCell<Vec<ActQuad>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Output rows `rows` for all `n` tokens; `out` writes `y[t * w.rows + r]`.
+struct OutRows<'y> {
+    ptr: *mut f32,
+    stride: usize,
+    _y: std::marker::PhantomData<&'y mut [f32]>,
+}
+
+// SAFETY: tasks write disjoint row ranges of `y` (see `run_rows`); the pointer is only used
+// through `set`, whose callers stay inside their own range.
+unsafe impl Send for OutRows<'_> {}
+// SAFETY: as above.
+unsafe impl Sync for OutRows<'_> {}
+
+/// A task's window onto the output: rows `start..end` of every token.
+pub(crate) struct RowsOut<'a> {
+    base: &'a OutRows<'a>,
+    start: usize,
+    end: usize,
+    n: usize,
+}
+
+impl RowsOut<'_> {
+    /// Stores `y[token][row]`; `row` must be in this task's range.
+    #[inline(always)]
+    pub(crate) fn set(&mut self, token: usize, row: usize, v: f32) {
+        assert!(row >= self.start && row < self.end && token < self.n);
+        // SAFETY: `row` is inside this task's exclusive range and `token < n`, so the index is in
+        // bounds of `y` (length `n * stride`) and no other task writes it.
+        unsafe { *self.base.ptr.add(token * self.base.stride + row) = v };
+    }
+}
+
+fn run_rows(
+    w: WeightMatrix<'_>,
+    n: usize,
+    y: &mut [f32],
+    pool: &ThreadPool,
+    f: &(dyn Fn(std::ops::Range<usize>, &mut RowsOut<'_>) + Sync),
+) {
+    debug_assert_eq!(y.len(), n * w.rows);
+    let out = OutRows {
+        ptr: y.as_mut_ptr(),
+        stride: w.rows,
+        _y: std::marker::PhantomData,
+    };
+    // Chunks of whole 4-row groups; aim for ~8 chunks per thread so a descheduled thread delays
+    // an operation by little, but not so small that the claiming overhead shows.
+    let threads = pool.n_threads().max(1);
+    let min_rows = if n >= 8 { 16 } else { 32 };
+    let chunk = (w.rows.div_ceil(threads * 8))
+        .max(min_rows)
+        .next_multiple_of(4);
+    let n_tasks = w.rows.div_ceil(chunk);
+    let task = |t: usize, _thread: usize| {
+        let start = t * chunk;
+        let end = (start + chunk).min(w.rows);
+        let mut rows_out = RowsOut {
+            base: &out,
+            start,
+            end,
+            n,
+        };
+        f(start..end, &mut rows_out);
+    };
+    if n_tasks == 1 {
+        task(0, 0);
+    } else {
+        pool.run(n_tasks, &task);
+    }
+}
+
+fn float_rows(
+    backend: Backend,
+    fmt: Fmt,
+    w: WeightMatrix<'_>,
+    x: &[f32],
+    n: usize,
+    rows: std::ops::Range<usize>,
+    out: &mut RowsOut<'_>,
+) {
+    match backend {
+        #[cfg(target_arch = "x86_64")]
+        Backend::Avx512 | Backend::Avx2 => {
+            // SAFETY: `backend.is_available()` was checked by the caller (AVX-512 implies AVX2).
+            unsafe { avx2::float_rows(fmt, w, x, n, rows, out) }
+        }
+        _ => scalar::float_rows(fmt, w, x, n, rows, out),
+    }
+}
+
+fn quant_rows(
+    backend: Backend,
+    fmt: Fmt,
+    w: WeightMatrix<'_>,
+    acts: &[ActQuad],
+    n: usize,
+    rows: std::ops::Range<usize>,
+    out: &mut RowsOut<'_>,
+) {
+    match backend {
+        #[cfg(target_arch = "x86_64")]
+        Backend::Avx512 => {
+            // SAFETY: `backend.is_available()` was checked by the caller.
+            unsafe { avx512::quant_rows(fmt, w, acts, n, rows, out) }
+        }
+        _ => scalar::quant_rows(fmt, w, acts, n, rows, out),
+    }
+}
+
+/// Dequantizes row `row` of `w` into `out` (`cols` elements), e.g. for an embedding lookup.
+pub fn dequantize_row(w: WeightMatrix<'_>, row: usize, out: &mut [f32]) -> Result<(), KernelError> {
+    let fmt = w.check()?;
+    if row >= w.rows {
+        return Err(KernelError::RowOutOfRange { row, rows: w.rows });
+    }
+    if out.len() != w.cols {
+        return Err(KernelError::OutputLength {
+            expected: w.cols,
+            actual: out.len(),
+        });
+    }
+    let rb = fmt.row_bytes(w.cols);
+    format::dequantize_row(fmt, &w.data[row * rb..(row + 1) * rb], out);
+    Ok(())
+}

@@ -1,0 +1,116 @@
+//! On-the-fly quantization of f32 activations to 8 bits per 32-element block.
+//!
+//! Block `b` of a token: `d = max|x| / 127`, `q = round_ties_even(x / d)` (computed as `x * (1/d)`),
+//! so `x ≈ d * q`. Blocks are stored four at a time in an [`ActQuad`], laid out for the AVX-512
+//! kernels (see there); every backend reads the same bytes, so they all see identical `q` and `d`.
+
+use super::Backend;
+
+/// Four consecutive 32-element activation blocks (`4 * 32` columns) of one token.
+///
+/// Lane conventions: `x0[16 * L + e]` is element `e` of block `L`, `x1[16 * L + e]` element
+/// `16 + e`; the 16-lane vectors hold block `L`'s value in lanes `4 * L .. 4 * L + 4` (broadcast so
+/// they line up with the 4-rows-by-4-blocks result lanes of the kernels). Blocks past the end of
+/// the row are all zero.
+#[repr(C, align(64))]
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct ActQuad {
+    pub(crate) x0: [i8; 64],
+    pub(crate) x1: [i8; 64],
+    /// Scale `d`.
+    pub(crate) dx: [f32; 16],
+    /// `d * sum(q)`.
+    pub(crate) sx: [f32; 16],
+    /// `sum(q)` over the block.
+    pub(crate) sq: [i32; 16],
+    /// `sum(q)` over elements 0..16.
+    pub(crate) sq0: [i32; 16],
+    /// `sum(q)` over elements 16..32.
+    pub(crate) sq1: [i32; 16],
+}
+
+const _: () = assert!(size_of::<ActQuad>() == 448);
+
+impl ActQuad {
+    pub(crate) const ZERO: Self = Self {
+        x0: [0; 64],
+        x1: [0; 64],
+        dx: [0.0; 16],
+        sx: [0.0; 16],
+        sq: [0; 16],
+        sq0: [0; 16],
+        sq1: [0; 16],
+    };
+
+    /// Element `e` (0..32) of block `l` (0..4).
+    #[inline(always)]
+    pub(crate) fn q(&self, l: usize, e: usize) -> i8 {
+        if e < 16 {
+            self.x0[16 * l + e]
+        } else {
+            self.x1[16 * l + e - 16]
+        }
+    }
+}
+
+/// Activation quads per token of `cols` columns.
+pub(crate) fn quads_per_token(cols: usize) -> usize {
+    cols.div_ceil(128)
+}
+
+/// Quantizes `n = x.len() / cols` tokens into `acts` (`n * quads_per_token(cols)` quads).
+pub(crate) fn quantize_tokens(backend: Backend, x: &[f32], cols: usize, acts: &mut [ActQuad]) {
+    let nq = quads_per_token(cols);
+    for (xt, at) in x.chunks_exact(cols).zip(acts.chunks_exact_mut(nq)) {
+        match backend {
+            #[cfg(target_arch = "x86_64")]
+            Backend::Avx512 => {
+                // SAFETY: the caller checked that the AVX-512 backend is available.
+                unsafe { super::avx512::quantize_token(xt, at) }
+            }
+            _ => quantize_token(xt, at),
+        }
+    }
+}
+
+/// Scale and reciprocal of a block with maximum magnitude `amax`.
+#[inline(always)]
+pub(crate) fn block_scale(amax: f32) -> (f32, f32) {
+    let d = amax / 127.0;
+    let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+    (d, id)
+}
+
+/// Scalar quantization of one token.
+pub(crate) fn quantize_token(x: &[f32], acts: &mut [ActQuad]) {
+    for (qi, a) in acts.iter_mut().enumerate() {
+        *a = ActQuad::ZERO;
+        for l in 0..4 {
+            let start = (4 * qi + l) * 32;
+            if start >= x.len() {
+                break;
+            }
+            let blk = &x[start..start + 32];
+            let amax = blk.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+            let (d, id) = block_scale(amax);
+            let (mut s0, mut s1) = (0i32, 0i32);
+            for (e, &v) in blk.iter().enumerate() {
+                let q = (v * id).round_ties_even() as i8;
+                if e < 16 {
+                    a.x0[16 * l + e] = q;
+                    s0 += i32::from(q);
+                } else {
+                    a.x1[16 * l + e - 16] = q;
+                    s1 += i32::from(q);
+                }
+            }
+            for k in 0..4 {
+                a.dx[4 * l + k] = d;
+                a.sx[4 * l + k] = d * (s0 + s1) as f32;
+                a.sq[4 * l + k] = s0 + s1;
+                a.sq0[4 * l + k] = s0;
+                a.sq1[4 * l + k] = s1;
+            }
+        }
+    }
+}

@@ -1,0 +1,487 @@
+//! AVX-512 (F/BW/VL/DQ + VNNI + VBMI) kernels for the integer-quantized formats.
+//!
+//! The unit of work is 4 rows x 4 consecutive 32-element blocks ("a quad") x T tokens:
+//! - per row, the quad's quants are gathered with one or two `vpermt2b` into two u8 vectors
+//!   `W0` (lane `L` = elements 0..16 of block `L`) and `W1` (elements 16..32), the layout of the
+//!   prepared activations ([`ActQuad`]);
+//! - `vpdpbusd` multiplies them with the q8 activations, giving 4 partial sums per block;
+//! - a 4x4 transpose-and-add turns the 4 rows' partial sums into one vector whose lane `4L + k`
+//!   is the exact integer dot product of block `L` of row `k`;
+//! - the block scales (weights' and activations') are applied in f32 with one FMA per 16 block
+//!   products, into per-token accumulators whose lane `4L + k` belongs to row `k`.
+//!
+//! Each weight quad is decoded once for up to 8 tokens (prefill and batched decode). Every output
+//! element goes through the same operations in the same order whatever the tile, the number of
+//! tokens or the row partition, which makes `matmul` batch-invariant.
+
+use std::arch::x86_64::*;
+use std::ops::Range;
+
+use super::act::{ActQuad, block_scale, quads_per_token};
+use super::format::{Fmt, f16_at, q4k_scale_min};
+use super::{RowsOut, WeightMatrix};
+
+const F_Q4_0: u8 = 0;
+const F_Q4_1: u8 = 1;
+const F_Q8_0: u8 = 2;
+const F_Q4K: u8 = 3;
+const F_Q6K: u8 = 4;
+
+/// Byte gather of the 16 quant bytes of 4 blocks of `bs` bytes with `hdr` header bytes.
+const fn qs_index(bs: usize, hdr: usize) -> [u8; 64] {
+    let mut t = [0u8; 64];
+    let mut i = 0;
+    while i < 64 {
+        t[i] = (bs * (i / 16) + hdr + i % 16) as u8;
+        i += 1;
+    }
+    t
+}
+
+/// Word gather: word lane `2 * (4L + k)` takes word `stride * L`.
+const fn hdr16_index(stride: usize) -> [u16; 32] {
+    let mut t = [0u16; 32];
+    let mut i = 0;
+    while i < 32 {
+        t[i] = (stride * (i / 8)) as u16;
+        i += 1;
+    }
+    t
+}
+
+static IDX_Q4_0: [u8; 64] = qs_index(18, 2);
+static IDX_Q4_1: [u8; 64] = qs_index(20, 4);
+static IDX_Q8_0: [u8; 64] = qs_index(34, 2);
+static IDX16_Q4_0: [u16; 32] = hdr16_index(9);
+static IDX16_Q8_0: [u16; 32] = hdr16_index(17);
+static IDX32_Q4_1: [u32; 16] = [0, 0, 0, 0, 5, 5, 5, 5, 10, 10, 10, 10, 15, 15, 15, 15];
+static QIDX_W0_KQ4: [u64; 8] = [0, 1, 8, 9, 4, 5, 12, 13];
+static QIDX_W1_KQ4: [u64; 8] = [2, 3, 10, 11, 6, 7, 14, 15];
+static QIDX_W0_KQ6: [u64; 8] = [0, 1, 4, 5, 8, 9, 12, 13];
+static QIDX_W1_KQ6: [u64; 8] = [2, 3, 6, 7, 10, 11, 14, 15];
+static Q6_SHL: [u16; 32] = [
+    4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2,
+];
+static Q6_SHR: [u16; 32] = [
+    0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2,
+];
+
+/// A mask of the first `n` bytes (`n` clamped to 0..=64).
+#[inline(always)]
+fn bmask(n: isize) -> u64 {
+    if n <= 0 {
+        0
+    } else if n >= 64 {
+        u64::MAX
+    } else {
+        (1u64 << n) - 1
+    }
+}
+
+/// One quad of 4 rows, decoded.
+#[derive(Clone, Copy)]
+struct WQuad {
+    w0: [__m512i; 4],
+    w1: [__m512i; 4],
+    /// Weight scale per lane `4L + k` (Q6_K: of elements 0..16).
+    d: __m512,
+    /// Q4_1/Q4_K: additive term per lane; Q6_K: scale of elements 16..32.
+    m: __m512,
+}
+
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,avx2,fma,f16c")]
+unsafe fn load_idx(t: &[u8; 64]) -> __m512i {
+    // SAFETY: `t` is 64 readable bytes.
+    unsafe { _mm512_loadu_si512(t.as_ptr().cast()) }
+}
+
+/// Decodes quad `q` (blocks `4q..4q + nvalid`) of the 4 rows at `rowp`.
+///
+/// # Safety
+/// Each `rowp[k]` points at a full encoded row of `w.cols` columns, `q` is a quad of that row and
+/// `nvalid` the number of its blocks inside the row.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,avx2,fma,f16c")]
+unsafe fn decode<const F: u8>(rowp: &[*const u8; 4], q: usize, nvalid: usize) -> WQuad {
+    let z = _mm512_setzero_si512();
+    let mut out = WQuad {
+        w0: [z; 4],
+        w1: [z; 4],
+        d: _mm512_setzero_ps(),
+        m: _mm512_setzero_ps(),
+    };
+    let lo4 = _mm512_set1_epi8(0x0F);
+    // SAFETY (whole body): all loads stay inside the quad's bytes of each row (full quads), or
+    // are masked to the `nvalid` blocks inside the row (masked-off bytes are not accessed).
+    unsafe {
+        match F {
+            F_Q4_1 => {
+                let idx = load_idx(&IDX_Q4_1);
+                let hidx = _mm512_loadu_si512(IDX32_Q4_1.as_ptr().cast());
+                let mut hdr = z;
+                for k in 0..4 {
+                    let p = rowp[k].add(q * 80);
+                    let (a, b) = if nvalid == 4 {
+                        (
+                            _mm512_loadu_si512(p.cast()),
+                            _mm512_castsi128_si512(_mm_loadu_si128(p.add(64).cast())),
+                        )
+                    } else {
+                        let nb = (nvalid * 20) as isize;
+                        (
+                            _mm512_maskz_loadu_epi8(bmask(nb), p.cast()),
+                            _mm512_maskz_loadu_epi8(bmask(nb - 64), p.add(64).cast()),
+                        )
+                    };
+                    let qs = _mm512_permutex2var_epi8(a, idx, b);
+                    out.w0[k] = _mm512_and_si512(qs, lo4);
+                    out.w1[k] = _mm512_and_si512(_mm512_srli_epi16(qs, 4), lo4);
+                    hdr = _mm512_mask_permutexvar_epi32(hdr, 0x1111 << k, hidx, a);
+                }
+                out.d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(hdr));
+                out.m = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(hdr, 16)));
+            }
+            F_Q4_0 => {
+                let idx = load_idx(&IDX_Q4_0);
+                let hidx = _mm512_loadu_si512(IDX16_Q4_0.as_ptr().cast());
+                let mut hdr = z;
+                for k in 0..4 {
+                    let p = rowp[k].add(q * 72);
+                    let (a, b) = if nvalid == 4 {
+                        (
+                            _mm512_loadu_si512(p.cast()),
+                            _mm512_castsi128_si512(_mm_loadl_epi64(p.add(64).cast())),
+                        )
+                    } else {
+                        let nb = (nvalid * 18) as isize;
+                        (
+                            _mm512_maskz_loadu_epi8(bmask(nb), p.cast()),
+                            _mm512_maskz_loadu_epi8(bmask(nb - 64), p.add(64).cast()),
+                        )
+                    };
+                    let qs = _mm512_permutex2var_epi8(a, idx, b);
+                    out.w0[k] = _mm512_and_si512(qs, lo4);
+                    out.w1[k] = _mm512_and_si512(_mm512_srli_epi16(qs, 4), lo4);
+                    hdr = _mm512_mask_permutexvar_epi16(hdr, 0x0101_0101u32 << (2 * k), hidx, a);
+                }
+                out.d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(hdr));
+            }
+            F_Q8_0 => {
+                let idx = load_idx(&IDX_Q8_0);
+                let hidx = _mm512_loadu_si512(IDX16_Q8_0.as_ptr().cast());
+                let flip = _mm512_set1_epi8(-128);
+                let mut hdr = z;
+                for k in 0..4 {
+                    let p = rowp[k].add(q * 136);
+                    let (a, b, c, e) = if nvalid == 4 {
+                        (
+                            _mm512_loadu_si512(p.cast()),
+                            _mm512_loadu_si512(p.add(64).cast()),
+                            _mm512_loadu_si512(p.add(16).cast()),
+                            _mm512_maskz_loadu_epi8(bmask(56), p.add(80).cast()),
+                        )
+                    } else {
+                        let nb = (nvalid * 34) as isize;
+                        (
+                            _mm512_maskz_loadu_epi8(bmask(nb), p.cast()),
+                            _mm512_maskz_loadu_epi8(bmask(nb - 64), p.add(64).cast()),
+                            _mm512_maskz_loadu_epi8(bmask(nb - 16), p.add(16).cast()),
+                            _mm512_maskz_loadu_epi8(bmask(nb - 80), p.add(80).cast()),
+                        )
+                    };
+                    let lo = _mm512_permutex2var_epi8(a, idx, b);
+                    let hi = _mm512_permutex2var_epi8(c, idx, e);
+                    out.w0[k] = _mm512_xor_si512(lo, flip);
+                    out.w1[k] = _mm512_xor_si512(hi, flip);
+                    let h = _mm512_permutex2var_epi16(a, hidx, b);
+                    hdr = _mm512_mask_mov_epi16(hdr, 0x0101_0101u32 << (2 * k), h);
+                }
+                out.d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(hdr));
+            }
+            F_Q4K => {
+                let (blk, h) = (q / 2, q % 2);
+                let i0 = _mm512_loadu_si512(QIDX_W0_KQ4.as_ptr().cast());
+                let i1 = _mm512_loadu_si512(QIDX_W1_KQ4.as_ptr().cast());
+                let mut dv = [0.0f32; 16];
+                let mut mv = [0.0f32; 16];
+                for k in 0..4 {
+                    let p = rowp[k].add(blk * 144);
+                    let v = _mm512_loadu_si512(p.add(16 + 64 * h).cast());
+                    let lo = _mm512_and_si512(v, lo4);
+                    let hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo4);
+                    out.w0[k] = _mm512_permutex2var_epi64(lo, i0, hi);
+                    out.w1[k] = _mm512_permutex2var_epi64(lo, i1, hi);
+                    let head = std::slice::from_raw_parts(p, 16);
+                    let (d, dmin) = (f16_at(head, 0), f16_at(head, 2));
+                    for l in 0..4 {
+                        let (sc, m) = q4k_scale_min(4 * h + l, &head[4..16]);
+                        dv[4 * l + k] = d * f32::from(sc);
+                        mv[4 * l + k] = -(dmin * f32::from(m));
+                    }
+                }
+                out.d = _mm512_loadu_ps(dv.as_ptr());
+                out.m = _mm512_loadu_ps(mv.as_ptr());
+            }
+            F_Q6K => {
+                let (blk, h) = (q / 2, q % 2);
+                let i0 = _mm512_loadu_si512(QIDX_W0_KQ6.as_ptr().cast());
+                let i1 = _mm512_loadu_si512(QIDX_W1_KQ6.as_ptr().cast());
+                let shl = _mm512_loadu_si512(Q6_SHL.as_ptr().cast());
+                let shr = _mm512_loadu_si512(Q6_SHR.as_ptr().cast());
+                let m30 = _mm512_set1_epi8(0x30);
+                let mut da = [0.0f32; 16];
+                let mut db = [0.0f32; 16];
+                for k in 0..4 {
+                    let p = rowp[k].add(blk * 210);
+                    let ql = _mm512_loadu_si512(p.add(64 * h).cast());
+                    let qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(p.add(128 + 32 * h).cast()));
+                    let lo = _mm512_and_si512(ql, lo4);
+                    let hi = _mm512_and_si512(_mm512_srli_epi16(ql, 4), lo4);
+                    let hlo = _mm512_and_si512(_mm512_sllv_epi16(qh, shl), m30);
+                    let hhi = _mm512_and_si512(_mm512_srlv_epi16(qh, shr), m30);
+                    let qlo = _mm512_or_si512(lo, hlo);
+                    let qhi = _mm512_or_si512(hi, hhi);
+                    out.w0[k] = _mm512_permutex2var_epi64(qlo, i0, qhi);
+                    out.w1[k] = _mm512_permutex2var_epi64(qlo, i1, qhi);
+                    let tail = std::slice::from_raw_parts(p.add(192), 18);
+                    let d = f16_at(tail, 16);
+                    for l in 0..4 {
+                        da[4 * l + k] = d * f32::from(tail[8 * h + 2 * l] as i8);
+                        db[4 * l + k] = d * f32::from(tail[8 * h + 2 * l + 1] as i8);
+                    }
+                }
+                out.d = _mm512_loadu_ps(da.as_ptr());
+                out.m = _mm512_loadu_ps(db.as_ptr());
+            }
+            _ => unreachable!(),
+        }
+    }
+    out
+}
+
+/// Lane `4L + k` = sum of the 4 dwords of 128-bit lane `L` of `p[k]`.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,avx2,fma,f16c")]
+fn reduce4(p: [__m512i; 4]) -> __m512i {
+    let s01 = _mm512_add_epi32(
+        _mm512_unpacklo_epi32(p[0], p[1]),
+        _mm512_unpackhi_epi32(p[0], p[1]),
+    );
+    let s23 = _mm512_add_epi32(
+        _mm512_unpacklo_epi32(p[2], p[3]),
+        _mm512_unpackhi_epi32(p[2], p[3]),
+    );
+    _mm512_add_epi32(
+        _mm512_unpacklo_epi64(s01, s23),
+        _mm512_unpackhi_epi64(s01, s23),
+    )
+}
+
+/// Accumulates the products of one decoded quad with one token's activation quad.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,avx2,fma,f16c")]
+fn accumulate<const F: u8>(w: &WQuad, a: &ActQuad, acc: __m512) -> __m512 {
+    // SAFETY: `ActQuad` is 64-byte aligned and its fields are 64 bytes each.
+    let ld = |p: *const u8| unsafe { _mm512_load_si512(p.cast()) };
+    let x0 = ld(a.x0.as_ptr().cast());
+    let x1 = ld(a.x1.as_ptr().cast());
+    let dx = _mm512_castsi512_ps(ld(a.dx.as_ptr().cast()));
+    let z = _mm512_setzero_si512();
+    if F == F_Q6K {
+        let p0 = [0, 1, 2, 3].map(|k| _mm512_dpbusd_epi32(z, w.w0[k], x0));
+        let p1 = [0, 1, 2, 3].map(|k| _mm512_dpbusd_epi32(z, w.w1[k], x1));
+        let sq0 = ld(a.sq0.as_ptr().cast());
+        let sq1 = ld(a.sq1.as_ptr().cast());
+        let i0 = _mm512_sub_epi32(reduce4(p0), _mm512_slli_epi32(sq0, 5));
+        let i1 = _mm512_sub_epi32(reduce4(p1), _mm512_slli_epi32(sq1, 5));
+        let acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i0), _mm512_mul_ps(w.d, dx), acc);
+        return _mm512_fmadd_ps(_mm512_cvtepi32_ps(i1), _mm512_mul_ps(w.m, dx), acc);
+    }
+    let p =
+        [0, 1, 2, 3].map(|k| _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(z, w.w0[k], x0), w.w1[k], x1));
+    let mut r = reduce4(p);
+    match F {
+        F_Q4_0 => r = _mm512_sub_epi32(r, _mm512_slli_epi32(ld(a.sq.as_ptr().cast()), 3)),
+        F_Q8_0 => r = _mm512_sub_epi32(r, _mm512_slli_epi32(ld(a.sq.as_ptr().cast()), 7)),
+        _ => {}
+    }
+    let acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(r), _mm512_mul_ps(w.d, dx), acc);
+    if F == F_Q4_1 || F == F_Q4K {
+        let sx = _mm512_castsi512_ps(ld(a.sx.as_ptr().cast()));
+        return _mm512_fmadd_ps(w.m, sx, acc);
+    }
+    acc
+}
+
+/// Row sums of an accumulator: element `k` = sum over `L` of lane `4L + k`, in a fixed order.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,avx2,fma,f16c")]
+fn row_sums(acc: __m512) -> [f32; 4] {
+    let h = _mm256_add_ps(_mm512_castps512_ps256(acc), _mm512_extractf32x8_ps(acc, 1));
+    let s = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+    let mut out = [0.0f32; 4];
+    // SAFETY: `out` has room for 4 floats.
+    unsafe { _mm_storeu_ps(out.as_mut_ptr(), s) };
+    out
+}
+
+/// Products of 4 rows with `T` tokens (`acts` points at token 0's first quad; tokens are `nq`
+/// quads apart).
+///
+/// # Safety
+/// As for [`decode`]; `acts` is valid for `T * nq` quads.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,avx2,fma,f16c")]
+unsafe fn tile<const F: u8, const T: usize>(
+    rowp: &[*const u8; 4],
+    acts: *const ActQuad,
+    nq: usize,
+    nblocks: usize,
+) -> [[f32; 4]; T] {
+    let mut acc = [_mm512_setzero_ps(); T];
+    for q in 0..nq {
+        let nvalid = (nblocks - 4 * q).min(4);
+        // SAFETY: forwarded from the caller.
+        let w = unsafe { decode::<F>(rowp, q, nvalid) };
+        for (t, a) in acc.iter_mut().enumerate() {
+            // SAFETY: `t * nq + q < T * nq`.
+            let aq = unsafe { &*acts.add(t * nq + q) };
+            *a = accumulate::<F>(&w, aq, *a);
+        }
+    }
+    acc.map(|a| row_sums(a))
+}
+
+/// Rows `rows` x all `n` tokens of an integer-quantized matrix.
+///
+/// # Safety
+/// The CPU supports the features enabled here; `acts` holds `n` tokens quantized for `w.cols`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,avx2,fma,f16c")]
+pub(crate) unsafe fn quant_rows(
+    fmt: Fmt,
+    w: WeightMatrix<'_>,
+    acts: &[ActQuad],
+    n: usize,
+    rows: Range<usize>,
+    out: &mut RowsOut<'_>,
+) {
+    match fmt {
+        Fmt::Q4_0 => rows_impl::<F_Q4_0>(fmt, w, acts, n, rows, out),
+        Fmt::Q4_1 => rows_impl::<F_Q4_1>(fmt, w, acts, n, rows, out),
+        Fmt::Q8_0 => rows_impl::<F_Q8_0>(fmt, w, acts, n, rows, out),
+        Fmt::Q4K => rows_impl::<F_Q4K>(fmt, w, acts, n, rows, out),
+        Fmt::Q6K => rows_impl::<F_Q6K>(fmt, w, acts, n, rows, out),
+        Fmt::F32 | Fmt::F16 | Fmt::BF16 => unreachable!("float formats use float_rows"),
+    }
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,avx2,fma,f16c")]
+fn rows_impl<const F: u8>(
+    fmt: Fmt,
+    w: WeightMatrix<'_>,
+    acts: &[ActQuad],
+    n: usize,
+    rows: Range<usize>,
+    out: &mut RowsOut<'_>,
+) {
+    let rb = fmt.row_bytes(w.cols);
+    let nq = quads_per_token(w.cols);
+    let nblocks = w.cols / 32;
+    assert!(acts.len() >= n * nq && rows.end <= w.rows && w.data.len() >= w.rows * rb);
+    let mut t0 = 0;
+    while t0 < n {
+        let tn = match n - t0 {
+            8.. => 8,
+            4..=7 => 4,
+            2..=3 => 2,
+            _ => 1,
+        };
+        let ap = acts[t0 * nq..].as_ptr();
+        for g in rows.clone().step_by(4) {
+            let rowp = [0, 1, 2, 3].map(|k| {
+                let r = (g + k).min(rows.end - 1);
+                // SAFETY: `r < w.rows`, so the row lies inside `w.data` (asserted above).
+                unsafe { w.data.as_ptr().add(r * rb) }
+            });
+            // SAFETY: the rows are whole encoded rows of `w.cols` columns, `ap` has `tn` tokens.
+            let mut emit = |t: usize, s: [f32; 4]| {
+                for (k, v) in s.into_iter().enumerate() {
+                    if g + k < rows.end {
+                        out.set(t0 + t, g + k, v);
+                    }
+                }
+            };
+            unsafe {
+                match tn {
+                    8 => tile::<F, 8>(&rowp, ap, nq, nblocks)
+                        .into_iter()
+                        .enumerate()
+                        .for_each(|(t, s)| emit(t, s)),
+                    4 => tile::<F, 4>(&rowp, ap, nq, nblocks)
+                        .into_iter()
+                        .enumerate()
+                        .for_each(|(t, s)| emit(t, s)),
+                    2 => tile::<F, 2>(&rowp, ap, nq, nblocks)
+                        .into_iter()
+                        .enumerate()
+                        .for_each(|(t, s)| emit(t, s)),
+                    _ => tile::<F, 1>(&rowp, ap, nq, nblocks)
+                        .into_iter()
+                        .enumerate()
+                        .for_each(|(t, s)| emit(t, s)),
+                }
+            }
+        }
+        t0 += tn;
+    }
+}
+
+/// AVX-512 version of [`super::act::quantize_token`], producing identical bytes.
+///
+/// # Safety
+/// The CPU supports the features enabled here.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,avx2,fma,f16c")]
+pub(crate) unsafe fn quantize_token(x: &[f32], acts: &mut [ActQuad]) {
+    let nblocks = x.len() / 32;
+    for (qi, a) in acts.iter_mut().enumerate() {
+        *a = ActQuad::ZERO;
+        for l in 0..4 {
+            let b = 4 * qi + l;
+            if b >= nblocks {
+                break;
+            }
+            // SAFETY: block `b` is inside `x` (32 floats).
+            let (v0, v1) = unsafe {
+                let p = x.as_ptr().add(32 * b);
+                (_mm512_loadu_ps(p), _mm512_loadu_ps(p.add(16)))
+            };
+            let amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+            let (d, id) = block_scale(amax);
+            let idv = _mm512_set1_ps(id);
+            // Round to nearest even (the default MXCSR mode), as `round_ties_even` does.
+            let q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, idv));
+            let q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, idv));
+            let s0 = _mm512_reduce_add_epi32(q0);
+            let s1 = _mm512_reduce_add_epi32(q1);
+            // SAFETY: each store writes 16 bytes inside the 64-byte `x0`/`x1` arrays.
+            unsafe {
+                _mm_storeu_si128(
+                    a.x0.as_mut_ptr().add(16 * l).cast(),
+                    _mm512_cvtepi32_epi8(q0),
+                );
+                _mm_storeu_si128(
+                    a.x1.as_mut_ptr().add(16 * l).cast(),
+                    _mm512_cvtepi32_epi8(q1),
+                );
+            }
+            for k in 0..4 {
+                a.dx[4 * l + k] = d;
+                a.sx[4 * l + k] = d * (s0 + s1) as f32;
+                a.sq[4 * l + k] = s0 + s1;
+                a.sq0[4 * l + k] = s0;
+                a.sq1[4 * l + k] = s1;
+            }
+        }
+    }
+}

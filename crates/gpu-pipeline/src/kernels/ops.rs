@@ -1,0 +1,329 @@
+//! Element-wise and reduction helpers of the transformer forward pass (norms, softmax, SwiGLU,
+//! RoPE, attention dot/axpy over f32 or f16 KV rows).
+//!
+//! Reductions use 16 independent partial sums combined in a fixed tree, so results depend only on
+//! the input length (never on threads or batch). The bodies are compiled twice, for the baseline
+//! target and for AVX2 + FMA + F16C, and the second runs where the CPU has those features.
+
+use half::f16;
+
+/// Errors of the helpers in this module: mismatched slice lengths.
+#[non_exhaustive]
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum OpsError {
+    /// Two slices that must be equally long (or in a fixed ratio) are not.
+    #[error("{what}: expected {expected} elements, got {actual}")]
+    LengthMismatch {
+        /// Which argument.
+        what: &'static str,
+        /// Expected length.
+        expected: usize,
+        /// Given length.
+        actual: usize,
+    },
+}
+
+fn check(what: &'static str, expected: usize, actual: usize) -> Result<(), OpsError> {
+    if expected == actual {
+        Ok(())
+    } else {
+        Err(OpsError::LengthMismatch {
+            what,
+            expected,
+            actual,
+        })
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+fn has_avx2() -> bool {
+    use std::sync::OnceLock;
+    static HAS: OnceLock<bool> = OnceLock::new();
+    *HAS.get_or_init(|| {
+        is_x86_feature_detected!("avx2")
+            && is_x86_feature_detected!("fma")
+            && is_x86_feature_detected!("f16c")
+    })
+}
+
+/// Defines `$name` running `$body` compiled with AVX2+FMA+F16C when available.
+macro_rules! multiversion {
+    ($(#[$m:meta])* fn $name:ident($($arg:ident : $ty:ty),*) -> $ret:ty $body:block) => {
+        $(#[$m])*
+        fn $name($($arg: $ty),*) -> $ret {
+            #[inline(always)]
+            fn body($($arg: $ty),*) -> $ret $body
+            #[cfg(target_arch = "x86_64")]
+            {
+                #[target_feature(enable = "avx2,fma,f16c")]
+                fn fast($($arg: $ty),*) -> $ret { body($($arg),*) }
+                if has_avx2() {
+                    // SAFETY: the features were detected at run time.
+                    return unsafe { fast($($arg),*) };
+                }
+            }
+            body($($arg),*)
+        }
+    };
+}
+
+#[inline(always)]
+fn tree16(acc: [f32; 16]) -> f32 {
+    let mut a = acc;
+    for w in [8, 4, 2, 1] {
+        for i in 0..w {
+            a[i] += a[i + w];
+        }
+    }
+    a[0]
+}
+
+multiversion! {
+    fn dot_impl(a: &[f32], b: &[f32]) -> f32 {
+        let mut acc = [0.0f32; 16];
+        let (ca, cb) = (a.chunks_exact(16), b.chunks_exact(16));
+        let (ra, rb) = (ca.remainder(), cb.remainder());
+        for (x, y) in ca.zip(cb) {
+            for i in 0..16 {
+                acc[i] = x[i].mul_add(y[i], acc[i]);
+            }
+        }
+        let mut s = tree16(acc);
+        for (x, y) in ra.iter().zip(rb) {
+            s = x.mul_add(*y, s);
+        }
+        s
+    }
+}
+
+multiversion! {
+    fn dot_f16_impl(a: &[f32], b: &[f16]) -> f32 {
+        let mut acc = [0.0f32; 16];
+        let (ca, cb) = (a.chunks_exact(16), b.chunks_exact(16));
+        let (ra, rb) = (ca.remainder(), cb.remainder());
+        for (x, y) in ca.zip(cb) {
+            let mut yf = [0.0f32; 16];
+            half::slice::HalfFloatSliceExt::convert_to_f32_slice(y, &mut yf);
+            for i in 0..16 {
+                acc[i] = x[i].mul_add(yf[i], acc[i]);
+            }
+        }
+        let mut s = tree16(acc);
+        for (x, y) in ra.iter().zip(rb) {
+            s = x.mul_add(y.to_f32(), s);
+        }
+        s
+    }
+}
+
+multiversion! {
+    fn axpy_impl(y: &mut [f32], a: f32, x: &[f32]) -> () {
+        for (yv, xv) in y.iter_mut().zip(x) {
+            *yv = a.mul_add(*xv, *yv);
+        }
+    }
+}
+
+multiversion! {
+    fn axpy_f16_impl(y: &mut [f32], a: f32, x: &[f16]) -> () {
+        let mut cy = y.chunks_exact_mut(16);
+        let mut cx = x.chunks_exact(16);
+        for (yv, xv) in (&mut cy).zip(&mut cx) {
+            let mut xf = [0.0f32; 16];
+            half::slice::HalfFloatSliceExt::convert_to_f32_slice(xv, &mut xf);
+            for i in 0..16 {
+                yv[i] = a.mul_add(xf[i], yv[i]);
+            }
+        }
+        for (yv, xv) in cy.into_remainder().iter_mut().zip(cx.remainder()) {
+            *yv = a.mul_add(xv.to_f32(), *yv);
+        }
+    }
+}
+
+/// `sum(a[i] * b[i])`.
+pub fn dot(a: &[f32], b: &[f32]) -> Result<f32, OpsError> {
+    check("dot: b", a.len(), b.len())?;
+    Ok(dot_impl(a, b))
+}
+
+/// `sum(a[i] * b[i])` with `b` in f16 (an f16 KV cache row).
+pub fn dot_f16(a: &[f32], b: &[f16]) -> Result<f32, OpsError> {
+    check("dot_f16: b", a.len(), b.len())?;
+    Ok(dot_f16_impl(a, b))
+}
+
+/// `y += a * x`.
+pub fn axpy(y: &mut [f32], a: f32, x: &[f32]) -> Result<(), OpsError> {
+    check("axpy: x", y.len(), x.len())?;
+    axpy_impl(y, a, x);
+    Ok(())
+}
+
+/// `y += a * x` with `x` in f16 (an f16 KV cache row).
+pub fn axpy_f16(y: &mut [f32], a: f32, x: &[f16]) -> Result<(), OpsError> {
+    check("axpy_f16: x", y.len(), x.len())?;
+    axpy_f16_impl(y, a, x);
+    Ok(())
+}
+
+/// `y += x` (residual connections).
+pub fn add_assign(y: &mut [f32], x: &[f32]) -> Result<(), OpsError> {
+    check("add_assign: x", y.len(), x.len())?;
+    for (a, b) in y.iter_mut().zip(x) {
+        *a += b;
+    }
+    Ok(())
+}
+
+/// RMSNorm: `out[i] = x[i] / sqrt(mean(x²) + eps) * weight[i]` (the sum of squares in f64, as
+/// ggml does).
+pub fn rmsnorm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) -> Result<(), OpsError> {
+    check("rmsnorm: weight", x.len(), weight.len())?;
+    check("rmsnorm: out", x.len(), out.len())?;
+    if x.is_empty() {
+        return Ok(());
+    }
+    let ss: f64 = x.iter().map(|&v| f64::from(v) * f64::from(v)).sum();
+    let scale = (1.0 / (ss / x.len() as f64 + f64::from(eps)).sqrt()) as f32;
+    for ((o, &v), &g) in out.iter_mut().zip(x).zip(weight) {
+        *o = v * scale * g;
+    }
+    Ok(())
+}
+
+/// In-place softmax (max-subtracted; the sum in f64). An empty slice is left alone.
+pub fn softmax(x: &mut [f32]) {
+    let max = x.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+    if x.is_empty() || max == f32::NEG_INFINITY {
+        return;
+    }
+    let mut sum = 0.0f64;
+    for v in x.iter_mut() {
+        *v = (*v - max).exp();
+        sum += f64::from(*v);
+    }
+    let inv = (1.0 / sum) as f32;
+    for v in x.iter_mut() {
+        *v *= inv;
+    }
+}
+
+/// SwiGLU: `gate[i] = silu(gate[i]) * up[i]`, `silu(g) = g / (1 + exp(-g))`.
+pub fn silu_mul(gate: &mut [f32], up: &[f32]) -> Result<(), OpsError> {
+    check("silu_mul: up", gate.len(), up.len())?;
+    for (g, &u) in gate.iter_mut().zip(up) {
+        *g = *g / (1.0 + (-*g).exp()) * u;
+    }
+    Ok(())
+}
+
+fn check_rope(x: &[f32], head_dim: usize, cos: &[f32], sin: &[f32]) -> Result<usize, OpsError> {
+    check("rope: sin", cos.len(), sin.len())?;
+    let n_rot = 2 * cos.len();
+    if n_rot > head_dim || head_dim == 0 || x.len() % head_dim != 0 {
+        return Err(OpsError::LengthMismatch {
+            what: "rope: x / head_dim",
+            expected: head_dim,
+            actual: x.len(),
+        });
+    }
+    Ok(n_rot)
+}
+
+/// RoPE, "normal" (GPT-J / llama.cpp `LLAMA_ROPE_TYPE_NORM`) layout: rotates the adjacent pairs
+/// `(2i, 2i + 1)` of every head by `(cos[i], sin[i])`. `x` holds whole heads of `head_dim`;
+/// `cos.len() == sin.len() == n_rot / 2`; dimensions past `n_rot` are left as they are.
+pub fn rope_normal(
+    x: &mut [f32],
+    head_dim: usize,
+    cos: &[f32],
+    sin: &[f32],
+) -> Result<(), OpsError> {
+    check_rope(x, head_dim, cos, sin)?;
+    for head in x.chunks_exact_mut(head_dim) {
+        for (i, (&c, &s)) in cos.iter().zip(sin).enumerate() {
+            let (a, b) = (head[2 * i], head[2 * i + 1]);
+            head[2 * i] = a * c - b * s;
+            head[2 * i + 1] = a * s + b * c;
+        }
+    }
+    Ok(())
+}
+
+/// RoPE, "neox" layout: rotates the pairs `(i, i + n_rot / 2)` of every head by
+/// `(cos[i], sin[i])`; otherwise as [`rope_normal`].
+pub fn rope_neox(x: &mut [f32], head_dim: usize, cos: &[f32], sin: &[f32]) -> Result<(), OpsError> {
+    let n_rot = check_rope(x, head_dim, cos, sin)?;
+    let half = n_rot / 2;
+    for head in x.chunks_exact_mut(head_dim) {
+        for (i, (&c, &s)) in cos.iter().zip(sin).enumerate() {
+            let (a, b) = (head[i], head[i + half]);
+            head[i] = a * c - b * s;
+            head[i + half] = a * s + b * c;
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dot_and_axpy_match_f64() {
+        for len in [0usize, 1, 7, 16, 33, 64, 100] {
+            let a: Vec<f32> = (0..len).map(|i| (i as f32 * 0.37).sin()).collect();
+            let b: Vec<f32> = (0..len).map(|i| (i as f32 * 0.11).cos()).collect();
+            let want: f64 = a
+                .iter()
+                .zip(&b)
+                .map(|(x, y)| f64::from(*x) * f64::from(*y))
+                .sum();
+            assert!((f64::from(dot(&a, &b).unwrap()) - want).abs() < 1e-4);
+            let bh: Vec<f16> = b.iter().map(|&v| f16::from_f32(v)).collect();
+            let want_h: f64 = a
+                .iter()
+                .zip(&bh)
+                .map(|(x, y)| f64::from(*x) * f64::from(y.to_f32()))
+                .sum();
+            assert!((f64::from(dot_f16(&a, &bh).unwrap()) - want_h).abs() < 1e-4);
+            let mut y = a.clone();
+            axpy(&mut y, 0.5, &b).unwrap();
+            let mut yh = a.clone();
+            axpy_f16(&mut yh, 0.5, &bh).unwrap();
+            for i in 0..len {
+                assert!((y[i] - (a[i] + 0.5 * b[i])).abs() < 1e-6);
+                assert!((yh[i] - (a[i] + 0.5 * bh[i].to_f32())).abs() < 1e-6);
+            }
+        }
+        assert!(dot(&[1.0], &[]).is_err());
+    }
+
+    #[test]
+    fn norms_softmax_silu_rope() {
+        let x = [1.0f32, -2.0, 3.0, 0.5];
+        let mut out = [0.0; 4];
+        rmsnorm(&x, &[1.0, 2.0, 1.0, 1.0], 1e-5, &mut out).unwrap();
+        let rms = ((1.0 + 4.0 + 9.0 + 0.25) / 4.0 + 1e-5f64).sqrt();
+        assert!((f64::from(out[1]) - (-4.0 / rms)).abs() < 1e-5);
+        let mut s = [1.0f32, 2.0, 3.0];
+        softmax(&mut s);
+        let e: Vec<f64> = [1.0f64, 2.0, 3.0].iter().map(|v| v.exp()).collect();
+        let z: f64 = e.iter().sum();
+        for i in 0..3 {
+            assert!((f64::from(s[i]) - e[i] / z).abs() < 1e-6);
+        }
+        let mut g = [1.0f32, -1.0];
+        silu_mul(&mut g, &[2.0, 3.0]).unwrap();
+        assert!((g[0] - 2.0 / (1.0 + (-1.0f32).exp())).abs() < 1e-6);
+        let (c, sn) = ((0.3f32).cos(), (0.3f32).sin());
+        let mut h = [1.0f32, 2.0, 3.0, 4.0];
+        rope_normal(&mut h, 4, &[c, 1.0], &[sn, 0.0]).unwrap();
+        assert!((h[0] - (c - 2.0 * sn)).abs() < 1e-6 && (h[2] - 3.0).abs() < 1e-6);
+        let mut h = [1.0f32, 2.0, 3.0, 4.0];
+        rope_neox(&mut h, 4, &[c, 1.0], &[sn, 0.0]).unwrap();
+        assert!((h[0] - (c - 3.0 * sn)).abs() < 1e-6 && (h[2] - (sn + 3.0 * c)).abs() < 1e-6);
+        assert!(rope_neox(&mut h, 3, &[c, 1.0], &[sn, 0.0]).is_err());
+    }
+}

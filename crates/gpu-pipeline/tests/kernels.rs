@@ -1,0 +1,332 @@
+//! Kernel correctness: every backend against an f64 reference built on weight-cache's scalar
+//! dequantization, batch invariance, and input validation.
+//!
+//! Tolerance. For float weights the only error is f32 accumulation: `|y - ref| <= 2e-5 * sum|w x|
+//! + 1e-6`. For the integer-quantized formats the activations are rounded to q8 per 32-element
+//! block (`|x - d q| <= d / 2`, `d = max|x_block| / 127`), so the stated bound is
+//! `sum_blocks(sum|w| * d / 2) * 1.001 + 2e-5 * sum|w x| + 1e-6` (rigorous up to f32 rounding).
+
+use gpu_pipeline::ThreadPool;
+use gpu_pipeline::kernels::{
+    Backend, GgmlType, KernelError, WeightMatrix, dequantize_row, matmul, matmul_with, matvec,
+};
+use half::f16;
+use proptest::prelude::*;
+
+const DTYPES: [GgmlType; 8] = [
+    GgmlType::F32,
+    GgmlType::F16,
+    GgmlType::BF16,
+    GgmlType::Q4_0,
+    GgmlType::Q4_1,
+    GgmlType::Q8_0,
+    GgmlType::Q4_K,
+    GgmlType::Q6_K,
+];
+
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        // xorshift64*
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+    fn unit(&mut self) -> f32 {
+        (self.next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
+    }
+}
+
+fn put_f16(b: &mut [u8], off: usize, v: f32) {
+    b[off..off + 2].copy_from_slice(&f16::from_f32(v).to_le_bytes());
+}
+
+/// Random weights: random quant bytes with sane (finite, small) f16 scales.
+fn random_weights(dtype: GgmlType, rows: usize, cols: usize, rng: &mut Rng) -> Vec<u8> {
+    let rb = dtype.row_bytes(cols).unwrap();
+    match dtype {
+        GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => {
+            let v: Vec<f32> = (0..rows * cols).map(|_| rng.unit()).collect();
+            weight_cache::quantize(dtype, &v).unwrap()
+        }
+        _ => {
+            let mut data: Vec<u8> = (0..rows * rb).map(|_| rng.next() as u8).collect();
+            let bs = dtype.type_size();
+            for blk in data.chunks_exact_mut(bs) {
+                match dtype {
+                    GgmlType::Q4_0 | GgmlType::Q8_0 => put_f16(blk, 0, rng.unit() * 0.05),
+                    GgmlType::Q4_1 | GgmlType::Q4_K => {
+                        put_f16(blk, 0, rng.unit() * 0.05);
+                        put_f16(blk, 2, rng.unit() * 0.1);
+                    }
+                    GgmlType::Q6_K => put_f16(blk, 208, rng.unit() * 0.01),
+                    _ => unreachable!(),
+                }
+            }
+            data
+        }
+    }
+}
+
+fn random_acts(n: usize, cols: usize, rng: &mut Rng) -> Vec<f32> {
+    // Mixed magnitudes per block, some exact zeros, to exercise the q8 scales.
+    (0..n * cols)
+        .map(|i| {
+            let scale = [1.0, 0.01, 5.0, 0.0][(i / 32 + i / 97) % 4];
+            rng.unit() * scale
+        })
+        .collect()
+}
+
+fn is_quant(dtype: GgmlType) -> bool {
+    !matches!(dtype, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16)
+}
+
+/// Checks `y` (n x rows) against the f64 reference with the module's stated tolerance.
+fn check_against_reference(
+    dtype: GgmlType,
+    rows: usize,
+    cols: usize,
+    data: &[u8],
+    x: &[f32],
+    y: &[f32],
+    what: &str,
+) {
+    let mut wf = vec![0.0f32; rows * cols];
+    weight_cache::dequantize(dtype, data, &mut wf).unwrap();
+    let n = x.len() / cols;
+    for t in 0..n {
+        let xt = &x[t * cols..(t + 1) * cols];
+        for r in 0..rows {
+            let wr = &wf[r * cols..(r + 1) * cols];
+            let exact: f64 = wr
+                .iter()
+                .zip(xt)
+                .map(|(a, b)| f64::from(*a) * f64::from(*b))
+                .sum();
+            let mag: f64 = wr
+                .iter()
+                .zip(xt)
+                .map(|(a, b)| (f64::from(*a) * f64::from(*b)).abs())
+                .sum();
+            let mut tol = 2e-5 * mag + 1e-6;
+            if is_quant(dtype) {
+                for (wb, xb) in wr.chunks(32).zip(xt.chunks(32)) {
+                    let amax = xb.iter().fold(0.0f64, |m, v| m.max(f64::from(v.abs())));
+                    let sw: f64 = wb.iter().map(|v| f64::from(v.abs())).sum();
+                    tol += 1.001 * sw * amax / 127.0 / 2.0;
+                }
+            }
+            let got = f64::from(y[t * rows + r]);
+            assert!(
+                (got - exact).abs() <= tol,
+                "{what} {}: {rows}x{cols} token {t} row {r}: got {got}, reference {exact}, tolerance {tol}",
+                dtype.name()
+            );
+        }
+    }
+}
+
+fn cols_for(dtype: GgmlType, units: usize) -> usize {
+    match dtype {
+        GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => units * 7 + 1,
+        GgmlType::Q4_K | GgmlType::Q6_K => 256 * (1 + units % 3),
+        _ => 32 * units,
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
+
+    /// Every backend, every dtype, odd sizes: matches the f64 reference within the bound.
+    #[test]
+    fn matmul_matches_f64_reference(
+        dt in 0usize..8, rows in 1usize..23, units in 1usize..11, n in 1usize..18, seed in any::<u64>(),
+    ) {
+        let dtype = DTYPES[dt];
+        let cols = cols_for(dtype, units);
+        let mut rng = Rng(seed | 1);
+        let data = random_weights(dtype, rows, cols, &mut rng);
+        let x = random_acts(n, cols, &mut rng);
+        let w = WeightMatrix::new(dtype, rows, cols, &data).unwrap();
+        let pool = ThreadPool::new(2);
+        for backend in Backend::available() {
+            let mut y = vec![f32::NAN; n * rows];
+            matmul_with(backend, w, &x, n, &mut y, &pool).unwrap();
+            check_against_reference(dtype, rows, cols, &data, &x, &y, &format!("{backend:?}"));
+        }
+    }
+
+    /// Row i of matmul equals matvec of token i bit for bit, for any n and thread count.
+    #[test]
+    fn matmul_is_batch_invariant(
+        dt in 0usize..8, rows in 1usize..70, units in 1usize..8, n in 1usize..18, seed in any::<u64>(),
+    ) {
+        let dtype = DTYPES[dt];
+        let cols = cols_for(dtype, units);
+        let mut rng = Rng(seed | 1);
+        let data = random_weights(dtype, rows, cols, &mut rng);
+        let x = random_acts(n, cols, &mut rng);
+        let w = WeightMatrix::new(dtype, rows, cols, &data).unwrap();
+        let pools = [ThreadPool::new(1), ThreadPool::new(3)];
+        for backend in Backend::available() {
+            let mut ys = Vec::new();
+            for pool in &pools {
+                let mut y = vec![0.0f32; n * rows];
+                matmul_with(backend, w, &x, n, &mut y, pool).unwrap();
+                ys.push(y);
+                // Also a prefix batch: the first tokens must not depend on the batch size.
+                let m = n.div_ceil(2);
+                let mut yp = vec![0.0f32; m * rows];
+                matmul_with(backend, w, &x[..m * cols], m, &mut yp, pool).unwrap();
+                ys.push(yp.iter().copied().chain(ys[ys.len() - 1][m * rows..].iter().copied()).collect());
+            }
+            for t in 0..n {
+                let mut yv = vec![0.0f32; rows];
+                matmul_with(backend, w, &x[t * cols..(t + 1) * cols], 1, &mut yv, &pools[1]).unwrap();
+                for y in &ys {
+                    for r in 0..rows {
+                        prop_assert_eq!(y[t * rows + r].to_bits(), yv[r].to_bits(),
+                            "{:?} {} token {} row {}", backend, dtype.name(), t, r);
+                    }
+                }
+            }
+        }
+    }
+
+    /// `dequantize_row` equals weight-cache's reference dequantization bit for bit.
+    #[test]
+    fn dequantize_row_matches_reference(dt in 0usize..8, rows in 1usize..5, units in 1usize..6, seed in any::<u64>()) {
+        let dtype = DTYPES[dt];
+        let cols = cols_for(dtype, units);
+        let mut rng = Rng(seed | 1);
+        let data = random_weights(dtype, rows, cols, &mut rng);
+        let w = WeightMatrix::new(dtype, rows, cols, &data).unwrap();
+        let mut want = vec![0.0f32; rows * cols];
+        weight_cache::dequantize(dtype, &data, &mut want).unwrap();
+        let mut got = vec![0.0f32; cols];
+        for r in 0..rows {
+            dequantize_row(w, r, &mut got).unwrap();
+            for c in 0..cols {
+                prop_assert_eq!(got[c].to_bits(), want[r * cols + c].to_bits(), "{} row {} col {}", dtype.name(), r, c);
+            }
+        }
+    }
+}
+
+#[test]
+fn default_model_shapes_all_backends() {
+    let pool = ThreadPool::new(2);
+    let mut rng = Rng(42);
+    for dtype in [
+        GgmlType::Q4_1,
+        GgmlType::Q8_0,
+        GgmlType::Q4_K,
+        GgmlType::Q6_K,
+        GgmlType::F16,
+    ] {
+        for (rows, cols) in [(576, 576), (1536, 576), (576, 1536)] {
+            let data = random_weights(dtype, rows, cols, &mut rng);
+            let x = random_acts(3, cols, &mut rng);
+            let w = WeightMatrix::new(dtype, rows, cols, &data).unwrap();
+            for backend in Backend::available() {
+                let mut y = vec![0.0f32; 3 * rows];
+                matmul_with(backend, w, &x, 3, &mut y, &pool).unwrap();
+                check_against_reference(dtype, rows, cols, &data, &x, &y, &format!("{backend:?}"));
+            }
+        }
+    }
+}
+
+#[test]
+fn real_model_tensors() {
+    let path =
+        weight_cache::locate_default_model().expect("default model (run scripts/fetch-model)");
+    // SAFETY: the model file is not modified while the test runs.
+    let gguf = unsafe { weight_cache::Gguf::open(&path) }.unwrap();
+    let pool = ThreadPool::global();
+    let mut rng = Rng(7);
+    for name in [
+        "blk.0.attn_q.weight",
+        "blk.3.ffn_down.weight",
+        "token_embd.weight",
+    ] {
+        let t = gguf.tensor(name).unwrap();
+        let full = WeightMatrix::from_tensor(&t).unwrap();
+        // At most 256 rows, to keep the f64 reference quick.
+        let rows = full.rows.min(256);
+        let w = WeightMatrix::new(
+            full.dtype,
+            rows,
+            full.cols,
+            &full.data[..rows * full.row_bytes()],
+        )
+        .unwrap();
+        let x = random_acts(2, w.cols, &mut rng);
+        let mut y = vec![0.0f32; 2 * rows];
+        matmul(w, &x, 2, &mut y, pool).unwrap();
+        check_against_reference(w.dtype, rows, w.cols, w.data, &x, &y, name);
+    }
+}
+
+#[test]
+fn rejects_bad_shapes() {
+    let pool = ThreadPool::new(1);
+    let data = vec![0u8; 2 * 20 * 2];
+    assert!(matches!(
+        WeightMatrix::new(GgmlType::Q4_1, 2, 48, &data),
+        Err(KernelError::ColsNotBlockAligned {
+            cols: 48,
+            block: 32,
+            ..
+        })
+    ));
+    assert!(matches!(
+        WeightMatrix::new(GgmlType::Q4_1, 3, 64, &data),
+        Err(KernelError::DataLength {
+            expected: 120,
+            actual: 80,
+            ..
+        })
+    ));
+    assert!(matches!(
+        WeightMatrix::new(GgmlType::Q5_K, 1, 256, &[0u8; 176]),
+        Err(KernelError::UnsupportedDtype {
+            dtype: GgmlType::Q5_K
+        })
+    ));
+    let w = WeightMatrix::new(GgmlType::Q4_1, 2, 64, &data).unwrap();
+    let mut y = [0.0f32; 2];
+    assert_eq!(
+        matvec(w, &[0.0; 63], &mut y, &pool),
+        Err(KernelError::InputLength {
+            expected: 64,
+            actual: 63
+        })
+    );
+    assert_eq!(
+        matvec(w, &[0.0; 64], &mut y[..1], &pool),
+        Err(KernelError::OutputLength {
+            expected: 2,
+            actual: 1
+        })
+    );
+    assert_eq!(
+        matmul(w, &[0.0; 128], 2, &mut y, &pool),
+        Err(KernelError::OutputLength {
+            expected: 4,
+            actual: 2
+        })
+    );
+    let mut row = [0.0f32; 64];
+    assert_eq!(
+        dequantize_row(w, 2, &mut row),
+        Err(KernelError::RowOutOfRange { row: 2, rows: 2 })
+    );
+    // Zero tokens and zero rows are no-ops.
+    matmul(w, &[], 0, &mut [], &pool).unwrap();
+    let empty = WeightMatrix::new(GgmlType::Q4_1, 0, 64, &[]).unwrap();
+    matvec(empty, &[0.0; 64], &mut [], &pool).unwrap();
+}
