@@ -1,0 +1,129 @@
+//! HTTP/3: an h3 + h3-quinn client against the gateway served through the claudelink server's
+//! ALPN hook (same UDP port as claudelink), JSON and SSE.
+
+mod gateway_support;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use bytes::{Buf, Bytes};
+use claudelink_proto::{GatewayConfig, H3_ALPN, Identity, LAYER_VERSION, Server, ServerConfig};
+use gateway_support::*;
+use serde_json::{Value, json};
+
+struct H3Fixture {
+    addr: SocketAddr,
+    cert: rustls::pki_types::CertificateDer<'static>,
+    _server: Server,
+    _tcp: TestServer,
+}
+
+async fn start() -> H3Fixture {
+    let tcp = TestServer::start(GatewayConfig::default()).await;
+    let identity = Identity::self_signed(&["localhost"]).unwrap();
+    let cert = identity.certificate().clone();
+    let config = ServerConfig::new(identity).alpn_handler(H3_ALPN, Arc::new(tcp.gateway.h3_handler()));
+    let server = Server::bind("127.0.0.1:0".parse().unwrap(), config, tcp.service.clone()).unwrap();
+    H3Fixture { addr: server.local_addr(), cert, _server: server, _tcp: tcp }
+}
+
+async fn h3_client(
+    f: &H3Fixture,
+) -> (quinn::Endpoint, h3::client::SendRequest<h3_quinn::OpenStreams, Bytes>) {
+    let mut roots = rustls::RootCertStore::empty();
+    roots.add(f.cert.clone()).unwrap();
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let mut tls = rustls::ClientConfig::builder_with_provider(provider)
+        .with_protocol_versions(&[&rustls::version::TLS13])
+        .unwrap()
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    tls.alpn_protocols = vec![H3_ALPN.to_vec()];
+    let qcfg = quinn::crypto::rustls::QuicClientConfig::try_from(tls).unwrap();
+    let mut endpoint = quinn::Endpoint::client("127.0.0.1:0".parse().unwrap()).unwrap();
+    endpoint.set_default_client_config(quinn::ClientConfig::new(Arc::new(qcfg)));
+    let conn = endpoint.connect(f.addr, "localhost").unwrap().await.unwrap();
+    let (mut driver, send) = h3::client::new(h3_quinn::Connection::new(conn)).await.unwrap();
+    tokio::spawn(async move { std::future::poll_fn(|cx| driver.poll_close(cx)).await });
+    (endpoint, send)
+}
+
+async fn h3_post(
+    send: &mut h3::client::SendRequest<h3_quinn::OpenStreams, Bytes>,
+    path: &str,
+    body: &Value,
+) -> (http::Response<()>, String) {
+    let req = http::Request::builder()
+        .method("POST")
+        .uri(format!("https://localhost{path}"))
+        .header("content-type", "application/json")
+        .header("anthropic-version", "2023-06-01")
+        .body(())
+        .unwrap();
+    let mut stream = send.send_request(req).await.unwrap();
+    stream.send_data(Bytes::from(body.to_string())).await.unwrap();
+    stream.finish().await.unwrap();
+    let resp = stream.recv_response().await.unwrap();
+    let mut out = Vec::new();
+    while let Some(mut chunk) = stream.recv_data().await.unwrap() {
+        while chunk.has_remaining() {
+            let c = chunk.chunk();
+            out.extend_from_slice(c);
+            let n = c.len();
+            chunk.advance(n);
+        }
+    }
+    (resp, String::from_utf8(out).unwrap())
+}
+
+#[tokio::test]
+async fn h3_messages_json_and_stream_on_the_claudelink_port() {
+    let f = start().await;
+    let (_endpoint, mut send) = h3_client(&f).await;
+
+    let (resp, body) = h3_post(&mut send, "/v1/messages", &user("quic is fast")).await;
+    assert_eq!(resp.status(), 200, "{body}");
+    assert_eq!(resp.headers()["x-claude-layer"], LAYER_VERSION);
+    assert!(resp.headers().contains_key("request-id"));
+    let v: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["content"][0]["text"], "quic is fast");
+    assert_eq!(v["stop_reason"], "end_turn");
+
+    let mut b = user("one two");
+    b["stream"] = json!(true);
+    let (resp, body) = h3_post(&mut send, "/v1/messages", &b).await;
+    assert_eq!(resp.status(), 200);
+    assert!(resp.headers()["content-type"].to_str().unwrap().starts_with("text/event-stream"));
+    let names: Vec<String> = parse_sse(&body).into_iter().map(|e| e.event.unwrap()).collect();
+    assert_eq!(
+        names,
+        [
+            "message_start",
+            "content_block_start",
+            "ping",
+            "content_block_delta",
+            "content_block_delta",
+            "content_block_stop",
+            "message_delta",
+            "message_stop"
+        ]
+    );
+
+    // Errors come back over h3 in the same shape.
+    let (resp, body) = h3_post(&mut send, "/v1/messages", &json!({"model": "word-model"})).await;
+    assert_eq!(resp.status(), 400);
+    let v: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["error"]["type"], "invalid_request_error");
+
+    let (resp, body) = h3_post(&mut send, "/v1/chat/completions", &json!({"model": "word-model", "stream": true,
+        "messages": [{"role": "user", "content": "a b"}]})).await;
+    assert_eq!(resp.status(), 200);
+    assert!(body.ends_with("data: [DONE]\n\n"));
+
+    // Three requests after the first reused the connection.
+    let m = f._tcp.get("/metrics", &[]).await;
+    let t = m.text();
+    assert!(t.contains("zerolayer_connections_total{protocol=\"http3\"} 1"), "{t}");
+    assert!(t.contains("endpoint=\"messages\",protocol=\"http3\",status=\"200\"} 2"), "{t}");
+    assert!(t.contains("zerolayer_reused_connection_requests_total 3"), "{t}");
+}
