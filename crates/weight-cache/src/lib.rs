@@ -1,8 +1,15 @@
 //! weight-cache: memory-mapped model files (GGUF, safetensors) and the residency of their bytes.
 //!
 //! A model file is not "loaded": it is mapped read-only, its header is parsed with full bounds
-//! checks, and tensors are exposed as zero-copy views into the mapping. This crate is the format
-//! truth: ggml block layouts ([`quant`]) and scalar reference dequantization ([`dequantize`]).
+//! checks (typed errors, no allocation proportional to a declared size), and tensors are exposed as
+//! zero-copy views into the mapping. This crate is the format truth: ggml block layouts
+//! ([`quant`]) and scalar reference (de)quantization ([`dequantize`], [`quantize`]), checked against
+//! the `gguf` Python package.
+//!
+//! The residency layer, [`WeightCache`], cuts the file into a [`BlockTable`] (64 KiB blocks),
+//! counts touches per request and token with relaxed atomics, asks the kernel (mincore) whether
+//! blocks were resident when first touched, saves a checksummed [`AccessProfile`], warms the hot
+//! blocks in a background thread ([`WarmupStrategy`]) and releases cold ones under a budget.
 //!
 //! ```no_run
 //! use weight_cache::{Gguf, GgmlType, locate_default_model};
@@ -15,6 +22,33 @@
 //! assert_eq!(norm.dtype, GgmlType::F32);
 //! let w = norm.to_f32()?;
 //! assert_eq!(w.len(), n_embd);
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+//!
+//! A self-contained example with an in-memory file:
+//!
+//! ```
+//! use std::sync::Arc;
+//! use weight_cache::{CacheConfig, GgmlType, Gguf, GgufBuilder, WarmupStrategy, WeightCache, quantize};
+//!
+//! let w: Vec<f32> = (0..256 * 64).map(|i| (i % 7) as f32).collect();
+//! let file = GgufBuilder::new()
+//!     .kv_u32("llama.block_count", 1)
+//!     .tensor("blk.0.ffn_up.weight", GgmlType::Q4_1, &[256, 64], quantize(GgmlType::Q4_1, &w)?)
+//!     .build();
+//! let gguf = Arc::new(Gguf::from_bytes(file)?);
+//! let t = gguf.tensor("blk.0.ffn_up.weight").unwrap();
+//! let mut row = vec![0.0; 256];
+//! t.dequantize_row(1, &mut row)?;
+//! assert!((row[0] - w[256]).abs() < 0.25); // within half a Q4_1 step
+//!
+//! let cache = WeightCache::new(gguf.clone(), CacheConfig::default())?;
+//! let req = cache.begin_request();
+//! cache.touch(t.index, req);
+//! cache.end_token();
+//! assert_eq!(cache.profile().n_tokens, 1);
+//! cache.warm(WarmupStrategy::Full).wait();
+//! assert_eq!(cache.stats().touches, 1);
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
