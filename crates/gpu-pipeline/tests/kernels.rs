@@ -228,6 +228,9 @@ fn default_model_shapes_all_backends() {
         GgmlType::F16,
     ] {
         for (rows, cols) in [(576, 576), (1536, 576), (576, 1536)] {
+            if dtype.row_bytes(cols).is_none() {
+                continue; // k-quants need 256-column rows
+            }
             let data = random_weights(dtype, rows, cols, &mut rng);
             let x = random_acts(3, cols, &mut rng);
             let w = WeightMatrix::new(dtype, rows, cols, &data).unwrap();

@@ -14,6 +14,9 @@
 //! element goes through the same operations in the same order whatever the tile, the number of
 //! tokens or the row partition, which makes `matmul` batch-invariant.
 
+// The AVX-512 intrinsics are stable since Rust 1.89; the workspace toolchain is 1.95.
+#![allow(clippy::incompatible_msrv)]
+
 use std::arch::x86_64::*;
 use std::ops::Range;
 
@@ -102,6 +105,7 @@ unsafe fn load_idx(t: &[u8; 64]) -> __m512i {
 /// Each `rowp[k]` points at a full encoded row of `w.cols` columns, `q` is a quad of that row and
 /// `nvalid` the number of its blocks inside the row.
 #[inline]
+#[allow(clippy::needless_range_loop)] // `k` indexes rows, outputs and lane masks alike
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,avx2,fma,f16c")]
 unsafe fn decode<const F: u8>(rowp: &[*const u8; 4], q: usize, nvalid: usize) -> WQuad {
     let z = _mm512_setzero_si512();
@@ -399,6 +403,16 @@ fn rows_impl<const F: u8>(
         };
         let ap = acts[t0 * nq..].as_ptr();
         for g in rows.clone().step_by(4) {
+            if t0 == 0 {
+                // Decode streams the weights from DRAM once: prefetch the group two ahead so the
+                // loads overlap the arithmetic of this one.
+                let pf_start = (g + 8).min(w.rows) * rb;
+                let pf_end = (g + 12).min(w.rows) * rb;
+                for off in (pf_start..pf_end).step_by(64) {
+                    // SAFETY: `off < w.rows * rb <= w.data.len()`; prefetching has no side effects.
+                    unsafe { _mm_prefetch::<_MM_HINT_T0>(w.data.as_ptr().add(off).cast()) };
+                }
+            }
             let rowp = [0, 1, 2, 3].map(|k| {
                 let r = (g + k).min(rows.end - 1);
                 // SAFETY: `r < w.rows`, so the row lies inside `w.data` (asserted above).

@@ -1,0 +1,271 @@
+//! Kernel throughput: matvec GB/s of weight bytes per dtype on the default model's shapes, matmul
+//! GFLOP/s for n = 8, 64, 512, with 1 and 2 threads, plus all matvecs of one decode step over the
+//! real default model (when present).
+//!
+//! Run: `cargo bench -p gpu-pipeline --bench kernels`. A summary table (medians, effective
+//! bandwidth as a fraction of ~40 GB/s, ratios to the scalar backend) is printed first; criterion
+//! groups follow. Matvec inputs cycle over enough copies of the weights (>= 256 MiB) that they
+//! come from DRAM, as in decoding, not from the 100+ MiB L3 cache.
+
+#![allow(missing_docs)] // criterion_group! generates an undocumented pub fn
+
+use std::hint::black_box;
+use std::time::{Duration, Instant};
+
+use criterion::{Criterion, Throughput, criterion_group, criterion_main};
+use gpu_pipeline::ThreadPool;
+use gpu_pipeline::kernels::{Backend, GgmlType, WeightMatrix, matmul_with};
+
+const PEAK_GBS: f64 = 40.0;
+const SHAPES: [(usize, usize); 4] = [(576, 576), (1536, 576), (576, 1536), (49152, 576)];
+const DTYPES: [GgmlType; 8] = [
+    GgmlType::Q4_1,
+    GgmlType::Q8_0,
+    GgmlType::Q4_0,
+    GgmlType::Q4_K,
+    GgmlType::Q6_K,
+    GgmlType::F16,
+    GgmlType::BF16,
+    GgmlType::F32,
+];
+
+fn weights(dtype: GgmlType, rows: usize, cols: usize, seed: u64) -> Vec<u8> {
+    let mut s = seed | 1;
+    let v: Vec<f32> = (0..rows * cols)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            (s >> 40) as f32 / (1u64 << 24) as f32 - 0.5
+        })
+        .collect();
+    match weight_cache::quantize(dtype, &v) {
+        Ok(b) => b,
+        // No reference quantizer for this type: random bytes with sane f16 scales.
+        Err(_) => {
+            let rb = dtype.row_bytes(cols).unwrap();
+            let mut b: Vec<u8> = (0..rows * rb)
+                .map(|i| (i as u64).wrapping_mul(0x9E37_79B9) as u8 >> 1)
+                .collect();
+            let bs = dtype.type_size();
+            let off = if dtype == GgmlType::Q6_K { 208 } else { 0 };
+            for blk in b.chunks_exact_mut(bs) {
+                blk[off..off + 2].copy_from_slice(&half::f16::from_f32(0.01).to_le_bytes());
+                if dtype == GgmlType::Q4_K {
+                    blk[2..4].copy_from_slice(&half::f16::from_f32(0.01).to_le_bytes());
+                }
+            }
+            b
+        }
+    }
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// Median seconds of `f` over a ~`budget` run.
+fn time(budget: Duration, mut f: impl FnMut()) -> f64 {
+    f();
+    let mut samples = Vec::new();
+    let start = Instant::now();
+    while start.elapsed() < budget || samples.len() < 5 {
+        let t = Instant::now();
+        f();
+        samples.push(t.elapsed().as_secs_f64());
+    }
+    median(samples)
+}
+
+fn summary() {
+    let best = Backend::detect();
+    println!("kernels summary: backend {best:?}, bandwidth fraction of {PEAK_GBS} GB/s");
+    for threads in [1usize, 2] {
+        let pool = ThreadPool::new(threads);
+        println!("\n== matvec (decode), {threads} thread(s): GB/s of weight bytes ==");
+        println!(
+            "{:<6} {:>12} {:>9} {:>7} {:>11} {:>13}",
+            "dtype", "shape", "GB/s", "of40", "vs scalar", "cached GB/s"
+        );
+        for dtype in DTYPES {
+            for (rows, cols) in SHAPES {
+                if dtype.row_bytes(cols).is_none() {
+                    continue;
+                }
+                let one = weights(dtype, rows, cols, 1);
+                let bytes = one.len();
+                let copies = (256usize << 20).div_ceil(bytes).max(2);
+                let all: Vec<u8> = one.iter().copied().cycle().take(bytes * copies).collect();
+                let x: Vec<f32> = (0..cols).map(|i| (i as f32 * 0.01).sin()).collect();
+                let mut y = vec![0.0f32; rows];
+                let mut run = |backend: Backend, budget: Duration| {
+                    let mut i = 0;
+                    time(budget, || {
+                        let w =
+                            WeightMatrix::new(dtype, rows, cols, &all[i * bytes..(i + 1) * bytes])
+                                .unwrap();
+                        matmul_with(backend, w, black_box(&x), 1, &mut y, &pool).unwrap();
+                        i = (i + 1) % copies;
+                    })
+                };
+                let t = run(best, Duration::from_millis(300));
+                let hot = {
+                    let w = WeightMatrix::new(dtype, rows, cols, &one).unwrap();
+                    let mut y = vec![0.0f32; rows];
+                    time(Duration::from_millis(100), || {
+                        matmul_with(best, w, black_box(&x), 1, &mut y, &pool).unwrap();
+                    })
+                };
+                let ts = run(Backend::Scalar, Duration::from_millis(100));
+                let gbs = bytes as f64 / t / 1e9;
+                println!(
+                    "{:<6} {:>12} {:>9.2} {:>6.0}% {:>10.1}x {:>13.2}",
+                    dtype.name(),
+                    format!("{rows}x{cols}"),
+                    gbs,
+                    100.0 * gbs / PEAK_GBS,
+                    ts / t,
+                    bytes as f64 / hot / 1e9
+                );
+            }
+        }
+        println!("\n== matmul (prefill), {threads} thread(s): GFLOP/s (2*rows*cols*n / s) ==");
+        println!(
+            "{:<6} {:>12} {:>5} {:>9} {:>11}",
+            "dtype", "shape", "n", "GFLOP/s", "ms"
+        );
+        for dtype in [
+            GgmlType::Q4_1,
+            GgmlType::Q8_0,
+            GgmlType::Q4_K,
+            GgmlType::Q6_K,
+            GgmlType::F16,
+        ] {
+            for (rows, cols) in [(576usize, 576usize), (1536, 576), (576, 1536)] {
+                if dtype.row_bytes(cols).is_none() {
+                    continue;
+                }
+                let data = weights(dtype, rows, cols, 2);
+                let w = WeightMatrix::new(dtype, rows, cols, &data).unwrap();
+                for n in [8usize, 64, 512] {
+                    let x: Vec<f32> = (0..n * cols).map(|i| (i as f32 * 0.013).sin()).collect();
+                    let mut y = vec![0.0f32; n * rows];
+                    let t = time(Duration::from_millis(200), || {
+                        matmul_with(best, w, black_box(&x), n, &mut y, &pool).unwrap();
+                    });
+                    let flops = 2.0 * (rows * cols * n) as f64;
+                    println!(
+                        "{:<6} {:>12} {:>5} {:>9.1} {:>11.3}",
+                        dtype.name(),
+                        format!("{rows}x{cols}"),
+                        n,
+                        flops / t / 1e9,
+                        t * 1e3
+                    );
+                }
+            }
+        }
+        model_step(&pool, threads);
+    }
+}
+
+/// All matvecs of one decode step (and of a 512-token prefill) over the real default model.
+fn model_step(pool: &ThreadPool, threads: usize) {
+    let Ok(path) = weight_cache::locate_default_model() else {
+        println!("(default model absent: skipping the model step)");
+        return;
+    };
+    // SAFETY: the model file is not modified while the benchmark runs.
+    let Ok(gguf) = (unsafe { weight_cache::Gguf::open(&path) }) else {
+        return;
+    };
+    let mut mats: Vec<WeightMatrix<'_>> = gguf
+        .tensors()
+        .filter(|t| t.shape.len() == 2 && t.name.starts_with("blk."))
+        .filter_map(|t| WeightMatrix::from_tensor(&t).ok())
+        .collect();
+    if let Some(t) = gguf
+        .tensor("output.weight")
+        .or_else(|| gguf.tensor("token_embd.weight"))
+    {
+        mats.push(WeightMatrix::from_tensor(&t).unwrap());
+    }
+    let bytes: usize = mats.iter().map(|m| m.data.len()).sum();
+    let maxc = mats.iter().map(|m| m.cols).max().unwrap_or(0);
+    let maxr = mats.iter().map(|m| m.rows).max().unwrap_or(0);
+    for n in [1usize, 512] {
+        let x: Vec<f32> = (0..n * maxc).map(|i| (i as f32 * 0.01).sin()).collect();
+        let mut y = vec![0.0f32; n * maxr];
+        let t = time(
+            Duration::from_millis(if n == 1 { 1500 } else { 3000 }),
+            || {
+                for m in &mats {
+                    let (xs, ys) = (&x[..n * m.cols], &mut y[..n * m.rows]);
+                    matmul_with(Backend::detect(), *m, xs, n, ys, pool).unwrap();
+                }
+            },
+        );
+        if n == 1 {
+            println!(
+                "\nmodel decode step ({threads} thr): {} matrices, {:.1} MB, {:.3} ms -> {:.1} GB/s ({:.0}% of {PEAK_GBS}), matvec-only ceiling {:.0} tok/s",
+                mats.len(),
+                bytes as f64 / 1e6,
+                t * 1e3,
+                bytes as f64 / t / 1e9,
+                100.0 * bytes as f64 / t / 1e9 / PEAK_GBS,
+                1.0 / t
+            );
+        } else {
+            println!(
+                "model prefill {n} tokens ({threads} thr): {:.1} ms -> matmul-only ceiling {:.0} tok/s",
+                t * 1e3,
+                n as f64 / t
+            );
+        }
+    }
+}
+
+fn bench(c: &mut Criterion) {
+    summary();
+    let best = Backend::detect();
+    for threads in [1usize, 2] {
+        let pool = ThreadPool::new(threads);
+        let mut g = c.benchmark_group(format!("matvec_{threads}t"));
+        g.measurement_time(Duration::from_secs(2))
+            .warm_up_time(Duration::from_millis(500))
+            .sample_size(20);
+        for dtype in [GgmlType::Q4_1, GgmlType::Q8_0] {
+            for (rows, cols) in SHAPES {
+                let data = weights(dtype, rows, cols, 3);
+                let w = WeightMatrix::new(dtype, rows, cols, &data).unwrap();
+                let x: Vec<f32> = (0..cols).map(|i| (i as f32).cos()).collect();
+                let mut y = vec![0.0f32; rows];
+                g.throughput(Throughput::Bytes(data.len() as u64));
+                g.bench_function(format!("{}_{rows}x{cols}", dtype.name()), |b| {
+                    b.iter(|| matmul_with(best, w, black_box(&x), 1, &mut y, &pool).unwrap());
+                });
+            }
+        }
+        g.finish();
+        let mut g = c.benchmark_group(format!("matmul_{threads}t"));
+        g.measurement_time(Duration::from_secs(2))
+            .warm_up_time(Duration::from_millis(500))
+            .sample_size(10);
+        let (rows, cols) = (1536, 576);
+        let data = weights(GgmlType::Q4_1, rows, cols, 4);
+        let w = WeightMatrix::new(GgmlType::Q4_1, rows, cols, &data).unwrap();
+        for n in [8usize, 64, 512] {
+            let x: Vec<f32> = (0..n * cols).map(|i| (i as f32 * 0.3).sin()).collect();
+            let mut y = vec![0.0f32; n * rows];
+            g.throughput(Throughput::Elements((2 * rows * cols * n) as u64));
+            g.bench_function(format!("q4_1_{rows}x{cols}_n{n}"), |b| {
+                b.iter(|| matmul_with(best, w, black_box(&x), n, &mut y, &pool).unwrap());
+            });
+        }
+        g.finish();
+    }
+}
+
+criterion_group!(benches, bench);
+criterion_main!(benches);
