@@ -1,0 +1,132 @@
+//! Error types, one per operation.
+
+use std::path::PathBuf;
+
+/// Loading a tokenizer failed (GGUF metadata, `tokenizer.json`, or a tiktoken rank file).
+#[non_exhaustive]
+#[derive(Debug, thiserror::Error)]
+pub enum LoadError {
+    /// Reading the file failed.
+    #[error("cannot read {path}: {source}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The I/O error.
+        source: std::io::Error,
+    },
+    /// `tokenizer.json` is not valid JSON.
+    #[error("tokenizer.json is not valid JSON: {0}")]
+    Json(#[from] serde_json::Error),
+    /// A required field is missing or has the wrong type.
+    #[error("missing or malformed field `{field}`")]
+    MissingField {
+        /// The field (a GGUF key or a JSON path).
+        field: &'static str,
+    },
+    /// The tokenizer model is not byte-level BPE.
+    #[error("unsupported tokenizer model `{model}` (only byte-level BPE is supported)")]
+    UnsupportedModel {
+        /// The model name found (`tokenizer.ggml.model`, or `model.type`).
+        model: String,
+    },
+    /// The pre-tokenizer is not one this crate implements exactly.
+    #[error("unsupported pre-tokenizer `{name}`")]
+    UnsupportedPretokenizer {
+        /// The pre-tokenizer (`tokenizer.ggml.pre`, or a description of the JSON one).
+        name: String,
+    },
+    /// `tokenizer.json` has a normalizer; byte-level BPE vocabularies here use none.
+    #[error("unsupported normalizer in tokenizer.json: {kind}")]
+    UnsupportedNormalizer {
+        /// The normalizer's `type`.
+        kind: String,
+    },
+    /// A merge rule is not two known tokens separated by one space.
+    #[error("merge rule {index} `{rule}` is malformed or names an unknown token")]
+    BadMerge {
+        /// Position in the merge list.
+        index: usize,
+        /// The rule text.
+        rule: String,
+    },
+    /// A token id is out of the allowed range (ids must be below 2^24 here).
+    #[error("token id {id} is out of range")]
+    IdOutOfRange {
+        /// The id.
+        id: u64,
+    },
+    /// Two tokens claim the same id.
+    #[error("token id {id} is assigned twice")]
+    DuplicateId {
+        /// The id.
+        id: u32,
+    },
+    /// The token-type array length differs from the token array length.
+    #[error("{types} token types for {tokens} tokens")]
+    TokenTypeCount {
+        /// Number of tokens.
+        tokens: usize,
+        /// Number of token types.
+        types: usize,
+    },
+    /// A line of a tiktoken rank file is not `<base64> <rank>`.
+    #[error("tiktoken rank file line {line} is malformed")]
+    BadRankLine {
+        /// 1-based line number.
+        line: usize,
+    },
+    /// The vocabulary has no tokens.
+    #[error("vocabulary is empty")]
+    EmptyVocabulary,
+}
+
+/// Decoding ids failed.
+#[non_exhaustive]
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum DecodeError {
+    /// An id is not in the vocabulary.
+    #[error("token id {id} is not in the vocabulary (size {vocab_size})")]
+    UnknownId {
+        /// The id.
+        id: u32,
+        /// The vocabulary size (largest id + 1).
+        vocab_size: usize,
+    },
+}
+
+/// Building [`Tokens`](crate::Tokens) from received bytes failed.
+#[non_exhaustive]
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum TokensFromBytesError {
+    /// The byte length is not a multiple of 4.
+    #[error("{len} bytes is not a whole number of u32 token ids")]
+    Length {
+        /// The length received.
+        len: usize,
+    },
+    /// The bytes are not 4-byte aligned, so they cannot be borrowed as `u32`s.
+    #[error("token bytes are not 4-byte aligned (address mod 4 = {address_mod_4})")]
+    Misaligned {
+        /// The buffer address modulo 4.
+        address_mod_4: usize,
+    },
+}
+
+/// Rendering or encoding a chat failed.
+#[non_exhaustive]
+#[derive(Debug, thiserror::Error)]
+pub enum ChatError {
+    /// The tokenizer has no chat template.
+    #[error("the model has no chat template")]
+    NoTemplate,
+    /// The template failed to compile or render.
+    #[error("chat template error: {0}")]
+    Template(#[from] minijinja::Error),
+    /// A message contains one of the two non-characters (U+FDD0, U+FDD1) used internally to
+    /// mark message text, so it could not be kept apart from template text.
+    #[error("message {index} contains a reserved non-character (U+FDD0 or U+FDD1)")]
+    ReservedChar {
+        /// Index of the message.
+        index: usize,
+    },
+}

@@ -1,0 +1,584 @@
+//! Loaders: tiktoken rank files, HF `tokenizer.json`, GGUF `tokenizer.ggml.*` metadata.
+
+use std::path::Path;
+
+use rustc_hash::FxHashMap;
+use serde_json::Value;
+
+use crate::error::LoadError;
+use crate::pretok::Pretokenizer;
+use crate::tokenizer::{MergeSpec, Spec, Tokenizer};
+
+/// Largest id accepted from a file (bounds every allocation by the real vocabulary size).
+const MAX_ID: u64 = 1 << 24;
+
+/// GPT-2's byte-to-character map: the character that stands for each byte in byte-level vocabularies.
+fn byte_to_char() -> [char; 256] {
+    let mut map = ['\0'; 256];
+    let mut n = 0u32;
+    for b in 0..256u32 {
+        let direct =
+            (33..=126).contains(&b) || (161..=172).contains(&b) || (174..=255).contains(&b);
+        map[b as usize] = if direct {
+            char::from_u32(b).expect("below 256")
+        } else {
+            n += 1;
+            char::from_u32(255 + n).expect("below 512")
+        };
+    }
+    map
+}
+
+/// Inverse of [`byte_to_char`] for characters below U+0200.
+fn char_to_byte() -> [i16; 512] {
+    let mut inv = [-1i16; 512];
+    for (b, c) in byte_to_char().iter().enumerate() {
+        inv[*c as usize] = b as i16;
+    }
+    inv
+}
+
+/// Decodes a byte-level token string to its bytes; `None` if a character is not in the alphabet.
+fn byte_level_decode(s: &str, inv: &[i16; 512]) -> Option<Vec<u8>> {
+    s.chars()
+        .map(|c| {
+            let i = c as usize;
+            if i < 512 && inv[i] >= 0 {
+                Some(inv[i] as u8)
+            } else {
+                None
+            }
+        })
+        .collect()
+}
+
+/// Standard base64 (with padding) of `bytes`, as used in tiktoken rank files.
+pub fn base64_encode(bytes: &[u8]) -> String {
+    const A: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    let mut out = String::with_capacity(bytes.len().div_ceil(3) * 4);
+    for c in bytes.chunks(3) {
+        let n = (u32::from(c[0]) << 16)
+            | (u32::from(*c.get(1).unwrap_or(&0)) << 8)
+            | u32::from(*c.get(2).unwrap_or(&0));
+        out.push(A[(n >> 18) as usize & 63] as char);
+        out.push(A[(n >> 12) as usize & 63] as char);
+        out.push(if c.len() > 1 {
+            A[(n >> 6) as usize & 63] as char
+        } else {
+            '='
+        });
+        out.push(if c.len() > 2 {
+            A[n as usize & 63] as char
+        } else {
+            '='
+        });
+    }
+    out
+}
+
+fn base64_decode(s: &str) -> Option<Vec<u8>> {
+    let s = s.as_bytes();
+    if s.len() % 4 != 0 {
+        return None;
+    }
+    let val = |c: u8| -> Option<u32> {
+        Some(match c {
+            b'A'..=b'Z' => c - b'A',
+            b'a'..=b'z' => c - b'a' + 26,
+            b'0'..=b'9' => c - b'0' + 52,
+            b'+' => 62,
+            b'/' => 63,
+            _ => return None,
+        } as u32)
+    };
+    let mut out = Vec::with_capacity(s.len() / 4 * 3);
+    for (ci, c) in s.chunks(4).enumerate() {
+        let last = ci + 1 == s.len() / 4;
+        let pad = c.iter().rev().take_while(|&&b| b == b'=').count();
+        if pad > 2 || (pad > 0 && !last) {
+            return None;
+        }
+        let mut n = 0u32;
+        for &b in &c[..4 - pad] {
+            n = (n << 6) | val(b)?;
+        }
+        n <<= 6 * pad as u32;
+        out.push((n >> 16) as u8);
+        if pad < 2 {
+            out.push((n >> 8) as u8);
+        }
+        if pad < 1 {
+            out.push(n as u8);
+        }
+    }
+    Some(out)
+}
+
+fn put(tokens: &mut Vec<Option<Vec<u8>>>, id: u64, bytes: Vec<u8>) -> Result<(), LoadError> {
+    if id >= MAX_ID {
+        return Err(LoadError::IdOutOfRange { id });
+    }
+    let i = id as usize;
+    if tokens.len() <= i {
+        tokens.resize(i + 1, None);
+    }
+    if tokens[i].is_some() {
+        return Err(LoadError::DuplicateId { id: id as u32 });
+    }
+    tokens[i] = Some(bytes);
+    Ok(())
+}
+
+/// The reading of `tokenizer.ggml.*` metadata needed to build a tokenizer, borrowed from a GGUF
+/// file (see `Tokenizer::from_gguf`) or built by hand.
+#[non_exhaustive]
+#[derive(Debug, Clone, Default)]
+pub struct GgufVocab<'a> {
+    /// `tokenizer.ggml.model` (only `gpt2`, byte-level BPE, is supported).
+    pub model: &'a str,
+    /// `tokenizer.ggml.pre`.
+    pub pre: &'a str,
+    /// `tokenizer.ggml.tokens`, byte-level encoded.
+    pub tokens: Vec<&'a str>,
+    /// `tokenizer.ggml.token_type` (1 normal, 3 control, 4 user-defined, ...); empty = all normal.
+    pub token_types: Vec<i32>,
+    /// `tokenizer.ggml.merges`, `"left right"`, in priority order.
+    pub merges: Vec<&'a str>,
+    /// `tokenizer.ggml.bos_token_id`.
+    pub bos: Option<u32>,
+    /// `tokenizer.ggml.eos_token_id`.
+    pub eos: Option<u32>,
+    /// `tokenizer.chat_template`.
+    pub chat_template: Option<&'a str>,
+}
+
+impl<'a> GgufVocab<'a> {
+    /// A vocabulary description with the given fields and no BOS/EOS/template.
+    pub fn new(
+        model: &'a str,
+        pre: &'a str,
+        tokens: Vec<&'a str>,
+        token_types: Vec<i32>,
+        merges: Vec<&'a str>,
+    ) -> Self {
+        Self {
+            model,
+            pre,
+            tokens,
+            token_types,
+            merges,
+            ..Self::default()
+        }
+    }
+}
+
+/// Maps llama.cpp's `tokenizer.ggml.pre` names to scanners.
+fn pretok_from_gguf_name(name: &str) -> Option<Pretokenizer> {
+    Some(match name {
+        "smollm" => Pretokenizer::SmolLm,
+        "gpt2" | "gpt-2" => Pretokenizer::Gpt2,
+        "llama3" | "llama-bpe" | "llama-v3" | "cl100k" => Pretokenizer::Cl100k,
+        "gpt-4o" | "o200k" => Pretokenizer::O200k,
+        _ => return None,
+    })
+}
+
+impl Tokenizer {
+    /// Builds a tokenizer from GGUF `tokenizer.ggml.*` metadata.
+    ///
+    /// Control (type 3) and user-defined (type 4) tokens become special tokens, matched in text
+    /// only by [`Tokenizer::encode_with_specials`]. Bytes with no token in the vocabulary
+    /// (SmolLM2 lacks 21 of them, such as 0x04 and the lead bytes 0xF1/0xF2) are dropped, exactly
+    /// as HF `tokenizers` does for a BPE model without `unk_token`.
+    pub fn from_gguf_vocab(v: &GgufVocab<'_>) -> Result<Self, LoadError> {
+        if v.model != "gpt2" {
+            return Err(LoadError::UnsupportedModel {
+                model: v.model.to_owned(),
+            });
+        }
+        let pretok =
+            pretok_from_gguf_name(v.pre).ok_or_else(|| LoadError::UnsupportedPretokenizer {
+                name: v.pre.to_owned(),
+            })?;
+        if v.tokens.is_empty() {
+            return Err(LoadError::EmptyVocabulary);
+        }
+        if v.tokens.len() as u64 > MAX_ID {
+            return Err(LoadError::IdOutOfRange {
+                id: v.tokens.len() as u64,
+            });
+        }
+        if !v.token_types.is_empty() && v.token_types.len() != v.tokens.len() {
+            return Err(LoadError::TokenTypeCount {
+                tokens: v.tokens.len(),
+                types: v.token_types.len(),
+            });
+        }
+        let inv = char_to_byte();
+        let mut tokens = Vec::with_capacity(v.tokens.len());
+        let mut specials = Vec::new();
+        let mut ids: FxHashMap<&str, u32> = FxHashMap::default();
+        ids.reserve(v.tokens.len());
+        for (id, &t) in v.tokens.iter().enumerate() {
+            let ty = v.token_types.get(id).copied().unwrap_or(1);
+            if ty == 3 || ty == 4 {
+                specials.push((t.to_owned(), id as u32));
+                tokens.push(Some(t.as_bytes().to_vec()));
+            } else {
+                tokens.push(Some(
+                    byte_level_decode(t, &inv).unwrap_or_else(|| t.as_bytes().to_vec()),
+                ));
+            }
+            ids.entry(t).or_insert(id as u32);
+        }
+        let mut pairs = Vec::with_capacity(v.merges.len());
+        for (index, rule) in v.merges.iter().enumerate() {
+            let bad = || LoadError::BadMerge {
+                index,
+                rule: (*rule).to_owned(),
+            };
+            let (a, b) = rule.split_once(' ').ok_or_else(bad)?;
+            let (&a, &b) = ids.get(a).zip(ids.get(b)).ok_or_else(bad)?;
+            pairs.push((a, b));
+        }
+        let check = |id: Option<u32>| id.filter(|&i| (i as usize) < tokens.len());
+        let (bos, eos) = (check(v.bos), check(v.eos));
+        Ok(Self::from_spec(Spec {
+            pretok,
+            tokens,
+            merges: MergeSpec::Pairs(pairs),
+            specials,
+            ignore_merges: false,
+            byte_fallback: false,
+            unk: None,
+            fuse_unk: false,
+            bos,
+            eos,
+            chat_template: v.chat_template.map(str::to_owned),
+        }))
+    }
+
+    /// Loads the tokenizer of a GGUF model (its `tokenizer.ggml.*` and `tokenizer.chat_template`
+    /// metadata).
+    #[cfg(feature = "gguf")]
+    pub fn from_gguf(gguf: &weight_cache::Gguf) -> Result<Self, LoadError> {
+        let field = |field: &'static str| LoadError::MissingField { field };
+        let v = GgufVocab {
+            model: gguf
+                .get_str("tokenizer.ggml.model")
+                .ok_or_else(|| field("tokenizer.ggml.model"))?,
+            pre: gguf.get_str("tokenizer.ggml.pre").unwrap_or("gpt2"),
+            tokens: gguf
+                .get_str_array("tokenizer.ggml.tokens")
+                .ok_or_else(|| field("tokenizer.ggml.tokens"))?,
+            token_types: gguf
+                .get_i32_array("tokenizer.ggml.token_type")
+                .unwrap_or_default(),
+            merges: gguf
+                .get_str_array("tokenizer.ggml.merges")
+                .ok_or_else(|| field("tokenizer.ggml.merges"))?,
+            bos: gguf.get_u32("tokenizer.ggml.bos_token_id"),
+            eos: gguf.get_u32("tokenizer.ggml.eos_token_id"),
+            chat_template: gguf.get_str("tokenizer.chat_template"),
+        };
+        Self::from_gguf_vocab(&v)
+    }
+
+    /// Parses a tiktoken rank file (`<base64 token> <rank>` per line) with the given split
+    /// pattern and special tokens. Ids are ranks; a piece that is a token is emitted directly.
+    pub fn from_tiktoken(
+        ranks: &str,
+        pretok: Pretokenizer,
+        specials: &[(&str, u32)],
+    ) -> Result<Self, LoadError> {
+        let mut tokens = Vec::new();
+        for (i, line) in ranks.lines().enumerate() {
+            if line.trim().is_empty() {
+                continue;
+            }
+            let bad = || LoadError::BadRankLine { line: i + 1 };
+            let (b64, rank) = line.split_once(' ').ok_or_else(bad)?;
+            let bytes = base64_decode(b64).ok_or_else(bad)?;
+            let rank: u64 = rank.trim().parse().map_err(|_| bad())?;
+            put(&mut tokens, rank, bytes)?;
+        }
+        if tokens.is_empty() {
+            return Err(LoadError::EmptyVocabulary);
+        }
+        let mut sp = Vec::new();
+        for &(s, id) in specials {
+            put(&mut tokens, u64::from(id), s.as_bytes().to_vec())?;
+            sp.push((s.to_owned(), id));
+        }
+        Ok(Self::from_spec(Spec {
+            pretok,
+            tokens,
+            merges: MergeSpec::FromRanks,
+            specials: sp,
+            ignore_merges: true,
+            byte_fallback: false,
+            unk: None,
+            fuse_unk: false,
+            bos: None,
+            eos: specials
+                .iter()
+                .find(|(s, _)| *s == "<|endoftext|>")
+                .map(|&(_, id)| id),
+            chat_template: None,
+        }))
+    }
+
+    /// Reads a tiktoken rank file from disk; see [`Tokenizer::from_tiktoken`].
+    pub fn from_tiktoken_file(
+        path: impl AsRef<Path>,
+        pretok: Pretokenizer,
+        specials: &[(&str, u32)],
+    ) -> Result<Self, LoadError> {
+        let path = path.as_ref();
+        let text = std::fs::read_to_string(path).map_err(|source| LoadError::Io {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        Self::from_tiktoken(&text, pretok, specials)
+    }
+
+    /// The cl100k_base tokenizer from its rank file (`cl100k_base.tiktoken`), with its special tokens.
+    pub fn cl100k_base(ranks: &str) -> Result<Self, LoadError> {
+        Self::from_tiktoken(ranks, Pretokenizer::Cl100k, CL100K_SPECIALS)
+    }
+
+    /// The o200k_base tokenizer from its rank file (`o200k_base.tiktoken`), with its special tokens.
+    pub fn o200k_base(ranks: &str) -> Result<Self, LoadError> {
+        Self::from_tiktoken(ranks, Pretokenizer::O200k, O200K_SPECIALS)
+    }
+
+    /// Parses a HF `tokenizer.json` holding a byte-level BPE model (GPT-2, SmolLM2, Llama 3 style).
+    pub fn from_tokenizer_json(json: &str) -> Result<Self, LoadError> {
+        let v: Value = serde_json::from_str(json)?;
+        let field = |field: &'static str| LoadError::MissingField { field };
+        if let Some(n) = v.get("normalizer").filter(|n| !n.is_null()) {
+            return Err(LoadError::UnsupportedNormalizer {
+                kind: n
+                    .get("type")
+                    .and_then(Value::as_str)
+                    .unwrap_or("?")
+                    .to_owned(),
+            });
+        }
+        let model = v.get("model").ok_or_else(|| field("model"))?;
+        let mtype = model.get("type").and_then(Value::as_str).unwrap_or("BPE");
+        if mtype != "BPE" {
+            return Err(LoadError::UnsupportedModel {
+                model: mtype.to_owned(),
+            });
+        }
+        let pretok = pretok_from_json(v.get("pre_tokenizer").unwrap_or(&Value::Null))?;
+        let vocab = model
+            .get("vocab")
+            .and_then(Value::as_object)
+            .ok_or_else(|| field("model.vocab"))?;
+        let inv = char_to_byte();
+        let mut tokens = Vec::new();
+        let mut ids: FxHashMap<&str, u32> = FxHashMap::default();
+        for (s, id) in vocab {
+            let id = id.as_u64().ok_or_else(|| field("model.vocab"))?;
+            let bytes = byte_level_decode(s, &inv).unwrap_or_else(|| s.as_bytes().to_vec());
+            put(&mut tokens, id, bytes)?;
+            ids.insert(s, id as u32);
+        }
+        let mut specials = Vec::new();
+        for t in v
+            .get("added_tokens")
+            .and_then(Value::as_array)
+            .map(Vec::as_slice)
+            .unwrap_or(&[])
+        {
+            let content = t
+                .get("content")
+                .and_then(Value::as_str)
+                .ok_or_else(|| field("added_tokens.content"))?;
+            let id = t
+                .get("id")
+                .and_then(Value::as_u64)
+                .ok_or_else(|| field("added_tokens.id"))?;
+            if id >= MAX_ID {
+                return Err(LoadError::IdOutOfRange { id });
+            }
+            let i = id as usize;
+            if tokens.len() <= i {
+                tokens.resize(i + 1, None);
+            }
+            tokens[i] = Some(content.as_bytes().to_vec());
+            specials.push((content.to_owned(), id as u32));
+        }
+        let merges = model
+            .get("merges")
+            .and_then(Value::as_array)
+            .ok_or_else(|| field("model.merges"))?;
+        let mut pairs = Vec::with_capacity(merges.len());
+        for (index, m) in merges.iter().enumerate() {
+            let bad = || LoadError::BadMerge {
+                index,
+                rule: m.to_string(),
+            };
+            let (a, b) = match m {
+                Value::String(s) => s.split_once(' ').ok_or_else(bad)?,
+                Value::Array(a) if a.len() == 2 => (
+                    a[0].as_str().ok_or_else(bad)?,
+                    a[1].as_str().ok_or_else(bad)?,
+                ),
+                _ => return Err(bad()),
+            };
+            let (&a, &b) = ids.get(a).zip(ids.get(b)).ok_or_else(bad)?;
+            pairs.push((a, b));
+        }
+        let unk = model
+            .get("unk_token")
+            .and_then(Value::as_str)
+            .and_then(|u| ids.get(u).copied());
+        let flag = |k: &str| model.get(k).and_then(Value::as_bool).unwrap_or(false);
+        Ok(Self::from_spec(Spec {
+            pretok,
+            tokens,
+            merges: MergeSpec::Pairs(pairs),
+            specials,
+            ignore_merges: flag("ignore_merges"),
+            byte_fallback: flag("byte_fallback"),
+            unk,
+            fuse_unk: flag("fuse_unk"),
+            bos: None,
+            eos: None,
+            chat_template: None,
+        }))
+    }
+
+    /// Reads a HF `tokenizer.json` from disk; see [`Tokenizer::from_tokenizer_json`].
+    pub fn from_tokenizer_json_file(path: impl AsRef<Path>) -> Result<Self, LoadError> {
+        let path = path.as_ref();
+        let text = std::fs::read_to_string(path).map_err(|source| LoadError::Io {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        Self::from_tokenizer_json(&text)
+    }
+
+    /// Sets the BOS/EOS ids and chat template (for sources such as `tokenizer.json` that keep
+    /// them elsewhere, e.g. in `tokenizer_config.json`).
+    pub fn with_model_info(
+        mut self,
+        bos: Option<u32>,
+        eos: Option<u32>,
+        chat_template: Option<String>,
+    ) -> Self {
+        self.set_model_info(bos, eos, chat_template);
+        self
+    }
+}
+
+/// cl100k_base's special tokens.
+pub const CL100K_SPECIALS: &[(&str, u32)] = &[
+    ("<|endoftext|>", 100257),
+    ("<|fim_prefix|>", 100258),
+    ("<|fim_middle|>", 100259),
+    ("<|fim_suffix|>", 100260),
+    ("<|endofprompt|>", 100276),
+];
+
+/// o200k_base's special tokens.
+pub const O200K_SPECIALS: &[(&str, u32)] =
+    &[("<|endoftext|>", 199999), ("<|endofprompt|>", 200018)];
+
+fn pretok_from_json(p: &Value) -> Result<Pretokenizer, LoadError> {
+    let describe = || LoadError::UnsupportedPretokenizer {
+        name: p.to_string().chars().take(200).collect(),
+    };
+    let ty = |v: &Value| {
+        v.get("type")
+            .and_then(Value::as_str)
+            .unwrap_or("")
+            .to_owned()
+    };
+    let byte_level_regex = |v: &Value| {
+        ty(v) == "ByteLevel"
+            && v.get("use_regex").and_then(Value::as_bool).unwrap_or(true)
+            && !v
+                .get("add_prefix_space")
+                .and_then(Value::as_bool)
+                .unwrap_or(false)
+    };
+    let byte_level_plain = |v: &Value| {
+        ty(v) == "ByteLevel"
+            && !v.get("use_regex").and_then(Value::as_bool).unwrap_or(true)
+            && !v
+                .get("add_prefix_space")
+                .and_then(Value::as_bool)
+                .unwrap_or(false)
+    };
+    if byte_level_regex(p) {
+        return Ok(Pretokenizer::Gpt2);
+    }
+    if ty(p) == "Sequence" {
+        let items = p
+            .get("pretokenizers")
+            .and_then(Value::as_array)
+            .ok_or_else(describe)?;
+        if items.len() == 2 {
+            let (a, b) = (&items[0], &items[1]);
+            if ty(a) == "Digits"
+                && a.get("individual_digits").and_then(Value::as_bool) == Some(true)
+                && byte_level_regex(b)
+            {
+                return Ok(Pretokenizer::SmolLm);
+            }
+            if ty(a) == "Split" && byte_level_plain(b) {
+                let regex = a
+                    .get("pattern")
+                    .and_then(|p| p.get("Regex"))
+                    .and_then(Value::as_str)
+                    .unwrap_or("");
+                let behavior = a.get("behavior").and_then(Value::as_str).unwrap_or("");
+                let invert = a.get("invert").and_then(Value::as_bool).unwrap_or(false);
+                if behavior == "Isolated" && !invert {
+                    let norm = regex.replace("?+", "?").replace("++", "+");
+                    for kind in [
+                        Pretokenizer::Cl100k,
+                        Pretokenizer::O200k,
+                        Pretokenizer::Gpt2,
+                    ] {
+                        if norm == kind.pattern() || regex == kind.pattern() {
+                            return Ok(kind);
+                        }
+                    }
+                }
+            }
+        }
+    }
+    Err(describe())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn base64_roundtrip() {
+        for n in 0..20usize {
+            let v: Vec<u8> = (0..n as u8).map(|x| x.wrapping_mul(37)).collect();
+            assert_eq!(base64_decode(&base64_encode(&v)).unwrap(), v);
+        }
+        assert_eq!(base64_encode(b"hello"), "aGVsbG8=");
+        assert!(base64_decode("a===").is_none());
+        assert!(base64_decode("a!==").is_none());
+    }
+
+    #[test]
+    fn byte_level_alphabet() {
+        let m = byte_to_char();
+        assert_eq!(m[b' ' as usize], 'Ġ');
+        assert_eq!(m[b'\n' as usize], 'Ċ');
+        assert_eq!(
+            byte_level_decode("Ġhello", &char_to_byte()).unwrap(),
+            b" hello"
+        );
+    }
+}

@@ -1,0 +1,459 @@
+//! Hand-written pre-tokenizers: each one splits text exactly as its reference regex does
+//! (leftmost-first alternation with backtracking), without a regex engine on the hot path.
+//!
+//! Equality with the regexes is checked by the parity corpus and by proptests against
+//! `fancy-regex` (see `tests/pretok_regex.rs`).
+
+use crate::unicode::{ClassTable, LETTER, LOWERISH, NUMBER, SPACE, UPPERISH, decode_at, table};
+
+/// How text is cut into pieces before byte-pair merging.
+#[non_exhaustive]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Pretokenizer {
+    /// GPT-2's pattern (HF `ByteLevel` with `use_regex`):
+    /// `'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+`.
+    Gpt2,
+    /// SmolLM2 (`tokenizer.ggml.pre = smollm`): every numeric character (`char::is_numeric`,
+    /// HF `Digits(individual_digits=true)`) is split off on its own, then GPT-2's pattern runs on
+    /// the text between them.
+    SmolLm,
+    /// Llama 3 and cl100k_base (the two patterns select identical pieces):
+    /// `(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+`.
+    Cl100k,
+    /// o200k_base (see [`Pretokenizer::pattern`]).
+    O200k,
+}
+
+const GPT2_PATTERN: &str =
+    r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+";
+const CL100K_PATTERN: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+const O200K_PATTERN: &str = concat!(
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+    r"|\p{N}{1,3}",
+    r"| ?[^\s\p{L}\p{N}]+[\r\n/]*",
+    r"|\s*[\r\n]+",
+    r"|\s+(?!\S)",
+    r"|\s+",
+);
+
+impl Pretokenizer {
+    /// The reference regex this scanner implements (for [`Pretokenizer::SmolLm`], the GPT-2
+    /// pattern that runs after the numeric split).
+    pub fn pattern(self) -> &'static str {
+        match self {
+            Self::Gpt2 | Self::SmolLm => GPT2_PATTERN,
+            Self::Cl100k => CL100K_PATTERN,
+            Self::O200k => O200K_PATTERN,
+        }
+    }
+
+    /// Splits `text` into pieces; concatenated, the pieces give back `text`.
+    ///
+    /// ```
+    /// use token_stream::Pretokenizer;
+    /// let pieces: Vec<&str> = Pretokenizer::SmolLm.split("I've 42 cats").collect();
+    /// assert_eq!(pieces, ["I", "'ve", " ", "4", "2", " cats"]);
+    /// ```
+    pub fn split(self, text: &str) -> Pieces<'_> {
+        Pieces {
+            kind: self,
+            text,
+            pos: 0,
+            seg_end: 0,
+            table: table(),
+        }
+    }
+}
+
+/// Iterator over the pieces of a text, from [`Pretokenizer::split`].
+#[derive(Clone)]
+pub struct Pieces<'a> {
+    kind: Pretokenizer,
+    text: &'a str,
+    pos: usize,
+    /// SmolLm: end of the current numeric-free segment (valid while `pos < seg_end`).
+    seg_end: usize,
+    table: &'static ClassTable,
+}
+
+impl std::fmt::Debug for Pieces<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Pieces")
+            .field("kind", &self.kind)
+            .field("pos", &self.pos)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<'a> Iterator for Pieces<'a> {
+    type Item = &'a str;
+
+    #[inline]
+    fn next(&mut self) -> Option<&'a str> {
+        let s = self.text.as_bytes();
+        let i = self.pos;
+        if i >= s.len() {
+            return None;
+        }
+        let t = self.table;
+        let end = match self.kind {
+            Pretokenizer::Gpt2 => gpt2_next(t, s, i, s.len()),
+            Pretokenizer::SmolLm => {
+                if i >= self.seg_end {
+                    let (c, l) = decode_at(s, i);
+                    if is_numeric(c) {
+                        self.pos = i + l;
+                        return Some(&self.text[i..i + l]);
+                    }
+                    self.seg_end = next_numeric(s, i + l);
+                }
+                gpt2_next(t, s, i, self.seg_end)
+            }
+            Pretokenizer::Cl100k => cl100k_next(t, s, i),
+            Pretokenizer::O200k => o200k_next(t, s, i),
+        };
+        self.pos = end;
+        Some(&self.text[i..end])
+    }
+}
+
+#[inline(always)]
+fn is_numeric(c: u32) -> bool {
+    if c < 128 {
+        (b'0' as u32..=b'9' as u32).contains(&c)
+    } else {
+        char::from_u32(c).is_some_and(char::is_numeric)
+    }
+}
+
+/// Position of the first numeric character at or after `i` (or `s.len()`).
+fn next_numeric(s: &[u8], mut i: usize) -> usize {
+    while i < s.len() {
+        let b = s[i];
+        if b < 0x80 {
+            if b.is_ascii_digit() {
+                return i;
+            }
+            i += 1;
+        } else {
+            let (c, l) = decode_at(s, i);
+            if is_numeric(c) {
+                return i;
+            }
+            i += l;
+        }
+    }
+    s.len()
+}
+
+/// Length of a contraction suffix (`s t re ve m ll d`) right after an apostrophe at `i`, if any.
+#[inline]
+fn contraction(s: &[u8], i: usize, end: usize, case_insensitive: bool) -> Option<usize> {
+    if i >= end || s[i] != b'\'' {
+        return None;
+    }
+    let at = |k: usize| -> u8 {
+        if i + k < end {
+            let b = s[i + k];
+            if case_insensitive {
+                b.to_ascii_lowercase()
+            } else {
+                b
+            }
+        } else {
+            0
+        }
+    };
+    match at(1) {
+        b's' | b't' | b'm' | b'd' => Some(2),
+        b'r' | b'v' if at(2) == b'e' => Some(3),
+        b'l' if at(2) == b'l' => Some(3),
+        // U+017F LATIN SMALL LETTER LONG S case-folds to 's'.
+        0xC5 if case_insensitive && i + 2 < end && s[i + 1] == 0xC5 && s[i + 2] == 0xBF => Some(3),
+        _ => None,
+    }
+}
+
+/// End of the run of characters starting at `i` (bounded by `end`) whose class satisfies `f`.
+#[inline(always)]
+fn run(t: &ClassTable, s: &[u8], mut i: usize, end: usize, f: impl Fn(u8) -> bool) -> usize {
+    while i < end {
+        let (c, l) = decode_at(s, i);
+        if !f(t.of(c)) {
+            break;
+        }
+        i += l;
+    }
+    i
+}
+
+#[inline(always)]
+fn is_other(k: u8) -> bool {
+    k & (LETTER | NUMBER | SPACE) == 0
+}
+
+/// The `\s+(?!\S)|\s+` tail shared by all patterns, for a whitespace run `[i, j)` with its last
+/// character starting at `last`.
+#[inline(always)]
+fn space_tail(i: usize, j: usize, last: usize, end: usize) -> usize {
+    if j >= end || last == i { j } else { last }
+}
+
+/// Whitespace run from `i`: (end, start of last char, position after the last `\r`/`\n`).
+#[inline(always)]
+fn space_run(t: &ClassTable, s: &[u8], i: usize, end: usize) -> (usize, usize, Option<usize>) {
+    let mut j = i;
+    let mut last = i;
+    let mut nl = None;
+    while j < end {
+        let (c, l) = decode_at(s, j);
+        if t.of(c) & SPACE == 0 {
+            break;
+        }
+        if c == u32::from(b'\n') || c == u32::from(b'\r') {
+            nl = Some(j + l);
+        }
+        last = j;
+        j += l;
+    }
+    (j, last, nl)
+}
+
+fn gpt2_next(t: &ClassTable, s: &[u8], i: usize, end: usize) -> usize {
+    if let Some(n) = contraction(s, i, end, false) {
+        return i + n;
+    }
+    let (c, l) = decode_at(s, i);
+    let mut k = t.of(c);
+    let mut start = i;
+    if c == u32::from(b' ') && i + 1 < end {
+        let (c2, l2) = decode_at(s, i + 1);
+        let k2 = t.of(c2);
+        if k2 & SPACE == 0 {
+            k = k2;
+            start = i + 1 + l2;
+            return gpt2_class_run(t, s, start, end, k);
+        }
+    }
+    if k & SPACE != 0 {
+        let (j, last, _) = space_run(t, s, i, end);
+        return space_tail(i, j, last, end);
+    }
+    start += l;
+    gpt2_class_run(t, s, start, end, k)
+}
+
+#[inline(always)]
+fn gpt2_class_run(t: &ClassTable, s: &[u8], from: usize, end: usize, k: u8) -> usize {
+    if k & LETTER != 0 {
+        run(t, s, from, end, |x| x & LETTER != 0)
+    } else if k & NUMBER != 0 {
+        run(t, s, from, end, |x| x & NUMBER != 0)
+    } else {
+        run(t, s, from, end, is_other)
+    }
+}
+
+#[inline(always)]
+fn newlines(s: &[u8], mut i: usize, slash: bool) -> usize {
+    while i < s.len() && (s[i] == b'\r' || s[i] == b'\n' || (slash && s[i] == b'/')) {
+        i += 1;
+    }
+    i
+}
+
+fn cl100k_next(t: &ClassTable, s: &[u8], i: usize) -> usize {
+    let end = s.len();
+    if let Some(n) = contraction(s, i, end, true) {
+        return i + n;
+    }
+    let (c, l) = decode_at(s, i);
+    let k = t.of(c);
+    // [^\r\n\p{L}\p{N}]?\p{L}+
+    if k & LETTER != 0 {
+        return run(t, s, i + l, end, |x| x & LETTER != 0);
+    }
+    let not_nl = c != u32::from(b'\r') && c != u32::from(b'\n');
+    if not_nl && k & NUMBER == 0 && i + l < end {
+        let (c2, l2) = decode_at(s, i + l);
+        if t.of(c2) & LETTER != 0 {
+            return run(t, s, i + l + l2, end, |x| x & LETTER != 0);
+        }
+    }
+    // \p{N}{1,3}
+    if k & NUMBER != 0 {
+        let mut j = i + l;
+        for _ in 0..2 {
+            if j >= end {
+                break;
+            }
+            let (c2, l2) = decode_at(s, j);
+            if t.of(c2) & NUMBER == 0 {
+                break;
+            }
+            j += l2;
+        }
+        return j;
+    }
+    //  ?[^\s\p{L}\p{N}]+[\r\n]*
+    if let Some(j) = space_then_other(t, s, i, c, l, k) {
+        return newlines(s, j, false);
+    }
+    // \s*[\r\n]+|\s+(?!\S)|\s+
+    let (j, last, nl) = space_run(t, s, i, end);
+    match nl {
+        Some(n) => n,
+        None => space_tail(i, j, last, end),
+    }
+}
+
+/// ` ?[^\s\p{L}\p{N}]+`: end of the match at `i`, if it matches.
+#[inline(always)]
+fn space_then_other(t: &ClassTable, s: &[u8], i: usize, c: u32, l: usize, k: u8) -> Option<usize> {
+    let end = s.len();
+    if is_other(k) {
+        return Some(run(t, s, i + l, end, is_other));
+    }
+    if c == u32::from(b' ') && i + 1 < end {
+        let (c2, l2) = decode_at(s, i + 1);
+        if is_other(t.of(c2)) {
+            return Some(run(t, s, i + 1 + l2, end, is_other));
+        }
+    }
+    None
+}
+
+/// o200k's first alternative without the optional prefix, starting at `p`:
+/// `[UP]*[LO]+` then an optional contraction.
+fn o200k_alt1(t: &ClassTable, s: &[u8], p: usize) -> Option<usize> {
+    let end = s.len();
+    // Greedy [UP]*, remembering the end of the last char that is also LO.
+    let mut j = p;
+    let mut last_lo_end = None;
+    while j < end {
+        let (c, l) = decode_at(s, j);
+        let k = t.of(c);
+        if k & UPPERISH == 0 {
+            break;
+        }
+        j += l;
+        if k & LOWERISH != 0 {
+            last_lo_end = Some(j);
+        }
+    }
+    let m = if j < end && {
+        let (c, _) = decode_at(s, j);
+        t.of(c) & LOWERISH != 0
+    } {
+        run(t, s, j, end, |x| x & LOWERISH != 0)
+    } else {
+        // Backtrack [UP]* to just before its last LO char; [LO]+ then takes exactly that char.
+        last_lo_end?
+    };
+    Some(m + contraction(s, m, end, true).unwrap_or(0))
+}
+
+/// o200k's second alternative without the prefix: `[UP]+[LO]*` then an optional contraction.
+fn o200k_alt2(t: &ClassTable, s: &[u8], p: usize) -> Option<usize> {
+    let end = s.len();
+    let j = run(t, s, p, end, |x| x & UPPERISH != 0);
+    if j == p {
+        return None;
+    }
+    let m = run(t, s, j, end, |x| x & LOWERISH != 0);
+    Some(m + contraction(s, m, end, true).unwrap_or(0))
+}
+
+fn o200k_next(t: &ClassTable, s: &[u8], i: usize) -> usize {
+    let end = s.len();
+    let (c, l) = decode_at(s, i);
+    let k = t.of(c);
+    let prefix =
+        c != u32::from(b'\r') && c != u32::from(b'\n') && k & (LETTER | NUMBER) == 0 && i + l < end;
+    if k & (LETTER | UPPERISH | LOWERISH) != 0 || prefix {
+        if prefix {
+            if let Some(e) = o200k_alt1(t, s, i + l) {
+                return e;
+            }
+        }
+        if let Some(e) = o200k_alt1(t, s, i) {
+            return e;
+        }
+        if prefix {
+            if let Some(e) = o200k_alt2(t, s, i + l) {
+                return e;
+            }
+        }
+        if let Some(e) = o200k_alt2(t, s, i) {
+            return e;
+        }
+    }
+    if k & NUMBER != 0 {
+        let mut j = i + l;
+        for _ in 0..2 {
+            if j >= end {
+                break;
+            }
+            let (c2, l2) = decode_at(s, j);
+            if t.of(c2) & NUMBER == 0 {
+                break;
+            }
+            j += l2;
+        }
+        return j;
+    }
+    if let Some(j) = space_then_other(t, s, i, c, l, k) {
+        return newlines(s, j, true);
+    }
+    let (j, last, nl) = space_run(t, s, i, end);
+    match nl {
+        Some(n) => n,
+        None => space_tail(i, j, last, end),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn split(p: Pretokenizer, s: &str) -> Vec<&str> {
+        p.split(s).collect()
+    }
+
+    #[test]
+    fn gpt2_basics() {
+        let p = Pretokenizer::Gpt2;
+        assert_eq!(split(p, "Hello world"), ["Hello", " world"]);
+        assert_eq!(split(p, "I'm  here\n\n"), ["I", "'m", " ", " here", "\n\n"]);
+        assert_eq!(split(p, "a   b"), ["a", "  ", " b"]);
+        assert_eq!(split(p, "x\t y"), ["x", "\t", " y"]);
+        assert_eq!(split(p, "12 ab!!"), ["12", " ab", "!!"]);
+    }
+
+    #[test]
+    fn smollm_digits() {
+        let p = Pretokenizer::SmolLm;
+        assert_eq!(split(p, "x 2024!"), ["x", " ", "2", "0", "2", "4", "!"]);
+        assert_eq!(split(p, "a١b"), ["a", "١", "b"]);
+    }
+
+    #[test]
+    fn cl100k_basics() {
+        let p = Pretokenizer::Cl100k;
+        assert_eq!(split(p, "Hello world"), ["Hello", " world"]);
+        assert_eq!(split(p, "12345"), ["123", "45"]);
+        assert_eq!(split(p, "(hello)\n\n  x"), ["(hello", ")\n\n", " ", " x"]);
+        assert_eq!(split(p, "I'M"), ["I", "'M"]);
+        assert_eq!(split(p, "a \n\n b"), ["a", " \n\n", " b"]);
+    }
+
+    #[test]
+    fn o200k_basics() {
+        let p = Pretokenizer::O200k;
+        assert_eq!(split(p, "HelloWorld"), ["Hello", "World"]);
+        assert_eq!(split(p, "HELLO world"), ["HELLO", " world"]);
+        assert_eq!(split(p, "don't"), ["don't"]);
+        assert_eq!(split(p, "a//\n"), ["a", "//\n"]);
+    }
+}

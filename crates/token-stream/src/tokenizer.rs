@@ -1,0 +1,477 @@
+//! The [`Tokenizer`]: vocabulary, merges, special tokens, encode and decode.
+
+use rustc_hash::FxHashMap;
+
+use crate::bpe::{self, Merges, NONE, Work};
+use crate::error::DecodeError;
+use crate::pretok::Pretokenizer;
+use crate::tokens::Tokens;
+
+/// How merges are ranked.
+#[derive(Debug)]
+pub(crate) enum MergeSpec {
+    /// HF / GGUF merge list, in priority order: `(left id, right id)`.
+    Pairs(Vec<(u32, u32)>),
+    /// tiktoken: a pair merges when the concatenation is a token; rank = that token's id.
+    FromRanks,
+}
+
+/// Everything a loader extracts; turned into a [`Tokenizer`] by [`Tokenizer::from_spec`].
+#[derive(Debug)]
+pub(crate) struct Spec {
+    pub(crate) pretok: Pretokenizer,
+    /// Token bytes by id; `None` for holes in the id space.
+    pub(crate) tokens: Vec<Option<Vec<u8>>>,
+    pub(crate) merges: MergeSpec,
+    /// Special tokens (their text, their id); their bytes in `tokens` are their text.
+    pub(crate) specials: Vec<(String, u32)>,
+    /// A piece that is itself a token is emitted as that token without merging
+    /// (tiktoken always; HF `ignore_merges`).
+    pub(crate) ignore_merges: bool,
+    /// Bytes without a token use `<0xXX>` tokens when the vocabulary has them.
+    pub(crate) byte_fallback: bool,
+    /// Bytes without a token become this id (HF `unk_token`); otherwise they are dropped.
+    pub(crate) unk: Option<u32>,
+    /// Consecutive unknown bytes become one `unk` (HF `fuse_unk`).
+    pub(crate) fuse_unk: bool,
+    pub(crate) bos: Option<u32>,
+    pub(crate) eos: Option<u32>,
+    pub(crate) chat_template: Option<String>,
+}
+
+/// Special tokens matched in text (leftmost-longest), only when the caller allows it.
+#[derive(Debug, Clone)]
+struct Specials {
+    /// Longest first, so the first hit at a position is the longest.
+    entries: Vec<(Box<str>, u32)>,
+    first_byte: [bool; 256],
+}
+
+impl Specials {
+    fn new(mut list: Vec<(String, u32)>) -> Self {
+        list.sort_by(|a, b| b.0.len().cmp(&a.0.len()).then(a.1.cmp(&b.1)));
+        let mut first_byte = [false; 256];
+        let mut entries = Vec::with_capacity(list.len());
+        for (s, id) in list {
+            if let Some(&b) = s.as_bytes().first() {
+                first_byte[b as usize] = true;
+                entries.push((s.into_boxed_str(), id));
+            }
+        }
+        Self {
+            entries,
+            first_byte,
+        }
+    }
+
+    /// First special token at or after `from`: (start, end, id).
+    fn find(&self, text: &str, from: usize) -> Option<(usize, usize, u32)> {
+        if self.entries.is_empty() {
+            return None;
+        }
+        let b = text.as_bytes();
+        for i in from..b.len() {
+            if self.first_byte[b[i] as usize] {
+                for (s, id) in &self.entries {
+                    if b[i..].starts_with(s.as_bytes()) {
+                        return Some((i, i + s.len(), *id));
+                    }
+                }
+            }
+        }
+        None
+    }
+}
+
+/// An exact byte-level BPE tokenizer (GPT-2, SmolLM2, Llama 3, cl100k_base, o200k_base).
+///
+/// `Send + Sync`; share it behind an `Arc`. Encoding never fails and never panics: every
+/// string has an encoding. Text is never turned into special tokens by [`Tokenizer::encode`];
+/// only [`Tokenizer::encode_with_specials`] does that, for text the caller trusts.
+///
+/// ```
+/// use token_stream::Tokenizer;
+/// // A toy vocabulary in tiktoken's rank-file format: the 256 bytes, then "ab" and "abc".
+/// let mut ranks = String::new();
+/// for b in 0..=255u8 {
+///     ranks += &format!("{} {}\n", token_stream::base64_encode(&[b]), b);
+/// }
+/// ranks += &format!("{} 256\n{} 257\n", token_stream::base64_encode(b"ab"), token_stream::base64_encode(b"abc"));
+/// let tok = Tokenizer::from_tiktoken(&ranks, token_stream::Pretokenizer::Cl100k, &[("<|end|>", 258)])?;
+/// let ids = tok.encode("abc ab<|end|>");
+/// assert_eq!(ids.as_slice(), &[257, 32, 256, 60, 124, 101, 110, 100, 124, 62]);
+/// assert_eq!(tok.encode_with_specials("ab<|end|>").as_slice(), &[256, 258]);
+/// assert_eq!(tok.decode(&ids)?, "abc ab<|end|>");
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+#[derive(Debug)]
+pub struct Tokenizer {
+    pretok: Pretokenizer,
+    /// All token bytes back to back; token `i` is `bytes[offsets[i]..offsets[i + 1]]`.
+    bytes: Vec<u8>,
+    offsets: Vec<u32>,
+    /// Whether id `i` exists (holes in tiktoken's id space do not).
+    present: Vec<bool>,
+    is_special: Vec<bool>,
+    /// Initial symbol for each byte value (`NONE`: dropped or `unk`).
+    byte_ids: [u32; 256],
+    merges: Merges,
+    /// Pieces that encode to exactly one token, looked up before merging.
+    whole: FxHashMap<Box<[u8]>, u32>,
+    specials: Specials,
+    unk: Option<u32>,
+    fuse_unk: bool,
+    bos: Option<u32>,
+    eos: Option<u32>,
+    chat_template: Option<String>,
+}
+
+impl Tokenizer {
+    pub(crate) fn from_spec(spec: Spec) -> Self {
+        let n = spec.tokens.len();
+        let mut bytes = Vec::new();
+        let mut offsets = Vec::with_capacity(n + 1);
+        let mut present = Vec::with_capacity(n);
+        offsets.push(0u32);
+        for t in &spec.tokens {
+            if let Some(t) = t {
+                bytes.extend_from_slice(t);
+            }
+            present.push(t.is_some());
+            offsets.push(u32::try_from(bytes.len()).expect("vocabulary under 4 GiB"));
+        }
+        let mut is_special = vec![false; n];
+        for &(_, id) in &spec.specials {
+            is_special[id as usize] = true;
+        }
+        // Regular token bytes -> id (first id wins for duplicates, as in HF's vocab map).
+        let mut by_bytes: FxHashMap<Box<[u8]>, u32> = FxHashMap::default();
+        by_bytes.reserve(n);
+        for (id, t) in spec.tokens.iter().enumerate() {
+            if let Some(t) = t {
+                if !is_special[id] && !t.is_empty() {
+                    by_bytes
+                        .entry(t.clone().into_boxed_slice())
+                        .or_insert(id as u32);
+                }
+            }
+        }
+        let mut byte_ids = [NONE; 256];
+        for (b, slot) in byte_ids.iter_mut().enumerate() {
+            if let Some(&id) = by_bytes.get(&[b as u8][..]) {
+                *slot = id;
+            } else if spec.byte_fallback {
+                if let Some(&id) = by_bytes.get(format!("<0x{b:02X}>").as_bytes()) {
+                    *slot = id;
+                }
+            }
+        }
+        let mut merges = Merges::default();
+        match &spec.merges {
+            MergeSpec::Pairs(pairs) => {
+                for (rank, &(a, b)) in pairs.iter().enumerate() {
+                    let (ta, tb) = (&spec.tokens[a as usize], &spec.tokens[b as usize]);
+                    if let (Some(ta), Some(tb)) = (ta, tb) {
+                        let mut cat = ta.clone();
+                        cat.extend_from_slice(tb);
+                        if let Some(&m) = by_bytes.get(&cat[..]) {
+                            merges.insert(a, b, rank as u32, m);
+                        }
+                    }
+                }
+            }
+            MergeSpec::FromRanks => {
+                for (id, t) in spec.tokens.iter().enumerate() {
+                    let Some(t) = t else { continue };
+                    if is_special[id] || t.len() < 2 {
+                        continue;
+                    }
+                    for k in 1..t.len() {
+                        if let (Some(&a), Some(&b)) = (by_bytes.get(&t[..k]), by_bytes.get(&t[k..]))
+                        {
+                            merges.insert(a, b, id as u32, id as u32);
+                        }
+                    }
+                }
+            }
+        }
+        let mut tok = Self {
+            pretok: spec.pretok,
+            bytes,
+            offsets,
+            present,
+            is_special,
+            byte_ids,
+            merges,
+            whole: FxHashMap::default(),
+            specials: Specials::new(spec.specials),
+            unk: spec.unk,
+            fuse_unk: spec.fuse_unk,
+            bos: spec.bos,
+            eos: spec.eos,
+            chat_template: spec.chat_template,
+        };
+        // The whole-piece table: every token when merges are ignored (tiktoken), otherwise the
+        // tokens that merging their own bytes reproduces (so the shortcut cannot change results).
+        let mut whole = FxHashMap::default();
+        whole.reserve(by_bytes.len());
+        let mut scratch = Vec::new();
+        for (t, id) in by_bytes {
+            if t.len() < 2 {
+                continue;
+            }
+            let keep = spec.ignore_merges || {
+                scratch.clear();
+                tok.bpe_piece(&t, &mut scratch, &mut Work::default());
+                scratch.len() == 1 && scratch[0] == id
+            };
+            if keep {
+                whole.insert(t, id);
+            }
+        }
+        tok.whole = whole;
+        tok
+    }
+
+    pub(crate) fn set_model_info(
+        &mut self,
+        bos: Option<u32>,
+        eos: Option<u32>,
+        chat_template: Option<String>,
+    ) {
+        self.bos = bos;
+        self.eos = eos;
+        self.chat_template = chat_template;
+    }
+
+    /// Number of ids (the largest id + 1), holes included.
+    pub fn vocab_size(&self) -> usize {
+        self.present.len()
+    }
+
+    /// Number of merge rules.
+    pub fn merge_count(&self) -> usize {
+        self.merges.len()
+    }
+
+    /// The pre-tokenizer in use.
+    pub fn pretokenizer(&self) -> Pretokenizer {
+        self.pretok
+    }
+
+    /// Beginning-of-sequence token, if the vocabulary declares one.
+    pub fn bos_id(&self) -> Option<u32> {
+        self.bos
+    }
+
+    /// End-of-sequence token, if the vocabulary declares one.
+    pub fn eos_id(&self) -> Option<u32> {
+        self.eos
+    }
+
+    /// The model's Jinja chat template, if the source had one.
+    pub fn chat_template(&self) -> Option<&str> {
+        self.chat_template.as_deref()
+    }
+
+    /// Whether `id` is a special (control / added) token.
+    pub fn is_special(&self, id: u32) -> bool {
+        self.is_special.get(id as usize).copied().unwrap_or(false)
+    }
+
+    /// The id of special token `text` (for example `"<|im_end|>"`).
+    pub fn special_id(&self, text: &str) -> Option<u32> {
+        self.specials
+            .entries
+            .iter()
+            .find(|(s, _)| &**s == text)
+            .map(|&(_, id)| id)
+    }
+
+    /// The bytes of token `id` (special tokens: their text).
+    pub fn token_bytes(&self, id: u32) -> Option<&[u8]> {
+        let i = id as usize;
+        if *self.present.get(i)? {
+            Some(&self.bytes[self.offsets[i] as usize..self.offsets[i + 1] as usize])
+        } else {
+            None
+        }
+    }
+
+    /// Encodes `text` as plain text: special-token text such as `<|im_start|>` is encoded like
+    /// any other characters.
+    pub fn encode(&self, text: &str) -> Tokens<'static> {
+        let mut out = Vec::with_capacity(text.len() / 3 + 1);
+        self.encode_into(text, &mut out);
+        Tokens::from(out)
+    }
+
+    /// Appends the encoding of plain `text` to `out` (no special-token parsing).
+    pub fn encode_into(&self, text: &str, out: &mut Vec<u32>) {
+        let mut scratch = Vec::new();
+        let mut work = Work::default();
+        self.encode_plain(text, out, &mut scratch, &mut work);
+    }
+
+    /// Encodes `text`, turning special-token text into special ids (HF `encode`'s default,
+    /// tiktoken's `allowed_special="all"`). Only for trusted text: never for user input.
+    pub fn encode_with_specials(&self, text: &str) -> Tokens<'static> {
+        let mut out = Vec::with_capacity(text.len() / 3 + 1);
+        self.encode_with_specials_into(text, &mut out);
+        Tokens::from(out)
+    }
+
+    /// Appends the encoding of `text` with special-token parsing to `out`.
+    pub fn encode_with_specials_into(&self, text: &str, out: &mut Vec<u32>) {
+        let mut scratch = Vec::new();
+        let mut work = Work::default();
+        let mut pos = 0;
+        while let Some((s, e, id)) = self.specials.find(text, pos) {
+            self.encode_plain(&text[pos..s], out, &mut scratch, &mut work);
+            out.push(id);
+            pos = e;
+        }
+        self.encode_plain(&text[pos..], out, &mut scratch, &mut work);
+    }
+
+    /// Finds special tokens in `text` from byte `from`: `(start, end, id)` of the first one.
+    pub(crate) fn find_special(&self, text: &str, from: usize) -> Option<(usize, usize, u32)> {
+        self.specials.find(text, from)
+    }
+
+    /// Encodes many texts on `threads` threads (plain text, no special parsing); output order
+    /// follows input order.
+    pub fn encode_batch<S: AsRef<str> + Sync>(
+        &self,
+        texts: &[S],
+        threads: usize,
+    ) -> Vec<Tokens<'static>> {
+        let threads = threads.max(1).min(texts.len().max(1));
+        if threads == 1 {
+            return texts.iter().map(|t| self.encode(t.as_ref())).collect();
+        }
+        // Cut the batch into contiguous chunks of roughly equal byte counts.
+        let total: usize = texts.iter().map(|t| t.as_ref().len()).sum();
+        let per = total / threads + 1;
+        let mut bounds = vec![0usize];
+        let mut acc = 0;
+        for (i, t) in texts.iter().enumerate() {
+            acc += t.as_ref().len();
+            if acc >= per * bounds.len() && bounds.len() < threads {
+                bounds.push(i + 1);
+            }
+        }
+        bounds.push(texts.len());
+        bounds.dedup();
+        let mut results: Vec<Vec<Tokens<'static>>> = Vec::new();
+        std::thread::scope(|scope| {
+            let handles: Vec<_> = bounds
+                .windows(2)
+                .map(|w| {
+                    let chunk = &texts[w[0]..w[1]];
+                    scope.spawn(move || {
+                        chunk
+                            .iter()
+                            .map(|t| self.encode(t.as_ref()))
+                            .collect::<Vec<_>>()
+                    })
+                })
+                .collect();
+            for h in handles {
+                results.push(h.join().expect("encode does not panic"));
+            }
+        });
+        results.into_iter().flatten().collect()
+    }
+
+    /// Encode with an operation count (merge-loop steps), for complexity tests.
+    #[doc(hidden)]
+    pub fn encode_counting_work(&self, text: &str) -> (Vec<u32>, u64) {
+        let mut out = Vec::new();
+        let mut scratch = Vec::new();
+        let mut work = Work::default();
+        self.encode_plain(text, &mut out, &mut scratch, &mut work);
+        (out, work.0)
+    }
+
+    fn encode_plain(
+        &self,
+        text: &str,
+        out: &mut Vec<u32>,
+        scratch: &mut Vec<u32>,
+        work: &mut Work,
+    ) {
+        for piece in self.pretok.split(text) {
+            let p = piece.as_bytes();
+            if p.len() == 1 {
+                let id = self.byte_ids[p[0] as usize];
+                if id != NONE {
+                    out.push(id);
+                } else if let Some(u) = self.unk {
+                    out.push(u);
+                }
+                continue;
+            }
+            if let Some(&id) = self.whole.get(p) {
+                out.push(id);
+                continue;
+            }
+            scratch.clear();
+            self.bpe_piece(p, scratch, work);
+            out.extend_from_slice(scratch);
+        }
+    }
+
+    /// Merges one piece's bytes into `out` (which must be empty).
+    fn bpe_piece(&self, piece: &[u8], out: &mut Vec<u32>, work: &mut Work) {
+        let mut last_unk = false;
+        for &b in piece {
+            let id = self.byte_ids[b as usize];
+            if id != NONE {
+                out.push(id);
+                last_unk = false;
+            } else if let Some(u) = self.unk {
+                if !(self.fuse_unk && last_unk) {
+                    out.push(u);
+                }
+                last_unk = true;
+            }
+        }
+        work.0 += piece.len() as u64;
+        bpe::merge(out, &self.merges, work);
+    }
+
+    /// Decodes ids to bytes (special tokens contribute their text).
+    pub fn decode_bytes_into(&self, ids: &[u32], out: &mut Vec<u8>) -> Result<(), DecodeError> {
+        let offsets = &self.offsets[..];
+        let bytes = &self.bytes[..];
+        for &id in ids {
+            let i = id as usize;
+            if i + 1 >= offsets.len() || !self.present[i] {
+                return Err(DecodeError::UnknownId {
+                    id,
+                    vocab_size: self.vocab_size(),
+                });
+            }
+            out.extend_from_slice(&bytes[offsets[i] as usize..offsets[i + 1] as usize]);
+        }
+        Ok(())
+    }
+
+    /// Decodes ids to bytes.
+    pub fn decode_bytes(&self, ids: &[u32]) -> Result<Vec<u8>, DecodeError> {
+        let mut out = Vec::with_capacity(ids.len() * 4);
+        self.decode_bytes_into(ids, &mut out)?;
+        Ok(out)
+    }
+
+    /// Decodes ids to text; byte sequences that are not UTF-8 become U+FFFD (as HF's byte-level
+    /// decoder and tiktoken's `decode` with `errors="replace"` do).
+    pub fn decode(&self, ids: &[u32]) -> Result<String, DecodeError> {
+        let b = self.decode_bytes(ids)?;
+        Ok(match String::from_utf8(b) {
+            Ok(s) => s,
+            Err(e) => String::from_utf8_lossy(e.as_bytes()).into_owned(),
+        })
+    }
+}
