@@ -30,32 +30,87 @@ fn error_of(r: &Resp, status: u16, ty: &str) -> String {
 async fn validation_errors_name_the_field() {
     let s = TestServer::start(GatewayConfig::default().max_output_tokens(4096)).await;
     let cases: Vec<(Value, &str)> = vec![
-        (json!({"model": "word-model", "messages": [{"role": "user", "content": "x"}]}), "max_tokens: Field required"),
-        (json!({"model": "word-model", "max_tokens": "5", "messages": []}), "max_tokens: Input should be a valid integer"),
-        (json!({"model": "word-model", "max_tokens": 0, "messages": [{"role": "user", "content": "x"}]}), "max_tokens:"),
-        (json!({"model": "word-model", "max_tokens": 99999, "messages": [{"role": "user", "content": "x"}]}), "max_tokens:"),
-        (json!({"max_tokens": 5, "messages": [{"role": "user", "content": "x"}]}), "model: Field required"),
-        (json!({"model": "word-model", "max_tokens": 5}), "messages: Field required"),
-        (json!({"model": "word-model", "max_tokens": 5, "messages": [{"role": "bot", "content": "x"}]}), "messages.0.role:"),
-        (json!({"model": "word-model", "max_tokens": 5, "messages": [{"role": "user", "content": 5}]}), "messages.0.content:"),
+        (
+            json!({"model": "word-model", "messages": [{"role": "user", "content": "x"}]}),
+            "max_tokens: Field required",
+        ),
+        (
+            json!({"model": "word-model", "max_tokens": "5", "messages": []}),
+            "max_tokens: Input should be a valid integer",
+        ),
+        (
+            json!({"model": "word-model", "max_tokens": 0, "messages": [{"role": "user", "content": "x"}]}),
+            "max_tokens:",
+        ),
+        (
+            json!({"model": "word-model", "max_tokens": 99999, "messages": [{"role": "user", "content": "x"}]}),
+            "max_tokens:",
+        ),
+        (
+            json!({"max_tokens": 5, "messages": [{"role": "user", "content": "x"}]}),
+            "model: Field required",
+        ),
+        (
+            json!({"model": "word-model", "max_tokens": 5}),
+            "messages: Field required",
+        ),
+        (
+            json!({"model": "word-model", "max_tokens": 5, "messages": [{"role": "bot", "content": "x"}]}),
+            "messages.0.role:",
+        ),
+        (
+            json!({"model": "word-model", "max_tokens": 5, "messages": [{"role": "user", "content": 5}]}),
+            "messages.0.content:",
+        ),
         (
             json!({"model": "word-model", "max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "text", "text": 1}]}]}),
             "messages.0.content.0.text:",
         ),
-        (json!({"model": "word-model", "max_tokens": 5, "temperature": 3, "messages": [{"role": "user", "content": "x"}]}), "temperature:"),
-        (json!({"model": "word-model", "max_tokens": 5, "top_p": "a", "messages": [{"role": "user", "content": "x"}]}), "top_p:"),
-        (json!({"model": "word-model", "max_tokens": 5, "top_k": 1.5, "messages": [{"role": "user", "content": "x"}]}), "top_k:"),
-        (json!({"model": "word-model", "max_tokens": 5, "stop_sequences": [""], "messages": [{"role": "user", "content": "x"}]}), "stop_sequences.0:"),
-        (json!({"model": "word-model", "max_tokens": 5, "stream": 1, "messages": [{"role": "user", "content": "x"}]}), "stream:"),
-        (json!({"model": "word-model", "max_tokens": 5, "system": {"a": 1}, "messages": [{"role": "user", "content": "x"}]}), "system:"),
-        (json!({"model": "word-model", "max_tokens": 5, "metadata": {"user_id": 3}, "messages": [{"role": "user", "content": "x"}]}), "metadata.user_id:"),
+        (
+            json!({"model": "word-model", "max_tokens": 5, "temperature": 3, "messages": [{"role": "user", "content": "x"}]}),
+            "temperature:",
+        ),
+        (
+            json!({"model": "word-model", "max_tokens": 5, "top_p": "a", "messages": [{"role": "user", "content": "x"}]}),
+            "top_p:",
+        ),
+        (
+            json!({"model": "word-model", "max_tokens": 5, "top_k": 1.5, "messages": [{"role": "user", "content": "x"}]}),
+            "top_k:",
+        ),
+        (
+            json!({"model": "word-model", "max_tokens": 5, "stop_sequences": [""], "messages": [{"role": "user", "content": "x"}]}),
+            "stop_sequences.0:",
+        ),
+        (
+            json!({"model": "word-model", "max_tokens": 5, "stream": 1, "messages": [{"role": "user", "content": "x"}]}),
+            "stream:",
+        ),
+        (
+            json!({"model": "word-model", "max_tokens": 5, "system": {"a": 1}, "messages": [{"role": "user", "content": "x"}]}),
+            "system:",
+        ),
+        (
+            json!({"model": "word-model", "max_tokens": 5, "metadata": {"user_id": 3}, "messages": [{"role": "user", "content": "x"}]}),
+            "metadata.user_id:",
+        ),
     ];
     for (body, prefix) in cases {
         let r = s.post("/v1/messages", &[V1], &body).await;
         let msg = error_of(&r, 400, "invalid_request_error");
-        assert!(msg.starts_with(prefix), "{body} -> {msg:?}, want prefix {prefix:?}");
+        assert!(
+            msg.starts_with(prefix),
+            "{body} -> {msg:?}, want prefix {prefix:?}"
+        );
     }
-    let r = send(s.addr, "POST", "/v1/messages", &[V1], Bytes::from_static(b"{not json")).await;
+    let r = send(
+        s.addr,
+        "POST",
+        "/v1/messages",
+        &[V1],
+        Bytes::from_static(b"{not json"),
+    )
+    .await;
     assert!(error_of(&r, 400, "invalid_request_error").contains("invalid JSON"));
 }
 
@@ -74,22 +129,55 @@ async fn not_found_and_too_large() {
 
 #[tokio::test]
 async fn auth_accepts_both_header_styles_in_constant_time_check() {
-    let s = TestServer::start(GatewayConfig::default().api_keys(["sk-good".to_string(), "sk-other".to_string()])).await;
+    let s = TestServer::start(
+        GatewayConfig::default().api_keys(["sk-good".to_string(), "sk-other".to_string()]),
+    )
+    .await;
     let body = user("a");
     let r = s.post("/v1/messages", &[V1], &body).await;
     assert!(error_of(&r, 401, "authentication_error").contains("x-api-key"));
-    let r = s.post("/v1/messages", &[V1, ("x-api-key", "sk-bad")], &body).await;
+    let r = s
+        .post("/v1/messages", &[V1, ("x-api-key", "sk-bad")], &body)
+        .await;
     error_of(&r, 401, "authentication_error");
-    let r = s.post("/v1/messages", &[("authorization", "Bearer sk-goo")], &body).await;
+    let r = s
+        .post("/v1/messages", &[("authorization", "Bearer sk-goo")], &body)
+        .await;
     error_of(&r, 401, "authentication_error");
-    assert_eq!(s.post("/v1/messages", &[V1, ("x-api-key", "sk-good")], &body).await.status, 200);
-    let r = s.post("/v1/messages", &[("anthropic-version", "2026-10-21"), ("authorization", "Bearer sk-other")], &body).await;
+    assert_eq!(
+        s.post("/v1/messages", &[V1, ("x-api-key", "sk-good")], &body)
+            .await
+            .status,
+        200
+    );
+    let r = s
+        .post(
+            "/v1/messages",
+            &[
+                ("anthropic-version", "2026-10-21"),
+                ("authorization", "Bearer sk-other"),
+            ],
+            &body,
+        )
+        .await;
     assert_eq!(r.status, 200);
     // x-api-key wins over Authorization when both are sent.
-    let r = s.post("/v1/messages", &[("x-api-key", "sk-bad"), ("authorization", "Bearer sk-good")], &body).await;
+    let r = s
+        .post(
+            "/v1/messages",
+            &[("x-api-key", "sk-bad"), ("authorization", "Bearer sk-good")],
+            &body,
+        )
+        .await;
     assert_eq!(r.status, 401);
     // Chat Completions answers auth failures in OpenAI's shape.
-    let r = s.post("/v1/chat/completions", &[("authorization", "Bearer nope")], &json!({})).await;
+    let r = s
+        .post(
+            "/v1/chat/completions",
+            &[("authorization", "Bearer nope")],
+            &json!({}),
+        )
+        .await;
     assert_eq!(r.status, 401);
     assert_eq!(r.json()["error"]["type"], "authentication_error");
     // Health and metrics stay open for probes and scrapers.
@@ -100,7 +188,9 @@ async fn auth_accepts_both_header_styles_in_constant_time_check() {
 #[tokio::test]
 async fn overload_answers_529_with_retry_headers() {
     let s = TestServer::start(GatewayConfig::default()).await;
-    let r = s.post("/v1/messages", &[V1], &user("please OVERLOAD now")).await;
+    let r = s
+        .post("/v1/messages", &[V1], &user("please OVERLOAD now"))
+        .await;
     error_of(&r, 529, "overloaded_error");
     assert_eq!(r.header("retry-after-ms"), Some("25"));
     assert_eq!(r.header("retry-after"), Some("1"));
@@ -109,7 +199,12 @@ async fn overload_answers_529_with_retry_headers() {
 
 #[tokio::test]
 async fn concurrency_limits_give_529_and_429() {
-    let s = TestServer::start(GatewayConfig::default().max_concurrent_requests(1).retry_after_ms(1500)).await;
+    let s = TestServer::start(
+        GatewayConfig::default()
+            .max_concurrent_requests(1)
+            .retry_after_ms(1500),
+    )
+    .await;
     let mut slow = user("SLOW");
     slow["stream"] = json!(true);
     slow["max_tokens"] = json!(100_000);
@@ -122,25 +217,45 @@ async fn concurrency_limits_give_529_and_429() {
     eventually(|| s.gateway.in_flight() == 0).await;
     assert_eq!(s.post("/v1/messages", &[V1], &user("a")).await.status, 200);
 
-    let s = TestServer::start(GatewayConfig::default().api_keys(["k1".to_string(), "k2".to_string()]).max_concurrent_per_key(1)).await;
+    let s = TestServer::start(
+        GatewayConfig::default()
+            .api_keys(["k1".to_string(), "k2".to_string()])
+            .max_concurrent_per_key(1),
+    )
+    .await;
     let held = open_stream(s.addr, &slow, &[("x-api-key", "k1")]).await;
-    let r = s.post("/v1/messages", &[V1, ("x-api-key", "k1")], &user("a")).await;
+    let r = s
+        .post("/v1/messages", &[V1, ("x-api-key", "k1")], &user("a"))
+        .await;
     error_of(&r, 429, "rate_limit_error");
     assert_eq!(r.header("x-should-retry"), Some("true"));
-    assert_eq!(s.post("/v1/messages", &[V1, ("x-api-key", "k2")], &user("a")).await.status, 200);
+    assert_eq!(
+        s.post("/v1/messages", &[V1, ("x-api-key", "k2")], &user("a"))
+            .await
+            .status,
+        200
+    );
     drop(held);
 }
 
 #[tokio::test]
 async fn context_length_is_a_400() {
     let s = TestServer::start(GatewayConfig::default()).await;
-    let r = s.post("/v1/messages", &[V1], &user(&"w ".repeat(100))).await;
+    let r = s
+        .post("/v1/messages", &[V1], &user(&"w ".repeat(100)))
+        .await;
     let msg = error_of(&r, 400, "invalid_request_error");
-    assert!(msg.starts_with("prompt is too long: 101 tokens > 64 maximum"), "{msg}");
+    assert!(
+        msg.starts_with("prompt is too long: 101 tokens > 64 maximum"),
+        "{msg}"
+    );
     let s = TestServer::start(GatewayConfig::default().max_prompt_tokens(Some(5))).await;
     let r = s.post("/v1/messages", &[V1], &user("a b c d e f")).await;
     let msg = error_of(&r, 400, "invalid_request_error");
-    assert!(msg.starts_with("prompt is too long: 7 tokens > 5 maximum"), "{msg}");
+    assert!(
+        msg.starts_with("prompt is too long: 7 tokens > 5 maximum"),
+        "{msg}"
+    );
 }
 
 #[tokio::test]
@@ -158,7 +273,11 @@ async fn mid_stream_failure_is_an_error_event() {
     assert_eq!(v["error"]["type"], "api_error");
     assert_eq!(v["error"]["message"], "engine failure");
     assert_eq!(v["request_id"], r.header("request-id").unwrap());
-    assert!(events.iter().all(|e| e.event.as_deref() != Some("message_stop")));
+    assert!(
+        events
+            .iter()
+            .all(|e| e.event.as_deref() != Some("message_stop"))
+    );
     // Without streaming the same failure is a 500.
     let r = s.post("/v1/messages", &[V1], &user("x y FAILMID z")).await;
     error_of(&r, 500, "api_error");
@@ -166,7 +285,8 @@ async fn mid_stream_failure_is_an_error_event() {
 
 #[tokio::test]
 async fn request_timeout() {
-    let s = TestServer::start(GatewayConfig::default().request_timeout(Duration::from_millis(200))).await;
+    let s = TestServer::start(GatewayConfig::default().request_timeout(Duration::from_millis(200)))
+        .await;
     let mut body = user("SLOW");
     body["max_tokens"] = json!(100_000);
     let r = s.post("/v1/messages", &[V1], &body).await;
@@ -175,17 +295,29 @@ async fn request_timeout() {
     let r = s.post("/v1/messages", &[V1], &body).await;
     let events = parse_sse(r.text());
     assert_eq!(events[0].event.as_deref(), Some("message_start"));
-    assert_eq!(events.last().unwrap().json()["error"]["type"], "timeout_error");
+    assert_eq!(
+        events.last().unwrap().json()["error"]["type"],
+        "timeout_error"
+    );
     // A service that never starts also times out, before the response starts.
     let r = s.post("/v1/messages", &[V1], &user("SILENT")).await;
     error_of(&r, 504, "timeout_error");
     eventually(|| s.gateway.in_flight() == 0).await;
     let m = s.get("/metrics", &[]).await;
-    assert!(m.text().contains("zerolayer_generations_total{outcome=\"timeout\"} 3"), "{}", m.text());
+    assert!(
+        m.text()
+            .contains("zerolayer_generations_total{outcome=\"timeout\"} 3"),
+        "{}",
+        m.text()
+    );
 }
 
 /// Sends a streaming request on a raw socket and reads until the first text delta arrived.
-async fn open_stream(addr: std::net::SocketAddr, body: &Value, headers: &[(&str, &str)]) -> tokio::net::TcpStream {
+async fn open_stream(
+    addr: std::net::SocketAddr,
+    body: &Value,
+    headers: &[(&str, &str)],
+) -> tokio::net::TcpStream {
     let mut sock = tokio::net::TcpStream::connect(addr).await.unwrap();
     let body = body.to_string();
     let mut req = format!(
@@ -202,7 +334,11 @@ async fn open_stream(addr: std::net::SocketAddr, body: &Value, headers: &[(&str,
     let mut buf = [0u8; 4096];
     while !String::from_utf8_lossy(&seen).contains("content_block_delta") {
         let n = sock.read(&mut buf).await.unwrap();
-        assert!(n > 0, "stream closed early: {}", String::from_utf8_lossy(&seen));
+        assert!(
+            n > 0,
+            "stream closed early: {}",
+            String::from_utf8_lossy(&seen)
+        );
         seen.extend_from_slice(&buf[..n]);
     }
     sock
@@ -221,6 +357,11 @@ async fn client_disconnect_cancels_generation() {
     eventually(|| s.service.cancelled.load(Ordering::SeqCst) == 1).await;
     eventually(|| s.gateway.in_flight() == 0).await;
     let m = s.get("/metrics", &[]).await;
-    assert!(m.text().contains("zerolayer_generations_total{outcome=\"cancelled\"} 1"), "{}", m.text());
+    assert!(
+        m.text()
+            .contains("zerolayer_generations_total{outcome=\"cancelled\"} 1"),
+        "{}",
+        m.text()
+    );
     assert_eq!(s.service.finished.load(Ordering::SeqCst), 0);
 }

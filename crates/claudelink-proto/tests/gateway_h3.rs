@@ -22,14 +22,23 @@ async fn start() -> H3Fixture {
     let tcp = TestServer::start(GatewayConfig::default()).await;
     let identity = Identity::self_signed(&["localhost"]).unwrap();
     let cert = identity.certificate().clone();
-    let config = ServerConfig::new(identity).alpn_handler(H3_ALPN, Arc::new(tcp.gateway.h3_handler()));
+    let config =
+        ServerConfig::new(identity).alpn_handler(H3_ALPN, Arc::new(tcp.gateway.h3_handler()));
     let server = Server::bind("127.0.0.1:0".parse().unwrap(), config, tcp.service.clone()).unwrap();
-    H3Fixture { addr: server.local_addr(), cert, _server: server, _tcp: tcp }
+    H3Fixture {
+        addr: server.local_addr(),
+        cert,
+        _server: server,
+        _tcp: tcp,
+    }
 }
 
 async fn h3_client(
     f: &H3Fixture,
-) -> (quinn::Endpoint, h3::client::SendRequest<h3_quinn::OpenStreams, Bytes>) {
+) -> (
+    quinn::Endpoint,
+    h3::client::SendRequest<h3_quinn::OpenStreams, Bytes>,
+) {
     let mut roots = rustls::RootCertStore::empty();
     roots.add(f.cert.clone()).unwrap();
     let provider = Arc::new(rustls::crypto::ring::default_provider());
@@ -42,8 +51,14 @@ async fn h3_client(
     let qcfg = quinn::crypto::rustls::QuicClientConfig::try_from(tls).unwrap();
     let mut endpoint = quinn::Endpoint::client("127.0.0.1:0".parse().unwrap()).unwrap();
     endpoint.set_default_client_config(quinn::ClientConfig::new(Arc::new(qcfg)));
-    let conn = endpoint.connect(f.addr, "localhost").unwrap().await.unwrap();
-    let (mut driver, send) = h3::client::new(h3_quinn::Connection::new(conn)).await.unwrap();
+    let conn = endpoint
+        .connect(f.addr, "localhost")
+        .unwrap()
+        .await
+        .unwrap();
+    let (mut driver, send) = h3::client::new(h3_quinn::Connection::new(conn))
+        .await
+        .unwrap();
     tokio::spawn(async move { std::future::poll_fn(|cx| driver.poll_close(cx)).await });
     (endpoint, send)
 }
@@ -61,7 +76,10 @@ async fn h3_post(
         .body(())
         .unwrap();
     let mut stream = send.send_request(req).await.unwrap();
-    stream.send_data(Bytes::from(body.to_string())).await.unwrap();
+    stream
+        .send_data(Bytes::from(body.to_string()))
+        .await
+        .unwrap();
     stream.finish().await.unwrap();
     let resp = stream.recv_response().await.unwrap();
     let mut out = Vec::new();
@@ -93,8 +111,16 @@ async fn h3_messages_json_and_stream_on_the_claudelink_port() {
     b["stream"] = json!(true);
     let (resp, body) = h3_post(&mut send, "/v1/messages", &b).await;
     assert_eq!(resp.status(), 200);
-    assert!(resp.headers()["content-type"].to_str().unwrap().starts_with("text/event-stream"));
-    let names: Vec<String> = parse_sse(&body).into_iter().map(|e| e.event.unwrap()).collect();
+    assert!(
+        resp.headers()["content-type"]
+            .to_str()
+            .unwrap()
+            .starts_with("text/event-stream")
+    );
+    let names: Vec<String> = parse_sse(&body)
+        .into_iter()
+        .map(|e| e.event.unwrap())
+        .collect();
     assert_eq!(
         names,
         [
@@ -115,15 +141,29 @@ async fn h3_messages_json_and_stream_on_the_claudelink_port() {
     let v: Value = serde_json::from_str(&body).unwrap();
     assert_eq!(v["error"]["type"], "invalid_request_error");
 
-    let (resp, body) = h3_post(&mut send, "/v1/chat/completions", &json!({"model": "word-model", "stream": true,
-        "messages": [{"role": "user", "content": "a b"}]})).await;
+    let (resp, body) = h3_post(
+        &mut send,
+        "/v1/chat/completions",
+        &json!({"model": "word-model", "stream": true,
+        "messages": [{"role": "user", "content": "a b"}]}),
+    )
+    .await;
     assert_eq!(resp.status(), 200);
     assert!(body.ends_with("data: [DONE]\n\n"));
 
     // Three requests after the first reused the connection.
     let m = f._tcp.get("/metrics", &[]).await;
     let t = m.text();
-    assert!(t.contains("zerolayer_connections_total{protocol=\"http3\"} 1"), "{t}");
-    assert!(t.contains("endpoint=\"messages\",protocol=\"http3\",status=\"200\"} 2"), "{t}");
-    assert!(t.contains("zerolayer_reused_connection_requests_total 3"), "{t}");
+    assert!(
+        t.contains("zerolayer_connections_total{protocol=\"http3\"} 1"),
+        "{t}"
+    );
+    assert!(
+        t.contains("endpoint=\"messages\",protocol=\"http3\",status=\"200\"} 2"),
+        "{t}"
+    );
+    assert!(
+        t.contains("zerolayer_reused_connection_requests_total 3"),
+        "{t}"
+    );
 }

@@ -17,7 +17,9 @@ const V2: (&str, &str) = ("anthropic-version", "2026-10-21");
 #[tokio::test]
 async fn messages_json_shape() {
     let s = TestServer::start(GatewayConfig::default()).await;
-    let r = s.post("/v1/messages", &[V1], &user("alpha beta gamma")).await;
+    let r = s
+        .post("/v1/messages", &[V1], &user("alpha beta gamma"))
+        .await;
     assert_eq!(r.status, 200, "{}", r.text());
     assert_eq!(r.header("x-claude-layer"), Some(LAYER_VERSION));
     assert!(r.header("request-id").unwrap().starts_with("req_"));
@@ -26,7 +28,10 @@ async fn messages_json_shape() {
     assert_eq!(v["type"], "message");
     assert_eq!(v["role"], "assistant");
     assert_eq!(v["model"], "word-model");
-    assert_eq!(v["content"], json!([{"type": "text", "text": "alpha beta gamma"}]));
+    assert_eq!(
+        v["content"],
+        json!([{"type": "text", "text": "alpha beta gamma"}])
+    );
     assert_eq!(v["stop_reason"], "end_turn");
     assert_eq!(v["stop_sequence"], Value::Null);
     // One user turn of 3 words: 3 + 1 prompt tokens in the test service.
@@ -67,14 +72,27 @@ async fn system_prompt_and_sampling_reach_the_service_under_both_versions() {
         assert_eq!(req.sampling.temperature, Some(0.7));
         assert_eq!(req.sampling.top_p, Some(0.9));
         assert_eq!(req.sampling.top_k, Some(20));
-        let claudelink_proto::Prompt::Chat(msgs) = req.prompt else { panic!("chat prompt expected") };
+        let claudelink_proto::Prompt::Chat(msgs) = req.prompt else {
+            panic!("chat prompt expected")
+        };
         assert_eq!(msgs[0].role, claudelink_proto::ChatRole::System);
         assert_eq!(msgs[0].content, "be terse");
         assert_eq!(msgs[1].content, "hi");
     }
-    let r = s.post("/v1/messages", &[("anthropic-version", "2023-01-01")], &user("x")).await;
+    let r = s
+        .post(
+            "/v1/messages",
+            &[("anthropic-version", "2023-01-01")],
+            &user("x"),
+        )
+        .await;
     assert_eq!(r.status, 400);
-    assert!(r.json()["error"]["message"].as_str().unwrap().starts_with("anthropic-version:"));
+    assert!(
+        r.json()["error"]["message"]
+            .as_str()
+            .unwrap()
+            .starts_with("anthropic-version:")
+    );
 }
 
 #[tokio::test]
@@ -84,10 +102,17 @@ async fn sse_event_sequence() {
     body["stream"] = json!(true);
     let r = s.post("/v1/messages", &[V2], &body).await;
     assert_eq!(r.status, 200);
-    assert!(r.header("content-type").unwrap().starts_with("text/event-stream"));
+    assert!(
+        r.header("content-type")
+            .unwrap()
+            .starts_with("text/event-stream")
+    );
     assert_eq!(r.header("x-claude-layer"), Some(LAYER_VERSION));
     let events = parse_sse(r.text());
-    let names: Vec<&str> = events.iter().map(|e| e.event.as_deref().expect("every event has an event: line")).collect();
+    let names: Vec<&str> = events
+        .iter()
+        .map(|e| e.event.as_deref().expect("every event has an event: line"))
+        .collect();
     assert_eq!(
         names,
         [
@@ -103,7 +128,11 @@ async fn sse_event_sequence() {
         ]
     );
     for e in &events {
-        assert_eq!(e.json()["type"], e.event.as_deref().unwrap(), "data type matches event line");
+        assert_eq!(
+            e.json()["type"],
+            e.event.as_deref().unwrap(),
+            "data type matches event line"
+        );
     }
     let start = events[0].json();
     assert_eq!(start["message"]["usage"]["input_tokens"], 4);
@@ -140,7 +169,10 @@ async fn count_tokens_and_models() {
     assert_eq!(v["data"][0]["type"], "model");
     assert_eq!(v["data"][0]["object"], "model");
     assert_eq!(v["has_more"], false);
-    assert_eq!(s.get("/v1/models/word-model", &[]).await.json()["display_name"], "Word model");
+    assert_eq!(
+        s.get("/v1/models/word-model", &[]).await.json()["display_name"],
+        "Word model"
+    );
     assert_eq!(s.get("/v1/models/nope", &[]).await.status, 404);
 
     let mut body = user("x");
@@ -159,35 +191,64 @@ async fn chat_completions_json_and_stream() {
     assert_eq!(r.status, 200, "{}", r.text());
     let v = r.json();
     assert_eq!(v["object"], "chat.completion");
-    assert_eq!(v["choices"][0]["message"], json!({"role": "assistant", "content": "uno dos"}));
+    assert_eq!(
+        v["choices"][0]["message"],
+        json!({"role": "assistant", "content": "uno dos"})
+    );
     assert_eq!(v["choices"][0]["finish_reason"], "length");
     assert_eq!(v["usage"]["completion_tokens"], 2);
-    assert_eq!(v["usage"]["total_tokens"], v["usage"]["prompt_tokens"].as_u64().unwrap() + 2);
+    assert_eq!(
+        v["usage"]["total_tokens"],
+        v["usage"]["prompt_tokens"].as_u64().unwrap() + 2
+    );
 
     let body = json!({"model": "word-model", "stream": true, "stream_options": {"include_usage": true},
         "messages": [{"role": "user", "content": "uno dos"}]});
     let r = s.post("/v1/chat/completions", &[], &body).await;
     assert_eq!(r.status, 200);
     let events = parse_sse(r.text());
-    assert!(events.iter().all(|e| e.event.is_none()), "OpenAI chunks carry no event: line");
+    assert!(
+        events.iter().all(|e| e.event.is_none()),
+        "OpenAI chunks carry no event: line"
+    );
     assert_eq!(events.last().unwrap().data, "[DONE]");
-    let chunks: Vec<Value> = events[..events.len() - 1].iter().map(SseEvent::json).collect();
+    let chunks: Vec<Value> = events[..events.len() - 1]
+        .iter()
+        .map(SseEvent::json)
+        .collect();
     assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
-    let text: String =
-        chunks.iter().filter_map(|c| c["choices"][0]["delta"]["content"].as_str()).collect();
+    let text: String = chunks
+        .iter()
+        .filter_map(|c| c["choices"][0]["delta"]["content"].as_str())
+        .collect();
     assert_eq!(text, "uno dos");
     let fin = &chunks[chunks.len() - 2];
     assert_eq!(fin["choices"][0]["finish_reason"], "stop");
     let usage = &chunks[chunks.len() - 1];
     assert_eq!(usage["choices"], json!([]));
     assert_eq!(usage["usage"]["completion_tokens"], 2);
-    assert!(chunks.iter().all(|c| c["object"] == "chat.completion.chunk"));
+    assert!(
+        chunks
+            .iter()
+            .all(|c| c["object"] == "chat.completion.chunk")
+    );
 
-    let r = s.post("/v1/chat/completions", &[], &json!({"model": "word-model", "messages": "x"})).await;
+    let r = s
+        .post(
+            "/v1/chat/completions",
+            &[],
+            &json!({"model": "word-model", "messages": "x"}),
+        )
+        .await;
     assert_eq!(r.status, 400);
     let e = r.json();
     assert_eq!(e["error"]["type"], "invalid_request_error");
-    assert!(e["error"]["message"].as_str().unwrap().starts_with("messages:"));
+    assert!(
+        e["error"]["message"]
+            .as_str()
+            .unwrap()
+            .starts_with("messages:")
+    );
 }
 
 #[tokio::test]
@@ -246,16 +307,25 @@ async fn metrics_exposition() {
 #[tokio::test]
 async fn debug_header_and_alt_svc() {
     let s = TestServer::start(GatewayConfig::default().h3_port(Some(8443))).await;
-    let r = s.post("/v1/messages", &[V1, ("x-anthropic-debug", "true")], &user("a b")).await;
+    let r = s
+        .post(
+            "/v1/messages",
+            &[V1, ("x-anthropic-debug", "true")],
+            &user("a b"),
+        )
+        .await;
     assert_eq!(r.header("alt-svc"), Some("h3=\":8443\"; ma=86400"));
-    let d: Value = serde_json::from_str(r.header("x-claude-layer-debug").expect("debug header")).unwrap();
+    let d: Value =
+        serde_json::from_str(r.header("x-claude-layer-debug").expect("debug header")).unwrap();
     assert_eq!(d["layer"], LAYER_VERSION);
     assert_eq!(d["cache_hit_rate"], 0.75);
     assert!(d["ttft_ms"].as_f64().unwrap() >= 0.0);
     assert!(d["queue_ms"].as_f64().unwrap() >= 0.0);
     let mut body = user("a b");
     body["stream"] = json!(true);
-    let r = s.post("/v1/messages", &[V1, ("x-anthropic-debug", "true")], &body).await;
+    let r = s
+        .post("/v1/messages", &[V1, ("x-anthropic-debug", "true")], &body)
+        .await;
     assert!(r.header("x-claude-layer-debug").is_some());
     let r = s.post("/v1/messages", &[V1], &user("a b")).await;
     assert!(r.header("x-claude-layer-debug").is_none());
@@ -289,5 +359,8 @@ async fn http2_prior_knowledge_and_connection_reuse() {
     let t = s.get("/metrics", &[]).await;
     let t = t.text();
     assert!(t.contains("protocol=\"http2\",status=\"200\"} 3"), "{t}");
-    assert!(t.contains("zerolayer_reused_connection_requests_total 2"), "{t}");
+    assert!(
+        t.contains("zerolayer_reused_connection_requests_total 2"),
+        "{t}"
+    );
 }

@@ -88,13 +88,21 @@ impl Reply {
     fn json(status: StatusCode, v: &Value) -> Self {
         let mut headers = HeaderMap::new();
         headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
-        Self { status, headers, body: ReplyBody::Full(Bytes::from(v.to_string())) }
+        Self {
+            status,
+            headers,
+            body: ReplyBody::Full(Bytes::from(v.to_string())),
+        }
     }
 
     fn text(status: StatusCode, content_type: &'static str, body: String) -> Self {
         let mut headers = HeaderMap::new();
         headers.insert(CONTENT_TYPE, HeaderValue::from_static(content_type));
-        Self { status, headers, body: ReplyBody::Full(Bytes::from(body)) }
+        Self {
+            status,
+            headers,
+            body: ReplyBody::Full(Bytes::from(body)),
+        }
     }
 }
 
@@ -120,7 +128,9 @@ pub struct Gateway {
 
 impl std::fmt::Debug for Gateway {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Gateway").field("config", &self.inner.config).finish_non_exhaustive()
+        f.debug_struct("Gateway")
+            .field("config", &self.inner.config)
+            .finish_non_exhaustive()
     }
 }
 
@@ -186,7 +196,9 @@ impl Gateway {
 
     /// The `/metrics` text (Prometheus exposition format).
     pub fn render_metrics(&self) -> String {
-        self.inner.metrics.render(&self.inner.service.metrics(), self.inner.service.ready())
+        self.inner
+            .metrics
+            .render(&self.inner.service.metrics(), self.inner.service.ready())
     }
 
     /// The `Alt-Svc` value advertising HTTP/3, when an h3 port is configured.
@@ -201,9 +213,16 @@ impl Gateway {
         let request_id = new_id("req_");
         let path = req.path.split('?').next().unwrap_or("").to_owned();
         let endpoint = route_endpoint(&path);
-        let flavor = if endpoint == Endpoint::ChatCompletions { Flavor::OpenAi } else { Flavor::Anthropic };
+        let flavor = if endpoint == Endpoint::ChatCompletions {
+            Flavor::OpenAi
+        } else {
+            Flavor::Anthropic
+        };
         let protocol = req.protocol;
-        let mut reply = match self.dispatch(req, &path, endpoint, flavor, &request_id).await {
+        let mut reply = match self
+            .dispatch(req, &path, endpoint, flavor, &request_id)
+            .await
+        {
             Ok(r) => r,
             Err(e) => error_reply(&e, flavor, &request_id),
         };
@@ -213,7 +232,9 @@ impl Gateway {
             h.insert(REQUEST_ID, v.clone());
             h.insert(X_REQUEST_ID, v);
         }
-        self.inner.metrics.request_done(endpoint, protocol, reply.status.as_u16());
+        self.inner
+            .metrics
+            .request_done(endpoint, protocol, reply.status.as_u16());
         reply
     }
 
@@ -227,12 +248,21 @@ impl Gateway {
     ) -> Result<Reply, ApiError> {
         let m = &req.method;
         match (endpoint, m) {
-            (Endpoint::Health, &Method::GET | &Method::HEAD) => return Ok(self.health(m == Method::HEAD)),
+            (Endpoint::Health, &Method::GET | &Method::HEAD) => {
+                return Ok(self.health(m == Method::HEAD));
+            }
             (Endpoint::Metrics, &Method::GET) => {
-                return Ok(Reply::text(StatusCode::OK, "text/plain; version=0.0.4; charset=utf-8", self.render_metrics()));
+                return Ok(Reply::text(
+                    StatusCode::OK,
+                    "text/plain; version=0.0.4; charset=utf-8",
+                    self.render_metrics(),
+                ));
             }
             (Endpoint::Other, _) => {
-                return Err(ApiError::new(ApiErrorKind::NotFound, format!("{} {path}: no such endpoint", req.method)));
+                return Err(ApiError::new(
+                    ApiErrorKind::NotFound,
+                    format!("{} {path}: no such endpoint", req.method),
+                ));
             }
             _ => {}
         }
@@ -260,13 +290,21 @@ impl Gateway {
             Err(BodyError::TooLarge) => {
                 return Err(ApiError::new(
                     ApiErrorKind::RequestTooLarge,
-                    format!("request body exceeds the limit of {} bytes", self.inner.config.max_body_bytes),
+                    format!(
+                        "request body exceeds the limit of {} bytes",
+                        self.inner.config.max_body_bytes
+                    ),
                 ));
             }
             Err(BodyError::Timeout) => {
-                return Err(ApiError::new(ApiErrorKind::Timeout, "request body not received in time"));
+                return Err(ApiError::new(
+                    ApiErrorKind::Timeout,
+                    "request body not received in time",
+                ));
             }
-            Err(BodyError::Transport(e)) => return Err(ApiError::invalid(format!("request body: {e}"))),
+            Err(BodyError::Transport(e)) => {
+                return Err(ApiError::invalid(format!("request body: {e}")));
+            }
         };
         let value: Value = serde_json::from_slice(&body)
             .map_err(|e| ApiError::invalid(format!("request body: invalid JSON: {e}")))?;
@@ -288,13 +326,18 @@ impl Gateway {
             }
             Endpoint::Messages => {
                 let parsed = parse_messages(&value, limits, false)?;
-                self.generate(parsed, flavor, caller, debug, req.received, request_id).await
+                self.generate(parsed, flavor, caller, debug, req.received, request_id)
+                    .await
             }
             Endpoint::ChatCompletions => {
                 let parsed = parse_chat(&value, limits)?;
-                self.generate(parsed, flavor, caller, debug, req.received, request_id).await
+                self.generate(parsed, flavor, caller, debug, req.received, request_id)
+                    .await
             }
-            _ => Err(ApiError::new(ApiErrorKind::NotFound, format!("{path}: no such endpoint"))),
+            _ => Err(ApiError::new(
+                ApiErrorKind::NotFound,
+                format!("{path}: no such endpoint"),
+            )),
         }
     }
 
@@ -322,7 +365,11 @@ impl Gateway {
         } else {
             headers.get(http::header::AUTHORIZATION).map(|v| {
                 let v = v.as_bytes();
-                if v.len() > 7 && v[..7].eq_ignore_ascii_case(b"bearer ") { &v[7..] } else { v }
+                if v.len() > 7 && v[..7].eq_ignore_ascii_case(b"bearer ") {
+                    &v[7..]
+                } else {
+                    v
+                }
             })
         };
         let Some(presented) = presented else {
@@ -333,7 +380,10 @@ impl Gateway {
         };
         match self.inner.keys.find(presented) {
             Some(i) => Ok(Caller { key: Some(i) }),
-            None => Err(ApiError::new(ApiErrorKind::Authentication, "invalid x-api-key")),
+            None => Err(ApiError::new(
+                ApiErrorKind::Authentication,
+                "invalid x-api-key",
+            )),
         }
     }
 
@@ -349,7 +399,10 @@ impl Gateway {
         if let Some(id) = path.strip_prefix("/v1/models/") {
             return match models.iter().find(|m| m.id == id) {
                 Some(m) => Ok(Reply::json(StatusCode::OK, &item(m))),
-                None => Err(ApiError::new(ApiErrorKind::NotFound, format!("model: {id}"))),
+                None => Err(ApiError::new(
+                    ApiErrorKind::NotFound,
+                    format!("model: {id}"),
+                )),
             };
         }
         let data: Vec<Value> = models.iter().map(item).collect();
@@ -374,7 +427,10 @@ impl Gateway {
         let served: Vec<&str> = models.iter().map(|m| m.id.as_str()).collect();
         Err(ApiError::new(
             ApiErrorKind::NotFound,
-            format!("model: {model} is not served here (served: {})", served.join(", ")),
+            format!(
+                "model: {model} is not served here (served: {})",
+                served.join(", ")
+            ),
         ))
     }
 
@@ -390,8 +446,11 @@ impl Gateway {
         self.check_model(&parsed.model)?;
         let cfg = &self.inner.config;
         if self.is_draining() {
-            return Err(ApiError::new(ApiErrorKind::Overloaded, "Overloaded: the server is shutting down")
-                .with_retry_after(cfg.retry_after_ms));
+            return Err(ApiError::new(
+                ApiErrorKind::Overloaded,
+                "Overloaded: the server is shutting down",
+            )
+            .with_retry_after(cfg.retry_after_ms));
         }
         let deadline = tokio::time::Instant::from_std(received + cfg.request_timeout);
         let slot = Slot::acquire(self, caller)?;
@@ -434,10 +493,16 @@ impl Gateway {
                 g.input_tokens
             )));
         }
-        let now_secs = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
+        let now_secs = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs());
         let fmt = StreamFormat {
             flavor,
-            id: new_id(if flavor == Flavor::Anthropic { "msg_" } else { "chatcmpl-" }),
+            id: new_id(if flavor == Flavor::Anthropic {
+                "msg_"
+            } else {
+                "chatcmpl-"
+            }),
             model: parsed.model.clone(),
             created: now_secs,
             include_usage: parsed.include_usage,
@@ -455,7 +520,10 @@ impl Gateway {
             return Ok(collect(g, fmt, request_id, debug.then_some(&debug_header)).await);
         }
         let mut headers = HeaderMap::new();
-        headers.insert(CONTENT_TYPE, HeaderValue::from_static("text/event-stream; charset=utf-8"));
+        headers.insert(
+            CONTENT_TYPE,
+            HeaderValue::from_static("text/event-stream; charset=utf-8"),
+        );
         headers.insert(CACHE_CONTROL, HeaderValue::from_static("no-cache"));
         if debug {
             // Hold the headers until the first token so the header carries a measured TTFT.
@@ -473,7 +541,11 @@ impl Gateway {
             request_id: request_id.to_owned(),
             finished: false,
         };
-        Ok(Reply { status: StatusCode::OK, headers, body: ReplyBody::Stream(Box::pin(futures::stream::unfold(state, SseState::step))) })
+        Ok(Reply {
+            status: StatusCode::OK,
+            headers,
+            body: ReplyBody::Stream(Box::pin(futures::stream::unfold(state, SseState::step))),
+        })
     }
 }
 
@@ -491,7 +563,9 @@ fn route_endpoint(path: &str) -> Endpoint {
 }
 
 fn check_version(headers: &HeaderMap) -> Result<(), ApiError> {
-    let Some(v) = headers.get(ANTHROPIC_VERSION) else { return Ok(()) };
+    let Some(v) = headers.get(ANTHROPIC_VERSION) else {
+        return Ok(());
+    };
     let v = v.to_str().unwrap_or("");
     if SUPPORTED_ANTHROPIC_VERSIONS.contains(&v) {
         Ok(())
@@ -528,7 +602,10 @@ impl Slot {
     fn acquire(gw: &Gateway, caller: Caller) -> Result<Self, ApiError> {
         let cfg = &gw.inner.config;
         let n = gw.inner.metrics.generation_started();
-        let mut slot = Self { metrics: gw.inner.metrics.clone(), per_key: None };
+        let mut slot = Self {
+            metrics: gw.inner.metrics.clone(),
+            per_key: None,
+        };
         if cfg.max_concurrent_requests > 0 && n > cfg.max_concurrent_requests as u64 {
             return Err(ApiError::new(ApiErrorKind::Overloaded, "Overloaded")
                 .with_retry_after(cfg.retry_after_ms));
@@ -539,7 +616,10 @@ impl Slot {
             if cfg.max_concurrent_per_key > 0 && now > cfg.max_concurrent_per_key {
                 return Err(ApiError::new(
                     ApiErrorKind::RateLimit,
-                    format!("rate limited: at most {} concurrent requests per API key", cfg.max_concurrent_per_key),
+                    format!(
+                        "rate limited: at most {} concurrent requests per API key",
+                        cfg.max_concurrent_per_key
+                    ),
                 )
                 .with_retry_after(cfg.retry_after_ms));
             }
@@ -574,7 +654,11 @@ struct Generation {
 /// A step of a generation, as the bodies need it.
 enum Step {
     Text(String),
-    Finished { stop: StopReason, stop_sequence: Option<String>, usage: Usage },
+    Finished {
+        stop: StopReason,
+        stop_sequence: Option<String>,
+        usage: Usage,
+    },
     Failed(ApiError),
 }
 
@@ -584,7 +668,10 @@ impl Generation {
         if let Some(ev) = self.buffered.take() {
             return Some(ev);
         }
-        let ev = tokio::time::timeout_at(self.deadline, self.events.next()).await.ok().flatten();
+        let ev = tokio::time::timeout_at(self.deadline, self.events.next())
+            .await
+            .ok()
+            .flatten();
         if let Some(InferenceEvent::Delta { ids, text }) = &ev {
             if self.first_token.is_none() && (!ids.is_empty() || !text.is_empty()) {
                 let now = Instant::now();
@@ -602,7 +689,13 @@ impl Generation {
 
     fn record(&self, outcome: Outcome, output_tokens: u32) {
         let decode = self.first_token.map(|t| t.elapsed());
-        self.metrics.generation_outcome(outcome, self.received.elapsed(), self.input_tokens, output_tokens, decode);
+        self.metrics.generation_outcome(
+            outcome,
+            self.received.elapsed(),
+            self.input_tokens,
+            output_tokens,
+            decode,
+        );
     }
 
     fn fail_timeout(&mut self) -> ApiError {
@@ -627,10 +720,18 @@ impl Generation {
                 Some(InferenceEvent::Delta { text, .. }) if text.is_empty() => {}
                 Some(InferenceEvent::Delta { text, .. }) => return Some(Step::Text(text)),
                 Some(InferenceEvent::Started { .. }) => {}
-                Some(InferenceEvent::Finished { stop_reason, stop_sequence, usage }) => {
+                Some(InferenceEvent::Finished {
+                    stop_reason,
+                    stop_sequence,
+                    usage,
+                }) => {
                     self.done = true;
                     self.record(Outcome::Finished, usage.output_tokens);
-                    return Some(Step::Finished { stop: stop_reason, stop_sequence, usage });
+                    return Some(Step::Finished {
+                        stop: stop_reason,
+                        stop_sequence,
+                        usage,
+                    });
                 }
                 Some(InferenceEvent::Error { code, message }) => {
                     self.done = true;
@@ -663,7 +764,11 @@ async fn collect(
     let mut reply = loop {
         match g.step().await {
             Some(Step::Text(t)) => text.push_str(&t),
-            Some(Step::Finished { stop, stop_sequence, usage }) => {
+            Some(Step::Finished {
+                stop,
+                stop_sequence,
+                usage,
+            }) => {
                 let body = fmt.full(&text, stop, stop_sequence.as_deref(), usage);
                 break Reply::json(StatusCode::OK, &body);
             }
@@ -697,8 +802,13 @@ impl SseState {
             }
             match self.run.step().await {
                 Some(Step::Text(t)) => self.pending.push_back(self.fmt.delta(&t)),
-                Some(Step::Finished { stop, stop_sequence, usage }) => {
-                    self.pending.extend(self.fmt.finish(stop, stop_sequence.as_deref(), usage));
+                Some(Step::Finished {
+                    stop,
+                    stop_sequence,
+                    usage,
+                }) => {
+                    self.pending
+                        .extend(self.fmt.finish(stop, stop_sequence.as_deref(), usage));
                     self.finished = true;
                 }
                 Some(Step::Failed(e)) => {

@@ -75,7 +75,11 @@ pub struct ApiError {
 impl ApiError {
     /// A new error of `kind`.
     pub fn new(kind: ApiErrorKind, message: impl Into<String>) -> Self {
-        Self { kind, message: message.into(), retry_after_ms: None }
+        Self {
+            kind,
+            message: message.into(),
+            retry_after_ms: None,
+        }
     }
 
     /// 400 `invalid_request_error`.
@@ -99,7 +103,11 @@ impl ApiError {
             ErrorCode::Cancelled | ErrorCode::Internal => ApiErrorKind::Api,
         };
         let err = Self::new(kind, message);
-        if kind == ApiErrorKind::Overloaded { err.with_retry_after(1000) } else { err }
+        if kind == ApiErrorKind::Overloaded {
+            err.with_retry_after(1000)
+        } else {
+            err
+        }
     }
 
     /// The Anthropic error body `{"type":"error","error":{..},"request_id":..}`.
@@ -131,14 +139,20 @@ impl From<ServiceError> for ApiError {
             ServiceError::Overloaded { retry_after_ms } => {
                 Self::new(ApiErrorKind::Overloaded, "Overloaded").with_retry_after(retry_after_ms)
             }
-            ServiceError::ShuttingDown => {
-                Self::new(ApiErrorKind::Overloaded, "Overloaded: the server is shutting down")
-                    .with_retry_after(1000)
+            ServiceError::ShuttingDown => Self::new(
+                ApiErrorKind::Overloaded,
+                "Overloaded: the server is shutting down",
+            )
+            .with_retry_after(1000),
+            ServiceError::ContextLength {
+                prompt_tokens,
+                limit,
+            } => Self::invalid(format!(
+                "prompt is too long: {prompt_tokens} tokens > {limit} maximum"
+            )),
+            ServiceError::InvalidRequest { field, reason } => {
+                Self::invalid(format!("{field}: {reason}"))
             }
-            ServiceError::ContextLength { prompt_tokens, limit } => {
-                Self::invalid(format!("prompt is too long: {prompt_tokens} tokens > {limit} maximum"))
-            }
-            ServiceError::InvalidRequest { field, reason } => Self::invalid(format!("{field}: {reason}")),
         }
     }
 }

@@ -43,7 +43,9 @@ impl ConnectionHandler for H3Handler {
 impl Gateway {
     /// The [`ConnectionHandler`] that serves HTTP/3 connections with this gateway.
     pub fn h3_handler(&self) -> H3Handler {
-        H3Handler { gateway: self.clone() }
+        H3Handler {
+            gateway: self.clone(),
+        }
     }
 
     /// Serves HTTP/3 requests on one QUIC connection (whose handshake negotiated ALPN `h3`)
@@ -137,7 +139,11 @@ impl Gateway {
         } else {
             let read = async {
                 let mut buf = BytesMut::new();
-                while let Some(mut chunk) = stream.recv_data().await.map_err(|e| BodyError::Transport(e.to_string()))? {
+                while let Some(mut chunk) = stream
+                    .recv_data()
+                    .await
+                    .map_err(|e| BodyError::Transport(e.to_string()))?
+                {
                     if buf.len() + chunk.remaining() > limit {
                         return Err(BodyError::TooLarge);
                     }
@@ -156,7 +162,10 @@ impl Gateway {
             }
         };
         let (parts, ()) = req.into_parts();
-        let path = parts.uri.path_and_query().map_or_else(|| parts.uri.path().to_owned(), |p| p.as_str().to_owned());
+        let path = parts
+            .uri
+            .path_and_query()
+            .map_or_else(|| parts.uri.path().to_owned(), |p| p.as_str().to_owned());
         let incoming = Incoming {
             method: parts.method,
             path,

@@ -31,7 +31,12 @@ pub(crate) struct KeySet {
 
 impl KeySet {
     pub(crate) fn new(keys: &[String]) -> Self {
-        Self { digests: keys.iter().map(|k| Sha256::digest(k.as_bytes()).into()).collect() }
+        Self {
+            digests: keys
+                .iter()
+                .map(|k| Sha256::digest(k.as_bytes()).into())
+                .collect(),
+        }
     }
 
     pub(crate) fn is_empty(&self) -> bool {

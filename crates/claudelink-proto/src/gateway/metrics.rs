@@ -14,7 +14,9 @@ const SECONDS_BUCKETS: [f64; 16] = [
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0,
 ];
 /// Per-request decode-rate buckets in tokens per second.
-const RATE_BUCKETS: [f64; 12] = [1.0, 5.0, 10.0, 25.0, 50.0, 100.0, 200.0, 400.0, 800.0, 1600.0, 3200.0, 6400.0];
+const RATE_BUCKETS: [f64; 12] = [
+    1.0, 5.0, 10.0, 25.0, 50.0, 100.0, 200.0, 400.0, 800.0, 1600.0, 3200.0, 6400.0,
+];
 /// Window of the `zerolayer_output_tokens_per_second` gauge.
 const RATE_WINDOW: Duration = Duration::from_secs(10);
 
@@ -41,7 +43,8 @@ impl Histogram {
         if let Some(i) = self.bounds.iter().position(|&b| x <= b) {
             self.counts[i].fetch_add(1, Ordering::Relaxed);
         }
-        self.sum_micros.fetch_add((x.max(0.0) * 1e6) as u64, Ordering::Relaxed);
+        self.sum_micros
+            .fetch_add((x.max(0.0) * 1e6) as u64, Ordering::Relaxed);
         self.count.fetch_add(1, Ordering::Relaxed);
     }
 
@@ -54,7 +57,11 @@ impl Histogram {
         }
         let count = self.count.load(Ordering::Relaxed);
         let _ = writeln!(out, "{name}_bucket{{le=\"+Inf\"}} {count}");
-        let _ = writeln!(out, "{name}_sum {}", self.sum_micros.load(Ordering::Relaxed) as f64 / 1e6);
+        let _ = writeln!(
+            out,
+            "{name}_sum {}",
+            self.sum_micros.load(Ordering::Relaxed) as f64 / 1e6
+        );
         let _ = writeln!(out, "{name}_count {count}");
     }
 }
@@ -164,7 +171,9 @@ impl GatewayMetrics {
     }
 
     pub(crate) fn request_done(&self, endpoint: Endpoint, protocol: Protocol, status: u16) {
-        *lock(&self.requests).entry((endpoint, protocol, status)).or_default() += 1;
+        *lock(&self.requests)
+            .entry((endpoint, protocol, status))
+            .or_default() += 1;
     }
 
     pub(crate) fn connection_opened(&self, protocol: Protocol) {
@@ -210,7 +219,10 @@ impl GatewayMetrics {
             Some((s, c)) if *s == sec => *c += n,
             _ => recent.push_back((sec, n)),
         }
-        while recent.front().is_some_and(|&(s, _)| s + RATE_WINDOW.as_secs() < sec) {
+        while recent
+            .front()
+            .is_some_and(|&(s, _)| s + RATE_WINDOW.as_secs() < sec)
+        {
             recent.pop_front();
         }
     }
@@ -226,24 +238,34 @@ impl GatewayMetrics {
     ) {
         *lock(&self.outcomes).entry(outcome).or_default() += 1;
         self.latency.observe(latency.as_secs_f64());
-        self.input_tokens.fetch_add(u64::from(input_tokens), Ordering::Relaxed);
+        self.input_tokens
+            .fetch_add(u64::from(input_tokens), Ordering::Relaxed);
         if let Some(d) = decode_time.filter(|d| !d.is_zero() && output_tokens > 1) {
             // Tokens after the first over the time after the first: the steady decode rate.
-            self.decode_rate.observe(f64::from(output_tokens - 1) / d.as_secs_f64());
+            self.decode_rate
+                .observe(f64::from(output_tokens - 1) / d.as_secs_f64());
         }
     }
 
     /// Requests that arrived on an already-used connection, over all requests.
     pub(crate) fn reuse_ratio(&self) -> f64 {
         let total = self.total_conn_requests.load(Ordering::Relaxed);
-        if total == 0 { 0.0 } else { self.reused_requests.load(Ordering::Relaxed) as f64 / total as f64 }
+        if total == 0 {
+            0.0
+        } else {
+            self.reused_requests.load(Ordering::Relaxed) as f64 / total as f64
+        }
     }
 
     fn tokens_per_second(&self) -> f64 {
         let now = self.started.elapsed();
         let sec = now.as_secs();
         let recent = lock(&self.recent_tokens);
-        let total: u64 = recent.iter().filter(|&&(s, _)| s + RATE_WINDOW.as_secs() >= sec).map(|&(_, c)| c).sum();
+        let total: u64 = recent
+            .iter()
+            .filter(|&&(s, _)| s + RATE_WINDOW.as_secs() >= sec)
+            .map(|&(_, c)| c)
+            .sum();
         let window = RATE_WINDOW.as_secs_f64().min(now.as_secs_f64()).max(1.0);
         total as f64 / window
     }
@@ -251,12 +273,31 @@ impl GatewayMetrics {
     /// Prometheus text exposition (version 0.0.4).
     pub(crate) fn render(&self, svc: &ServiceMetrics, ready: bool) -> String {
         let mut o = String::with_capacity(8192);
-        let _ = writeln!(o, "# HELP zerolayer_build_info Layer version of this gateway.");
-        let _ = writeln!(o, "# TYPE zerolayer_build_info gauge\nzerolayer_build_info{{layer=\"{LAYER_VERSION}\"}} 1");
-        gauge(&mut o, "zerolayer_ready", "1 when the service is ready to serve.", f64::from(u8::from(ready)));
-        gauge(&mut o, "zerolayer_uptime_seconds", "Seconds since the gateway started.", self.started.elapsed().as_secs_f64());
+        let _ = writeln!(
+            o,
+            "# HELP zerolayer_build_info Layer version of this gateway."
+        );
+        let _ = writeln!(
+            o,
+            "# TYPE zerolayer_build_info gauge\nzerolayer_build_info{{layer=\"{LAYER_VERSION}\"}} 1"
+        );
+        gauge(
+            &mut o,
+            "zerolayer_ready",
+            "1 when the service is ready to serve.",
+            f64::from(u8::from(ready)),
+        );
+        gauge(
+            &mut o,
+            "zerolayer_uptime_seconds",
+            "Seconds since the gateway started.",
+            self.started.elapsed().as_secs_f64(),
+        );
 
-        let _ = writeln!(o, "# HELP zerolayer_http_requests_total HTTP requests answered.");
+        let _ = writeln!(
+            o,
+            "# HELP zerolayer_http_requests_total HTTP requests answered."
+        );
         let _ = writeln!(o, "# TYPE zerolayer_http_requests_total counter");
         for ((e, p, s), n) in lock(&self.requests).iter() {
             let _ = writeln!(
@@ -266,38 +307,147 @@ impl GatewayMetrics {
                 p.as_str()
             );
         }
-        let _ = writeln!(o, "# HELP zerolayer_generations_total Generation requests by outcome.");
+        let _ = writeln!(
+            o,
+            "# HELP zerolayer_generations_total Generation requests by outcome."
+        );
         let _ = writeln!(o, "# TYPE zerolayer_generations_total counter");
         for (k, n) in lock(&self.outcomes).iter() {
-            let _ = writeln!(o, "zerolayer_generations_total{{outcome=\"{}\"}} {n}", k.as_str());
+            let _ = writeln!(
+                o,
+                "zerolayer_generations_total{{outcome=\"{}\"}} {n}",
+                k.as_str()
+            );
         }
-        gauge(&mut o, "zerolayer_generations_in_flight", "Generation requests in flight at the gateway.", self.in_flight() as f64);
-        self.ttft.render(&mut o, "zerolayer_time_to_first_token_seconds", "From request arrival to the first generated text.");
-        self.queue.render(&mut o, "zerolayer_queue_wait_seconds", "From submission to the service's start event (queueing plus tokenization).");
-        self.latency.render(&mut o, "zerolayer_request_duration_seconds", "Generation request latency, arrival to last byte.");
-        self.decode_rate.render(&mut o, "zerolayer_request_decode_tokens_per_second", "Per-request decode rate after the first token.");
-        counter(&mut o, "zerolayer_output_tokens_total", "Tokens generated through the gateway.", self.output_tokens.load(Ordering::Relaxed));
-        counter(&mut o, "zerolayer_input_tokens_total", "Prompt tokens of generations through the gateway.", self.input_tokens.load(Ordering::Relaxed));
-        gauge(&mut o, "zerolayer_output_tokens_per_second", "Tokens generated per second over the last 10 s.", self.tokens_per_second());
+        gauge(
+            &mut o,
+            "zerolayer_generations_in_flight",
+            "Generation requests in flight at the gateway.",
+            self.in_flight() as f64,
+        );
+        self.ttft.render(
+            &mut o,
+            "zerolayer_time_to_first_token_seconds",
+            "From request arrival to the first generated text.",
+        );
+        self.queue.render(
+            &mut o,
+            "zerolayer_queue_wait_seconds",
+            "From submission to the service's start event (queueing plus tokenization).",
+        );
+        self.latency.render(
+            &mut o,
+            "zerolayer_request_duration_seconds",
+            "Generation request latency, arrival to last byte.",
+        );
+        self.decode_rate.render(
+            &mut o,
+            "zerolayer_request_decode_tokens_per_second",
+            "Per-request decode rate after the first token.",
+        );
+        counter(
+            &mut o,
+            "zerolayer_output_tokens_total",
+            "Tokens generated through the gateway.",
+            self.output_tokens.load(Ordering::Relaxed),
+        );
+        counter(
+            &mut o,
+            "zerolayer_input_tokens_total",
+            "Prompt tokens of generations through the gateway.",
+            self.input_tokens.load(Ordering::Relaxed),
+        );
+        gauge(
+            &mut o,
+            "zerolayer_output_tokens_per_second",
+            "Tokens generated per second over the last 10 s.",
+            self.tokens_per_second(),
+        );
 
-        let _ = writeln!(o, "# HELP zerolayer_connections_total Connections accepted.");
+        let _ = writeln!(
+            o,
+            "# HELP zerolayer_connections_total Connections accepted."
+        );
         let _ = writeln!(o, "# TYPE zerolayer_connections_total counter");
         for (p, n) in lock(&self.connections).iter() {
-            let _ = writeln!(o, "zerolayer_connections_total{{protocol=\"{}\"}} {n}", p.as_str());
+            let _ = writeln!(
+                o,
+                "zerolayer_connections_total{{protocol=\"{}\"}} {n}",
+                p.as_str()
+            );
         }
-        counter(&mut o, "zerolayer_reused_connection_requests_total", "Requests that arrived on an already-used connection.", self.reused_requests.load(Ordering::Relaxed));
-        gauge(&mut o, "zerolayer_connection_reuse_ratio", "Share of requests that arrived on an already-used connection.", self.reuse_ratio());
+        counter(
+            &mut o,
+            "zerolayer_reused_connection_requests_total",
+            "Requests that arrived on an already-used connection.",
+            self.reused_requests.load(Ordering::Relaxed),
+        );
+        gauge(
+            &mut o,
+            "zerolayer_connection_reuse_ratio",
+            "Share of requests that arrived on an already-used connection.",
+            self.reuse_ratio(),
+        );
 
-        gauge(&mut o, "zerolayer_queue_depth", "Requests waiting for admission to the batch.", svc.queue_depth as f64);
-        gauge(&mut o, "zerolayer_running_sequences", "Sequences in the running batch.", svc.running as f64);
-        counter(&mut o, "zerolayer_engine_generated_tokens_total", "Tokens generated by the engine since start.", svc.generated_tokens);
-        counter(&mut o, "zerolayer_engine_prompt_tokens_total", "Prompt tokens processed by the engine since start.", svc.prompt_tokens);
-        gauge(&mut o, "zerolayer_kv_bytes_used", "KV-cache bytes in use.", svc.kv_bytes_used as f64);
-        gauge(&mut o, "zerolayer_kv_bytes_budget", "KV-cache budget in bytes.", svc.kv_bytes_budget as f64);
-        let kv_use = if svc.kv_bytes_budget == 0 { 0.0 } else { svc.kv_bytes_used as f64 / svc.kv_bytes_budget as f64 };
-        gauge(&mut o, "zerolayer_kv_utilization", "KV-cache bytes used over budget.", kv_use);
-        gauge(&mut o, "zerolayer_weight_cache_hit_rate", "Weight-cache hit rate in [0, 1].", svc.weight_cache_hit_rate);
-        counter(&mut o, "zerolayer_prefix_cache_hit_tokens_total", "Prompt tokens reused from the prefix cache.", svc.prefix_cache_hit_tokens);
+        gauge(
+            &mut o,
+            "zerolayer_queue_depth",
+            "Requests waiting for admission to the batch.",
+            svc.queue_depth as f64,
+        );
+        gauge(
+            &mut o,
+            "zerolayer_running_sequences",
+            "Sequences in the running batch.",
+            svc.running as f64,
+        );
+        counter(
+            &mut o,
+            "zerolayer_engine_generated_tokens_total",
+            "Tokens generated by the engine since start.",
+            svc.generated_tokens,
+        );
+        counter(
+            &mut o,
+            "zerolayer_engine_prompt_tokens_total",
+            "Prompt tokens processed by the engine since start.",
+            svc.prompt_tokens,
+        );
+        gauge(
+            &mut o,
+            "zerolayer_kv_bytes_used",
+            "KV-cache bytes in use.",
+            svc.kv_bytes_used as f64,
+        );
+        gauge(
+            &mut o,
+            "zerolayer_kv_bytes_budget",
+            "KV-cache budget in bytes.",
+            svc.kv_bytes_budget as f64,
+        );
+        let kv_use = if svc.kv_bytes_budget == 0 {
+            0.0
+        } else {
+            svc.kv_bytes_used as f64 / svc.kv_bytes_budget as f64
+        };
+        gauge(
+            &mut o,
+            "zerolayer_kv_utilization",
+            "KV-cache bytes used over budget.",
+            kv_use,
+        );
+        gauge(
+            &mut o,
+            "zerolayer_weight_cache_hit_rate",
+            "Weight-cache hit rate in [0, 1].",
+            svc.weight_cache_hit_rate,
+        );
+        counter(
+            &mut o,
+            "zerolayer_prefix_cache_hit_tokens_total",
+            "Prompt tokens reused from the prefix cache.",
+            svc.prefix_cache_hit_tokens,
+        );
         o
     }
 }

@@ -72,8 +72,10 @@ impl StreamFormat {
     /// One piece of generated text.
     pub(crate) fn delta(&self, text: &str) -> Bytes {
         match self.flavor {
-            Flavor::Anthropic => anthropic_event(&json!({"type": "content_block_delta", "index": 0,
-                "delta": {"type": "text_delta", "text": text}})),
+            Flavor::Anthropic => {
+                anthropic_event(&json!({"type": "content_block_delta", "index": 0,
+                "delta": {"type": "text_delta", "text": text}}))
+            }
             Flavor::OpenAi => openai_event(&self.chunk(json!([
                 {"index": 0, "delta": {"content": text}, "logprobs": null, "finish_reason": null}
             ]))),
@@ -81,7 +83,12 @@ impl StreamFormat {
     }
 
     /// The events that end a successful generation.
-    pub(crate) fn finish(&self, stop: StopReason, stop_sequence: Option<&str>, usage: Usage) -> Vec<Bytes> {
+    pub(crate) fn finish(
+        &self,
+        stop: StopReason,
+        stop_sequence: Option<&str>,
+        usage: Usage,
+    ) -> Vec<Bytes> {
         match self.flavor {
             Flavor::Anthropic => vec![
                 anthropic_event(&json!({"type": "content_block_stop", "index": 0})),
@@ -114,7 +121,13 @@ impl StreamFormat {
     }
 
     /// The complete (non-streaming) response body.
-    pub(crate) fn full(&self, text: &str, stop: StopReason, stop_sequence: Option<&str>, usage: Usage) -> Value {
+    pub(crate) fn full(
+        &self,
+        text: &str,
+        stop: StopReason,
+        stop_sequence: Option<&str>,
+        usage: Usage,
+    ) -> Value {
         match self.flavor {
             Flavor::Anthropic => json!({
                 "id": self.id, "type": "message", "role": "assistant", "model": self.model,
@@ -142,7 +155,13 @@ mod tests {
     use super::*;
 
     fn fmt(flavor: Flavor) -> StreamFormat {
-        StreamFormat { flavor, id: "x".into(), model: "m".into(), created: 1, include_usage: true }
+        StreamFormat {
+            flavor,
+            id: "x".into(),
+            model: "m".into(),
+            created: 1,
+            include_usage: true,
+        }
     }
 
     #[test]
@@ -150,7 +169,14 @@ mod tests {
         let f = fmt(Flavor::Anthropic);
         let mut all = f.start(3);
         all.push(f.delta("hi"));
-        all.extend(f.finish(StopReason::EndTurn, None, Usage { input_tokens: 3, output_tokens: 1 }));
+        all.extend(f.finish(
+            StopReason::EndTurn,
+            None,
+            Usage {
+                input_tokens: 3,
+                output_tokens: 1,
+            },
+        ));
         let names: Vec<String> = all
             .iter()
             .map(|b| {
@@ -180,10 +206,25 @@ mod tests {
     #[test]
     fn openai_stream_ends_with_usage_then_done() {
         let f = fmt(Flavor::OpenAi);
-        let end = f.finish(StopReason::MaxTokens, None, Usage { input_tokens: 2, output_tokens: 5 });
+        let end = f.finish(
+            StopReason::MaxTokens,
+            None,
+            Usage {
+                input_tokens: 2,
+                output_tokens: 5,
+            },
+        );
         assert_eq!(end.len(), 3);
-        assert!(std::str::from_utf8(&end[0]).unwrap().contains("\"finish_reason\":\"length\""));
-        assert!(std::str::from_utf8(&end[1]).unwrap().contains("\"total_tokens\":7"));
+        assert!(
+            std::str::from_utf8(&end[0])
+                .unwrap()
+                .contains("\"finish_reason\":\"length\"")
+        );
+        assert!(
+            std::str::from_utf8(&end[1])
+                .unwrap()
+                .contains("\"total_tokens\":7")
+        );
         assert_eq!(&end[2][..], b"data: [DONE]\n\n");
     }
 }

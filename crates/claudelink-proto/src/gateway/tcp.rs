@@ -59,13 +59,19 @@ impl Gateway {
                 async move {
                     gw.inner.metrics.connection_request(previous);
                     if previous == 0 {
-                        let p = if req.version() == Version::HTTP_2 { Protocol::Http2 } else { Protocol::Http1 };
+                        let p = if req.version() == Version::HTTP_2 {
+                            Protocol::Http2
+                        } else {
+                            Protocol::Http1
+                        };
                         gw.inner.metrics.connection_opened(p);
                     }
                     Ok::<_, Infallible>(gw.serve_hyper(req).await)
                 }
             });
-            let conn = builder.serve_connection(TokioIo::new(stream), svc).into_owned();
+            let conn = builder
+                .serve_connection(TokioIo::new(stream), svc)
+                .into_owned();
             let conn = graceful.watch(conn);
             tokio::spawn(async move {
                 if let Err(e) = conn.await {
@@ -80,7 +86,11 @@ impl Gateway {
 
     async fn serve_hyper(&self, req: Request<HyperBody>) -> Response<Body> {
         let received = Instant::now();
-        let protocol = if req.version() == Version::HTTP_2 { Protocol::Http2 } else { Protocol::Http1 };
+        let protocol = if req.version() == Version::HTTP_2 {
+            Protocol::Http2
+        } else {
+            Protocol::Http1
+        };
         let (parts, body) = req.into_parts();
         let limit = self.inner.config.max_body_bytes;
         let declared = parts
@@ -91,15 +101,32 @@ impl Gateway {
         let body = if declared.is_some_and(|n| n > limit as u64) {
             Err(BodyError::TooLarge)
         } else {
-            match tokio::time::timeout(self.inner.config.body_timeout, Limited::new(body, limit).collect()).await {
+            match tokio::time::timeout(
+                self.inner.config.body_timeout,
+                Limited::new(body, limit).collect(),
+            )
+            .await
+            {
                 Err(_) => Err(BodyError::Timeout),
                 Ok(Ok(c)) => Ok(c.to_bytes()),
-                Ok(Err(e)) if e.is::<http_body_util::LengthLimitError>() => Err(BodyError::TooLarge),
+                Ok(Err(e)) if e.is::<http_body_util::LengthLimitError>() => {
+                    Err(BodyError::TooLarge)
+                }
                 Ok(Err(e)) => Err(BodyError::Transport(e.to_string())),
             }
         };
-        let path = parts.uri.path_and_query().map_or_else(|| parts.uri.path().to_owned(), |p| p.as_str().to_owned());
-        let incoming = Incoming { method: parts.method, path, headers: parts.headers, body, protocol, received };
+        let path = parts
+            .uri
+            .path_and_query()
+            .map_or_else(|| parts.uri.path().to_owned(), |p| p.as_str().to_owned());
+        let incoming = Incoming {
+            method: parts.method,
+            path,
+            headers: parts.headers,
+            body,
+            protocol,
+            received,
+        };
         let reply = self.handle(incoming).await;
         let body: Body = match reply.body {
             ReplyBody::Full(b) => Full::new(b).boxed_unsync(),

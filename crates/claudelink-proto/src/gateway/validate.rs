@@ -46,7 +46,10 @@ fn type_name(v: &Value) -> &'static str {
 }
 
 fn wrong_type(path: &str, want: &str, got: &Value) -> ApiError {
-    ApiError::invalid(format!("{path}: Input should be a valid {want}, got {}", type_name(got)))
+    ApiError::invalid(format!(
+        "{path}: Input should be a valid {want}, got {}",
+        type_name(got)
+    ))
 }
 
 fn required(path: &str) -> ApiError {
@@ -58,7 +61,7 @@ fn get<'a>(obj: &'a Map<String, Value>, key: &str) -> Option<&'a Value> {
     obj.get(key).filter(|v| !v.is_null())
 }
 
-fn parse_object<'a>(body: &'a Value) -> Result<&'a Map<String, Value>, ApiError> {
+fn parse_object(body: &Value) -> Result<&Map<String, Value>, ApiError> {
     body.as_object().ok_or_else(|| {
         ApiError::invalid(format!(
             "request body: Input should be a valid JSON object, got {}",
@@ -84,34 +87,64 @@ fn opt_bool(obj: &Map<String, Value>, key: &str, path: &str) -> Result<Option<bo
 }
 
 /// An integer in `[min, max]`; integral floats such as `16.0` are accepted.
-fn opt_int(obj: &Map<String, Value>, key: &str, min: i64, max: i64) -> Result<Option<i64>, ApiError> {
-    let Some(v) = get(obj, key) else { return Ok(None) };
+fn opt_int(
+    obj: &Map<String, Value>,
+    key: &str,
+    min: i64,
+    max: i64,
+) -> Result<Option<i64>, ApiError> {
+    let Some(v) = get(obj, key) else {
+        return Ok(None);
+    };
     let n = match v {
         Value::Number(n) => n
             .as_i64()
-            .or_else(|| n.as_f64().filter(|f| f.fract() == 0.0 && f.abs() < 9.0e15).map(|f| f as i64))
+            .or_else(|| {
+                n.as_f64()
+                    .filter(|f| f.fract() == 0.0 && f.abs() < 9.0e15)
+                    .map(|f| f as i64)
+            })
             .or_else(|| n.as_u64().map(|_| i64::MAX)),
         _ => None,
     };
-    let Some(n) = n else { return Err(wrong_type(key, "integer", v)) };
+    let Some(n) = n else {
+        return Err(wrong_type(key, "integer", v));
+    };
     if n < min {
-        return Err(ApiError::invalid(format!("{key}: Input should be greater than or equal to {min}")));
+        return Err(ApiError::invalid(format!(
+            "{key}: Input should be greater than or equal to {min}"
+        )));
     }
     if n > max {
-        return Err(ApiError::invalid(format!("{key}: Input should be less than or equal to {max}")));
+        return Err(ApiError::invalid(format!(
+            "{key}: Input should be less than or equal to {max}"
+        )));
     }
     Ok(Some(n))
 }
 
 /// A finite number in `[min, max]`.
-fn opt_f32(obj: &Map<String, Value>, key: &str, min: f64, max: f64) -> Result<Option<f32>, ApiError> {
-    let Some(v) = get(obj, key) else { return Ok(None) };
-    let Some(x) = v.as_f64() else { return Err(wrong_type(key, "number", v)) };
+fn opt_f32(
+    obj: &Map<String, Value>,
+    key: &str,
+    min: f64,
+    max: f64,
+) -> Result<Option<f32>, ApiError> {
+    let Some(v) = get(obj, key) else {
+        return Ok(None);
+    };
+    let Some(x) = v.as_f64() else {
+        return Err(wrong_type(key, "number", v));
+    };
     if x < min {
-        return Err(ApiError::invalid(format!("{key}: Input should be greater than or equal to {min}")));
+        return Err(ApiError::invalid(format!(
+            "{key}: Input should be greater than or equal to {min}"
+        )));
     }
     if x > max {
-        return Err(ApiError::invalid(format!("{key}: Input should be less than or equal to {max}")));
+        return Err(ApiError::invalid(format!(
+            "{key}: Input should be less than or equal to {max}"
+        )));
     }
     Ok(Some(x as f32))
 }
@@ -119,7 +152,9 @@ fn opt_f32(obj: &Map<String, Value>, key: &str, min: f64, max: f64) -> Result<Op
 fn required_model(obj: &Map<String, Value>) -> Result<String, ApiError> {
     match opt_str(obj, "model")? {
         None => Err(required("model")),
-        Some("") => Err(ApiError::invalid("model: String should have at least 1 character")),
+        Some("") => Err(ApiError::invalid(
+            "model: String should have at least 1 character",
+        )),
         Some(s) => Ok(s.to_owned()),
     }
 }
@@ -133,7 +168,9 @@ fn content_text(v: &Value, path: &str, null_ok: bool) -> Result<String, ApiError
             let mut parts = Vec::with_capacity(blocks.len());
             for (i, b) in blocks.iter().enumerate() {
                 let bp = format!("{path}.{i}");
-                let Some(obj) = b.as_object() else { return Err(wrong_type(&bp, "object", b)) };
+                let Some(obj) = b.as_object() else {
+                    return Err(wrong_type(&bp, "object", b));
+                };
                 let ty = match obj.get("type") {
                     None | Some(Value::Null) => return Err(required(&format!("{bp}.type"))),
                     Some(Value::String(t)) => t.as_str(),
@@ -157,17 +194,21 @@ fn content_text(v: &Value, path: &str, null_ok: bool) -> Result<String, ApiError
 }
 
 fn parse_stop_list(v: &Value, key: &str, max_items: usize) -> Result<Vec<String>, ApiError> {
-    let Value::Array(items) = v else { return Err(wrong_type(key, "list of strings", v)) };
+    let Value::Array(items) = v else {
+        return Err(wrong_type(key, "list of strings", v));
+    };
     if items.len() > max_items {
-        return Err(ApiError::invalid(format!("{key}: at most {max_items} stop sequences are allowed")));
+        return Err(ApiError::invalid(format!(
+            "{key}: at most {max_items} stop sequences are allowed"
+        )));
     }
     items
         .iter()
         .enumerate()
         .map(|(i, s)| match s {
-            Value::String(s) if s.is_empty() => {
-                Err(ApiError::invalid(format!("{key}.{i}: stop sequences must be non-empty")))
-            }
+            Value::String(s) if s.is_empty() => Err(ApiError::invalid(format!(
+                "{key}.{i}: stop sequences must be non-empty"
+            ))),
             Value::String(s) => Ok(s.clone()),
             other => Err(wrong_type(&format!("{key}.{i}"), "string", other)),
         })
@@ -187,7 +228,11 @@ fn push_turn(out: &mut Vec<ChatMessage>, role: ChatRole, content: String) {
 
 /// Validates an Anthropic Messages request (`POST /v1/messages`). With `count_only`
 /// (`/v1/messages/count_tokens`), `max_tokens` is not required.
-pub(crate) fn parse_messages(body: &Value, limits: Limits, count_only: bool) -> Result<GenRequest, ApiError> {
+pub(crate) fn parse_messages(
+    body: &Value,
+    limits: Limits,
+    count_only: bool,
+) -> Result<GenRequest, ApiError> {
     let obj = parse_object(body)?;
     let model = required_model(obj)?;
     let max_tokens = match opt_int(obj, "max_tokens", 1, i64::from(limits.max_output_tokens))? {
@@ -199,7 +244,10 @@ pub(crate) fn parse_messages(body: &Value, limits: Limits, count_only: bool) -> 
     if let Some(system) = get(obj, "system") {
         let text = content_text(system, "system", false)?;
         if !text.is_empty() {
-            messages.push(ChatMessage { role: ChatRole::System, content: text });
+            messages.push(ChatMessage {
+                role: ChatRole::System,
+                content: text,
+            });
         }
     }
     let list = match get(obj, "messages") {
@@ -208,17 +256,23 @@ pub(crate) fn parse_messages(body: &Value, limits: Limits, count_only: bool) -> 
         Some(other) => return Err(wrong_type("messages", "list", other)),
     };
     if list.is_empty() {
-        return Err(ApiError::invalid("messages: at least one message is required"));
+        return Err(ApiError::invalid(
+            "messages: at least one message is required",
+        ));
     }
     for (i, m) in list.iter().enumerate() {
         let path = format!("messages.{i}");
-        let Some(m) = m.as_object() else { return Err(wrong_type(&path, "object", m)) };
+        let Some(m) = m.as_object() else {
+            return Err(wrong_type(&path, "object", m));
+        };
         let role = match m.get("role") {
             None | Some(Value::Null) => return Err(required(&format!("{path}.role"))),
             Some(Value::String(r)) if r == "user" => ChatRole::User,
             Some(Value::String(r)) if r == "assistant" => ChatRole::Assistant,
             Some(_) => {
-                return Err(ApiError::invalid(format!("{path}.role: Input should be 'user' or 'assistant'")));
+                return Err(ApiError::invalid(format!(
+                    "{path}.role: Input should be 'user' or 'assistant'"
+                )));
             }
         };
         let content = match m.get("content") {
@@ -230,7 +284,9 @@ pub(crate) fn parse_messages(body: &Value, limits: Limits, count_only: bool) -> 
     let sampling = SamplingParams {
         temperature: opt_f32(obj, "temperature", 0.0, 1.0)?,
         top_p: opt_f32(obj, "top_p", 0.0, 1.0)?,
-        top_k: opt_int(obj, "top_k", 0, i64::from(u32::MAX))?.filter(|&k| k > 0).map(|k| k as u32),
+        top_k: opt_int(obj, "top_k", 0, i64::from(u32::MAX))?
+            .filter(|&k| k > 0)
+            .map(|k| k as u32),
         ..SamplingParams::default()
     };
     let stop_sequences = match get(obj, "stop_sequences") {
@@ -265,8 +321,10 @@ pub(crate) fn parse_chat(body: &Value, limits: Limits) -> Result<GenRequest, Api
     let max = i64::from(limits.max_output_tokens);
     let max_tokens = match opt_int(obj, "max_completion_tokens", 1, max)? {
         Some(n) => n as u32,
-        None => opt_int(obj, "max_tokens", 1, max)?
-            .map_or(limits.default_chat_max_tokens.min(limits.max_output_tokens), |n| n as u32),
+        None => opt_int(obj, "max_tokens", 1, max)?.map_or(
+            limits.default_chat_max_tokens.min(limits.max_output_tokens),
+            |n| n as u32,
+        ),
     };
     let list = match get(obj, "messages") {
         None => return Err(required("messages")),
@@ -274,12 +332,16 @@ pub(crate) fn parse_chat(body: &Value, limits: Limits) -> Result<GenRequest, Api
         Some(other) => return Err(wrong_type("messages", "list", other)),
     };
     if list.is_empty() {
-        return Err(ApiError::invalid("messages: at least one message is required"));
+        return Err(ApiError::invalid(
+            "messages: at least one message is required",
+        ));
     }
     let mut messages = Vec::new();
     for (i, m) in list.iter().enumerate() {
         let path = format!("messages.{i}");
-        let Some(m) = m.as_object() else { return Err(wrong_type(&path, "object", m)) };
+        let Some(m) = m.as_object() else {
+            return Err(wrong_type(&path, "object", m));
+        };
         let role = match m.get("role") {
             None | Some(Value::Null) => return Err(required(&format!("{path}.role"))),
             Some(Value::String(r)) => match r.as_str() {
@@ -301,12 +363,16 @@ pub(crate) fn parse_chat(body: &Value, limits: Limits) -> Result<GenRequest, Api
         push_turn(&mut messages, role, content);
     }
     if let Some(n) = opt_int(obj, "n", 1, i64::MAX)?.filter(|&n| n != 1) {
-        return Err(ApiError::invalid(format!("n: only n=1 is supported, got {n}")));
+        return Err(ApiError::invalid(format!(
+            "n: only n=1 is supported, got {n}"
+        )));
     }
     let sampling = SamplingParams {
         temperature: opt_f32(obj, "temperature", 0.0, 2.0)?,
         top_p: opt_f32(obj, "top_p", 0.0, 1.0)?,
-        top_k: opt_int(obj, "top_k", 0, i64::from(u32::MAX))?.filter(|&k| k > 0).map(|k| k as u32),
+        top_k: opt_int(obj, "top_k", 0, i64::from(u32::MAX))?
+            .filter(|&k| k > 0)
+            .map(|k| k as u32),
         seed: opt_int(obj, "seed", i64::MIN, i64::MAX)?.map(|s| s as u64),
         ..SamplingParams::default()
     };
@@ -321,7 +387,9 @@ pub(crate) fn parse_chat(body: &Value, limits: Limits) -> Result<GenRequest, Api
     let stream = opt_bool(obj, "stream", "stream")?.unwrap_or(false);
     let include_usage = match get(obj, "stream_options") {
         None => false,
-        Some(Value::Object(o)) => opt_bool(o, "include_usage", "stream_options.include_usage")?.unwrap_or(false),
+        Some(Value::Object(o)) => {
+            opt_bool(o, "include_usage", "stream_options.include_usage")?.unwrap_or(false)
+        }
         Some(other) => return Err(wrong_type("stream_options", "object", other)),
     };
     Ok(GenRequest {
@@ -341,7 +409,10 @@ mod tests {
 
     use super::*;
 
-    const LIMITS: Limits = Limits { max_output_tokens: 4096, default_chat_max_tokens: 256 };
+    const LIMITS: Limits = Limits {
+        max_output_tokens: 4096,
+        default_chat_max_tokens: 256,
+    };
 
     fn msg_err(body: Value) -> String {
         parse_messages(&body, LIMITS, false).unwrap_err().message
@@ -356,7 +427,13 @@ mod tests {
         )
         .unwrap();
         assert_eq!(r.max_tokens, 8);
-        assert_eq!(r.messages, vec![ChatMessage { role: ChatRole::User, content: "hi".into() }]);
+        assert_eq!(
+            r.messages,
+            vec![ChatMessage {
+                role: ChatRole::User,
+                content: "hi".into()
+            }]
+        );
         assert!(!r.stream);
     }
 
@@ -390,16 +467,31 @@ mod tests {
             b[k] = v;
             b
         };
-        assert_eq!(msg_err(json!([])), "request body: Input should be a valid JSON object, got array");
+        assert_eq!(
+            msg_err(json!([])),
+            "request body: Input should be a valid JSON object, got array"
+        );
         let mut b = base();
         b.as_object_mut().unwrap().remove("max_tokens");
         assert_eq!(msg_err(b), "max_tokens: Field required");
-        assert!(msg_err(with("max_tokens", json!("8"))).starts_with("max_tokens: Input should be a valid integer"));
-        assert!(msg_err(with("max_tokens", json!(0))).starts_with("max_tokens: Input should be greater"));
+        assert!(
+            msg_err(with("max_tokens", json!("8")))
+                .starts_with("max_tokens: Input should be a valid integer")
+        );
+        assert!(
+            msg_err(with("max_tokens", json!(0)))
+                .starts_with("max_tokens: Input should be greater")
+        );
         assert!(msg_err(with("max_tokens", json!(1.5))).starts_with("max_tokens:"));
-        assert!(msg_err(with("max_tokens", json!(5000))).starts_with("max_tokens: Input should be less"));
+        assert!(
+            msg_err(with("max_tokens", json!(5000)))
+                .starts_with("max_tokens: Input should be less")
+        );
         assert!(msg_err(with("temperature", json!(1.5))).starts_with("temperature:"));
-        assert!(msg_err(with("temperature", json!("hot"))).starts_with("temperature: Input should be a valid number"));
+        assert!(
+            msg_err(with("temperature", json!("hot")))
+                .starts_with("temperature: Input should be a valid number")
+        );
         assert!(msg_err(with("top_p", json!(-0.1))).starts_with("top_p:"));
         assert!(msg_err(with("top_k", json!(-1))).starts_with("top_k:"));
         assert!(msg_err(with("stop_sequences", json!("X"))).starts_with("stop_sequences:"));
@@ -409,21 +501,37 @@ mod tests {
         assert!(msg_err(with("system", json!(3))).starts_with("system:"));
         assert!(msg_err(with("model", json!(3))).starts_with("model:"));
         assert!(msg_err(with("messages", json!([]))).starts_with("messages:"));
-        assert!(msg_err(with("messages", json!([{"role": "tool", "content": "x"}]))).starts_with("messages.0.role:"));
-        assert!(msg_err(with("messages", json!([{"role": "user"}]))).starts_with("messages.0.content: Field required"));
         assert!(
-            msg_err(with("messages", json!([{"role": "user", "content": [{"type": "image"}]}])))
-                .starts_with("messages.0.content.0.type:")
+            msg_err(with("messages", json!([{"role": "tool", "content": "x"}])))
+                .starts_with("messages.0.role:")
         );
         assert!(
-            msg_err(with("messages", json!([{"role": "user", "content": [{"type": "text"}]}])))
-                .starts_with("messages.0.content.0.text: Field required")
+            msg_err(with("messages", json!([{"role": "user"}])))
+                .starts_with("messages.0.content: Field required")
+        );
+        assert!(
+            msg_err(with(
+                "messages",
+                json!([{"role": "user", "content": [{"type": "image"}]}])
+            ))
+            .starts_with("messages.0.content.0.type:")
+        );
+        assert!(
+            msg_err(with(
+                "messages",
+                json!([{"role": "user", "content": [{"type": "text"}]}])
+            ))
+            .starts_with("messages.0.content.0.text: Field required")
         );
     }
 
     #[test]
     fn count_tokens_needs_no_max_tokens() {
-        let r = parse_messages(&json!({"model": "m", "messages": [{"role": "user", "content": "hi"}]}), LIMITS, true);
+        let r = parse_messages(
+            &json!({"model": "m", "messages": [{"role": "user", "content": "hi"}]}),
+            LIMITS,
+            true,
+        );
         assert!(r.is_ok());
     }
 
@@ -440,7 +548,11 @@ mod tests {
         assert!(r.include_usage && r.stream);
         assert_eq!(r.sampling.seed, Some(7));
         assert_eq!(r.messages[0].role, ChatRole::System);
-        let e = parse_chat(&json!({"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 2}), LIMITS).unwrap_err();
+        let e = parse_chat(
+            &json!({"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 2}),
+            LIMITS,
+        )
+        .unwrap_err();
         assert!(e.message.starts_with("n:"));
         let e = parse_chat(&json!({"model": "m", "messages": [{"role": "user", "content": "x"}], "stop": ["a", "b", "c", "d", "e"]}), LIMITS).unwrap_err();
         assert!(e.message.starts_with("stop:"));

@@ -29,14 +29,20 @@ pub struct WordService {
 
 impl WordService {
     pub fn new() -> Arc<Self> {
-        Arc::new(Self { context: 64, ..Self::default() })
+        Arc::new(Self {
+            context: 64,
+            ..Self::default()
+        })
     }
 }
 
 fn words(prompt: &Prompt) -> (u32, Vec<String>) {
     match prompt {
         Prompt::Chat(msgs) => {
-            let n: usize = msgs.iter().map(|m| m.content.split_whitespace().count() + 1).sum();
+            let n: usize = msgs
+                .iter()
+                .map(|m| m.content.split_whitespace().count() + 1)
+                .sum();
             let last = msgs
                 .iter()
                 .rev()
@@ -45,7 +51,10 @@ fn words(prompt: &Prompt) -> (u32, Vec<String>) {
                 .unwrap_or_default();
             (n as u32, last)
         }
-        Prompt::Text(t) => (t.split_whitespace().count() as u32, t.split_whitespace().map(str::to_owned).collect()),
+        Prompt::Text(t) => (
+            t.split_whitespace().count() as u32,
+            t.split_whitespace().map(str::to_owned).collect(),
+        ),
         _ => (0, Vec::new()),
     }
 }
@@ -75,64 +84,103 @@ impl InferenceService for WordService {
             return Err(ServiceError::Overloaded { retry_after_ms: 25 });
         }
         if input > self.context {
-            return Err(ServiceError::ContextLength { prompt_tokens: input, limit: self.context });
+            return Err(ServiceError::ContextLength {
+                prompt_tokens: input,
+                limit: self.context,
+            });
         }
         let slow = last.iter().any(|w| w == "SLOW");
         let fail = last.iter().any(|w| w == "FAILMID");
         let silent = last.iter().any(|w| w == "SILENT");
-        let answer_len = if slow { u32::MAX } else { last.len().max(1) as u32 };
+        let answer_len = if slow {
+            u32::MAX
+        } else {
+            last.len().max(1) as u32
+        };
         let max = req.max_tokens;
         let stops = req.stop_sequences.clone();
-        let tracker = Tracker { done: false, cancelled: self.cancelled.clone(), finished: self.finished.clone() };
+        let tracker = Tracker {
+            done: false,
+            cancelled: self.cancelled.clone(),
+            finished: self.finished.clone(),
+        };
         // State: (next token index, started, ended, tracker).
-        let stream = futures::stream::unfold((0u32, false, false, tracker), move |(i, started, ended, mut tracker)| {
-            let last = last.clone();
-            let stops = stops.clone();
-            async move {
-                if ended {
-                    return None;
-                }
-                if silent {
-                    futures::future::pending::<()>().await;
-                }
-                if !started {
-                    return Some((InferenceEvent::Started { input_tokens: input }, (0, true, false, tracker)));
-                }
-                if slow {
-                    tokio::time::sleep(Duration::from_millis(20)).await;
-                }
-                let mut finish = |reason, seq, n| {
-                    tracker.done = true;
-                    let ev = InferenceEvent::Finished {
-                        stop_reason: reason,
-                        stop_sequence: seq,
-                        usage: Usage { input_tokens: input, output_tokens: n },
+        let stream = futures::stream::unfold(
+            (0u32, false, false, tracker),
+            move |(i, started, ended, mut tracker)| {
+                let last = last.clone();
+                let stops = stops.clone();
+                async move {
+                    if ended {
+                        return None;
+                    }
+                    if silent {
+                        futures::future::pending::<()>().await;
+                    }
+                    if !started {
+                        return Some((
+                            InferenceEvent::Started {
+                                input_tokens: input,
+                            },
+                            (0, true, false, tracker),
+                        ));
+                    }
+                    if slow {
+                        tokio::time::sleep(Duration::from_millis(20)).await;
+                    }
+                    let mut finish = |reason, seq, n| {
+                        tracker.done = true;
+                        let ev = InferenceEvent::Finished {
+                            stop_reason: reason,
+                            stop_sequence: seq,
+                            usage: Usage {
+                                input_tokens: input,
+                                output_tokens: n,
+                            },
+                        };
+                        (ev, n)
                     };
-                    (ev, n)
-                };
-                let (ev, next, end) = if fail && i == 2 {
-                    tracker.done = true;
-                    (InferenceEvent::Error { code: ErrorCode::Internal, message: "engine failure".into() }, i, true)
-                } else if i >= answer_len {
-                    let (ev, n) = finish(StopReason::EndTurn, None, i);
-                    (ev, n, true)
-                } else if i >= max {
-                    let (ev, n) = finish(StopReason::MaxTokens, None, i);
-                    (ev, n, true)
-                } else {
-                    let word = last.get(i as usize % last.len().max(1)).cloned().unwrap_or_else(|| "ok".into());
-                    if let Some(s) = stops.iter().find(|s| word.contains(s.as_str())) {
-                        // The stop sequence's token is generated but its text is not sent.
-                        let (ev, n) = finish(StopReason::StopSequence, Some(s.clone()), i + 1);
+                    let (ev, next, end) = if fail && i == 2 {
+                        tracker.done = true;
+                        (
+                            InferenceEvent::Error {
+                                code: ErrorCode::Internal,
+                                message: "engine failure".into(),
+                            },
+                            i,
+                            true,
+                        )
+                    } else if i >= answer_len {
+                        let (ev, n) = finish(StopReason::EndTurn, None, i);
+                        (ev, n, true)
+                    } else if i >= max {
+                        let (ev, n) = finish(StopReason::MaxTokens, None, i);
                         (ev, n, true)
                     } else {
-                        let piece = if i == 0 { word } else { format!(" {word}") };
-                        (InferenceEvent::Delta { ids: vec![i], text: piece }, i + 1, false)
-                    }
-                };
-                Some((ev, (next, true, end, tracker)))
-            }
-        });
+                        let word = last
+                            .get(i as usize % last.len().max(1))
+                            .cloned()
+                            .unwrap_or_else(|| "ok".into());
+                        if let Some(s) = stops.iter().find(|s| word.contains(s.as_str())) {
+                            // The stop sequence's token is generated but its text is not sent.
+                            let (ev, n) = finish(StopReason::StopSequence, Some(s.clone()), i + 1);
+                            (ev, n, true)
+                        } else {
+                            let piece = if i == 0 { word } else { format!(" {word}") };
+                            (
+                                InferenceEvent::Delta {
+                                    ids: vec![i],
+                                    text: piece,
+                                },
+                                i + 1,
+                                false,
+                            )
+                        }
+                    };
+                    Some((ev, (next, true, end, tracker)))
+                }
+            },
+        );
         Ok(Box::pin(stream))
     }
 
@@ -141,7 +189,11 @@ impl InferenceService for WordService {
     }
 
     fn models(&self) -> Vec<ModelInfo> {
-        vec![ModelInfo { id: "word-model".into(), display_name: "Word model".into(), context_length: self.context }]
+        vec![ModelInfo {
+            id: "word-model".into(),
+            display_name: "Word model".into(),
+            context_length: self.context,
+        }]
     }
 
     fn metrics(&self) -> ServiceMetrics {
@@ -184,11 +236,23 @@ impl TestServer {
             .await
             .unwrap();
         });
-        Self { addr, gateway, service, shutdown: Some(tx) }
+        Self {
+            addr,
+            gateway,
+            service,
+            shutdown: Some(tx),
+        }
     }
 
     pub async fn post(&self, path: &str, headers: &[(&str, &str)], body: &Value) -> Resp {
-        send(self.addr, "POST", path, headers, Bytes::from(body.to_string())).await
+        send(
+            self.addr,
+            "POST",
+            path,
+            headers,
+            Bytes::from(body.to_string()),
+        )
+        .await
     }
 
     pub async fn get(&self, path: &str, headers: &[(&str, &str)]) -> Resp {
@@ -214,7 +278,8 @@ pub struct Resp {
 
 impl Resp {
     pub fn json(&self) -> Value {
-        serde_json::from_slice(&self.body).unwrap_or_else(|e| panic!("not JSON ({e}): {:?}", self.body))
+        serde_json::from_slice(&self.body)
+            .unwrap_or_else(|e| panic!("not JSON ({e}): {:?}", self.body))
     }
     pub fn header(&self, name: &str) -> Option<&str> {
         self.headers.get(name).and_then(|v| v.to_str().ok())
@@ -225,22 +290,40 @@ impl Resp {
 }
 
 /// One HTTP/1.1 request on a fresh connection.
-pub async fn send(addr: SocketAddr, method: &str, path: &str, headers: &[(&str, &str)], body: Bytes) -> Resp {
+pub async fn send(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: Bytes,
+) -> Resp {
     let stream = tokio::net::TcpStream::connect(addr).await.unwrap();
     let (mut sender, conn) =
-        hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream)).await.unwrap();
+        hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
+            .await
+            .unwrap();
     tokio::spawn(conn);
-    let mut b = http::Request::builder().method(method).uri(path).header("host", "localhost");
+    let mut b = http::Request::builder()
+        .method(method)
+        .uri(path)
+        .header("host", "localhost");
     if !body.is_empty() {
         b = b.header("content-type", "application/json");
     }
     for (k, v) in headers {
         b = b.header(*k, *v);
     }
-    let resp = sender.send_request(b.body(Full::new(body)).unwrap()).await.unwrap();
+    let resp = sender
+        .send_request(b.body(Full::new(body)).unwrap())
+        .await
+        .unwrap();
     let (parts, body) = resp.into_parts();
     let body = body.collect().await.unwrap().to_bytes();
-    Resp { status: parts.status.as_u16(), headers: parts.headers, body }
+    Resp {
+        status: parts.status.as_u16(),
+        headers: parts.headers,
+        body,
+    }
 }
 
 /// An SSE event: (`event:` name if any, parsed `data:` JSON or raw text).
@@ -260,7 +343,10 @@ pub fn parse_sse(body: &str) -> Vec<SseEvent> {
     body.split("\n\n")
         .filter(|b| !b.trim().is_empty())
         .map(|block| {
-            let mut ev = SseEvent { event: None, data: String::new() };
+            let mut ev = SseEvent {
+                event: None,
+                data: String::new(),
+            };
             for line in block.lines() {
                 if let Some(e) = line.strip_prefix("event: ") {
                     ev.event = Some(e.to_owned());
@@ -289,4 +375,3 @@ pub async fn eventually(mut cond: impl FnMut() -> bool) {
     }
     panic!("condition not reached within 10 s");
 }
-

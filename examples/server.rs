@@ -1,0 +1,231 @@
+//! zerolayer's server: the Anthropic Messages / OpenAI Chat Completions gateway on TCP
+//! (HTTP/1.1 and HTTP/2) and, on one UDP port, claudelink plus HTTP/3 (told apart by ALPN).
+//!
+//! ```text
+//! cargo run --release --example server -- --api-key sk-local
+//! curl -N http://127.0.0.1:8080/v1/messages -H 'x-api-key: sk-local' \
+//!   -H 'anthropic-version: 2023-06-01' -H 'content-type: application/json' \
+//!   -d '{"model":"smollm2-135m-instruct","max_tokens":64,"stream":true,
+//!        "messages":[{"role":"user","content":"Hello!"}]}'
+//! ```
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context as _;
+use clap::{Parser, ValueEnum};
+use zerolayer::claudelink_proto::{
+    Gateway, GatewayConfig, H3_ALPN, Identity, InferenceService, Server, ServerConfig,
+};
+
+/// Weight-cache warm-up policy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum Warmup {
+    /// No warm-up: pages fault in on first use.
+    None,
+    /// Touch every weight page at start.
+    Full,
+    /// Warm from the recorded access profile.
+    Deterministic,
+    /// Learn from live accesses.
+    Adaptive,
+}
+
+/// Serve a GGUF model over the Anthropic Messages API (HTTP/1.1, HTTP/2, HTTP/3) and claudelink.
+#[derive(Debug, Parser)]
+#[command(version, about)]
+struct Args {
+    /// GGUF model file (default: the model fetched by scripts/fetch-model).
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// TCP address for HTTP/1.1 and HTTP/2.
+    #[arg(long, default_value = "127.0.0.1:8080")]
+    http_listen: SocketAddr,
+    /// UDP address for claudelink and HTTP/3.
+    #[arg(long, default_value = "127.0.0.1:8443")]
+    quic_listen: SocketAddr,
+    /// Accepted API key (repeatable). Without any, the server is open to everyone.
+    #[arg(
+        long = "api-key",
+        env = "ZEROLAYER_API_KEYS",
+        value_delimiter = ',',
+        hide_env_values = true
+    )]
+    api_keys: Vec<String>,
+    /// PEM certificate chain for QUIC/HTTP/3 (default: a self-signed certificate).
+    #[arg(long, requires = "tls_key")]
+    tls_cert: Option<PathBuf>,
+    /// PEM private key matching --tls-cert.
+    #[arg(long, requires = "tls_cert")]
+    tls_key: Option<PathBuf>,
+    /// Compute threads (default: all cores).
+    #[arg(long)]
+    threads: Option<usize>,
+    /// Weight-cache warm-up policy.
+    #[arg(long, value_enum, default_value_t = Warmup::Deterministic)]
+    warmup: Warmup,
+    /// Resident weight memory budget, e.g. 512M or 2G (default: unlimited).
+    #[arg(long, value_parser = parse_bytes)]
+    weight_budget: Option<u64>,
+    /// KV-cache budget, e.g. 256M (default: the engine's).
+    #[arg(long, value_parser = parse_bytes)]
+    kv_budget: Option<u64>,
+    /// Concurrent generation streams (per QUIC connection and in total at the gateway).
+    #[arg(long, default_value_t = 256)]
+    max_streams: u32,
+    /// Seconds to let running streams finish after SIGINT/SIGTERM.
+    #[arg(long, default_value_t = 30)]
+    drain_secs: u64,
+}
+
+/// `512`, `64K`, `512M`, `2G` (binary units).
+fn parse_bytes(s: &str) -> Result<u64, String> {
+    let s = s.trim();
+    let (num, mult) = match s.char_indices().last() {
+        Some((i, c)) if c.is_ascii_alphabetic() => {
+            let m = match c.to_ascii_uppercase() {
+                'K' => 1u64 << 10,
+                'M' => 1 << 20,
+                'G' => 1 << 30,
+                'T' => 1 << 40,
+                _ => return Err(format!("unknown unit `{c}` in `{s}` (use K, M, G or T)")),
+            };
+            (&s[..i], m)
+        }
+        _ => (s, 1),
+    };
+    let n: u64 = num.trim().parse().map_err(|e| format!("`{s}`: {e}"))?;
+    n.checked_mul(mult)
+        .ok_or_else(|| format!("`{s}` is too large"))
+}
+
+// ============================================================================================
+// SERVICE CONSTRUCTION: the one place that builds the inference service from the CLI.
+// It must return at once (loading and warm-up continue in the background; `ready()` turns
+// true when done, so /health answers 503 until then) and log a warm-up progress line.
+// ============================================================================================
+fn build_service(args: &Args) -> anyhow::Result<Arc<dyn InferenceService>> {
+    let model = match &args.model {
+        Some(p) => p.clone(),
+        None => zerolayer::weight_cache::locate_default_model()?,
+    };
+    tracing::info!(model = %model.display(), threads = ?args.threads, warmup = ?args.warmup,
+        weight_budget = ?args.weight_budget, kv_budget = ?args.kv_budget, "loading model");
+    anyhow::bail!(
+        "the engine service is not wired into the root package yet: build_service() in \
+         examples/server.rs must construct zerolayer's InferenceService for {}",
+        model.display()
+    )
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| "info,h3=warn,quinn=warn".into()),
+        )
+        .init();
+    let args = Args::parse();
+    let service = build_service(&args)?;
+
+    let identity = match (&args.tls_cert, &args.tls_key) {
+        (Some(c), Some(k)) => {
+            Identity::from_pem_files(c, k).context("loading --tls-cert/--tls-key")?
+        }
+        _ => {
+            Identity::self_signed(&["localhost"]).context("generating a self-signed certificate")?
+        }
+    };
+    let fingerprint = identity.fingerprint();
+    if args.tls_cert.is_none() {
+        println!("self-signed certificate, SHA-256 fingerprint {fingerprint}");
+    }
+
+    let config = GatewayConfig::default()
+        .api_keys(args.api_keys.iter().map(|k| k.trim().to_owned()))
+        .h3_port(Some(args.quic_listen.port()))
+        .max_concurrent_requests(args.max_streams as usize);
+    let gateway = Gateway::new(service.clone(), config);
+
+    let quic_config = ServerConfig::new(identity)
+        .max_concurrent_streams(args.max_streams)
+        .alpn_handler(H3_ALPN, Arc::new(gateway.h3_handler()));
+    let quic = Server::bind(args.quic_listen, quic_config, service.clone())
+        .with_context(|| format!("binding UDP {}", args.quic_listen))?;
+    let listener = tokio::net::TcpListener::bind(args.http_listen)
+        .await
+        .with_context(|| format!("binding TCP {}", args.http_listen))?;
+    let http_addr = listener.local_addr()?;
+    let quic_addr = quic.local_addr();
+    tracing::info!(
+        "HTTP/1.1 + HTTP/2: http://{http_addr}/v1/messages, /v1/chat/completions, /health, /metrics"
+    );
+    tracing::info!(
+        "claudelink + HTTP/3: udp {quic_addr} (ALPN claudelink/2 and h3; Alt-Svc advertised)"
+    );
+    if args.api_keys.is_empty() {
+        tracing::warn!("no --api-key / ZEROLAYER_API_KEYS: every request is accepted");
+    }
+    // Machine-readable line for scripts (scripts/test-clients waits for /health instead).
+    println!("listening http={http_addr} quic={quic_addr}");
+
+    let drain = gateway.clone();
+    let (stop_tcp, stopped) = tokio::sync::oneshot::channel::<()>();
+    let http = tokio::spawn({
+        let gateway = gateway.clone();
+        async move {
+            let stop = async {
+                let _ = stopped.await;
+            };
+            gateway.serve_tcp(listener, stop).await
+        }
+    });
+    let started = Instant::now();
+    tokio::spawn({
+        let service = service.clone();
+        async move {
+            while !service.ready() {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            tracing::info!(
+                after_ms = started.elapsed().as_millis() as u64,
+                "ready: /health answers 200"
+            );
+        }
+    });
+
+    shutdown_signal().await;
+    tracing::info!(
+        in_flight = drain.in_flight(),
+        "shutting down: draining streams"
+    );
+    drain.start_draining();
+    let _ = stop_tcp.send(());
+    quic.goaway_all(None, 1000);
+    let deadline = Instant::now() + Duration::from_secs(args.drain_secs);
+    while drain.in_flight() > 0 && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let _ = tokio::time::timeout(deadline.saturating_duration_since(Instant::now()), http).await;
+    quic.shutdown().await;
+    tracing::info!(left = drain.in_flight(), "stopped");
+    Ok(())
+}
+
+/// Resolves on SIGINT or SIGTERM.
+async fn shutdown_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        let mut term = signal(SignalKind::terminate()).expect("installing the SIGTERM handler");
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => {}
+            _ = term.recv() => {}
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = tokio::signal::ctrl_c().await;
+}

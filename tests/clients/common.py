@@ -1,0 +1,87 @@
+"""Shared helpers for the real-client tests run by scripts/test-clients.
+
+Environment: ZL_BASE_URL (http://127.0.0.1:PORT), ZL_H3_URL (https://127.0.0.1:UDPPORT),
+ZL_API_KEY. Assertions are about API behaviour (shapes, event order, stop reasons, usage
+consistency, non-empty text), never about specific model text.
+"""
+import json
+import os
+import sys
+import traceback
+import urllib.request
+
+BASE_URL = os.environ["ZL_BASE_URL"]
+H3_URL = os.environ.get("ZL_H3_URL", "")
+API_KEY = os.environ["ZL_API_KEY"]
+
+ANTHROPIC_EVENTS = [
+    "message_start", "content_block_start", "ping", "content_block_delta",
+    "content_block_stop", "message_delta", "message_stop",
+]
+
+
+def model_id():
+    req = urllib.request.Request(BASE_URL + "/v1/models", headers={"x-api-key": API_KEY})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        data = json.load(r)
+    assert data["data"], data
+    return data["data"][0]["id"]
+
+
+def parse_sse(text):
+    """[(event name or None, data string)] of an SSE body."""
+    events = []
+    for block in text.replace("\r\n", "\n").split("\n\n"):
+        if not block.strip():
+            continue
+        name, data = None, []
+        for line in block.split("\n"):
+            if line.startswith("event:"):
+                name = line[len("event:"):].strip()
+            elif line.startswith("data:"):
+                data.append(line[len("data:"):].strip())
+            elif line.startswith(":"):
+                continue
+            else:
+                raise AssertionError(f"unexpected SSE line {line!r}")
+        events.append((name, "\n".join(data)))
+    return events
+
+
+def check_anthropic_sse(text, max_tokens):
+    """Checks the exact Anthropic event sequence; returns (text, stop_reason, usage)."""
+    events = parse_sse(text)
+    names = []
+    for name, data in events:
+        assert name is not None, f"event without an event: line: {data!r}"
+        payload = json.loads(data)
+        assert payload["type"] == name, (name, payload)
+        names.append(name)
+    assert names[:3] == ANTHROPIC_EVENTS[:3], names
+    assert names[-3:] == ANTHROPIC_EVENTS[-3:], names
+    assert all(n == "content_block_delta" for n in names[3:-3]), names
+    assert len(names) > 6, "no text delta"
+    start = json.loads(events[0][1])["message"]
+    assert start["role"] == "assistant" and start["content"] == [], start
+    assert start["usage"]["input_tokens"] > 0, start
+    out = "".join(json.loads(d)["delta"]["text"] for n, d in events if n == "content_block_delta")
+    delta = json.loads(events[-2][1])
+    stop = delta["delta"]["stop_reason"]
+    assert stop in ("end_turn", "max_tokens", "stop_sequence"), delta
+    assert 0 < delta["usage"]["output_tokens"] <= max_tokens, delta
+    assert out.strip(), "empty text"
+    return out, stop, delta["usage"]
+
+
+def run_tests(tests):
+    failed = 0
+    for t in tests:
+        try:
+            t()
+            print(f"  ok    {t.__name__}", flush=True)
+        except Exception:  # noqa: BLE001 - report every failure
+            failed += 1
+            print(f"  FAIL  {t.__name__}", flush=True)
+            traceback.print_exc()
+    print(f"  {len(tests) - failed}/{len(tests)} passed", flush=True)
+    sys.exit(1 if failed else 0)

@@ -1,0 +1,139 @@
+"""The official `anthropic` SDK against zerolayer: run with 2.x (Authorization: Bearer,
+anthropic-version 2026-10-21) and with 0.40.0 (x-api-key, 2023-06-01).
+pip: anthropic (2.x or 0.40.0 with httpx<0.28)."""
+import anthropic
+
+from common import API_KEY, BASE_URL, model_id, run_tests
+
+MAJOR = int(anthropic.__version__.split(".")[0])
+MODEL = model_id()
+client = anthropic.Anthropic(base_url=BASE_URL, api_key=API_KEY, max_retries=0, timeout=300)
+print(f"  anthropic {anthropic.__version__}, model {MODEL}")
+
+
+def check_message(msg, max_tokens):
+    assert msg.type == "message" and msg.role == "assistant", msg
+    assert msg.id.startswith("msg_"), msg.id
+    assert msg.model == MODEL
+    assert len(msg.content) == 1 and msg.content[0].type == "text", msg.content
+    assert msg.content[0].text.strip(), "empty text"
+    assert msg.stop_reason in ("end_turn", "max_tokens"), msg.stop_reason
+    assert msg.usage.input_tokens > 0
+    assert 0 < msg.usage.output_tokens <= max_tokens, msg.usage
+    if msg.stop_reason == "max_tokens":
+        assert msg.usage.output_tokens == max_tokens, msg.usage
+    return msg.content[0].text
+
+
+def test_create():
+    msg = client.messages.create(model=MODEL, max_tokens=32,
+                                 messages=[{"role": "user", "content": "Name three colors."}])
+    check_message(msg, 32)
+    rid = getattr(msg, "_request_id", None)
+    assert rid is None or rid.startswith("req_"), rid
+
+
+def test_max_tokens_is_a_hard_cap():
+    msg = client.messages.create(model=MODEL, max_tokens=3,
+                                 messages=[{"role": "user", "content": "Write a long story about a dragon."}])
+    check_message(msg, 3)
+    assert msg.stop_reason == "max_tokens", msg.stop_reason
+
+
+def test_system_prompt_and_content_blocks():
+    user = [{"role": "user", "content": [{"type": "text", "text": "Say hello."}]}]
+    plain = client.messages.create(model=MODEL, max_tokens=16, messages=user)
+    sys_ = client.messages.create(model=MODEL, max_tokens=16, messages=user,
+                                  system="You are a pirate. Always answer like a pirate.")
+    check_message(sys_, 16)
+    # The system prompt reaches the model: it is counted in the prompt.
+    assert sys_.usage.input_tokens > plain.usage.input_tokens, (sys_.usage, plain.usage)
+
+
+def test_stream_helper():
+    with client.messages.stream(model=MODEL, max_tokens=24,
+                                messages=[{"role": "user", "content": "Count from one to ten."}]) as s:
+        pieces = list(s.text_stream)
+        final = s.get_final_message()
+    assert len(pieces) > 1, pieces
+    assert "".join(pieces) == final.content[0].text
+    check_message(final, 24)
+
+
+def test_raw_stream_event_order():
+    stream = client.messages.create(model=MODEL, max_tokens=16, stream=True,
+                                    messages=[{"role": "user", "content": "Say something."}])
+    types = [ev.type for ev in stream]
+    # The SDK drops `ping`; everything else arrives in order.
+    assert types[:2] == ["message_start", "content_block_start"], types
+    assert types[-3:] == ["content_block_stop", "message_delta", "message_stop"], types
+    assert set(types[2:-3]) == {"content_block_delta"}, types
+
+
+def test_stop_sequences():
+    msgs = [{"role": "user", "content": "List the days of the week, separated by commas."}]
+    first = client.messages.create(model=MODEL, max_tokens=40, messages=msgs)
+    text = check_message(first, 40)
+    # Pick a piece of the (greedy, deterministic) answer past its start as the stop sequence.
+    at = max(1, len(text) // 2)
+    stop = text[at:at + 3]
+    assert stop.strip(), f"answer too short to pick a stop sequence: {text!r}"
+    second = client.messages.create(model=MODEL, max_tokens=40, messages=msgs, stop_sequences=[stop])
+    assert second.stop_reason == "stop_sequence", (second.stop_reason, text, stop)
+    assert second.stop_sequence == stop
+    out = second.content[0].text
+    assert stop not in out and text.startswith(out), (out, text, stop)
+    assert second.usage.output_tokens <= first.usage.output_tokens
+
+
+def test_sampling_params_are_accepted():
+    extra = {"temperature": 0.8, "top_p": 0.9, "top_k": 40}
+    if MAJOR >= 1:
+        msg = client.messages.create(model=MODEL, max_tokens=8, extra_body=extra,
+                                     messages=[{"role": "user", "content": "Hi"}])
+    else:
+        msg = client.messages.create(model=MODEL, max_tokens=8, **extra,
+                                     messages=[{"role": "user", "content": "Hi"}])
+    check_message(msg, 8)
+
+
+def test_invalid_field_is_a_400_naming_it():
+    try:
+        client.messages.create(model=MODEL, max_tokens=8, extra_body={"temperature": 7},
+                               messages=[{"role": "user", "content": "Hi"}])
+    except anthropic.BadRequestError as e:
+        assert e.status_code == 400
+        assert e.body["error"]["type"] == "invalid_request_error", e.body
+        assert "temperature" in e.body["error"]["message"], e.body
+    else:
+        raise AssertionError("temperature=7 was accepted")
+
+
+def test_auth_failure():
+    bad = anthropic.Anthropic(base_url=BASE_URL, api_key="sk-wrong", max_retries=0)
+    try:
+        bad.messages.create(model=MODEL, max_tokens=8, messages=[{"role": "user", "content": "Hi"}])
+    except anthropic.AuthenticationError as e:
+        assert e.status_code == 401
+        assert e.body["error"]["type"] == "authentication_error", e.body
+        assert e.response.headers["request-id"].startswith("req_")
+    else:
+        raise AssertionError("a wrong key was accepted")
+
+
+def test_count_tokens_and_models():
+    msgs = [{"role": "user", "content": "How many tokens is this?"}]
+    if MAJOR >= 1:
+        n = client.messages.count_tokens(model=MODEL, messages=msgs).input_tokens
+        ids = [m.id for m in client.models.list()]
+        assert MODEL in ids, ids
+    else:
+        n = client.beta.messages.count_tokens(model=MODEL, messages=msgs).input_tokens
+    msg = client.messages.create(model=MODEL, max_tokens=4, messages=msgs)
+    assert n == msg.usage.input_tokens, (n, msg.usage)
+
+
+run_tests([test_create, test_max_tokens_is_a_hard_cap, test_system_prompt_and_content_blocks,
+           test_stream_helper, test_raw_stream_event_order, test_stop_sequences,
+           test_sampling_params_are_accepted, test_invalid_field_is_a_400_naming_it,
+           test_auth_failure, test_count_tokens_and_models])
