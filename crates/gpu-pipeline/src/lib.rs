@@ -4,6 +4,15 @@
 //! on a persistent thread pool.
 
 pub mod kernels;
+mod generate;
+mod model;
+mod sampling;
 mod threadpool;
 
+pub use generate::{GenerateError, GenerateOptions, Generation};
+pub use model::{
+    ActivationSplit, ForwardError, LogitsWanted, Model, ModelConfig, ModelError, ModelOptions,
+    RopeConfig, RopeLayout, RopeScaling, SeqStep,
+};
+pub use sampling::{Sampler, SamplingParams, StopMatcher, StopReason};
 pub use threadpool::ThreadPool;
