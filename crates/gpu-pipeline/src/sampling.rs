@@ -1,0 +1,531 @@
+//! Token sampling: greedy, temperature, top-k, top-p, min-p, repetition penalty, seeded RNG; and
+//! the stop rules of a generation (EOS, stop sequences, `max_tokens`).
+//!
+//! The order of the logit transforms is fixed and documented on [`Sampler::sample`]; with the
+//! same [`SamplingParams`] (seed included), the same logits and the same history a [`Sampler`]
+//! picks the same tokens on every run and platform (the RNG is a PCG32 of our own, not the OS).
+
+/// Parameters of a [`Sampler`]. `Default` is greedy decoding.
+///
+/// ```
+/// use gpu_pipeline::SamplingParams;
+/// let p = SamplingParams::default().with_temperature(0.7).with_top_p(0.9).with_seed(42);
+/// assert_eq!(p.top_p, 0.9);
+/// assert!(SamplingParams::default().is_greedy());
+/// ```
+#[non_exhaustive]
+#[derive(Clone, Debug, PartialEq)]
+pub struct SamplingParams {
+    /// Softmax temperature. `0.0` (the default) means greedy: always the highest logit (the
+    /// lowest token id among exact ties).
+    pub temperature: f32,
+    /// Keep only the `top_k` most likely tokens; `0` disables.
+    pub top_k: usize,
+    /// Nucleus sampling: keep the smallest set of most likely tokens whose probability sums to
+    /// at least `top_p`; `1.0` disables.
+    pub top_p: f32,
+    /// Drop tokens whose probability is below `min_p` times the most likely token's; `0.0`
+    /// disables.
+    pub min_p: f32,
+    /// Repetition penalty (CTRL / llama.cpp style): the logit `l` of every token seen in the
+    /// last `repetition_window` tokens becomes `l / p` when positive and `l * p` otherwise.
+    /// `1.0` disables.
+    pub repetition_penalty: f32,
+    /// How many of the most recent tokens (prompt included) the penalty looks at.
+    pub repetition_window: usize,
+    /// RNG seed; the same seed gives the same samples.
+    pub seed: u64,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        Self {
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            repetition_penalty: 1.0,
+            repetition_window: 64,
+            seed: 0,
+        }
+    }
+}
+
+impl SamplingParams {
+    /// Greedy decoding (the default).
+    pub fn greedy() -> Self {
+        Self::default()
+    }
+    /// Sets [`temperature`](Self::temperature).
+    pub fn with_temperature(mut self, t: f32) -> Self {
+        self.temperature = t;
+        self
+    }
+    /// Sets [`top_k`](Self::top_k).
+    pub fn with_top_k(mut self, k: usize) -> Self {
+        self.top_k = k;
+        self
+    }
+    /// Sets [`top_p`](Self::top_p).
+    pub fn with_top_p(mut self, p: f32) -> Self {
+        self.top_p = p;
+        self
+    }
+    /// Sets [`min_p`](Self::min_p).
+    pub fn with_min_p(mut self, p: f32) -> Self {
+        self.min_p = p;
+        self
+    }
+    /// Sets [`repetition_penalty`](Self::repetition_penalty) and its window.
+    pub fn with_repetition_penalty(mut self, penalty: f32, window: usize) -> Self {
+        self.repetition_penalty = penalty;
+        self.repetition_window = window;
+        self
+    }
+    /// Sets [`seed`](Self::seed).
+    pub fn with_seed(mut self, seed: u64) -> Self {
+        self.seed = seed;
+        self
+    }
+    /// Whether these parameters always pick the highest (penalized) logit.
+    pub fn is_greedy(&self) -> bool {
+        self.temperature.is_nan() || self.temperature <= 0.0 || self.top_k == 1
+    }
+}
+
+/// PCG32 (XSH-RR, 64-bit state), seeded through SplitMix64. Small, fast, reproducible.
+#[derive(Clone, Debug)]
+pub(crate) struct Pcg32 {
+    state: u64,
+    inc: u64,
+}
+
+impl Pcg32 {
+    const MUL: u64 = 6_364_136_223_846_793_005;
+
+    pub(crate) fn new(seed: u64) -> Self {
+        let mut sm = seed;
+        let mut splitmix = || {
+            sm = sm.wrapping_add(0x9E37_79B9_7F4A_7C15);
+            let mut z = sm;
+            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+            z ^ (z >> 31)
+        };
+        let init_state = splitmix();
+        let init_seq = splitmix();
+        let mut rng = Self {
+            state: 0,
+            inc: (init_seq << 1) | 1,
+        };
+        rng.next_u32();
+        rng.state = rng.state.wrapping_add(init_state);
+        rng.next_u32();
+        rng
+    }
+
+    pub(crate) fn next_u32(&mut self) -> u32 {
+        let old = self.state;
+        self.state = old.wrapping_mul(Self::MUL).wrapping_add(self.inc);
+        let xorshifted = (((old >> 18) ^ old) >> 27) as u32;
+        let rot = (old >> 59) as u32;
+        xorshifted.rotate_right(rot)
+    }
+
+    /// Uniform in [0, 1) with 53 random bits.
+    pub(crate) fn next_f64(&mut self) -> f64 {
+        let hi = u64::from(self.next_u32()) << 21;
+        let lo = u64::from(self.next_u32()) >> 11;
+        ((hi | lo) as f64) * (1.0 / (1u64 << 53) as f64)
+    }
+}
+
+/// Picks the next token from a row of logits. Holds its RNG and scratch space (reused: no
+/// allocation per token once it has seen the vocabulary size).
+///
+/// ```
+/// use gpu_pipeline::{Sampler, SamplingParams};
+/// let mut greedy = Sampler::new(SamplingParams::default());
+/// assert_eq!(greedy.sample(&[0.1, 2.0, -1.0], &[]), 1);
+///
+/// let params = SamplingParams::default().with_temperature(1.0).with_seed(7);
+/// let (mut a, mut b) = (Sampler::new(params.clone()), Sampler::new(params));
+/// let logits = [1.0, 1.1, 0.9, 1.05];
+/// let xs: Vec<u32> = (0..20).map(|_| a.sample(&logits, &[])).collect();
+/// let ys: Vec<u32> = (0..20).map(|_| b.sample(&logits, &[])).collect();
+/// assert_eq!(xs, ys); // same seed, same tokens
+/// ```
+#[derive(Clone, Debug)]
+pub struct Sampler {
+    params: SamplingParams,
+    rng: Pcg32,
+    /// (logit or probability, token id) candidates.
+    cand: Vec<(f32, u32)>,
+    /// Penalized copy of the logits when a repetition penalty applies.
+    penalized: Vec<f32>,
+}
+
+impl Sampler {
+    /// A sampler with these parameters; its RNG starts from `params.seed`.
+    pub fn new(params: SamplingParams) -> Self {
+        let rng = Pcg32::new(params.seed);
+        Self {
+            params,
+            rng,
+            cand: Vec::new(),
+            penalized: Vec::new(),
+        }
+    }
+
+    /// The parameters.
+    pub fn params(&self) -> &SamplingParams {
+        &self.params
+    }
+
+    /// Restarts the RNG from `seed`.
+    pub fn reseed(&mut self, seed: u64) {
+        self.params.seed = seed;
+        self.rng = Pcg32::new(seed);
+    }
+
+    /// Picks a token from `logits` (one row, length = vocabulary size). `history` is the
+    /// sequence so far (prompt and generated tokens), used only by the repetition penalty.
+    ///
+    /// Order: repetition penalty; then greedy (if [`SamplingParams::is_greedy`]) returns the
+    /// argmax; otherwise temperature scaling, top-k, softmax, top-p, min-p, renormalise, draw
+    /// one uniform number. Ties sort by token id, so the result does not depend on sort
+    /// stability. NaN logits are never picked (treated as minus infinity). An empty `logits`
+    /// returns 0.
+    pub fn sample(&mut self, logits: &[f32], history: &[u32]) -> u32 {
+        if logits.is_empty() {
+            return 0;
+        }
+        let p = &self.params;
+        let logits: &[f32] = if p.repetition_penalty != 1.0 && p.repetition_penalty > 0.0 {
+            self.penalized.clear();
+            self.penalized.extend_from_slice(logits);
+            let start = history.len().saturating_sub(p.repetition_window);
+            for &t in &history[start..] {
+                // Each distinct token is penalized once: mark done ones by the seen check below.
+                let Some(l) = self.penalized.get(t as usize).copied() else {
+                    continue;
+                };
+                let orig = logits[t as usize];
+                if l != orig {
+                    continue; // already penalized
+                }
+                self.penalized[t as usize] = if l > 0.0 {
+                    l / p.repetition_penalty
+                } else {
+                    l * p.repetition_penalty
+                };
+            }
+            &self.penalized
+        } else {
+            logits
+        };
+        if p.is_greedy() {
+            return argmax(logits);
+        }
+        let inv_t = 1.0 / p.temperature;
+        self.cand.clear();
+        self.cand.extend(
+            logits
+                .iter()
+                .enumerate()
+                .filter(|(_, l)| !l.is_nan() && **l != f32::NEG_INFINITY)
+                .map(|(i, &l)| (l * inv_t, i as u32)),
+        );
+        if self.cand.is_empty() {
+            return argmax(logits);
+        }
+        let by_desc = |a: &(f32, u32), b: &(f32, u32)| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1));
+        if p.top_k > 0 && p.top_k < self.cand.len() {
+            self.cand.select_nth_unstable_by(p.top_k - 1, by_desc);
+            self.cand.truncate(p.top_k);
+        }
+        self.cand.sort_unstable_by(by_desc);
+        // softmax in f64 for the running sums
+        let max = self.cand[0].0;
+        let mut sum = 0.0f64;
+        for c in &mut self.cand {
+            let e = f64::from(c.0 - max).exp();
+            c.0 = e as f32;
+            sum += e;
+        }
+        let mut keep = self.cand.len();
+        if p.top_p < 1.0 {
+            let mut acc = 0.0f64;
+            for (i, c) in self.cand.iter().enumerate() {
+                acc += f64::from(c.0) / sum;
+                if acc >= f64::from(p.top_p) {
+                    keep = i + 1;
+                    break;
+                }
+            }
+        }
+        if p.min_p > 0.0 {
+            let floor = self.cand[0].0 * p.min_p;
+            keep = keep.min(self.cand.iter().take_while(|c| c.0 >= floor).count().max(1));
+        }
+        self.cand.truncate(keep.max(1));
+        let total: f64 = self.cand.iter().map(|c| f64::from(c.0)).sum();
+        let mut r = self.rng.next_f64() * total;
+        for c in &self.cand {
+            r -= f64::from(c.0);
+            if r < 0.0 {
+                return c.1;
+            }
+        }
+        self.cand[self.cand.len() - 1].1
+    }
+}
+
+/// Index of the largest value (the lowest index among exact ties; NaN never wins).
+pub(crate) fn argmax(xs: &[f32]) -> u32 {
+    let mut best = 0usize;
+    let mut best_v = f32::NEG_INFINITY;
+    let mut found = false;
+    for (i, &v) in xs.iter().enumerate() {
+        if v > best_v || (!found && !v.is_nan()) {
+            best = i;
+            best_v = v;
+            found = true;
+        }
+    }
+    best as u32
+}
+
+/// Why a generation stopped.
+#[non_exhaustive]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum StopReason {
+    /// The model produced an end-of-sequence / end-of-turn token.
+    EndTurn,
+    /// `max_tokens` tokens were generated.
+    MaxTokens,
+    /// The generated text contains one of the stop sequences.
+    StopSequence,
+}
+
+impl StopReason {
+    /// The wire name: `end_turn`, `max_tokens` or `stop_sequence`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::EndTurn => "end_turn",
+            Self::MaxTokens => "max_tokens",
+            Self::StopSequence => "stop_sequence",
+        }
+    }
+}
+
+impl std::fmt::Display for StopReason {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// Finds stop sequences in generated text, and says how much of a streamed text must be held
+/// back because it could still become a stop sequence.
+///
+/// ```
+/// use gpu_pipeline::StopMatcher;
+/// let m = StopMatcher::new(["\n\nUser:", "###"]);
+/// assert_eq!(m.find("Hello ##"), None);
+/// assert_eq!(m.holdback("Hello ##"), 2); // "##" may start "###"
+/// assert_eq!(m.find("Hello ### bye"), Some(("###", 6)));
+/// ```
+#[derive(Clone, Debug, Default)]
+pub struct StopMatcher {
+    stops: Vec<String>,
+}
+
+impl StopMatcher {
+    /// A matcher for these stop sequences (empty strings are ignored).
+    pub fn new<S: Into<String>>(stops: impl IntoIterator<Item = S>) -> Self {
+        Self {
+            stops: stops
+                .into_iter()
+                .map(Into::into)
+                .filter(|s: &String| !s.is_empty())
+                .collect(),
+        }
+    }
+
+    /// Whether there are no stop sequences.
+    pub fn is_empty(&self) -> bool {
+        self.stops.is_empty()
+    }
+
+    /// The earliest occurrence of any stop sequence in `text`: the sequence and its byte
+    /// offset (the generated text is `text[..offset]`). Among sequences starting at the same
+    /// offset, the first given wins.
+    pub fn find(&self, text: &str) -> Option<(&str, usize)> {
+        let mut best: Option<(&str, usize)> = None;
+        for s in &self.stops {
+            if let Some(i) = text.find(s.as_str())
+                && best.is_none_or(|(_, b)| i < b)
+            {
+                best = Some((s.as_str(), i));
+            }
+        }
+        best
+    }
+
+    /// Length in bytes of the longest suffix of `text` that is a proper prefix of some stop
+    /// sequence (text a streaming client should not see yet). Always on a char boundary.
+    pub fn holdback(&self, text: &str) -> usize {
+        let mut best = 0;
+        for s in &self.stops {
+            let max = (s.len() - 1).min(text.len());
+            for n in (best + 1..=max).rev() {
+                let start = text.len() - n;
+                if text.is_char_boundary(start) && s.starts_with(&text[start..]) {
+                    best = n;
+                    break;
+                }
+            }
+        }
+        best
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn greedy_picks_max_and_lowest_tie() {
+        let mut s = Sampler::new(SamplingParams::greedy());
+        assert_eq!(s.sample(&[1.0, 3.0, 3.0, -2.0], &[]), 1);
+        assert_eq!(s.sample(&[f32::NAN, -5.0, -6.0], &[]), 1);
+    }
+
+    #[test]
+    fn repetition_penalty_moves_argmax() {
+        let p = SamplingParams::greedy().with_repetition_penalty(2.0, 8);
+        let mut s = Sampler::new(p);
+        // token 0 (logit 3) seen twice -> 1.5 (penalized once), token 1 (2.0) wins.
+        assert_eq!(s.sample(&[3.0, 2.0, -1.0], &[0, 0]), 1);
+        // negative logits get multiplied
+        assert_eq!(s.sample(&[-1.0, -1.5, -9.0], &[0]), 1);
+        // outside the window: no penalty
+        let mut s = Sampler::new(SamplingParams::greedy().with_repetition_penalty(2.0, 1));
+        assert_eq!(s.sample(&[3.0, 2.0], &[0, 1]), 0);
+    }
+
+    #[test]
+    fn top_k_one_and_min_p_restrict() {
+        let logits = [0.0, 5.0, 4.9, -3.0];
+        let mut s = Sampler::new(
+            SamplingParams::default()
+                .with_temperature(1.0)
+                .with_top_k(2)
+                .with_seed(3),
+        );
+        for _ in 0..200 {
+            let t = s.sample(&logits, &[]);
+            assert!(t == 1 || t == 2, "{t}");
+        }
+        // min_p 0.99: only tokens within 1% of the top probability survive -> only token 1
+        let mut s = Sampler::new(
+            SamplingParams::default()
+                .with_temperature(1.0)
+                .with_min_p(0.99)
+                .with_seed(3),
+        );
+        for _ in 0..100 {
+            assert_eq!(s.sample(&logits, &[]), 1);
+        }
+    }
+
+    #[test]
+    fn top_p_keeps_nucleus() {
+        // probabilities ~ [0.665, 0.245, 0.090]
+        let logits = [2.0, 1.0, 0.0];
+        let mut s = Sampler::new(
+            SamplingParams::default()
+                .with_temperature(1.0)
+                .with_top_p(0.6)
+                .with_seed(1),
+        );
+        for _ in 0..100 {
+            assert_eq!(s.sample(&logits, &[]), 0);
+        }
+        let mut s = Sampler::new(
+            SamplingParams::default()
+                .with_temperature(1.0)
+                .with_top_p(0.8)
+                .with_seed(1),
+        );
+        let mut seen = [0usize; 3];
+        for _ in 0..2000 {
+            seen[s.sample(&logits, &[]) as usize] += 1;
+        }
+        assert_eq!(seen[2], 0);
+        // 0.665/0.91 = 0.73 of draws for token 0
+        assert!((1300..1620).contains(&seen[0]), "{seen:?}");
+    }
+
+    #[test]
+    fn temperature_sampling_matches_softmax_frequencies() {
+        let logits = [0.0f32, 1.0, 2.0];
+        let mut s = Sampler::new(
+            SamplingParams::default()
+                .with_temperature(1.0)
+                .with_seed(99),
+        );
+        let n = 20_000;
+        let mut seen = [0usize; 3];
+        for _ in 0..n {
+            seen[s.sample(&logits, &[]) as usize] += 1;
+        }
+        let z: f64 = logits.iter().map(|&l| f64::from(l).exp()).sum();
+        for i in 0..3 {
+            let want = f64::from(logits[i]).exp() / z;
+            let got = seen[i] as f64 / n as f64;
+            assert!(
+                (want - got).abs() < 0.015,
+                "token {i}: want {want} got {got}"
+            );
+        }
+    }
+
+    #[test]
+    fn seeds_reproduce_and_differ() {
+        let logits: Vec<f32> = (0..100).map(|i| ((i * 37) % 11) as f32 * 0.1).collect();
+        let run = |seed| {
+            let mut s = Sampler::new(
+                SamplingParams::default()
+                    .with_temperature(1.0)
+                    .with_seed(seed),
+            );
+            (0..50).map(|_| s.sample(&logits, &[])).collect::<Vec<_>>()
+        };
+        assert_eq!(run(5), run(5));
+        assert_ne!(run(5), run(6));
+    }
+
+    #[test]
+    fn pcg_is_uniform_enough() {
+        let mut r = Pcg32::new(0);
+        let n = 100_000;
+        let mean = (0..n).map(|_| r.next_f64()).sum::<f64>() / n as f64;
+        assert!((mean - 0.5).abs() < 0.01);
+    }
+
+    #[test]
+    fn stop_matcher() {
+        let m = StopMatcher::new(["ab", "", "bcd"]);
+        assert_eq!(m.find("xxabcd"), Some(("ab", 2)));
+        assert_eq!(m.find("xxbcd"), Some(("bcd", 2)));
+        assert_eq!(m.find("xxbc"), None);
+        assert_eq!(m.holdback("xxbc"), 2);
+        assert_eq!(m.holdback("xxa"), 1);
+        assert_eq!(m.holdback("xx"), 0);
+        // multi-byte: never splits a char
+        let m = StopMatcher::new(["é!"]);
+        assert_eq!(m.holdback("café"), "é".len());
+        assert_eq!(StopReason::StopSequence.as_str(), "stop_sequence");
+    }
+}

@@ -1,0 +1,165 @@
+//! Model correctness against llama.cpp and an fp32 reference, on the real default model.
+//!
+//! Fixtures: `tests/fixtures/model-*.json`, made by `scripts/fixtures/gpu-pipeline-fixtures.py`
+//! (llama-cpp-python and the numpy fp32 reference `scripts/fixtures/gpu-pipeline-fp32ref.py`).
+//! Needs the default model (`scripts/fetch-model`).
+
+use std::sync::{Arc, OnceLock};
+
+use gpu_pipeline::{LogitsWanted, Model, ModelOptions, SeqStep};
+use kv_ring::{KvDtype, KvPool, KvRing, RingMode};
+use serde_json::Value;
+
+fn model() -> &'static Model {
+    static M: OnceLock<Model> = OnceLock::new();
+    M.get_or_init(|| {
+        let path = weight_cache::locate_default_model().unwrap_or_else(|e| panic!("{e}"));
+        // SAFETY: the model file is not modified while the tests run.
+        let g = Arc::new(unsafe { weight_cache::Gguf::open(&path) }.expect("open default model"));
+        Model::load(g, ModelOptions::default()).expect("load default model")
+    })
+}
+
+fn ring(cap: usize) -> KvRing {
+    let m = model();
+    let shape = m.kv_shape(KvDtype::F32);
+    let pool = KvPool::new(shape, cap * shape.bytes_per_token()).unwrap();
+    pool.alloc(cap, RingMode::Strict).unwrap()
+}
+
+fn fixture(name: &str) -> Value {
+    let p = format!("{}/tests/fixtures/{name}", env!("CARGO_MANIFEST_DIR"));
+    serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap()
+}
+
+fn ids_of(v: &Value) -> Vec<u32> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect()
+}
+
+/// Logits of every position of `ids` (one sequence, fresh cache).
+fn all_logits(ids: &[u32]) -> Vec<f32> {
+    let mut kv = ring(ids.len());
+    let mut out = Vec::new();
+    model()
+        .forward(
+            &mut [SeqStep {
+                tokens: ids,
+                kv: &mut kv,
+                logits: LogitsWanted::All,
+            }],
+            &mut out,
+        )
+        .unwrap();
+    out
+}
+
+fn argmax(xs: &[f32]) -> usize {
+    xs.iter()
+        .enumerate()
+        .fold(0, |b, (i, &v)| if v > xs[b] { i } else { b })
+}
+
+#[test]
+fn teacher_forced_top1_and_logit_error_vs_llama_cpp_and_fp32() {
+    let fx = fixture("model-teacher.json");
+    let vocab = model().config().vocab_size;
+    let seqs = fx["sequences"].as_array().unwrap();
+    assert!(seqs.len() >= 8);
+    let (mut gap_pos, mut agree) = (0usize, 0usize);
+    let (mut ours_err, mut llama_err, mut n_err) = (0f64, 0f64, 0usize);
+    for s in seqs {
+        let ids = ids_of(&s["ids"]);
+        let logits = all_logits(&ids);
+        for (i, p) in s["positions"].as_array().unwrap().iter().enumerate() {
+            let row = &logits[i * vocab..(i + 1) * vocab];
+            let lt = p["llama_top"].as_array().unwrap();
+            let l0 = lt[0][1].as_f64().unwrap();
+            let l1 = lt[1][1].as_f64().unwrap();
+            if l0 - l1 > 0.5 {
+                gap_pos += 1;
+                let want = lt[0][0].as_u64().unwrap() as usize;
+                let got = argmax(row);
+                if got == want {
+                    agree += 1;
+                } else {
+                    eprintln!(
+                        "{:?} pos {i}: ours {got}, llama.cpp {want} (gap {:.3})",
+                        s["prompt"],
+                        l0 - l1
+                    );
+                }
+            }
+            for e in p["fp32_top"].as_array().unwrap() {
+                let id = e[0].as_u64().unwrap() as usize;
+                let fp32 = e[1].as_f64().unwrap();
+                let llama = e[2].as_f64().unwrap();
+                ours_err += (f64::from(row[id]) - fp32).abs();
+                llama_err += (llama - fp32).abs();
+                n_err += 1;
+            }
+        }
+    }
+    let (ours_err, llama_err) = (ours_err / n_err as f64, llama_err / n_err as f64);
+    eprintln!(
+        "top-1 agreement at gap>0.5: {agree}/{gap_pos}; mean |logit - fp32| over fp32 top-k: ours {ours_err:.4}, llama.cpp {llama_err:.4}"
+    );
+    assert!(
+        gap_pos > 300,
+        "fixture has too few decisive positions: {gap_pos}"
+    );
+    assert_eq!(
+        agree, gap_pos,
+        "top-1 must equal llama.cpp's wherever its top-2 gap exceeds 0.5"
+    );
+    assert!(
+        ours_err <= llama_err,
+        "mean abs logit error vs fp32: ours {ours_err:.4} > llama.cpp {llama_err:.4}"
+    );
+}
+
+#[test]
+fn perplexity_within_one_percent_of_llama_cpp_and_fp32() {
+    let fx = fixture("model-ppl.json");
+    let ctx = fx["ctx"].as_u64().unwrap() as usize;
+    let n_win = fx["ci_windows"].as_u64().unwrap() as usize;
+    let ids = ids_of(&fx["ci_ids"]);
+    let vocab = model().config().vocab_size;
+    let wins = fx["windows"].as_array().unwrap();
+    let (mut ours, mut llama, mut fp32, mut count) = (0f64, 0f64, 0f64, 0usize);
+    for w in 0..n_win {
+        let chunk = &ids[w * ctx..(w + 1) * ctx];
+        let logits = all_logits(chunk);
+        for j in ctx / 2..ctx - 1 {
+            let row = &logits[j * vocab..(j + 1) * vocab];
+            let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let lse = row
+                .iter()
+                .map(|&l| f64::from(l - max).exp())
+                .sum::<f64>()
+                .ln()
+                + f64::from(max);
+            ours += lse - f64::from(row[chunk[j + 1] as usize]);
+            count += 1;
+        }
+        llama += wins[w]["llama_nll"].as_f64().unwrap();
+        fp32 += wins[w]["fp32_nll"].as_f64().unwrap();
+        assert_eq!(wins[w]["count"].as_u64().unwrap() as usize * (w + 1), count);
+    }
+    let ppl = |nll: f64| (nll / count as f64).exp();
+    let (ours, llama, fp32) = (ppl(ours), ppl(llama), ppl(fp32));
+    eprintln!(
+        "perplexity over {n_win} windows of {ctx}: ours {ours:.4}, llama.cpp {llama:.4}, fp32 {fp32:.4}"
+    );
+    assert!(
+        (ours / llama - 1.0).abs() < 0.01,
+        "ours {ours} vs llama.cpp {llama}"
+    );
+    assert!(
+        (ours / fp32 - 1.0).abs() < 0.01,
+        "ours {ours} vs fp32 {fp32}"
+    );
+}
