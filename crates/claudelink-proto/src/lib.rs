@@ -3,6 +3,7 @@
 //! The crate depends on no model crate: it reaches inference through the [`InferenceService`]
 //! trait, which an application (the `zerolayer` root package) implements over its engine.
 
+mod client;
 mod codec;
 mod server;
 mod service;
@@ -13,6 +14,10 @@ pub use service::{
     CacheStrategy, ChatMessage, ChatRole, ErrorCode, EventStream, InferenceEvent, InferenceRequest,
     InferenceService, ModelInfo, Prompt, SamplingParams, ServiceError, ServiceMetrics, StopReason,
     Usage,
+};
+pub use client::{
+    Client, ClientConfig, ClientError, Connection, Pool, PoolConfig, PoolStats, RequestError,
+    ResponseStream, StreamError,
 };
 pub use codec::{
     AppErrorCode, ChatMessageRef, DEFAULT_MAX_FRAME_SIZE, DecodeError, DeltaFrame, EncodeError,

@@ -769,7 +769,7 @@ async fn serve_stream(ctx: Arc<ConnCtx>, mut send: quinn::SendStream, mut recv: 
                 }
                 Err(_) => {
                     counters.slow_readers.fetch_add(1, Ordering::Relaxed);
-                    events = None;
+                    drop(events.take());
                     abort_stream(&mut send, &mut recv, AppErrorCode::SlowReader);
                     return;
                 }

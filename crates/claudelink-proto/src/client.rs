@@ -1,0 +1,857 @@
+//! The claudelink client: connections (with 0-RTT resumption), request streams as async
+//! `Stream`s of events, and a connection pool.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use futures::Stream;
+use quinn::VarInt;
+use quinn::crypto::rustls::QuicClientConfig;
+use tokio::sync::{oneshot, watch};
+
+use crate::codec::{AppErrorCode, DEFAULT_MAX_FRAME_SIZE, EncodeError, Health};
+use crate::server::{ALPN, code};
+use crate::service::{InferenceEvent, InferenceRequest};
+use crate::state::{ClientStream, ClientStreamError, ConnectionAction, ConnectionState, Side};
+use crate::tls::{TlsError, Trust};
+
+/// Client settings. Build with [`ClientConfig::new`] and the setters.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct ClientConfig {
+    trust: Trust,
+    server_name: String,
+    stream_buffer_size: u32,
+    connection_ttl: Duration,
+    keep_alive_interval: Option<Duration>,
+    max_frame_size: u32,
+    health_timeout: Duration,
+    zero_rtt: bool,
+}
+
+impl ClientConfig {
+    /// Defaults: server name `localhost`, 64 KiB per-stream window, `connection_ttl` 300 s,
+    /// keep-alive every 15 s, 256 KiB frames, 5 s health timeout, 0-RTT on.
+    pub fn new(trust: Trust) -> Self {
+        Self {
+            trust,
+            server_name: "localhost".into(),
+            stream_buffer_size: 64 << 10,
+            connection_ttl: Duration::from_secs(300),
+            keep_alive_interval: Some(Duration::from_secs(15)),
+            max_frame_size: DEFAULT_MAX_FRAME_SIZE,
+            health_timeout: Duration::from_secs(5),
+            zero_rtt: true,
+        }
+    }
+
+    /// TLS server name (SNI, and the name checked against the certificate with [`Trust::Roots`]).
+    pub fn server_name(mut self, name: impl Into<String>) -> Self {
+        self.server_name = name.into();
+        self
+    }
+
+    /// Per-stream receive window: how far the server may run ahead of this client's reads.
+    /// Also sent in every request.
+    pub fn stream_buffer_size(mut self, bytes: u32) -> Self {
+        self.stream_buffer_size = bytes;
+        self
+    }
+
+    /// Idle timeout.
+    pub fn connection_ttl(mut self, ttl: Duration) -> Self {
+        self.connection_ttl = ttl;
+        self
+    }
+
+    /// QUIC keep-alive interval (`None`: off).
+    pub fn keep_alive_interval(mut self, every: Option<Duration>) -> Self {
+        self.keep_alive_interval = every;
+        self
+    }
+
+    /// Largest response frame payload accepted.
+    pub fn max_frame_size(mut self, bytes: u32) -> Self {
+        self.max_frame_size = bytes;
+        self
+    }
+
+    /// How long a health PING may go unanswered.
+    pub fn health_timeout(mut self, t: Duration) -> Self {
+        self.health_timeout = t;
+        self
+    }
+
+    /// Whether reconnects send their first requests in 0-RTT data (replayable; inference
+    /// requests have no side effects beyond compute).
+    pub fn zero_rtt(mut self, on: bool) -> Self {
+        self.zero_rtt = on;
+        self
+    }
+}
+
+/// Why a client or connection could not be set up.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ClientError {
+    /// TLS setup failed.
+    #[error(transparent)]
+    Tls(#[from] TlsError),
+    /// The local UDP socket could not be bound.
+    #[error("cannot bind the client UDP socket: {0}")]
+    Bind(std::io::Error),
+    /// quinn refused to start the connection (bad server name, config).
+    #[error("cannot start a connection to {addr}: {source}")]
+    Connect {
+        /// Server address.
+        addr: SocketAddr,
+        /// quinn's error.
+        source: quinn::ConnectError,
+    },
+    /// The handshake failed.
+    #[error("connection to {addr} failed: {source}")]
+    Connection {
+        /// Server address.
+        addr: SocketAddr,
+        /// quinn's error.
+        source: quinn::ConnectionError,
+    },
+    /// A setting was rejected.
+    #[error("invalid client setting: {0}")]
+    Config(String),
+}
+
+/// Why a request could not be sent.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum RequestError {
+    /// The connection received GOAWAY; send the request on another connection.
+    #[error("the connection is draining (GOAWAY received)")]
+    Draining,
+    /// The connection is closed.
+    #[error("connection lost: {0}")]
+    ConnectionLost(#[from] quinn::ConnectionError),
+    /// The request does not encode (non-finite float, too many stop sequences, too large).
+    #[error(transparent)]
+    Encode(#[from] EncodeError),
+    /// Writing the request failed.
+    #[error("cannot write the request: {0}")]
+    Write(#[from] quinn::WriteError),
+    /// A health PING was not answered in time.
+    #[error("no PONG within {0:?}")]
+    PingTimeout(Duration),
+    /// The pool has no usable connection and could not open one.
+    #[error("no connection available: {0}")]
+    NoConnection(#[from] ClientError),
+}
+
+/// Why a response stream ended early.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum StreamError {
+    /// The server reset the stream (`Refused`: not processed, retry elsewhere).
+    #[error("stream reset by the server with code {raw:#x} ({code:?})")]
+    Reset {
+        /// The claudelink code, if known.
+        code: Option<AppErrorCode>,
+        /// The raw QUIC application code.
+        raw: u64,
+    },
+    /// The connection closed.
+    #[error("connection lost: {0}")]
+    ConnectionLost(quinn::ConnectionError),
+    /// The server rejected 0-RTT data; the request was not processed, retry it.
+    #[error("0-RTT rejected; the request was not processed")]
+    ZeroRttRejected,
+    /// The server broke the protocol.
+    #[error(transparent)]
+    Protocol(#[from] ClientStreamError),
+}
+
+impl StreamError {
+    /// Whether the request was certainly not processed and may be sent again.
+    pub fn is_retryable(&self) -> bool {
+        matches!(
+            self,
+            Self::ZeroRttRejected
+                | Self::Reset {
+                    code: Some(AppErrorCode::Refused),
+                    ..
+                }
+        )
+    }
+}
+
+/// A claudelink client endpoint: one UDP socket and a TLS session cache shared by its
+/// connections (so reconnects resume and may use 0-RTT).
+#[derive(Debug, Clone)]
+pub struct Client {
+    endpoint: quinn::Endpoint,
+    cfg: Arc<ClientConfig>,
+}
+
+impl Client {
+    /// Binds an ephemeral UDP port. Must be called inside a tokio runtime.
+    pub fn new(config: ClientConfig) -> Result<Self, ClientError> {
+        let tls = config.trust.rustls_client_config(vec![ALPN.to_vec()])?;
+        let crypto = QuicClientConfig::try_from(Arc::new(tls))
+            .map_err(|e| ClientError::Config(e.to_string()))?;
+        let mut qc = quinn::ClientConfig::new(Arc::new(crypto));
+        let mut t = quinn::TransportConfig::default();
+        t.stream_receive_window(VarInt::from_u32(config.stream_buffer_size.max(1024)))
+            .max_concurrent_uni_streams(VarInt::from_u32(4))
+            .max_concurrent_bidi_streams(VarInt::from_u32(0))
+            .keep_alive_interval(config.keep_alive_interval)
+            .max_idle_timeout(Some(
+                quinn::IdleTimeout::try_from(config.connection_ttl)
+                    .map_err(|e| ClientError::Config(e.to_string()))?,
+            ));
+        qc.transport_config(Arc::new(t));
+        let mut endpoint = quinn::Endpoint::client(SocketAddr::from(([0, 0, 0, 0], 0)))
+            .map_err(ClientError::Bind)?;
+        endpoint.set_default_client_config(qc);
+        Ok(Self {
+            endpoint,
+            cfg: Arc::new(config),
+        })
+    }
+
+    /// The quinn endpoint.
+    pub fn endpoint(&self) -> &quinn::Endpoint {
+        &self.endpoint
+    }
+
+    /// Connects. When a session ticket from an earlier connection to this server is cached
+    /// (and 0-RTT is on), the connection is usable at once and requests go out as 0-RTT data.
+    pub async fn connect(&self, addr: SocketAddr) -> Result<Connection, ClientError> {
+        let connecting = self
+            .endpoint
+            .connect(addr, &self.cfg.server_name)
+            .map_err(|source| ClientError::Connect { addr, source })?;
+        let (conn, zero_rtt) = if self.cfg.zero_rtt {
+            match connecting.into_0rtt() {
+                Ok((conn, accepted)) => (conn, Some(accepted)),
+                Err(connecting) => (
+                    connecting
+                        .await
+                        .map_err(|source| ClientError::Connection { addr, source })?,
+                    None,
+                ),
+            }
+        } else {
+            (
+                connecting
+                    .await
+                    .map_err(|source| ClientError::Connection { addr, source })?,
+                None,
+            )
+        };
+        let (zr_tx, zr_rx) = watch::channel(None);
+        let attempted = zero_rtt.is_some();
+        if let Some(accepted) = zero_rtt {
+            tokio::spawn(async move {
+                let ok = accepted.await;
+                let _ = zr_tx.send(Some(ok));
+            });
+        }
+        let inner = Arc::new(ConnInner {
+            conn,
+            cfg: self.cfg.clone(),
+            state: Mutex::new(ConnectionState::new(
+                Side::Client,
+                self.cfg.max_frame_size,
+                self.cfg.health_timeout,
+            )),
+            control: tokio::sync::Mutex::new(None),
+            pongs: Mutex::new(HashMap::new()),
+            draining: AtomicBool::new(false),
+            in_flight: AtomicUsize::new(0),
+            zero_rtt_attempted: attempted,
+            zero_rtt: zr_rx,
+        });
+        tokio::spawn(client_control(inner.clone()));
+        Ok(Connection { inner })
+    }
+}
+
+struct ConnInner {
+    conn: quinn::Connection,
+    cfg: Arc<ClientConfig>,
+    state: Mutex<ConnectionState>,
+    control: tokio::sync::Mutex<Option<quinn::SendStream>>,
+    pongs: Mutex<HashMap<u64, oneshot::Sender<(Duration, Health)>>>,
+    draining: AtomicBool,
+    in_flight: AtomicUsize,
+    zero_rtt_attempted: bool,
+    zero_rtt: watch::Receiver<Option<bool>>,
+}
+
+impl ConnInner {
+    fn lock(&self) -> std::sync::MutexGuard<'_, ConnectionState> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    async fn drive(&self) {
+        loop {
+            let action = self.lock().poll_action();
+            let Some(action) = action else { return };
+            match action {
+                ConnectionAction::SendControl(bytes) => {
+                    let mut ctl = self.control.lock().await;
+                    if ctl.is_none() {
+                        match self.conn.open_uni().await {
+                            Ok(s) => *ctl = Some(s),
+                            Err(_) => return,
+                        }
+                    }
+                    if let Some(s) = ctl.as_mut()
+                        && s.write_all(&bytes).await.is_err()
+                    {
+                        return;
+                    }
+                }
+                ConnectionAction::Close(c) => {
+                    self.conn.close(code(c), b"control stream violation");
+                }
+                ConnectionAction::PongReceived {
+                    nonce, rtt, health, ..
+                } => {
+                    let tx = self
+                        .pongs
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .remove(&nonce);
+                    if let Some(tx) = tx {
+                        let _ = tx.send((rtt, health));
+                    }
+                }
+                ConnectionAction::GoAwayReceived { .. } => {
+                    self.draining.store(true, Ordering::Release);
+                }
+                _ => {}
+            }
+        }
+    }
+}
+
+async fn client_control(inner: Arc<ConnInner>) {
+    let Ok(mut recv) = inner.conn.accept_uni().await else {
+        return;
+    };
+    loop {
+        match recv.read_chunk(64 << 10, true).await {
+            Ok(Some(chunk)) => inner.lock().recv_control(&chunk.bytes, Instant::now()),
+            Ok(None) => inner.lock().control_finished(),
+            Err(_) => return,
+        }
+        inner.drive().await;
+        if inner.lock().is_closed() {
+            return;
+        }
+    }
+}
+
+/// One claudelink connection. Cheap to clone.
+///
+/// ```no_run
+/// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+/// use claudelink_proto::*;
+/// use futures::StreamExt;
+/// let fp: CertFingerprint = "AB:CD:...".parse()?; // printed by the server at start
+/// let client = Client::new(ClientConfig::new(Trust::Pinned(fp)))?;
+/// let conn = client.connect("127.0.0.1:4433".parse()?).await?;
+/// let req = InferenceRequest::new("smollm2", Prompt::Text("Hello".into()), 16);
+/// let mut events = conn.request(&req).await?;
+/// while let Some(ev) = events.next().await {
+///     println!("{:?}", ev?);
+/// }
+/// # Ok(()) }
+/// ```
+#[derive(Clone)]
+pub struct Connection {
+    inner: Arc<ConnInner>,
+}
+
+impl std::fmt::Debug for Connection {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Connection")
+            .field("remote", &self.inner.conn.remote_address())
+            .field("in_flight", &self.in_flight())
+            .field("draining", &self.is_draining())
+            .finish()
+    }
+}
+
+impl Connection {
+    /// Sends a request on a new stream and returns its events.
+    pub async fn request(&self, req: &InferenceRequest) -> Result<ResponseStream, RequestError> {
+        if self.is_draining() {
+            return Err(RequestError::Draining);
+        }
+        let bytes = ClientStream::encode_request(req, self.inner.cfg.stream_buffer_size)?;
+        let (send, recv) = self.inner.conn.open_bi().await?;
+        self.inner.in_flight.fetch_add(1, Ordering::AcqRel);
+        let mut stream = ResponseStream {
+            recv,
+            send: None,
+            machine: ClientStream::new(self.inner.cfg.max_frame_size),
+            buf: vec![0; 16 << 10].into_boxed_slice(),
+            done: false,
+            conn: self.inner.clone(),
+        };
+        // Dropping `stream` on a failed write resets the stream and releases the slot.
+        let send = stream.send.insert(send);
+        send.write_all(&bytes).await?;
+        let _ = send.finish();
+        Ok(stream)
+    }
+
+    /// Sends a health PING and waits for the PONG (round-trip time and server health).
+    pub async fn ping(&self) -> Result<(Duration, Health), RequestError> {
+        let (tx, rx) = oneshot::channel();
+        let nonce = self.inner.lock().send_ping(Instant::now());
+        self.inner
+            .pongs
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(nonce, tx);
+        self.inner.drive().await;
+        let timeout = self.inner.cfg.health_timeout;
+        let res = tokio::time::timeout(timeout, rx).await;
+        self.inner
+            .pongs
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&nonce);
+        match res {
+            Ok(Ok(x)) => Ok(x),
+            _ => {
+                if let Some(e) = self.inner.conn.close_reason() {
+                    return Err(RequestError::ConnectionLost(e));
+                }
+                Err(RequestError::PingTimeout(timeout))
+            }
+        }
+    }
+
+    /// Whether the server sent GOAWAY.
+    pub fn is_draining(&self) -> bool {
+        self.inner.draining.load(Ordering::Acquire)
+    }
+
+    /// Whether the connection is closed.
+    pub fn is_closed(&self) -> bool {
+        self.inner.conn.close_reason().is_some()
+    }
+
+    /// Request streams open on this connection.
+    pub fn in_flight(&self) -> usize {
+        self.inner.in_flight.load(Ordering::Acquire)
+    }
+
+    /// Whether this connection was started with 0-RTT data (a resumed TLS session).
+    pub fn zero_rtt_attempted(&self) -> bool {
+        self.inner.zero_rtt_attempted
+    }
+
+    /// Waits for the handshake and says whether the server accepted the 0-RTT data
+    /// (`None` when 0-RTT was not attempted).
+    pub async fn zero_rtt_accepted(&self) -> Option<bool> {
+        if !self.inner.zero_rtt_attempted {
+            return None;
+        }
+        let mut rx = self.inner.zero_rtt.clone();
+        match rx.wait_for(Option::is_some).await {
+            Ok(v) => *v,
+            Err(_) => Some(false),
+        }
+    }
+
+    /// Closes the connection.
+    pub fn close(&self) {
+        self.inner.conn.close(VarInt::from_u32(0), b"client closed");
+    }
+
+    /// The underlying quinn connection.
+    pub fn quinn(&self) -> &quinn::Connection {
+        &self.inner.conn
+    }
+}
+
+/// The events of one request. Dropping it before the end resets the stream (`CANCELLED`) and
+/// the server cancels the work.
+pub struct ResponseStream {
+    recv: quinn::RecvStream,
+    send: Option<quinn::SendStream>,
+    machine: ClientStream,
+    buf: Box<[u8]>,
+    done: bool,
+    conn: Arc<ConnInner>,
+}
+
+impl std::fmt::Debug for ResponseStream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ResponseStream")
+            .field("stream", &self.recv.id())
+            .field("request_id", &self.machine.request_id())
+            .field("done", &self.done)
+            .finish()
+    }
+}
+
+impl ResponseStream {
+    /// The server's request id (from STARTED).
+    pub fn request_id(&self) -> Option<u64> {
+        self.machine.request_id()
+    }
+
+    /// `retry_after_ms` of an ERROR frame received on this stream (0 when none).
+    pub fn retry_after_ms(&self) -> u32 {
+        self.machine.retry_after_ms()
+    }
+
+    /// Reads all events.
+    pub async fn collect_all(mut self) -> Result<Vec<InferenceEvent>, StreamError> {
+        use futures::StreamExt;
+        let mut v = Vec::new();
+        while let Some(e) = self.next().await {
+            v.push(e?);
+        }
+        Ok(v)
+    }
+}
+
+fn map_read_error(e: quinn::ReadError) -> StreamError {
+    match e {
+        quinn::ReadError::Reset(c) => {
+            let raw = c.into_inner();
+            StreamError::Reset {
+                code: AppErrorCode::from_u64(raw),
+                raw,
+            }
+        }
+        quinn::ReadError::ConnectionLost(e) => StreamError::ConnectionLost(e),
+        quinn::ReadError::ZeroRttRejected => StreamError::ZeroRttRejected,
+        quinn::ReadError::ClosedStream | quinn::ReadError::IllegalOrderedRead => {
+            StreamError::Reset {
+                code: None,
+                raw: u64::MAX,
+            }
+        }
+    }
+}
+
+impl Stream for ResponseStream {
+    type Item = Result<InferenceEvent, StreamError>;
+
+    fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        let this = self.get_mut();
+        loop {
+            if let Some(ev) = this.machine.poll_event() {
+                return Poll::Ready(Some(Ok(ev)));
+            }
+            if this.done {
+                return Poll::Ready(None);
+            }
+            match this.recv.poll_read(cx, &mut this.buf) {
+                Poll::Pending => return Poll::Pending,
+                Poll::Ready(Ok(0)) => {
+                    this.done = true;
+                    if let Err(e) = this.machine.recv(&[], true) {
+                        return Poll::Ready(Some(Err(e.into())));
+                    }
+                }
+                Poll::Ready(Ok(n)) => {
+                    if let Err(e) = this.machine.recv(&this.buf[..n], false) {
+                        this.done = true;
+                        let _ = this.recv.stop(code(AppErrorCode::ProtocolError));
+                        return Poll::Ready(Some(Err(e.into())));
+                    }
+                }
+                Poll::Ready(Err(e)) => {
+                    this.done = true;
+                    return Poll::Ready(Some(Err(map_read_error(e))));
+                }
+            }
+        }
+    }
+}
+
+impl Drop for ResponseStream {
+    fn drop(&mut self) {
+        if !self.machine.is_terminal() {
+            let _ = self.recv.stop(code(AppErrorCode::Cancelled));
+            if let Some(s) = self.send.as_mut() {
+                let _ = s.reset(code(AppErrorCode::Cancelled));
+            }
+        }
+        self.conn.in_flight.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// Pool settings.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct PoolConfig {
+    /// Connections kept open (5).
+    pub min_connections: usize,
+    /// Most connections (50).
+    pub max_connections: usize,
+    /// Streams per connection before a new connection is opened (100).
+    pub target_streams_per_connection: usize,
+    /// How often idle connections are health-checked with a PING (10 s).
+    pub health_check_interval: Duration,
+}
+
+impl Default for PoolConfig {
+    fn default() -> Self {
+        Self {
+            min_connections: 5,
+            max_connections: 50,
+            target_streams_per_connection: 100,
+            health_check_interval: Duration::from_secs(10),
+        }
+    }
+}
+
+impl PoolConfig {
+    /// Sets the connection bounds.
+    pub fn connections(mut self, min: usize, max: usize) -> Self {
+        self.min_connections = min;
+        self.max_connections = max.max(min).max(1);
+        self
+    }
+
+    /// Sets the health-check interval.
+    pub fn health_check_interval(mut self, every: Duration) -> Self {
+        self.health_check_interval = every;
+        self
+    }
+
+    /// Sets the streams per connection before another is opened.
+    pub fn target_streams_per_connection(mut self, n: usize) -> Self {
+        self.target_streams_per_connection = n.max(1);
+        self
+    }
+}
+
+/// Pool counters.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct PoolStats {
+    /// Connections in the pool.
+    pub connections: usize,
+    /// Connections opened since start (including the initial ones).
+    pub opened: u64,
+    /// Connections opened with 0-RTT data.
+    pub opened_0rtt: u64,
+    /// Connections retired after GOAWAY.
+    pub retired_goaway: u64,
+    /// Connections dropped by a failed health check or because they closed.
+    pub retired_unhealthy: u64,
+}
+
+struct PoolInner {
+    client: Client,
+    addr: SocketAddr,
+    cfg: PoolConfig,
+    conns: Mutex<Vec<Connection>>,
+    opened: AtomicU64,
+    opened_0rtt: AtomicU64,
+    retired_goaway: AtomicU64,
+    retired_unhealthy: AtomicU64,
+}
+
+/// A pool of connections to one server: spreads streams over connections (least loaded
+/// first), retires connections that sent GOAWAY or fail health checks, and replaces them
+/// (with 0-RTT resumption when a session ticket is cached).
+#[derive(Clone)]
+pub struct Pool {
+    inner: Arc<PoolInner>,
+    _health: Arc<HealthTask>,
+}
+
+struct HealthTask(tokio::task::JoinHandle<()>);
+
+impl Drop for HealthTask {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+impl std::fmt::Debug for Pool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Pool")
+            .field("addr", &self.inner.addr)
+            .field("stats", &self.stats())
+            .finish()
+    }
+}
+
+impl PoolInner {
+    fn conns(&self) -> std::sync::MutexGuard<'_, Vec<Connection>> {
+        self.conns.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    async fn open(&self) -> Result<Connection, ClientError> {
+        let c = self.client.connect(self.addr).await?;
+        self.opened.fetch_add(1, Ordering::Relaxed);
+        if c.zero_rtt_attempted() {
+            self.opened_0rtt.fetch_add(1, Ordering::Relaxed);
+        }
+        Ok(c)
+    }
+
+    /// Drops draining and closed connections from the pool.
+    fn prune(&self) {
+        let mut conns = self.conns();
+        conns.retain(|c| {
+            if c.is_closed() {
+                self.retired_unhealthy.fetch_add(1, Ordering::Relaxed);
+                false
+            } else if c.is_draining() {
+                self.retired_goaway.fetch_add(1, Ordering::Relaxed);
+                false
+            } else {
+                true
+            }
+        });
+    }
+
+    async fn refill(&self) -> Result<(), ClientError> {
+        let missing = self.cfg.min_connections.saturating_sub(self.conns().len());
+        if missing == 0 {
+            return Ok(());
+        }
+        let opened = futures::future::join_all((0..missing).map(|_| self.open())).await;
+        let mut first_err = None;
+        let mut conns = self.conns();
+        for c in opened {
+            match c {
+                Ok(c) if conns.len() < self.cfg.max_connections => conns.push(c),
+                Ok(c) => c.close(),
+                Err(e) => {
+                    first_err.get_or_insert(e);
+                }
+            }
+        }
+        match first_err {
+            Some(e) if conns.is_empty() => Err(e),
+            _ => Ok(()),
+        }
+    }
+}
+
+impl Pool {
+    /// Opens `min_connections` connections and starts the health checker.
+    pub async fn connect(
+        client: Client,
+        addr: SocketAddr,
+        cfg: PoolConfig,
+    ) -> Result<Self, ClientError> {
+        let inner = Arc::new(PoolInner {
+            client,
+            addr,
+            cfg,
+            conns: Mutex::new(Vec::new()),
+            opened: AtomicU64::new(0),
+            opened_0rtt: AtomicU64::new(0),
+            retired_goaway: AtomicU64::new(0),
+            retired_unhealthy: AtomicU64::new(0),
+        });
+        inner.refill().await?;
+        let weak = Arc::downgrade(&inner);
+        let every = inner.cfg.health_check_interval;
+        let task = tokio::spawn(async move {
+            let mut tick = tokio::time::interval(every);
+            tick.tick().await;
+            loop {
+                tick.tick().await;
+                let Some(inner) = weak.upgrade() else { return };
+                let idle: Vec<Connection> = inner
+                    .conns()
+                    .iter()
+                    .filter(|c| c.in_flight() == 0)
+                    .cloned()
+                    .collect();
+                for c in idle {
+                    if c.ping().await.is_err() {
+                        c.close();
+                    }
+                }
+                inner.prune();
+                let _ = inner.refill().await;
+            }
+        });
+        Ok(Self {
+            inner,
+            _health: Arc::new(HealthTask(task)),
+        })
+    }
+
+    /// Sends a request on the least-loaded healthy connection, opening one when all are at
+    /// the target load (up to `max_connections`), skipping connections that sent GOAWAY.
+    pub async fn request(&self, req: &InferenceRequest) -> Result<ResponseStream, RequestError> {
+        let mut last_err = None;
+        for _ in 0..3 {
+            self.inner.prune();
+            let (best, n) = {
+                let conns = self.inner.conns();
+                (
+                    conns.iter().min_by_key(|c| c.in_flight()).cloned(),
+                    conns.len(),
+                )
+            };
+            let conn = match best {
+                Some(c)
+                    if c.in_flight() < self.inner.cfg.target_streams_per_connection
+                        || n >= self.inner.cfg.max_connections =>
+                {
+                    c
+                }
+                _ => {
+                    let c = self.inner.open().await?;
+                    self.inner.conns().push(c.clone());
+                    c
+                }
+            };
+            match conn.request(req).await {
+                Ok(s) => return Ok(s),
+                Err(e @ (RequestError::Encode(_) | RequestError::NoConnection(_))) => {
+                    return Err(e);
+                }
+                Err(e) => last_err = Some(e),
+            }
+        }
+        // Replace what was retired so the pool stays at its minimum.
+        let _ = self.inner.refill().await;
+        Err(last_err.unwrap_or(RequestError::Draining))
+    }
+
+    /// Brings the pool back to `min_connections` now (normally the health checker does).
+    pub async fn refill(&self) -> Result<(), ClientError> {
+        self.inner.prune();
+        self.inner.refill().await
+    }
+
+    /// The connections in the pool.
+    pub fn connections(&self) -> Vec<Connection> {
+        self.inner.conns().clone()
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> PoolStats {
+        PoolStats {
+            connections: self.inner.conns().len(),
+            opened: self.inner.opened.load(Ordering::Relaxed),
+            opened_0rtt: self.inner.opened_0rtt.load(Ordering::Relaxed),
+            retired_goaway: self.inner.retired_goaway.load(Ordering::Relaxed),
+            retired_unhealthy: self.inner.retired_unhealthy.load(Ordering::Relaxed),
+        }
+    }
+}
