@@ -109,7 +109,7 @@ fn parse_bytes(s: &str) -> Result<u64, String> {
 fn build_service(args: &Args) -> anyhow::Result<Arc<dyn InferenceService>> {
     let model = match &args.model {
         Some(p) => p.clone(),
-        None => zerolayer::weight_cache::locate_default_model()?,
+        None => weight_cache::locate_default_model()?,
     };
     tracing::info!(model = %model.display(), threads = ?args.threads, warmup = ?args.warmup,
         weight_budget = ?args.weight_budget, kv_budget = ?args.kv_budget, "loading model");
