@@ -1,0 +1,154 @@
+//! Engine throughput on the default model: 42-token chat prompts, 32 generated tokens, at 1, 8,
+//! 32, 100 and 200 concurrent requests. Prints aggregate generated tok/s, requests/s, p50/p99
+//! time to first token, the ideal TTFT (all queued prompt tokens / measured prefill rate) and
+//! the speed-up over one stream.
+//!
+//! `cargo bench -p gpu-pipeline --bench engine` (ZEROLAYER_BENCH_LEVELS=1,8 to pick levels).
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use gpu_pipeline::engine::{Engine, EngineConfig, EngineEvent, GenerationRequest};
+use gpu_pipeline::{LogitsWanted, Model, ModelOptions, SeqStep};
+use kv_ring::{KvDtype, KvPool, RingMode};
+use token_stream::{ChatMessage, ChatTemplate, Tokenizer};
+
+const PROMPT_TOKENS: usize = 42;
+const NEW_TOKENS: usize = 32;
+
+fn prompts(tok: &Tokenizer, n: usize) -> Vec<Vec<u32>> {
+    let chat = ChatTemplate::from_tokenizer(tok).expect("chat template");
+    (0..n)
+        .map(|i| {
+            let user = format!(
+                "Request number {i}: please write a short friendly paragraph about the number {} and why \
+                 it might be interesting to a curious student who likes mathematics and history.",
+                i * 7 + 3
+            );
+            let msgs = [ChatMessage::new("user", &user)];
+            let mut ids = chat.encode(tok, &msgs, true).expect("encode").to_vec();
+            // Keep the generation prompt at the end: cut from the middle of the user text.
+            let tail = ids.split_off(ids.len() - 5);
+            ids.truncate(PROMPT_TOKENS - tail.len());
+            ids.extend(tail);
+            assert_eq!(ids.len(), PROMPT_TOKENS);
+            ids
+        })
+        .collect()
+}
+
+/// Prompt tokens per second of a batched prefill of `n` prompts (one forward call).
+fn prefill_rate(model: &Model, prompts: &[Vec<u32>]) -> f64 {
+    let pool = KvPool::new(model.kv_shape(KvDtype::F16), 512 << 20).expect("pool");
+    let mut best = f64::MAX;
+    for _ in 0..3 {
+        let mut rings: Vec<_> = prompts.iter().map(|p| pool.alloc(p.len() + 1, RingMode::Strict).unwrap()).collect();
+        let mut steps: Vec<SeqStep<'_>> = prompts
+            .iter()
+            .zip(rings.iter_mut())
+            .map(|(p, kv)| SeqStep { tokens: p, kv, logits: LogitsWanted::Last })
+            .collect();
+        let mut out = Vec::new();
+        let t = Instant::now();
+        model.forward(&mut steps, &mut out).expect("forward");
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    prompts.iter().map(Vec::len).sum::<usize>() as f64 / best
+}
+
+struct Row {
+    c: usize,
+    tok_s: f64,
+    req_s: f64,
+    p50: Duration,
+    p99: Duration,
+    ideal: Duration,
+}
+
+fn run_level(model: &Arc<Model>, tok: &Arc<Tokenizer>, prompts: &[Vec<u32>], rate: f64) -> Row {
+    let c = prompts.len();
+    let cfg = EngineConfig::default()
+        .with_prefix_cache_entries(0)
+        .with_kv_budget_bytes(1 << 30)
+        .with_max_running(256)
+        .with_max_queue(512);
+    let engine = Engine::new(model.clone(), Some(tok.clone()), cfg).expect("engine");
+    let t0 = Instant::now();
+    let handles: Vec<_> = prompts
+        .iter()
+        .map(|p| engine.submit(GenerationRequest::new(p.clone(), NEW_TOKENS).with_stop_tokens(vec![])).expect("submit"))
+        .collect();
+    let results: Vec<(Duration, usize)> = std::thread::scope(|s| {
+        let joins: Vec<_> = handles
+            .iter()
+            .map(|h| {
+                s.spawn(move || {
+                    let mut ttft = None;
+                    let mut n = 0;
+                    while let Some(ev) = h.recv() {
+                        match ev {
+                            EngineEvent::Token { .. } => {
+                                ttft.get_or_insert_with(|| t0.elapsed());
+                                n += 1;
+                            }
+                            EngineEvent::Error { error } => panic!("{error}"),
+                            _ => {}
+                        }
+                    }
+                    (ttft.expect("no token"), n)
+                })
+            })
+            .collect();
+        joins.into_iter().map(|j| j.join().expect("join")).collect()
+    });
+    let wall = t0.elapsed().as_secs_f64();
+    let generated: usize = results.iter().map(|r| r.1).sum();
+    assert_eq!(generated, c * NEW_TOKENS);
+    let mut ttfts: Vec<Duration> = results.iter().map(|r| r.0).collect();
+    ttfts.sort();
+    let q = |f: f64| ttfts[((f * c as f64).ceil() as usize).clamp(1, c) - 1];
+    Row {
+        c,
+        tok_s: generated as f64 / wall,
+        req_s: c as f64 / wall,
+        p50: q(0.5),
+        p99: q(0.99),
+        ideal: Duration::from_secs_f64((c * PROMPT_TOKENS) as f64 / rate),
+    }
+}
+
+fn main() {
+    let path = weight_cache::locate_default_model().unwrap_or_else(|e| panic!("{e}"));
+    // SAFETY: the model file is not modified while the bench runs.
+    let gguf = Arc::new(unsafe { weight_cache::Gguf::open(path) }.expect("open model"));
+    let tok = Arc::new(Tokenizer::from_gguf(&gguf).expect("tokenizer"));
+    let model = Arc::new(Model::load(gguf, ModelOptions::default()).expect("model"));
+    let levels: Vec<usize> = std::env::var("ZEROLAYER_BENCH_LEVELS")
+        .ok()
+        .map(|s| s.split(',').filter_map(|x| x.trim().parse().ok()).collect())
+        .unwrap_or_else(|| vec![1, 8, 32, 100, 200]);
+    let all = prompts(&tok, levels.iter().copied().max().unwrap_or(1));
+    let rate = prefill_rate(&model, &all[..all.len().min(8)]);
+    println!(
+        "engine bench: {PROMPT_TOKENS}-token chat prompts, {NEW_TOKENS} new tokens, {} threads, prefill rate {rate:.0} tok/s",
+        model.pool().n_threads()
+    );
+    println!("| concurrent | gen tok/s | x single | req/s | p50 TTFT | p99 TTFT | ideal TTFT | p99/ideal |");
+    println!("|---:|---:|---:|---:|---:|---:|---:|---:|");
+    let mut single = None;
+    for &c in &levels {
+        let r = run_level(&model, &tok, &all[..c], rate);
+        let base = *single.get_or_insert(r.tok_s);
+        println!(
+            "| {} | {:.1} | {:.2}x | {:.2} | {:.0} ms | {:.0} ms | {:.0} ms | {:.2} |",
+            r.c,
+            r.tok_s,
+            r.tok_s / base,
+            r.req_s,
+            r.p50.as_secs_f64() * 1e3,
+            r.p99.as_secs_f64() * 1e3,
+            r.ideal.as_secs_f64() * 1e3,
+            r.p99.as_secs_f64() / r.ideal.as_secs_f64()
+        );
+    }
+}

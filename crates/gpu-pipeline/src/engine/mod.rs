@@ -1,0 +1,759 @@
+//! The serving engine: continuous batching, chunked prefill, prefix reuse and admission control
+//! over one [`Model`] and one [`KvPool`].
+//!
+//! One scheduler thread runs a loop of batched forward steps. At every step all running
+//! sequences decode together in one [`Model::forward`] call (the weights stream from memory
+//! once per step, whatever the batch size), prompt chunks fill the rest of the step's token
+//! budget, and new requests join between steps. The decisions come from the pure
+//! [`Scheduler`]; this module is the thin threaded shell around it.
+//!
+//! ```no_run
+//! use std::sync::Arc;
+//! use gpu_pipeline::engine::{Engine, EngineConfig, EngineEvent, GenerationRequest};
+//! use gpu_pipeline::{Model, ModelOptions};
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let path = weight_cache::locate_default_model()?;
+//! // SAFETY: the model file is not modified while mapped.
+//! let gguf = Arc::new(unsafe { weight_cache::Gguf::open(path)? });
+//! let tokenizer = Arc::new(token_stream::Tokenizer::from_gguf(&gguf)?);
+//! let model = Arc::new(Model::load(gguf, ModelOptions::default())?);
+//! let engine = Engine::new(model, Some(tokenizer.clone()), EngineConfig::default())?;
+//! let prompt = tokenizer.encode("The capital of France is").to_vec();
+//! let handle = engine.submit(GenerationRequest::new(prompt, 8))?;
+//! while let Some(ev) = handle.recv() {
+//!     if let EngineEvent::Token { text, .. } = ev {
+//!         print!("{text}");
+//!     }
+//! }
+//! # Ok(()) }
+//! ```
+
+mod channel;
+mod metrics;
+mod prefix;
+mod scheduler;
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use kv_ring::{KvDtype, KvError, KvPool, KvRing, RingMode};
+use token_stream::{StreamDecoder, Tokenizer};
+
+use crate::model::{LogitsWanted, Model, SeqStep};
+use crate::sampling::{Sampler, SamplingParams, StopReason};
+
+pub use channel::RequestHandle;
+pub use metrics::{EngineMetrics, LatencyHistogram};
+pub use scheduler::{Refusal, Scheduler, SchedulerConfig, SeqId, SeqSpec, WorkItem};
+
+use channel::Chan;
+use prefix::PrefixCache;
+
+/// Configuration of an [`Engine`].
+#[non_exhaustive]
+#[derive(Clone, Debug)]
+pub struct EngineConfig {
+    /// KV pool budget in bytes.
+    pub kv_budget_bytes: usize,
+    /// KV element type.
+    pub kv_dtype: KvDtype,
+    /// Most requests waiting for admission.
+    pub max_queue: usize,
+    /// Most sequences in the batch.
+    pub max_running: usize,
+    /// Most tokens per forward step.
+    pub step_token_budget: usize,
+    /// Most prompt tokens of one sequence per step.
+    pub prefill_chunk: usize,
+    /// Prefix-cache entries (0 disables prefix reuse).
+    pub prefix_cache_entries: usize,
+    /// Shortest prefix worth reusing, in tokens.
+    pub prefix_min_tokens: usize,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        Self {
+            kv_budget_bytes: 1 << 30,
+            kv_dtype: KvDtype::F16,
+            max_queue: 512,
+            max_running: 256,
+            step_token_budget: 512,
+            prefill_chunk: 256,
+            prefix_cache_entries: 16,
+            prefix_min_tokens: 8,
+        }
+    }
+}
+
+impl EngineConfig {
+    /// Sets [`kv_budget_bytes`](Self::kv_budget_bytes).
+    pub fn with_kv_budget_bytes(mut self, b: usize) -> Self {
+        self.kv_budget_bytes = b;
+        self
+    }
+    /// Sets [`max_queue`](Self::max_queue).
+    pub fn with_max_queue(mut self, n: usize) -> Self {
+        self.max_queue = n;
+        self
+    }
+    /// Sets [`max_running`](Self::max_running).
+    pub fn with_max_running(mut self, n: usize) -> Self {
+        self.max_running = n;
+        self
+    }
+    /// Sets [`step_token_budget`](Self::step_token_budget).
+    pub fn with_step_token_budget(mut self, n: usize) -> Self {
+        self.step_token_budget = n;
+        self
+    }
+    /// Sets [`prefill_chunk`](Self::prefill_chunk).
+    pub fn with_prefill_chunk(mut self, n: usize) -> Self {
+        self.prefill_chunk = n;
+        self
+    }
+    /// Sets [`prefix_cache_entries`](Self::prefix_cache_entries).
+    pub fn with_prefix_cache_entries(mut self, n: usize) -> Self {
+        self.prefix_cache_entries = n;
+        self
+    }
+}
+
+/// One generation request.
+#[non_exhaustive]
+#[derive(Clone, Debug)]
+pub struct GenerationRequest {
+    /// Prompt token ids (at least one).
+    pub prompt: Vec<u32>,
+    /// Most tokens to generate (at least one).
+    pub max_new_tokens: usize,
+    /// Sampling.
+    pub sampling: SamplingParams,
+    /// Tokens that end the generation (not emitted); `None` means the model's EOS/EOT.
+    pub stop_tokens: Option<Vec<u32>>,
+    /// Strings that end the generation (need the engine's tokenizer); the text stops before.
+    pub stop_sequences: Vec<String>,
+    /// Higher is admitted first.
+    pub priority: i32,
+}
+
+impl GenerationRequest {
+    /// A greedy request.
+    pub fn new(prompt: Vec<u32>, max_new_tokens: usize) -> Self {
+        Self {
+            prompt,
+            max_new_tokens,
+            sampling: SamplingParams::default(),
+            stop_tokens: None,
+            stop_sequences: Vec::new(),
+            priority: 0,
+        }
+    }
+    /// Sets [`sampling`](Self::sampling).
+    pub fn with_sampling(mut self, s: SamplingParams) -> Self {
+        self.sampling = s;
+        self
+    }
+    /// Sets [`stop_sequences`](Self::stop_sequences).
+    pub fn with_stop_sequences<S: Into<String>>(mut self, s: impl IntoIterator<Item = S>) -> Self {
+        self.stop_sequences = s.into_iter().map(Into::into).collect();
+        self
+    }
+    /// Sets [`stop_tokens`](Self::stop_tokens).
+    pub fn with_stop_tokens(mut self, t: Vec<u32>) -> Self {
+        self.stop_tokens = Some(t);
+        self
+    }
+    /// Sets [`priority`](Self::priority).
+    pub fn with_priority(mut self, p: i32) -> Self {
+        self.priority = p;
+        self
+    }
+}
+
+/// Token counts of a finished request.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct EngineUsage {
+    /// Prompt tokens.
+    pub input_tokens: usize,
+    /// Prompt tokens whose KV came from the prefix cache.
+    pub cached_input_tokens: usize,
+    /// Generated tokens (a final stop token not counted).
+    pub output_tokens: usize,
+}
+
+/// An event of a request, in order: `Started`, `Token`s, then `Finished` or `Error`.
+#[non_exhaustive]
+#[derive(Clone, Debug)]
+pub enum EngineEvent {
+    /// Admitted into the batch.
+    Started {
+        /// Prompt tokens.
+        input_tokens: usize,
+        /// Of which reused from the prefix cache.
+        cached_tokens: usize,
+    },
+    /// One generated token.
+    Token {
+        /// Its id.
+        id: u32,
+        /// Text made final by it (empty without a tokenizer, inside a split character, or
+        /// while it may start a stop sequence).
+        text: String,
+    },
+    /// The generation ended.
+    Finished {
+        /// Why.
+        stop_reason: StopReason,
+        /// The stop sequence that matched.
+        stop_sequence: Option<String>,
+        /// The text held back until now (what may have been a stop-sequence prefix).
+        tail_text: String,
+        /// Token counts.
+        usage: EngineUsage,
+    },
+    /// The generation failed.
+    Error {
+        /// What went wrong.
+        error: Arc<EngineError>,
+    },
+}
+
+/// Why [`Engine::submit`] refused a request.
+#[non_exhaustive]
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum SubmitError {
+    /// The queue or the KV budget is full: retry later (HTTP 529 / `overloaded`).
+    #[error("overloaded: {0}")]
+    Overloaded(Refusal),
+    /// Prompt plus `max_new_tokens` exceed the model's context.
+    #[error("prompt of {prompt_tokens} tokens + {max_new_tokens} new tokens exceed the context of {context}")]
+    ContextLength {
+        /// Prompt length.
+        prompt_tokens: usize,
+        /// Requested new tokens.
+        max_new_tokens: usize,
+        /// The model's context length.
+        context: usize,
+    },
+    /// The request alone needs more KV than the pool holds.
+    #[error("request too large for the KV pool: {0}")]
+    TooLarge(Refusal),
+    /// Empty prompt or `max_new_tokens == 0`.
+    #[error("empty request: {0}")]
+    Empty(Refusal),
+    /// A prompt token id is not below the vocabulary size.
+    #[error("prompt token {token} at index {index} is out of range (vocabulary {vocab})")]
+    TokenOutOfRange {
+        /// Position in the prompt.
+        index: usize,
+        /// The id.
+        token: u32,
+        /// Vocabulary size.
+        vocab: usize,
+    },
+    /// Stop sequences were given but the engine has no tokenizer.
+    #[error("stop sequences need an engine with a tokenizer")]
+    StopSequencesNeedTokenizer,
+    /// The engine is shutting down.
+    #[error("the engine is shutting down")]
+    ShuttingDown,
+}
+
+/// Why a running request failed (carried by [`EngineEvent::Error`]).
+#[non_exhaustive]
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    /// The batched forward pass failed.
+    #[error("forward pass failed: {0}")]
+    Forward(#[from] crate::model::ForwardError),
+    /// A generated token could not be detokenized.
+    #[error("detokenization failed: {0}")]
+    Decode(#[from] token_stream::DecodeError),
+    /// The engine shut down before the request finished.
+    #[error("the engine shut down")]
+    ShutDown,
+}
+
+/// Why [`Engine::new`] failed.
+#[non_exhaustive]
+#[derive(Debug, thiserror::Error)]
+pub enum EngineInitError {
+    /// The KV pool could not be made.
+    #[error("KV pool: {0}")]
+    Kv(#[from] KvError),
+    /// The scheduler thread could not be spawned.
+    #[error("spawning the scheduler thread: {0}")]
+    Spawn(#[from] std::io::Error),
+}
+
+struct Pending {
+    req: GenerationRequest,
+    chan: Arc<Chan>,
+    submitted: Instant,
+}
+
+struct State {
+    sched: Scheduler,
+    pending: HashMap<SeqId, Pending>,
+    cancels: Vec<SeqId>,
+    shutdown: bool,
+    metrics: EngineMetrics,
+}
+
+pub(crate) struct Shared {
+    state: Mutex<State>,
+    wake: Condvar,
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub(crate) fn cancel(&self, id: SeqId) {
+        let mut st = self.lock();
+        if st.sched.cancel(id) && st.pending.remove(&id).is_some() {
+            // It was still waiting: nothing else holds resources for it.
+            st.metrics.cancelled += 1;
+        } else {
+            st.cancels.push(id);
+        }
+        drop(st);
+        self.wake.notify_all();
+    }
+}
+
+/// The serving engine. See the [module docs](self).
+pub struct Engine {
+    shared: Arc<Shared>,
+    model: Arc<Model>,
+    pool: Arc<KvPool>,
+    tokenizer: Option<Arc<Tokenizer>>,
+    next_id: AtomicU64,
+    thread: Option<JoinHandle<()>>,
+    started: Instant,
+}
+
+impl std::fmt::Debug for Engine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Engine").field("model", &self.model).finish_non_exhaustive()
+    }
+}
+
+impl Engine {
+    /// Starts an engine on `model` with a KV pool of `cfg.kv_budget_bytes`. The tokenizer (the
+    /// model's own) turns tokens into text and enables stop sequences.
+    pub fn new(model: Arc<Model>, tokenizer: Option<Arc<Tokenizer>>, cfg: EngineConfig) -> Result<Self, EngineInitError> {
+        let pool = KvPool::new(model.kv_shape(cfg.kv_dtype), cfg.kv_budget_bytes)?;
+        let bpt = pool.bytes_per_token().max(1);
+        let sched = Scheduler::new(SchedulerConfig {
+            max_queue: cfg.max_queue,
+            max_queued_tokens: cfg.kv_budget_bytes / bpt,
+            max_running: cfg.max_running,
+            step_token_budget: cfg.step_token_budget,
+            prefill_chunk: cfg.prefill_chunk,
+            kv_budget_tokens: cfg.kv_budget_bytes / bpt,
+        });
+        let shared = Arc::new(Shared {
+            state: Mutex::new(State {
+                sched,
+                pending: HashMap::new(),
+                cancels: Vec::new(),
+                shutdown: false,
+                metrics: EngineMetrics::default(),
+            }),
+            wake: Condvar::new(),
+        });
+        let worker = Worker {
+            shared: shared.clone(),
+            model: model.clone(),
+            pool: pool.clone(),
+            prefix: PrefixCache::new(cfg.prefix_cache_entries, cfg.prefix_min_tokens),
+        };
+        let tok = tokenizer.clone();
+        let thread = std::thread::Builder::new()
+            .name("zerolayer-engine".into())
+            .spawn(move || worker.run(tok.as_deref()))?;
+        Ok(Self { shared, model, pool, tokenizer, next_id: AtomicU64::new(1), thread: Some(thread), started: Instant::now() })
+    }
+
+    /// The model.
+    pub fn model(&self) -> &Arc<Model> {
+        &self.model
+    }
+
+    /// The tokenizer given at construction.
+    pub fn tokenizer(&self) -> Option<&Arc<Tokenizer>> {
+        self.tokenizer.as_ref()
+    }
+
+    /// The KV pool.
+    pub fn kv_pool(&self) -> &Arc<KvPool> {
+        &self.pool
+    }
+
+    /// Queues a request, or refuses it at once (never blocks, never queues without bound).
+    pub fn submit(&self, req: GenerationRequest) -> Result<RequestHandle, SubmitError> {
+        let cfg = self.model.config();
+        if let Some((index, &token)) = req.prompt.iter().enumerate().find(|(_, t)| **t as usize >= cfg.vocab_size) {
+            return Err(SubmitError::TokenOutOfRange { index, token, vocab: cfg.vocab_size });
+        }
+        if req.prompt.len().saturating_add(req.max_new_tokens) > cfg.context_length {
+            return Err(SubmitError::ContextLength {
+                prompt_tokens: req.prompt.len(),
+                max_new_tokens: req.max_new_tokens,
+                context: cfg.context_length,
+            });
+        }
+        if !req.stop_sequences.iter().all(String::is_empty) && self.tokenizer.is_none() {
+            return Err(SubmitError::StopSequencesNeedTokenizer);
+        }
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let spec =
+            SeqSpec { prompt_tokens: req.prompt.len(), max_new_tokens: req.max_new_tokens, priority: req.priority };
+        let chan = Arc::new(Chan::default());
+        let mut st = self.shared.lock();
+        if st.shutdown {
+            return Err(SubmitError::ShuttingDown);
+        }
+        if let Err(r) = st.sched.submit(id, spec) {
+            return Err(match r {
+                Refusal::TooLarge { .. } => SubmitError::TooLarge(r),
+                Refusal::Empty { .. } => SubmitError::Empty(r),
+                _ => {
+                    st.metrics.refused += 1;
+                    SubmitError::Overloaded(r)
+                }
+            });
+        }
+        st.metrics.submitted += 1;
+        st.pending.insert(id, Pending { req, chan: chan.clone(), submitted: Instant::now() });
+        drop(st);
+        self.shared.wake.notify_all();
+        Ok(RequestHandle { id, chan, shared: self.shared.clone() })
+    }
+
+    /// A snapshot of the metrics.
+    pub fn metrics(&self) -> EngineMetrics {
+        let st = self.shared.lock();
+        let mut m = st.metrics.clone();
+        m.queue_depth = st.sched.queue_depth();
+        m.running = st.sched.running();
+        drop(st);
+        let busy = m.busy.as_secs_f64();
+        if busy > 0.0 {
+            m.generated_tokens_per_s = m.generated_tokens as f64 / busy;
+            m.prompt_tokens_per_s = m.prompt_tokens as f64 / busy;
+        }
+        m.kv_bytes_used = self.pool.used_bytes();
+        m.kv_bytes_budget = self.pool.budget_bytes();
+        m
+    }
+
+    /// Time since the engine started.
+    pub fn uptime(&self) -> Duration {
+        self.started.elapsed()
+    }
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        self.shared.lock().shutdown = true;
+        self.shared.wake.notify_all();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// A sequence in the batch, owned by the scheduler thread.
+struct Active<'t> {
+    id: SeqId,
+    req: GenerationRequest,
+    chan: Arc<Chan>,
+    kv: KvRing,
+    sampler: Sampler,
+    history: Vec<u32>,
+    decoder: Option<StreamDecoder<'t>>,
+    stop_tokens: Vec<u32>,
+    cached: usize,
+    submitted: Instant,
+    last_token: Option<Instant>,
+    output_tokens: usize,
+}
+
+enum Outcome {
+    Continue,
+    Stop(StopReason, Option<String>),
+    /// Failed; the error was not reported yet.
+    Fail(EngineError),
+    /// Failed; the error event was already sent.
+    Failed,
+}
+
+struct Worker {
+    shared: Arc<Shared>,
+    model: Arc<Model>,
+    pool: Arc<KvPool>,
+    prefix: PrefixCache,
+}
+
+impl Worker {
+    fn run(mut self, tok: Option<&Tokenizer>) {
+        let mut active: HashMap<SeqId, Active<'_>> = HashMap::new();
+        let mut logits = Vec::new();
+        let vocab = self.model.config().vocab_size;
+        let bpt = self.pool.bytes_per_token().max(1);
+        let shared = self.shared.clone();
+        loop {
+            // ---- between steps: cancellations, admissions, the plan
+            let mut st = shared.lock();
+            while st.sched.is_idle() && st.cancels.is_empty() && !st.shutdown {
+                st = shared.wake.wait(st).unwrap_or_else(|e| e.into_inner());
+            }
+            if st.shutdown {
+                for (_, p) in st.pending.drain() {
+                    p.chan.send(EngineEvent::Error { error: Arc::new(EngineError::ShutDown) });
+                }
+                for (_, a) in active.drain() {
+                    a.chan.send(EngineEvent::Error { error: Arc::new(EngineError::ShutDown) });
+                }
+                return;
+            }
+            let mut cancels = std::mem::take(&mut st.cancels);
+            cancels.extend(active.iter().filter(|(_, a)| a.chan.is_cancelled()).map(|(id, _)| *id));
+            for id in cancels {
+                st.sched.cancel(id);
+                st.pending.remove(&id);
+                if active.remove(&id).is_some() {
+                    st.metrics.cancelled += 1;
+                }
+            }
+            let free = |pool: &KvPool| pool.budget_bytes().saturating_sub(pool.used_bytes()) / bpt;
+            if let Some(need) = st.sched.next_waiting_tokens() {
+                while free(&self.pool) < need && self.prefix.evict_lru() {}
+            }
+            for id in st.sched.admit(free(&self.pool)) {
+                let Some(p) = st.pending.remove(&id) else { continue };
+                match self.start(id, p, tok) {
+                    Ok(a) => {
+                        st.sched.started(id, a.cached);
+                        if a.cached > 0 {
+                            st.metrics.prefix_hits += 1;
+                            st.metrics.prefix_hit_tokens += a.cached as u64;
+                        }
+                        st.metrics.prefix_lookups += 1;
+                        a.chan.send(EngineEvent::Started { input_tokens: a.req.prompt.len(), cached_tokens: a.cached });
+                        active.insert(id, a);
+                    }
+                    Err(p) => {
+                        st.pending.insert(id, p);
+                        st.sched.start_failed(id);
+                    }
+                }
+            }
+            let batch = st.sched.next_batch();
+            st.metrics.prefix_entries = self.prefix.len();
+            drop(st);
+            if batch.is_empty() {
+                // Waiting requests that do not fit yet: wait for a cancellation or new work.
+                let st = shared.lock();
+                if st.cancels.is_empty() && !st.shutdown {
+                    drop(shared.wake.wait_timeout(st, Duration::from_millis(5)));
+                }
+                continue;
+            }
+
+            // ---- the step
+            let t0 = Instant::now();
+            let mut seqs: Vec<(WorkItem, Active<'_>)> =
+                batch.iter().filter_map(|w| active.remove(&w.id()).map(|a| (*w, a))).collect();
+            let result = {
+                let mut steps: Vec<SeqStep<'_>> = seqs
+                    .iter_mut()
+                    .map(|(w, a)| {
+                        let (tokens, logits) = match *w {
+                            WorkItem::Prefill { start, len, last, .. } => (
+                                &a.req.prompt[start..start + len],
+                                if last { LogitsWanted::Last } else { LogitsWanted::None },
+                            ),
+                            WorkItem::Decode { .. } => (&a.history[a.history.len() - 1..], LogitsWanted::Last),
+                        };
+                        SeqStep { tokens, kv: &mut a.kv, logits }
+                    })
+                    .collect();
+                self.model.forward(&mut steps, &mut logits)
+            };
+            let now = Instant::now();
+            let mut outcomes = Vec::with_capacity(seqs.len());
+            let mut prompt_computed = 0u64;
+            let mut generated = 0u64;
+            let mut ttfts = Vec::new();
+            let mut itls = Vec::new();
+            match result {
+                Err(e) => {
+                    let e = Arc::new(EngineError::from(e));
+                    for (_, a) in &seqs {
+                        a.chan.send(EngineEvent::Error { error: e.clone() });
+                    }
+                    outcomes.extend(seqs.iter().map(|_| Outcome::Failed));
+                }
+                Ok(()) => {
+                    let mut row = 0;
+                    for (w, a) in &mut seqs {
+                        if let WorkItem::Prefill { len, last, .. } = *w {
+                            prompt_computed += len as u64;
+                            if last {
+                                self.remember_prefix(a);
+                            }
+                        }
+                        if !w.samples() {
+                            outcomes.push(Outcome::Continue);
+                            continue;
+                        }
+                        let row_logits = &logits[row * vocab..(row + 1) * vocab];
+                        row += 1;
+                        let token = a.sampler.sample(row_logits, &a.history);
+                        match a.last_token {
+                            None => ttfts.push(now - a.submitted),
+                            Some(t) => itls.push(now - t),
+                        }
+                        a.last_token = Some(now);
+                        generated += 1;
+                        outcomes.push(a.accept(token));
+                    }
+                }
+            }
+            let busy = t0.elapsed();
+
+            // ---- after the step: bookkeeping under the lock
+            let mut st = shared.lock();
+            let max_done = st.sched.complete_batch();
+            let m = &mut st.metrics;
+            m.steps += 1;
+            m.record_batch(seqs.len());
+            m.busy += busy;
+            m.prompt_tokens += prompt_computed;
+            m.generated_tokens += generated;
+            for d in ttfts {
+                m.ttft.record(d);
+            }
+            for d in itls {
+                m.inter_token.record(d);
+            }
+            for ((_, mut a), outcome) in seqs.into_iter().zip(outcomes) {
+                let id_done = max_done.contains(&a.id);
+                let finish = match outcome {
+                    Outcome::Fail(e) => {
+                        st.sched.finish(a.id);
+                        a.chan.send(EngineEvent::Error { error: Arc::new(e) });
+                        None
+                    }
+                    Outcome::Failed => {
+                        st.sched.finish(a.id);
+                        None
+                    }
+                    Outcome::Stop(r, s) => {
+                        st.sched.finish(a.id);
+                        Some((r, s))
+                    }
+                    Outcome::Continue if id_done => Some((StopReason::MaxTokens, None)),
+                    Outcome::Continue => {
+                        active.insert(a.id, a);
+                        continue;
+                    }
+                };
+                if let Some((stop_reason, stop_sequence)) = finish {
+                    st.metrics.finished += 1;
+                    let tail_text = match (&mut a.decoder, &stop_sequence) {
+                        (Some(d), None) => d.finish().to_string(),
+                        _ => String::new(),
+                    };
+                    let usage = EngineUsage {
+                        input_tokens: a.req.prompt.len(),
+                        cached_input_tokens: a.cached,
+                        output_tokens: a.output_tokens,
+                    };
+                    let chan = a.chan.clone();
+                    // Free the ring before telling the client.
+                    drop(a);
+                    chan.send(EngineEvent::Finished { stop_reason, stop_sequence, tail_text, usage });
+                }
+            }
+        }
+    }
+
+    /// Allocates the KV of an admitted request (forking a cached prefix when one matches).
+    fn start<'t>(&mut self, id: SeqId, p: Pending, tok: Option<&'t Tokenizer>) -> Result<Active<'t>, Pending> {
+        let cap = p.req.prompt.len() + p.req.max_new_tokens;
+        let forked = match self.prefix.lookup(&p.req.prompt) {
+            Some((ring, n)) => ring.fork_into(n, cap, RingMode::Strict).ok().map(|r| (r, n)),
+            None => None,
+        };
+        let (kv, cached) = match forked {
+            Some(x) => x,
+            None => match self.pool.alloc(cap, RingMode::Strict) {
+                Ok(r) => (r, 0),
+                Err(_) => return Err(p),
+            },
+        };
+        let decoder = tok.map(|t| {
+            StreamDecoder::new(t).skip_special_tokens(true).with_stop_sequences(p.req.stop_sequences.iter().cloned())
+        });
+        let stop_tokens = p.req.stop_tokens.clone().unwrap_or_else(|| self.model.stop_tokens());
+        let mut history = Vec::with_capacity(cap);
+        history.extend_from_slice(&p.req.prompt);
+        Ok(Active {
+            id,
+            sampler: Sampler::new(p.req.sampling.clone()),
+            req: p.req,
+            chan: p.chan,
+            kv,
+            history,
+            decoder,
+            stop_tokens,
+            cached,
+            submitted: p.submitted,
+            last_token: None,
+            output_tokens: 0,
+        })
+    }
+
+    /// Keeps a copy of a just-prefilled prompt's KV for later requests with the same prefix.
+    fn remember_prefix(&mut self, a: &Active<'_>) {
+        let n = a.req.prompt.len();
+        if self.prefix.is_disabled() || self.prefix.covers(&a.req.prompt) {
+            return;
+        }
+        if let Ok(ring) = a.kv.fork_into(n, n, RingMode::Strict) {
+            self.prefix.insert(a.req.prompt.clone(), ring);
+        }
+    }
+}
+
+impl Active<'_> {
+    /// Takes a sampled token: emits it, or stops.
+    fn accept(&mut self, token: u32) -> Outcome {
+        if self.stop_tokens.contains(&token) {
+            return Outcome::Stop(StopReason::EndTurn, None);
+        }
+        self.history.push(token);
+        self.output_tokens += 1;
+        let (text, stopped) = match &mut self.decoder {
+            None => (String::new(), None),
+            Some(d) => match d.push(token) {
+                Ok(step) => (step.text.to_string(), step.stopped),
+                Err(e) => return Outcome::Fail(EngineError::from(e)),
+            },
+        };
+        self.chan.send(EngineEvent::Token { id: token, text });
+        if let Some(i) = stopped {
+            return Outcome::Stop(StopReason::StopSequence, self.req.stop_sequences.iter().filter(|s| !s.is_empty()).nth(i).cloned());
+        }
+        Outcome::Continue
+    }
+}

@@ -1,0 +1,256 @@
+//! Engine tests on the real default model (run `scripts/fetch-model` first): batch invariance,
+//! cancellation, overload, prefix reuse and 200 concurrent streams.
+
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
+
+use gpu_pipeline::engine::{Engine, EngineConfig, EngineEvent, EngineUsage, GenerationRequest, SubmitError};
+use gpu_pipeline::{Model, ModelOptions, StopReason};
+use token_stream::{ChatMessage, ChatTemplate, Tokenizer};
+
+struct Fixture {
+    model: Arc<Model>,
+    tok: Arc<Tokenizer>,
+    chat: ChatTemplate,
+}
+
+fn fixture() -> &'static Fixture {
+    static F: OnceLock<Fixture> = OnceLock::new();
+    F.get_or_init(|| {
+        let path = weight_cache::locate_default_model().unwrap_or_else(|e| panic!("{e}"));
+        // SAFETY: the model file is not modified while the tests run.
+        let gguf = Arc::new(unsafe { weight_cache::Gguf::open(path) }.expect("open model"));
+        let tok = Arc::new(Tokenizer::from_gguf(&gguf).expect("tokenizer"));
+        let chat = ChatTemplate::from_tokenizer(&tok).expect("chat template");
+        let model = Arc::new(Model::load(gguf, ModelOptions::default()).expect("load model"));
+        Fixture { model, tok, chat }
+    })
+}
+
+fn chat(system: &str, user: &str) -> Vec<u32> {
+    let f = fixture();
+    let msgs = [ChatMessage::new("system", system), ChatMessage::new("user", user)];
+    f.chat.encode(&f.tok, &msgs, true).expect("encode").to_vec()
+}
+
+fn engine(cfg: EngineConfig) -> Engine {
+    let f = fixture();
+    Engine::new(f.model.clone(), Some(f.tok.clone()), cfg).expect("engine")
+}
+
+struct Outcome {
+    ids: Vec<u32>,
+    text: String,
+    cached: usize,
+    stop: StopReason,
+    usage: EngineUsage,
+}
+
+fn collect(h: &gpu_pipeline::RequestHandle) -> Outcome {
+    let mut out = Outcome { ids: vec![], text: String::new(), cached: 0, stop: StopReason::MaxTokens, usage: EngineUsage::default() };
+    let mut started = false;
+    while let Some(ev) = h.recv_timeout(Duration::from_secs(600)) {
+        match ev {
+            EngineEvent::Started { cached_tokens, .. } => {
+                assert!(!started);
+                started = true;
+                out.cached = cached_tokens;
+            }
+            EngineEvent::Token { id, text } => {
+                assert!(started, "token before Started");
+                out.ids.push(id);
+                out.text += &text;
+            }
+            EngineEvent::Finished { stop_reason, tail_text, usage, .. } => {
+                out.text += &tail_text;
+                out.stop = stop_reason;
+                out.usage = usage;
+                return out;
+            }
+            EngineEvent::Error { error } => panic!("request failed: {error}"),
+            _ => {}
+        }
+    }
+    panic!("stream ended without Finished");
+}
+
+const QUESTIONS: [&str; 8] = [
+    "What is the capital of France?",
+    "Name a prime number.",
+    "Say hello.",
+    "What colour is the sky?",
+    "Count to three.",
+    "What is 2+2?",
+    "Name a fruit.",
+    "What is water made of?",
+];
+
+#[test]
+fn greedy_output_is_batch_invariant_and_matches_generate() {
+    let f = fixture();
+    let prompt = chat("You are a helpful assistant.", "What is the capital of France?");
+    let n = 6;
+    // Reference: the model's own single-sequence generate.
+    let mut kv = kv_ring::KvPool::new(f.model.kv_shape(kv_ring::KvDtype::F16), 64 << 20)
+        .unwrap()
+        .alloc(prompt.len() + n, kv_ring::RingMode::Strict)
+        .unwrap();
+    let reference = f
+        .model
+        .generate(&mut kv, &prompt, &gpu_pipeline::GenerateOptions::default().with_max_tokens(n), None, &mut |_| {})
+        .unwrap();
+
+    let cfg = EngineConfig::default().with_prefix_cache_entries(0).with_prefill_chunk(16);
+    let e = engine(cfg.clone());
+    let alone = collect(&e.submit(GenerationRequest::new(prompt.clone(), n)).unwrap());
+    assert_eq!(alone.ids, reference.ids, "engine alone differs from Model::generate");
+
+    // The same request in the middle of 100 others with different prompts and lengths.
+    let e = engine(cfg);
+    let mut others = Vec::new();
+    for i in 0..50 {
+        let p = chat("You are a helpful assistant.", QUESTIONS[i % QUESTIONS.len()]);
+        others.push(e.submit(GenerationRequest::new(p, 2 + i % 5)).unwrap());
+    }
+    let target = e.submit(GenerationRequest::new(prompt, n)).unwrap();
+    for i in 0..50 {
+        let p = chat("Answer briefly.", QUESTIONS[(i + 3) % QUESTIONS.len()]);
+        others.push(e.submit(GenerationRequest::new(p, 3 + i % 4)).unwrap());
+    }
+    let batched = collect(&target);
+    for h in &others {
+        collect(h);
+    }
+    assert_eq!(batched.ids, alone.ids, "output changed inside a batch of 100");
+    assert_eq!(batched.text, alone.text);
+    let m = e.metrics();
+    assert!(m.batch_size_hist.len() > 5, "no step had 32+ sequences: {:?}", m.batch_size_hist);
+    assert_eq!(m.finished, 101);
+}
+
+#[test]
+fn cancel_and_drop_free_the_kv_ring() {
+    let e = engine(EngineConfig::default().with_prefix_cache_entries(0));
+    let pool = e.kv_pool().clone();
+    let h = e.submit(GenerationRequest::new(chat("Be verbose.", "Tell me a long story."), 500)).unwrap();
+    // Wait until it is generating.
+    loop {
+        match h.recv_timeout(Duration::from_secs(120)).expect("events") {
+            EngineEvent::Token { .. } => break,
+            EngineEvent::Started { .. } => assert!(pool.used_bytes() > 0),
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    assert!(pool.used_bytes() > 0);
+    drop(h);
+    wait_for(|| pool.used_bytes() == 0, "KV freed after drop");
+    assert_eq!(e.metrics().cancelled, 1);
+
+    // Explicit cancel of a running request: the stream ends without Finished.
+    let h = e.submit(GenerationRequest::new(chat("Be verbose.", "Tell me a story."), 500)).unwrap();
+    assert!(matches!(h.recv_timeout(Duration::from_secs(120)), Some(EngineEvent::Started { .. })));
+    h.cancel();
+    wait_for(|| pool.used_bytes() == 0, "KV freed after cancel");
+    wait_for(|| e.metrics().running == 0, "sequence removed");
+}
+
+fn wait_for(mut f: impl FnMut() -> bool, what: &str) {
+    // A liveness bound, not a timing assertion: the ring is freed at the next step boundary.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !f() {
+        assert!(Instant::now() < deadline, "never happened: {what}");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+#[test]
+fn overload_is_refused_at_once_and_queued_requests_cancel_cleanly() {
+    let e = engine(EngineConfig::default().with_max_queue(3).with_max_running(1).with_prefix_cache_entries(0));
+    let p = chat("Be verbose.", "Tell me a long story.");
+    let running = e.submit(GenerationRequest::new(p.clone(), 400)).unwrap();
+    // Wait until it is admitted so the queue is empty.
+    assert!(matches!(running.recv_timeout(Duration::from_secs(120)), Some(EngineEvent::Started { .. })));
+    let queued: Vec<_> = (0..3).map(|_| e.submit(GenerationRequest::new(p.clone(), 4)).unwrap()).collect();
+    let t = Instant::now();
+    let refused = e.submit(GenerationRequest::new(p.clone(), 4));
+    assert!(matches!(refused, Err(SubmitError::Overloaded(_))), "{refused:?}");
+    assert!(t.elapsed() < Duration::from_secs(5), "submit blocked");
+    let m = e.metrics();
+    assert_eq!((m.queue_depth, m.running, m.refused), (3, 1, 1));
+    // Too large for the pool is a different, permanent error.
+    let small = engine(EngineConfig::default().with_kv_budget_bytes(1 << 20));
+    assert!(matches!(small.submit(GenerationRequest::new(p.clone(), 400)), Err(SubmitError::TooLarge(_))));
+    // Context length and bad ids are refused too.
+    assert!(matches!(
+        e.submit(GenerationRequest::new(p.clone(), 1 << 20)),
+        Err(SubmitError::ContextLength { .. })
+    ));
+    assert!(matches!(e.submit(GenerationRequest::new(vec![1 << 30], 1)), Err(SubmitError::TokenOutOfRange { .. })));
+    // Cancelling queued requests frees their queue slots at once.
+    drop(queued);
+    assert_eq!(e.metrics().queue_depth, 0);
+    let again = e.submit(GenerationRequest::new(p, 2)).unwrap();
+    drop(running);
+    let out = collect(&again);
+    assert_eq!(out.ids.len(), out.usage.output_tokens);
+}
+
+#[test]
+fn shared_system_prompt_reuses_kv_with_identical_output() {
+    let system = "You are a concise assistant who answers questions about geography, science and \
+                  everyday life in one short sentence.";
+    let a = chat(system, "What is the capital of France?");
+    let b = chat(system, "Name a fruit.");
+    let e = engine(EngineConfig::default().with_prefill_chunk(16));
+    let first = collect(&e.submit(GenerationRequest::new(a, 4)).unwrap());
+    assert_eq!(first.cached, 0);
+    let second = collect(&e.submit(GenerationRequest::new(b.clone(), 6)).unwrap());
+    assert!(second.cached >= 20, "reused only {} tokens", second.cached);
+    let m = e.metrics();
+    assert_eq!((m.prefix_lookups, m.prefix_hits), (2, 1));
+    assert_eq!(m.prefix_hit_tokens, second.cached as u64);
+    assert!(m.prefix_hit_rate() > 0.4);
+
+    let cold = engine(EngineConfig::default().with_prefix_cache_entries(0));
+    let reference = collect(&cold.submit(GenerationRequest::new(b, 6)).unwrap());
+    assert_eq!(second.ids, reference.ids, "reused KV changed the output");
+    assert_eq!(cold.metrics().prefix_hits, 0);
+}
+
+#[test]
+fn two_hundred_concurrent_streams_all_finish() {
+    // 200 streams of ~40 prompt tokens + 4 new tokens, F16 KV: ~1 MiB each.
+    let e = engine(
+        EngineConfig::default().with_kv_budget_bytes(256 << 20).with_max_running(256).with_max_queue(256),
+    );
+    let handles: Vec<_> = (0..200)
+        .map(|i| {
+            let p = chat("Answer briefly.", QUESTIONS[i % QUESTIONS.len()]);
+            e.submit(GenerationRequest::new(p, 4).with_stop_sequences(["\n\n\n"])).unwrap()
+        })
+        .collect();
+    let outs: Vec<Outcome> = handles.iter().map(collect).collect();
+    for (i, o) in outs.iter().enumerate() {
+        assert!(!o.ids.is_empty() || o.stop == StopReason::EndTurn);
+        assert_eq!(o.usage.output_tokens, o.ids.len());
+        // Same prompt, same greedy output, whatever the batch composition.
+        assert_eq!(o.ids, outs[i % QUESTIONS.len()].ids);
+    }
+    let m = e.metrics();
+    assert_eq!(m.finished, 200);
+    assert!(m.ttft.count == 200 && m.generated_tokens >= 200);
+    drop(handles);
+    wait_for(|| e.metrics().running == 0, "all done");
+}
+
+#[test]
+fn stop_sequence_ends_the_stream_and_text_stops_before_it() {
+    let e = engine(EngineConfig::default());
+    let p = chat("You are a helpful assistant.", "What is the capital of France?");
+    let free = collect(&e.submit(GenerationRequest::new(p.clone(), 8)).unwrap());
+    assert!(free.text.contains("Paris"), "{:?}", free.text);
+    let stopped = collect(&e.submit(GenerationRequest::new(p, 8).with_stop_sequences(["Paris"])).unwrap());
+    assert_eq!(stopped.stop, StopReason::StopSequence);
+    assert!(!stopped.text.contains("Paris"));
+    assert!(free.text.starts_with(&stopped.text));
+}
