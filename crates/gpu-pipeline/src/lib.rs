@@ -3,12 +3,14 @@
 //! The CPU backend (the default) runs SIMD kernels directly over the GGUF blocks in the mapping,
 //! on a persistent thread pool.
 
+pub mod engine;
 pub mod kernels;
 mod generate;
 mod model;
 mod sampling;
 mod threadpool;
 
+pub use engine::{Engine, EngineConfig, EngineEvent, GenerationRequest, RequestHandle, SubmitError};
 pub use generate::{GenerateError, GenerateOptions, Generation};
 pub use model::{
     ActivationSplit, ForwardError, LogitsWanted, Model, ModelConfig, ModelError, ModelOptions,
