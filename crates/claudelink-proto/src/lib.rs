@@ -39,3 +39,5 @@ pub use tls::{CertFingerprint, Identity, PinnedVerifier, TlsError, Trust};
 pub use quinn;
 /// The TLS implementation (its types appear in this crate's API).
 pub use rustls;
+/// Async streams (the [`EventStream`] and client response streams implement its `Stream`).
+pub use futures;
