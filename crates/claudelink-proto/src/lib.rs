@@ -5,6 +5,7 @@
 
 mod client;
 mod codec;
+mod gateway;
 mod server;
 mod service;
 mod state;
@@ -14,6 +15,10 @@ pub use service::{
     CacheStrategy, ChatMessage, ChatRole, ErrorCode, EventStream, InferenceEvent, InferenceRequest,
     InferenceService, ModelInfo, Prompt, SamplingParams, ServiceError, ServiceMetrics, StopReason,
     Usage,
+};
+pub use gateway::{
+    ApiError, ApiErrorKind, Gateway, GatewayConfig, H3_ALPN, H3Handler, LAYER_VERSION,
+    SUPPORTED_ANTHROPIC_VERSIONS,
 };
 pub use client::{
     Client, ClientConfig, ClientError, Connection, Pool, PoolConfig, PoolStats, RequestError,
