@@ -2,6 +2,9 @@
 
 use std::sync::Arc;
 
+use half::f16;
+use half::slice::HalfFloatSliceExt;
+
 use crate::storage::Storage;
 use crate::{KvError, KvPool, KvSlices, KvTensor, KvView, RingMode};
 
@@ -213,12 +216,20 @@ impl KvRing {
         debug_assert!(e > 0 && self.len >= self.sinks + e);
         let (cap, hd, s) = (self.capacity, self.head_dim, self.sinks);
         if s > 0 {
+            let (src0, dst0) = (self.start, (self.start + e) % cap);
+            // Neither run wraps: one memmove of `s` rows per block.
+            let contiguous = src0 + s <= cap && dst0 + s <= cap;
             for b in 0..2 * self.n_layers * self.n_kv_heads {
                 let base = b * self.block;
+                if contiguous {
+                    self.storage
+                        .copy_within(base + src0 * hd, base + dst0 * hd, s * hd);
+                    continue;
+                }
                 // Back to front: a row's destination is the source of a later sink, already moved.
                 for i in (0..s).rev() {
-                    let src = (self.start + i) % cap;
-                    let dst = (self.start + e + i) % cap;
+                    let src = (src0 + i) % cap;
+                    let dst = (src0 + e + i) % cap;
                     self.storage
                         .copy_within(base + src * hd, base + dst * hd, hd);
                 }
@@ -263,15 +274,34 @@ impl KvRing {
                 });
             }
         }
-        let hd = self.head_dim;
+        let (hd, cap, heads) = (self.head_dim, self.capacity, self.n_kv_heads);
         let first = self.start + self.len;
-        for (tensor, src) in [(KvTensor::K, k), (KvTensor::V, v)] {
-            for h in 0..self.n_kv_heads {
-                let base = self.block_base(layer, h, tensor);
-                for (i, tok) in src.chunks_exact(row).enumerate() {
-                    let slot = (first + i) % self.capacity;
-                    self.storage
-                        .write_f32(base + slot * hd, &tok[h * hd..(h + 1) * hd]);
+        let k_base = self.block_base(layer, 0, KvTensor::K);
+        let block = self.block;
+        // Head h of tensor t (0 = K, 1 = V) starts at k_base + (2 * h + t) * block.
+        let dst_of = move |t: usize, h: usize, i: usize| {
+            k_base + (2 * h + t) * block + ((first + i) % cap) * hd
+        };
+        match &mut self.storage {
+            Storage::F32(buf) => {
+                for (t, src) in [k, v].into_iter().enumerate() {
+                    for (i, tok) in src.chunks_exact(row).enumerate() {
+                        for (h, r) in tok.chunks_exact(hd).enumerate().take(heads) {
+                            let d = dst_of(t, h, i);
+                            buf[d..d + hd].copy_from_slice(r);
+                        }
+                    }
+                }
+            }
+            Storage::F16(bits) => {
+                let buf: &mut [f16] = bytemuck::cast_slice_mut(bits);
+                for (t, src) in [k, v].into_iter().enumerate() {
+                    for (i, tok) in src.chunks_exact(row).enumerate() {
+                        for (h, r) in tok.chunks_exact(hd).enumerate().take(heads) {
+                            let d = dst_of(t, h, i);
+                            buf[d..d + hd].convert_from_f32_slice(r);
+                        }
+                    }
                 }
             }
         }
@@ -357,8 +387,8 @@ impl KvRing {
                 )
             }
             Storage::F16(s) => {
-                let k: &[half::f16] = bytemuck::cast_slice(&s[kb..kb + self.block]);
-                let v: &[half::f16] = bytemuck::cast_slice(&s[vb..vb + self.block]);
+                let k: &[f16] = bytemuck::cast_slice(&s[kb..kb + self.block]);
+                let v: &[f16] = bytemuck::cast_slice(&s[vb..vb + self.block]);
                 (
                     KvSlices::F16([&k[a.clone()], &k[b.clone()]]),
                     KvSlices::F16([&v[a], &v[b]]),

@@ -1,8 +1,5 @@
 //! Typed backing buffers of a ring.
 
-use half::f16;
-use half::slice::HalfFloatSliceExt;
-
 use crate::KvDtype;
 
 /// One ring's K and V elements for all layers and heads.
@@ -45,18 +42,6 @@ impl Storage {
         match self {
             Self::F32(v) => v.capacity() * size_of::<f32>(),
             Self::F16(v) => v.capacity() * size_of::<u16>(),
-        }
-    }
-
-    /// Converts `src` into `self[dst..dst + src.len()]`.
-    #[inline]
-    pub(crate) fn write_f32(&mut self, dst: usize, src: &[f32]) {
-        match self {
-            Self::F32(v) => v[dst..dst + src.len()].copy_from_slice(src),
-            Self::F16(v) => {
-                let out: &mut [f16] = bytemuck::cast_slice_mut(&mut v[dst..dst + src.len()]);
-                out.convert_from_f32_slice(src);
-            }
         }
     }
 
