@@ -42,11 +42,18 @@ fn prefill_rate(model: &Model, prompts: &[Vec<u32>]) -> f64 {
     let pool = KvPool::new(model.kv_shape(KvDtype::F16), 512 << 20).expect("pool");
     let mut best = f64::MAX;
     for _ in 0..3 {
-        let mut rings: Vec<_> = prompts.iter().map(|p| pool.alloc(p.len() + 1, RingMode::Strict).unwrap()).collect();
+        let mut rings: Vec<_> = prompts
+            .iter()
+            .map(|p| pool.alloc(p.len() + 1, RingMode::Strict).unwrap())
+            .collect();
         let mut steps: Vec<SeqStep<'_>> = prompts
             .iter()
             .zip(rings.iter_mut())
-            .map(|(p, kv)| SeqStep { tokens: p, kv, logits: LogitsWanted::Last })
+            .map(|(p, kv)| SeqStep {
+                tokens: p,
+                kv,
+                logits: LogitsWanted::Last,
+            })
             .collect();
         let mut out = Vec::new();
         let t = Instant::now();
@@ -76,7 +83,11 @@ fn run_level(model: &Arc<Model>, tok: &Arc<Tokenizer>, prompts: &[Vec<u32>], rat
     let t0 = Instant::now();
     let handles: Vec<_> = prompts
         .iter()
-        .map(|p| engine.submit(GenerationRequest::new(p.clone(), NEW_TOKENS).with_stop_tokens(vec![])).expect("submit"))
+        .map(|p| {
+            engine
+                .submit(GenerationRequest::new(p.clone(), NEW_TOKENS).with_stop_tokens(vec![]))
+                .expect("submit")
+        })
         .collect();
     let results: Vec<(Duration, usize)> = std::thread::scope(|s| {
         let joins: Vec<_> = handles
@@ -133,7 +144,9 @@ fn main() {
         "engine bench: {PROMPT_TOKENS}-token chat prompts, {NEW_TOKENS} new tokens, {} threads, prefill rate {rate:.0} tok/s",
         model.pool().n_threads()
     );
-    println!("| concurrent | gen tok/s | x single | req/s | p50 TTFT | p99 TTFT | ideal TTFT | p99/ideal |");
+    println!(
+        "| concurrent | gen tok/s | x single | req/s | p50 TTFT | p99 TTFT | ideal TTFT | p99/ideal |"
+    );
     println!("|---:|---:|---:|---:|---:|---:|---:|---:|");
     let mut single = None;
     for &c in &levels {

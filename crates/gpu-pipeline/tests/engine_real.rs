@@ -4,7 +4,9 @@
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
-use gpu_pipeline::engine::{Engine, EngineConfig, EngineEvent, EngineUsage, GenerationRequest, SubmitError};
+use gpu_pipeline::engine::{
+    Engine, EngineConfig, EngineEvent, EngineUsage, GenerationRequest, SubmitError,
+};
 use gpu_pipeline::{Model, ModelOptions, StopReason};
 use token_stream::{ChatMessage, ChatTemplate, Tokenizer};
 
@@ -29,7 +31,10 @@ fn fixture() -> &'static Fixture {
 
 fn chat(system: &str, user: &str) -> Vec<u32> {
     let f = fixture();
-    let msgs = [ChatMessage::new("system", system), ChatMessage::new("user", user)];
+    let msgs = [
+        ChatMessage::new("system", system),
+        ChatMessage::new("user", user),
+    ];
     f.chat.encode(&f.tok, &msgs, true).expect("encode").to_vec()
 }
 
@@ -47,7 +52,13 @@ struct Outcome {
 }
 
 fn collect(h: &gpu_pipeline::RequestHandle) -> Outcome {
-    let mut out = Outcome { ids: vec![], text: String::new(), cached: 0, stop: StopReason::MaxTokens, usage: EngineUsage::default() };
+    let mut out = Outcome {
+        ids: vec![],
+        text: String::new(),
+        cached: 0,
+        stop: StopReason::MaxTokens,
+        usage: EngineUsage::default(),
+    };
     let mut started = false;
     while let Some(ev) = h.recv_timeout(Duration::from_secs(600)) {
         match ev {
@@ -61,7 +72,12 @@ fn collect(h: &gpu_pipeline::RequestHandle) -> Outcome {
                 out.ids.push(id);
                 out.text += &text;
             }
-            EngineEvent::Finished { stop_reason, tail_text, usage, .. } => {
+            EngineEvent::Finished {
+                stop_reason,
+                tail_text,
+                usage,
+                ..
+            } => {
                 out.text += &tail_text;
                 out.stop = stop_reason;
                 out.usage = usage;
@@ -88,7 +104,10 @@ const QUESTIONS: [&str; 8] = [
 #[test]
 fn greedy_output_is_batch_invariant_and_matches_generate() {
     let f = fixture();
-    let prompt = chat("You are a helpful assistant.", "What is the capital of France?");
+    let prompt = chat(
+        "You are a helpful assistant.",
+        "What is the capital of France?",
+    );
     let n = 6;
     // Reference: the model's own single-sequence generate.
     let mut kv = kv_ring::KvPool::new(f.model.kv_shape(kv_ring::KvDtype::F16), 64 << 20)
@@ -97,19 +116,33 @@ fn greedy_output_is_batch_invariant_and_matches_generate() {
         .unwrap();
     let reference = f
         .model
-        .generate(&mut kv, &prompt, &gpu_pipeline::GenerateOptions::default().with_max_tokens(n), None, &mut |_| {})
+        .generate(
+            &mut kv,
+            &prompt,
+            &gpu_pipeline::GenerateOptions::default().with_max_tokens(n),
+            None,
+            &mut |_| {},
+        )
         .unwrap();
 
-    let cfg = EngineConfig::default().with_prefix_cache_entries(0).with_prefill_chunk(16);
+    let cfg = EngineConfig::default()
+        .with_prefix_cache_entries(0)
+        .with_prefill_chunk(16);
     let e = engine(cfg.clone());
     let alone = collect(&e.submit(GenerationRequest::new(prompt.clone(), n)).unwrap());
-    assert_eq!(alone.ids, reference.ids, "engine alone differs from Model::generate");
+    assert_eq!(
+        alone.ids, reference.ids,
+        "engine alone differs from Model::generate"
+    );
 
     // The same request in the middle of 100 others with different prompts and lengths.
     let e = engine(cfg);
     let mut others = Vec::new();
     for i in 0..50 {
-        let p = chat("You are a helpful assistant.", QUESTIONS[i % QUESTIONS.len()]);
+        let p = chat(
+            "You are a helpful assistant.",
+            QUESTIONS[i % QUESTIONS.len()],
+        );
         others.push(e.submit(GenerationRequest::new(p, 2 + i % 5)).unwrap());
     }
     let target = e.submit(GenerationRequest::new(prompt, n)).unwrap();
@@ -121,10 +154,17 @@ fn greedy_output_is_batch_invariant_and_matches_generate() {
     for h in &others {
         collect(h);
     }
-    assert_eq!(batched.ids, alone.ids, "output changed inside a batch of 100");
+    assert_eq!(
+        batched.ids, alone.ids,
+        "output changed inside a batch of 100"
+    );
     assert_eq!(batched.text, alone.text);
     let m = e.metrics();
-    assert!(m.batch_size_hist.len() > 5, "no step had 32+ sequences: {:?}", m.batch_size_hist);
+    assert!(
+        m.batch_size_hist.len() > 5,
+        "no step had 32+ sequences: {:?}",
+        m.batch_size_hist
+    );
     assert_eq!(m.finished, 101);
 }
 
@@ -132,7 +172,12 @@ fn greedy_output_is_batch_invariant_and_matches_generate() {
 fn cancel_and_drop_free_the_kv_ring() {
     let e = engine(EngineConfig::default().with_prefix_cache_entries(0));
     let pool = e.kv_pool().clone();
-    let h = e.submit(GenerationRequest::new(chat("Be verbose.", "Tell me a long story."), 500)).unwrap();
+    let h = e
+        .submit(GenerationRequest::new(
+            chat("Be verbose.", "Tell me a long story."),
+            500,
+        ))
+        .unwrap();
     // Wait until it is generating.
     loop {
         match h.recv_timeout(Duration::from_secs(120)).expect("events") {
@@ -147,8 +192,16 @@ fn cancel_and_drop_free_the_kv_ring() {
     assert_eq!(e.metrics().cancelled, 1);
 
     // Explicit cancel of a running request: the stream ends without Finished.
-    let h = e.submit(GenerationRequest::new(chat("Be verbose.", "Tell me a story."), 500)).unwrap();
-    assert!(matches!(h.recv_timeout(Duration::from_secs(120)), Some(EngineEvent::Started { .. })));
+    let h = e
+        .submit(GenerationRequest::new(
+            chat("Be verbose.", "Tell me a story."),
+            500,
+        ))
+        .unwrap();
+    assert!(matches!(
+        h.recv_timeout(Duration::from_secs(120)),
+        Some(EngineEvent::Started { .. })
+    ));
     h.cancel();
     wait_for(|| pool.used_bytes() == 0, "KV freed after cancel");
     wait_for(|| e.metrics().running == 0, "sequence removed");
@@ -165,27 +218,46 @@ fn wait_for(mut f: impl FnMut() -> bool, what: &str) {
 
 #[test]
 fn overload_is_refused_at_once_and_queued_requests_cancel_cleanly() {
-    let e = engine(EngineConfig::default().with_max_queue(3).with_max_running(1).with_prefix_cache_entries(0));
+    let e = engine(
+        EngineConfig::default()
+            .with_max_queue(3)
+            .with_max_running(1)
+            .with_prefix_cache_entries(0),
+    );
     let p = chat("Be verbose.", "Tell me a long story.");
     let running = e.submit(GenerationRequest::new(p.clone(), 400)).unwrap();
     // Wait until it is admitted so the queue is empty.
-    assert!(matches!(running.recv_timeout(Duration::from_secs(120)), Some(EngineEvent::Started { .. })));
-    let queued: Vec<_> = (0..3).map(|_| e.submit(GenerationRequest::new(p.clone(), 4)).unwrap()).collect();
+    assert!(matches!(
+        running.recv_timeout(Duration::from_secs(120)),
+        Some(EngineEvent::Started { .. })
+    ));
+    let queued: Vec<_> = (0..3)
+        .map(|_| e.submit(GenerationRequest::new(p.clone(), 4)).unwrap())
+        .collect();
     let t = Instant::now();
     let refused = e.submit(GenerationRequest::new(p.clone(), 4));
-    assert!(matches!(refused, Err(SubmitError::Overloaded(_))), "{refused:?}");
+    assert!(
+        matches!(refused, Err(SubmitError::Overloaded(_))),
+        "{refused:?}"
+    );
     assert!(t.elapsed() < Duration::from_secs(5), "submit blocked");
     let m = e.metrics();
     assert_eq!((m.queue_depth, m.running, m.refused), (3, 1, 1));
     // Too large for the pool is a different, permanent error.
     let small = engine(EngineConfig::default().with_kv_budget_bytes(1 << 20));
-    assert!(matches!(small.submit(GenerationRequest::new(p.clone(), 400)), Err(SubmitError::TooLarge(_))));
+    assert!(matches!(
+        small.submit(GenerationRequest::new(p.clone(), 400)),
+        Err(SubmitError::TooLarge(_))
+    ));
     // Context length and bad ids are refused too.
     assert!(matches!(
         e.submit(GenerationRequest::new(p.clone(), 1 << 20)),
         Err(SubmitError::ContextLength { .. })
     ));
-    assert!(matches!(e.submit(GenerationRequest::new(vec![1 << 30], 1)), Err(SubmitError::TokenOutOfRange { .. })));
+    assert!(matches!(
+        e.submit(GenerationRequest::new(vec![1 << 30], 1)),
+        Err(SubmitError::TokenOutOfRange { .. })
+    ));
     // Cancelling queued requests frees their queue slots at once.
     drop(queued);
     assert_eq!(e.metrics().queue_depth, 0);
@@ -221,12 +293,16 @@ fn shared_system_prompt_reuses_kv_with_identical_output() {
 fn two_hundred_concurrent_streams_all_finish() {
     // 200 streams of ~40 prompt tokens + 4 new tokens, F16 KV: ~1 MiB each.
     let e = engine(
-        EngineConfig::default().with_kv_budget_bytes(256 << 20).with_max_running(256).with_max_queue(256),
+        EngineConfig::default()
+            .with_kv_budget_bytes(256 << 20)
+            .with_max_running(256)
+            .with_max_queue(256),
     );
     let handles: Vec<_> = (0..200)
         .map(|i| {
             let p = chat("Answer briefly.", QUESTIONS[i % QUESTIONS.len()]);
-            e.submit(GenerationRequest::new(p, 4).with_stop_sequences(["\n\n\n"])).unwrap()
+            e.submit(GenerationRequest::new(p, 4).with_stop_sequences(["\n\n\n"]))
+                .unwrap()
         })
         .collect();
     let outs: Vec<Outcome> = handles.iter().map(collect).collect();
@@ -246,10 +322,16 @@ fn two_hundred_concurrent_streams_all_finish() {
 #[test]
 fn stop_sequence_ends_the_stream_and_text_stops_before_it() {
     let e = engine(EngineConfig::default());
-    let p = chat("You are a helpful assistant.", "What is the capital of France?");
+    let p = chat(
+        "You are a helpful assistant.",
+        "What is the capital of France?",
+    );
     let free = collect(&e.submit(GenerationRequest::new(p.clone(), 8)).unwrap());
     assert!(free.text.contains("Paris"), "{:?}", free.text);
-    let stopped = collect(&e.submit(GenerationRequest::new(p, 8).with_stop_sequences(["Paris"])).unwrap());
+    let stopped = collect(
+        &e.submit(GenerationRequest::new(p, 8).with_stop_sequences(["Paris"]))
+            .unwrap(),
+    );
     assert_eq!(stopped.stop, StopReason::StopSequence);
     assert!(!stopped.text.contains("Paris"));
     assert!(free.text.starts_with(&stopped.text));

@@ -7,7 +7,7 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 
-use super::{EngineEvent, Shared, SeqId};
+use super::{EngineEvent, SeqId, Shared};
 
 #[derive(Default)]
 struct Queue {
@@ -61,7 +61,9 @@ pub struct RequestHandle {
 
 impl std::fmt::Debug for RequestHandle {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("RequestHandle").field("id", &self.id).finish_non_exhaustive()
+        f.debug_struct("RequestHandle")
+            .field("id", &self.id)
+            .finish_non_exhaustive()
     }
 }
 
@@ -73,7 +75,12 @@ impl RequestHandle {
 
     /// The next event, if one is ready; `None` also after the last event.
     pub fn try_recv(&self) -> Option<EngineEvent> {
-        self.chan.q.lock().unwrap_or_else(|e| e.into_inner()).events.pop_front()
+        self.chan
+            .q
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .events
+            .pop_front()
     }
 
     /// Blocks for the next event; `None` after the last one.
@@ -102,7 +109,12 @@ impl RequestHandle {
             if q.closed || now >= deadline {
                 return None;
             }
-            q = self.chan.ready.wait_timeout(q, deadline - now).unwrap_or_else(|e| e.into_inner()).0;
+            q = self
+                .chan
+                .ready
+                .wait_timeout(q, deadline - now)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
         }
     }
 

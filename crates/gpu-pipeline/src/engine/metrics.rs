@@ -101,7 +101,11 @@ pub struct EngineMetrics {
 impl EngineMetrics {
     /// Fraction of prefix-cache lookups that hit.
     pub fn prefix_hit_rate(&self) -> f64 {
-        if self.prefix_lookups == 0 { 0.0 } else { self.prefix_hits as f64 / self.prefix_lookups as f64 }
+        if self.prefix_lookups == 0 {
+            0.0
+        } else {
+            self.prefix_hits as f64 / self.prefix_lookups as f64
+        }
     }
 
     pub(crate) fn record_batch(&mut self, n: usize) {
@@ -126,7 +130,10 @@ mod tests {
         assert_eq!(h.count, 5);
         assert_eq!(h.quantile_upper_bound(0.2), Some(Duration::ZERO));
         assert_eq!(h.quantile_upper_bound(0.6), Some(Duration::from_micros(4)));
-        assert_eq!(h.quantile_upper_bound(1.0), Some(Duration::from_micros(1024)));
+        assert_eq!(
+            h.quantile_upper_bound(1.0),
+            Some(Duration::from_micros(1024))
+        );
         let mut m = EngineMetrics::default();
         m.record_batch(1);
         m.record_batch(3);

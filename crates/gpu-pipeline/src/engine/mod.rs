@@ -230,7 +230,9 @@ pub enum SubmitError {
     #[error("overloaded: {0}")]
     Overloaded(Refusal),
     /// Prompt plus `max_new_tokens` exceed the model's context.
-    #[error("prompt of {prompt_tokens} tokens + {max_new_tokens} new tokens exceed the context of {context}")]
+    #[error(
+        "prompt of {prompt_tokens} tokens + {max_new_tokens} new tokens exceed the context of {context}"
+    )]
     ContextLength {
         /// Prompt length.
         prompt_tokens: usize,
@@ -340,14 +342,20 @@ pub struct Engine {
 
 impl std::fmt::Debug for Engine {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Engine").field("model", &self.model).finish_non_exhaustive()
+        f.debug_struct("Engine")
+            .field("model", &self.model)
+            .finish_non_exhaustive()
     }
 }
 
 impl Engine {
     /// Starts an engine on `model` with a KV pool of `cfg.kv_budget_bytes`. The tokenizer (the
     /// model's own) turns tokens into text and enables stop sequences.
-    pub fn new(model: Arc<Model>, tokenizer: Option<Arc<Tokenizer>>, cfg: EngineConfig) -> Result<Self, EngineInitError> {
+    pub fn new(
+        model: Arc<Model>,
+        tokenizer: Option<Arc<Tokenizer>>,
+        cfg: EngineConfig,
+    ) -> Result<Self, EngineInitError> {
         let pool = KvPool::new(model.kv_shape(cfg.kv_dtype), cfg.kv_budget_bytes)?;
         let bpt = pool.bytes_per_token().max(1);
         let sched = Scheduler::new(SchedulerConfig {
@@ -378,7 +386,15 @@ impl Engine {
         let thread = std::thread::Builder::new()
             .name("zerolayer-engine".into())
             .spawn(move || worker.run(tok.as_deref()))?;
-        Ok(Self { shared, model, pool, tokenizer, next_id: AtomicU64::new(1), thread: Some(thread), started: Instant::now() })
+        Ok(Self {
+            shared,
+            model,
+            pool,
+            tokenizer,
+            next_id: AtomicU64::new(1),
+            thread: Some(thread),
+            started: Instant::now(),
+        })
     }
 
     /// The model.
@@ -399,8 +415,17 @@ impl Engine {
     /// Queues a request, or refuses it at once (never blocks, never queues without bound).
     pub fn submit(&self, req: GenerationRequest) -> Result<RequestHandle, SubmitError> {
         let cfg = self.model.config();
-        if let Some((index, &token)) = req.prompt.iter().enumerate().find(|(_, t)| **t as usize >= cfg.vocab_size) {
-            return Err(SubmitError::TokenOutOfRange { index, token, vocab: cfg.vocab_size });
+        if let Some((index, &token)) = req
+            .prompt
+            .iter()
+            .enumerate()
+            .find(|(_, t)| **t as usize >= cfg.vocab_size)
+        {
+            return Err(SubmitError::TokenOutOfRange {
+                index,
+                token,
+                vocab: cfg.vocab_size,
+            });
         }
         if req.prompt.len().saturating_add(req.max_new_tokens) > cfg.context_length {
             return Err(SubmitError::ContextLength {
@@ -413,8 +438,11 @@ impl Engine {
             return Err(SubmitError::StopSequencesNeedTokenizer);
         }
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        let spec =
-            SeqSpec { prompt_tokens: req.prompt.len(), max_new_tokens: req.max_new_tokens, priority: req.priority };
+        let spec = SeqSpec {
+            prompt_tokens: req.prompt.len(),
+            max_new_tokens: req.max_new_tokens,
+            priority: req.priority,
+        };
         let chan = Arc::new(Chan::default());
         let mut st = self.shared.lock();
         if st.shutdown {
@@ -431,10 +459,21 @@ impl Engine {
             });
         }
         st.metrics.submitted += 1;
-        st.pending.insert(id, Pending { req, chan: chan.clone(), submitted: Instant::now() });
+        st.pending.insert(
+            id,
+            Pending {
+                req,
+                chan: chan.clone(),
+                submitted: Instant::now(),
+            },
+        );
         drop(st);
         self.shared.wake.notify_all();
-        Ok(RequestHandle { id, chan, shared: self.shared.clone() })
+        Ok(RequestHandle {
+            id,
+            chan,
+            shared: self.shared.clone(),
+        })
     }
 
     /// A snapshot of the metrics.
@@ -517,15 +556,24 @@ impl Worker {
             }
             if st.shutdown {
                 for (_, p) in st.pending.drain() {
-                    p.chan.send(EngineEvent::Error { error: Arc::new(EngineError::ShutDown) });
+                    p.chan.send(EngineEvent::Error {
+                        error: Arc::new(EngineError::ShutDown),
+                    });
                 }
                 for (_, a) in active.drain() {
-                    a.chan.send(EngineEvent::Error { error: Arc::new(EngineError::ShutDown) });
+                    a.chan.send(EngineEvent::Error {
+                        error: Arc::new(EngineError::ShutDown),
+                    });
                 }
                 return;
             }
             let mut cancels = std::mem::take(&mut st.cancels);
-            cancels.extend(active.iter().filter(|(_, a)| a.chan.is_cancelled()).map(|(id, _)| *id));
+            cancels.extend(
+                active
+                    .iter()
+                    .filter(|(_, a)| a.chan.is_cancelled())
+                    .map(|(id, _)| *id),
+            );
             for id in cancels {
                 st.sched.cancel(id);
                 st.pending.remove(&id);
@@ -538,7 +586,9 @@ impl Worker {
                 while free(&self.pool) < need && self.prefix.evict_lru() {}
             }
             for id in st.sched.admit(free(&self.pool)) {
-                let Some(p) = st.pending.remove(&id) else { continue };
+                let Some(p) = st.pending.remove(&id) else {
+                    continue;
+                };
                 match self.start(id, p, tok) {
                     Ok(a) => {
                         st.sched.started(id, a.cached);
@@ -547,11 +597,14 @@ impl Worker {
                             st.metrics.prefix_hit_tokens += a.cached as u64;
                         }
                         st.metrics.prefix_lookups += 1;
-                        a.chan.send(EngineEvent::Started { input_tokens: a.req.prompt.len(), cached_tokens: a.cached });
+                        a.chan.send(EngineEvent::Started {
+                            input_tokens: a.req.prompt.len(),
+                            cached_tokens: a.cached,
+                        });
                         active.insert(id, a);
                     }
                     Err(p) => {
-                        st.pending.insert(id, p);
+                        st.pending.insert(id, *p);
                         st.sched.start_failed(id);
                     }
                 }
@@ -570,20 +623,34 @@ impl Worker {
 
             // ---- the step
             let t0 = Instant::now();
-            let mut seqs: Vec<(WorkItem, Active<'_>)> =
-                batch.iter().filter_map(|w| active.remove(&w.id()).map(|a| (*w, a))).collect();
+            let mut seqs: Vec<(WorkItem, Active<'_>)> = batch
+                .iter()
+                .filter_map(|w| active.remove(&w.id()).map(|a| (*w, a)))
+                .collect();
             let result = {
                 let mut steps: Vec<SeqStep<'_>> = seqs
                     .iter_mut()
                     .map(|(w, a)| {
                         let (tokens, logits) = match *w {
-                            WorkItem::Prefill { start, len, last, .. } => (
+                            WorkItem::Prefill {
+                                start, len, last, ..
+                            } => (
                                 &a.req.prompt[start..start + len],
-                                if last { LogitsWanted::Last } else { LogitsWanted::None },
+                                if last {
+                                    LogitsWanted::Last
+                                } else {
+                                    LogitsWanted::None
+                                },
                             ),
-                            WorkItem::Decode { .. } => (&a.history[a.history.len() - 1..], LogitsWanted::Last),
+                            WorkItem::Decode { .. } => {
+                                (&a.history[a.history.len() - 1..], LogitsWanted::Last)
+                            }
                         };
-                        SeqStep { tokens, kv: &mut a.kv, logits }
+                        SeqStep {
+                            tokens,
+                            kv: &mut a.kv,
+                            logits,
+                        }
                     })
                     .collect();
                 self.model.forward(&mut steps, &mut logits)
@@ -681,30 +748,49 @@ impl Worker {
                     let chan = a.chan.clone();
                     // Free the ring before telling the client.
                     drop(a);
-                    chan.send(EngineEvent::Finished { stop_reason, stop_sequence, tail_text, usage });
+                    chan.send(EngineEvent::Finished {
+                        stop_reason,
+                        stop_sequence,
+                        tail_text,
+                        usage,
+                    });
                 }
             }
         }
     }
 
     /// Allocates the KV of an admitted request (forking a cached prefix when one matches).
-    fn start<'t>(&mut self, id: SeqId, p: Pending, tok: Option<&'t Tokenizer>) -> Result<Active<'t>, Pending> {
+    fn start<'t>(
+        &mut self,
+        id: SeqId,
+        p: Pending,
+        tok: Option<&'t Tokenizer>,
+    ) -> Result<Active<'t>, Box<Pending>> {
         let cap = p.req.prompt.len() + p.req.max_new_tokens;
         let forked = match self.prefix.lookup(&p.req.prompt) {
-            Some((ring, n)) => ring.fork_into(n, cap, RingMode::Strict).ok().map(|r| (r, n)),
+            Some((ring, n)) => ring
+                .fork_into(n, cap, RingMode::Strict)
+                .ok()
+                .map(|r| (r, n)),
             None => None,
         };
         let (kv, cached) = match forked {
             Some(x) => x,
             None => match self.pool.alloc(cap, RingMode::Strict) {
                 Ok(r) => (r, 0),
-                Err(_) => return Err(p),
+                Err(_) => return Err(Box::new(p)),
             },
         };
         let decoder = tok.map(|t| {
-            StreamDecoder::new(t).skip_special_tokens(true).with_stop_sequences(p.req.stop_sequences.iter().cloned())
+            StreamDecoder::new(t)
+                .skip_special_tokens(true)
+                .with_stop_sequences(p.req.stop_sequences.iter().cloned())
         });
-        let stop_tokens = p.req.stop_tokens.clone().unwrap_or_else(|| self.model.stop_tokens());
+        let stop_tokens = p
+            .req
+            .stop_tokens
+            .clone()
+            .unwrap_or_else(|| self.model.stop_tokens());
         let mut history = Vec::with_capacity(cap);
         history.extend_from_slice(&p.req.prompt);
         Ok(Active {
@@ -752,7 +838,15 @@ impl Active<'_> {
         };
         self.chan.send(EngineEvent::Token { id: token, text });
         if let Some(i) = stopped {
-            return Outcome::Stop(StopReason::StopSequence, self.req.stop_sequences.iter().filter(|s| !s.is_empty()).nth(i).cloned());
+            return Outcome::Stop(
+                StopReason::StopSequence,
+                self.req
+                    .stop_sequences
+                    .iter()
+                    .filter(|s| !s.is_empty())
+                    .nth(i)
+                    .cloned(),
+            );
         }
         Outcome::Continue
     }

@@ -25,7 +25,12 @@ fn common_prefix(a: &[u32], b: &[u32]) -> usize {
 
 impl PrefixCache {
     pub(crate) fn new(max_entries: usize, min_tokens: usize) -> Self {
-        Self { entries: Vec::new(), max_entries, min_tokens: min_tokens.max(1), clock: 0 }
+        Self {
+            entries: Vec::new(),
+            max_entries,
+            min_tokens: min_tokens.max(1),
+            clock: 0,
+        }
     }
 
     pub(crate) fn is_disabled(&self) -> bool {
@@ -57,7 +62,9 @@ impl PrefixCache {
 
     /// Whether an entry already covers all of `prompt`.
     pub(crate) fn covers(&self, prompt: &[u32]) -> bool {
-        self.entries.iter().any(|e| common_prefix(&e.tokens, prompt) == prompt.len())
+        self.entries
+            .iter()
+            .any(|e| common_prefix(&e.tokens, prompt) == prompt.len())
     }
 
     /// Adds an entry (the least recently used one goes when full). `ring` must hold exactly the
@@ -67,17 +74,28 @@ impl PrefixCache {
             return;
         }
         // An entry that is a prefix of the new one is superseded by it.
-        self.entries.retain(|e| common_prefix(&e.tokens, &tokens) < e.tokens.len());
+        self.entries
+            .retain(|e| common_prefix(&e.tokens, &tokens) < e.tokens.len());
         if self.entries.len() >= self.max_entries {
             self.evict_lru();
         }
         self.clock += 1;
-        self.entries.push(Entry { tokens, ring, last_used: self.clock });
+        self.entries.push(Entry {
+            tokens,
+            ring,
+            last_used: self.clock,
+        });
     }
 
     /// Drops the least recently used entry (frees its ring). Returns whether one was dropped.
     pub(crate) fn evict_lru(&mut self) -> bool {
-        let Some(i) = self.entries.iter().enumerate().min_by_key(|(_, e)| e.last_used).map(|(i, _)| i) else {
+        let Some(i) = self
+            .entries
+            .iter()
+            .enumerate()
+            .min_by_key(|(_, e)| e.last_used)
+            .map(|(i, _)| i)
+        else {
             return false;
         };
         self.entries.swap_remove(i);

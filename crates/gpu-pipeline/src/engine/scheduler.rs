@@ -248,23 +248,35 @@ impl Scheduler {
 
     /// Generated tokens so far of a running sequence.
     pub fn generated(&self, id: SeqId) -> Option<usize> {
-        self.running.iter().find(|r| r.id == id).map(|r| r.generated)
+        self.running
+            .iter()
+            .find(|r| r.id == id)
+            .map(|r| r.generated)
     }
 
     /// Admission control: queues the request or refuses it at once.
     pub fn submit(&mut self, id: SeqId, spec: SeqSpec) -> Result<(), Refusal> {
         if spec.prompt_tokens == 0 || spec.max_new_tokens == 0 {
-            return Err(Refusal::Empty { prompt_tokens: spec.prompt_tokens, max_new_tokens: spec.max_new_tokens });
+            return Err(Refusal::Empty {
+                prompt_tokens: spec.prompt_tokens,
+                max_new_tokens: spec.max_new_tokens,
+            });
         }
         if self.waiting.contains_key(&id) || self.running.iter().any(|r| r.id == id) {
             return Err(Refusal::DuplicateId(id));
         }
         let need = spec.kv_tokens();
         if need > self.cfg.kv_budget_tokens {
-            return Err(Refusal::TooLarge { requested: need, budget: self.cfg.kv_budget_tokens });
+            return Err(Refusal::TooLarge {
+                requested: need,
+                budget: self.cfg.kv_budget_tokens,
+            });
         }
         if self.waiting.len() >= self.cfg.max_queue {
-            return Err(Refusal::QueueFull { depth: self.waiting.len(), limit: self.cfg.max_queue });
+            return Err(Refusal::QueueFull {
+                depth: self.waiting.len(),
+                limit: self.cfg.max_queue,
+            });
         }
         if self.queued_tokens + need > self.cfg.max_queued_tokens {
             return Err(Refusal::QueuedTokensFull {
@@ -288,7 +300,9 @@ impl Scheduler {
         let mut free = kv_free_tokens;
         let mut out = Vec::new();
         while self.running.len() + out.len() < self.cfg.max_running {
-            let Some((&key, &id)) = self.order.iter().next() else { break };
+            let Some((&key, &id)) = self.order.iter().next() else {
+                break;
+            };
             let need = self.waiting[&id].spec.kv_tokens();
             if need > free {
                 break;
@@ -306,7 +320,12 @@ impl Scheduler {
         if let Some(w) = self.waiting.remove(&id) {
             self.queued_tokens -= w.spec.kv_tokens();
             let prefilled = cached_prompt_tokens.min(w.spec.prompt_tokens - 1);
-            self.running.push(Running { id, spec: w.spec, prefilled, generated: 0 });
+            self.running.push(Running {
+                id,
+                spec: w.spec,
+                prefilled,
+                generated: 0,
+            });
         }
     }
 
@@ -337,7 +356,12 @@ impl Scheduler {
             }
             let len = left.min(self.cfg.prefill_chunk).min(budget);
             budget -= len;
-            items.push(WorkItem::Prefill { id: r.id, start: r.prefilled, len, last: len == left });
+            items.push(WorkItem::Prefill {
+                id: r.id,
+                start: r.prefilled,
+                len,
+                last: len == left,
+            });
         }
         self.last_batch.clone_from(&items);
         items
@@ -349,7 +373,9 @@ impl Scheduler {
     pub fn complete_batch(&mut self) -> Vec<SeqId> {
         let mut done = Vec::new();
         for item in std::mem::take(&mut self.last_batch) {
-            let Some(r) = self.running.iter_mut().find(|r| r.id == item.id()) else { continue };
+            let Some(r) = self.running.iter_mut().find(|r| r.id == item.id()) else {
+                continue;
+            };
             if let WorkItem::Prefill { len, .. } = item {
                 r.prefilled += len;
             }
@@ -388,7 +414,11 @@ mod tests {
     use proptest::prelude::*;
 
     fn spec(p: usize, n: usize) -> SeqSpec {
-        SeqSpec { prompt_tokens: p, max_new_tokens: n, priority: 0 }
+        SeqSpec {
+            prompt_tokens: p,
+            max_new_tokens: n,
+            priority: 0,
+        }
     }
 
     fn cfg() -> SchedulerConfig {
@@ -405,18 +435,37 @@ mod tests {
     #[test]
     fn refusals_are_typed() {
         let mut s = Scheduler::new(cfg());
-        assert_eq!(s.submit(1, spec(0, 1)), Err(Refusal::Empty { prompt_tokens: 0, max_new_tokens: 1 }));
-        assert_eq!(s.submit(1, spec(50, 20)), Err(Refusal::TooLarge { requested: 70, budget: 60 }));
+        assert_eq!(
+            s.submit(1, spec(0, 1)),
+            Err(Refusal::Empty {
+                prompt_tokens: 0,
+                max_new_tokens: 1
+            })
+        );
+        assert_eq!(
+            s.submit(1, spec(50, 20)),
+            Err(Refusal::TooLarge {
+                requested: 70,
+                budget: 60
+            })
+        );
         s.submit(1, spec(10, 40)).unwrap();
         assert_eq!(s.submit(1, spec(1, 1)), Err(Refusal::DuplicateId(1)));
         assert_eq!(
             s.submit(2, spec(30, 30)),
-            Err(Refusal::QueuedTokensFull { queued: 50, requested: 60, limit: 100 })
+            Err(Refusal::QueuedTokensFull {
+                queued: 50,
+                requested: 60,
+                limit: 100
+            })
         );
         for id in 2..5 {
             s.submit(id, spec(1, 1)).unwrap();
         }
-        assert_eq!(s.submit(9, spec(1, 1)), Err(Refusal::QueueFull { depth: 4, limit: 4 }));
+        assert_eq!(
+            s.submit(9, spec(1, 1)),
+            Err(Refusal::QueueFull { depth: 4, limit: 4 })
+        );
         assert!(s.cancel(1));
         s.submit(9, spec(1, 1)).unwrap();
     }
@@ -425,7 +474,14 @@ mod tests {
     fn priority_then_fifo_and_no_overtaking() {
         let mut s = Scheduler::new(cfg());
         s.submit(1, spec(5, 5)).unwrap();
-        s.submit(2, SeqSpec { priority: 5, ..spec(5, 5) }).unwrap();
+        s.submit(
+            2,
+            SeqSpec {
+                priority: 5,
+                ..spec(5, 5)
+            },
+        )
+        .unwrap();
         s.submit(3, spec(40, 10)).unwrap();
         s.submit(4, spec(1, 1)).unwrap();
         // 2 first (priority), then 1; 3 needs 50 and does not fit in 30, so 4 waits behind it.
@@ -450,17 +506,38 @@ mod tests {
         assert_eq!(
             b,
             vec![
-                WorkItem::Prefill { id: 1, start: 0, len: 2, last: true },
-                WorkItem::Prefill { id: 2, start: 5, len: 4, last: false }
+                WorkItem::Prefill {
+                    id: 1,
+                    start: 0,
+                    len: 2,
+                    last: true
+                },
+                WorkItem::Prefill {
+                    id: 2,
+                    start: 5,
+                    len: 4,
+                    last: false
+                }
             ]
         );
         s.complete_batch();
         assert_eq!(
             s.next_batch(),
-            vec![WorkItem::Decode { id: 1 }, WorkItem::Prefill { id: 2, start: 9, len: 2, last: true }]
+            vec![
+                WorkItem::Decode { id: 1 },
+                WorkItem::Prefill {
+                    id: 2,
+                    start: 9,
+                    len: 2,
+                    last: true
+                }
+            ]
         );
         assert!(s.complete_batch().is_empty());
-        assert_eq!(s.next_batch(), vec![WorkItem::Decode { id: 1 }, WorkItem::Decode { id: 2 }]);
+        assert_eq!(
+            s.next_batch(),
+            vec![WorkItem::Decode { id: 1 }, WorkItem::Decode { id: 2 }]
+        );
         assert_eq!(s.complete_batch(), vec![2]);
         assert_eq!(s.running(), 1);
     }
@@ -492,21 +569,34 @@ mod tests {
         for o in ops {
             match *o {
                 Op::Submit(p, n, pr) => {
-                    let r = s.submit(next, SeqSpec { prompt_tokens: p, max_new_tokens: n, priority: pr });
+                    let r = s.submit(
+                        next,
+                        SeqSpec {
+                            prompt_tokens: p,
+                            max_new_tokens: n,
+                            priority: pr,
+                        },
+                    );
                     if r.is_ok() {
                         accepted.push(next);
                     }
                     next += 1;
                 }
                 Op::Cancel(id) | Op::Stop(id) => {
-                    let known = if matches!(o, Op::Cancel(_)) { s.cancel(id) } else { s.finish(id) };
+                    let known = if matches!(o, Op::Cancel(_)) {
+                        s.cancel(id)
+                    } else {
+                        s.finish(id)
+                    };
                     if known {
                         kv_used.remove(&id);
                     }
                 }
                 Op::Step(extra_kv_pressure) => {
                     let used: usize = kv_used.values().sum();
-                    let free = cfg.kv_budget_tokens.saturating_sub(used + extra_kv_pressure);
+                    let free = cfg
+                        .kv_budget_tokens
+                        .saturating_sub(used + extra_kv_pressure);
                     let adm = s.admit(free);
                     let need: usize = adm.iter().map(|id| s.waiting[id].spec.kv_tokens()).sum();
                     prop_assert!(need <= free, "admitted beyond the KV free");
@@ -516,17 +606,27 @@ mod tests {
                         prompt_left.insert(id, w.prompt_tokens);
                         s.started(id, 0);
                     }
-                    let decoding: Vec<SeqId> =
-                        s.running.iter().filter(|r| r.prefilled == r.spec.prompt_tokens).map(|r| r.id).collect();
+                    let decoding: Vec<SeqId> = s
+                        .running
+                        .iter()
+                        .filter(|r| r.prefilled == r.spec.prompt_tokens)
+                        .map(|r| r.id)
+                        .collect();
                     let prefilling = s.running.len() - decoding.len();
                     let b = s.next_batch();
                     let total: usize = b.iter().map(WorkItem::tokens).sum();
                     prop_assert!(total <= s.cfg.step_token_budget);
                     for id in &decoding {
-                        prop_assert!(b.contains(&WorkItem::Decode { id: *id }), "a decoding stream was skipped");
+                        prop_assert!(
+                            b.contains(&WorkItem::Decode { id: *id }),
+                            "a decoding stream was skipped"
+                        );
                     }
                     if prefilling > 0 {
-                        prop_assert!(b.iter().any(|i| matches!(i, WorkItem::Prefill { .. })), "prefill starved");
+                        prop_assert!(
+                            b.iter().any(|i| matches!(i, WorkItem::Prefill { .. })),
+                            "prefill starved"
+                        );
                     }
                     for i in &b {
                         if let WorkItem::Prefill { id, len, last, .. } = *i {
