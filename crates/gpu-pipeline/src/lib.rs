@@ -4,13 +4,15 @@
 //! on a persistent thread pool.
 
 pub mod engine;
-pub mod kernels;
 mod generate;
+pub mod kernels;
 mod model;
 mod sampling;
 mod threadpool;
 
-pub use engine::{Engine, EngineConfig, EngineEvent, GenerationRequest, RequestHandle, SubmitError};
+pub use engine::{
+    Engine, EngineConfig, EngineEvent, GenerationRequest, RequestHandle, SubmitError,
+};
 pub use generate::{GenerateError, GenerateOptions, Generation};
 pub use model::{
     ActivationSplit, ForwardError, LogitsWanted, Model, ModelConfig, ModelError, ModelOptions,
