@@ -1,1 +1,190 @@
-fn main() {}
+//! Single-threaded encode throughput of token-stream against HF `tokenizers` (SmolLM2),
+//! `tiktoken-rs` and `bpe-openai` (cl100k_base, o200k_base) on the same corpus, with ratios;
+//! plus decode throughput, batch-encode scaling and a 42-token chat prompt.
+//!
+//! Corpus: `scripts/make-tokenizer-corpus bench` (kernel docs as prose, kernel/ + mm/ C as code,
+//! Chinese docs + fortunes-zh), found in `$ZEROLAYER_CORPUS` or `~/.cache/zerolayer/corpus`;
+//! without it the committed parity corpus is used (and a message says so).
+//! `ZEROLAYER_BENCH_MB` (default 2) sets how many MB of each corpus part one pass encodes.
+
+use std::hint::black_box;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use criterion::{Criterion, Throughput, criterion_group, criterion_main};
+use token_stream::{ChatMessage, ChatTemplate, Tokenizer, base64_encode};
+
+fn corpus() -> Vec<(String, Vec<String>)> {
+    let dir = std::env::var_os("ZEROLAYER_CORPUS")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cache/zerolayer/corpus"));
+    let mb: f64 = std::env::var("ZEROLAYER_BENCH_MB").ok().and_then(|s| s.parse().ok()).unwrap_or(2.0);
+    let limit = (mb * 1e6) as usize;
+    let mut parts = Vec::new();
+    for name in ["prose", "code", "zh"] {
+        if let Ok(text) = std::fs::read_to_string(dir.join(format!("{name}.txt"))) {
+            // Documents of up to ~4 KB cut at line ends, like requests a server would see.
+            let mut docs = Vec::new();
+            let mut cur = String::new();
+            let mut total = 0;
+            for line in text.split_inclusive('\n') {
+                cur.push_str(line);
+                if cur.len() >= 4096 {
+                    total += cur.len();
+                    docs.push(std::mem::take(&mut cur));
+                    if total >= limit {
+                        break;
+                    }
+                }
+            }
+            if !cur.is_empty() && total < limit {
+                docs.push(cur);
+            }
+            parts.push((name.to_owned(), docs));
+        }
+    }
+    if parts.is_empty() {
+        eprintln!(
+            "NOTE: no bench corpus in {} (run scripts/make-tokenizer-corpus bench); using the small committed parity corpus",
+            dir.display()
+        );
+        let docs = include_str!("../tests/fixtures/parity.jsonl")
+            .lines()
+            .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["text"].as_str().unwrap().to_owned())
+            .collect();
+        parts.push(("parity".to_owned(), docs));
+    }
+    parts
+}
+
+fn smollm() -> (Tokenizer, tokenizers::Tokenizer) {
+    let path = weight_cache::locate_default_model().unwrap_or_else(|e| panic!("{e}"));
+    // SAFETY: nothing modifies the model file during the bench.
+    let g = unsafe { weight_cache::Gguf::open(&path) }.unwrap();
+    let ours = Tokenizer::from_gguf(&g).unwrap();
+    let tokens = g.get_str_array("tokenizer.ggml.tokens").unwrap();
+    let types = g.get_i32_array("tokenizer.ggml.token_type").unwrap();
+    let merges = g.get_str_array("tokenizer.ggml.merges").unwrap();
+    use tokenizers::models::bpe::BPE;
+    use tokenizers::pre_tokenizers::{byte_level::ByteLevel, digits::Digits, sequence::Sequence};
+    let vocab: tokenizers::models::bpe::Vocab =
+        tokens.iter().enumerate().map(|(i, t)| ((*t).to_owned(), i as u32)).collect();
+    let merges = merges
+        .iter()
+        .map(|m| {
+            let (a, b) = m.split_once(' ').unwrap();
+            (a.to_owned(), b.to_owned())
+        })
+        .collect();
+    let mut hf = tokenizers::Tokenizer::new(BPE::builder().vocab_and_merges(vocab, merges).build().unwrap());
+    hf.with_pre_tokenizer(Some(Sequence::new(vec![Digits::new(true).into(), ByteLevel::new(false, true, true).into()])));
+    hf.with_decoder(Some(ByteLevel::default()));
+    let specials: Vec<_> = tokens
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| types[*i] == 3)
+        .map(|(_, s)| tokenizers::AddedToken::from(*s, true))
+        .collect();
+    hf.add_special_tokens(&specials);
+    (ours, hf)
+}
+
+fn openai(bpe: &bpe_openai::Tokenizer, o200k: bool) -> Tokenizer {
+    let mut s = String::new();
+    for id in 0..bpe.bpe.num_tokens() {
+        s += &format!("{} {id}\n", base64_encode(bpe.bpe.token_bytes(id as u32)));
+    }
+    if o200k { Tokenizer::o200k_base(&s).unwrap() } else { Tokenizer::cl100k_base(&s).unwrap() }
+}
+
+/// Median MB/s of `runs` passes of `f` over `docs`.
+fn mbps(docs: &[String], runs: usize, mut f: impl FnMut(&str) -> usize) -> f64 {
+    let bytes: usize = docs.iter().map(String::len).sum();
+    let mut rates: Vec<f64> = (0..runs)
+        .map(|_| {
+            let t = Instant::now();
+            let mut n = 0;
+            for d in docs {
+                n += f(d);
+            }
+            black_box(n);
+            bytes as f64 / t.elapsed().as_secs_f64() / 1e6
+        })
+        .collect();
+    rates.sort_by(f64::total_cmp);
+    rates[runs / 2]
+}
+
+fn bench(c: &mut Criterion) {
+    let parts = corpus();
+    let (ours_smol, hf) = smollm();
+    let ours_cl = openai(bpe_openai::cl100k_base(), false);
+    let ours_o2 = openai(bpe_openai::o200k_base(), true);
+    let tt_cl = tiktoken_rs::cl100k_base().unwrap();
+    let tt_o2 = tiktoken_rs::o200k_base().unwrap();
+    let (bo_cl, bo_o2) = (bpe_openai::cl100k_base(), bpe_openai::o200k_base());
+
+    println!("\nsingle-threaded encode, MB/s (median of 3 passes; ratio = token-stream / peer)");
+    println!("| corpus | MB | vocab | token-stream | peer | peer MB/s | ratio |");
+    println!("|---|---|---|---|---|---|---|");
+    for (name, docs) in &parts {
+        let mb = docs.iter().map(String::len).sum::<usize>() as f64 / 1e6;
+        let ours = mbps(docs, 3, |d| ours_smol.encode(d).len());
+        let peer = mbps(docs, 3, |d| hf.encode(d, false).unwrap().len());
+        println!("| {name} | {mb:.1} | SmolLM2 | {ours:.1} | HF tokenizers | {peer:.1} | {:.1}x |", ours / peer);
+        for (vocab, o, tt, bo) in [("cl100k", &ours_cl, &tt_cl, bo_cl), ("o200k", &ours_o2, &tt_o2, bo_o2)] {
+            let ours = mbps(docs, 3, |d| o.encode(d).len());
+            let peer = mbps(docs, 3, |d| tt.encode_ordinary(d).len());
+            println!("| {name} | {mb:.1} | {vocab} | {ours:.1} | tiktoken-rs | {peer:.1} | {:.1}x |", ours / peer);
+            let peer = mbps(docs, 3, |d| bo.encode(d).len());
+            println!("| {name} | {mb:.1} | {vocab} | {ours:.1} | bpe-openai | {peer:.1} | {:.1}x |", ours / peer);
+        }
+    }
+
+    // Decode throughput (output bytes per second).
+    let all: Vec<String> = parts.iter().flat_map(|(_, d)| d.iter().cloned()).collect();
+    let ids: Vec<Vec<u32>> = all.iter().map(|d| ours_smol.encode(d).into_vec()).collect();
+    let out_bytes: usize = all.iter().map(String::len).sum();
+    let mut buf = Vec::with_capacity(out_bytes * 2);
+    let t = Instant::now();
+    for _ in 0..5 {
+        for i in &ids {
+            buf.clear();
+            ours_smol.decode_bytes_into(i, &mut buf).unwrap();
+            black_box(&buf);
+        }
+    }
+    println!("\ndecode (SmolLM2): {:.2} GB/s", 5.0 * out_bytes as f64 / t.elapsed().as_secs_f64() / 1e9);
+
+    // Batch encode scaling.
+    for threads in [1, 2, 4] {
+        let t = Instant::now();
+        black_box(ours_smol.encode_batch(&all, threads));
+        println!("encode_batch SmolLM2, {threads} thread(s): {:.1} MB/s", out_bytes as f64 / t.elapsed().as_secs_f64() / 1e6);
+    }
+
+    // Chat prompt.
+    let tmpl = ChatTemplate::from_tokenizer(&ours_smol).unwrap();
+    let msgs = [ChatMessage::new("user", "What is the capital of France? Answer in one word.")];
+    let rendered = tmpl.render(&msgs, true).unwrap();
+    let n = ours_smol.encode_with_specials(&rendered).len();
+    println!("chat prompt: {n} tokens");
+
+    let mut g = c.benchmark_group("encode");
+    g.sample_size(10).measurement_time(Duration::from_secs(3)).warm_up_time(Duration::from_secs(1));
+    let docs = &parts[0].1;
+    g.throughput(Throughput::Bytes(docs.iter().map(String::len).sum::<usize>() as u64));
+    g.bench_function("token-stream/smollm2", |b| b.iter(|| docs.iter().map(|d| ours_smol.encode(d).len()).sum::<usize>()));
+    g.bench_function("token-stream/cl100k", |b| b.iter(|| docs.iter().map(|d| ours_cl.encode(d).len()).sum::<usize>()));
+    g.bench_function("bpe-openai/cl100k", |b| b.iter(|| docs.iter().map(|d| bo_cl.encode(d).len()).sum::<usize>()));
+    g.finish();
+    let mut g = c.benchmark_group("chat");
+    g.bench_function(format!("encode_with_specials/{n}-token prompt"), |b| {
+        b.iter(|| ours_smol.encode_with_specials(black_box(&rendered)))
+    });
+    g.bench_function("template render+encode", |b| b.iter(|| tmpl.encode(&ours_smol, black_box(&msgs), true).unwrap()));
+    g.finish();
+}
+
+criterion_group!(benches, bench);
+criterion_main!(benches);
