@@ -77,6 +77,9 @@ struct Args {
     /// Threads (0 = all CPUs or $ZEROLAYER_THREADS).
     #[arg(long, default_value_t = 0)]
     threads: usize,
+    /// Do not stop at the model's EOS/EOT token (benchmarks: exactly --max-tokens tokens).
+    #[arg(long)]
+    ignore_eos: bool,
     /// Print timings (tok/s) to stderr.
     #[arg(long)]
     timings: bool,
@@ -212,10 +215,13 @@ fn main() -> anyhow::Result<()> {
         .with_min_p(a.min_p)
         .with_repetition_penalty(a.repeat_penalty, 64)
         .with_seed(a.seed);
-    let opts = GenerateOptions::default()
+    let mut opts = GenerateOptions::default()
         .with_max_tokens(a.max_tokens)
         .with_sampling(sampling)
         .with_stop_sequences(a.stop.clone());
+    if a.ignore_eos {
+        opts = opts.with_stop_tokens(Vec::new());
+    }
     let mut kv = new_ring(
         &model,
         (prompt.len() + a.max_tokens)

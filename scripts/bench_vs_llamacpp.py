@@ -1,0 +1,118 @@
+"""Driver of scripts/bench-vs-llamacpp (needs: llama-cpp-python, numpy).
+
+Each side runs in its own subprocess (so peak RSS is its own): prompt processing of a 512-token
+prompt, generation of 128 tokens, time to first token of a 42-token chat prompt. Around each
+phase the CPU time of all processes (/proc/stat) minus the measured process's own (getrusage
+of the child) gives the CPU time others used; a phase where others used > 10% of a core is
+flagged "CONTAMINATED".
+"""
+
+import argparse
+import json
+import os
+import pathlib
+import resource
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+HZ = os.sysconf("SC_CLK_TCK")
+
+LLAMA_SIDE = r"""
+import json, sys, time, resource
+import llama_cpp, llama_cpp.llama_cpp as C
+a = json.loads(sys.argv[1])
+orig = C.llama_model_default_params
+def p2():
+    x = orig(); x.use_extra_bufts = False; return x
+C.llama_model_default_params = p2 if a["no_extra"] else orig
+llm = llama_cpp.Llama(a["model"], n_ctx=1024, n_batch=512, n_ubatch=512, n_threads=a["threads"],
+                      n_threads_batch=a["threads"], flash_attn=True, verbose=False)
+out = {}
+ids = a["pp_ids"]
+llm.reset(); t = time.perf_counter(); llm.eval(ids); out["pp_s"] = time.perf_counter() - t
+llm.reset(); t = time.perf_counter(); llm.eval(a["chat_ids"]); tok = int(llm.scores[llm.n_tokens - 1].argmax())
+out["ttft_s"] = time.perf_counter() - t
+t = time.perf_counter()
+for _ in range(a["gen"]):
+    llm.eval([tok]); tok = int(llm.scores[llm.n_tokens - 1].argmax())
+out["gen_s"] = time.perf_counter() - t
+print(json.dumps(out))
+"""
+
+
+def cpu_total():
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:8]]
+    return (v[0] + v[1] + v[2] + v[5] + v[6]) / HZ  # user nice system irq softirq
+
+
+def run_measured(cmd):
+    before = cpu_total()
+    r0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    r1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    after = cpu_total()
+    if p.returncode != 0:
+        sys.exit(f"{cmd[0]} failed: {p.stderr[-2000:]}")
+    own = (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
+    return p, max(0.0, after - before - own), r1.ru_maxrss / 1024
+
+
+def ours(a, pp_ids, chat_ids):
+    env = dict(os.environ, ZEROLAYER_THREADS=str(a.threads))
+    res = {}
+    others = {}
+    base = [a.bin, "--model", a.model, "--threads", str(a.threads), "--timings", "--json", "--ignore-eos"]
+    # prompt processing: 512 ids, 1 generated token
+    p, o, rss1 = run_measured(base + ["--prompt-ids", ",".join(map(str, pp_ids)), "--max-tokens", "1"])
+    res["pp_tok_s"] = float(p.stderr.split("(")[1].split(" tok/s")[0])
+    others["pp"] = o
+    p, o, rss2 = run_measured(base + ["--prompt-ids", ",".join(map(str, chat_ids)), "--max-tokens", str(a.gen)])
+    line = [l for l in p.stderr.splitlines() if "time to first token" in l][-1]
+    res["ttft_ms"] = float(line.split("time to first token ")[1].split(" ms")[0])
+    res["gen_tok_s"] = float(line.split("generated, ")[1].split(" tok/s")[0])
+    others["gen"] = o
+    res["rss_mib"] = max(rss1, rss2)
+    return res, others
+
+
+def llama(a, pp_ids, chat_ids):
+    arg = json.dumps({"model": a.model, "threads": a.threads, "pp_ids": pp_ids, "chat_ids": chat_ids,
+                      "gen": a.gen, "no_extra": 1})
+    # use_extra_bufts=False: llama.cpp's AMX buffer type crashed (SIGSEGV) on the Sapphire Rapids
+    # machine this was written on; Q4_1 has no repacked path otherwise.
+    p, o, rss = run_measured([sys.executable, "-c", LLAMA_SIDE, arg])
+    r = json.loads(p.stdout.strip().splitlines()[-1])
+    return {"pp_tok_s": len(pp_ids) / r["pp_s"], "gen_tok_s": a.gen / r["gen_s"], "ttft_ms": r["ttft_s"] * 1e3,
+            "rss_mib": rss}, {"all": o}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--bin", required=True)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--gen", type=int, default=128)
+    ap.add_argument("--busy-pid", type=int, default=0)
+    a = ap.parse_args()
+    fx = json.loads((ROOT / "crates/gpu-pipeline/tests/fixtures/model-ppl.json").read_text())
+    pp_ids = fx["ci_ids"][:512]
+    teach = json.loads((ROOT / "crates/gpu-pipeline/tests/fixtures/model-teacher.json").read_text())
+    chat = next(s["prompt_ids"] for s in teach["sequences"] if len(s["prompt_ids"]) >= 35)
+    chat_ids = (chat + fx["ci_ids"])[:42] if len(chat) < 42 else chat[:42]
+    o, o_oth = ours(a, pp_ids, chat_ids)
+    l, l_oth = llama(a, pp_ids, chat_ids)
+    print(f"threads {a.threads}; model {os.path.basename(a.model)}; busy competitor: {bool(a.busy_pid)}")
+    print(f"{'metric':<28}{'zerolayer':>12}{'llama.cpp':>12}{'ratio':>8}")
+    for k, name, better in [("pp_tok_s", "prompt 512 tok/s", "hi"), ("gen_tok_s", "generation 128 tok/s", "hi"),
+                            ("ttft_ms", "time to first token (ms)", "lo"), ("rss_mib", "peak RSS (MiB)", "lo")]:
+        print(f"{name:<28}{o[k]:>12.1f}{l[k]:>12.1f}{o[k] / l[k]:>8.2f}")
+    for side, oth in [("zerolayer", o_oth), ("llama.cpp", l_oth)]:
+        for phase, cpu in oth.items():
+            flag = "" if a.busy_pid else (" CONTAMINATED" if cpu > 1.0 else "")
+            print(f"other processes' CPU during {side} {phase}: {cpu:.2f} s{flag}")
+
+
+if __name__ == "__main__":
+    main()
