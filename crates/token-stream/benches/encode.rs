@@ -6,6 +6,7 @@
 //! Chinese docs + fortunes-zh), found in `$ZEROLAYER_CORPUS` or `~/.cache/zerolayer/corpus`;
 //! without it the committed parity corpus is used (and a message says so).
 //! `ZEROLAYER_BENCH_MB` (default 2) sets how many MB of each corpus part one pass encodes.
+#![allow(missing_docs)] // criterion_group! generates an undocumented function
 
 use std::hint::black_box;
 use std::path::PathBuf;
@@ -17,8 +18,14 @@ use token_stream::{ChatMessage, ChatTemplate, Tokenizer, base64_encode};
 fn corpus() -> Vec<(String, Vec<String>)> {
     let dir = std::env::var_os("ZEROLAYER_CORPUS")
         .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cache/zerolayer/corpus"));
-    let mb: f64 = std::env::var("ZEROLAYER_BENCH_MB").ok().and_then(|s| s.parse().ok()).unwrap_or(2.0);
+        .unwrap_or_else(|| {
+            PathBuf::from(std::env::var_os("HOME").unwrap_or_default())
+                .join(".cache/zerolayer/corpus")
+        });
+    let mb: f64 = std::env::var("ZEROLAYER_BENCH_MB")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(2.0);
     let limit = (mb * 1e6) as usize;
     let mut parts = Vec::new();
     for name in ["prose", "code", "zh"] {
@@ -50,7 +57,12 @@ fn corpus() -> Vec<(String, Vec<String>)> {
         );
         let docs = include_str!("../tests/fixtures/parity.jsonl")
             .lines()
-            .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["text"].as_str().unwrap().to_owned())
+            .map(|l| {
+                serde_json::from_str::<serde_json::Value>(l).unwrap()["text"]
+                    .as_str()
+                    .unwrap()
+                    .to_owned()
+            })
             .collect();
         parts.push(("parity".to_owned(), docs));
     }
@@ -67,8 +79,11 @@ fn smollm() -> (Tokenizer, tokenizers::Tokenizer) {
     let merges = g.get_str_array("tokenizer.ggml.merges").unwrap();
     use tokenizers::models::bpe::BPE;
     use tokenizers::pre_tokenizers::{byte_level::ByteLevel, digits::Digits, sequence::Sequence};
-    let vocab: tokenizers::models::bpe::Vocab =
-        tokens.iter().enumerate().map(|(i, t)| ((*t).to_owned(), i as u32)).collect();
+    let vocab: tokenizers::models::bpe::Vocab = tokens
+        .iter()
+        .enumerate()
+        .map(|(i, t)| ((*t).to_owned(), i as u32))
+        .collect();
     let merges = merges
         .iter()
         .map(|m| {
@@ -76,8 +91,16 @@ fn smollm() -> (Tokenizer, tokenizers::Tokenizer) {
             (a.to_owned(), b.to_owned())
         })
         .collect();
-    let mut hf = tokenizers::Tokenizer::new(BPE::builder().vocab_and_merges(vocab, merges).build().unwrap());
-    hf.with_pre_tokenizer(Some(Sequence::new(vec![Digits::new(true).into(), ByteLevel::new(false, true, true).into()])));
+    let mut hf = tokenizers::Tokenizer::new(
+        BPE::builder()
+            .vocab_and_merges(vocab, merges)
+            .build()
+            .unwrap(),
+    );
+    hf.with_pre_tokenizer(Some(Sequence::new(vec![
+        Digits::new(true).into(),
+        ByteLevel::new(false, true, true).into(),
+    ])));
     hf.with_decoder(Some(ByteLevel::default()));
     let specials: Vec<_> = tokens
         .iter()
@@ -94,7 +117,11 @@ fn openai(bpe: &bpe_openai::Tokenizer, o200k: bool) -> Tokenizer {
     for id in 0..bpe.bpe.num_tokens() {
         s += &format!("{} {id}\n", base64_encode(bpe.bpe.token_bytes(id as u32)));
     }
-    if o200k { Tokenizer::o200k_base(&s).unwrap() } else { Tokenizer::cl100k_base(&s).unwrap() }
+    if o200k {
+        Tokenizer::o200k_base(&s).unwrap()
+    } else {
+        Tokenizer::cl100k_base(&s).unwrap()
+    }
 }
 
 /// Median MB/s of `runs` passes of `f` over `docs`.
@@ -131,13 +158,25 @@ fn bench(c: &mut Criterion) {
         let mb = docs.iter().map(String::len).sum::<usize>() as f64 / 1e6;
         let ours = mbps(docs, 3, |d| ours_smol.encode(d).len());
         let peer = mbps(docs, 3, |d| hf.encode(d, false).unwrap().len());
-        println!("| {name} | {mb:.1} | SmolLM2 | {ours:.1} | HF tokenizers | {peer:.1} | {:.1}x |", ours / peer);
-        for (vocab, o, tt, bo) in [("cl100k", &ours_cl, &tt_cl, bo_cl), ("o200k", &ours_o2, &tt_o2, bo_o2)] {
+        println!(
+            "| {name} | {mb:.1} | SmolLM2 | {ours:.1} | HF tokenizers | {peer:.1} | {:.1}x |",
+            ours / peer
+        );
+        for (vocab, o, tt, bo) in [
+            ("cl100k", &ours_cl, &tt_cl, bo_cl),
+            ("o200k", &ours_o2, &tt_o2, bo_o2),
+        ] {
             let ours = mbps(docs, 3, |d| o.encode(d).len());
             let peer = mbps(docs, 3, |d| tt.encode_ordinary(d).len());
-            println!("| {name} | {mb:.1} | {vocab} | {ours:.1} | tiktoken-rs | {peer:.1} | {:.1}x |", ours / peer);
+            println!(
+                "| {name} | {mb:.1} | {vocab} | {ours:.1} | tiktoken-rs | {peer:.1} | {:.1}x |",
+                ours / peer
+            );
             let peer = mbps(docs, 3, |d| bo.encode(d).len());
-            println!("| {name} | {mb:.1} | {vocab} | {ours:.1} | bpe-openai | {peer:.1} | {:.1}x |", ours / peer);
+            println!(
+                "| {name} | {mb:.1} | {vocab} | {ours:.1} | bpe-openai | {peer:.1} | {:.1}x |",
+                ours / peer
+            );
         }
     }
 
@@ -154,35 +193,60 @@ fn bench(c: &mut Criterion) {
             black_box(&buf);
         }
     }
-    println!("\ndecode (SmolLM2): {:.2} GB/s", 5.0 * out_bytes as f64 / t.elapsed().as_secs_f64() / 1e9);
+    println!(
+        "\ndecode (SmolLM2): {:.2} GB/s",
+        5.0 * out_bytes as f64 / t.elapsed().as_secs_f64() / 1e9
+    );
 
     // Batch encode scaling.
     for threads in [1, 2, 4] {
         let t = Instant::now();
         black_box(ours_smol.encode_batch(&all, threads));
-        println!("encode_batch SmolLM2, {threads} thread(s): {:.1} MB/s", out_bytes as f64 / t.elapsed().as_secs_f64() / 1e6);
+        println!(
+            "encode_batch SmolLM2, {threads} thread(s): {:.1} MB/s",
+            out_bytes as f64 / t.elapsed().as_secs_f64() / 1e6
+        );
     }
 
     // Chat prompt.
     let tmpl = ChatTemplate::from_tokenizer(&ours_smol).unwrap();
-    let msgs = [ChatMessage::new("user", "What is the capital of France? Answer in one word.")];
+    let msgs = [ChatMessage::new(
+        "user",
+        "What is the capital of France? Answer in one word.",
+    )];
     let rendered = tmpl.render(&msgs, true).unwrap();
     let n = ours_smol.encode_with_specials(&rendered).len();
     println!("chat prompt: {n} tokens");
 
     let mut g = c.benchmark_group("encode");
-    g.sample_size(10).measurement_time(Duration::from_secs(3)).warm_up_time(Duration::from_secs(1));
+    g.sample_size(10)
+        .measurement_time(Duration::from_secs(3))
+        .warm_up_time(Duration::from_secs(1));
     let docs = &parts[0].1;
-    g.throughput(Throughput::Bytes(docs.iter().map(String::len).sum::<usize>() as u64));
-    g.bench_function("token-stream/smollm2", |b| b.iter(|| docs.iter().map(|d| ours_smol.encode(d).len()).sum::<usize>()));
-    g.bench_function("token-stream/cl100k", |b| b.iter(|| docs.iter().map(|d| ours_cl.encode(d).len()).sum::<usize>()));
-    g.bench_function("bpe-openai/cl100k", |b| b.iter(|| docs.iter().map(|d| bo_cl.encode(d).len()).sum::<usize>()));
+    g.throughput(Throughput::Bytes(
+        docs.iter().map(String::len).sum::<usize>() as u64,
+    ));
+    g.bench_function("token-stream/smollm2", |b| {
+        b.iter(|| {
+            docs.iter()
+                .map(|d| ours_smol.encode(d).len())
+                .sum::<usize>()
+        })
+    });
+    g.bench_function("token-stream/cl100k", |b| {
+        b.iter(|| docs.iter().map(|d| ours_cl.encode(d).len()).sum::<usize>())
+    });
+    g.bench_function("bpe-openai/cl100k", |b| {
+        b.iter(|| docs.iter().map(|d| bo_cl.encode(d).len()).sum::<usize>())
+    });
     g.finish();
     let mut g = c.benchmark_group("chat");
     g.bench_function(format!("encode_with_specials/{n}-token prompt"), |b| {
         b.iter(|| ours_smol.encode_with_specials(black_box(&rendered)))
     });
-    g.bench_function("template render+encode", |b| b.iter(|| tmpl.encode(&ours_smol, black_box(&msgs), true).unwrap()));
+    g.bench_function("template render+encode", |b| {
+        b.iter(|| tmpl.encode(&ours_smol, black_box(&msgs), true).unwrap())
+    });
     g.finish();
 }
 

@@ -121,7 +121,9 @@ mod tests {
             Tokens::from_bytes(&b[..7]),
             Err(TokensFromBytesError::Length { len: 7 })
         );
-        let mut buf = vec![0u8; 13];
+        // A u32 buffer is 4-aligned, so bytes 1..13 of it are certainly misaligned.
+        let mut words = [0u32; 4];
+        let buf: &mut [u8] = bytemuck::cast_slice_mut(&mut words);
         buf[1..13].copy_from_slice(b);
         assert!(matches!(
             Tokens::from_bytes(&buf[1..13]),

@@ -102,7 +102,10 @@ fn encode_is_near_linear_on_adversarial_input() {
             let large = unit.repeat(65536 / unit.len());
             let (_, ws) = t.encode_counting_work(&small);
             let (_, wl) = t.encode_counting_work(&large);
-            assert!(wl <= ws.max(64) * 16 * 3, "{unit:?}: work {ws} -> {wl} for 16x input");
+            assert!(
+                wl <= ws.max(64) * 16 * 3,
+                "{unit:?}: work {ws} -> {wl} for 16x input"
+            );
         }
     }
 }
@@ -119,7 +122,10 @@ fn user_text_never_becomes_special() {
     assert_eq!(t.encode_with_specials(text)[0], im_start);
     for t in [cl100k(), o200k()] {
         assert!(t.encode("<|endoftext|>").iter().all(|&i| !t.is_special(i)));
-        assert_eq!(t.encode_with_specials("<|endoftext|>").as_slice(), &[t.eos_id().unwrap()]);
+        assert_eq!(
+            t.encode_with_specials("<|endoftext|>").as_slice(),
+            &[t.eos_id().unwrap()]
+        );
     }
 }
 
@@ -157,7 +163,11 @@ fn chat_template_matches_transformers() {
             assert_eq!(t.decode(&ids).unwrap(), c.rendered);
         } else {
             // Otherwise identical to HF encoding the rendered string with specials parsed.
-            let want = hf_smollm().encode(c.rendered.as_str(), false).unwrap().get_ids().to_vec();
+            let want = hf_smollm()
+                .encode(c.rendered.as_str(), false)
+                .unwrap()
+                .get_ids()
+                .to_vec();
             assert_eq!(ids.into_vec(), want);
         }
     }
@@ -219,9 +229,15 @@ fn loaders_reject_bad_input_with_typed_errors() {
         Err(LoadError::Json(_))
     ));
     let v = GgufVocab::new("gpt2", "smollm", vec!["a", "b"], vec![1, 1], vec!["a c"]);
-    assert!(matches!(Tokenizer::from_gguf_vocab(&v), Err(LoadError::BadMerge { index: 0, .. })));
+    assert!(matches!(
+        Tokenizer::from_gguf_vocab(&v),
+        Err(LoadError::BadMerge { index: 0, .. })
+    ));
     let v = GgufVocab::new("llama", "default", vec!["a"], vec![], vec![]);
-    assert!(matches!(Tokenizer::from_gguf_vocab(&v), Err(LoadError::UnsupportedModel { .. })));
+    assert!(matches!(
+        Tokenizer::from_gguf_vocab(&v),
+        Err(LoadError::UnsupportedModel { .. })
+    ));
     let v = GgufVocab::new("gpt2", "qwen2", vec!["a"], vec![], vec![]);
     assert!(matches!(
         Tokenizer::from_gguf_vocab(&v),

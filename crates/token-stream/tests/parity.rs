@@ -10,7 +10,11 @@ fn report(name: &str, fails: &[(usize, String, Vec<u32>, Vec<u32>)], total: usiz
     for (i, text, got, want) in fails.iter().take(5) {
         eprintln!("{name} line {i}: {text:?}\n  ours: {got:?}\n  ref:  {want:?}");
     }
-    assert!(fails.is_empty(), "{name}: {} of {total} lines differ", fails.len());
+    assert!(
+        fails.is_empty(),
+        "{name}: {} of {total} lines differ",
+        fails.len()
+    );
 }
 
 #[test]
@@ -47,7 +51,11 @@ fn tokenizer_json_loader_matches_gguf_loader() {
     let from_json = Tokenizer::from_tokenizer_json(&smollm_tokenizer_json()).unwrap();
     let ours = smollm();
     for text in corpus().iter().step_by(3) {
-        assert_eq!(from_json.encode_with_specials(text), ours.encode_with_specials(text), "{text:?}");
+        assert_eq!(
+            from_json.encode_with_specials(text),
+            ours.encode_with_specials(text),
+            "{text:?}"
+        );
     }
 }
 
@@ -73,7 +81,11 @@ fn tiktoken_parity(name: &str, ours: &Tokenizer, reference: &tiktoken_rs::CoreBP
 
 #[test]
 fn cl100k_matches_tiktoken() {
-    tiktoken_parity("cl100k_base", cl100k(), &tiktoken_rs::cl100k_base().unwrap());
+    tiktoken_parity(
+        "cl100k_base",
+        cl100k(),
+        &tiktoken_rs::cl100k_base().unwrap(),
+    );
 }
 
 #[test]

@@ -68,7 +68,9 @@ pub fn hf_smollm() -> &'static tokenizers::Tokenizer {
     static T: OnceLock<tokenizers::Tokenizer> = OnceLock::new();
     T.get_or_init(|| {
         use tokenizers::models::bpe::BPE;
-        use tokenizers::pre_tokenizers::{byte_level::ByteLevel, digits::Digits, sequence::Sequence};
+        use tokenizers::pre_tokenizers::{
+            byte_level::ByteLevel, digits::Digits, sequence::Sequence,
+        };
         let g = gguf();
         let tokens = g.get_str_array("tokenizer.ggml.tokens").unwrap();
         let types = g.get_i32_array("tokenizer.ggml.token_type").unwrap();
@@ -85,7 +87,10 @@ pub fn hf_smollm() -> &'static tokenizers::Tokenizer {
                 (a.to_owned(), b.to_owned())
             })
             .collect();
-        let bpe = BPE::builder().vocab_and_merges(vocab, merges).build().unwrap();
+        let bpe = BPE::builder()
+            .vocab_and_merges(vocab, merges)
+            .build()
+            .unwrap();
         let mut t = tokenizers::Tokenizer::new(bpe);
         t.with_pre_tokenizer(Some(Sequence::new(vec![
             Digits::new(true).into(),
@@ -138,9 +143,22 @@ pub fn corpus() -> Vec<String> {
 
 /// Pathological inputs generated in the test (too big to commit), each about `size` bytes.
 pub fn pathological(size: usize) -> Vec<String> {
-    let units = ["a", " ", "\n", "0", "😀", "中", "ab", " a", "'s", "\t ", "é", "\r\n", "!", "a\u{301}", "<|im_start|>"];
-    units
-        .iter()
-        .map(|u| u.repeat(size / u.len()))
-        .collect()
+    let units = [
+        "a",
+        " ",
+        "\n",
+        "0",
+        "😀",
+        "中",
+        "ab",
+        " a",
+        "'s",
+        "\t ",
+        "é",
+        "\r\n",
+        "!",
+        "a\u{301}",
+        "<|im_start|>",
+    ];
+    units.iter().map(|u| u.repeat(size / u.len())).collect()
 }
