@@ -37,10 +37,14 @@ struct Args {
 
 fn find_rank_file(name: &str, dir: Option<&Path>) -> anyhow::Result<PathBuf> {
     let file = format!("{name}.tiktoken");
-    let home = std::env::var_os("HOME").map(PathBuf::from).unwrap_or_default();
+    let home = std::env::var_os("HOME")
+        .map(PathBuf::from)
+        .unwrap_or_default();
     let mut candidates: Vec<PathBuf> = dir.map(|d| d.join(&file)).into_iter().collect();
     candidates.push(home.join(".cache/zerolayer/tiktoken").join(&file));
-    let cargo_home = std::env::var_os("CARGO_HOME").map(PathBuf::from).unwrap_or(home.join(".cargo"));
+    let cargo_home = std::env::var_os("CARGO_HOME")
+        .map(PathBuf::from)
+        .unwrap_or(home.join(".cargo"));
     if let Ok(registries) = std::fs::read_dir(cargo_home.join("registry/src")) {
         for reg in registries.flatten() {
             if let Ok(crates) = std::fs::read_dir(reg.path()) {
@@ -55,7 +59,11 @@ fn find_rank_file(name: &str, dir: Option<&Path>) -> anyhow::Result<PathBuf> {
     candidates
         .into_iter()
         .find(|p| p.is_file())
-        .with_context(|| format!("{file} not found: pass --tiktoken-dir or put it in ~/.cache/zerolayer/tiktoken"))
+        .with_context(|| {
+            format!(
+                "{file} not found: pass --tiktoken-dir or put it in ~/.cache/zerolayer/tiktoken"
+            )
+        })
 }
 
 fn main() -> anyhow::Result<()> {
@@ -68,7 +76,8 @@ fn main() -> anyhow::Result<()> {
             Tokenizer::from_gguf(&gguf)?
         }
         (None, Some(name)) => {
-            let ranks = std::fs::read_to_string(find_rank_file(name, args.tiktoken_dir.as_deref())?)?;
+            let ranks =
+                std::fs::read_to_string(find_rank_file(name, args.tiktoken_dir.as_deref())?)?;
             match name.as_str() {
                 "cl100k_base" => Tokenizer::cl100k_base(&ranks)?,
                 "o200k_base" => Tokenizer::o200k_base(&ranks)?,
@@ -89,7 +98,11 @@ fn main() -> anyhow::Result<()> {
         let text = v["text"]
             .as_str()
             .with_context(|| format!("line {}: no string field \"text\"", n + 1))?;
-        let ids = if args.special { tok.encode_with_specials(text) } else { tok.encode(text) };
+        let ids = if args.special {
+            tok.encode_with_specials(text)
+        } else {
+            tok.encode(text)
+        };
         serde_json::to_writer(&mut out, &serde_json::json!({ "ids": ids.as_slice() }))?;
         out.write_all(b"\n")?;
     }

@@ -221,7 +221,7 @@ impl<'a> TokenIds<'a> {
 
     /// A view over little-endian bytes; `None` when the length is not a multiple of 4.
     pub fn from_le_bytes(bytes: &'a [u8]) -> Option<Self> {
-        bytes.len().is_multiple_of(4).then_some(Self(IdsRepr::Le(bytes)))
+        (bytes.len() % 4 == 0).then_some(Self(IdsRepr::Le(bytes)))
     }
 
     /// Number of ids.
@@ -394,7 +394,11 @@ impl<'a> RequestFrame<'a> {
         };
         let mut r = InferenceRequest::new(self.model, prompt, self.max_tokens);
         r.sampling = self.sampling.clone();
-        r.stop_sequences = self.stop_sequences.iter().map(|s| (*s).to_owned()).collect();
+        r.stop_sequences = self
+            .stop_sequences
+            .iter()
+            .map(|s| (*s).to_owned())
+            .collect();
         r.cache_strategy = self.cache_strategy;
         r.priority = self.priority;
         r

@@ -2,6 +2,52 @@
 //!
 //! The crate depends on no model crate: it reaches inference through the [`InferenceService`]
 //! trait, which an application (the `zerolayer` root package) implements over its engine.
+//!
+//! # claudelink/2
+//!
+//! A binary protocol on QUIC + TLS 1.3 (quinn, rustls): one bidirectional stream per request, a
+//! REQUEST frame up, STARTED / DELTA* / FINISHED|ERROR frames down, and a control stream for
+//! PING/PONG health and GOAWAY. The frame codec ([`decode_frame`], [`Frame`]) and the state
+//! machines ([`ServerStream`], [`ClientStream`], [`ConnectionState`]) are sans-IO; [`Server`],
+//! [`Client`], [`Connection`] and [`Pool`] are the thin quinn shell. The wire format is specified
+//! in `docs/claudelink.md`. Use it when a client talks to the engine often: after one handshake
+//! (or none, with 0-RTT) a request costs a stream and a few dozen bytes.
+//!
+//! ```
+//! use std::sync::Arc;
+//! use claudelink_proto::*;
+//! use futures::StreamExt;
+//!
+//! struct Two;
+//! impl InferenceService for Two {
+//!     fn submit(&self, _: InferenceRequest) -> Result<EventStream, ServiceError> {
+//!         Ok(Box::pin(futures::stream::iter([
+//!             InferenceEvent::Started { input_tokens: 1 },
+//!             InferenceEvent::Delta { ids: vec![7], text: "hi".into() },
+//!             InferenceEvent::Finished {
+//!                 stop_reason: StopReason::EndTurn,
+//!                 stop_sequence: None,
+//!                 usage: Usage { input_tokens: 1, output_tokens: 1 },
+//!             },
+//!         ])))
+//!     }
+//!     fn count_tokens(&self, _: &Prompt) -> Result<u32, ServiceError> { Ok(1) }
+//!     fn models(&self) -> Vec<ModelInfo> { vec![] }
+//!     fn metrics(&self) -> ServiceMetrics { ServiceMetrics::default() }
+//! }
+//!
+//! # tokio::runtime::Runtime::new().unwrap().block_on(async {
+//! let identity = Identity::self_signed(&["localhost"]).unwrap();
+//! let server = Server::bind("127.0.0.1:0".parse().unwrap(), ServerConfig::new(identity), Arc::new(Two)).unwrap();
+//! let client = Client::new(ClientConfig::new(Trust::Pinned(server.fingerprint()))).unwrap();
+//! let conn = client.connect(server.local_addr()).await.unwrap();
+//! let req = InferenceRequest::new("m", Prompt::Text("hello".into()), 8);
+//! let events = conn.request(&req).await.unwrap().collect_all().await.unwrap();
+//! assert_eq!(events[1], InferenceEvent::Delta { ids: vec![7], text: "hi".into() });
+//! # });
+//! ```
+
+#![forbid(unsafe_code)]
 
 mod client;
 mod codec;
@@ -11,15 +57,6 @@ mod service;
 mod state;
 mod tls;
 
-pub use service::{
-    CacheStrategy, ChatMessage, ChatRole, ErrorCode, EventStream, InferenceEvent, InferenceRequest,
-    InferenceService, ModelInfo, Prompt, SamplingParams, ServiceError, ServiceMetrics, StopReason,
-    Usage,
-};
-pub use gateway::{
-    ApiError, ApiErrorKind, Gateway, GatewayConfig, H3_ALPN, H3Handler, LAYER_VERSION,
-    SUPPORTED_ANTHROPIC_VERSIONS,
-};
 pub use client::{
     Client, ClientConfig, ClientError, Connection, Pool, PoolConfig, PoolStats, RequestError,
     ResponseStream, StreamError,
@@ -27,12 +64,21 @@ pub use client::{
 pub use codec::{
     AppErrorCode, ChatMessageRef, DEFAULT_MAX_FRAME_SIZE, DecodeError, DeltaFrame, EncodeError,
     ErrorFrame, FRAME_HEADER_LEN, FinishedFrame, Frame, FrameType, GoAwayFrame,
-    HARD_MAX_FRAME_SIZE, Health, MAX_STOP_SEQUENCES, PingFrame, PongFrame, PromptRef,
-    RequestFrame, StartedFrame, TokenIds, decode_frame, decode_header, decode_payload,
-    error_code_from_u16, error_code_name, error_code_to_u16,
+    HARD_MAX_FRAME_SIZE, Health, MAX_STOP_SEQUENCES, PingFrame, PongFrame, PromptRef, RequestFrame,
+    StartedFrame, TokenIds, decode_frame, decode_header, decode_payload, error_code_from_u16,
+    error_code_name, error_code_to_u16,
+};
+pub use gateway::{
+    ApiError, ApiErrorKind, Gateway, GatewayConfig, H3_ALPN, H3Handler, LAYER_VERSION,
+    SUPPORTED_ANTHROPIC_VERSIONS,
 };
 pub use server::{
     ALPN, ConnectionHandler, ConnectionInfo, Server, ServerConfig, ServerError, ServerStats,
+};
+pub use service::{
+    CacheStrategy, ChatMessage, ChatRole, ErrorCode, EventStream, InferenceEvent, InferenceRequest,
+    InferenceService, ModelInfo, Prompt, SamplingParams, ServiceError, ServiceMetrics, StopReason,
+    Usage,
 };
 pub use state::{
     ClientStream, ClientStreamError, ConnectionAction, ConnectionState, ServerStream,
@@ -40,9 +86,9 @@ pub use state::{
 };
 pub use tls::{CertFingerprint, Identity, PinnedVerifier, TlsError, Trust};
 
+/// Async streams (the [`EventStream`] and client response streams implement its `Stream`).
+pub use futures;
 /// The QUIC implementation claudelink runs on (its types appear in this crate's API).
 pub use quinn;
 /// The TLS implementation (its types appear in this crate's API).
 pub use rustls;
-/// Async streams (the [`EventStream`] and client response streams implement its `Stream`).
-pub use futures;

@@ -520,14 +520,18 @@ async fn serve_connection(conn: quinn::Connection, shared: Arc<Shared>) {
     let id = conn.stable_id();
     let (tx, mut rx) = mpsc::unbounded_channel();
     let active = Arc::new(AtomicU32::new(0));
-    shared.conns.lock().unwrap_or_else(|e| e.into_inner()).insert(
-        id,
-        ConnEntry {
-            remote: conn.remote_address(),
-            active: active.clone(),
-            tx,
-        },
-    );
+    shared
+        .conns
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .insert(
+            id,
+            ConnEntry {
+                remote: conn.remote_address(),
+                active: active.clone(),
+                tx,
+            },
+        );
     shared.counters.connections.fetch_add(1, Ordering::Relaxed);
     let ctx = Arc::new(ConnCtx {
         conn: conn.clone(),
@@ -659,10 +663,7 @@ async fn serve_stream(ctx: Arc<ConnCtx>, mut send: quinn::SendStream, mut recv: 
     let _guard = ActiveGuard(&ctx);
     let cfg = &ctx.shared.cfg;
     let mut ss = ServerStream::new(sid, cfg.max_frame_size);
-    let mut budget = Budget {
-        ctx: &ctx,
-        held: 0,
-    };
+    let mut budget = Budget { ctx: &ctx, held: 0 };
 
     // Phase 1: read the REQUEST frame.
     let mut recv_done = false;

@@ -516,7 +516,9 @@ impl ConnectionState {
         retry_after_ms: u32,
         message: &str,
     ) {
-        let last = self.goaway.map_or(last_stream_id, |l| l.min(last_stream_id));
+        let last = self
+            .goaway
+            .map_or(last_stream_id, |l| l.min(last_stream_id));
         self.goaway = Some(last);
         self.push_frame(&Frame::GoAway(GoAwayFrame {
             code,
@@ -534,7 +536,9 @@ impl ConnectionState {
 
     /// The earliest time [`ConnectionState::handle_timeout`] has work to do.
     pub fn poll_timeout(&self) -> Option<Instant> {
-        self.outstanding.front().map(|(_, t)| *t + self.health_timeout)
+        self.outstanding
+            .front()
+            .map(|(_, t)| *t + self.health_timeout)
     }
 
     /// Expires PINGs older than the health timeout.

@@ -7,7 +7,11 @@ use claudelink_proto::*;
 use proptest::prelude::*;
 
 fn role() -> impl Strategy<Value = ChatRole> {
-    prop_oneof![Just(ChatRole::System), Just(ChatRole::User), Just(ChatRole::Assistant)]
+    prop_oneof![
+        Just(ChatRole::System),
+        Just(ChatRole::User),
+        Just(ChatRole::Assistant)
+    ]
 }
 
 fn finite() -> impl Strategy<Value = f32> {
@@ -18,7 +22,9 @@ fn request() -> impl Strategy<Value = InferenceRequest> {
     let prompt = prop_oneof![
         ".{0,40}".prop_map(Prompt::Text),
         prop::collection::vec((role(), ".{0,20}"), 0..5).prop_map(|m| Prompt::Chat(
-            m.into_iter().map(|(role, content)| ChatMessage { role, content }).collect()
+            m.into_iter()
+                .map(|(role, content)| ChatMessage { role, content })
+                .collect()
         )),
         prop::collection::vec(any::<u32>(), 0..64).prop_map(Prompt::TokenIds),
     ];
@@ -38,20 +44,25 @@ fn request() -> impl Strategy<Value = InferenceRequest> {
         prop::collection::vec(".{0,8}", 0..=16),
         any::<bool>(),
     )
-        .prop_map(|(model, prompt, max_tokens, priority, s, stops, adaptive)| {
-            let mut r = InferenceRequest::new(model, prompt, max_tokens);
-            r.priority = priority;
-            r.sampling.temperature = s.0;
-            r.sampling.top_p = s.1;
-            r.sampling.top_k = s.2;
-            r.sampling.min_p = s.3;
-            r.sampling.repetition_penalty = s.4;
-            r.sampling.seed = s.5;
-            r.stop_sequences = stops;
-            r.cache_strategy =
-                if adaptive { CacheStrategy::Adaptive } else { CacheStrategy::Deterministic };
-            r
-        })
+        .prop_map(
+            |(model, prompt, max_tokens, priority, s, stops, adaptive)| {
+                let mut r = InferenceRequest::new(model, prompt, max_tokens);
+                r.priority = priority;
+                r.sampling.temperature = s.0;
+                r.sampling.top_p = s.1;
+                r.sampling.top_k = s.2;
+                r.sampling.min_p = s.3;
+                r.sampling.repetition_penalty = s.4;
+                r.sampling.seed = s.5;
+                r.stop_sequences = stops;
+                r.cache_strategy = if adaptive {
+                    CacheStrategy::Adaptive
+                } else {
+                    CacheStrategy::Deterministic
+                };
+                r
+            },
+        )
 }
 
 fn error_code() -> impl Strategy<Value = ErrorCode> {
@@ -63,14 +74,24 @@ fn event() -> impl Strategy<Value = InferenceEvent> {
         any::<u32>().prop_map(|input_tokens| InferenceEvent::Started { input_tokens }),
         (prop::collection::vec(any::<u32>(), 0..16), ".{0,20}")
             .prop_map(|(ids, text)| InferenceEvent::Delta { ids, text }),
-        (0u8..3, proptest::option::of(".{0,8}"), any::<u32>(), any::<u32>()).prop_map(
-            |(r, stop_sequence, i, o)| InferenceEvent::Finished {
-                stop_reason: [StopReason::EndTurn, StopReason::MaxTokens, StopReason::StopSequence]
-                    [r as usize],
+        (
+            0u8..3,
+            proptest::option::of(".{0,8}"),
+            any::<u32>(),
+            any::<u32>()
+        )
+            .prop_map(|(r, stop_sequence, i, o)| InferenceEvent::Finished {
+                stop_reason: [
+                    StopReason::EndTurn,
+                    StopReason::MaxTokens,
+                    StopReason::StopSequence
+                ][r as usize],
                 stop_sequence,
-                usage: Usage { input_tokens: i, output_tokens: o },
-            }
-        ),
+                usage: Usage {
+                    input_tokens: i,
+                    output_tokens: o
+                },
+            }),
         (error_code(), ".{0,20}")
             .prop_map(|(code, message)| InferenceEvent::Error { code, message }),
     ]
@@ -84,7 +105,10 @@ fn roundtrip(f: &Frame<'_>) {
     // Every strict prefix is "incomplete", never an error or a wrong frame.
     for cut in [0, 1, 4, 5, bytes.len() / 2, bytes.len() - 1] {
         if cut < bytes.len() {
-            assert_eq!(decode_frame(&bytes[..cut], HARD_MAX_FRAME_SIZE).unwrap(), None);
+            assert_eq!(
+                decode_frame(&bytes[..cut], HARD_MAX_FRAME_SIZE).unwrap(),
+                None
+            );
         }
     }
 }
@@ -148,8 +172,16 @@ proptest! {
 #[test]
 fn token_ids_are_read_in_place() {
     let ids = [7u32, 0x0102_0304, u32::MAX];
-    let bytes = Frame::Delta(DeltaFrame { ids: TokenIds::from_slice(&ids), text: "" }).to_vec().unwrap();
-    let (Frame::Delta(d), _) = decode_frame(&bytes, DEFAULT_MAX_FRAME_SIZE).unwrap().unwrap() else {
+    let bytes = Frame::Delta(DeltaFrame {
+        ids: TokenIds::from_slice(&ids),
+        text: "",
+    })
+    .to_vec()
+    .unwrap();
+    let (Frame::Delta(d), _) = decode_frame(&bytes, DEFAULT_MAX_FRAME_SIZE)
+        .unwrap()
+        .unwrap()
+    else {
         panic!()
     };
     assert_eq!(d.ids.to_vec(), ids);
@@ -173,19 +205,34 @@ fn oversize_and_unknown_frames_are_refused_from_the_header() {
         Err(DecodeError::UnknownFrameType { frame_type: 0x99 })
     ));
     // A count larger than the bytes present is rejected before allocating.
-    let mut f = Frame::Delta(DeltaFrame { ids: TokenIds::from_slice(&[]), text: "" }).to_vec().unwrap();
+    let mut f = Frame::Delta(DeltaFrame {
+        ids: TokenIds::from_slice(&[]),
+        text: "",
+    })
+    .to_vec()
+    .unwrap();
     f[5..9].copy_from_slice(&u32::MAX.to_le_bytes());
-    assert!(matches!(decode_frame(&f, DEFAULT_MAX_FRAME_SIZE), Err(DecodeError::Truncated { field: "ids", .. })));
+    assert!(matches!(
+        decode_frame(&f, DEFAULT_MAX_FRAME_SIZE),
+        Err(DecodeError::Truncated { field: "ids", .. })
+    ));
     // Trailing bytes inside a payload.
     let mut p = Frame::Ping(PingFrame { nonce: 1 }).to_vec().unwrap();
     p[1] = 9;
     p.push(0);
-    assert!(matches!(decode_frame(&p, DEFAULT_MAX_FRAME_SIZE), Err(DecodeError::TrailingBytes { extra: 1, .. })));
+    assert!(matches!(
+        decode_frame(&p, DEFAULT_MAX_FRAME_SIZE),
+        Err(DecodeError::TrailingBytes { extra: 1, .. })
+    ));
 }
 
 /// Drives a client stream and a server stream against each other in memory, delivering bytes
 /// in chunks of `chunk` to exercise reassembly.
-fn simulate(req: &InferenceRequest, events: &[InferenceEvent], chunk: usize) -> Vec<InferenceEvent> {
+fn simulate(
+    req: &InferenceRequest,
+    events: &[InferenceEvent],
+    chunk: usize,
+) -> Vec<InferenceEvent> {
     let wire = ClientStream::encode_request(req, 4096).unwrap();
     let mut server = ServerStream::new(4, DEFAULT_MAX_FRAME_SIZE);
     let mut client = ClientStream::new(DEFAULT_MAX_FRAME_SIZE);
@@ -198,7 +245,10 @@ fn simulate(req: &InferenceRequest, events: &[InferenceEvent], chunk: usize) -> 
     let mut pending = events.iter();
     loop {
         match server.poll_action() {
-            Some(ServerStreamAction::Submit { request, stream_buffer_size }) => {
+            Some(ServerStreamAction::Submit {
+                request,
+                stream_buffer_size,
+            }) => {
                 assert_eq!(&request, req);
                 assert_eq!(stream_buffer_size, 4096);
             }
@@ -229,12 +279,21 @@ fn simulated_request_delivers_every_event_in_order() {
     let req = InferenceRequest::new("m", Prompt::Text("hello".into()), 3);
     let events = vec![
         InferenceEvent::Started { input_tokens: 2 },
-        InferenceEvent::Delta { ids: vec![1, 2], text: "ab".into() },
-        InferenceEvent::Delta { ids: vec![3], text: "".into() },
+        InferenceEvent::Delta {
+            ids: vec![1, 2],
+            text: "ab".into(),
+        },
+        InferenceEvent::Delta {
+            ids: vec![3],
+            text: "".into(),
+        },
         InferenceEvent::Finished {
             stop_reason: StopReason::MaxTokens,
             stop_sequence: None,
-            usage: Usage { input_tokens: 2, output_tokens: 3 },
+            usage: Usage {
+                input_tokens: 2,
+                output_tokens: 3,
+            },
         },
     ];
     for chunk in [1, 2, 3, 7, 64, 4096] {
@@ -248,8 +307,14 @@ fn server_stream_rejects_out_of_order_service_events_and_trailing_client_data() 
     let wire = ClientStream::encode_request(&req, 1).unwrap();
     let mut s = ServerStream::new(0, DEFAULT_MAX_FRAME_SIZE);
     s.recv(&wire, false);
-    assert!(matches!(s.poll_action(), Some(ServerStreamAction::Submit { .. })));
-    s.event(&InferenceEvent::Delta { ids: vec![], text: "x".into() });
+    assert!(matches!(
+        s.poll_action(),
+        Some(ServerStreamAction::Submit { .. })
+    ));
+    s.event(&InferenceEvent::Delta {
+        ids: vec![],
+        text: "x".into(),
+    });
     assert_eq!(s.poll_action(), Some(ServerStreamAction::Cancel));
     assert!(matches!(s.poll_action(), Some(ServerStreamAction::Send(_))));
     assert_eq!(s.poll_action(), Some(ServerStreamAction::Finish));
@@ -259,24 +324,49 @@ fn server_stream_rejects_out_of_order_service_events_and_trailing_client_data() 
     let _ = s.poll_action();
     s.recv(&[1], false);
     assert_eq!(s.poll_action(), Some(ServerStreamAction::Cancel));
-    assert_eq!(s.poll_action(), Some(ServerStreamAction::Abort(AppErrorCode::ProtocolError)));
+    assert_eq!(
+        s.poll_action(),
+        Some(ServerStreamAction::Abort(AppErrorCode::ProtocolError))
+    );
 
     // Overload refusal carries the retry hint.
     let mut s = ServerStream::new(0, DEFAULT_MAX_FRAME_SIZE);
     s.recv(&wire, true);
     let _ = s.poll_action();
     s.submit_failed(&ServiceError::Overloaded { retry_after_ms: 77 });
-    let Some(ServerStreamAction::Send(b)) = s.poll_action() else { panic!() };
+    let Some(ServerStreamAction::Send(b)) = s.poll_action() else {
+        panic!()
+    };
     let (f, _) = decode_frame(&b, DEFAULT_MAX_FRAME_SIZE).unwrap().unwrap();
-    assert_eq!(f, Frame::Error(ErrorFrame { code: ErrorCode::Overloaded, retry_after_ms: 77, message: "overloaded; retry after 77 ms" }));
+    assert_eq!(
+        f,
+        Frame::Error(ErrorFrame {
+            code: ErrorCode::Overloaded,
+            retry_after_ms: 77,
+            message: "overloaded; retry after 77 ms"
+        })
+    );
 }
 
 #[test]
 fn client_stream_rejects_bad_orders_and_truncation() {
-    let started = Frame::Started(StartedFrame { request_id: 0, input_tokens: 1 }).to_vec().unwrap();
-    let delta = Frame::Delta(DeltaFrame { ids: TokenIds::from_slice(&[1]), text: "a" }).to_vec().unwrap();
+    let started = Frame::Started(StartedFrame {
+        request_id: 0,
+        input_tokens: 1,
+    })
+    .to_vec()
+    .unwrap();
+    let delta = Frame::Delta(DeltaFrame {
+        ids: TokenIds::from_slice(&[1]),
+        text: "a",
+    })
+    .to_vec()
+    .unwrap();
     let mut c = ClientStream::new(DEFAULT_MAX_FRAME_SIZE);
-    assert!(matches!(c.recv(&delta, false), Err(ClientStreamError::UnexpectedFrame { .. })));
+    assert!(matches!(
+        c.recv(&delta, false),
+        Err(ClientStreamError::UnexpectedFrame { .. })
+    ));
     let mut c = ClientStream::new(DEFAULT_MAX_FRAME_SIZE);
     c.recv(&started, false).unwrap();
     assert_eq!(c.recv(&delta, true), Err(ClientStreamError::Truncated));
@@ -285,8 +375,10 @@ fn client_stream_rejects_bad_orders_and_truncation() {
 #[test]
 fn simulated_connection_ping_goaway_and_timeouts() {
     let t0 = Instant::now();
-    let mut client = ConnectionState::new(Side::Client, DEFAULT_MAX_FRAME_SIZE, Duration::from_secs(5));
-    let mut server = ConnectionState::new(Side::Server, DEFAULT_MAX_FRAME_SIZE, Duration::from_secs(5));
+    let mut client =
+        ConnectionState::new(Side::Client, DEFAULT_MAX_FRAME_SIZE, Duration::from_secs(5));
+    let mut server =
+        ConnectionState::new(Side::Server, DEFAULT_MAX_FRAME_SIZE, Duration::from_secs(5));
     let pipe = |from: &mut ConnectionState, to: &mut ConnectionState, now| {
         while let Some(a) = from.poll_action() {
             match a {
@@ -302,14 +394,26 @@ fn simulated_connection_ping_goaway_and_timeouts() {
     };
     let nonce = client.send_ping(t0);
     pipe(&mut client, &mut server, t0);
-    assert_eq!(server.poll_action(), Some(ConnectionAction::PingReceived { nonce }));
-    let h = Health { ready: true, queue_depth: 1, running: 2, active_streams: 3 };
+    assert_eq!(
+        server.poll_action(),
+        Some(ConnectionAction::PingReceived { nonce })
+    );
+    let h = Health {
+        ready: true,
+        queue_depth: 1,
+        running: 2,
+        active_streams: 3,
+    };
     server.send_pong(nonce, h);
     let t1 = t0 + Duration::from_millis(3);
     pipe(&mut server, &mut client, t1);
     assert_eq!(
         client.poll_action(),
-        Some(ConnectionAction::PongReceived { nonce, rtt: Duration::from_millis(3), health: h })
+        Some(ConnectionAction::PongReceived {
+            nonce,
+            rtt: Duration::from_millis(3),
+            health: h
+        })
     );
 
     // GOAWAY: the server refuses later streams; the client learns it is draining.
@@ -317,7 +421,13 @@ fn simulated_connection_ping_goaway_and_timeouts() {
     server.send_goaway(Some(ErrorCode::Overloaded), 8, 100, "shed");
     assert!(server.accept_stream(8) && !server.accept_stream(12));
     pipe(&mut server, &mut client, t1);
-    assert!(matches!(client.poll_action(), Some(ConnectionAction::GoAwayReceived { last_stream_id: 8, .. })));
+    assert!(matches!(
+        client.poll_action(),
+        Some(ConnectionAction::GoAwayReceived {
+            last_stream_id: 8,
+            ..
+        })
+    ));
     assert!(client.is_draining());
 
     // An unanswered ping times out.
@@ -327,17 +437,41 @@ fn simulated_connection_ping_goaway_and_timeouts() {
     client.handle_timeout(t1 + Duration::from_secs(4));
     assert_eq!(client.poll_action(), None);
     client.handle_timeout(t1 + Duration::from_secs(5));
-    assert_eq!(client.poll_action(), Some(ConnectionAction::PingTimedOut { nonce: n2 }));
+    assert_eq!(
+        client.poll_action(),
+        Some(ConnectionAction::PingTimedOut { nonce: n2 })
+    );
 
     // A server that raises last_stream_id in a later GOAWAY breaks the protocol.
     client.recv_control(
-        &Frame::GoAway(GoAwayFrame { code: None, last_stream_id: 100, retry_after_ms: 0, message: "" }).to_vec().unwrap(),
+        &Frame::GoAway(GoAwayFrame {
+            code: None,
+            last_stream_id: 100,
+            retry_after_ms: 0,
+            message: "",
+        })
+        .to_vec()
+        .unwrap(),
         t1,
     );
-    assert_eq!(client.poll_action(), Some(ConnectionAction::Close(AppErrorCode::ProtocolError)));
+    assert_eq!(
+        client.poll_action(),
+        Some(ConnectionAction::Close(AppErrorCode::ProtocolError))
+    );
 
     // A request frame on the control stream closes the connection.
     let mut s = ConnectionState::new(Side::Server, DEFAULT_MAX_FRAME_SIZE, Duration::from_secs(5));
-    s.recv_control(&Frame::Started(StartedFrame { request_id: 0, input_tokens: 0 }).to_vec().unwrap(), t0);
-    assert_eq!(s.poll_action(), Some(ConnectionAction::Close(AppErrorCode::ProtocolError)));
+    s.recv_control(
+        &Frame::Started(StartedFrame {
+            request_id: 0,
+            input_tokens: 0,
+        })
+        .to_vec()
+        .unwrap(),
+        t0,
+    );
+    assert_eq!(
+        s.poll_action(),
+        Some(ConnectionAction::Close(AppErrorCode::ProtocolError))
+    );
 }

@@ -10,7 +10,6 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use claudelink_proto::*;
-use futures::StreamExt;
 use http_body_util::{BodyExt, Full};
 use serde_json::Value;
 
