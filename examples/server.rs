@@ -5,7 +5,7 @@
 //! cargo run --release --example server -- --api-key sk-local
 //! curl -N http://127.0.0.1:8080/v1/messages -H 'x-api-key: sk-local' \
 //!   -H 'anthropic-version: 2023-06-01' -H 'content-type: application/json' \
-//!   -d '{"model":"smollm2-135m-instruct","max_tokens":64,"stream":true,
+//!   -d '{"model":"smollm2","max_tokens":64,"stream":true,
 //!        "messages":[{"role":"user","content":"Hello!"}]}'
 //! ```
 
@@ -16,9 +16,13 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
 use clap::{Parser, ValueEnum};
+use weight_cache::{CacheConfig, WarmupStrategy, WeightCache};
+use zerolayer::EngineService;
 use zerolayer::claudelink_proto::{
     Gateway, GatewayConfig, H3_ALPN, Identity, InferenceService, Server, ServerConfig,
 };
+use zerolayer::gpu_pipeline::ModelOptions;
+use zerolayer::gpu_pipeline::engine::EngineConfig;
 
 /// Weight-cache warm-up policy.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -101,23 +105,78 @@ fn parse_bytes(s: &str) -> Result<u64, String> {
         .ok_or_else(|| format!("`{s}` is too large"))
 }
 
-// ============================================================================================
-// SERVICE CONSTRUCTION: the one place that builds the inference service from the CLI.
-// It must return at once (loading and warm-up continue in the background; `ready()` turns
-// true when done, so /health answers 503 until then) and log a warm-up progress line.
-// ============================================================================================
-fn build_service(args: &Args) -> anyhow::Result<Arc<dyn InferenceService>> {
+/// Maps the model, starts the engine and the weight warm-up (which goes on in the background:
+/// `/health` answers 503 until a `full` or `deterministic` warm-up is done).
+fn build_service(args: &Args) -> anyhow::Result<Arc<EngineService>> {
     let model = match &args.model {
         Some(p) => p.clone(),
         None => weight_cache::locate_default_model()?,
     };
-    tracing::info!(model = %model.display(), threads = ?args.threads, warmup = ?args.warmup,
-        weight_budget = ?args.weight_budget, kv_budget = ?args.kv_budget, "loading model");
-    anyhow::bail!(
-        "the engine service is not wired into the root package yet: build_service() in \
-         examples/server.rs must construct zerolayer's InferenceService for {}",
-        model.display()
-    )
+    let t0 = Instant::now();
+    let mut engine_cfg = EngineConfig::default().with_max_running(args.max_streams as usize);
+    if let Some(b) = args.kv_budget {
+        engine_cfg = engine_cfg.with_kv_budget_bytes(usize::try_from(b)?);
+    }
+    let options = ModelOptions::default().with_threads(args.threads.unwrap_or(0));
+    // SAFETY: the model file is not modified while the server runs.
+    let svc = unsafe { EngineService::load(&model, "smollm2", options, engine_cfg) }
+        .with_context(|| format!("loading {}", model.display()))?;
+    let budget = args.weight_budget.map(usize::try_from).transpose()?;
+    let cache = WeightCache::new(
+        svc.engine().model().gguf().clone(),
+        CacheConfig::default().budget_bytes(budget),
+    )?;
+    let profile = model.with_extension("profile");
+    if profile.exists() {
+        if let Err(e) = cache.load_profile(&profile) {
+            tracing::warn!(profile = %profile.display(), "ignoring the access profile: {e}");
+        }
+    }
+    let strategy = match args.warmup {
+        Warmup::None => WarmupStrategy::None,
+        Warmup::Full => WarmupStrategy::Full,
+        Warmup::Deterministic => WarmupStrategy::deterministic(),
+        Warmup::Adaptive => WarmupStrategy::Adaptive {
+            fraction: weight_cache::DEFAULT_WARM_FRACTION,
+            interval: Duration::from_secs(10),
+        },
+    };
+    tracing::info!(model = %model.display(), load_ms = t0.elapsed().as_millis() as u64,
+        threads = ?args.threads, warmup = ?args.warmup, "model mapped, engine started");
+    Ok(Arc::new(svc.with_warmup(cache, strategy)))
+}
+
+/// Logs the warm-up's progress until it is done, then enforces the weight budget now and then.
+async fn watch_weights(svc: Arc<EngineService>, budget: bool) {
+    let Some(progress) = svc.warmup_progress() else {
+        return;
+    };
+    let started = Instant::now();
+    loop {
+        let (done, total) = (progress.done_blocks(), progress.total_blocks());
+        if progress.is_finished() {
+            tracing::info!(
+                blocks = total,
+                mib = progress.bytes() >> 20,
+                ms = progress.elapsed().as_millis() as u64,
+                "warm-up done"
+            );
+            break;
+        }
+        if started.elapsed() > Duration::from_secs(1) {
+            tracing::info!("warm-up: {done}/{total} blocks");
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    if !budget {
+        return;
+    }
+    loop {
+        if let Some(Err(e)) = svc.weight_cache().map(WeightCache::enforce_budget) {
+            tracing::warn!("enforcing the weight budget: {e}");
+        }
+        tokio::time::sleep(Duration::from_secs(5)).await;
+    }
 }
 
 #[tokio::main]
@@ -129,7 +188,9 @@ async fn main() -> anyhow::Result<()> {
         )
         .init();
     let args = Args::parse();
-    let service = build_service(&args)?;
+    let engine = build_service(&args)?;
+    tokio::spawn(watch_weights(engine.clone(), args.weight_budget.is_some()));
+    let service: Arc<dyn InferenceService> = engine;
 
     let identity = match (&args.tls_cert, &args.tls_key) {
         (Some(c), Some(k)) => {
