@@ -83,6 +83,16 @@ impl Specials {
     }
 }
 
+/// Length byte of a decode-table entry for a token longer than 15 bytes.
+const LONG_TOKEN: u8 = 254;
+/// Length byte of a decode-table entry for an id with no token.
+const ABSENT_TOKEN: u8 = 255;
+const ABSENT_ENTRY: [u8; 16] = {
+    let mut e = [0u8; 16];
+    e[15] = ABSENT_TOKEN;
+    e
+};
+
 /// An exact byte-level BPE tokenizer (GPT-2, SmolLM2, Llama 3, cl100k_base, o200k_base).
 ///
 /// `Send + Sync`; share it behind an `Arc`. Encoding never fails and never panics: every
@@ -112,6 +122,10 @@ pub struct Tokenizer {
     offsets: Vec<u32>,
     /// Whether id `i` exists (holes in tiktoken's id space do not).
     present: Vec<bool>,
+    /// Decode table: token `i`'s bytes inline in `[..15]` and their length in `[15]` when it is
+    /// at most 15 bytes long, else [`LONG_TOKEN`] (use `bytes`/`offsets`), or [`ABSENT_TOKEN`].
+    /// Decoding copies all 16 bytes at once and advances by the length.
+    short: Vec<[u8; 16]>,
     is_special: Vec<bool>,
     /// Initial symbol for each byte value (`NONE`: dropped or `unk`).
     byte_ids: [u32; 256],
@@ -140,6 +154,22 @@ impl Tokenizer {
             present.push(t.is_some());
             offsets.push(u32::try_from(bytes.len()).expect("vocabulary under 4 GiB"));
         }
+        let short = spec
+            .tokens
+            .iter()
+            .map(|t| {
+                let mut e = [0u8; 16];
+                e[15] = match t {
+                    None => ABSENT_TOKEN,
+                    Some(t) if t.len() < 16 => {
+                        e[..t.len()].copy_from_slice(t);
+                        t.len() as u8
+                    }
+                    Some(_) => LONG_TOKEN,
+                };
+                e
+            })
+            .collect();
         let mut is_special = vec![false; n];
         for &(_, id) in &spec.specials {
             is_special[id as usize] = true;
@@ -200,6 +230,7 @@ impl Tokenizer {
             bytes,
             offsets,
             present,
+            short,
             is_special,
             byte_ids,
             merges,
@@ -443,18 +474,35 @@ impl Tokenizer {
 
     /// Decodes ids to bytes (special tokens contribute their text).
     pub fn decode_bytes_into(&self, ids: &[u32], out: &mut Vec<u8>) -> Result<(), DecodeError> {
-        let offsets = &self.offsets[..];
-        let bytes = &self.bytes[..];
-        for &id in ids {
-            let i = id as usize;
-            if i + 1 >= offsets.len() || !self.present[i] {
+        // Every short token is one fixed 16-byte copy into room made up front; `pos` then moves
+        // by the token's real length. Invariant before token k: out.len() >= pos + 16 * (n - k).
+        let mut pos = out.len();
+        out.resize(pos + ids.len() * 16, 0);
+        for (k, &id) in ids.iter().enumerate() {
+            let e = self.short.get(id as usize).unwrap_or(&ABSENT_ENTRY);
+            let len = e[15];
+            if len < 16 {
+                out[pos..pos + 16].copy_from_slice(e);
+                pos += len as usize;
+                continue;
+            }
+            if len == ABSENT_TOKEN {
+                out.truncate(pos);
                 return Err(DecodeError::UnknownId {
                     id,
                     vocab_size: self.vocab_size(),
                 });
             }
-            out.extend_from_slice(&bytes[offsets[i] as usize..offsets[i + 1] as usize]);
+            let i = id as usize;
+            let t = &self.bytes[self.offsets[i] as usize..self.offsets[i + 1] as usize];
+            let need = pos + t.len() + 16 * (ids.len() - k - 1);
+            if need > out.len() {
+                out.resize(need, 0);
+            }
+            out[pos..pos + t.len()].copy_from_slice(t);
+            pos += t.len();
         }
+        out.truncate(pos);
         Ok(())
     }
 

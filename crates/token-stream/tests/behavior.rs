@@ -244,3 +244,36 @@ fn loaders_reject_bad_input_with_typed_errors() {
         Err(LoadError::UnsupportedPretokenizer { .. })
     ));
 }
+
+#[test]
+fn decode_table_gives_every_tokens_bytes_short_and_long() {
+    let t = smollm();
+    let ids: Vec<u32> = (0..t.vocab_size() as u32).collect();
+    let mut expected = b"prefix".to_vec();
+    let mut long = 0;
+    for &id in &ids {
+        let b = t.token_bytes(id).expect("SmolLM2 has no holes in its id space");
+        long += usize::from(b.len() > 15);
+        expected.extend_from_slice(b);
+    }
+    assert!(long > 10, "the vocabulary should have tokens longer than the inline 15 bytes");
+    // Appends after what is already in the buffer, one id at a time and all at once, forwards
+    // and backwards (long tokens at the end of the input exercise the growth path).
+    let mut out = b"prefix".to_vec();
+    t.decode_bytes_into(&ids, &mut out).unwrap();
+    assert_eq!(out, expected);
+    let mut one = b"prefix".to_vec();
+    for &id in &ids {
+        t.decode_bytes_into(&[id], &mut one).unwrap();
+    }
+    assert_eq!(one, expected);
+    let rev: Vec<u32> = ids.iter().rev().copied().collect();
+    let mut back = Vec::new();
+    t.decode_bytes_into(&rev, &mut back).unwrap();
+    assert_eq!(back.len(), expected.len() - 6);
+    // An unknown id is a typed error and leaves only the bytes decoded before it.
+    let mut part = Vec::new();
+    let err = t.decode_bytes_into(&[ids[300], u32::MAX, ids[301]], &mut part);
+    assert!(err.is_err());
+    assert_eq!(part, t.token_bytes(ids[300]).unwrap());
+}
