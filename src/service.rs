@@ -129,6 +129,17 @@ impl EngineService {
             strategy,
             WarmupStrategy::Full | WarmupStrategy::Deterministic { .. }
         );
+        // A cache over another file (or a second one) only loses the live profile: not fatal.
+        if self
+            .engine
+            .model()
+            .attach_weight_cache(cache.clone())
+            .is_err()
+        {
+            tracing::warn!(
+                "the weight cache is not over the served model's mapping: no live profile"
+            );
+        }
         let warm = cache.warm(strategy);
         self.weights = Some(Weights { cache, warm, gate });
         self
@@ -355,8 +366,7 @@ impl InferenceService for EngineService {
         s.prompt_tokens = m.prompt_tokens;
         s.kv_bytes_used = m.kv_bytes_used as u64;
         s.kv_bytes_budget = m.kv_bytes_budget as u64;
-        let cache_rate = self.weights.as_ref().and_then(|w| w.cache.stats().hit_rate);
-        s.weight_cache_hit_rate = cache_rate.or(m.weight_cache_hit_rate).unwrap_or(0.0);
+        s.weight_cache_hit_rate = m.weight_cache_hit_rate.unwrap_or(0.0);
         s.prefix_cache_hit_tokens = m.prefix_hit_tokens;
         s
     }
@@ -450,6 +460,12 @@ mod tests {
             Some(InferenceEvent::Finished { .. })
         ));
         assert!(svc.metrics().generated_tokens > 0);
+        // The forward passes touched the attached cache (touch counts, and mincore checks that
+        // found the fully warmed file resident).
+        let stats = svc.weight_cache().unwrap().stats();
+        assert!(stats.touches >= 30 * 8, "{stats:?}");
+        assert_eq!(stats.hit_rate, Some(1.0), "{stats:?}");
+        assert_eq!(svc.metrics().weight_cache_hit_rate, 1.0);
         assert_eq!(svc.models()[0].id, "smollm2");
         let err = svc.submit(InferenceRequest::new(
             "smollm2",

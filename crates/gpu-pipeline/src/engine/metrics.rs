@@ -94,7 +94,8 @@ pub struct EngineMetrics {
     pub prefix_hit_tokens: u64,
     /// Entries in the prefix cache.
     pub prefix_entries: usize,
-    /// Weight-cache hit rate, when the weight cache reports one (it does not yet).
+    /// Weight-cache hit rate (mincore residency at first and sampled touches) when the model
+    /// has a [`WeightCache`](weight_cache::WeightCache) attached and has touched weights.
     pub weight_cache_hit_rate: Option<f64>,
 }
 

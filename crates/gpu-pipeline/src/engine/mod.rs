@@ -490,6 +490,7 @@ impl Engine {
         }
         m.kv_bytes_used = self.pool.used_bytes();
         m.kv_bytes_budget = self.pool.budget_bytes();
+        m.weight_cache_hit_rate = self.model.weight_cache().and_then(|c| c.stats().hit_rate);
         m
     }
 

@@ -4,10 +4,10 @@ mod config;
 mod ops;
 
 use std::ops::Range;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use kv_ring::{KvDtype, KvError, KvRing, KvShape, RingMode};
-use weight_cache::{DequantError, GgmlType, Gguf};
+use weight_cache::{DequantError, GgmlType, Gguf, WeightCache};
 
 use crate::ThreadPool;
 use crate::kernels::{self, KernelError, WeightMatrix};
@@ -224,6 +224,8 @@ pub struct SeqStep<'a> {
 /// A linear layer's weights: a byte range of the mapping plus its shape.
 #[derive(Clone, Debug)]
 struct Lin {
+    /// Index of the tensor in the GGUF file (for weight-cache touches).
+    tensor: usize,
     dtype: GgmlType,
     rows: usize,
     cols: usize,
@@ -281,6 +283,8 @@ pub struct Model {
     pool: Option<ThreadPool>,
     split: ActivationSplit,
     scratch: Mutex<Scratch>,
+    /// Access profiling of the weights (see [`Model::attach_weight_cache`]).
+    cache: OnceLock<WeightCache>,
 }
 
 impl std::fmt::Debug for Model {
@@ -314,7 +318,14 @@ struct Scratch {
     tok: Vec<(u32, u32)>,
     /// Per step: (first token row, ring length before the step).
     steps: Vec<(usize, usize)>,
+    /// The weight cache's current profiling request and the forward calls made in it.
+    epoch: Option<(weight_cache::RequestId, u32)>,
 }
+
+/// Forward calls that count as one request of an attached [`WeightCache`]: its first touch of
+/// each tensor in a request asks the kernel (mincore) for residency, so a new request per call
+/// would cost a system call per tensor per step.
+const PROFILE_EPOCH: u32 = 64;
 
 fn grow(v: &mut Vec<f32>, n: usize) {
     if v.len() < n {
@@ -382,6 +393,7 @@ impl Model {
             pool,
             split: opts.activation_split,
             scratch: Mutex::new(Scratch::default()),
+            cache: OnceLock::new(),
         })
     }
 
@@ -393,6 +405,40 @@ impl Model {
     /// The GGUF file the weights live in.
     pub fn gguf(&self) -> &Arc<Gguf> {
         &self.gguf
+    }
+
+    /// Records every weight tensor each [`forward`](Self::forward) reads in `cache` (one
+    /// [`WeightCache::touch`] per tensor, ~20 ns, and one
+    /// [`end_token`](WeightCache::end_token) per call), so its access profile, warm-up plans and
+    /// mincore hit rates follow real inference. Every 64 forward calls (batched steps) count as
+    /// one request of the cache, so the first touches that ask the kernel for residency stay
+    /// rare. Fails, giving `cache` back, when a cache is already attached
+    /// or `cache` is over another file.
+    ///
+    /// ```no_run
+    /// use std::sync::Arc;
+    /// use gpu_pipeline::{Model, ModelOptions};
+    /// use weight_cache::{CacheConfig, Gguf, WeightCache};
+    /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// // SAFETY: the model file is not modified while mapped.
+    /// let gguf = Arc::new(unsafe { Gguf::open(weight_cache::locate_default_model()?)? });
+    /// let model = Model::load(gguf.clone(), ModelOptions::default())?;
+    /// let cache = WeightCache::new(gguf, CacheConfig::default())?;
+    /// model.attach_weight_cache(cache.clone()).expect("same file, first cache");
+    /// // ... forward passes ...
+    /// println!("weight hit rate {:?}", cache.stats().hit_rate);
+    /// # Ok(()) }
+    /// ```
+    pub fn attach_weight_cache(&self, cache: WeightCache) -> Result<(), WeightCache> {
+        if !Arc::ptr_eq(cache.gguf(), &self.gguf) {
+            return Err(cache);
+        }
+        self.cache.set(cache)
+    }
+
+    /// The weight cache given to [`attach_weight_cache`](Self::attach_weight_cache).
+    pub fn weight_cache(&self) -> Option<&WeightCache> {
+        self.cache.get()
     }
 
     /// The thread pool forward passes run on.
@@ -549,6 +595,19 @@ impl Model {
         sc.tok.clear();
         sc.steps.clear();
 
+        let touch = self.cache.get().map(|c| {
+            let (req, calls) = sc.epoch.get_or_insert_with(|| (c.begin_request(), 0));
+            if *calls == PROFILE_EPOCH {
+                *req = c.begin_request();
+                *calls = 0;
+            }
+            *calls += 1;
+            (c, *req)
+        });
+        if let Some((c, r)) = touch {
+            c.touch(self.embd.tensor, r);
+        }
+
         // ---- begin the chunks (validated above, so these cannot fail for room)
         let mut row = 0usize;
         let mut max_keys = 0usize;
@@ -603,6 +662,9 @@ impl Model {
             };
             macro_rules! mm {
                 ($c:expr, $w:expr, $x:ident, $y:ident) => {
+                    if let Some((c, r)) = touch {
+                        c.touch($w.tensor, r);
+                    }
                     if sp.contains($c) {
                         self.matmul_split($w, &sc.$x, total, &mut sc.$y, &mut sc.hi, &mut sc.tmp2)?
                     } else {
@@ -722,6 +784,12 @@ impl Model {
             s.kv.commit()
                 .map_err(|source| ForwardError::Kv { step: i, source })?;
         }
+        if let Some((c, r)) = touch {
+            if n_out > 0 {
+                c.touch(self.output.tensor, r);
+            }
+            c.end_token();
+        }
         if n_out > 0 {
             out.resize(n_out * cfg.vocab_size, 0.0);
             if self.split == ActivationSplit::All {
@@ -748,6 +816,7 @@ fn lin(g: &Gguf, name: &str, shape: [u64; 2]) -> Result<Lin, ModelError> {
     let base = g.bytes().as_ptr() as usize;
     let start = (t.data.as_ptr() as usize).wrapping_sub(base);
     let l = Lin {
+        tensor: g.tensor_index(name).unwrap_or(usize::MAX),
         dtype: t.dtype,
         rows: shape[1] as usize,
         cols: shape[0] as usize,
