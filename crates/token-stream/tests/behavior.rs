@@ -252,11 +252,16 @@ fn decode_table_gives_every_tokens_bytes_short_and_long() {
     let mut expected = b"prefix".to_vec();
     let mut long = 0;
     for &id in &ids {
-        let b = t.token_bytes(id).expect("SmolLM2 has no holes in its id space");
+        let b = t
+            .token_bytes(id)
+            .expect("SmolLM2 has no holes in its id space");
         long += usize::from(b.len() > 15);
         expected.extend_from_slice(b);
     }
-    assert!(long > 10, "the vocabulary should have tokens longer than the inline 15 bytes");
+    assert!(
+        long > 10,
+        "the vocabulary should have tokens longer than the inline 15 bytes"
+    );
     // Appends after what is already in the buffer, one id at a time and all at once, forwards
     // and backwards (long tokens at the end of the input exercise the growth path).
     let mut out = b"prefix".to_vec();
