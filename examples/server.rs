@@ -10,7 +10,7 @@
 //! ```
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -70,11 +70,15 @@ struct Args {
     /// Weight-cache warm-up policy.
     #[arg(long, value_enum, default_value_t = Warmup::Deterministic)]
     warmup: Warmup,
+    /// Weight access profile: loaded at start for the deterministic warm-up, saved at shutdown
+    /// (default: beside the model file, `<model>.profile`).
+    #[arg(long)]
+    profile: Option<PathBuf>,
     /// Resident weight memory budget, e.g. 512M or 2G (default: unlimited).
-    #[arg(long, value_parser = parse_bytes)]
+    #[arg(long, value_parser = zerolayer::parse_byte_size)]
     weight_budget: Option<u64>,
     /// KV-cache budget, e.g. 256M (default: the engine's).
-    #[arg(long, value_parser = parse_bytes)]
+    #[arg(long, value_parser = zerolayer::parse_byte_size)]
     kv_budget: Option<u64>,
     /// Concurrent generation streams (per QUIC connection and in total at the gateway).
     #[arg(long, default_value_t = 256)]
@@ -84,30 +88,9 @@ struct Args {
     drain_secs: u64,
 }
 
-/// `512`, `64K`, `512M`, `2G` (binary units).
-fn parse_bytes(s: &str) -> Result<u64, String> {
-    let s = s.trim();
-    let (num, mult) = match s.char_indices().last() {
-        Some((i, c)) if c.is_ascii_alphabetic() => {
-            let m = match c.to_ascii_uppercase() {
-                'K' => 1u64 << 10,
-                'M' => 1 << 20,
-                'G' => 1 << 30,
-                'T' => 1 << 40,
-                _ => return Err(format!("unknown unit `{c}` in `{s}` (use K, M, G or T)")),
-            };
-            (&s[..i], m)
-        }
-        _ => (s, 1),
-    };
-    let n: u64 = num.trim().parse().map_err(|e| format!("`{s}`: {e}"))?;
-    n.checked_mul(mult)
-        .ok_or_else(|| format!("`{s}` is too large"))
-}
-
 /// Maps the model, starts the engine and the weight warm-up (which goes on in the background:
 /// `/health` answers 503 until a `full` or `deterministic` warm-up is done).
-fn build_service(args: &Args) -> anyhow::Result<Arc<EngineService>> {
+fn build_service(args: &Args) -> anyhow::Result<(Arc<EngineService>, PathBuf)> {
     let model = match &args.model {
         Some(p) => p.clone(),
         None => weight_cache::locate_default_model()?,
@@ -126,7 +109,7 @@ fn build_service(args: &Args) -> anyhow::Result<Arc<EngineService>> {
         svc.engine().model().gguf().clone(),
         CacheConfig::default().budget_bytes(budget),
     )?;
-    let profile = model.with_extension("profile");
+    let profile = profile_path(args, &model);
     if profile.exists() {
         if let Err(e) = cache.load_profile(&profile) {
             tracing::warn!(profile = %profile.display(), "ignoring the access profile: {e}");
@@ -143,7 +126,14 @@ fn build_service(args: &Args) -> anyhow::Result<Arc<EngineService>> {
     };
     tracing::info!(model = %model.display(), load_ms = t0.elapsed().as_millis() as u64,
         threads = ?args.threads, warmup = ?args.warmup, "model mapped, engine started");
-    Ok(Arc::new(svc.with_warmup(cache, strategy)))
+    Ok((Arc::new(svc.with_warmup(cache, strategy)), profile))
+}
+
+/// Where the weight access profile is kept: `--profile`, else beside the model file.
+fn profile_path(args: &Args, model: &Path) -> PathBuf {
+    args.profile
+        .clone()
+        .unwrap_or_else(|| model.with_extension("profile"))
 }
 
 /// Logs the warm-up's progress until it is done, then enforces the weight budget now and then.
@@ -188,9 +178,9 @@ async fn main() -> anyhow::Result<()> {
         )
         .init();
     let args = Args::parse();
-    let engine = build_service(&args)?;
+    let (engine, profile) = build_service(&args)?;
     tokio::spawn(watch_weights(engine.clone(), args.weight_budget.is_some()));
-    let service: Arc<dyn InferenceService> = engine;
+    let service: Arc<dyn InferenceService> = engine.clone();
 
     let identity = match (&args.tls_cert, &args.tls_key) {
         (Some(c), Some(k)) => {
@@ -272,6 +262,15 @@ async fn main() -> anyhow::Result<()> {
     }
     let _ = tokio::time::timeout(deadline.saturating_duration_since(Instant::now()), http).await;
     quic.shutdown().await;
+    // The access profile recorded while serving drives the next start's deterministic warm-up.
+    if let Some(cache) = engine.weight_cache().filter(|c| c.stats().touches > 0) {
+        match cache.save_profile(&profile) {
+            Ok(()) => tracing::info!(profile = %profile.display(), "access profile saved"),
+            Err(e) => {
+                tracing::warn!(profile = %profile.display(), "saving the access profile: {e}")
+            }
+        }
+    }
     tracing::info!(left = drain.in_flight(), "stopped");
     Ok(())
 }
