@@ -89,17 +89,15 @@ impl EngineService {
         let tokenizer = Arc::new(Tokenizer::from_gguf(&gguf)?);
         let model = Arc::new(Model::load(gguf, options)?);
         let engine = Engine::new(model, Some(tokenizer.clone()), cfg)?;
-        Ok(Self::new(engine, model_id))
+        Self::new(engine, model_id)
     }
 
-    /// Serves `engine` (which must have the model's tokenizer) as `model_id`.
-    pub fn new(engine: Engine, model_id: &str) -> Self {
-        let tokenizer = engine.tokenizer().cloned().unwrap_or_else(|| {
-            Arc::new(
-                Tokenizer::from_gguf(engine.model().gguf())
-                    .unwrap_or_else(|e| panic!("the model has no usable tokenizer: {e}")),
-            )
-        });
+    /// Serves `engine` as `model_id`, with the engine's tokenizer or else the one in the file.
+    pub fn new(engine: Engine, model_id: &str) -> Result<Self, LoadServiceError> {
+        let tokenizer = match engine.tokenizer() {
+            Some(t) => t.clone(),
+            None => Arc::new(Tokenizer::from_gguf(engine.model().gguf())?),
+        };
         let chat = ChatTemplate::from_tokenizer(&tokenizer).ok();
         let info = ModelInfo {
             id: model_id.to_string(),
@@ -112,13 +110,13 @@ impl EngineService {
             context_length: u32::try_from(engine.model().config().context_length)
                 .unwrap_or(u32::MAX),
         };
-        Self {
+        Ok(Self {
             engine,
             tokenizer,
             chat,
             info,
             weights: None,
-        }
+        })
     }
 
     /// Starts a warm-up of the served file's weights in the background (serving goes on) and

@@ -237,16 +237,7 @@ async fn dropping_a_stream_cancels_the_server_work() {
     assert_eq!(server.stats().cancelled, 1);
     assert_eq!(conn.in_flight(), 0);
     // The connection still serves.
-    assert_eq!(
-        conn.request(&req(2))
-            .await
-            .unwrap()
-            .collect_all()
-            .await
-            .unwrap()
-            .len(),
-        4
-    );
+    assert_eq!(served(&conn, 2).await, 4);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -355,6 +346,17 @@ async fn reconnect_uses_0rtt_resumption() {
     assert_eq!(s.collect_all().await.unwrap().len(), 4);
 }
 
+/// Sends a request for `n` deltas on `conn` and returns how many events came back.
+async fn served(conn: &Connection, n: u32) -> usize {
+    conn.request(&req(n))
+        .await
+        .unwrap()
+        .collect_all()
+        .await
+        .unwrap()
+        .len()
+}
+
 /// Opens a raw stream, writes `bytes`, finishes, and returns the stream's outcome.
 async fn raw_stream(conn: &Connection, bytes: &[u8]) -> Result<Vec<u8>, quinn::ReadToEndError> {
     let (mut send, mut recv) = conn.quinn().open_bi().await.unwrap();
@@ -394,16 +396,7 @@ async fn bad_peers_end_only_their_stream_or_connection() {
     let r = raw_stream(&bad, &Frame::Ping(PingFrame { nonce: 1 }).to_vec().unwrap()).await;
     assert_eq!(reset_code(r), Some(AppErrorCode::ProtocolError));
     // The bad connection still serves well-formed requests.
-    assert_eq!(
-        bad.request(&req(3))
-            .await
-            .unwrap()
-            .collect_all()
-            .await
-            .unwrap()
-            .len(),
-        5
-    );
+    assert_eq!(served(&bad, 3).await, 5);
 
     // A control-stream violation (a second control stream) closes only that connection.
     // The server may close the connection as soon as it sees the violation, so the second write
@@ -426,16 +419,7 @@ async fn bad_peers_end_only_their_stream_or_connection() {
         other => panic!("unexpected close: {other:?}"),
     }
     // The other connection is unaffected.
-    assert_eq!(
-        good.request(&req(3))
-            .await
-            .unwrap()
-            .collect_all()
-            .await
-            .unwrap()
-            .len(),
-        5
-    );
+    assert_eq!(served(&good, 3).await, 5);
     assert!(server.stats().protocol_errors >= 5);
 }
 
@@ -465,16 +449,7 @@ async fn a_peer_that_never_reads_is_reset_and_its_work_cancelled() {
     })
     .await;
     // The same connection still serves a reader.
-    assert_eq!(
-        conn.request(&req(2))
-            .await
-            .unwrap()
-            .collect_all()
-            .await
-            .unwrap()
-            .len(),
-        4
-    );
+    assert_eq!(served(&conn, 2).await, 4);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
