@@ -1,0 +1,563 @@
+//! Load generator for the serving benchmark (`scripts/bench-serving`): a fixed number of
+//! concurrent clients send chat requests for a fixed time over claudelink (one connection pool,
+//! many streams), HTTP/3 (a few QUIC connections) or HTTP/1.1 (a keep-alive connection pool),
+//! against zerolayer's server or any server speaking the Anthropic Messages or OpenAI Chat
+//! Completions API with streaming.
+//!
+//! ```text
+//! loadgen --transport claudelink --addr 127.0.0.1:8443 --fingerprint AB:CD:.. \
+//!   --concurrency 100 --duration 30 --prompt-file q.txt --max-tokens 32 --records r.jsonl
+//! ```
+//!
+//! Per request it records time to first token (first non-empty text), total latency, output
+//! tokens and the error kind; at the end it prints one JSON summary on stdout (times in ms,
+//! percentiles over successful requests). Loopback use only: bounded in clients and time.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::Context as _;
+use bytes::{Buf as _, Bytes};
+use clap::{Parser, ValueEnum};
+use http_body_util::{BodyExt as _, Full};
+use serde_json::{Value, json};
+use tokio::sync::{Mutex, Semaphore};
+use zerolayer::claudelink_proto::futures::StreamExt as _;
+use zerolayer::claudelink_proto::{
+    CertFingerprint, ChatMessage, ChatRole, Client, ClientConfig, H3_ALPN, InferenceEvent,
+    InferenceRequest, PinnedVerifier, Pool, PoolConfig, Prompt, Trust, error_code_name, quinn,
+    rustls,
+};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum Transport {
+    /// claudelink over QUIC (a connection pool, one stream per request).
+    Claudelink,
+    /// HTTP/3 (h3 over QUIC).
+    H3,
+    /// HTTP/1.1 with keep-alive connections.
+    Http1,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum Api {
+    /// `POST /v1/messages`, `stream: true`.
+    Anthropic,
+    /// `POST /v1/chat/completions`, `stream: true`.
+    Openai,
+}
+
+/// Drive a server with concurrent streaming chat requests and report latency percentiles.
+#[derive(Debug, Parser)]
+#[command(about)]
+struct Args {
+    #[arg(long, value_enum)]
+    transport: Transport,
+    /// Server address (UDP for claudelink and h3, TCP for http1).
+    #[arg(long)]
+    addr: SocketAddr,
+    /// SHA-256 fingerprint of the server's certificate (claudelink, h3).
+    #[arg(long)]
+    fingerprint: Option<CertFingerprint>,
+    /// HTTP API (http1, h3).
+    #[arg(long, value_enum, default_value_t = Api::Anthropic)]
+    api: Api,
+    /// Concurrent clients.
+    #[arg(long)]
+    concurrency: usize,
+    /// Seconds during which new requests are started.
+    #[arg(long)]
+    duration: f64,
+    /// QUIC connections (claudelink, h3; default 4) or most TCP connections (http1; default
+    /// one per client).
+    #[arg(long)]
+    connections: Option<usize>,
+    /// File holding the user message.
+    #[arg(long)]
+    prompt_file: PathBuf,
+    /// `max_tokens` of each request.
+    #[arg(long, default_value_t = 32)]
+    max_tokens: u32,
+    /// Model name sent.
+    #[arg(long, default_value = "smollm2")]
+    model: String,
+    /// API key (sent as `x-api-key` and `Authorization: Bearer`).
+    #[arg(long)]
+    api_key: Option<String>,
+    /// Per-request time limit in seconds (beyond it the request counts as `timeout`).
+    #[arg(long, default_value_t = 120.0)]
+    request_timeout: f64,
+    /// Per-request JSON lines written here.
+    #[arg(long)]
+    records: Option<PathBuf>,
+}
+
+/// Outcome of one request.
+#[derive(Debug, Clone, Default)]
+struct Record {
+    ttft: Option<Duration>,
+    latency: Duration,
+    output_tokens: u64,
+    error: Option<String>,
+}
+
+static NEXT_CONN: AtomicUsize = AtomicUsize::new(0);
+
+type H1Sender = hyper::client::conn::http1::SendRequest<Full<Bytes>>;
+type H3Sender = h3::client::SendRequest<h3_quinn::OpenStreams, Bytes>;
+
+enum Backend {
+    Claudelink(Pool),
+    H3(Vec<H3Sender>, quinn::Endpoint),
+    Http1 {
+        idle: Mutex<Vec<H1Sender>>,
+        slots: Semaphore,
+    },
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let args = Arc::new(Args::parse());
+    anyhow::ensure!(
+        (1..=10_000).contains(&args.concurrency),
+        "--concurrency must be 1..=10000"
+    );
+    anyhow::ensure!(
+        args.duration > 0.0 && args.duration <= 3600.0,
+        "--duration must be in (0, 3600] seconds"
+    );
+    let prompt = std::fs::read_to_string(&args.prompt_file)
+        .with_context(|| format!("reading {}", args.prompt_file.display()))?;
+    let backend = Arc::new(connect(&args).await?);
+    let body = Bytes::from(request_json(&args, &prompt).to_string());
+    let request = {
+        let turn = ChatMessage {
+            role: ChatRole::User,
+            content: prompt.clone(),
+        };
+        InferenceRequest::new(
+            args.model.clone(),
+            Prompt::Chat(vec![turn]),
+            args.max_tokens,
+        )
+    };
+
+    let start = Instant::now();
+    let stop_at = start + Duration::from_secs_f64(args.duration);
+    let limit = Duration::from_secs_f64(args.request_timeout);
+    let mut tasks = Vec::with_capacity(args.concurrency);
+    for _ in 0..args.concurrency {
+        let (backend, args, body, request) =
+            (backend.clone(), args.clone(), body.clone(), request.clone());
+        tasks.push(tokio::spawn(async move {
+            let mut out = Vec::new();
+            while Instant::now() < stop_at {
+                let t0 = Instant::now();
+                let mut r =
+                    match tokio::time::timeout(limit, one(&backend, &args, &body, &request, t0))
+                        .await
+                    {
+                        Ok(r) => r,
+                        Err(_) => Record {
+                            error: Some("timeout".into()),
+                            ..Record::default()
+                        },
+                    };
+                r.latency = t0.elapsed();
+                let failed = r.error.is_some();
+                out.push(r);
+                if failed {
+                    // Do not spin on a refusing server.
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            }
+            out
+        }));
+    }
+    let mut records = Vec::new();
+    for t in tasks {
+        records.extend(t.await?);
+    }
+    let elapsed = start.elapsed();
+    if let Some(path) = &args.records {
+        let mut s = String::new();
+        for r in &records {
+            let line = json!({
+                "ttft_ms": r.ttft.map(ms),
+                "latency_ms": ms(r.latency),
+                "output_tokens": r.output_tokens,
+                "error": r.error,
+            });
+            s.push_str(&line.to_string());
+            s.push('\n');
+        }
+        std::fs::write(path, s).with_context(|| format!("writing {}", path.display()))?;
+    }
+    println!("{}", summary(&args, &records, elapsed));
+    if let Backend::H3(_, endpoint) = &*backend {
+        endpoint.close(0u32.into(), b"done");
+    }
+    Ok(())
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
+
+fn pct(sorted: &[f64], p: f64) -> Option<f64> {
+    let n = sorted.len();
+    (n > 0).then(|| sorted[((p * n as f64).ceil() as usize).clamp(1, n) - 1])
+}
+
+fn summary(args: &Args, records: &[Record], elapsed: Duration) -> Value {
+    let ok: Vec<&Record> = records.iter().filter(|r| r.error.is_none()).collect();
+    let mut errors = serde_json::Map::new();
+    for r in records {
+        if let Some(e) = &r.error {
+            let n = errors.get(e).and_then(Value::as_u64).unwrap_or(0);
+            errors.insert(e.clone(), json!(n + 1));
+        }
+    }
+    let mut ttft: Vec<f64> = ok.iter().filter_map(|r| r.ttft.map(ms)).collect();
+    let mut lat: Vec<f64> = ok.iter().map(|r| ms(r.latency)).collect();
+    ttft.sort_by(f64::total_cmp);
+    lat.sort_by(f64::total_cmp);
+    let secs = elapsed.as_secs_f64();
+    let tokens: u64 = ok.iter().map(|r| r.output_tokens).sum();
+    json!({
+        "transport": format!("{:?}", args.transport).to_lowercase(),
+        "api": format!("{:?}", args.api).to_lowercase(),
+        "concurrency": args.concurrency,
+        "requests": records.len(),
+        "ok": ok.len(),
+        "errors": errors,
+        "ttft_ms": {"p50": pct(&ttft, 0.5), "p99": pct(&ttft, 0.99)},
+        "latency_ms": {"p50": pct(&lat, 0.5), "p99": pct(&lat, 0.99)},
+        "req_per_s": ok.len() as f64 / secs,
+        "output_tok_per_s": tokens as f64 / secs,
+        "duration_s": secs,
+    })
+}
+
+fn request_json(args: &Args, prompt: &str) -> Value {
+    let messages = json!([{"role": "user", "content": prompt}]);
+    match args.api {
+        Api::Anthropic => json!({
+            "model": args.model, "max_tokens": args.max_tokens, "stream": true,
+            "messages": messages,
+        }),
+        Api::Openai => json!({
+            "model": args.model, "max_tokens": args.max_tokens, "stream": true,
+            "temperature": 0.0, "messages": messages,
+            "stream_options": {"include_usage": true},
+        }),
+    }
+}
+
+fn tls_config(fp: CertFingerprint, alpn: &[u8]) -> anyhow::Result<quinn::ClientConfig> {
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let mut tls = rustls::ClientConfig::builder_with_provider(provider)
+        .with_protocol_versions(&[&rustls::version::TLS13])?
+        .dangerous()
+        .with_custom_certificate_verifier(Arc::new(PinnedVerifier::new(fp)))
+        .with_no_client_auth();
+    tls.alpn_protocols = vec![alpn.to_vec()];
+    let q = quinn::crypto::rustls::QuicClientConfig::try_from(tls)?;
+    Ok(quinn::ClientConfig::new(Arc::new(q)))
+}
+
+async fn connect(args: &Args) -> anyhow::Result<Backend> {
+    let need_fp = || {
+        args.fingerprint
+            .context("--fingerprint is required for claudelink and h3")
+    };
+    Ok(match args.transport {
+        Transport::Claudelink => {
+            let n = args.connections.unwrap_or(4).max(1);
+            let client = Client::new(ClientConfig::new(Trust::Pinned(need_fp()?)))?;
+            let per_conn = args.concurrency.div_ceil(n).max(1);
+            let cfg = PoolConfig::default()
+                .connections(n, n)
+                .target_streams_per_connection(per_conn);
+            Backend::Claudelink(Pool::connect(client, args.addr, cfg).await?)
+        }
+        Transport::H3 => {
+            let mut endpoint = quinn::Endpoint::client("127.0.0.1:0".parse()?)?;
+            endpoint.set_default_client_config(tls_config(need_fp()?, H3_ALPN)?);
+            let mut senders = Vec::new();
+            for _ in 0..args.connections.unwrap_or(4).max(1) {
+                let conn = endpoint.connect(args.addr, "localhost")?.await?;
+                let (mut driver, send) = h3::client::new(h3_quinn::Connection::new(conn)).await?;
+                tokio::spawn(async move {
+                    let _ = std::future::poll_fn(|cx| driver.poll_close(cx)).await;
+                });
+                senders.push(send);
+            }
+            Backend::H3(senders, endpoint)
+        }
+        Transport::Http1 => Backend::Http1 {
+            idle: Mutex::new(Vec::new()),
+            slots: Semaphore::new(args.connections.unwrap_or(args.concurrency).max(1)),
+        },
+    })
+}
+
+/// One request; `latency` is filled in by the caller.
+async fn one(
+    backend: &Backend,
+    args: &Args,
+    body: &Bytes,
+    request: &InferenceRequest,
+    t0: Instant,
+) -> Record {
+    let mut rec = Record::default();
+    let res = match backend {
+        Backend::Claudelink(pool) => claudelink(pool, request, t0, &mut rec).await,
+        Backend::H3(senders, _) => {
+            // Round-robin over the connections.
+            let i = NEXT_CONN.fetch_add(1, Ordering::Relaxed);
+            let mut send = senders[i % senders.len()].clone();
+            h3_request(&mut send, args, body, t0, &mut rec).await
+        }
+        Backend::Http1 { idle, slots } => http1(idle, slots, args, body, t0, &mut rec).await,
+    };
+    if let Err(kind) = res {
+        rec.error = Some(kind);
+    }
+    rec
+}
+
+async fn claudelink(
+    pool: &Pool,
+    request: &InferenceRequest,
+    t0: Instant,
+    rec: &mut Record,
+) -> Result<(), String> {
+    let mut stream = pool
+        .request(request)
+        .await
+        .map_err(|e| format!("request: {e}"))?;
+    while let Some(ev) = stream.next().await {
+        match ev.map_err(|e| format!("stream: {e}"))? {
+            InferenceEvent::Delta { text, .. } if !text.is_empty() && rec.ttft.is_none() => {
+                rec.ttft = Some(t0.elapsed());
+            }
+            InferenceEvent::Finished { usage, .. } => {
+                rec.output_tokens = u64::from(usage.output_tokens);
+                return Ok(());
+            }
+            InferenceEvent::Error { code, .. } => return Err(error_code_name(code).into()),
+            _ => {}
+        }
+    }
+    Err("stream ended without finishing".into())
+}
+
+fn http_request(args: &Args, authority: &str) -> http::request::Builder {
+    let path = match args.api {
+        Api::Anthropic => "/v1/messages",
+        Api::Openai => "/v1/chat/completions",
+    };
+    let mut b = http::Request::builder()
+        .method("POST")
+        .uri(format!(
+            "{}{authority}{path}",
+            if authority.is_empty() { "" } else { "https://" }
+        ))
+        .header("content-type", "application/json")
+        .header("anthropic-version", "2023-06-01");
+    if let Some(k) = &args.api_key {
+        b = b
+            .header("x-api-key", k)
+            .header("authorization", format!("Bearer {k}"));
+    }
+    b
+}
+
+fn status_error(status: http::StatusCode) -> String {
+    match status.as_u16() {
+        529 | 503 => "overloaded".into(),
+        429 => "rate_limited".into(),
+        s => format!("http_{s}"),
+    }
+}
+
+/// Incremental SSE reader: feeds bytes, calls back with each event's `data` payload.
+#[derive(Default)]
+struct Sse {
+    buf: Vec<u8>,
+    done: bool,
+}
+
+impl Sse {
+    fn feed(
+        &mut self,
+        chunk: &[u8],
+        api: Api,
+        t0: Instant,
+        rec: &mut Record,
+    ) -> Result<(), String> {
+        self.buf.extend_from_slice(chunk);
+        while let Some(end) = self.buf.windows(2).position(|w| w == b"\n\n") {
+            let event: Vec<u8> = self.buf.drain(..end + 2).collect();
+            let text = String::from_utf8_lossy(&event);
+            for data in text.lines().filter_map(|l| l.strip_prefix("data:")) {
+                let data = data.trim();
+                if data == "[DONE]" {
+                    self.done = true;
+                    continue;
+                }
+                let v: Value = serde_json::from_str(data).map_err(|_| "bad_sse_json")?;
+                handle_event(&v, api, t0, rec, &mut self.done)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+fn handle_event(
+    v: &Value,
+    api: Api,
+    t0: Instant,
+    rec: &mut Record,
+    done: &mut bool,
+) -> Result<(), String> {
+    if v["type"] == "error" || v.get("error").is_some_and(|e| !e.is_null()) {
+        let kind = v["error"]["type"].as_str().unwrap_or("error");
+        return Err(kind.trim_end_matches("_error").into());
+    }
+    let first = |rec: &mut Record| {
+        if rec.ttft.is_none() {
+            rec.ttft = Some(t0.elapsed());
+        }
+    };
+    match api {
+        Api::Anthropic => match v["type"].as_str() {
+            Some("content_block_delta")
+                if v["delta"]["text"].as_str().is_some_and(|t| !t.is_empty()) =>
+            {
+                first(rec)
+            }
+            Some("message_delta") => {
+                rec.output_tokens = v["usage"]["output_tokens"].as_u64().unwrap_or(0);
+            }
+            Some("message_stop") => *done = true,
+            _ => {}
+        },
+        Api::Openai => {
+            let content = &v["choices"][0]["delta"]["content"];
+            if content.as_str().is_some_and(|t| !t.is_empty()) {
+                first(rec);
+                // Servers that send no usage: one chunk per token.
+                rec.output_tokens += 1;
+            }
+            if let Some(n) = v["usage"]["completion_tokens"].as_u64() {
+                rec.output_tokens = n;
+            }
+        }
+    }
+    Ok(())
+}
+
+async fn h3_request(
+    send: &mut H3Sender,
+    args: &Args,
+    body: &Bytes,
+    t0: Instant,
+    rec: &mut Record,
+) -> Result<(), String> {
+    let req = http_request(args, "localhost")
+        .body(())
+        .map_err(|e| e.to_string())?;
+    let mut stream = send
+        .send_request(req)
+        .await
+        .map_err(|e| format!("h3: {e}"))?;
+    stream
+        .send_data(body.clone())
+        .await
+        .map_err(|e| format!("h3: {e}"))?;
+    stream.finish().await.map_err(|e| format!("h3: {e}"))?;
+    let resp = stream
+        .recv_response()
+        .await
+        .map_err(|e| format!("h3: {e}"))?;
+    if resp.status() != http::StatusCode::OK {
+        return Err(status_error(resp.status()));
+    }
+    let mut sse = Sse::default();
+    while let Some(mut chunk) = stream.recv_data().await.map_err(|e| format!("h3: {e}"))? {
+        while chunk.has_remaining() {
+            let c = chunk.chunk();
+            let n = c.len();
+            sse.feed(c, args.api, t0, rec)?;
+            chunk.advance(n);
+        }
+    }
+    if sse.done {
+        Ok(())
+    } else {
+        Err("stream ended without finishing".into())
+    }
+}
+
+async fn http1(
+    idle: &Mutex<Vec<H1Sender>>,
+    slots: &Semaphore,
+    args: &Args,
+    body: &Bytes,
+    t0: Instant,
+    rec: &mut Record,
+) -> Result<(), String> {
+    let _slot = slots.acquire().await.map_err(|e| e.to_string())?;
+    let popped = idle.lock().await.pop();
+    let mut sender = match popped {
+        Some(s) if s.is_ready() => s,
+        _ => {
+            let tcp = tokio::net::TcpStream::connect(args.addr)
+                .await
+                .map_err(|e| format!("connect: {e}"))?;
+            let _ = tcp.set_nodelay(true);
+            let io = hyper_util::rt::TokioIo::new(tcp);
+            let (send, conn) = hyper::client::conn::http1::handshake(io)
+                .await
+                .map_err(|e| format!("handshake: {e}"))?;
+            tokio::spawn(async move {
+                let _ = conn.await;
+            });
+            send
+        }
+    };
+    let req = http_request(args, "")
+        .header("host", args.addr.to_string())
+        .body(Full::new(body.clone()))
+        .map_err(|e| e.to_string())?;
+    let resp = sender
+        .send_request(req)
+        .await
+        .map_err(|e| format!("http1: {e}"))?;
+    let status = resp.status();
+    let mut body = resp.into_body();
+    let mut sse = Sse::default();
+    while let Some(frame) = body.frame().await {
+        let frame = frame.map_err(|e| format!("http1: {e}"))?;
+        if let Some(data) = frame.data_ref() {
+            if status == http::StatusCode::OK {
+                sse.feed(data, args.api, t0, rec)?;
+            }
+        }
+    }
+    // The body was read to its end: the connection can serve the next request.
+    idle.lock().await.push(sender);
+    if status != http::StatusCode::OK {
+        return Err(status_error(status));
+    }
+    if sse.done {
+        Ok(())
+    } else {
+        Err("stream ended without finishing".into())
+    }
+}
