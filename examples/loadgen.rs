@@ -561,3 +561,66 @@ async fn http1(
         Err("stream ended without finishing".into())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const ANTHROPIC: &str = "event: message_start\ndata: {\"type\":\"message_start\"}\n\n\
+        event: content_block_delta\ndata: {\"type\":\"content_block_delta\",\"delta\":{\"type\":\"text_delta\",\"text\":\"\"}}\n\n\
+        event: content_block_delta\ndata: {\"type\":\"content_block_delta\",\"delta\":{\"type\":\"text_delta\",\"text\":\"Hi\"}}\n\n\
+        event: message_delta\ndata: {\"type\":\"message_delta\",\"usage\":{\"output_tokens\":7}}\n\n\
+        event: message_stop\ndata: {\"type\":\"message_stop\"}\n\n";
+
+    #[test]
+    fn sse_events_split_anywhere_give_the_same_record() {
+        for cut in 0..ANTHROPIC.len() {
+            let (a, b) = ANTHROPIC.as_bytes().split_at(cut);
+            let (mut sse, mut rec, t0) = (Sse::default(), Record::default(), Instant::now());
+            sse.feed(a, Api::Anthropic, t0, &mut rec).unwrap();
+            assert!(!sse.done || cut == ANTHROPIC.len());
+            sse.feed(b, Api::Anthropic, t0, &mut rec).unwrap();
+            assert!(sse.done, "cut {cut}");
+            assert_eq!(rec.output_tokens, 7);
+            // The empty first delta is not the first token.
+            assert!(rec.ttft.is_some());
+        }
+    }
+
+    #[test]
+    fn error_events_and_openai_chunks() {
+        let (mut sse, mut rec, t0) = (Sse::default(), Record::default(), Instant::now());
+        let err = "event: error\ndata: {\"type\":\"error\",\"error\":{\"type\":\"overloaded_error\",\"message\":\"busy\"}}\n\n";
+        assert_eq!(
+            sse.feed(err.as_bytes(), Api::Anthropic, t0, &mut rec),
+            Err("overloaded".into())
+        );
+        let (mut sse, mut rec) = (Sse::default(), Record::default());
+        let chunks = "data: {\"choices\":[{\"delta\":{\"role\":\"assistant\"}}]}\n\n\
+            data: {\"choices\":[{\"delta\":{\"content\":\"a\"}}]}\n\n\
+            data: {\"choices\":[{\"delta\":{\"content\":\"b\"}}]}\n\n";
+        sse.feed(chunks.as_bytes(), Api::Openai, t0, &mut rec)
+            .unwrap();
+        assert_eq!(rec.output_tokens, 2);
+        assert!(!sse.done);
+        let usage =
+            "data: {\"choices\":[],\"usage\":{\"completion_tokens\":5}}\n\ndata: [DONE]\n\n";
+        sse.feed(usage.as_bytes(), Api::Openai, t0, &mut rec)
+            .unwrap();
+        assert!(sse.done);
+        assert_eq!(rec.output_tokens, 5);
+        assert_eq!(
+            status_error(http::StatusCode::from_u16(529).unwrap()),
+            "overloaded"
+        );
+    }
+
+    #[test]
+    fn nearest_rank_percentiles() {
+        let v: Vec<f64> = (1..=100).map(f64::from).collect();
+        assert_eq!(pct(&v, 0.5), Some(50.0));
+        assert_eq!(pct(&v, 0.99), Some(99.0));
+        assert_eq!(pct(&v[..1], 0.99), Some(1.0));
+        assert_eq!(pct(&[], 0.5), None);
+    }
+}
