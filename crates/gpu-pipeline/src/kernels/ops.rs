@@ -150,6 +150,11 @@ pub fn dot(a: &[f32], b: &[f32]) -> Result<f32, OpsError> {
 /// `sum(a[i] * b[i])` with `b` in f16 (an f16 KV cache row).
 pub fn dot_f16(a: &[f32], b: &[f16]) -> Result<f32, OpsError> {
     check("dot_f16: b", a.len(), b.len())?;
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() {
+        // SAFETY: AVX2, FMA and F16C were detected at run time; the lengths are equal.
+        return Ok(unsafe { f16c::dot(a, b) });
+    }
     Ok(dot_f16_impl(a, b))
 }
 
@@ -163,8 +168,76 @@ pub fn axpy(y: &mut [f32], a: f32, x: &[f32]) -> Result<(), OpsError> {
 /// `y += a * x` with `x` in f16 (an f16 KV cache row).
 pub fn axpy_f16(y: &mut [f32], a: f32, x: &[f16]) -> Result<(), OpsError> {
     check("axpy_f16: x", y.len(), x.len())?;
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() {
+        // SAFETY: AVX2, FMA and F16C were detected at run time; the lengths are equal.
+        unsafe { f16c::axpy(y, a, x) };
+        return Ok(());
+    }
     axpy_f16_impl(y, a, x);
     Ok(())
+}
+
+/// F16C versions of the f16 KV-row operations: the same lanes, FMAs and reduction tree as the
+/// portable code (bit-identical results), with 8 halves converted per instruction instead of a
+/// library call per 16-element chunk (which made f16 attention ~20x slower than f32).
+#[cfg(target_arch = "x86_64")]
+mod f16c {
+    use std::arch::x86_64::*;
+
+    use half::f16;
+
+    /// # Safety
+    /// AVX2, FMA and F16C are available; `a.len() == b.len()`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn dot(a: &[f32], b: &[f16]) -> f32 {
+        let n = a.len() / 16 * 16;
+        let (mut lo, mut hi) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+        let (pa, pb) = (a.as_ptr(), b.as_ptr().cast::<u16>());
+        let mut i = 0;
+        while i < n {
+            // SAFETY: `i + 16 <= n <= a.len() == b.len()`: all 16 loads are in bounds.
+            unsafe {
+                let b0 = _mm256_cvtph_ps(_mm_loadu_si128(pb.add(i).cast()));
+                let b1 = _mm256_cvtph_ps(_mm_loadu_si128(pb.add(i + 8).cast()));
+                lo = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i)), b0, lo);
+                hi = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i + 8)), b1, hi);
+            }
+            i += 16;
+        }
+        // tree16: lanes + 8, + 4, + 2, + 1.
+        let s8 = _mm256_add_ps(lo, hi);
+        let s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+        let s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+        let s1 = _mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1));
+        let mut s = _mm_cvtss_f32(s1);
+        for (x, y) in a[n..].iter().zip(&b[n..]) {
+            s = x.mul_add(y.to_f32(), s);
+        }
+        s
+    }
+
+    /// # Safety
+    /// AVX2, FMA and F16C are available; `y.len() == x.len()`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn axpy(y: &mut [f32], a: f32, x: &[f16]) {
+        let n = y.len() / 8 * 8;
+        let av = _mm256_set1_ps(a);
+        let (py, px) = (y.as_mut_ptr(), x.as_ptr().cast::<u16>());
+        let mut i = 0;
+        while i < n {
+            // SAFETY: `i + 8 <= n <= y.len() == x.len()`.
+            unsafe {
+                let xv = _mm256_cvtph_ps(_mm_loadu_si128(px.add(i).cast()));
+                let yv = _mm256_fmadd_ps(av, xv, _mm256_loadu_ps(py.add(i)));
+                _mm256_storeu_ps(py.add(i), yv);
+            }
+            i += 8;
+        }
+        for (yv, xv) in y[n..].iter_mut().zip(&x[n..]) {
+            *yv = a.mul_add(xv.to_f32(), *yv);
+        }
+    }
 }
 
 /// `y += x` (residual connections).
@@ -298,6 +371,30 @@ mod tests {
             }
         }
         assert!(dot(&[1.0], &[]).is_err());
+    }
+
+    #[test]
+    fn f16c_kv_ops_are_bit_identical_to_the_portable_code() {
+        for len in [0usize, 1, 7, 8, 15, 16, 17, 31, 64, 65, 100, 128] {
+            let a: Vec<f32> = (0..len).map(|i| (i as f32 * 0.37).sin() * 3.0).collect();
+            let b: Vec<f16> = (0..len)
+                .map(|i| f16::from_f32((i as f32 * 0.11).cos() * 7.0))
+                .collect();
+            // Public entry points (F16C where the CPU has it) against the portable bodies.
+            assert_eq!(
+                dot_f16(&a, &b).unwrap().to_bits(),
+                dot_f16_impl(&a, &b).to_bits(),
+                "dot, len {len}"
+            );
+            let (mut y1, mut y2) = (a.clone(), a.clone());
+            axpy_f16(&mut y1, -0.75, &b).unwrap();
+            axpy_f16_impl(&mut y2, -0.75, &b);
+            assert_eq!(
+                y1.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                y2.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                "axpy, len {len}"
+            );
+        }
     }
 
     #[test]

@@ -98,7 +98,7 @@ pub(super) fn silu_mul(gate: &mut [f32], up: &[f32]) {
 
 /// Dot product with 16 independent lanes (fixed order: vectorizes, and is the same for every
 /// call with the same length).
-#[inline]
+#[inline(always)] // into the AVX2-compiled attention too
 fn dot(a: &[f32], b: &[f32]) -> f32 {
     let mut acc = [0.0f32; 16];
     let (ca, cb) = (a.chunks_exact(16), b.chunks_exact(16));
@@ -120,13 +120,13 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
     acc[0] + s
 }
 
-#[inline]
+#[inline(always)]
 fn axpy(a: f32, x: &[f32], y: &mut [f32]) {
     y.iter_mut().zip(x).for_each(|(y, x)| *y += a * x);
 }
 
 /// Row `j` of `[pos][hd]` storage split in two parts.
-#[inline]
+#[inline(always)]
 fn row2<'a, T>(parts: &[&'a [T]; 2], j: usize, hd: usize) -> &'a [T] {
     let na = parts[0].len() / hd;
     if j < na {
@@ -138,6 +138,10 @@ fn row2<'a, T>(parts: &[&'a [T]; 2], j: usize, hd: usize) -> &'a [T] {
 
 /// One query head against the first `n_keys` rows of a KV view: softmax(q·K/√d)·V into `dst`.
 /// `scores` has `n_keys` elements of scratch.
+///
+/// Runs compiled for AVX2 + FMA + F16C when the CPU has them (F16C converting f16 rows 8 at a
+/// time), else portably; both do the same float operations in the same order (the arithmetic
+/// is written without fused multiply-adds), so the result is bit-identical on every path.
 pub(super) fn attend(
     q: &[f32],
     view: &KvView<'_>,
@@ -145,7 +149,87 @@ pub(super) fn attend(
     scores: &mut [f32],
     dst: &mut [f32],
 ) {
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2_f16c() {
+        // SAFETY: the features were detected at run time.
+        return unsafe { attend_avx2(q, view, scale, scores, dst) };
+    }
+    attend_body(q, view, scale, scores, dst, |src, dst| {
+        for (d, s) in dst.iter_mut().zip(src) {
+            *d = s.to_f32();
+        }
+    });
+}
+
+#[cfg(target_arch = "x86_64")]
+fn has_avx2_f16c() -> bool {
+    use std::sync::OnceLock;
+    static HAS: OnceLock<bool> = OnceLock::new();
+    *HAS.get_or_init(|| {
+        is_x86_feature_detected!("avx2")
+            && is_x86_feature_detected!("fma")
+            && is_x86_feature_detected!("f16c")
+    })
+}
+
+/// # Safety
+/// The CPU supports AVX2, FMA and F16C.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn attend_avx2(
+    q: &[f32],
+    view: &KvView<'_>,
+    scale: f32,
+    scores: &mut [f32],
+    dst: &mut [f32],
+) {
+    // SAFETY: this function's caller guarantees the features `cvt_f16c` needs.
+    attend_body(q, view, scale, scores, dst, |src, dst| unsafe {
+        cvt_f16c(src, dst)
+    })
+}
+
+/// `dst[i] = src[i]` as f32, 8 at a time (a closure would not inherit the target features, so
+/// the intrinsics would become calls).
+///
+/// # Safety
+/// The CPU supports F16C and AVX.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn cvt_f16c(src: &[half::f16], dst: &mut [f32]) {
+    use std::arch::x86_64::{_mm_loadu_si128, _mm256_cvtph_ps, _mm256_storeu_ps};
+    let n = src.len().min(dst.len());
+    let (ps, pd) = (src.as_ptr().cast::<u16>(), dst.as_mut_ptr());
+    let mut i = 0;
+    while i + 8 <= n {
+        // SAFETY: `i + 8 <= n`, within both slices.
+        unsafe {
+            _mm256_storeu_ps(
+                pd.add(i),
+                _mm256_cvtph_ps(_mm_loadu_si128(ps.add(i).cast())),
+            )
+        };
+        i += 8;
+    }
+    for (d, s) in dst[i..n].iter_mut().zip(&src[i..n]) {
+        *d = s.to_f32();
+    }
+}
+
+/// Elements of an f16 KV row converted at once.
+const SEG: usize = 256;
+
+#[inline(always)]
+fn attend_body(
+    q: &[f32],
+    view: &KvView<'_>,
+    scale: f32,
+    scores: &mut [f32],
+    dst: &mut [f32],
+    cvt: impl Fn(&[half::f16], &mut [f32]),
+) {
     let hd = q.len();
+    let mut tmp = [0.0f32; SEG];
     match view.keys {
         KvSlices::F32(parts) => {
             for (j, s) in scores.iter_mut().enumerate() {
@@ -153,15 +237,17 @@ pub(super) fn attend(
             }
         }
         KvSlices::F16(parts) => {
-            let mut tmp = [0.0f32; 16];
             for (j, s) in scores.iter_mut().enumerate() {
                 let k = row2(&parts, j, hd);
                 let mut acc = 0.0f32;
-                for (qc, kc) in q.chunks(16).zip(k.chunks(16)) {
-                    for (t, k) in tmp.iter_mut().zip(kc) {
-                        *t = k.to_f32();
+                // Segments are multiples of 16, so the 16-element chunks are the same as
+                // chunking the whole row.
+                for (qs, ks) in q.chunks(SEG).zip(k.chunks(SEG)) {
+                    let t = &mut tmp[..ks.len()];
+                    cvt(ks, t);
+                    for (qc, tc) in qs.chunks(16).zip(t.chunks(16)) {
+                        acc += dot(qc, tc);
                     }
-                    acc += dot(qc, &tmp[..kc.len()]);
                 }
                 *s = acc * scale;
             }
@@ -184,8 +270,11 @@ pub(super) fn attend(
         }
         KvSlices::F16(parts) => {
             for (j, &p) in scores.iter().enumerate() {
-                for (y, v) in dst.iter_mut().zip(row2(&parts, j, hd)) {
-                    *y += p * v.to_f32();
+                let v = row2(&parts, j, hd);
+                for (vs, ds) in v.chunks(SEG).zip(dst.chunks_mut(SEG)) {
+                    let t = &mut tmp[..vs.len()];
+                    cvt(vs, t);
+                    axpy(p, t, ds);
                 }
             }
         }
@@ -236,6 +325,44 @@ impl<'a> SharedRows<'a> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn attention_is_bit_identical_on_every_path_and_dtype_layout() {
+        use kv_ring::{KvDtype, KvPool, KvShape, RingMode};
+        // head_dim 300 > SEG exercises the segmented conversion; 64 the usual case.
+        for (hd, n) in [(64usize, 37usize), (300, 9)] {
+            for dtype in [KvDtype::F16, KvDtype::F32] {
+                let pool = KvPool::new(KvShape::new(1, 1, hd, dtype), 1 << 22).unwrap();
+                // A sliding ring smaller than n wraps, so the view has two parts.
+                let mut kv = pool.alloc(n - 3, RingMode::Sliding { sinks: 2 }).unwrap();
+                for t in 0..n {
+                    let k: Vec<f32> = (0..hd)
+                        .map(|i| ((t * hd + i) as f32 * 0.013).sin())
+                        .collect();
+                    let v: Vec<f32> = (0..hd)
+                        .map(|i| ((t * 7 + i) as f32 * 0.029).cos())
+                        .collect();
+                    kv.begin(1).unwrap();
+                    kv.write_layer(0, &k, &v).unwrap();
+                    kv.commit().unwrap();
+                }
+                let view = kv.view(0, 0).unwrap();
+                let q: Vec<f32> = (0..hd).map(|i| (i as f32 * 0.07).cos()).collect();
+                let keys = kv.len();
+                let (mut s1, mut s2) = (vec![0.0; keys], vec![0.0; keys]);
+                let (mut d1, mut d2) = (vec![0.0; hd], vec![0.0; hd]);
+                attend(&q, &view, 0.125, &mut s1, &mut d1);
+                attend_body(&q, &view, 0.125, &mut s2, &mut d2, |src, dst| {
+                    for (d, s) in dst.iter_mut().zip(src) {
+                        *d = s.to_f32();
+                    }
+                });
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&d1), bits(&d2), "hd {hd} {dtype:?}");
+                assert!(d1.iter().all(|x| x.is_finite()) && d1.iter().any(|&x| x != 0.0));
+            }
+        }
+    }
 
     #[test]
     fn rope_normal_and_neox_rotate_pairs() {
