@@ -156,16 +156,12 @@ async fn main() -> anyhow::Result<()> {
             let mut out = Vec::new();
             while Instant::now() < stop_at {
                 let t0 = Instant::now();
-                let mut r =
-                    match tokio::time::timeout(limit, one(&backend, &args, &body, &request, t0))
-                        .await
-                    {
-                        Ok(r) => r,
-                        Err(_) => Record {
-                            error: Some("timeout".into()),
-                            ..Record::default()
-                        },
-                    };
+                let mut r = Record::default();
+                // A request cut by the limit keeps what it measured (its TTFT, if any).
+                let fut = one(&backend, &args, &body, &request, t0, &mut r);
+                if tokio::time::timeout(limit, fut).await.is_err() {
+                    r.error = Some("timeout".into());
+                }
                 r.latency = t0.elapsed();
                 let failed = r.error.is_some();
                 out.push(r);
@@ -305,29 +301,28 @@ async fn connect(args: &Args) -> anyhow::Result<Backend> {
     })
 }
 
-/// One request; `latency` is filled in by the caller.
+/// One request into `rec`; `latency` is filled in by the caller.
 async fn one(
     backend: &Backend,
     args: &Args,
     body: &Bytes,
     request: &InferenceRequest,
     t0: Instant,
-) -> Record {
-    let mut rec = Record::default();
+    rec: &mut Record,
+) {
     let res = match backend {
-        Backend::Claudelink(pool) => claudelink(pool, request, t0, &mut rec).await,
+        Backend::Claudelink(pool) => claudelink(pool, request, t0, rec).await,
         Backend::H3(senders, _) => {
             // Round-robin over the connections.
             let i = NEXT_CONN.fetch_add(1, Ordering::Relaxed);
             let mut send = senders[i % senders.len()].clone();
-            h3_request(&mut send, args, body, t0, &mut rec).await
+            h3_request(&mut send, args, body, t0, rec).await
         }
-        Backend::Http1 { idle, slots } => http1(idle, slots, args, body, t0, &mut rec).await,
+        Backend::Http1 { idle, slots } => http1(idle, slots, args, body, t0, rec).await,
     };
     if let Err(kind) = res {
         rec.error = Some(kind);
     }
-    rec
 }
 
 async fn claudelink(
