@@ -83,6 +83,12 @@ struct Args {
     /// Concurrent generation streams (per QUIC connection and in total at the gateway).
     #[arg(long, default_value_t = 256)]
     max_streams: u32,
+    /// Most sequences in one batched decode step (the rest wait in the queue).
+    #[arg(long, default_value_t = 128)]
+    max_batch: usize,
+    /// Most requests waiting for a slot; beyond them, 529 overloaded at once.
+    #[arg(long, default_value_t = 128)]
+    max_queue: usize,
     /// Seconds to let running streams finish after SIGINT/SIGTERM.
     #[arg(long, default_value_t = 30)]
     drain_secs: u64,
@@ -96,7 +102,9 @@ fn build_service(args: &Args) -> anyhow::Result<(Arc<EngineService>, PathBuf)> {
         None => weight_cache::locate_default_model()?,
     };
     let t0 = Instant::now();
-    let mut engine_cfg = EngineConfig::default().with_max_running(args.max_streams as usize);
+    let mut engine_cfg = EngineConfig::default()
+        .with_max_running(args.max_batch)
+        .with_max_queue(args.max_queue);
     if let Some(b) = args.kv_budget {
         engine_cfg = engine_cfg.with_kv_budget_bytes(usize::try_from(b)?);
     }
@@ -136,39 +144,6 @@ fn profile_path(args: &Args, model: &Path) -> PathBuf {
         .unwrap_or_else(|| model.with_extension("profile"))
 }
 
-/// Logs the warm-up's progress until it is done, then enforces the weight budget now and then.
-async fn watch_weights(svc: Arc<EngineService>, budget: bool) {
-    let Some(progress) = svc.warmup_progress() else {
-        return;
-    };
-    let started = Instant::now();
-    loop {
-        let (done, total) = (progress.done_blocks(), progress.total_blocks());
-        if progress.is_finished() {
-            tracing::info!(
-                blocks = total,
-                mib = progress.bytes() >> 20,
-                ms = progress.elapsed().as_millis() as u64,
-                "warm-up done"
-            );
-            break;
-        }
-        if started.elapsed() > Duration::from_secs(1) {
-            tracing::info!("warm-up: {done}/{total} blocks");
-        }
-        tokio::time::sleep(Duration::from_millis(500)).await;
-    }
-    if !budget {
-        return;
-    }
-    loop {
-        if let Some(Err(e)) = svc.weight_cache().map(WeightCache::enforce_budget) {
-            tracing::warn!("enforcing the weight budget: {e}");
-        }
-        tokio::time::sleep(Duration::from_secs(5)).await;
-    }
-}
-
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     tracing_subscriber::fmt()
@@ -179,7 +154,8 @@ async fn main() -> anyhow::Result<()> {
         .init();
     let args = Args::parse();
     let (engine, profile) = build_service(&args)?;
-    tokio::spawn(watch_weights(engine.clone(), args.weight_budget.is_some()));
+    let budget_every = args.weight_budget.map(|_| Duration::from_secs(5));
+    EngineService::watch_weights(&engine, budget_every)?;
     let service: Arc<dyn InferenceService> = engine.clone();
 
     let identity = match (&args.tls_cert, &args.tls_key) {

@@ -143,6 +143,55 @@ impl EngineService {
         self
     }
 
+    /// Starts a thread that logs the warm-up's progress (every 500 ms after the first second,
+    /// and when it is done) and then, with `enforce_budget_every`, releases cold weight blocks
+    /// beyond the cache's budget at that interval. It ends with the service (it holds only a
+    /// weak reference).
+    pub fn watch_weights(
+        this: &Arc<Self>,
+        enforce_budget_every: Option<std::time::Duration>,
+    ) -> std::io::Result<()> {
+        use std::time::{Duration, Instant};
+        let weak = Arc::downgrade(this);
+        let t0 = Instant::now();
+        std::thread::Builder::new()
+            .name("zerolayer-weights".into())
+            .spawn(move || {
+                let mut warming = true;
+                while let Some(svc) = weak.upgrade() {
+                    let Some(w) = &svc.weights else { return };
+                    let p = w.warm.progress();
+                    if warming {
+                        let (done, total) = (p.done_blocks(), p.total_blocks());
+                        if p.is_finished() {
+                            let ms = p.elapsed().as_millis() as u64;
+                            tracing::info!(
+                                blocks = total,
+                                mib = p.bytes() >> 20,
+                                ms,
+                                "warm-up done"
+                            );
+                            warming = false;
+                        } else if t0.elapsed() > Duration::from_secs(1) {
+                            tracing::info!("warm-up: {done}/{total} blocks");
+                        }
+                    } else if enforce_budget_every.is_none() {
+                        return;
+                    } else if let Err(e) = w.cache.enforce_budget() {
+                        tracing::warn!("enforcing the weight budget: {e}");
+                    }
+                    drop(svc);
+                    let pause = if warming {
+                        Duration::from_millis(500)
+                    } else {
+                        enforce_budget_every.unwrap_or_default()
+                    };
+                    std::thread::sleep(pause);
+                }
+            })?;
+        Ok(())
+    }
+
     /// The weight cache given to [`with_warmup`](Self::with_warmup).
     pub fn weight_cache(&self) -> Option<&WeightCache> {
         self.weights.as_ref().map(|w| &w.cache)
