@@ -265,7 +265,23 @@ def tail(path, n=15):
 
 # ---------------------------------------------------------------- servers
 
-class OurServer:
+class ServerProc:
+    """A server subprocess (`self.p`) with its log file (`self.logf`)."""
+    GRACE = 5.0
+
+    @property
+    def pid(self):
+        return self.p.pid
+
+    def alive(self):
+        return self.p.poll() is None
+
+    def stop(self):
+        stop(self.p, grace=self.GRACE)
+        self.logf.close()
+
+
+class OurServer(ServerProc):
     def __init__(self, a, tag):
         self.log = a.out / "logs" / f"server-{tag}.log"
         http_port, quic_port = free_port("tcp"), free_port("udp")
@@ -295,19 +311,9 @@ class OurServer:
         self.ready_s = time.monotonic() - t0
         log(f"our server ready in {self.ready_s:.1f} s (http {self.http}, quic {self.quic})")
 
-    @property
-    def pid(self):
-        return self.p.pid
-
-    def alive(self):
-        return self.p.poll() is None
-
-    def stop(self):
-        stop(self.p)
-        self.logf.close()
 
 
-class LlamaServer:
+class LlamaServer(ServerProc):
     def __init__(self, a, tag):
         self.log = a.out / "logs" / f"llamacpp-{tag}.log"
         port = free_port("tcp")
@@ -330,16 +336,7 @@ class LlamaServer:
         self.ready_s = time.monotonic() - t0
         log(f"llama.cpp's server ready in {self.ready_s:.1f} s (http {self.http})")
 
-    @property
-    def pid(self):
-        return self.p.pid
-
-    def alive(self):
-        return self.p.poll() is None
-
-    def stop(self):
-        stop(self.p, grace=3.0)
-        self.logf.close()
+    GRACE = 3.0
 
 
 # ---------------------------------------------------------------- prompts

@@ -36,6 +36,8 @@ mod avx2;
 mod avx512;
 mod format;
 mod ops;
+#[cfg(target_arch = "x86_64")]
+pub(crate) use ops::has_avx2;
 mod scalar;
 
 use std::cell::RefCell;

@@ -35,8 +35,9 @@ fn check(what: &'static str, expected: usize, actual: usize) -> Result<(), OpsEr
     }
 }
 
+/// Whether the CPU has AVX2, FMA and F16C (detected once).
 #[cfg(target_arch = "x86_64")]
-fn has_avx2() -> bool {
+pub(crate) fn has_avx2() -> bool {
     use std::sync::OnceLock;
     static HAS: OnceLock<bool> = OnceLock::new();
     *HAS.get_or_init(|| {

@@ -150,7 +150,7 @@ pub(super) fn attend(
     dst: &mut [f32],
 ) {
     #[cfg(target_arch = "x86_64")]
-    if has_avx2_f16c() {
+    if crate::kernels::has_avx2() {
         // SAFETY: the features were detected at run time.
         return unsafe { attend_avx2(q, view, scale, scores, dst) };
     }
@@ -159,17 +159,6 @@ pub(super) fn attend(
             *d = s.to_f32();
         }
     });
-}
-
-#[cfg(target_arch = "x86_64")]
-fn has_avx2_f16c() -> bool {
-    use std::sync::OnceLock;
-    static HAS: OnceLock<bool> = OnceLock::new();
-    *HAS.get_or_init(|| {
-        is_x86_feature_detected!("avx2")
-            && is_x86_feature_detected!("fma")
-            && is_x86_feature_detected!("f16c")
-    })
 }
 
 /// # Safety
