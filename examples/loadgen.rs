@@ -395,7 +395,8 @@ impl Sse {
         t0: Instant,
         rec: &mut Record,
     ) -> Result<(), String> {
-        self.buf.extend_from_slice(chunk);
+        // CRLF line ends (sse-starlette's default) read as LF: JSON data has no raw CR.
+        self.buf.extend(chunk.iter().filter(|&&b| b != b'\r'));
         while let Some(end) = self.buf.windows(2).position(|w| w == b"\n\n") {
             let event: Vec<u8> = self.buf.drain(..end + 2).collect();
             let text = String::from_utf8_lossy(&event);
@@ -580,6 +581,16 @@ mod tests {
             // The empty first delta is not the first token.
             assert!(rec.ttft.is_some());
         }
+    }
+
+    #[test]
+    fn crlf_events_read_like_lf_events() {
+        let crlf = ANTHROPIC.replace('\n', "\r\n");
+        let (mut sse, mut rec) = (Sse::default(), Record::default());
+        sse.feed(crlf.as_bytes(), Api::Anthropic, Instant::now(), &mut rec)
+            .unwrap();
+        assert!(sse.done);
+        assert_eq!(rec.output_tokens, 7);
     }
 
     #[test]

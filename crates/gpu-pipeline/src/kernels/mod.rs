@@ -37,7 +37,7 @@ mod avx512;
 mod format;
 mod ops;
 #[cfg(target_arch = "x86_64")]
-pub(crate) use ops::has_avx2;
+pub(crate) use ops::{f16c::to_f32 as f16_to_f32, has_avx2};
 mod scalar;
 
 use std::cell::RefCell;

@@ -183,7 +183,7 @@ pub fn axpy_f16(y: &mut [f32], a: f32, x: &[f16]) -> Result<(), OpsError> {
 /// portable code (bit-identical results), with 8 halves converted per instruction instead of a
 /// library call per 16-element chunk (which made f16 attention ~20x slower than f32).
 #[cfg(target_arch = "x86_64")]
-mod f16c {
+pub(crate) mod f16c {
     use std::arch::x86_64::*;
 
     use half::f16;
@@ -216,6 +216,31 @@ mod f16c {
             s = x.mul_add(y.to_f32(), s);
         }
         s
+    }
+
+    /// `dst[i] = src[i]` as f32, 8 per instruction, over the shorter of the two (a closure
+    /// would not inherit target features, so callers pass this function, not inline code).
+    ///
+    /// # Safety
+    /// AVX2 and F16C are available.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(crate) unsafe fn to_f32(src: &[f16], dst: &mut [f32]) {
+        let n = src.len().min(dst.len());
+        let (ps, pd) = (src.as_ptr().cast::<u16>(), dst.as_mut_ptr());
+        let mut i = 0;
+        while i + 8 <= n {
+            // SAFETY: `i + 8 <= n`, within both slices.
+            unsafe {
+                _mm256_storeu_ps(
+                    pd.add(i),
+                    _mm256_cvtph_ps(_mm_loadu_si128(ps.add(i).cast())),
+                )
+            };
+            i += 8;
+        }
+        for (d, s) in dst[i..n].iter_mut().zip(&src[i..n]) {
+            *d = s.to_f32();
+        }
     }
 
     /// # Safety

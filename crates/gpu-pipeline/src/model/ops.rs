@@ -172,37 +172,10 @@ unsafe fn attend_avx2(
     scores: &mut [f32],
     dst: &mut [f32],
 ) {
-    // SAFETY: this function's caller guarantees the features `cvt_f16c` needs.
+    // SAFETY: this function's caller guarantees the features `f16_to_f32` needs.
     attend_body(q, view, scale, scores, dst, |src, dst| unsafe {
-        cvt_f16c(src, dst)
+        crate::kernels::f16_to_f32(src, dst)
     })
-}
-
-/// `dst[i] = src[i]` as f32, 8 at a time (a closure would not inherit the target features, so
-/// the intrinsics would become calls).
-///
-/// # Safety
-/// The CPU supports F16C and AVX.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn cvt_f16c(src: &[half::f16], dst: &mut [f32]) {
-    use std::arch::x86_64::{_mm_loadu_si128, _mm256_cvtph_ps, _mm256_storeu_ps};
-    let n = src.len().min(dst.len());
-    let (ps, pd) = (src.as_ptr().cast::<u16>(), dst.as_mut_ptr());
-    let mut i = 0;
-    while i + 8 <= n {
-        // SAFETY: `i + 8 <= n`, within both slices.
-        unsafe {
-            _mm256_storeu_ps(
-                pd.add(i),
-                _mm256_cvtph_ps(_mm_loadu_si128(ps.add(i).cast())),
-            )
-        };
-        i += 8;
-    }
-    for (d, s) in dst[i..n].iter_mut().zip(&src[i..n]) {
-        *d = s.to_f32();
-    }
 }
 
 /// Elements of an f16 KV row converted at once.
