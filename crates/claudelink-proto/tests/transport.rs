@@ -155,13 +155,7 @@ async fn request_round_trip_with_pinned_certificate() {
     let svc = Ticker::new(5, Duration::ZERO);
     let server = start(svc.clone(), |c| c);
     let conn = client(&server).connect(server.local_addr()).await.unwrap();
-    let events = conn
-        .request(&req(5))
-        .await
-        .unwrap()
-        .collect_all()
-        .await
-        .unwrap();
+    let events = events(&conn, 5).await;
     assert_eq!(events.len(), 7);
     assert_eq!(events[0], InferenceEvent::Started { input_tokens: 4 });
     assert_eq!(
@@ -325,13 +319,7 @@ async fn reconnect_uses_0rtt_resumption() {
     let c = client(&server);
     let first = c.connect(server.local_addr()).await.unwrap();
     assert!(!first.zero_rtt_attempted());
-    first
-        .request(&req(2))
-        .await
-        .unwrap()
-        .collect_all()
-        .await
-        .unwrap();
+    events(&first, 2).await;
     // Let the session ticket arrive, then drop the connection.
     tokio::time::sleep(Duration::from_millis(50)).await;
     first.close();
@@ -346,15 +334,19 @@ async fn reconnect_uses_0rtt_resumption() {
     assert_eq!(s.collect_all().await.unwrap().len(), 4);
 }
 
-/// Sends a request for `n` deltas on `conn` and returns how many events came back.
-async fn served(conn: &Connection, n: u32) -> usize {
+/// Sends a request for `n` deltas on `conn` and returns the events that came back.
+async fn events(conn: &Connection, n: u32) -> Vec<InferenceEvent> {
     conn.request(&req(n))
         .await
         .unwrap()
         .collect_all()
         .await
         .unwrap()
-        .len()
+}
+
+/// How many events a request for `n` deltas on `conn` got back.
+async fn served(conn: &Connection, n: u32) -> usize {
+    events(conn, n).await.len()
 }
 
 /// Opens a raw stream, writes `bytes`, finishes, and returns the stream's outcome.
