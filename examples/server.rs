@@ -10,7 +10,7 @@
 //! ```
 
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -117,7 +117,8 @@ fn build_service(args: &Args) -> anyhow::Result<(Arc<EngineService>, PathBuf)> {
         svc.engine().model().gguf().clone(),
         CacheConfig::default().budget_bytes(budget),
     )?;
-    let profile = profile_path(args, &model);
+    // `--profile`, else beside the model file.
+    let profile = (args.profile.clone()).unwrap_or_else(|| model.with_extension("profile"));
     if profile.exists() {
         if let Err(e) = cache.load_profile(&profile) {
             tracing::warn!(profile = %profile.display(), "ignoring the access profile: {e}");
@@ -135,13 +136,6 @@ fn build_service(args: &Args) -> anyhow::Result<(Arc<EngineService>, PathBuf)> {
     tracing::info!(model = %model.display(), load_ms = t0.elapsed().as_millis() as u64,
         threads = ?args.threads, warmup = ?args.warmup, "model mapped, engine started");
     Ok((Arc::new(svc.with_warmup(cache, strategy)), profile))
-}
-
-/// Where the weight access profile is kept: `--profile`, else beside the model file.
-fn profile_path(args: &Args, model: &Path) -> PathBuf {
-    args.profile
-        .clone()
-        .unwrap_or_else(|| model.with_extension("profile"))
 }
 
 #[tokio::main]
