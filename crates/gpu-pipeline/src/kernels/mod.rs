@@ -37,7 +37,14 @@ mod avx512;
 mod format;
 mod ops;
 #[cfg(target_arch = "x86_64")]
-pub(crate) use ops::{f16c::to_f32 as f16_to_f32, has_avx2};
+pub(crate) use ops::has_avx2;
+
+/// Whether the AVX-512 kernels run on this machine (detected, and not overridden by
+/// `$ZEROLAYER_KERNELS`).
+#[cfg(target_arch = "x86_64")]
+pub(crate) fn has_avx512() -> bool {
+    Backend::detect() == Backend::Avx512
+}
 mod scalar;
 
 use std::cell::RefCell;

@@ -218,31 +218,6 @@ pub(crate) mod f16c {
         s
     }
 
-    /// `dst[i] = src[i]` as f32, 8 per instruction, over the shorter of the two (a closure
-    /// would not inherit target features, so callers pass this function, not inline code).
-    ///
-    /// # Safety
-    /// AVX2 and F16C are available.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub(crate) unsafe fn to_f32(src: &[f16], dst: &mut [f32]) {
-        let n = src.len().min(dst.len());
-        let (ps, pd) = (src.as_ptr().cast::<u16>(), dst.as_mut_ptr());
-        let mut i = 0;
-        while i + 8 <= n {
-            // SAFETY: `i + 8 <= n`, within both slices.
-            unsafe {
-                _mm256_storeu_ps(
-                    pd.add(i),
-                    _mm256_cvtph_ps(_mm_loadu_si128(ps.add(i).cast())),
-                )
-            };
-            i += 8;
-        }
-        for (d, s) in dst[i..n].iter_mut().zip(&src[i..n]) {
-            *d = s.to_f32();
-        }
-    }
-
     /// # Safety
     /// AVX2, FMA and F16C are available; `y.len() == x.len()`.
     #[target_feature(enable = "avx2,fma,f16c")]

@@ -1,5 +1,6 @@
 //! The Llama-family model graph over a GGUF file, with a batched forward pass.
 
+mod attention;
 mod config;
 mod ops;
 
@@ -312,15 +313,28 @@ struct Scratch {
     tmp2: Vec<f32>,
     /// cos/sin per token and frequency, interleaved.
     rope: Vec<f32>,
-    /// Per-thread attention score rows.
-    scores: Vec<Mutex<Vec<f32>>>,
-    /// Per token: (step index, index in step).
-    tok: Vec<(u32, u32)>,
+    /// Per-thread attention buffers.
+    attn: Vec<Mutex<AttnScratch>>,
+    /// Attention query blocks: (step, first token in step, tokens), longest first.
+    att_blocks: Vec<(u32, u32, u32)>,
     /// Per step: (first token row, ring length before the step).
     steps: Vec<(usize, usize)>,
     /// The weight cache's current profiling request and the forward calls made in it.
     epoch: Option<(weight_cache::RequestId, u32)>,
 }
+
+/// Per-thread attention buffers: the block's query rows, outputs, key counts, and the kernel's
+/// scratch.
+#[derive(Debug, Default)]
+struct AttnScratch {
+    q: Vec<f32>,
+    o: Vec<f32>,
+    n: Vec<usize>,
+    f: Vec<f32>,
+}
+
+/// Query tokens per attention task (times the GQA group: 48 rows for SmolLM2).
+const ATT_BLOCK: usize = 16;
 
 /// Forward calls that count as one request of an attached [`WeightCache`]: its first touch of
 /// each tensor in a request asks the kernel (mincore) for residency, so a new request per call
@@ -589,10 +603,9 @@ impl Model {
         grow(&mut sc.gate, total * cfg.n_ff);
         grow(&mut sc.up, total * cfg.n_ff);
         grow(&mut sc.rope, total * cfg.rope.n_rot);
-        while sc.scores.len() < n_threads {
-            sc.scores.push(Mutex::new(Vec::new()));
+        while sc.attn.len() < n_threads {
+            sc.attn.push(Mutex::new(AttnScratch::default()));
         }
-        sc.tok.clear();
         sc.steps.clear();
 
         let touch = self.cache.get().map(|c| {
@@ -610,7 +623,6 @@ impl Model {
 
         // ---- begin the chunks (validated above, so these cannot fail for room)
         let mut row = 0usize;
-        let mut max_keys = 0usize;
         for (i, s) in steps.iter_mut().enumerate() {
             let n = s.tokens.len();
             s.kv.begin(n)
@@ -618,9 +630,7 @@ impl Model {
             let len_before = s.kv.len();
             let pos0 = s.kv.next_pos();
             sc.steps.push((row, len_before));
-            max_keys = max_keys.max(len_before + n);
             for (j, &t) in s.tokens.iter().enumerate() {
-                sc.tok.push((i as u32, j as u32));
                 // embedding row, dequantized on lookup
                 let r = t as usize;
                 let rb = self.embd.bytes.len() / self.embd.rows;
@@ -639,13 +649,18 @@ impl Model {
             }
             row += n;
         }
-        for m in &sc.scores {
-            let mut v = m.lock().unwrap_or_else(|e| e.into_inner());
-            if v.len() < max_keys {
-                v.resize(max_keys, 0.0);
+        sc.att_blocks.clear();
+        for (i, s) in steps.iter().enumerate() {
+            let n = s.tokens.len() as u32;
+            for j0 in (0..n).step_by(ATT_BLOCK) {
+                sc.att_blocks
+                    .push((i as u32, j0, (n - j0).min(ATT_BLOCK as u32)));
             }
         }
-
+        // Longest first, so the last tasks claimed are short ones.
+        let lens = &sc.steps;
+        sc.att_blocks
+            .sort_by_key(|&(i, j0, tq)| std::cmp::Reverse(lens[i as usize].1 + (j0 + tq) as usize));
         let scale = 1.0 / (hd as f32).sqrt();
         for (li, layer) in self.layers.iter().enumerate() {
             // attention block
@@ -707,18 +722,20 @@ impl Model {
             }
             let att_out = ops::SharedRows::new(&mut sc.att[..total * qd], hd);
             let q = &sc.q;
-            let tok = &sc.tok;
+            let blocks = &sc.att_blocks;
             let step_info = &sc.steps;
-            let scores = &sc.scores;
+            let scratch = &sc.attn;
             let steps_ref: &[SeqStep<'_>] = steps;
             let group = cfg.gqa_group();
             let err: Mutex<Option<ForwardError>> = Mutex::new(None);
-            self.pool().run(total * nh, &|task, thread| {
-                let (t, h) = (task / nh, task % nh);
-                let (si, j) = tok[t];
-                let (_, len_before) = step_info[si as usize];
+            // One task per (query block, KV head): the group's query heads of up to
+            // ATT_BLOCK tokens of one step, against that step's ring.
+            self.pool().run(blocks.len() * nkv, &|task, thread| {
+                let (b, g) = (task / nkv, task % nkv);
+                let (si, j0, tq) = blocks[b];
+                let (r0, len_before) = step_info[si as usize];
                 let ring = &*steps_ref[si as usize].kv;
-                let view = match ring.view(li, h / group) {
+                let view = match ring.view(li, g) {
                     Ok(v) => v,
                     Err(source) => {
                         *err.lock().unwrap_or_else(|e| e.into_inner()) = Some(ForwardError::Kv {
@@ -728,17 +745,30 @@ impl Model {
                         return;
                     }
                 };
-                let n_keys = len_before + j as usize + 1;
-                let mut sbuf = scores[thread].lock().unwrap_or_else(|e| e.into_inner());
-                // SAFETY: task (t, h) is the only writer of row t*nh + h of `att`.
-                let dst = unsafe { att_out.row(t * nh + h) };
-                ops::attend(
-                    &q[t * qd + h * hd..][..hd],
-                    &view,
-                    scale,
-                    &mut sbuf[..n_keys],
-                    dst,
-                );
+                let mut guard = scratch[thread].lock().unwrap_or_else(|e| e.into_inner());
+                let AttnScratch {
+                    q: qb,
+                    o: ob,
+                    n: nb,
+                    f,
+                } = &mut *guard;
+                let rows = tq as usize * group;
+                qb.clear();
+                nb.clear();
+                for j in j0 as usize..(j0 + tq) as usize {
+                    let t = r0 + j;
+                    for h in g * group..(g + 1) * group {
+                        qb.extend_from_slice(&q[t * qd + h * hd..][..hd]);
+                        nb.push(len_before + j + 1);
+                    }
+                }
+                ob.resize(rows * hd, 0.0);
+                attention::attend_rows(qb, nb, hd, &view, scale, f, &mut ob[..rows * hd]);
+                for (i, o) in ob[..rows * hd].chunks_exact(hd).enumerate() {
+                    let (j, h) = (j0 as usize + i / group, g * group + i % group);
+                    // SAFETY: row (token, head) belongs to this task's block and KV head only.
+                    unsafe { att_out.row((r0 + j) * nh + h) }.copy_from_slice(o);
+                }
             });
             if let Some(e) = err.into_inner().unwrap_or_else(|e| e.into_inner()) {
                 return Err(e);

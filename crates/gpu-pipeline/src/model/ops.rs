@@ -1,11 +1,9 @@
-//! The model's small element-wise operations (norms, RoPE, attention over a KV view).
+//! The model's small element-wise operations (norms, RoPE, activation split).
 //!
 //! Each works on one row at a time with a fixed reduction order, so results do not depend on
 //! how many rows (tokens) are in the batch.
 
 use std::marker::PhantomData;
-
-use kv_ring::{KvSlices, KvView};
 
 use super::{RopeConfig, RopeLayout, RopeScaling};
 
@@ -96,157 +94,6 @@ pub(super) fn silu_mul(gate: &mut [f32], up: &[f32]) {
     }
 }
 
-/// Dot product with 16 independent lanes (fixed order: vectorizes, and is the same for every
-/// call with the same length).
-#[inline(always)] // into the AVX2-compiled attention too
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let mut acc = [0.0f32; 16];
-    let (ca, cb) = (a.chunks_exact(16), b.chunks_exact(16));
-    let (ra, rb) = (ca.remainder(), cb.remainder());
-    for (x, y) in ca.zip(cb) {
-        for l in 0..16 {
-            acc[l] += x[l] * y[l];
-        }
-    }
-    let mut s = 0.0;
-    for (x, y) in ra.iter().zip(rb) {
-        s += x * y;
-    }
-    for step in [8, 4, 2, 1] {
-        for l in 0..step {
-            acc[l] += acc[l + step];
-        }
-    }
-    acc[0] + s
-}
-
-#[inline(always)]
-fn axpy(a: f32, x: &[f32], y: &mut [f32]) {
-    y.iter_mut().zip(x).for_each(|(y, x)| *y += a * x);
-}
-
-/// Row `j` of `[pos][hd]` storage split in two parts.
-#[inline(always)]
-fn row2<'a, T>(parts: &[&'a [T]; 2], j: usize, hd: usize) -> &'a [T] {
-    let na = parts[0].len() / hd;
-    if j < na {
-        &parts[0][j * hd..][..hd]
-    } else {
-        &parts[1][(j - na) * hd..][..hd]
-    }
-}
-
-/// One query head against the first `n_keys` rows of a KV view: softmax(q·K/√d)·V into `dst`.
-/// `scores` has `n_keys` elements of scratch.
-///
-/// Runs compiled for AVX2 + FMA + F16C when the CPU has them (F16C converting f16 rows 8 at a
-/// time), else portably; both do the same float operations in the same order (the arithmetic
-/// is written without fused multiply-adds), so the result is bit-identical on every path.
-pub(super) fn attend(
-    q: &[f32],
-    view: &KvView<'_>,
-    scale: f32,
-    scores: &mut [f32],
-    dst: &mut [f32],
-) {
-    #[cfg(target_arch = "x86_64")]
-    if crate::kernels::has_avx2() {
-        // SAFETY: the features were detected at run time.
-        return unsafe { attend_avx2(q, view, scale, scores, dst) };
-    }
-    attend_body(q, view, scale, scores, dst, |src, dst| {
-        for (d, s) in dst.iter_mut().zip(src) {
-            *d = s.to_f32();
-        }
-    });
-}
-
-/// # Safety
-/// The CPU supports AVX2, FMA and F16C.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn attend_avx2(
-    q: &[f32],
-    view: &KvView<'_>,
-    scale: f32,
-    scores: &mut [f32],
-    dst: &mut [f32],
-) {
-    // SAFETY: this function's caller guarantees the features `f16_to_f32` needs.
-    attend_body(q, view, scale, scores, dst, |src, dst| unsafe {
-        crate::kernels::f16_to_f32(src, dst)
-    })
-}
-
-/// Elements of an f16 KV row converted at once.
-const SEG: usize = 256;
-
-#[inline(always)]
-fn attend_body(
-    q: &[f32],
-    view: &KvView<'_>,
-    scale: f32,
-    scores: &mut [f32],
-    dst: &mut [f32],
-    cvt: impl Fn(&[half::f16], &mut [f32]),
-) {
-    let hd = q.len();
-    let mut tmp = [0.0f32; SEG];
-    match view.keys {
-        KvSlices::F32(parts) => {
-            for (j, s) in scores.iter_mut().enumerate() {
-                *s = dot(q, row2(&parts, j, hd)) * scale;
-            }
-        }
-        KvSlices::F16(parts) => {
-            for (j, s) in scores.iter_mut().enumerate() {
-                let k = row2(&parts, j, hd);
-                let mut acc = 0.0f32;
-                // Segments are multiples of 16, so the 16-element chunks are the same as
-                // chunking the whole row.
-                for (qs, ks) in q.chunks(SEG).zip(k.chunks(SEG)) {
-                    let t = &mut tmp[..ks.len()];
-                    cvt(ks, t);
-                    for (qc, tc) in qs.chunks(16).zip(t.chunks(16)) {
-                        acc += dot(qc, tc);
-                    }
-                }
-                *s = acc * scale;
-            }
-        }
-        #[allow(unreachable_patterns)]
-        _ => unreachable!("kv-ring has only F32 and F16 storage"),
-    }
-    let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let mut sum = 0.0f32;
-    for s in scores.iter_mut() {
-        *s = (*s - max).exp();
-        sum += *s;
-    }
-    dst.fill(0.0);
-    match view.values {
-        KvSlices::F32(parts) => {
-            for (j, &p) in scores.iter().enumerate() {
-                axpy(p, row2(&parts, j, hd), dst);
-            }
-        }
-        KvSlices::F16(parts) => {
-            for (j, &p) in scores.iter().enumerate() {
-                let v = row2(&parts, j, hd);
-                for (vs, ds) in v.chunks(SEG).zip(dst.chunks_mut(SEG)) {
-                    let t = &mut tmp[..vs.len()];
-                    cvt(vs, t);
-                    axpy(p, t, ds);
-                }
-            }
-        }
-        #[allow(unreachable_patterns)]
-        _ => unreachable!("kv-ring has only F32 and F16 storage"),
-    }
-    let inv = 1.0 / sum;
-    dst.iter_mut().for_each(|y| *y *= inv);
-}
-
 /// A mutable buffer of fixed-width rows that pool tasks write disjointly.
 pub(super) struct SharedRows<'a> {
     ptr: *mut f32,
@@ -289,44 +136,6 @@ mod tests {
     use super::*;
 
     #[test]
-    fn attention_is_bit_identical_on_every_path_and_dtype_layout() {
-        use kv_ring::{KvDtype, KvPool, KvShape, RingMode};
-        // head_dim 300 > SEG exercises the segmented conversion; 64 the usual case.
-        for (hd, n) in [(64usize, 37usize), (300, 9)] {
-            for dtype in [KvDtype::F16, KvDtype::F32] {
-                let pool = KvPool::new(KvShape::new(1, 1, hd, dtype), 1 << 22).unwrap();
-                // A sliding ring smaller than n wraps, so the view has two parts.
-                let mut kv = pool.alloc(n - 3, RingMode::Sliding { sinks: 2 }).unwrap();
-                for t in 0..n {
-                    let k: Vec<f32> = (0..hd)
-                        .map(|i| ((t * hd + i) as f32 * 0.013).sin())
-                        .collect();
-                    let v: Vec<f32> = (0..hd)
-                        .map(|i| ((t * 7 + i) as f32 * 0.029).cos())
-                        .collect();
-                    kv.begin(1).unwrap();
-                    kv.write_layer(0, &k, &v).unwrap();
-                    kv.commit().unwrap();
-                }
-                let view = kv.view(0, 0).unwrap();
-                let q: Vec<f32> = (0..hd).map(|i| (i as f32 * 0.07).cos()).collect();
-                let keys = kv.len();
-                let (mut s1, mut s2) = (vec![0.0; keys], vec![0.0; keys]);
-                let (mut d1, mut d2) = (vec![0.0; hd], vec![0.0; hd]);
-                attend(&q, &view, 0.125, &mut s1, &mut d1);
-                attend_body(&q, &view, 0.125, &mut s2, &mut d2, |src, dst| {
-                    for (d, s) in dst.iter_mut().zip(src) {
-                        *d = s.to_f32();
-                    }
-                });
-                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-                assert_eq!(bits(&d1), bits(&d2), "hd {hd} {dtype:?}");
-                assert!(d1.iter().all(|x| x.is_finite()) && d1.iter().any(|&x| x != 0.0));
-            }
-        }
-    }
-
-    #[test]
     fn rope_normal_and_neox_rotate_pairs() {
         let cs = [0.0f32, 1.0, 1.0, 0.0]; // pair 0: 90 degrees, pair 1: identity
         let mut h = [1.0f32, 2.0, 3.0, 4.0];
@@ -358,13 +167,5 @@ mod tests {
         rmsnorm_rows(&[3.0, 4.0], &[1.0, 2.0], 0.0, &mut out);
         let r = (12.5f32).sqrt();
         assert!((out[0] - 3.0 / r).abs() < 1e-6 && (out[1] - 8.0 / r).abs() < 1e-6);
-    }
-
-    #[test]
-    fn dot_matches_naive() {
-        let a: Vec<f32> = (0..37).map(|i| i as f32 * 0.25 - 3.0).collect();
-        let b: Vec<f32> = (0..37).map(|i| (i % 5) as f32 - 2.0).collect();
-        let naive: f32 = a.iter().zip(&b).map(|(x, y)| x * y).sum();
-        assert!((dot(&a, &b) - naive).abs() < 1e-4);
     }
 }

@@ -1,0 +1,747 @@
+//! Attention for a block of query rows that share one KV head: `softmax(q·Kᵀ·scale)·V` per row,
+//! each row `r` against the first `n_keys[r]` keys of the view (causal prefill passes growing
+//! counts).
+//!
+//! Every row goes through the same float operations in the same order whatever block it is in,
+//! which kernel serves the block, or which machine path runs (AVX-512 or portable), so results
+//! are bit-identical across batch shapes, chunkings and CPUs with FMA:
+//! - score: 16 lane sums `a[l] = fma(q[16c+l], k[16c+l], a[l])` over `c` ascending (from 0), then
+//!   the tree `a[l] += a[l+8]` (l < 8), `a[l] += a[l+4]` (l < 4), `a[l] += a[l+2]` (l < 2),
+//!   `a[0] + a[1]`; times `scale`;
+//! - softmax: the exact maximum; [`exp_f`] of `s - max`; the sum as 16 partial sums over keys
+//!   `j ≡ l (mod 16)` ascending, reduced by the same tree;
+//! - output: `o = fma(p[j], v[j], o)` over keys ascending, then `o * (1 / sum)`.
+//!
+//! The AVX-512 path has two kernels with that arithmetic: one vectorized across 16 query rows
+//! (prefill blocks: each converted key row serves 16 rows, no horizontal sums) and one across 16
+//! keys (decode: few rows, a transposing reduction tree builds 16 scores at once).
+
+use half::f16;
+use kv_ring::{KvSlices, KvView};
+
+/// Keys with a `s - max` below this get probability 0 (also keeps `2^n` normal in [`exp_f`]).
+const EXP_MIN: f32 = -87.0;
+const LOG2E: f32 = std::f32::consts::LOG2_E;
+const LN2_HI: f32 = 0.693_145_75;
+const LN2_LO: f32 = 1.428_606_8e-6;
+/// Taylor coefficients 1/k! for k = 7 down to 2 (then 1 and 1).
+const EXP_C: [f32; 6] = [
+    1.0 / 5040.0,
+    1.0 / 720.0,
+    1.0 / 120.0,
+    1.0 / 24.0,
+    1.0 / 6.0,
+    0.5,
+];
+
+/// `e^x` for `x <= 0` (relative error ~1e-7); 0 below [`EXP_MIN`] and for NaN.
+#[inline(always)]
+fn exp_f(x: f32) -> f32 {
+    if x.is_nan() || x < EXP_MIN {
+        return 0.0;
+    }
+    let n = (x * LOG2E).round_ties_even();
+    let r = n.mul_add(-LN2_HI, x);
+    let r = n.mul_add(-LN2_LO, r);
+    let mut p = EXP_C[0];
+    for c in &EXP_C[1..] {
+        p = p.mul_add(r, *c);
+    }
+    p = p.mul_add(r, 1.0);
+    p = p.mul_add(r, 1.0);
+    p * f32::from_bits((((n as i32) + 127) as u32) << 23)
+}
+
+/// The tree sum of 16 lanes described in the module docs.
+#[inline(always)]
+fn tree16(mut a: [f32; 16]) -> f32 {
+    for step in [8, 4, 2] {
+        for l in 0..step {
+            a[l] += a[l + step];
+        }
+    }
+    a[0] + a[1]
+}
+
+/// The K or V rows of a view as raw parts (row `j` is `hd` elements).
+#[derive(Clone, Copy)]
+enum Rows<'a> {
+    F32([&'a [f32]; 2]),
+    F16([&'a [f16]; 2]),
+}
+
+impl<'a> Rows<'a> {
+    fn new(s: &KvSlices<'a>) -> Self {
+        match *s {
+            KvSlices::F32(p) => Rows::F32(p),
+            KvSlices::F16(p) => Rows::F16(p),
+            #[allow(unreachable_patterns)]
+            _ => unreachable!("kv-ring has only F32 and F16 storage"),
+        }
+    }
+
+    /// Element `i` of row `j`, as f32.
+    #[inline(always)]
+    fn get(&self, j: usize, hd: usize, i: usize) -> f32 {
+        match self {
+            Rows::F32(p) => row_of(p, j, hd)[i],
+            Rows::F16(p) => row_of(p, j, hd)[i].to_f32(),
+        }
+    }
+}
+
+#[inline(always)]
+fn row_of<'a, T>(parts: &[&'a [T]; 2], j: usize, hd: usize) -> &'a [T] {
+    let na = parts[0].len() / hd;
+    if j < na {
+        &parts[0][j * hd..][..hd]
+    } else {
+        &parts[1][(j - na) * hd..][..hd]
+    }
+}
+
+/// Attention of `n_keys.len()` query rows (`q`, row-major, `hd` wide) against `view`, written to
+/// `out` (same shape). Every `n_keys[r]` must be in `1..=view.len`. `scratch` is reused.
+pub(super) fn attend_rows(
+    q: &[f32],
+    n_keys: &[usize],
+    hd: usize,
+    view: &KvView<'_>,
+    scale: f32,
+    scratch: &mut Vec<f32>,
+    out: &mut [f32],
+) {
+    let rows = n_keys.len();
+    assert!(q.len() == rows * hd && out.len() == rows * hd);
+    assert!(n_keys.iter().all(|&n| n >= 1 && n <= view.len));
+    #[cfg(target_arch = "x86_64")]
+    if hd % 16 == 0 && hd <= avx512::MAX_HD && crate::kernels::has_avx512() {
+        // SAFETY: the features were detected at run time; shapes are checked above.
+        return unsafe { avx512::attend(q, n_keys, hd, view, scale, scratch, out) };
+    }
+    portable(q, n_keys, hd, view, scale, scratch, out);
+}
+
+/// The portable path (FMA instructions where the CPU has them; the same results either way).
+fn portable(
+    q: &[f32],
+    n_keys: &[usize],
+    hd: usize,
+    view: &KvView<'_>,
+    scale: f32,
+    scratch: &mut Vec<f32>,
+    out: &mut [f32],
+) {
+    #[cfg(target_arch = "x86_64")]
+    if crate::kernels::has_avx2() {
+        // SAFETY: AVX2 + FMA were detected at run time.
+        return unsafe { portable_fma(q, n_keys, hd, view, scale, scratch, out) };
+    }
+    portable_body(q, n_keys, hd, view, scale, scratch, out);
+}
+
+/// # Safety
+/// The CPU supports AVX2 and FMA.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn portable_fma(
+    q: &[f32],
+    n_keys: &[usize],
+    hd: usize,
+    view: &KvView<'_>,
+    scale: f32,
+    scratch: &mut Vec<f32>,
+    out: &mut [f32],
+) {
+    portable_body(q, n_keys, hd, view, scale, scratch, out);
+}
+
+#[inline(always)]
+fn portable_body(
+    q: &[f32],
+    n_keys: &[usize],
+    hd: usize,
+    view: &KvView<'_>,
+    scale: f32,
+    scratch: &mut Vec<f32>,
+    out: &mut [f32],
+) {
+    let (keys, values) = (Rows::new(&view.keys), Rows::new(&view.values));
+    let nmax = n_keys.iter().copied().max().unwrap_or(0);
+    if scratch.len() < nmax {
+        scratch.resize(nmax, 0.0);
+    }
+    for (r, &n) in n_keys.iter().enumerate() {
+        let qr = &q[r * hd..][..hd];
+        let s = &mut scratch[..n];
+        for (j, sj) in s.iter_mut().enumerate() {
+            let mut a = [0.0f32; 16];
+            for (i, &qv) in qr.iter().enumerate() {
+                a[i % 16] = qv.mul_add(keys.get(j, hd, i), a[i % 16]);
+            }
+            *sj = tree16(a) * scale;
+        }
+        let max = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let mut part = [0.0f32; 16];
+        for (j, sj) in s.iter_mut().enumerate() {
+            *sj = exp_f(*sj - max);
+            part[j % 16] += *sj;
+        }
+        let inv = 1.0 / tree16(part);
+        let o = &mut out[r * hd..][..hd];
+        o.fill(0.0);
+        for (j, &p) in s.iter().enumerate() {
+            for (i, ov) in o.iter_mut().enumerate() {
+                *ov = p.mul_add(values.get(j, hd, i), *ov);
+            }
+        }
+        o.iter_mut().for_each(|v| *v *= inv);
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    // The AVX-512 intrinsics are stable since Rust 1.89; the workspace toolchain is newer.
+    #![allow(clippy::incompatible_msrv)]
+
+    use std::arch::x86_64::*;
+
+    use super::{EXP_C, EXP_MIN, KvView, LN2_HI, LN2_LO, LOG2E, Rows};
+
+    /// Largest head dimension of the fast path.
+    pub(super) const MAX_HD: usize = 256;
+    /// Rows per block of the row-vectorized kernel.
+    const LANES: usize = 16;
+
+    /// Pointer to row `j` (f32 or f16 elements, as raw bytes).
+    #[derive(Clone, Copy)]
+    struct RowPtrs {
+        p: [*const u8; 2],
+        na: usize,
+        /// Bytes per row.
+        rb: usize,
+        f16: bool,
+    }
+
+    impl RowPtrs {
+        fn new(r: Rows<'_>, hd: usize) -> Self {
+            match r {
+                Rows::F32(p) => Self {
+                    p: [p[0].as_ptr().cast(), p[1].as_ptr().cast()],
+                    na: p[0].len() / hd,
+                    rb: 4 * hd,
+                    f16: false,
+                },
+                Rows::F16(p) => Self {
+                    p: [p[0].as_ptr().cast(), p[1].as_ptr().cast()],
+                    na: p[0].len() / hd,
+                    rb: 2 * hd,
+                    f16: true,
+                },
+            }
+        }
+
+        /// Elements `16c..16c+16` of row `j` as f32.
+        ///
+        /// # Safety
+        /// `j` is a row of the view and `16c + 16 <= hd`.
+        #[inline(always)]
+        unsafe fn load(&self, j: usize, c: usize) -> __m512 {
+            // SAFETY: forwarded from the caller: row `j` exists and has `hd` elements.
+            unsafe {
+                let base = if j < self.na {
+                    self.p[0].add(j * self.rb)
+                } else {
+                    self.p[1].add((j - self.na) * self.rb)
+                };
+                if self.f16 {
+                    _mm512_cvtph_ps(_mm256_loadu_si256(base.add(32 * c).cast()))
+                } else {
+                    _mm512_loadu_ps(base.add(64 * c).cast())
+                }
+            }
+        }
+    }
+
+    /// Vector [`super::exp_f`]: the same operations lane by lane.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512dq,fma")]
+    fn exp_v(x: __m512) -> __m512 {
+        let ok = _mm512_cmp_ps_mask::<_CMP_GE_OQ>(x, _mm512_set1_ps(EXP_MIN));
+        let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
+            _mm512_mul_ps(x, _mm512_set1_ps(LOG2E)),
+        );
+        let r = _mm512_fmadd_ps(n, _mm512_set1_ps(-LN2_HI), x);
+        let r = _mm512_fmadd_ps(n, _mm512_set1_ps(-LN2_LO), r);
+        let mut p = _mm512_set1_ps(EXP_C[0]);
+        for c in &EXP_C[1..] {
+            p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(*c));
+        }
+        let one = _mm512_set1_ps(1.0);
+        p = _mm512_fmadd_ps(p, r, one);
+        p = _mm512_fmadd_ps(p, r, one);
+        _mm512_maskz_mov_ps(ok, _mm512_scalef_ps(p, n))
+    }
+
+    /// Tree sums of 16 vectors: lane `j` of the result is [`super::tree16`] of vector `j`.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512dq")]
+    fn tree16_t(a: &[__m512; 16]) -> __m512 {
+        // a[l] + a[l+8]: 256-bit halves of two vectors side by side.
+        let b: [__m512; 8] = std::array::from_fn(|i| {
+            let (x, y) = (a[2 * i], a[2 * i + 1]);
+            _mm512_add_ps(
+                _mm512_shuffle_f32x4::<0b01_00_01_00>(x, y),
+                _mm512_shuffle_f32x4::<0b11_10_11_10>(x, y),
+            )
+        });
+        // b[l] + b[l+4]: 128-bit lanes; vector i now holds keys 4i..4i+4, one per 128-bit lane.
+        let c: [__m512; 4] = std::array::from_fn(|i| {
+            let (x, y) = (b[2 * i], b[2 * i + 1]);
+            _mm512_add_ps(
+                _mm512_shuffle_f32x4::<0b10_00_10_00>(x, y),
+                _mm512_shuffle_f32x4::<0b11_01_11_01>(x, y),
+            )
+        });
+        // c[l] + c[l+2]: 64-bit pairs.
+        let d: [__m512; 2] = std::array::from_fn(|i| {
+            let (x, y) = (_mm512_castps_pd(c[2 * i]), _mm512_castps_pd(c[2 * i + 1]));
+            _mm512_add_ps(
+                _mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
+                _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)),
+            )
+        });
+        // d[0] + d[1]: lane 4L + m now holds vector 4m + L.
+        let e = _mm512_add_ps(
+            _mm512_shuffle_ps::<0b10_00_10_00>(d[0], d[1]),
+            _mm512_shuffle_ps::<0b11_01_11_01>(d[0], d[1]),
+        );
+        let idx = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+        _mm512_permutexvar_ps(idx, e)
+    }
+
+    /// Lane tree sum of one vector into a scalar, [`super::tree16`] order.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    fn tree16_h(v: __m512) -> f32 {
+        let mut a = [0.0f32; 16];
+        // SAFETY: `a` has room for 16 floats.
+        unsafe { _mm512_storeu_ps(a.as_mut_ptr(), v) };
+        super::tree16(a)
+    }
+
+    /// # Safety
+    /// The CPU supports AVX-512F/DQ and FMA; `hd % 16 == 0`, `hd <= MAX_HD`; shapes as checked by
+    /// [`super::attend_rows`].
+    #[target_feature(enable = "avx512f,avx512dq,fma,f16c")]
+    pub(super) unsafe fn attend(
+        q: &[f32],
+        n_keys: &[usize],
+        hd: usize,
+        view: &KvView<'_>,
+        scale: f32,
+        scratch: &mut Vec<f32>,
+        out: &mut [f32],
+    ) {
+        let keys = RowPtrs::new(Rows::new(&view.keys), hd);
+        let values = RowPtrs::new(Rows::new(&view.values), hd);
+        let mut r0 = 0;
+        while r0 < n_keys.len() {
+            let nr = (n_keys.len() - r0).min(LANES);
+            let (qb, nb, ob) = (
+                &q[r0 * hd..(r0 + nr) * hd],
+                &n_keys[r0..r0 + nr],
+                &mut out[r0 * hd..(r0 + nr) * hd],
+            );
+            // SAFETY: forwarded; the block's rows are inside the checked shapes.
+            unsafe {
+                if nr >= 6 {
+                    rows_block(qb, nb, hd, keys, values, scale, scratch, ob);
+                } else {
+                    keys_block(qb, nb, hd, keys, values, scale, scratch, ob);
+                }
+            }
+            r0 += nr;
+        }
+    }
+
+    fn reserve(scratch: &mut Vec<f32>, n: usize) -> *mut f32 {
+        if scratch.len() < n {
+            scratch.resize(n, 0.0);
+        }
+        scratch.as_mut_ptr()
+    }
+
+    /// Up to 16 rows, vectorized across rows: scores are kept transposed (`[key][row]`).
+    ///
+    /// # Safety
+    /// As for [`attend`]; `1 <= nb.len() <= 16`.
+    #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "avx512f,avx512dq,fma,f16c")]
+    unsafe fn rows_block(
+        q: &[f32],
+        nb: &[usize],
+        hd: usize,
+        keys: RowPtrs,
+        values: RowPtrs,
+        scale: f32,
+        scratch: &mut Vec<f32>,
+        out: &mut [f32],
+    ) {
+        let nr = nb.len();
+        let nmax = nb.iter().copied().max().unwrap_or(0);
+        // scratch: qt [hd][16] | kbuf [hd] | st [nmax][16]
+        let base = reserve(scratch, hd * LANES + hd + nmax * LANES);
+        // SAFETY (whole body): every pointer below stays inside `scratch` (sized above), `q`,
+        // `out` (nr rows of hd) or the view's rows `0..nmax` (nmax <= view.len).
+        unsafe {
+            let qt = base;
+            let kbuf = base.add(hd * LANES);
+            let st = kbuf.add(hd);
+            for i in 0..hd {
+                for l in 0..LANES {
+                    *qt.add(i * LANES + l) = if l < nr { q[l * hd + i] } else { 0.0 };
+                }
+            }
+            let mut nv = [0i32; LANES];
+            for (l, &n) in nb.iter().enumerate() {
+                nv[l] = n as i32;
+            }
+            let nvec = _mm512_loadu_si512(nv.as_ptr().cast());
+            let scv = _mm512_set1_ps(scale);
+            let ninf = _mm512_set1_ps(f32::NEG_INFINITY);
+            let mut mx = ninf;
+            for j in 0..nmax {
+                for c in 0..hd / 16 {
+                    _mm512_storeu_ps(kbuf.add(16 * c), keys.load(j, c));
+                }
+                let mut a = [_mm512_setzero_ps(); 16];
+                for c in 0..hd / 16 {
+                    for (l, al) in a.iter_mut().enumerate() {
+                        let i = 16 * c + l;
+                        *al = _mm512_fmadd_ps(
+                            _mm512_loadu_ps(qt.add(i * LANES)),
+                            _mm512_set1_ps(*kbuf.add(i)),
+                            *al,
+                        );
+                    }
+                }
+                for step in [8, 4, 2] {
+                    for l in 0..step {
+                        a[l] = _mm512_add_ps(a[l], a[l + step]);
+                    }
+                }
+                let s = _mm512_mul_ps(_mm512_add_ps(a[0], a[1]), scv);
+                let live = _mm512_cmpgt_epi32_mask(nvec, _mm512_set1_epi32(j as i32));
+                let s = _mm512_mask_mov_ps(ninf, live, s);
+                mx = _mm512_max_ps(mx, s);
+                _mm512_storeu_ps(st.add(j * LANES), s);
+            }
+            let mut part = [_mm512_setzero_ps(); 16];
+            for j in 0..nmax {
+                let p = exp_v(_mm512_sub_ps(_mm512_loadu_ps(st.add(j * LANES)), mx));
+                part[j % 16] = _mm512_add_ps(part[j % 16], p);
+                _mm512_storeu_ps(st.add(j * LANES), p);
+            }
+            for step in [8, 4, 2] {
+                for l in 0..step {
+                    part[l] = _mm512_add_ps(part[l], part[l + step]);
+                }
+            }
+            let mut sums = [0.0f32; LANES];
+            _mm512_storeu_ps(sums.as_mut_ptr(), _mm512_add_ps(part[0], part[1]));
+            let mut g = 0;
+            while g < nr {
+                let gn = (nr - g).min(4);
+                let kmax = nb[g..g + gn].iter().copied().max().unwrap_or(0);
+                pv(
+                    values,
+                    hd,
+                    kmax,
+                    st.add(g),
+                    1,
+                    LANES,
+                    gn,
+                    &sums[g..g + gn],
+                    out.as_mut_ptr().add(g * hd),
+                );
+                g += gn;
+            }
+        }
+    }
+
+    /// Up to 16 rows (in practice < 6), vectorized across keys.
+    ///
+    /// # Safety
+    /// As for [`attend`]; `1 <= nb.len() <= 16`.
+    #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "avx512f,avx512dq,fma,f16c")]
+    unsafe fn keys_block(
+        q: &[f32],
+        nb: &[usize],
+        hd: usize,
+        keys: RowPtrs,
+        values: RowPtrs,
+        scale: f32,
+        scratch: &mut Vec<f32>,
+        out: &mut [f32],
+    ) {
+        let nr = nb.len();
+        let nmax = nb.iter().copied().max().unwrap_or(0);
+        let npad = nmax.next_multiple_of(16);
+        // scratch: scores [nr][npad]
+        let sp = reserve(scratch, nr * npad);
+        let nc = hd / 16;
+        let scv = _mm512_set1_ps(scale);
+        let ninf = _mm512_set1_ps(f32::NEG_INFINITY);
+        let lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        let mut sums = [0.0f32; 16];
+        // SAFETY (whole body): pointers stay inside `scratch` (nr * npad floats), `q`/`out`
+        // (nr rows of hd) and the view's rows `0..nmax`.
+        unsafe {
+            for g in (0..nr).step_by(4) {
+                let gn = (nr - g).min(4);
+                let gmax = nb[g..g + gn].iter().copied().max().unwrap_or(0);
+                let mut mx = [ninf; 4];
+                let mut kb = 0;
+                while kb < gmax {
+                    let mut acc = [[_mm512_setzero_ps(); 16]; 4];
+                    for jj in 0..16 {
+                        let j = kb + jj;
+                        if j >= gmax {
+                            break;
+                        }
+                        if nc == 4 {
+                            let k = [0, 1, 2, 3].map(|c| keys.load(j, c));
+                            for (r, ar) in acc.iter_mut().enumerate().take(gn) {
+                                let qp = q.as_ptr().add((g + r) * hd);
+                                let mut a = _mm512_setzero_ps();
+                                for (c, kc) in k.iter().enumerate() {
+                                    a = _mm512_fmadd_ps(_mm512_loadu_ps(qp.add(16 * c)), *kc, a);
+                                }
+                                ar[jj] = a;
+                            }
+                        } else {
+                            for (r, ar) in acc.iter_mut().enumerate().take(gn) {
+                                let qp = q.as_ptr().add((g + r) * hd);
+                                let mut a = _mm512_setzero_ps();
+                                for c in 0..nc {
+                                    a = _mm512_fmadd_ps(
+                                        _mm512_loadu_ps(qp.add(16 * c)),
+                                        keys.load(j, c),
+                                        a,
+                                    );
+                                }
+                                ar[jj] = a;
+                            }
+                        }
+                    }
+                    for r in 0..gn {
+                        let s = _mm512_mul_ps(tree16_t(&acc[r]), scv);
+                        let live = _mm512_cmpgt_epi32_mask(
+                            _mm512_set1_epi32(nb[g + r] as i32 - kb as i32),
+                            lane,
+                        );
+                        let s = _mm512_mask_mov_ps(ninf, live, s);
+                        mx[r] = _mm512_max_ps(mx[r], s);
+                        _mm512_storeu_ps(sp.add((g + r) * npad + kb), s);
+                    }
+                    kb += 16;
+                }
+                for r in 0..gn {
+                    let m = _mm512_set1_ps(_mm512_reduce_max_ps(mx[r]));
+                    let row = sp.add((g + r) * npad);
+                    let mut part = _mm512_setzero_ps();
+                    for kb in (0..gmax).step_by(16) {
+                        let p = exp_v(_mm512_sub_ps(_mm512_loadu_ps(row.add(kb)), m));
+                        part = _mm512_add_ps(part, p);
+                        _mm512_storeu_ps(row.add(kb), p);
+                    }
+                    sums[r] = tree16_h(part);
+                }
+                pv(
+                    values,
+                    hd,
+                    gmax,
+                    sp.add(g * npad),
+                    npad,
+                    1,
+                    gn,
+                    &sums[..gn],
+                    out.as_mut_ptr().add(g * hd),
+                );
+            }
+        }
+    }
+
+    /// `out[r] = (Σ_j p(r, j) · v[j]) · (1 / sums[r])` for `nr <= 4` rows, keys `0..nk` in order,
+    /// `p(r, j) = *p.add(r * rs + j * ks)` (0 where row `r` has fewer keys).
+    ///
+    /// # Safety
+    /// `p` covers all `(r, j)` used; `out` has `nr` rows of `hd`; rows `0..nk` exist in `values`.
+    #[allow(clippy::too_many_arguments)]
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512dq,fma,f16c")]
+    unsafe fn pv(
+        values: RowPtrs,
+        hd: usize,
+        nk: usize,
+        p: *const f32,
+        rs: usize,
+        ks: usize,
+        nr: usize,
+        sums: &[f32],
+        out: *mut f32,
+    ) {
+        // SAFETY (whole body): forwarded from the caller.
+        unsafe {
+            for c0 in (0..hd / 16).step_by(4) {
+                let cn = (hd / 16 - c0).min(4);
+                let mut acc = [[_mm512_setzero_ps(); 4]; 4];
+                for j in 0..nk {
+                    let mut v = [_mm512_setzero_ps(); 4];
+                    for (c, vc) in v.iter_mut().enumerate().take(cn) {
+                        *vc = values.load(j, c0 + c);
+                    }
+                    for (r, ar) in acc.iter_mut().enumerate().take(nr) {
+                        let pj = _mm512_set1_ps(*p.add(r * rs + j * ks));
+                        for c in 0..cn {
+                            ar[c] = _mm512_fmadd_ps(pj, v[c], ar[c]);
+                        }
+                    }
+                }
+                for (r, ar) in acc.iter().enumerate().take(nr) {
+                    let inv = _mm512_set1_ps(1.0 / sums[r]);
+                    for (c, a) in ar.iter().enumerate().take(cn) {
+                        _mm512_storeu_ps(out.add(r * hd + 16 * (c0 + c)), _mm512_mul_ps(*a, inv));
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kv_ring::{KvDtype, KvPool, KvShape, RingMode};
+
+    /// A ring of `n` random K/V rows (sliding, so it wraps and the view has two parts).
+    fn ring(hd: usize, n: usize, dtype: KvDtype) -> (std::sync::Arc<KvPool>, kv_ring::KvRing) {
+        let pool = KvPool::new(KvShape::new(1, 1, hd, dtype), 1 << 24).unwrap();
+        let mut kv = pool.alloc(n - 3, RingMode::Sliding { sinks: 2 }).unwrap();
+        for t in 0..n + 5 {
+            let k: Vec<f32> = (0..hd)
+                .map(|i| ((t * hd + i) as f32 * 0.013).sin() * 2.0)
+                .collect();
+            let v: Vec<f32> = (0..hd)
+                .map(|i| ((t * 7 + i) as f32 * 0.029).cos())
+                .collect();
+            kv.begin(1).unwrap();
+            kv.write_layer(0, &k, &v).unwrap();
+            kv.commit().unwrap();
+        }
+        (pool, kv)
+    }
+
+    fn queries(rows: usize, hd: usize, seed: usize) -> Vec<f32> {
+        (0..rows * hd)
+            .map(|i| ((i * 31 + seed) as f32 * 0.0173).sin() * 1.5)
+            .collect()
+    }
+
+    fn bits(v: &[f32]) -> Vec<u32> {
+        v.iter().map(|x| x.to_bits()).collect()
+    }
+
+    #[test]
+    fn exp_matches_std() {
+        for i in 0..20000 {
+            let x = -(i as f32) * 0.0043;
+            let (a, b) = (exp_f(x), x.exp());
+            assert!((a - b).abs() <= 2e-7 * b + 1e-38, "{x}: {a} vs {b}");
+        }
+        assert_eq!(exp_f(f32::NEG_INFINITY), 0.0);
+        assert_eq!(exp_f(f32::NAN), 0.0);
+        assert_eq!(exp_f(0.0), 1.0);
+    }
+
+    /// Every path gives the same bits, and each row's result does not depend on the block it is
+    /// computed in (alone, in small groups, in full 16-row blocks).
+    #[test]
+    fn rows_are_bit_identical_across_paths_and_blockings() {
+        for (hd, n) in [(64usize, 53usize), (128, 21), (48, 40), (80, 19)] {
+            for dtype in [KvDtype::F16, KvDtype::F32] {
+                let (_pool, kv) = ring(hd, n, dtype);
+                let view = kv.view(0, 0).unwrap();
+                let len = view.len;
+                let rows = 37;
+                let q = queries(rows, hd, hd + n);
+                let nk: Vec<usize> = (0..rows).map(|r| 1 + (r * 7 + r / 3) % len).collect();
+                let mut s = Vec::new();
+                let mut all = vec![0.0; rows * hd];
+                attend_rows(&q, &nk, hd, &view, 0.125, &mut s, &mut all);
+                let mut port = vec![0.0; rows * hd];
+                portable(&q, &nk, hd, &view, 0.125, &mut s, &mut port);
+                assert_eq!(
+                    bits(&all),
+                    bits(&port),
+                    "hd {hd} {dtype:?}: fast vs portable"
+                );
+                for chunk in [1usize, 3, 5, 6, 16] {
+                    let mut got = vec![0.0; rows * hd];
+                    for r0 in (0..rows).step_by(chunk) {
+                        let r1 = (r0 + chunk).min(rows);
+                        attend_rows(
+                            &q[r0 * hd..r1 * hd],
+                            &nk[r0..r1],
+                            hd,
+                            &view,
+                            0.125,
+                            &mut s,
+                            &mut got[r0 * hd..r1 * hd],
+                        );
+                    }
+                    assert_eq!(bits(&all), bits(&got), "hd {hd} {dtype:?} chunk {chunk}");
+                }
+            }
+        }
+    }
+
+    /// Against softmax attention in f64 on the same (f16-rounded) K/V.
+    #[test]
+    fn matches_f64_reference() {
+        let (hd, n) = (64, 300);
+        for dtype in [KvDtype::F16, KvDtype::F32] {
+            let (_pool, kv) = ring(hd, n, dtype);
+            let view = kv.view(0, 0).unwrap();
+            let (keys, values) = (Rows::new(&view.keys), Rows::new(&view.values));
+            let rows = 20;
+            let q = queries(rows, hd, 5);
+            let nk: Vec<usize> = (0..rows).map(|r| view.len - r * 13).collect();
+            let mut out = vec![0.0; rows * hd];
+            attend_rows(&q, &nk, hd, &view, 0.125, &mut Vec::new(), &mut out);
+            for (r, &n) in nk.iter().enumerate() {
+                let s: Vec<f64> = (0..n)
+                    .map(|j| {
+                        (0..hd)
+                            .map(|i| f64::from(q[r * hd + i]) * f64::from(keys.get(j, hd, i)))
+                            .sum::<f64>()
+                            * 0.125
+                    })
+                    .collect();
+                let m = s.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                let e: Vec<f64> = s.iter().map(|x| (x - m).exp()).collect();
+                let z: f64 = e.iter().sum();
+                for i in 0..hd {
+                    let want: f64 = (0..n)
+                        .map(|j| e[j] * f64::from(values.get(j, hd, i)))
+                        .sum::<f64>()
+                        / z;
+                    let got = f64::from(out[r * hd + i]);
+                    assert!((got - want).abs() < 2e-5, "row {r} i {i}: {got} vs {want}");
+                }
+            }
+        }
+    }
+}
