@@ -410,6 +410,12 @@ impl RowsOut<'_> {
     }
 }
 
+/// Decode (n <= 2) tasks per thread.
+#[cfg(target_arch = "x86_64")]
+use avx512::DECODE_TASKS_PER_THREAD;
+#[cfg(not(target_arch = "x86_64"))]
+const DECODE_TASKS_PER_THREAD: usize = 4;
+
 fn run_rows(
     w: WeightMatrix<'_>,
     n: usize,
@@ -427,9 +433,11 @@ fn run_rows(
     // an operation by little, but not so small that the claiming overhead shows.
     let threads = pool.n_threads().max(1);
     let min_rows = if n >= 8 { 16 } else { 32 };
-    let chunk = (w.rows.div_ceil(threads * 8))
-        .max(min_rows)
-        .next_multiple_of(4);
+    let chunk = (w
+        .rows
+        .div_ceil(threads * if n <= 2 { DECODE_TASKS_PER_THREAD } else { 8 }))
+    .max(min_rows)
+    .next_multiple_of(4);
     let n_tasks = w.rows.div_ceil(chunk);
     let task = |t: usize, _thread: usize| {
         let start = t * chunk;
