@@ -143,7 +143,7 @@ proptest! {
     /// Every backend, every dtype, odd sizes: matches the f64 reference within the bound.
     #[test]
     fn matmul_matches_f64_reference(
-        dt in 0usize..8, rows in 1usize..23, units in 1usize..11, n in 1usize..18, seed in any::<u64>(),
+        dt in 0usize..8, rows in 1usize..40, units in 1usize..11, n in 1usize..40, seed in any::<u64>(),
     ) {
         let dtype = DTYPES[dt];
         let cols = cols_for(dtype, units);
@@ -162,7 +162,7 @@ proptest! {
     /// Row i of matmul equals matvec of token i bit for bit, for any n and thread count.
     #[test]
     fn matmul_is_batch_invariant(
-        dt in 0usize..8, rows in 1usize..70, units in 1usize..8, n in 1usize..18, seed in any::<u64>(),
+        dt in 0usize..8, rows in 1usize..70, units in 1usize..8, n in 1usize..40, seed in any::<u64>(),
     ) {
         let dtype = DTYPES[dt];
         let cols = cols_for(dtype, units);

@@ -379,6 +379,10 @@ pub(crate) unsafe fn quant_rows(
     rows: Range<usize>,
     out: &mut RowsOut<'_>,
 ) {
+    if super::panel::applies(fmt, n) {
+        // SAFETY: forwarded from the caller; `applies` checked the format.
+        return unsafe { super::panel::quant_rows(fmt, w, acts, n, rows, out) };
+    }
     match fmt {
         Fmt::Q4_0 => rows_impl::<F_Q4_0>(fmt, w, acts, n, rows, out),
         Fmt::Q4_1 => rows_impl::<F_Q4_1>(fmt, w, acts, n, rows, out),
@@ -444,13 +448,8 @@ fn rows_impl<const F: u8>(
                 unsafe { w.data.as_ptr().add(r * rb) }
             });
             // SAFETY: the rows are whole encoded rows of `w.cols` columns, `ap` has `tn` tokens.
-            let mut emit = |t: usize, s: [f32; 4]| {
-                for (k, v) in s.into_iter().enumerate() {
-                    if g + k < rows.end {
-                        out.set(t0 + t, g + k, v);
-                    }
-                }
-            };
+            let live = (rows.end - g).min(4);
+            let mut emit = |t: usize, s: [f32; 4]| out.set_run(t0 + t, g, &s[..live]);
             unsafe {
                 match tn {
                     8 => tile::<F, 8>(&rowp, ap, nq, nblocks, pf)

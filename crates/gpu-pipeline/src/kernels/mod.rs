@@ -37,6 +37,8 @@ mod avx512;
 mod format;
 mod ops;
 #[cfg(target_arch = "x86_64")]
+mod panel;
+#[cfg(target_arch = "x86_64")]
 pub(crate) use ops::has_avx2;
 
 /// Whether the AVX-512 kernels run on this machine (detected, and not overridden by
@@ -408,6 +410,27 @@ impl RowsOut<'_> {
         // bounds of `y` (length `n * stride`) and no other task writes it.
         unsafe { *self.base.ptr.add(token * self.base.stride + row) = v };
     }
+
+    /// Stores `y[token][row0 + i] = v[i]` for consecutive rows, all in this task's range.
+    #[inline(always)]
+    pub(crate) fn set_run(&mut self, token: usize, row0: usize, v: &[f32]) {
+        assert!(row0 >= self.start && row0 + v.len() <= self.end && token < self.n);
+        // SAFETY: the rows `row0..row0 + v.len()` are inside this task's exclusive range and
+        // `token < n`, so the destination is inside `y` and written by no other task.
+        unsafe {
+            let dst = self.base.ptr.add(token * self.base.stride + row0);
+            match v.len() {
+                // Fixed sizes compile to vector moves instead of a `memmove` call.
+                16 => dst
+                    .cast::<[f32; 16]>()
+                    .write_unaligned(*v.as_ptr().cast::<[f32; 16]>()),
+                4 => dst
+                    .cast::<[f32; 4]>()
+                    .write_unaligned(*v.as_ptr().cast::<[f32; 4]>()),
+                len => std::ptr::copy_nonoverlapping(v.as_ptr(), dst, len),
+            }
+        };
+    }
 }
 
 /// Decode (n <= 2) tasks per thread.
@@ -433,11 +456,20 @@ fn run_rows(
     // an operation by little, but not so small that the claiming overhead shows.
     let threads = pool.n_threads().max(1);
     let min_rows = if n >= 8 { 16 } else { 32 };
+    // Many tokens: whole 16-row panels (see `panel`).
+    #[cfg(target_arch = "x86_64")]
+    let align = if n >= panel::PANEL_MIN_TOKENS {
+        panel::PANEL_ROWS
+    } else {
+        4
+    };
+    #[cfg(not(target_arch = "x86_64"))]
+    let align = 4;
     let chunk = (w
         .rows
         .div_ceil(threads * if n <= 2 { DECODE_TASKS_PER_THREAD } else { 8 }))
     .max(min_rows)
-    .next_multiple_of(4);
+    .next_multiple_of(align);
     let n_tasks = w.rows.div_ceil(chunk);
     let task = |t: usize, _thread: usize| {
         let start = t * chunk;

@@ -1,0 +1,336 @@
+//! AVX-512 VNNI matrix-matrix kernel for many tokens (prefill, batched decode) over Q4_0, Q4_1 and
+//! Q8_0 weights.
+//!
+//! A task packs 16 rows at a time ("a panel") into a thread-local buffer: per 32-element block,
+//! eight u8 vectors whose lane `r` holds 4 consecutive quants of row `r` (block element `4j..4j+4`
+//! in vector `j`), plus the 16 rows' block scales as f32. The panel is then reused for every token:
+//! `vpdpbusd` of vector `j` with token `t`'s 4 activation bytes broadcast gives 16 rows' partial
+//! sums at once, so no horizontal reductions are needed and each activation load serves 16 rows.
+//!
+//! **Same arithmetic as the 4-row kernel.** Each output element is accumulated exactly as in
+//! [`super::avx512`]: the exact integer block dot product, converted to f32 and added with one
+//! FMA by `d_w * d_x` (then `m_w * d_x * sum(q_x)` for Q4_1), into one of four f32 chains by block
+//! index modulo 4 (in increasing block order), and the chains summed as `(c0 + c2) + (c1 + c3)`.
+//! So a token's outputs are bit-identical whichever kernel ran it, which keeps `matmul`
+//! batch-invariant when the batch size picks this kernel.
+
+// The AVX-512 intrinsics are stable since Rust 1.89; the workspace toolchain is 1.95.
+#![allow(clippy::incompatible_msrv)]
+
+use std::arch::x86_64::*;
+use std::cell::RefCell;
+use std::ops::Range;
+
+use super::act::{ActQuad, quads_per_token};
+use super::format::Fmt;
+use super::{RowsOut, WeightMatrix};
+
+/// Rows per panel (one per 32-bit lane of a 512-bit vector).
+pub(crate) const PANEL_ROWS: usize = 16;
+/// Smallest token count this kernel is used for; fewer tokens use the 4-row kernel, whose weight
+/// decoding needs no packing pass (measured crossover on Zen 4).
+pub(crate) const PANEL_MIN_TOKENS: usize = 16;
+
+/// One packed block of a panel.
+#[repr(C, align(64))]
+#[derive(Clone, Copy)]
+struct PackedBlock {
+    /// `w[j]` lane `r`: the u8 quants of elements `4j..4j + 4` of row `r` (Q8_0: offset by 128).
+    w: [[u8; 64]; 8],
+    /// Row scales.
+    d: [f32; 16],
+    /// Q4_1: row minimums.
+    m: [f32; 16],
+}
+
+const ZERO_BLOCK: PackedBlock = PackedBlock {
+    w: [[0; 64]; 8],
+    d: [0.0; 16],
+    m: [0.0; 16],
+};
+
+thread_local! {
+    static PANEL: RefCell<Vec<PackedBlock>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Whether this kernel handles `fmt` at `n` tokens.
+pub(crate) fn applies(fmt: Fmt, n: usize) -> bool {
+    n >= PANEL_MIN_TOKENS && matches!(fmt, Fmt::Q4_0 | Fmt::Q4_1 | Fmt::Q8_0)
+}
+
+/// Rows `rows` x all `n` tokens.
+///
+/// # Safety
+/// The CPU supports the features enabled here; `acts` holds `n` tokens quantized for `w.cols`;
+/// `fmt` is Q4_0, Q4_1 or Q8_0 and is `w`'s format.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+pub(crate) unsafe fn quant_rows(
+    fmt: Fmt,
+    w: WeightMatrix<'_>,
+    acts: &[ActQuad],
+    n: usize,
+    rows: Range<usize>,
+    out: &mut RowsOut<'_>,
+) {
+    match fmt {
+        Fmt::Q4_0 => panel_rows::<0>(fmt, w, acts, n, rows, out),
+        Fmt::Q4_1 => panel_rows::<1>(fmt, w, acts, n, rows, out),
+        Fmt::Q8_0 => panel_rows::<2>(fmt, w, acts, n, rows, out),
+        _ => unreachable!("panel kernel formats are checked by `applies`"),
+    }
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+fn panel_rows<const F: u8>(
+    fmt: Fmt,
+    w: WeightMatrix<'_>,
+    acts: &[ActQuad],
+    n: usize,
+    rows: Range<usize>,
+    out: &mut RowsOut<'_>,
+) {
+    let rb = fmt.row_bytes(w.cols);
+    let nq = quads_per_token(w.cols);
+    let nblocks = w.cols / 32;
+    assert!(acts.len() >= n * nq && rows.end <= w.rows && w.data.len() >= w.rows * rb);
+    assert!(!rows.is_empty() && PANEL_ROWS * rb < i32::MAX as usize);
+    PANEL.with(|p| {
+        let mut panel = p.borrow_mut();
+        if panel.len() < nblocks {
+            panel.resize(nblocks, ZERO_BLOCK);
+        }
+        let panel = &mut panel[..nblocks];
+        for g in rows.clone().step_by(PANEL_ROWS) {
+            let r0 = g.min(rows.end - 1);
+            // Row offsets from row `r0`; rows past the task repeat its last row (not emitted).
+            let offs: [i32; 16] =
+                std::array::from_fn(|k| ((g + k).min(rows.end - 1) - r0) as i32 * rb as i32);
+            // The next panel (DRAM in decode) is prefetched while this one is packed.
+            let next_r0 = (g + PANEL_ROWS).min(rows.end - 1);
+            // SAFETY: `r0, next_r0 < w.rows`; the packing reads stay inside rows `r0..rows.end`,
+            // the prefetches inside rows `next_r0..rows.end`.
+            unsafe {
+                let base = w.data.as_ptr();
+                let next = (base.add(next_r0 * rb), rows.end - next_r0);
+                pack::<F>(base.add(r0 * rb), next, offs, rb, panel);
+            }
+            let live = (rows.end - g).min(PANEL_ROWS);
+            let mut emit = |t: usize, v: __m512| {
+                let mut o = [0.0f32; 16];
+                // SAFETY: `o` has room for 16 floats.
+                unsafe { _mm512_storeu_ps(o.as_mut_ptr(), v) };
+                out.set_run(t, g, &o[..live]);
+            };
+            let mut t0 = 0;
+            while t0 < n {
+                let left = n - t0;
+                let ap = acts[t0 * nq..].as_ptr();
+                // SAFETY: `ap` has at least the tile's tokens (`left` of them), `nq` quads each.
+                unsafe {
+                    if left >= 8 {
+                        for (t, v) in tile::<F, 8>(panel, ap, nq).into_iter().enumerate() {
+                            emit(t0 + t, v);
+                        }
+                        t0 += 8;
+                    } else if left >= 4 {
+                        for (t, v) in tile::<F, 4>(panel, ap, nq).into_iter().enumerate() {
+                            emit(t0 + t, v);
+                        }
+                        t0 += 4;
+                    } else {
+                        for (t, v) in tile::<F, 1>(panel, ap, nq).into_iter().enumerate() {
+                            emit(t0 + t, v);
+                        }
+                        t0 += 1;
+                    }
+                }
+            }
+        }
+    });
+}
+
+/// Packs the 16 rows at `base + offs[k]` into `panel` (one entry per block), prefetching the
+/// first `next.1` rows (at most 16) of `rb` bytes at `next.0`.
+///
+/// # Safety
+/// Each `base + offs[k]` is the start of a full encoded row of `panel.len()` blocks; `next.0` is
+/// valid for `next.1 * rb` bytes (prefetches only).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+unsafe fn pack<const F: u8>(
+    base: *const u8,
+    next: (*const u8, usize),
+    offs: [i32; 16],
+    rb: usize,
+    panel: &mut [PackedBlock],
+) {
+    // SAFETY: `offs` is 16 i32s.
+    let vidx = unsafe { _mm512_loadu_si512(offs.as_ptr().cast()) };
+    let lo4 = _mm512_set1_epi8(0x0F);
+    let flip = _mm512_set1_epi8(-128);
+    let (bs, hdr) = match F {
+        0 => (18, 2),
+        1 => (20, 4),
+        _ => (34, 2),
+    };
+    let next_len = next.1.min(PANEL_ROWS) * rb;
+    // Spread the next panel's lines over the blocks: `per` lines per block.
+    let per = next_len.div_ceil(64).div_ceil(panel.len().max(1));
+    let mut pf = 0usize;
+    for (b, pb) in panel.iter_mut().enumerate() {
+        for _ in 0..per {
+            if pf < next_len {
+                // SAFETY: `pf < next_len`; prefetching has no side effects.
+                unsafe { _mm_prefetch::<_MM_HINT_T0>(next.0.add(pf).cast()) };
+                pf += 64;
+            }
+        }
+        // SAFETY: every load lies inside block `b` of one of the 16 rows.
+        unsafe {
+            let p = base.add(b * bs);
+            let h = _mm512_i32gather_epi32::<1>(vidx, p.cast());
+            _mm512_store_ps(pb.d.as_mut_ptr(), _mm512_cvtph_ps(_mm512_cvtepi32_epi16(h)));
+            if F == 1 {
+                let m = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(h, 16)));
+                _mm512_store_ps(pb.m.as_mut_ptr(), m);
+            }
+            let q = p.add(hdr);
+            if F == 2 {
+                let lo = transpose16(q, &offs);
+                let hi = transpose16(q.add(16), &offs);
+                for j in 0..4 {
+                    _mm512_store_si512(pb.w[j].as_mut_ptr().cast(), _mm512_xor_si512(lo[j], flip));
+                    _mm512_store_si512(
+                        pb.w[j + 4].as_mut_ptr().cast(),
+                        _mm512_xor_si512(hi[j], flip),
+                    );
+                }
+            } else {
+                let v = transpose16(q, &offs);
+                for (j, vj) in v.into_iter().enumerate() {
+                    _mm512_store_si512(pb.w[j].as_mut_ptr().cast(), _mm512_and_si512(vj, lo4));
+                    let hi = _mm512_and_si512(_mm512_srli_epi16(vj, 4), lo4);
+                    _mm512_store_si512(pb.w[j + 4].as_mut_ptr().cast(), hi);
+                }
+            }
+        }
+    }
+}
+
+/// Loads 16 bytes at `p + offs[r]` for the 16 rows and transposes them by dwords: vector `j`
+/// lane `r` = bytes `4j..4j + 4` of row `r`.
+///
+/// # Safety
+/// Each `p + offs[r]` has 16 readable bytes.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+unsafe fn transpose16(p: *const u8, offs: &[i32; 16]) -> [__m512i; 4] {
+    // Y_g lane 4j + i = Z_g lane 4i + j, where Z_g lane 4i + j = dword j of row 4g + i.
+    let t = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    let mut y = [_mm512_setzero_si512(); 4];
+    for (g, yg) in y.iter_mut().enumerate() {
+        // SAFETY: forwarded from the caller.
+        let z = unsafe {
+            let r0 = p.add(offs[4 * g] as usize).cast::<__m128i>();
+            let r1 = p.add(offs[4 * g + 1] as usize).cast::<__m128i>();
+            let r2 = p.add(offs[4 * g + 2] as usize).cast::<__m128i>();
+            let r3 = p.add(offs[4 * g + 3] as usize).cast::<__m128i>();
+            let v = _mm512_castsi128_si512(_mm_loadu_si128(r0));
+            let v = _mm512_inserti32x4::<1>(v, _mm_loadu_si128(r1));
+            let v = _mm512_inserti32x4::<2>(v, _mm_loadu_si128(r2));
+            _mm512_inserti32x4::<3>(v, _mm_loadu_si128(r3))
+        };
+        *yg = _mm512_permutexvar_epi32(t, z);
+    }
+    // 4 x 4 transpose of 128-bit lanes: out_j lane block g = Y_g lane block j.
+    let a = _mm512_shuffle_i32x4::<0x44>(y[0], y[1]);
+    let b = _mm512_shuffle_i32x4::<0xEE>(y[0], y[1]);
+    let c = _mm512_shuffle_i32x4::<0x44>(y[2], y[3]);
+    let d = _mm512_shuffle_i32x4::<0xEE>(y[2], y[3]);
+    [
+        _mm512_shuffle_i32x4::<0x88>(a, c),
+        _mm512_shuffle_i32x4::<0xDD>(a, c),
+        _mm512_shuffle_i32x4::<0x88>(b, d),
+        _mm512_shuffle_i32x4::<0xDD>(b, d),
+    ]
+}
+
+/// The 4 activation bytes of elements `4j..4j + 4` of block `l` of quad `a`, broadcast.
+#[inline(always)]
+fn act4(a: &ActQuad, l: usize, j: usize) -> __m512i {
+    let src = if j < 4 {
+        &a.x0[16 * l + 4 * j..16 * l + 4 * j + 4]
+    } else {
+        &a.x1[16 * l + 4 * (j - 4)..16 * l + 4 * (j - 4) + 4]
+    };
+    let v = i32::from_le_bytes([src[0] as u8, src[1] as u8, src[2] as u8, src[3] as u8]);
+    // SAFETY: AVX-512F is enabled in every caller.
+    unsafe { _mm512_set1_epi32(v) }
+}
+
+/// Outputs of the packed panel for `T` tokens (`acts` at token 0's first quad, `nq` quads per
+/// token): one vector of the 16 rows per token.
+///
+/// # Safety
+/// `acts` is valid for `T * nq` quads; `panel` holds the row length's blocks (`<= 4 * nq`).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+unsafe fn tile<const F: u8, const T: usize>(
+    panel: &[PackedBlock],
+    acts: *const ActQuad,
+    nq: usize,
+) -> [__m512; T] {
+    // SAFETY: forwarded.
+    let c = |l: usize| unsafe { chain::<F, T>(panel, acts, nq, l) };
+    let add = |a: [__m512; T], b: [__m512; T]| std::array::from_fn(|t| _mm512_add_ps(a[t], b[t]));
+    let s02 = add(c(0), c(2));
+    add(s02, add(c(1), c(3)))
+}
+
+/// Chain `l` of [`tile`]: the blocks `l, l + 4, l + 8, ...` accumulated in order.
+///
+/// # Safety
+/// As for [`tile`].
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+unsafe fn chain<const F: u8, const T: usize>(
+    panel: &[PackedBlock],
+    acts: *const ActQuad,
+    nq: usize,
+    l: usize,
+) -> [__m512; T] {
+    // SAFETY: `t * nq + q < T * nq` for every `t < T`, `q < nq`.
+    let act = |t: usize, q: usize| unsafe { &*acts.add(t * nq + q) };
+    let mut acc = [_mm512_setzero_ps(); T];
+    let mut b = l;
+    while b < panel.len() {
+        let pb = &panel[b];
+        let q = b / 4;
+        let mut isum = [_mm512_setzero_si512(); T];
+        for j in 0..8 {
+            // SAFETY: `w[j]` is 64 aligned bytes.
+            let wj = unsafe { _mm512_load_si512(pb.w[j].as_ptr().cast()) };
+            for (t, s) in isum.iter_mut().enumerate() {
+                *s = _mm512_dpbusd_epi32(*s, wj, act4(act(t, q), l, j));
+            }
+        }
+        // SAFETY: `d` and `m` are 16 aligned f32s.
+        let (d, m) = unsafe { (_mm512_load_ps(pb.d.as_ptr()), _mm512_load_ps(pb.m.as_ptr())) };
+        for (t, c) in acc.iter_mut().enumerate() {
+            let a = act(t, q);
+            let mut r = isum[t];
+            match F {
+                0 => r = _mm512_sub_epi32(r, _mm512_slli_epi32(_mm512_set1_epi32(a.sq[4 * l]), 3)),
+                2 => r = _mm512_sub_epi32(r, _mm512_slli_epi32(_mm512_set1_epi32(a.sq[4 * l]), 7)),
+                _ => {}
+            }
+            let s = _mm512_mul_ps(d, _mm512_set1_ps(a.dx[4 * l]));
+            *c = _mm512_fmadd_ps(_mm512_cvtepi32_ps(r), s, *c);
+            if F == 1 {
+                *c = _mm512_fmadd_ps(m, _mm512_set1_ps(a.sx[4 * l]), *c);
+            }
+        }
+        b += 4;
+    }
+    acc
+}
