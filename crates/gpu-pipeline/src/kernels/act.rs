@@ -114,3 +114,49 @@ pub(crate) fn quantize_token(x: &[f32], acts: &mut [ActQuad]) {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fields(a: &ActQuad) -> (Vec<i8>, Vec<u32>, Vec<i32>) {
+        let x = a.x0.iter().chain(&a.x1).copied().collect();
+        let f = a.dx.iter().chain(&a.sx).map(|v| v.to_bits()).collect();
+        let i = a.sq.iter().chain(&a.sq0).chain(&a.sq1).copied().collect();
+        (x, f, i)
+    }
+
+    /// Every backend's quantization writes the same bytes as the scalar one (the kernels rely on
+    /// it for cross-kernel bit identity), partial last quads and zero blocks included.
+    #[test]
+    fn backends_quantize_identically() {
+        let mut s = 0x9E37_79B9_7F4A_7C15u64;
+        for blocks in 1..=21 {
+            let cols = 32 * blocks;
+            let x: Vec<f32> = (0..cols)
+                .map(|i| {
+                    s ^= s << 13;
+                    s ^= s >> 7;
+                    s ^= s << 17;
+                    let v = (s >> 40) as f32 / (1u64 << 24) as f32 - 0.5;
+                    // One all-zero block, and a wide range of magnitudes.
+                    if i / 32 == 1 {
+                        0.0
+                    } else {
+                        v * (1 << (i % 7)) as f32
+                    }
+                })
+                .collect();
+            let nq = quads_per_token(cols);
+            let mut want = vec![ActQuad::ZERO; nq];
+            quantize_token(&x, &mut want);
+            for backend in Backend::available() {
+                let mut got = vec![ActQuad::ZERO; nq];
+                quantize_tokens(backend, &x, cols, &mut got);
+                for (g, w) in got.iter().zip(&want) {
+                    assert_eq!(fields(g), fields(w), "{backend:?} cols {cols}");
+                }
+            }
+        }
+    }
+}

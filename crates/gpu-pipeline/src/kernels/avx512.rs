@@ -482,8 +482,13 @@ fn rows_impl<const F: u8>(
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,avx2,fma,f16c")]
 pub(crate) unsafe fn quantize_token(x: &[f32], acts: &mut [ActQuad]) {
     let nblocks = x.len() / 32;
+    // Lane `4L + k` takes element `L`.
+    let spread = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
     for (qi, a) in acts.iter_mut().enumerate() {
-        *a = ActQuad::ZERO;
+        let (mut dv, mut sv) = ([0.0f32; 16], [0.0f32; 16]);
+        let (mut s0v, mut s1v) = ([0i32; 16], [0i32; 16]);
+        let mut x0 = _mm512_setzero_si512();
+        let mut x1 = _mm512_setzero_si512();
         for l in 0..4 {
             let b = 4 * qi + l;
             if b >= nblocks {
@@ -500,26 +505,27 @@ pub(crate) unsafe fn quantize_token(x: &[f32], acts: &mut [ActQuad]) {
             // Round to nearest even (the default MXCSR mode), as `round_ties_even` does.
             let q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, idv));
             let q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, idv));
-            let s0 = _mm512_reduce_add_epi32(q0);
-            let s1 = _mm512_reduce_add_epi32(q1);
-            // SAFETY: each store writes 16 bytes inside the 64-byte `x0`/`x1` arrays.
-            unsafe {
-                _mm_storeu_si128(
-                    a.x0.as_mut_ptr().add(16 * l).cast(),
-                    _mm512_cvtepi32_epi8(q0),
-                );
-                _mm_storeu_si128(
-                    a.x1.as_mut_ptr().add(16 * l).cast(),
-                    _mm512_cvtepi32_epi8(q1),
-                );
-            }
-            for k in 0..4 {
-                a.dx[4 * l + k] = d;
-                a.sx[4 * l + k] = d * (s0 + s1) as f32;
-                a.sq[4 * l + k] = s0 + s1;
-                a.sq0[4 * l + k] = s0;
-                a.sq1[4 * l + k] = s1;
-            }
+            dv[l] = d;
+            s0v[l] = _mm512_reduce_add_epi32(q0);
+            s1v[l] = _mm512_reduce_add_epi32(q1);
+            sv[l] = d * (s0v[l] + s1v[l]) as f32;
+            // Bytes 16L..16L + 16 of x0 / x1.
+            let m = 0xFFFFu64 << (16 * l);
+            x0 = _mm512_mask_mov_epi8(x0, m, _mm512_broadcast_i32x4(_mm512_cvtepi32_epi8(q0)));
+            x1 = _mm512_mask_mov_epi8(x1, m, _mm512_broadcast_i32x4(_mm512_cvtepi32_epi8(q1)));
+        }
+        // SAFETY: the arrays are 16 elements; `a`'s fields are 64 aligned bytes each.
+        unsafe {
+            let spr = |v: __m512i| _mm512_permutexvar_epi32(spread, v);
+            let ld = |p: *const i32| _mm512_loadu_si512(p.cast());
+            let (s0, s1) = (spr(ld(s0v.as_ptr())), spr(ld(s1v.as_ptr())));
+            _mm512_store_si512(a.x0.as_mut_ptr().cast(), x0);
+            _mm512_store_si512(a.x1.as_mut_ptr().cast(), x1);
+            _mm512_store_si512(a.dx.as_mut_ptr().cast(), spr(ld(dv.as_ptr().cast())));
+            _mm512_store_si512(a.sx.as_mut_ptr().cast(), spr(ld(sv.as_ptr().cast())));
+            _mm512_store_si512(a.sq.as_mut_ptr().cast(), _mm512_add_epi32(s0, s1));
+            _mm512_store_si512(a.sq0.as_mut_ptr().cast(), s0);
+            _mm512_store_si512(a.sq1.as_mut_ptr().cast(), s1);
         }
     }
 }

@@ -50,7 +50,7 @@ pub(crate) fn has_avx512() -> bool {
 mod scalar;
 
 use std::cell::RefCell;
-use std::sync::OnceLock;
+use std::sync::{Mutex, OnceLock};
 
 use crate::ThreadPool;
 pub use weight_cache::GgmlType;
@@ -366,7 +366,23 @@ pub fn matmul_with(
             acts.resize(needed, ActQuad::ZERO);
         }
         let acts = &mut acts[..needed];
-        act::quantize_tokens(backend, x, w.cols, acts);
+        let threads = pool.n_threads();
+        if n >= 16 && threads > 1 {
+            // Many tokens: quantize them in parallel chunks (each token's bytes are the same).
+            let per = n.div_ceil(2 * threads);
+            let parts: Vec<_> = x
+                .chunks(per * w.cols)
+                .zip(acts.chunks_mut(per * nq))
+                .map(Mutex::new)
+                .collect();
+            pool.run(parts.len(), &|t, _| {
+                let mut part = parts[t].lock().unwrap_or_else(|e| e.into_inner());
+                let (xs, a) = &mut *part;
+                act::quantize_tokens(backend, xs, w.cols, a);
+            });
+        } else {
+            act::quantize_tokens(backend, x, w.cols, acts);
+        }
         let acts: &[ActQuad] = acts;
         run_rows(w, n, y, pool, &|rows, out| {
             quant_rows(backend, fmt, w, acts, n, rows, out)

@@ -36,7 +36,7 @@ const EXP_C: [f32; 6] = [
 
 /// `e^x` for `x <= 0` (relative error ~1e-7); 0 below [`EXP_MIN`] and for NaN.
 #[inline(always)]
-fn exp_f(x: f32) -> f32 {
+pub(super) fn exp_f(x: f32) -> f32 {
     if x.is_nan() || x < EXP_MIN {
         return 0.0;
     }

@@ -341,6 +341,9 @@ const ATT_BLOCK: usize = 16;
 /// would cost a system call per tensor per step.
 const PROFILE_EPOCH: u32 = 64;
 
+/// Fewest token rows for which element-wise work is split over the pool.
+const PAR_MIN_ROWS: usize = 8;
+
 fn grow(v: &mut Vec<f32>, n: usize) {
     if v.len() < n {
         v.resize(n, 0.0);
@@ -496,6 +499,35 @@ impl Model {
         )
     }
 
+    /// Calls `f(rows)` over a partition of `0..n` token rows: in chunks on the pool when there
+    /// are enough rows to pay for the hand-off, else here. Row results must not depend on the
+    /// partition (every element-wise op here works row by row).
+    fn par_rows(&self, n: usize, f: &(dyn Fn(Range<usize>) + Sync)) {
+        let threads = self.pool().n_threads();
+        if threads < 2 || n < PAR_MIN_ROWS {
+            return f(0..n);
+        }
+        let chunk = n.div_ceil(2 * threads);
+        self.pool().run(n.div_ceil(chunk), &|t, _| {
+            f(t * chunk..((t + 1) * chunk).min(n))
+        });
+    }
+
+    /// `x += add` (when given), then `h = rmsnorm(x) * w`, row by row in parallel.
+    fn residual_norm(&self, x: &mut [f32], add: Option<&[f32]>, w: &[f32], h: &mut [f32]) {
+        let d = w.len();
+        let (xs, hs) = (ops::SharedRows::new(x, d), ops::SharedRows::new(h, d));
+        let eps = self.cfg.rms_eps;
+        self.par_rows(xs.len(), &|r| {
+            // SAFETY: tasks get disjoint token ranges.
+            let (x, h) = unsafe { (xs.rows(r.clone()), hs.rows(r.clone())) };
+            if let Some(a) = add {
+                ops::add_assign(x, &a[r.start * d..r.end * d]);
+            }
+            ops::rmsnorm_rows(x, w, eps, h);
+        });
+    }
+
     /// `matmul` with the activations split into an 8-bit-exact part and a residual, each
     /// multiplied separately: the kernels' on-the-fly 8-bit activation quantization then costs
     /// almost no precision (about 15 bits instead of 8), for twice the work.
@@ -513,13 +545,27 @@ impl Model {
         let len = n * l.cols;
         grow(buf, 2 * len);
         grow(tmp, 2 * n * l.rows);
-        let (h, rest) = buf.split_at_mut(len);
-        ops::split_q8(&x[..len], h, &mut rest[..len]);
-        self.matmul(l, buf, 2 * n, tmp)?;
-        let (a, b) = tmp[..2 * n * l.rows].split_at(n * l.rows);
-        for ((y, a), b) in y[..n * l.rows].iter_mut().zip(a).zip(b) {
-            *y = a + b;
+        let (c, o) = (l.cols, l.rows);
+        {
+            let (h, rest) = buf.split_at_mut(len);
+            let (hs, ls) = (
+                ops::SharedRows::new(h, c),
+                ops::SharedRows::new(&mut rest[..len], c),
+            );
+            self.par_rows(n, &|r| {
+                // SAFETY: tasks get disjoint token ranges.
+                let (h, lo) = unsafe { (hs.rows(r.clone()), ls.rows(r.clone())) };
+                ops::split_q8(&x[r.start * c..r.end * c], h, lo);
+            });
         }
+        self.matmul(l, buf, 2 * n, tmp)?;
+        let (a, b) = tmp[..2 * n * o].split_at(n * o);
+        let ys = ops::SharedRows::new(&mut y[..n * o], o);
+        self.par_rows(n, &|r| {
+            let (a, b) = (&a[r.start * o..r.end * o], &b[r.start * o..r.end * o]);
+            // SAFETY: tasks get disjoint token ranges.
+            ops::add_to(a, b, unsafe { ys.rows(r) });
+        });
         Ok(())
     }
 
@@ -663,11 +709,12 @@ impl Model {
             .sort_by_key(|&(i, j0, tq)| std::cmp::Reverse(lens[i as usize].1 + (j0 + tq) as usize));
         let scale = 1.0 / (hd as f32).sqrt();
         for (li, layer) in self.layers.iter().enumerate() {
-            // attention block
-            ops::rmsnorm_rows(
-                &sc.x[..total * d],
+            // attention block (after the previous layer's MLP residual, still in `tmp`)
+            let add = (li > 0).then_some(&sc.tmp[..total * d]);
+            self.residual_norm(
+                &mut sc.x[..total * d],
+                add,
                 &layer.attn_norm,
-                cfg.rms_eps,
                 &mut sc.h[..total * d],
             );
             let sp = match self.split {
@@ -701,14 +748,20 @@ impl Model {
                     }
                 }
             }
-            for t in 0..total {
-                let cs = &sc.rope[t * cfg.rope.n_rot..][..cfg.rope.n_rot];
-                for h in sc.q[t * qd..][..qd].chunks_exact_mut(hd) {
-                    ops::rope_apply(cfg.rope.layout, cs, h);
-                }
-                for h in sc.k[t * kvd..][..kvd].chunks_exact_mut(hd) {
-                    ops::rope_apply(cfg.rope.layout, cs, h);
-                }
+            {
+                let qs = ops::SharedRows::new(&mut sc.q[..total * qd], qd);
+                let ks = ops::SharedRows::new(&mut sc.k[..total * kvd], kvd);
+                let rope = &sc.rope;
+                self.par_rows(total, &|r| {
+                    for t in r {
+                        let cs = &rope[t * cfg.rope.n_rot..][..cfg.rope.n_rot];
+                        // SAFETY: tasks get disjoint token ranges.
+                        let (q, k) = unsafe { (qs.row(t), ks.row(t)) };
+                        for h in q.chunks_exact_mut(hd).chain(k.chunks_exact_mut(hd)) {
+                            ops::rope_apply(cfg.rope.layout, cs, h);
+                        }
+                    }
+                });
             }
             for (i, s) in steps.iter_mut().enumerate() {
                 let (r0, _) = sc.steps[i];
@@ -774,19 +827,37 @@ impl Model {
                 return Err(e);
             }
             mm!('o', &layer.wo, att, tmp);
-            ops::add_assign(&mut sc.x[..total * d], &sc.tmp[..total * d]);
             // MLP block
-            ops::rmsnorm_rows(
-                &sc.x[..total * d],
+            let add = Some(&sc.tmp[..total * d]);
+            self.residual_norm(
+                &mut sc.x[..total * d],
+                add,
                 &layer.ffn_norm,
-                cfg.rms_eps,
                 &mut sc.h[..total * d],
             );
             mm!('g', &layer.w_gate, h, gate);
             mm!('u', &layer.w_up, h, up);
-            ops::silu_mul(&mut sc.gate[..total * cfg.n_ff], &sc.up[..total * cfg.n_ff]);
+            {
+                let nff = cfg.n_ff;
+                let gs = ops::SharedRows::new(&mut sc.gate[..total * nff], nff);
+                let up = &sc.up;
+                self.par_rows(total, &|r| {
+                    // SAFETY: tasks get disjoint token ranges.
+                    let g = unsafe { gs.rows(r.clone()) };
+                    ops::silu_mul(g, &up[r.start * nff..r.end * nff]);
+                });
+            }
             mm!('d', &layer.w_down, gate, tmp);
-            ops::add_assign(&mut sc.x[..total * d], &sc.tmp[..total * d]);
+        }
+        // the last layer's MLP residual
+        {
+            let xs = ops::SharedRows::new(&mut sc.x[..total * d], d);
+            let tmp = &sc.tmp;
+            self.par_rows(total, &|r| {
+                // SAFETY: tasks get disjoint token ranges.
+                let x = unsafe { xs.rows(r.clone()) };
+                ops::add_assign(x, &tmp[r.start * d..r.end * d]);
+            });
         }
         // ---- output head on the wanted rows only
         let n_out: usize = steps.iter().map(|s| s.logits.rows(s.tokens.len())).sum();

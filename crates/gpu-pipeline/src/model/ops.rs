@@ -56,41 +56,98 @@ pub(super) fn rope_apply(layout: RopeLayout, cs: &[f32], head: &mut [f32]) {
     }
 }
 
-/// RMSNorm of every `w.len()`-long row of `x` into `out` (sum of squares in f64).
-pub(super) fn rmsnorm_rows(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
-    let d = w.len();
-    for (xr, or) in x.chunks_exact(d).zip(out.chunks_exact_mut(d)) {
-        let ss: f64 = xr.iter().map(|&v| f64::from(v) * f64::from(v)).sum();
-        let inv = (1.0 / (ss / d as f64 + f64::from(eps)).sqrt()) as f32;
-        for ((o, &v), &g) in or.iter_mut().zip(xr).zip(w) {
-            *o = v * inv * g;
+/// Defines `fn name(args)` running `body` compiled with AVX-512 enabled when the CPU has it, else
+/// as is. It is the same code either way (Rust never contracts or reassociates float operations,
+/// and `mul_add`/`round_ties_even` are exactly rounded everywhere), so the results are
+/// bit-identical; only the instructions differ (vector loops, native FMA and rounding).
+macro_rules! multiversion {
+    ($(#[$m:meta])* fn $name:ident($($a:ident: $t:ty),*) $body:block) => {
+        $(#[$m])*
+        pub(super) fn $name($($a: $t),*) {
+            #[inline(always)]
+            fn body($($a: $t),*) $body
+            #[cfg(target_arch = "x86_64")]
+            {
+                #[target_feature(enable = "avx512f,avx512vl,avx512bw,avx512dq,fma")]
+                unsafe fn fast($($a: $t),*) {
+                    body($($a),*)
+                }
+                if crate::kernels::has_avx512() {
+                    // SAFETY: the CPU has the features `fast` is compiled for (checked).
+                    return unsafe { fast($($a),*) };
+                }
+            }
+            body($($a),*)
+        }
+    };
+}
+
+multiversion! {
+    /// RMSNorm of every `w.len()`-long row of `x` into `out`: the sum of squares in f64, as 8
+    /// partial sums (element `i` into sum `i % 8`) added as `((s0+s4)+(s2+s6))+((s1+s5)+(s3+s7))`.
+    fn rmsnorm_rows(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
+        let d = w.len();
+        for (xr, or) in x.chunks_exact(d).zip(out.chunks_exact_mut(d)) {
+            let mut s = [0.0f64; 8];
+            let mut it = xr.chunks_exact(8);
+            for c in &mut it {
+                for l in 0..8 {
+                    s[l] += f64::from(c[l]) * f64::from(c[l]);
+                }
+            }
+            for (l, &v) in it.remainder().iter().enumerate() {
+                s[l] += f64::from(v) * f64::from(v);
+            }
+            let ss = ((s[0] + s[4]) + (s[2] + s[6])) + ((s[1] + s[5]) + (s[3] + s[7]));
+            let inv = (1.0 / (ss / d as f64 + f64::from(eps)).sqrt()) as f32;
+            for ((o, &v), &g) in or.iter_mut().zip(xr).zip(w) {
+                *o = v * inv * g;
+            }
         }
     }
 }
 
-/// Splits `x` into `hi + lo` per 32-element block: `hi` is exactly representable with 8-bit
-/// integers and one scale (`amax / 127`), `lo = x - hi` is the rounding residual.
-pub(super) fn split_q8(x: &[f32], hi: &mut [f32], lo: &mut [f32]) {
-    for ((xb, hb), lb) in x.chunks(32).zip(hi.chunks_mut(32)).zip(lo.chunks_mut(32)) {
-        let amax = xb.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-        let d = amax / 127.0;
-        let id = if d > 0.0 { 1.0 / d } else { 0.0 };
-        for ((&v, h), l) in xb.iter().zip(hb.iter_mut()).zip(lb.iter_mut()) {
-            *h = (v * id).round() * d;
-            *l = v - *h;
+multiversion! {
+    /// Splits `x` into `hi + lo` per 32-element block: `hi` is exactly representable with 8-bit
+    /// integers and one scale (`amax / 127`), `lo = x - hi` is the rounding residual.
+    fn split_q8(x: &[f32], hi: &mut [f32], lo: &mut [f32]) {
+        for ((xb, hb), lb) in x.chunks(32).zip(hi.chunks_mut(32)).zip(lo.chunks_mut(32)) {
+            let amax = xb.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+            let d = amax / 127.0;
+            let id = if d > 0.0 { 1.0 / d } else { 0.0 };
+            for ((&v, h), l) in xb.iter().zip(hb.iter_mut()).zip(lb.iter_mut()) {
+                *h = (v * id).round_ties_even() * d;
+                *l = v - *h;
+            }
         }
     }
 }
 
-/// `x += y`.
-pub(super) fn add_assign(x: &mut [f32], y: &[f32]) {
-    x.iter_mut().zip(y).for_each(|(a, b)| *a += b);
+multiversion! {
+    /// `x += y`.
+    fn add_assign(x: &mut [f32], y: &[f32]) {
+        x.iter_mut().zip(y).for_each(|(a, b)| *a += b);
+    }
 }
 
-/// `gate = silu(gate) * up`.
-pub(super) fn silu_mul(gate: &mut [f32], up: &[f32]) {
-    for (g, &u) in gate.iter_mut().zip(up) {
-        *g = *g / (1.0 + (-*g).exp()) * u;
+multiversion! {
+    /// `out = a + b`.
+    fn add_to(a: &[f32], b: &[f32], out: &mut [f32]) {
+        for ((o, &a), &b) in out.iter_mut().zip(a).zip(b) {
+            *o = a + b;
+        }
+    }
+}
+
+multiversion! {
+    /// `gate = silu(gate) * up`, with `silu(g) = g * sigmoid(g)` and the sigmoid from
+    /// `e = exp(-|g|)`: `1 / (1 + e)` for `g >= 0`, `e / (1 + e)` below (no overflow).
+    fn silu_mul(gate: &mut [f32], up: &[f32]) {
+        for (g, &u) in gate.iter_mut().zip(up) {
+            let e = super::attention::exp_f(-g.abs());
+            let num = if *g >= 0.0 { 1.0 } else { e };
+            *g = *g * (num / (1.0 + e)) * u;
+        }
     }
 }
 
@@ -118,6 +175,11 @@ impl<'a> SharedRows<'a> {
         }
     }
 
+    /// Number of rows.
+    pub(super) fn len(&self) -> usize {
+        self.rows
+    }
+
     /// Row `i`.
     ///
     /// # Safety
@@ -128,6 +190,23 @@ impl<'a> SharedRows<'a> {
         // SAFETY: in bounds (checked above) of the borrowed buffer, which outlives 'a; the
         // caller guarantees exclusive access to this row.
         unsafe { std::slice::from_raw_parts_mut(self.ptr.add(i * self.width), self.width) }
+    }
+
+    /// Rows `r` as one slice.
+    ///
+    /// # Safety
+    /// As for [`Self::row`], for every row in `r`.
+    #[allow(clippy::mut_from_ref)]
+    pub(super) unsafe fn rows(&self, r: std::ops::Range<usize>) -> &mut [f32] {
+        assert!(
+            r.start <= r.end && r.end <= self.rows,
+            "rows {r:?} out of {}",
+            self.rows
+        );
+        // SAFETY: in bounds (checked above); the caller guarantees exclusive access.
+        unsafe {
+            std::slice::from_raw_parts_mut(self.ptr.add(r.start * self.width), r.len() * self.width)
+        }
     }
 }
 
@@ -159,6 +238,39 @@ mod tests {
         let f = rope_inv_freq(&cfg);
         assert!((f[0] - 0.5).abs() < 1e-12);
         assert!((f[1] - 0.01 / 8.0).abs() < 1e-12);
+    }
+
+    #[test]
+    fn silu_matches_formula() {
+        let g: Vec<f32> = (-200..=200).map(|i| i as f32 * 0.5).collect();
+        let up: Vec<f32> = (0..g.len()).map(|i| 1.0 + i as f32 * 0.01).collect();
+        let mut out = g.clone();
+        silu_mul(&mut out, &up);
+        for ((&o, &g), &u) in out.iter().zip(&g).zip(&up) {
+            let want = f64::from(g) / (1.0 + (-f64::from(g)).exp()) * f64::from(u);
+            assert!(
+                (f64::from(o) - want).abs() <= 1e-6 * want.abs().max(1.0),
+                "{g}: {o} vs {want}"
+            );
+        }
+    }
+
+    #[test]
+    fn split_q8_parts_sum_back_and_hi_is_8_bit() {
+        let x: Vec<f32> = (0..96)
+            .map(|i| ((i * 37 % 101) as f32 - 50.0) * 0.013)
+            .collect();
+        let (mut hi, mut lo) = (vec![0.0; 96], vec![0.0; 96]);
+        split_q8(&x, &mut hi, &mut lo);
+        for b in 0..3 {
+            let blk = &x[32 * b..32 * (b + 1)];
+            let d = blk.iter().fold(0.0f32, |m, v| m.max(v.abs())) / 127.0;
+            for i in 32 * b..32 * (b + 1) {
+                assert_eq!(hi[i] + lo[i], x[i]);
+                let q = hi[i] / d;
+                assert!((q - q.round()).abs() < 1e-3 && q.abs() <= 127.5, "{q}");
+            }
+        }
     }
 
     #[test]
