@@ -31,6 +31,9 @@ pub(crate) const PANEL_ROWS: usize = 16;
 /// decoding needs no packing pass (measured crossover on Zen 4).
 pub(crate) const PANEL_MIN_TOKENS: usize = 16;
 
+/// Most tokens multiplied per panel packing (see `panel_rows`).
+const TOKEN_CHUNK: usize = 64;
+
 /// One packed block of a panel.
 #[repr(C, align(64))]
 #[derive(Clone, Copy)]
@@ -100,48 +103,54 @@ fn panel_rows<const F: u8>(
             panel.resize(nblocks, ZERO_BLOCK);
         }
         let panel = &mut panel[..nblocks];
-        for g in rows.clone().step_by(PANEL_ROWS) {
-            let r0 = g.min(rows.end - 1);
-            // Row offsets from row `r0`; rows past the task repeat its last row (not emitted).
-            let offs: [i32; 16] =
-                std::array::from_fn(|k| ((g + k).min(rows.end - 1) - r0) as i32 * rb as i32);
-            // The next panel (DRAM in decode) is prefetched while this one is packed.
-            let next_r0 = (g + PANEL_ROWS).min(rows.end - 1);
-            // SAFETY: `r0, next_r0 < w.rows`; the packing reads stay inside rows `r0..rows.end`,
-            // the prefetches inside rows `next_r0..rows.end`.
-            unsafe {
-                let base = w.data.as_ptr();
-                let next = (base.add(next_r0 * rb), rows.end - next_r0);
-                pack::<F>(base.add(r0 * rb), next, offs, rb, panel);
-            }
-            let live = (rows.end - g).min(PANEL_ROWS);
-            let mut emit = |t: usize, v: __m512| {
-                let mut o = [0.0f32; 16];
-                // SAFETY: `o` has room for 16 floats.
-                unsafe { _mm512_storeu_ps(o.as_mut_ptr(), v) };
-                out.set_run(t, g, &o[..live]);
-            };
-            let mut t0 = 0;
-            while t0 < n {
-                let left = n - t0;
-                let ap = acts[t0 * nq..].as_ptr();
-                // SAFETY: `ap` has at least the tile's tokens (`left` of them), `nq` quads each.
+        // Token chunks small enough that their activations stay in L2 while every panel of
+        // the task's rows passes over them (a panel is re-packed per chunk).
+        let chunk = n.div_ceil(n.div_ceil(TOKEN_CHUNK));
+        for tc in (0..n).step_by(chunk) {
+            let t_end = (tc + chunk).min(n);
+            for g in rows.clone().step_by(PANEL_ROWS) {
+                let r0 = g.min(rows.end - 1);
+                // Row offsets from row `r0`; rows past the task repeat its last row (not emitted).
+                let offs: [i32; 16] =
+                    std::array::from_fn(|k| ((g + k).min(rows.end - 1) - r0) as i32 * rb as i32);
+                // The next panel (DRAM in decode) is prefetched while this one is packed.
+                let next_r0 = (g + PANEL_ROWS).min(rows.end - 1);
+                // SAFETY: `r0, next_r0 < w.rows`; the packing reads stay inside rows `r0..rows.end`,
+                // the prefetches inside rows `next_r0..rows.end`.
                 unsafe {
-                    if left >= 8 {
-                        for (t, v) in tile::<F, 8>(panel, ap, nq).into_iter().enumerate() {
-                            emit(t0 + t, v);
+                    let base = w.data.as_ptr();
+                    let next = (base.add(next_r0 * rb), rows.end - next_r0);
+                    pack::<F>(base.add(r0 * rb), next, offs, rb, panel);
+                }
+                let live = (rows.end - g).min(PANEL_ROWS);
+                let mut emit = |t: usize, v: __m512| {
+                    let mut o = [0.0f32; 16];
+                    // SAFETY: `o` has room for 16 floats.
+                    unsafe { _mm512_storeu_ps(o.as_mut_ptr(), v) };
+                    out.set_run(t, g, &o[..live]);
+                };
+                let mut t0 = tc;
+                while t0 < t_end {
+                    let left = t_end - t0;
+                    let ap = acts[t0 * nq..].as_ptr();
+                    // SAFETY: `ap` has at least the tile's tokens (`left` of them), `nq` quads each.
+                    unsafe {
+                        if left >= 8 {
+                            for (t, v) in tile::<F, 8>(panel, ap, nq).into_iter().enumerate() {
+                                emit(t0 + t, v);
+                            }
+                            t0 += 8;
+                        } else if left >= 4 {
+                            for (t, v) in tile::<F, 4>(panel, ap, nq).into_iter().enumerate() {
+                                emit(t0 + t, v);
+                            }
+                            t0 += 4;
+                        } else {
+                            for (t, v) in tile::<F, 1>(panel, ap, nq).into_iter().enumerate() {
+                                emit(t0 + t, v);
+                            }
+                            t0 += 1;
                         }
-                        t0 += 8;
-                    } else if left >= 4 {
-                        for (t, v) in tile::<F, 4>(panel, ap, nq).into_iter().enumerate() {
-                            emit(t0 + t, v);
-                        }
-                        t0 += 4;
-                    } else {
-                        for (t, v) in tile::<F, 1>(panel, ap, nq).into_iter().enumerate() {
-                            emit(t0 + t, v);
-                        }
-                        t0 += 1;
                     }
                 }
             }
