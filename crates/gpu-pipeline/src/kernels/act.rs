@@ -53,6 +53,58 @@ impl ActQuad {
     }
 }
 
+/// One 32-element activation block in the compact layout of the panel kernel (one cache line):
+/// the same `q`, `d`, `d * sum(q)` and `sum(q)` as the block's entries in an [`ActQuad`].
+#[repr(C, align(64))]
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct ActBlock {
+    /// Elements in order.
+    pub(crate) q: [i8; 32],
+    /// Scale `d`.
+    pub(crate) d: f32,
+    /// `d * sum(q)`.
+    pub(crate) sx: f32,
+    /// `sum(q)`.
+    pub(crate) sq: i32,
+}
+
+const _: () = assert!(size_of::<ActBlock>() == 64);
+
+impl ActBlock {
+    pub(crate) const ZERO: Self = Self {
+        q: [0; 32],
+        d: 0.0,
+        sx: 0.0,
+        sq: 0,
+    };
+}
+
+/// Quantizes `n = x.len() / cols` tokens into `out` (`n * cols / 32` blocks).
+pub(crate) fn quantize_blocks(backend: Backend, x: &[f32], out: &mut [ActBlock]) {
+    match backend {
+        #[cfg(target_arch = "x86_64")]
+        Backend::Avx512 => {
+            // SAFETY: the caller checked that the AVX-512 backend is available.
+            unsafe { super::avx512::quantize_blocks(x, out) }
+        }
+        _ => {
+            for (xb, o) in x.chunks_exact(32).zip(out.iter_mut()) {
+                let amax = xb.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+                let (d, id) = block_scale(amax);
+                let mut sum = 0i32;
+                for (e, &v) in xb.iter().enumerate() {
+                    let q = (v * id).round_ties_even() as i8;
+                    o.q[e] = q;
+                    sum += i32::from(q);
+                }
+                o.d = d;
+                o.sx = d * sum as f32;
+                o.sq = sum;
+            }
+        }
+    }
+}
+
 /// Activation quads per token of `cols` columns.
 pub(crate) fn quads_per_token(cols: usize) -> usize {
     cols.div_ceil(128)
@@ -155,6 +207,18 @@ mod tests {
                 quantize_tokens(backend, &x, cols, &mut got);
                 for (g, w) in got.iter().zip(&want) {
                     assert_eq!(fields(g), fields(w), "{backend:?} cols {cols}");
+                }
+                // The compact blocks carry the same values.
+                let mut blocks = vec![ActBlock::ZERO; blocks];
+                quantize_blocks(backend, &x, &mut blocks);
+                for (b, blk) in blocks.iter().enumerate() {
+                    let a = &want[b / 4];
+                    let l = b % 4;
+                    let q: Vec<i8> = (0..32).map(|e| a.q(l, e)).collect();
+                    assert_eq!(blk.q.to_vec(), q, "{backend:?} cols {cols} block {b}");
+                    assert_eq!(blk.d.to_bits(), a.dx[4 * l].to_bits());
+                    assert_eq!(blk.sx.to_bits(), a.sx[4 * l].to_bits());
+                    assert_eq!(blk.sq, a.sq[4 * l]);
                 }
             }
         }

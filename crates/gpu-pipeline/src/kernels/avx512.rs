@@ -20,7 +20,7 @@
 use std::arch::x86_64::*;
 use std::ops::Range;
 
-use super::act::{ActQuad, block_scale, quads_per_token};
+use super::act::{ActBlock, ActQuad, block_scale, quads_per_token};
 use super::format::{Fmt, f16_at, q4k_scale_min};
 use super::{RowsOut, WeightMatrix};
 
@@ -379,10 +379,6 @@ pub(crate) unsafe fn quant_rows(
     rows: Range<usize>,
     out: &mut RowsOut<'_>,
 ) {
-    if super::panel::applies(fmt, n) {
-        // SAFETY: forwarded from the caller; `applies` checked the format.
-        return unsafe { super::panel::quant_rows(fmt, w, acts, n, rows, out) };
-    }
     match fmt {
         Fmt::Q4_0 => rows_impl::<F_Q4_0>(fmt, w, acts, n, rows, out),
         Fmt::Q4_1 => rows_impl::<F_Q4_1>(fmt, w, acts, n, rows, out),
@@ -527,6 +523,36 @@ pub(crate) unsafe fn quantize_token(x: &[f32], acts: &mut [ActQuad]) {
             _mm512_store_si512(a.sq0.as_mut_ptr().cast(), s0);
             _mm512_store_si512(a.sq1.as_mut_ptr().cast(), s1);
         }
+    }
+}
+
+/// AVX-512 version of [`super::act::quantize_blocks`], producing identical bytes.
+///
+/// # Safety
+/// The CPU supports the features enabled here.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,avx2,fma,f16c")]
+pub(crate) unsafe fn quantize_blocks(x: &[f32], out: &mut [ActBlock]) {
+    for (b, o) in out.iter_mut().enumerate().take(x.len() / 32) {
+        // SAFETY: block `b` is inside `x` (32 floats).
+        let (v0, v1) = unsafe {
+            let p = x.as_ptr().add(32 * b);
+            (_mm512_loadu_ps(p), _mm512_loadu_ps(p.add(16)))
+        };
+        let amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+        let (d, id) = block_scale(amax);
+        let idv = _mm512_set1_ps(id);
+        // Round to nearest even (the default MXCSR mode), as `round_ties_even` does.
+        let q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, idv));
+        let q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, idv));
+        let sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+        // SAFETY: each store writes 16 bytes inside the 32-byte `q`.
+        unsafe {
+            _mm_storeu_si128(o.q.as_mut_ptr().cast(), _mm512_cvtepi32_epi8(q0));
+            _mm_storeu_si128(o.q.as_mut_ptr().add(16).cast(), _mm512_cvtepi32_epi8(q1));
+        }
+        o.d = d;
+        o.sx = d * sum as f32;
+        o.sq = sum;
     }
 }
 

@@ -55,7 +55,7 @@ use std::sync::{Mutex, OnceLock};
 use crate::ThreadPool;
 pub use weight_cache::GgmlType;
 
-use act::ActQuad;
+use act::{ActBlock, ActQuad};
 use format::Fmt;
 pub use ops::{
     OpsError, add_assign, axpy, axpy_f16, dot, dot_f16, rmsnorm, rope_neox, rope_normal, silu_mul,
@@ -357,7 +357,28 @@ pub fn matmul_with(
         });
         return Ok(());
     }
-    // Quantize the activations once (on the calling thread), then share them read-only.
+    // Quantize the activations once, then share them read-only.
+    #[cfg(target_arch = "x86_64")]
+    if backend == Backend::Avx512 && panel::applies(fmt, n) {
+        BLOCK_SCRATCH.with(|scratch| {
+            let mut acts = scratch.borrow_mut();
+            let nb = w.cols / 32;
+            if acts.len() < n * nb {
+                acts.resize(n * nb, ActBlock::ZERO);
+            }
+            let acts = &mut acts[..n * nb];
+            quantize_par(pool, x, w.cols, n, acts, nb, &|xs, a| {
+                act::quantize_blocks(backend, xs, a)
+            });
+            let acts: &[ActBlock] = acts;
+            run_rows(w, n, y, pool, &|rows, out| {
+                // SAFETY: the AVX-512 backend is available (checked by the caller above) and
+                // `applies` checked the format.
+                unsafe { panel::quant_rows(fmt, w, acts, n, rows, out) }
+            });
+        });
+        return Ok(());
+    }
     ACT_SCRATCH.with(|scratch| {
         let mut acts = scratch.borrow_mut();
         let nq = act::quads_per_token(w.cols);
@@ -366,23 +387,9 @@ pub fn matmul_with(
             acts.resize(needed, ActQuad::ZERO);
         }
         let acts = &mut acts[..needed];
-        let threads = pool.n_threads();
-        if n >= 16 && threads > 1 {
-            // Many tokens: quantize them in parallel chunks (each token's bytes are the same).
-            let per = n.div_ceil(2 * threads);
-            let parts: Vec<_> = x
-                .chunks(per * w.cols)
-                .zip(acts.chunks_mut(per * nq))
-                .map(Mutex::new)
-                .collect();
-            pool.run(parts.len(), &|t, _| {
-                let mut part = parts[t].lock().unwrap_or_else(|e| e.into_inner());
-                let (xs, a) = &mut *part;
-                act::quantize_tokens(backend, xs, w.cols, a);
-            });
-        } else {
-            act::quantize_tokens(backend, x, w.cols, acts);
-        }
+        quantize_par(pool, x, w.cols, n, acts, nq, &|xs, a| {
+            act::quantize_tokens(backend, xs, w.cols, a)
+        });
         let acts: &[ActQuad] = acts;
         run_rows(w, n, y, pool, &|rows, out| {
             quant_rows(backend, fmt, w, acts, n, rows, out)
@@ -391,9 +398,40 @@ pub fn matmul_with(
     Ok(())
 }
 
+/// Runs `f` over the `n` tokens of `x` (`cols` each) and their `per_token` entries of `acts`:
+/// in parallel chunks of tokens for 16+ tokens, else on this thread. Each token's result is the
+/// same either way.
+fn quantize_par<A: Send>(
+    pool: &ThreadPool,
+    x: &[f32],
+    cols: usize,
+    n: usize,
+    acts: &mut [A],
+    per_token: usize,
+    f: &(dyn Fn(&[f32], &mut [A]) + Sync),
+) {
+    let threads = pool.n_threads();
+    if n < 16 || threads < 2 {
+        return f(x, acts);
+    }
+    let per = n.div_ceil(2 * threads);
+    let parts: Vec<_> = x
+        .chunks(per * cols)
+        .zip(acts.chunks_mut(per * per_token))
+        .map(Mutex::new)
+        .collect();
+    pool.run(parts.len(), &|t, _| {
+        let mut part = parts[t].lock().unwrap_or_else(|e| e.into_inner());
+        let (xs, a) = &mut *part;
+        f(xs, a);
+    });
+}
+
 thread_local! {
     /// Reused per calling thread so a decode step does not allocate.
     static ACT_SCRATCH: RefCell<Vec<ActQuad>> = const { RefCell::new(Vec::new()) };
+    /// The compact activation blocks of the panel kernel, likewise.
+    static BLOCK_SCRATCH: RefCell<Vec<ActBlock>> = const { RefCell::new(Vec::new()) };
 }
 
 /// Output rows `rows` for all `n` tokens; `out` writes `y[t * w.rows + r]`.

@@ -21,7 +21,7 @@ use std::arch::x86_64::*;
 use std::cell::RefCell;
 use std::ops::Range;
 
-use super::act::{ActQuad, quads_per_token};
+use super::act::ActBlock;
 use super::format::Fmt;
 use super::{RowsOut, WeightMatrix};
 
@@ -70,7 +70,7 @@ pub(crate) fn applies(fmt: Fmt, n: usize) -> bool {
 pub(crate) unsafe fn quant_rows(
     fmt: Fmt,
     w: WeightMatrix<'_>,
-    acts: &[ActQuad],
+    acts: &[ActBlock],
     n: usize,
     rows: Range<usize>,
     out: &mut RowsOut<'_>,
@@ -87,14 +87,14 @@ pub(crate) unsafe fn quant_rows(
 fn panel_rows<const F: u8>(
     fmt: Fmt,
     w: WeightMatrix<'_>,
-    acts: &[ActQuad],
+    acts: &[ActBlock],
     n: usize,
     rows: Range<usize>,
     out: &mut RowsOut<'_>,
 ) {
     let rb = fmt.row_bytes(w.cols);
-    let nq = quads_per_token(w.cols);
     let nblocks = w.cols / 32;
+    let nq = nblocks;
     assert!(acts.len() >= n * nq && rows.end <= w.rows && w.data.len() >= w.rows * rb);
     assert!(!rows.is_empty() && PANEL_ROWS * rb < i32::MAX as usize);
     PANEL.with(|p| {
@@ -264,29 +264,29 @@ unsafe fn transpose16(p: *const u8, offs: &[i32; 16]) -> [__m512i; 4] {
     ]
 }
 
-/// The 4 activation bytes of elements `4j..4j + 4` of block `l` of quad `a`, broadcast.
+/// The 4 activation bytes of elements `4j..4j + 4` of block `a`, broadcast.
 #[inline(always)]
-fn act4(a: &ActQuad, l: usize, j: usize) -> __m512i {
-    let src = if j < 4 {
-        &a.x0[16 * l + 4 * j..16 * l + 4 * j + 4]
-    } else {
-        &a.x1[16 * l + 4 * (j - 4)..16 * l + 4 * (j - 4) + 4]
-    };
-    let v = i32::from_le_bytes([src[0] as u8, src[1] as u8, src[2] as u8, src[3] as u8]);
+fn act4(a: &ActBlock, j: usize) -> __m512i {
+    let v = i32::from_le_bytes([
+        a.q[4 * j] as u8,
+        a.q[4 * j + 1] as u8,
+        a.q[4 * j + 2] as u8,
+        a.q[4 * j + 3] as u8,
+    ]);
     // SAFETY: AVX-512F is enabled in every caller.
     unsafe { _mm512_set1_epi32(v) }
 }
 
-/// Outputs of the packed panel for `T` tokens (`acts` at token 0's first quad, `nq` quads per
+/// Outputs of the packed panel for `T` tokens (`acts` at token 0's first block, `nb` blocks per
 /// token): one vector of the 16 rows per token.
 ///
 /// # Safety
-/// `acts` is valid for `T * nq` quads; `panel` holds the row length's blocks (`<= 4 * nq`).
+/// `acts` is valid for `T * nb` blocks; `panel` holds the row length's `nb` blocks.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
 unsafe fn tile<const F: u8, const T: usize>(
     panel: &[PackedBlock],
-    acts: *const ActQuad,
+    acts: *const ActBlock,
     nq: usize,
 ) -> [__m512; T] {
     // SAFETY: forwarded.
@@ -304,39 +304,38 @@ unsafe fn tile<const F: u8, const T: usize>(
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
 unsafe fn chain<const F: u8, const T: usize>(
     panel: &[PackedBlock],
-    acts: *const ActQuad,
+    acts: *const ActBlock,
     nq: usize,
     l: usize,
 ) -> [__m512; T] {
-    // SAFETY: `t * nq + q < T * nq` for every `t < T`, `q < nq`.
-    let act = |t: usize, q: usize| unsafe { &*acts.add(t * nq + q) };
+    // SAFETY: `t * nq + b < T * nq` for every `t < T`, block `b < nq`.
+    let act = |t: usize, b: usize| unsafe { &*acts.add(t * nq + b) };
     let mut acc = [_mm512_setzero_ps(); T];
     let mut b = l;
     while b < panel.len() {
         let pb = &panel[b];
-        let q = b / 4;
         let mut isum = [_mm512_setzero_si512(); T];
         for j in 0..8 {
             // SAFETY: `w[j]` is 64 aligned bytes.
             let wj = unsafe { _mm512_load_si512(pb.w[j].as_ptr().cast()) };
             for (t, s) in isum.iter_mut().enumerate() {
-                *s = _mm512_dpbusd_epi32(*s, wj, act4(act(t, q), l, j));
+                *s = _mm512_dpbusd_epi32(*s, wj, act4(act(t, b), j));
             }
         }
         // SAFETY: `d` and `m` are 16 aligned f32s.
         let (d, m) = unsafe { (_mm512_load_ps(pb.d.as_ptr()), _mm512_load_ps(pb.m.as_ptr())) };
         for (t, c) in acc.iter_mut().enumerate() {
-            let a = act(t, q);
+            let a = act(t, b);
             let mut r = isum[t];
             match F {
-                0 => r = _mm512_sub_epi32(r, _mm512_slli_epi32(_mm512_set1_epi32(a.sq[4 * l]), 3)),
-                2 => r = _mm512_sub_epi32(r, _mm512_slli_epi32(_mm512_set1_epi32(a.sq[4 * l]), 7)),
+                0 => r = _mm512_sub_epi32(r, _mm512_slli_epi32(_mm512_set1_epi32(a.sq), 3)),
+                2 => r = _mm512_sub_epi32(r, _mm512_slli_epi32(_mm512_set1_epi32(a.sq), 7)),
                 _ => {}
             }
-            let s = _mm512_mul_ps(d, _mm512_set1_ps(a.dx[4 * l]));
+            let s = _mm512_mul_ps(d, _mm512_set1_ps(a.d));
             *c = _mm512_fmadd_ps(_mm512_cvtepi32_ps(r), s, *c);
             if F == 1 {
-                *c = _mm512_fmadd_ps(m, _mm512_set1_ps(a.sx[4 * l]), *c);
+                *c = _mm512_fmadd_ps(m, _mm512_set1_ps(a.sx), *c);
             }
         }
         b += 4;
