@@ -8,7 +8,8 @@
 
 use gpu_pipeline::ThreadPool;
 use gpu_pipeline::kernels::{
-    Backend, GgmlType, KernelError, WeightMatrix, dequantize_row, matmul, matmul_with, matvec,
+    Backend, GgmlType, KernelError, WeightMatrix, dequantize_row, matmul, matmul_many, matmul_with,
+    matvec,
 };
 use half::f16;
 use proptest::prelude::*;
@@ -332,4 +333,56 @@ fn rejects_bad_shapes() {
     matmul(w, &[], 0, &mut [], &pool).unwrap();
     let empty = WeightMatrix::new(GgmlType::Q4_1, 0, 64, &[]).unwrap();
     matvec(empty, &[0.0; 64], &mut [], &pool).unwrap();
+}
+
+/// `matmul_many` equals one `matmul` per matrix bit for bit, at batch sizes on both sides of the
+/// panel kernel's threshold, and rejects mismatched outputs.
+#[test]
+fn matmul_many_equals_separate_products() {
+    let mut rng = Rng(0x5eed);
+    let pool = ThreadPool::new(2);
+    for dtype in [
+        GgmlType::Q4_1,
+        GgmlType::Q8_0,
+        GgmlType::Q4_0,
+        GgmlType::Q6_K,
+        GgmlType::F16,
+    ] {
+        let cols = cols_for(dtype, 3);
+        let shapes = [37usize, 16, 5];
+        let datas: Vec<Vec<u8>> = shapes
+            .iter()
+            .map(|&r| random_weights(dtype, r, cols, &mut rng))
+            .collect();
+        let ws: Vec<WeightMatrix<'_>> = shapes
+            .iter()
+            .zip(&datas)
+            .map(|(&r, d)| WeightMatrix::new(dtype, r, cols, d).unwrap())
+            .collect();
+        for n in [1usize, 3, 16, 41] {
+            let x = random_acts(n, cols, &mut rng);
+            let mut many: Vec<Vec<f32>> = shapes.iter().map(|&r| vec![f32::NAN; n * r]).collect();
+            let mut outs: Vec<&mut [f32]> = many.iter_mut().map(|v| &mut v[..]).collect();
+            matmul_many(&ws, &x, n, &mut outs, &pool).unwrap();
+            for (w, got) in ws.iter().zip(&many) {
+                let mut want = vec![0.0f32; n * w.rows];
+                matmul(*w, &x, n, &mut want, &pool).unwrap();
+                let same = got
+                    .iter()
+                    .zip(&want)
+                    .all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(same, "{} n {n} rows {}", dtype.name(), w.rows);
+            }
+        }
+    }
+    let d = random_weights(GgmlType::Q4_1, 4, 32, &mut rng);
+    let w = WeightMatrix::new(GgmlType::Q4_1, 4, 32, &d).unwrap();
+    let err = matmul_many(&[w, w], &[0.0; 32], 1, &mut [&mut [0.0f32; 4][..]], &pool);
+    assert!(matches!(
+        err,
+        Err(KernelError::OutputCount {
+            matrices: 2,
+            outputs: 1
+        })
+    ));
 }

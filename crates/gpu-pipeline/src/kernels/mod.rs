@@ -174,6 +174,14 @@ pub enum KernelError {
         /// Bytes given.
         actual: usize,
     },
+    /// `matmul_many` got a different number of outputs than matrices.
+    #[error("{matrices} matrices but {outputs} outputs")]
+    OutputCount {
+        /// Matrices given.
+        matrices: usize,
+        /// Outputs given.
+        outputs: usize,
+    },
     /// The shape does not fit in memory sizes.
     #[error("a {rows} x {cols} matrix overflows usize")]
     SizeOverflow {
@@ -315,6 +323,89 @@ pub fn matmul_with(
     if !backend.is_available() {
         return Err(KernelError::BackendUnavailable { backend });
     }
+    let Some(fmt) = validate(w, x, n, y)? else {
+        return Ok(());
+    };
+    let _span = tracing::trace_span!(
+        "matmul",
+        dtype = w.dtype.name(),
+        rows = w.rows,
+        cols = w.cols,
+        n
+    )
+    .entered();
+    if fmt.is_float() {
+        run_rows(w, n, y, pool, &|rows, out| {
+            float_rows(backend, fmt, w, x, n, rows, out)
+        });
+        return Ok(());
+    }
+    quant_group(backend, fmt, &[w], x, n, &mut [y], pool);
+    Ok(())
+}
+
+/// Several [`matmul`]s of the same input (`ws` share `cols`; `ys[i]` is `n x ws[i].rows`), e.g.
+/// the query, key and value projections: the activations are quantized once and all rows of
+/// all matrices are split over the pool in one go. Each `ys[i]` equals `matmul(ws[i], ..)` bit
+/// for bit.
+///
+/// ```
+/// use gpu_pipeline::ThreadPool;
+/// use gpu_pipeline::kernels::{GgmlType, WeightMatrix, matmul, matmul_many};
+///
+/// let a: Vec<f32> = vec![1.0, 2.0, 3.0, 4.0];
+/// let b: Vec<f32> = vec![-1.0, 0.5];
+/// let wa = WeightMatrix::new(GgmlType::F32, 2, 2, bytemuck::cast_slice(&a))?;
+/// let wb = WeightMatrix::new(GgmlType::F32, 1, 2, bytemuck::cast_slice(&b))?;
+/// let pool = ThreadPool::new(1);
+/// let (mut ya, mut yb) = ([0.0f32; 2], [0.0f32; 1]);
+/// matmul_many(&[wa, wb], &[1.0, 1.0], 1, &mut [&mut ya[..], &mut yb[..]], &pool)?;
+/// assert_eq!((ya, yb), ([3.0, 7.0], [-0.5]));
+/// # Ok::<(), gpu_pipeline::kernels::KernelError>(())
+/// ```
+pub fn matmul_many(
+    ws: &[WeightMatrix<'_>],
+    x: &[f32],
+    n: usize,
+    ys: &mut [&mut [f32]],
+    pool: &ThreadPool,
+) -> Result<(), KernelError> {
+    if ws.len() != ys.len() {
+        return Err(KernelError::OutputCount {
+            matrices: ws.len(),
+            outputs: ys.len(),
+        });
+    }
+    let backend = Backend::detect();
+    let mut fmts = Vec::with_capacity(ws.len());
+    for (w, y) in ws.iter().zip(ys.iter_mut()) {
+        fmts.push(validate(*w, x, n, y)?);
+    }
+    let same = fmts
+        .iter()
+        .all(|f| matches!(f, Some(f) if !f.is_float() && Some(*f) == fmts[0]));
+    match fmts.first() {
+        Some(Some(fmt)) if same && ws.iter().all(|w| w.cols == ws[0].cols) => {
+            quant_group(backend, *fmt, ws, x, n, ys, pool);
+            Ok(())
+        }
+        _ => {
+            for (w, y) in ws.iter().zip(ys.iter_mut()) {
+                matmul_with(backend, *w, x, n, y, pool)?;
+            }
+            Ok(())
+        }
+    }
+}
+
+/// Checks the shapes of one product; `None` when there is nothing to compute (zero-sized, or
+/// `cols == 0`, for which `y` is zeroed).
+fn validate(
+    w: WeightMatrix<'_>,
+    x: &[f32],
+    n: usize,
+    y: &mut [f32],
+) -> Result<Option<Fmt>, KernelError> {
     let fmt = w.check()?;
     let expected_in = n.checked_mul(w.cols).ok_or(KernelError::SizeOverflow {
         rows: n as u64,
@@ -337,65 +428,65 @@ pub fn matmul_with(
         });
     }
     if n == 0 || w.rows == 0 {
-        return Ok(());
+        return Ok(None);
     }
     if w.cols == 0 {
         y.fill(0.0);
-        return Ok(());
+        return Ok(None);
     }
-    let _span = tracing::trace_span!(
-        "matmul",
-        dtype = w.dtype.name(),
-        rows = w.rows,
-        cols = w.cols,
-        n
-    )
-    .entered();
-    if fmt.is_float() {
-        run_rows(w, n, y, pool, &|rows, out| {
-            float_rows(backend, fmt, w, x, n, rows, out)
-        });
-        return Ok(());
-    }
+    Ok(Some(fmt))
+}
+
+/// The integer-quantized products of `ws` (validated, all in format `fmt` with the same `cols`)
+/// with the `n` tokens of `x`, into `ys`.
+fn quant_group(
+    backend: Backend,
+    fmt: Fmt,
+    ws: &[WeightMatrix<'_>],
+    x: &[f32],
+    n: usize,
+    ys: &mut [&mut [f32]],
+    pool: &ThreadPool,
+) {
+    let cols = ws[0].cols;
     // Quantize the activations once, then share them read-only.
     #[cfg(target_arch = "x86_64")]
     if backend == Backend::Avx512 && panel::applies(fmt, n) {
         BLOCK_SCRATCH.with(|scratch| {
             let mut acts = scratch.borrow_mut();
-            let nb = w.cols / 32;
+            let nb = cols / 32;
             if acts.len() < n * nb {
                 acts.resize(n * nb, ActBlock::ZERO);
             }
             let acts = &mut acts[..n * nb];
-            quantize_par(pool, x, w.cols, n, acts, nb, &|xs, a| {
+            quantize_par(pool, x, cols, n, acts, nb, &|xs, a| {
                 act::quantize_blocks(backend, xs, a)
             });
             let acts: &[ActBlock] = acts;
-            run_rows(w, n, y, pool, &|rows, out| {
+            run_rows_many(ws, n, ys, pool, &|w, rows, out| {
                 // SAFETY: the AVX-512 backend is available (checked by the caller above) and
                 // `applies` checked the format.
                 unsafe { panel::quant_rows(fmt, w, acts, n, rows, out) }
             });
         });
-        return Ok(());
+        return;
     }
     ACT_SCRATCH.with(|scratch| {
         let mut acts = scratch.borrow_mut();
-        let nq = act::quads_per_token(w.cols);
+        let nq = act::quads_per_token(cols);
         let needed = nq * n;
         if acts.len() < needed {
             acts.resize(needed, ActQuad::ZERO);
         }
         let acts = &mut acts[..needed];
-        quantize_par(pool, x, w.cols, n, acts, nq, &|xs, a| {
-            act::quantize_tokens(backend, xs, w.cols, a)
+        quantize_par(pool, x, cols, n, acts, nq, &|xs, a| {
+            act::quantize_tokens(backend, xs, cols, a)
         });
         let acts: &[ActQuad] = acts;
-        run_rows(w, n, y, pool, &|rows, out| {
+        run_rows_many(ws, n, ys, pool, &|w, rows, out| {
             quant_rows(backend, fmt, w, acts, n, rows, out)
         });
     });
-    Ok(())
 }
 
 /// Runs `f` over the `n` tokens of `x` (`cols` each) and their `per_token` entries of `acts`:
@@ -500,12 +591,30 @@ fn run_rows(
     pool: &ThreadPool,
     f: &(dyn Fn(std::ops::Range<usize>, &mut RowsOut<'_>) + Sync),
 ) {
-    debug_assert_eq!(y.len(), n * w.rows);
-    let out = OutRows {
-        ptr: y.as_mut_ptr(),
-        stride: w.rows,
-        _y: std::marker::PhantomData,
-    };
+    run_rows_many(&[w], n, &mut [y], pool, &|_, rows, out| f(rows, out));
+}
+
+/// Splits the rows of every matrix of `ws` into tasks (whole 4-row groups, or 16-row panels
+/// for many tokens) and runs them all in one pool call: `f(w, rows, out)`.
+fn run_rows_many(
+    ws: &[WeightMatrix<'_>],
+    n: usize,
+    ys: &mut [&mut [f32]],
+    pool: &ThreadPool,
+    f: &(dyn Fn(WeightMatrix<'_>, std::ops::Range<usize>, &mut RowsOut<'_>) + Sync),
+) {
+    let outs: Vec<OutRows<'_>> = ws
+        .iter()
+        .zip(ys.iter_mut())
+        .map(|(w, y)| {
+            debug_assert_eq!(y.len(), n * w.rows);
+            OutRows {
+                ptr: y.as_mut_ptr(),
+                stride: w.rows,
+                _y: std::marker::PhantomData,
+            }
+        })
+        .collect();
     // Chunks of whole 4-row groups; aim for ~8 chunks per thread so a descheduled thread delays
     // an operation by little, but not so small that the claiming overhead shows.
     let threads = pool.n_threads().max(1);
@@ -519,27 +628,32 @@ fn run_rows(
     };
     #[cfg(not(target_arch = "x86_64"))]
     let align = 4;
-    let chunk = (w
-        .rows
-        .div_ceil(threads * if n <= 2 { DECODE_TASKS_PER_THREAD } else { 8 }))
-    .max(min_rows)
-    .next_multiple_of(align);
-    let n_tasks = w.rows.div_ceil(chunk);
+    // (matrix, first row, end row) per task.
+    let mut tasks: Vec<(usize, usize, usize)> = Vec::new();
+    for (i, w) in ws.iter().enumerate() {
+        let chunk = (w
+            .rows
+            .div_ceil(threads * if n <= 2 { DECODE_TASKS_PER_THREAD } else { 8 }))
+        .max(min_rows)
+        .next_multiple_of(align);
+        for start in (0..w.rows).step_by(chunk) {
+            tasks.push((i, start, (start + chunk).min(w.rows)));
+        }
+    }
     let task = |t: usize, _thread: usize| {
-        let start = t * chunk;
-        let end = (start + chunk).min(w.rows);
+        let (i, start, end) = tasks[t];
         let mut rows_out = RowsOut {
-            base: &out,
+            base: &outs[i],
             start,
             end,
             n,
         };
-        f(start..end, &mut rows_out);
+        f(ws[i], start..end, &mut rows_out);
     };
-    if n_tasks == 1 {
+    if tasks.len() == 1 {
         task(0, 0);
     } else {
-        pool.run(n_tasks, &task);
+        pool.run(tasks.len(), &task);
     }
 }
 

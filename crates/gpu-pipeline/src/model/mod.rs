@@ -734,9 +734,31 @@ impl Model {
                     }
                 };
             }
-            mm!('q', &layer.wq, h, q);
-            mm!('k', &layer.wk, h, k);
-            mm!('v', &layer.wv, h, v);
+            // Products sharing an input run as one group (quantized once, one pool call),
+            // unless split for precision.
+            macro_rules! mm_group {
+                ($x:ident, [$(($c:expr, $w:expr, $y:ident)),+]) => {
+                    if $(sp.contains($c))||+ {
+                        $(mm!($c, $w, $x, $y);)+
+                    } else {
+                        if let Some((c, r)) = touch {
+                            $(c.touch($w.tensor, r);)+
+                        }
+                        let ws = [$(self.w($w)?),+];
+                        let x = &sc.$x[..total * ws[0].cols];
+                        let mut ys = [$(&mut sc.$y[..total * $w.rows]),+];
+                        kernels::matmul_many(&ws, x, total, &mut ys, self.pool())?;
+                    }
+                };
+            }
+            mm_group!(
+                h,
+                [
+                    ('q', &layer.wq, q),
+                    ('k', &layer.wk, k),
+                    ('v', &layer.wv, v)
+                ]
+            );
             for (b, buf, width) in [
                 (&layer.bq, &mut sc.q, qd),
                 (&layer.bk, &mut sc.k, kvd),
@@ -835,8 +857,7 @@ impl Model {
                 &layer.ffn_norm,
                 &mut sc.h[..total * d],
             );
-            mm!('g', &layer.w_gate, h, gate);
-            mm!('u', &layer.w_up, h, up);
+            mm_group!(h, [('g', &layer.w_gate, gate), ('u', &layer.w_up, up)]);
             {
                 let nff = cfg.n_ff;
                 let gs = ops::SharedRows::new(&mut sc.gate[..total * nff], nff);
