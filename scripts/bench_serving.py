@@ -46,7 +46,11 @@ SCENARIOS = [
     {"key": "chat", "title": "high-concurrency chat", "prompt": "qa", "max_tokens": 32,
      "concurrency": 500, "connections": {"claudelink": 4, "h3": 4}, "full": (5, 30), "quick": (1, 4)},
 ]
-WRK_DURATION = {"full": 30, "quick": 6}  # wrk drops what is in flight at its end: > one round
+WRK_DURATION = {"full": 30, "quick": 6}
+# Single stream: one client, sequential requests for D seconds, each up to 128 tokens (greedy).
+SINGLE = {"max_tokens": 128, "full": 12, "quick": 5, "generate_runs": 3}
+SINGLE_TEXT = ("Write a long, detailed story about a lighthouse keeper who finds a message in a bottle "
+               "and sets out to find who wrote it.")  # wrk drops what is in flight at its end: > one round
 PROMPT_TARGETS = {"qa": 42, "doc": 1200}  # total input tokens, chat template included
 DEFAULT_CONNECTIONS = {"claudelink": 4, "h3": 4}  # loadgen's defaults; HTTP/1.1: one per client
 
@@ -715,6 +719,82 @@ def llama_version(python):
         return "?"
 
 
+def decode_rate(rec):
+    """Tokens per second after the first token of one loadgen record (None if unusable)."""
+    n, lat, ttft = rec.get("output_tokens") or 0, rec.get("latency_ms"), rec.get("ttft_ms")
+    if rec.get("error") or n < 2 or not isinstance(lat, (int, float)) or not isinstance(ttft, (int, float)):
+        return None
+    return (n - 1) / ((lat - ttft) / 1000.0) if lat > ttft else None
+
+
+def single_stream(a, prompts):
+    """One client per transport against our server, and the in-process decode speed of
+    examples/generate on the same prompt, model and threads. Returns the results dict."""
+    res = {"max_tokens": SINGLE["max_tokens"], "duration_s": a.single_duration, "runs": {}}
+    pf = a.out / "prompts" / "single.txt"
+    pf.write_text(SINGLE_TEXT)
+    if a.generate_bin:
+        rates, lines = [], []
+        for i in range(SINGLE["generate_runs"]):
+            cmd = [a.generate_bin, "--model", a.model, "--chat", SINGLE_TEXT, "--max-tokens",
+                   str(SINGLE["max_tokens"]), "--threads", str(a.threads), "--timings"]
+            so, se = a.out / "logs" / f"single-generate-{i}.stdout", a.out / "logs" / f"single-generate-{i}.stderr"
+            rc, _, timed_out, _ = run_child(cmd, so, se, 120)
+            m = re.search(r"(\d+) generated, ([0-9.]+) tok/s decode", se.read_text(errors="replace"))
+            if rc == 0 and not timed_out and m:
+                rates.append(float(m.group(2)))
+                lines.append(int(m.group(1)))
+        res["in_process"] = {"cmd": " ".join(os.path.basename(c) if j == 0 else c for j, c in enumerate(cmd)),
+                             "decode_tok_s": pct(rates, 50), "runs": rates, "tokens": lines}
+    try:
+        srv = OurServer(a, "single")
+    except RuntimeError as e:
+        res["error"] = f"our server: {str(e).splitlines()[0]}"
+        return res
+    try:
+        sc = {"key": "single", "title": "single stream", "prompt": "single", "max_tokens": SINGLE["max_tokens"], "concurrency": 1,
+              "duration": a.single_duration, "timeout": 60, "connections": {"claudelink": 1, "h3": 1},
+              "warmup": (1, 1, 60)}
+        prompts = dict(prompts, single={"file": pf})
+        res["warmup"] = warmup(a, sc, srv, prompts, llama=False)
+        for t in TRANSPORTS[:3]:
+            r = run_transport(a, sc, t, srv, prompts)
+            recs = read_records(r["records"])
+            rates = [x for x in map(decode_rate, recs) if x is not None]
+            r["decode_tok_s"] = pct(rates, 50)
+            r["requests_ok"] = len(rates)
+            r["tokens"] = sorted({x.get("output_tokens") for x in recs if not x.get("error")})
+            res["runs"][t] = r
+    finally:
+        srv.stop()
+    return res
+
+
+def single_table(res):
+    ref = get(res, "in_process", "decode_tok_s")
+    md = ["", f"## Single stream: 1 client, sequential requests for {res['duration_s']} s, up to "
+          f"{res['max_tokens']} output tokens (greedy), against the in-process decode speed", ""]
+    if res.get("in_process"):
+        ip = res["in_process"]
+        md.append(f"In process: `{ip['cmd']}`, median of {len(ip['runs'])} runs "
+                  f"({', '.join(f'{v:.1f}' for v in ip['runs'])} tok/s; {ip['tokens']} tokens).")
+        md.append("")
+    md += ["| path | requests | output tokens | decode tok/s (median) | of in-process | target |",
+           "|---|---:|---|---:|---:|---|"]
+    if ref:
+        md.append(f"| in process (examples/generate) | {len(res['in_process']['runs'])} | "
+                  f"{res['in_process']['tokens']} | {ref:.1f} | 100% | |")
+    for t, r in res["runs"].items():
+        v = r.get("decode_tok_s")
+        frac = f"{100 * v / ref:.0f}%" if v and ref else "n/a"
+        ok = "met" if v and ref and v >= 0.95 * ref else "NOT met"
+        md.append(f"| {t} | {r.get('requests_ok')} | {r.get('tokens')} | {fmt_num(v)} | {frac} | >= 95%: {ok} |")
+    if res.get("error"):
+        md.append(f"\nerror: {res['error']}")
+    md.append("\nDecode tok/s of a request: (output tokens - 1) / (latency - time to first token).")
+    return md
+
+
 def report(a, prompts, results, started, elapsed, server_cmd, llama_cmd):
     md = ["# Serving benchmark: zerolayer vs llama.cpp", ""]
     md.append(f"- date: {started.strftime('%Y-%m-%d %H:%M:%S %Z')}; whole run {elapsed:.0f} s")
@@ -905,6 +985,7 @@ def main():
     ap.add_argument("--model", required=True)
     ap.add_argument("--server-bin", required=True)
     ap.add_argument("--loadgen-bin", required=True)
+    ap.add_argument("--generate-bin", default="")
     ap.add_argument("--wrk", default="")
     ap.add_argument("--python", default=sys.executable)
     ap.add_argument("--threads", type=int, default=2)
@@ -917,6 +998,7 @@ def main():
         sc["duration"], sc["timeout"] = sc[mode]
     a.warmup = 2 if a.quick else 3
     a.wrk_duration = WRK_DURATION[mode]
+    a.single_duration = SINGLE[mode]
     a.settle_max = 5 if a.quick else 20
     a.grace = 20  # a client is killed this long after its duration + request timeout
     for d in ("logs", "records", "prompts"):
@@ -941,15 +1023,18 @@ def main():
         except RuntimeError as e:
             sys.exit(f"bench-serving: {e}")
         log(f"{sc['title']} done at {time.monotonic() - t0:.0f} s")
+    single = single_stream(a, prompts_box["p"])
+    log(f"single stream done at {time.monotonic() - t0:.0f} s")
     elapsed = time.monotonic() - t0
     prompts = prompts_box["p"]
     server_cmd = next((r["server_cmd"] for r in results.values() if "server_cmd" in r), [a.server_bin])
     llama_cmd = next((r["llama_cmd"] for r in results.values() if "llama_cmd" in r), [a.python, "-c", ""])
     md = report(a, prompts, results, started, elapsed, server_cmd, llama_cmd)
+    md += "\n".join(single_table(single)) + "\n"
     (a.out / "serving.md").write_text(md)
     (a.out / "serving.json").write_text(json.dumps(
         {"date": started.isoformat(), "quick": a.quick, "scenarios": SCENARIOS, "prompts": prompts,
-         "results": results}, indent=1, default=str))
+         "results": results, "single": single}, indent=1, default=str))
     try:
         chart(a, results, a.out / "serving.png")
         chart_msg = f"chart: {a.out / 'serving.png'}"

@@ -351,7 +351,7 @@ pub fn matmul_with(
 ///
 /// ```
 /// use gpu_pipeline::ThreadPool;
-/// use gpu_pipeline::kernels::{GgmlType, WeightMatrix, matmul, matmul_many};
+/// use gpu_pipeline::kernels::{GgmlType, WeightMatrix, matmul_many};
 ///
 /// let a: Vec<f32> = vec![1.0, 2.0, 3.0, 4.0];
 /// let b: Vec<f32> = vec![-1.0, 0.5];

@@ -6,6 +6,10 @@
 //! in vector `j`), plus the 16 rows' block scales as f32. The panel is then reused for every token:
 //! `vpdpbusd` of vector `j` with token `t`'s 4 activation bytes broadcast gives 16 rows' partial
 //! sums at once, so no horizontal reductions are needed and each activation load serves 16 rows.
+//! The activations come as compact [`ActBlock`]s (one cache line per block and token), and tokens
+//! go in chunks of [`TOKEN_CHUNK`] so that a chunk's blocks stay in L2 while the task's panels
+//! pass over them. Packing uses plain loads and dword transposes (one gather per block for the
+//! 16 rows' scales); the next panel's bytes are prefetched while one is packed.
 //!
 //! **Same arithmetic as the 4-row kernel.** Each output element is accumulated exactly as in
 //! [`super::avx512`]: the exact integer block dot product, converted to f32 and added with one
@@ -94,8 +98,7 @@ fn panel_rows<const F: u8>(
 ) {
     let rb = fmt.row_bytes(w.cols);
     let nblocks = w.cols / 32;
-    let nq = nblocks;
-    assert!(acts.len() >= n * nq && rows.end <= w.rows && w.data.len() >= w.rows * rb);
+    assert!(acts.len() >= n * nblocks && rows.end <= w.rows && w.data.len() >= w.rows * rb);
     assert!(!rows.is_empty() && PANEL_ROWS * rb < i32::MAX as usize);
     PANEL.with(|p| {
         let mut panel = p.borrow_mut();
@@ -132,21 +135,21 @@ fn panel_rows<const F: u8>(
                 let mut t0 = tc;
                 while t0 < t_end {
                     let left = t_end - t0;
-                    let ap = acts[t0 * nq..].as_ptr();
-                    // SAFETY: `ap` has at least the tile's tokens (`left` of them), `nq` quads each.
+                    let ap = acts[t0 * nblocks..].as_ptr();
+                    // SAFETY: `ap` has at least the tile's tokens (`left` of them), `nblocks` blocks each.
                     unsafe {
                         if left >= 8 {
-                            for (t, v) in tile::<F, 8>(panel, ap, nq).into_iter().enumerate() {
+                            for (t, v) in tile::<F, 8>(panel, ap, nblocks).into_iter().enumerate() {
                                 emit(t0 + t, v);
                             }
                             t0 += 8;
                         } else if left >= 4 {
-                            for (t, v) in tile::<F, 4>(panel, ap, nq).into_iter().enumerate() {
+                            for (t, v) in tile::<F, 4>(panel, ap, nblocks).into_iter().enumerate() {
                                 emit(t0 + t, v);
                             }
                             t0 += 4;
                         } else {
-                            for (t, v) in tile::<F, 1>(panel, ap, nq).into_iter().enumerate() {
+                            for (t, v) in tile::<F, 1>(panel, ap, nblocks).into_iter().enumerate() {
                                 emit(t0 + t, v);
                             }
                             t0 += 1;
@@ -287,10 +290,10 @@ fn act4(a: &ActBlock, j: usize) -> __m512i {
 unsafe fn tile<const F: u8, const T: usize>(
     panel: &[PackedBlock],
     acts: *const ActBlock,
-    nq: usize,
+    nb: usize,
 ) -> [__m512; T] {
     // SAFETY: forwarded.
-    let c = |l: usize| unsafe { chain::<F, T>(panel, acts, nq, l) };
+    let c = |l: usize| unsafe { chain::<F, T>(panel, acts, nb, l) };
     let add = |a: [__m512; T], b: [__m512; T]| std::array::from_fn(|t| _mm512_add_ps(a[t], b[t]));
     let s02 = add(c(0), c(2));
     add(s02, add(c(1), c(3)))
@@ -305,11 +308,11 @@ unsafe fn tile<const F: u8, const T: usize>(
 unsafe fn chain<const F: u8, const T: usize>(
     panel: &[PackedBlock],
     acts: *const ActBlock,
-    nq: usize,
+    nb: usize,
     l: usize,
 ) -> [__m512; T] {
-    // SAFETY: `t * nq + b < T * nq` for every `t < T`, block `b < nq`.
-    let act = |t: usize, b: usize| unsafe { &*acts.add(t * nq + b) };
+    // SAFETY: `t * nb + b < T * nb` for every `t < T`, block `b < nb`.
+    let act = |t: usize, b: usize| unsafe { &*acts.add(t * nb + b) };
     let mut acc = [_mm512_setzero_ps(); T];
     let mut b = l;
     while b < panel.len() {
