@@ -543,6 +543,46 @@ struct Worker {
 }
 
 impl Worker {
+    /// Samples the next token of every step item that samples, in order: in parallel chunks on
+    /// the model's pool for a large batch (each sequence's sampler is called once, as serially,
+    /// so the tokens are the same).
+    fn sample_rows(
+        &self,
+        seqs: &mut [(WorkItem, Active<'_>)],
+        logits: &[f32],
+        vocab: usize,
+    ) -> Vec<u32> {
+        let mut jobs: Vec<(&mut Sampler, &[u32], &[f32], u32)> = Vec::new();
+        for (w, a) in seqs.iter_mut() {
+            if w.samples() {
+                let row = jobs.len();
+                jobs.push((
+                    &mut a.sampler,
+                    &a.history,
+                    &logits[row * vocab..(row + 1) * vocab],
+                    0,
+                ));
+            }
+        }
+        let pool = self.model.pool();
+        let threads = pool.n_threads();
+        if jobs.len() < 8 || threads < 2 {
+            for j in &mut jobs {
+                j.3 = j.0.sample(j.2, j.1);
+            }
+        } else {
+            let chunk = jobs.len().div_ceil(2 * threads);
+            let parts: Vec<Mutex<&mut [_]>> = jobs.chunks_mut(chunk).map(Mutex::new).collect();
+            pool.run(parts.len(), &|t, _| {
+                let mut part = parts[t].lock().unwrap_or_else(|e| e.into_inner());
+                for j in part.iter_mut() {
+                    j.3 = j.0.sample(j.2, j.1);
+                }
+            });
+        }
+        jobs.into_iter().map(|j| j.3).collect()
+    }
+
     fn run(mut self, tok: Option<&Tokenizer>) {
         let mut active: HashMap<SeqId, Active<'_>> = HashMap::new();
         let mut logits = Vec::new();
@@ -671,7 +711,8 @@ impl Worker {
                     outcomes.extend(seqs.iter().map(|_| Outcome::Failed));
                 }
                 Ok(()) => {
-                    let mut row = 0;
+                    let tokens = self.sample_rows(&mut seqs, &logits, vocab);
+                    let mut tokens = tokens.into_iter();
                     for (w, a) in &mut seqs {
                         if let WorkItem::Prefill { len, last, .. } = *w {
                             prompt_computed += len as u64;
@@ -683,9 +724,7 @@ impl Worker {
                             outcomes.push(Outcome::Continue);
                             continue;
                         }
-                        let row_logits = &logits[row * vocab..(row + 1) * vocab];
-                        row += 1;
-                        let token = a.sampler.sample(row_logits, &a.history);
+                        let token = tokens.next().expect("one sampled token per sampling row");
                         match a.last_token {
                             None => ttfts.push(now - a.submitted),
                             Some(t) => itls.push(now - t),
