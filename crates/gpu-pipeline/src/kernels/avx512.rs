@@ -471,6 +471,25 @@ fn rows_impl<const F: u8>(
     }
 }
 
+/// Scale and quants (elements 0..16, 16..32 as i32 lanes) of the 32-element block at `p`, as
+/// [`super::act::quantize_token`] computes them.
+///
+/// # Safety
+/// `p` has 32 readable floats; the CPU supports the features enabled here.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,avx2,fma,f16c")]
+unsafe fn quant_block(p: *const f32) -> (f32, __m512i, __m512i) {
+    // SAFETY: forwarded from the caller.
+    let (v0, v1) = unsafe { (_mm512_loadu_ps(p), _mm512_loadu_ps(p.add(16))) };
+    let amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+    let (d, id) = block_scale(amax);
+    let idv = _mm512_set1_ps(id);
+    // Round to nearest even (the default MXCSR mode), as `round_ties_even` does.
+    let q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, idv));
+    let q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, idv));
+    (d, q0, q1)
+}
+
 /// AVX-512 version of [`super::act::quantize_token`], producing identical bytes.
 ///
 /// # Safety
@@ -491,16 +510,7 @@ pub(crate) unsafe fn quantize_token(x: &[f32], acts: &mut [ActQuad]) {
                 break;
             }
             // SAFETY: block `b` is inside `x` (32 floats).
-            let (v0, v1) = unsafe {
-                let p = x.as_ptr().add(32 * b);
-                (_mm512_loadu_ps(p), _mm512_loadu_ps(p.add(16)))
-            };
-            let amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
-            let (d, id) = block_scale(amax);
-            let idv = _mm512_set1_ps(id);
-            // Round to nearest even (the default MXCSR mode), as `round_ties_even` does.
-            let q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, idv));
-            let q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, idv));
+            let (d, q0, q1) = unsafe { quant_block(x.as_ptr().add(32 * b)) };
             dv[l] = d;
             s0v[l] = _mm512_reduce_add_epi32(q0);
             s1v[l] = _mm512_reduce_add_epi32(q1);
@@ -534,16 +544,7 @@ pub(crate) unsafe fn quantize_token(x: &[f32], acts: &mut [ActQuad]) {
 pub(crate) unsafe fn quantize_blocks(x: &[f32], out: &mut [ActBlock]) {
     for (b, o) in out.iter_mut().enumerate().take(x.len() / 32) {
         // SAFETY: block `b` is inside `x` (32 floats).
-        let (v0, v1) = unsafe {
-            let p = x.as_ptr().add(32 * b);
-            (_mm512_loadu_ps(p), _mm512_loadu_ps(p.add(16)))
-        };
-        let amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
-        let (d, id) = block_scale(amax);
-        let idv = _mm512_set1_ps(id);
-        // Round to nearest even (the default MXCSR mode), as `round_ties_even` does.
-        let q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, idv));
-        let q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, idv));
+        let (d, q0, q1) = unsafe { quant_block(x.as_ptr().add(32 * b)) };
         let sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
         // SAFETY: each store writes 16 bytes inside the 32-byte `q`.
         unsafe {
