@@ -49,7 +49,11 @@ pub(super) fn exp_f(x: f32) -> f32 {
     }
     p = p.mul_add(r, 1.0);
     p = p.mul_add(r, 1.0);
-    p * f32::from_bits((((n as i32) + 127) as u32) << 23)
+    // SAFETY: `n` is not NaN (x is not, and x * LOG2E is finite or -inf only below EXP_MIN) and
+    // the clamp keeps it in i32 range; for x in [EXP_MIN, 0] it is in -126..=0 and unchanged. The
+    // unchecked conversion lets loops of this function vectorize (a saturating one does not).
+    let e = unsafe { n.clamp(-127.0, 127.0).to_int_unchecked::<i32>() };
+    p * f32::from_bits(((e + 127) as u32) << 23)
 }
 
 /// The tree sum of 16 lanes described in the module docs.

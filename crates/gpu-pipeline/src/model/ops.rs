@@ -112,7 +112,19 @@ multiversion! {
     /// integers and one scale (`amax / 127`), `lo = x - hi` is the rounding residual.
     fn split_q8(x: &[f32], hi: &mut [f32], lo: &mut [f32]) {
         for ((xb, hb), lb) in x.chunks(32).zip(hi.chunks_mut(32)).zip(lo.chunks_mut(32)) {
-            let amax = xb.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+            // max |v| on the bit patterns (for non-negative floats the integer order is the
+            // float order; NaN counts as 0, as in a float `max` fold from 0): the same value as
+            // `fold(0.0, |m, v| m.max(v.abs()))`, as an integer reduction that vectorizes.
+            let key = |v: &f32| {
+                let b = v.to_bits() & 0x7FFF_FFFF;
+                if b > 0x7F80_0000 { 0 } else { b }
+            };
+            // A whole block as a fixed-size array, so the reduction is unrolled into vectors.
+            let bits = match <&[f32; 32]>::try_from(xb) {
+                Ok(blk) => blk.iter().map(key).fold(0u32, u32::max),
+                Err(_) => xb.iter().map(key).fold(0u32, u32::max),
+            };
+            let amax = f32::from_bits(bits);
             let d = amax / 127.0;
             let id = if d > 0.0 { 1.0 / d } else { 0.0 };
             for ((&v, h), l) in xb.iter().zip(hb.iter_mut()).zip(lb.iter_mut()) {
@@ -253,6 +265,19 @@ mod tests {
                 "{g}: {o} vs {want}"
             );
         }
+    }
+
+    #[test]
+    fn split_q8_block_max_ignores_nan_like_a_float_fold() {
+        let mut x = vec![0.5f32; 32];
+        x[3] = -2.0;
+        x[7] = f32::NAN;
+        x[9] = -0.0;
+        let (mut hi, mut lo) = (vec![0.0; 32], vec![0.0; 32]);
+        split_q8(&x, &mut hi, &mut lo);
+        // d = 2 / 127: -2 is exactly -127 d.
+        assert_eq!(hi[3], -127.0 * (2.0f32 / 127.0));
+        assert_eq!(hi[0] + lo[0], 0.5);
     }
 
     #[test]
