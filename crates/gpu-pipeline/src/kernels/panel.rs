@@ -108,7 +108,9 @@ fn panel_rows<const F: u8>(
         let panel = &mut panel[..nblocks];
         // Token chunks small enough that their activations stay in L2 while every panel of
         // the task's rows passes over them (a panel is re-packed per chunk).
-        let chunk = n.div_ceil(n.div_ceil(TOKEN_CHUNK));
+        // Equal chunks in whole 8-token tiles (a 100-token batch: 56 + 44, not 50 + 50 with
+        // two single-token tiles each).
+        let chunk = n.div_ceil(n.div_ceil(TOKEN_CHUNK)).next_multiple_of(8);
         for tc in (0..n).step_by(chunk) {
             let t_end = (tc + chunk).min(n);
             for g in rows.clone().step_by(PANEL_ROWS) {
@@ -148,6 +150,11 @@ fn panel_rows<const F: u8>(
                                 emit(t0 + t, v);
                             }
                             t0 += 4;
+                        } else if left >= 2 {
+                            for (t, v) in tile::<F, 2>(panel, ap, nblocks).into_iter().enumerate() {
+                                emit(t0 + t, v);
+                            }
+                            t0 += 2;
                         } else {
                             for (t, v) in tile::<F, 1>(panel, ap, nblocks).into_iter().enumerate() {
                                 emit(t0 + t, v);
