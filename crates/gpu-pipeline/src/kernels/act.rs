@@ -55,6 +55,8 @@ impl ActQuad {
 
 /// One 32-element activation block in the compact layout of the panel kernel (one cache line):
 /// the same `q`, `d`, `d * sum(q)` and `sum(q)` as the block's entries in an [`ActQuad`].
+// Only the x86_64 panel kernel reads these (the scalar quantizer stays as its tested reference).
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 #[repr(C, align(64))]
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct ActBlock {
@@ -70,6 +72,7 @@ pub(crate) struct ActBlock {
 
 const _: () = assert!(size_of::<ActBlock>() == 64);
 
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 impl ActBlock {
     pub(crate) const ZERO: Self = Self {
         q: [0; 32],
@@ -80,6 +83,7 @@ impl ActBlock {
 }
 
 /// Quantizes `n = x.len() / cols` tokens into `out` (`n * cols / 32` blocks).
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 pub(crate) fn quantize_blocks(backend: Backend, x: &[f32], out: &mut [ActBlock]) {
     match backend {
         #[cfg(target_arch = "x86_64")]

@@ -55,7 +55,9 @@ use std::sync::{Mutex, OnceLock};
 use crate::ThreadPool;
 pub use weight_cache::GgmlType;
 
-use act::{ActBlock, ActQuad};
+#[cfg(target_arch = "x86_64")]
+use act::ActBlock;
+use act::ActQuad;
 use format::Fmt;
 pub use ops::{
     OpsError, add_assign, axpy, axpy_f16, dot, dot_f16, rmsnorm, rope_neox, rope_normal, silu_mul,
@@ -522,6 +524,7 @@ thread_local! {
     /// Reused per calling thread so a decode step does not allocate.
     static ACT_SCRATCH: RefCell<Vec<ActQuad>> = const { RefCell::new(Vec::new()) };
     /// The compact activation blocks of the panel kernel, likewise.
+    #[cfg(target_arch = "x86_64")]
     static BLOCK_SCRATCH: RefCell<Vec<ActBlock>> = const { RefCell::new(Vec::new()) };
 }
 
