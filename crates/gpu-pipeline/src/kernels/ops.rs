@@ -1,9 +1,10 @@
 //! Element-wise and reduction helpers of the transformer forward pass (norms, softmax, SwiGLU,
 //! RoPE, attention dot/axpy over f32 or f16 KV rows).
 //!
-//! Reductions use 16 independent partial sums combined in a fixed tree, so results depend only on
-//! the input length (never on threads or batch). The bodies are compiled twice, for the baseline
-//! target and for AVX2 + FMA + F16C, and the second runs where the CPU has those features.
+//! Reductions use independent partial sums combined in a fixed tree, so results depend only on
+//! the input length (never on threads or batch). The bodies are compiled for AVX-512, for AVX2 +
+//! FMA + F16C and for the baseline target from the same code ([`multiversion`]), and the widest
+//! the CPU has runs. The model's element-wise steps use these same functions.
 
 use half::f16;
 
@@ -47,18 +48,27 @@ pub(crate) fn has_avx2() -> bool {
     })
 }
 
-/// Defines `$name` running `$body` compiled with AVX2+FMA+F16C when available.
+/// Defines `$name` running `$body` compiled for AVX-512 (where the kernels' AVX-512 backend is in
+/// use), else for AVX2 + FMA + F16C when available, else as is. It is the same code every time
+/// (Rust never contracts or reassociates float operations, and `mul_add` / `round_ties_even` are
+/// exactly rounded everywhere), so the results are bit-identical; only the instructions differ.
 macro_rules! multiversion {
-    ($(#[$m:meta])* fn $name:ident($($arg:ident : $ty:ty),*) -> $ret:ty $body:block) => {
+    ($(#[$m:meta])* $vis:vis fn $name:ident($($arg:ident : $ty:ty),*) -> $ret:ty $body:block) => {
         $(#[$m])*
-        fn $name($($arg: $ty),*) -> $ret {
+        $vis fn $name($($arg: $ty),*) -> $ret {
             #[inline(always)]
             fn body($($arg: $ty),*) -> $ret $body
             #[cfg(target_arch = "x86_64")]
             {
+                #[target_feature(enable = "avx512f,avx512vl,avx512bw,avx512dq,avx2,fma,f16c")]
+                fn wide($($arg: $ty),*) -> $ret { body($($arg),*) }
                 #[target_feature(enable = "avx2,fma,f16c")]
                 fn fast($($arg: $ty),*) -> $ret { body($($arg),*) }
-                if has_avx2() {
+                if $crate::kernels::has_avx512() {
+                    // SAFETY: the AVX-512 backend is in use, so the CPU has these features.
+                    return unsafe { wide($($arg),*) };
+                }
+                if $crate::kernels::has_avx2() {
                     // SAFETY: the features were detected at run time.
                     return unsafe { fast($($arg),*) };
                 }
@@ -66,6 +76,89 @@ macro_rules! multiversion {
             body($($arg),*)
         }
     };
+}
+pub(crate) use multiversion;
+
+/// Arguments below this get `exp_f(x) = 0` (also keeps `2^n` normal).
+pub(crate) const EXP_MIN: f32 = -87.0;
+pub(crate) const LOG2E: f32 = std::f32::consts::LOG2_E;
+pub(crate) const LN2_HI: f32 = 0.693_145_75;
+pub(crate) const LN2_LO: f32 = 1.428_606_8e-6;
+/// Taylor coefficients 1/k! for k = 7 down to 2 (then 1 and 1).
+pub(crate) const EXP_C: [f32; 6] = [
+    1.0 / 5040.0,
+    1.0 / 720.0,
+    1.0 / 120.0,
+    1.0 / 24.0,
+    1.0 / 6.0,
+    0.5,
+];
+
+/// `e^x` for `x <= 0` (relative error ~1e-7); 0 below [`EXP_MIN`] and for NaN. Attention's vector
+/// version performs the same operations lane by lane.
+#[inline(always)]
+pub(crate) fn exp_f(x: f32) -> f32 {
+    if x.is_nan() || x < EXP_MIN {
+        return 0.0;
+    }
+    let n = (x * LOG2E).round_ties_even();
+    let r = n.mul_add(-LN2_HI, x);
+    let r = n.mul_add(-LN2_LO, r);
+    let mut p = EXP_C[0];
+    for c in &EXP_C[1..] {
+        p = p.mul_add(r, *c);
+    }
+    p = p.mul_add(r, 1.0);
+    p = p.mul_add(r, 1.0);
+    // SAFETY: `n` is not NaN (x is not, and x * LOG2E is finite or -inf only below EXP_MIN) and
+    // the clamp keeps it in i32 range; for x in [EXP_MIN, 0] it is in -126..=0 and unchanged. The
+    // unchecked conversion lets loops of this function vectorize (a saturating one does not).
+    let e = unsafe { n.clamp(-127.0, 127.0).to_int_unchecked::<i32>() };
+    p * f32::from_bits(((e + 127) as u32) << 23)
+}
+
+multiversion! {
+    /// RMSNorm of every `w.len()`-long row of `x` into `out`: the sum of squares in f64, as 8
+    /// partial sums (element `i` into sum `i % 8`) added as `((s0+s4)+(s2+s6))+((s1+s5)+(s3+s7))`.
+    pub(crate) fn rmsnorm_rows(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) -> () {
+        let d = w.len();
+        for (xr, or) in x.chunks_exact(d).zip(out.chunks_exact_mut(d)) {
+            let mut s = [0.0f64; 8];
+            let mut it = xr.chunks_exact(8);
+            for c in &mut it {
+                for l in 0..8 {
+                    s[l] += f64::from(c[l]) * f64::from(c[l]);
+                }
+            }
+            for (l, &v) in it.remainder().iter().enumerate() {
+                s[l] += f64::from(v) * f64::from(v);
+            }
+            let ss = ((s[0] + s[4]) + (s[2] + s[6])) + ((s[1] + s[5]) + (s[3] + s[7]));
+            let inv = (1.0 / (ss / d as f64 + f64::from(eps)).sqrt()) as f32;
+            for ((o, &v), &g) in or.iter_mut().zip(xr).zip(w) {
+                *o = v * inv * g;
+            }
+        }
+    }
+}
+
+multiversion! {
+    /// `gate = silu(gate) * up`, with `silu(g) = g * sigmoid(g)` and the sigmoid from
+    /// `e = exp(-|g|)`: `1 / (1 + e)` for `g >= 0`, `e / (1 + e)` below (no overflow).
+    pub(crate) fn silu_mul_rows(gate: &mut [f32], up: &[f32]) -> () {
+        for (g, &u) in gate.iter_mut().zip(up) {
+            let e = exp_f(-g.abs());
+            let num = if *g >= 0.0 { 1.0 } else { e };
+            *g = *g * (num / (1.0 + e)) * u;
+        }
+    }
+}
+
+multiversion! {
+    /// `y += x` element by element (over the shorter length).
+    pub(crate) fn add_rows(y: &mut [f32], x: &[f32]) -> () {
+        y.iter_mut().zip(x).for_each(|(a, b)| *a += b);
+    }
 }
 
 #[inline(always)]
@@ -244,25 +337,19 @@ pub(crate) mod f16c {
 /// `y += x` (residual connections).
 pub fn add_assign(y: &mut [f32], x: &[f32]) -> Result<(), OpsError> {
     check("add_assign: x", y.len(), x.len())?;
-    for (a, b) in y.iter_mut().zip(x) {
-        *a += b;
-    }
+    add_rows(y, x);
     Ok(())
 }
 
 /// RMSNorm: `out[i] = x[i] / sqrt(mean(x²) + eps) * weight[i]` (the sum of squares in f64, as
-/// ggml does).
+/// ggml does, as 8 partial sums in a fixed order: the model's own norm).
 pub fn rmsnorm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) -> Result<(), OpsError> {
     check("rmsnorm: weight", x.len(), weight.len())?;
     check("rmsnorm: out", x.len(), out.len())?;
     if x.is_empty() {
         return Ok(());
     }
-    let ss: f64 = x.iter().map(|&v| f64::from(v) * f64::from(v)).sum();
-    let scale = (1.0 / (ss / x.len() as f64 + f64::from(eps)).sqrt()) as f32;
-    for ((o, &v), &g) in out.iter_mut().zip(x).zip(weight) {
-        *o = v * scale * g;
-    }
+    rmsnorm_rows(x, weight, eps, out);
     Ok(())
 }
 
@@ -286,9 +373,7 @@ pub fn softmax(x: &mut [f32]) {
 /// SwiGLU: `gate[i] = silu(gate[i]) * up[i]`, `silu(g) = g / (1 + exp(-g))`.
 pub fn silu_mul(gate: &mut [f32], up: &[f32]) -> Result<(), OpsError> {
     check("silu_mul: up", gate.len(), up.len())?;
-    for (g, &u) in gate.iter_mut().zip(up) {
-        *g = *g / (1.0 + (-*g).exp()) * u;
-    }
+    silu_mul_rows(gate, up);
     Ok(())
 }
 

@@ -19,42 +19,8 @@
 use half::f16;
 use kv_ring::{KvSlices, KvView};
 
-/// Keys with a `s - max` below this get probability 0 (also keeps `2^n` normal in [`exp_f`]).
-const EXP_MIN: f32 = -87.0;
-const LOG2E: f32 = std::f32::consts::LOG2_E;
-const LN2_HI: f32 = 0.693_145_75;
-const LN2_LO: f32 = 1.428_606_8e-6;
-/// Taylor coefficients 1/k! for k = 7 down to 2 (then 1 and 1).
-const EXP_C: [f32; 6] = [
-    1.0 / 5040.0,
-    1.0 / 720.0,
-    1.0 / 120.0,
-    1.0 / 24.0,
-    1.0 / 6.0,
-    0.5,
-];
-
-/// `e^x` for `x <= 0` (relative error ~1e-7); 0 below [`EXP_MIN`] and for NaN.
-#[inline(always)]
-pub(super) fn exp_f(x: f32) -> f32 {
-    if x.is_nan() || x < EXP_MIN {
-        return 0.0;
-    }
-    let n = (x * LOG2E).round_ties_even();
-    let r = n.mul_add(-LN2_HI, x);
-    let r = n.mul_add(-LN2_LO, r);
-    let mut p = EXP_C[0];
-    for c in &EXP_C[1..] {
-        p = p.mul_add(r, *c);
-    }
-    p = p.mul_add(r, 1.0);
-    p = p.mul_add(r, 1.0);
-    // SAFETY: `n` is not NaN (x is not, and x * LOG2E is finite or -inf only below EXP_MIN) and
-    // the clamp keeps it in i32 range; for x in [EXP_MIN, 0] it is in -126..=0 and unchanged. The
-    // unchecked conversion lets loops of this function vectorize (a saturating one does not).
-    let e = unsafe { n.clamp(-127.0, 127.0).to_int_unchecked::<i32>() };
-    p * f32::from_bits(((e + 127) as u32) << 23)
-}
+// Keys with `s - max` below EXP_MIN get probability 0.
+use crate::kernels::exp_f;
 
 /// The tree sum of 16 lanes described in the module docs.
 #[inline(always)]
@@ -210,7 +176,8 @@ mod avx512 {
 
     use std::arch::x86_64::*;
 
-    use super::{EXP_C, EXP_MIN, KvView, LN2_HI, LN2_LO, LOG2E, Rows};
+    use super::{KvView, Rows};
+    use crate::kernels::{EXP_C, EXP_MIN, LN2_HI, LN2_LO, LOG2E};
 
     /// Largest head dimension of the fast path.
     pub(super) const MAX_HD: usize = 256;
@@ -267,7 +234,7 @@ mod avx512 {
         }
     }
 
-    /// Vector [`super::exp_f`]: the same operations lane by lane.
+    /// Vector [`exp_f`](crate::kernels::exp_f): the same operations lane by lane.
     #[inline]
     #[target_feature(enable = "avx512f,avx512dq,fma")]
     fn exp_v(x: __m512) -> __m512 {

@@ -522,7 +522,7 @@ impl Model {
             // SAFETY: tasks get disjoint token ranges.
             let (x, h) = unsafe { (xs.rows(r.clone()), hs.rows(r.clone())) };
             if let Some(a) = add {
-                ops::add_assign(x, &a[r.start * d..r.end * d]);
+                ops::add_rows(x, &a[r.start * d..r.end * d]);
             }
             ops::rmsnorm_rows(x, w, eps, h);
         });
@@ -865,7 +865,7 @@ impl Model {
                 self.par_rows(total, &|r| {
                     // SAFETY: tasks get disjoint token ranges.
                     let g = unsafe { gs.rows(r.clone()) };
-                    ops::silu_mul(g, &up[r.start * nff..r.end * nff]);
+                    ops::silu_mul_rows(g, &up[r.start * nff..r.end * nff]);
                 });
             }
             mm!('d', &layer.w_down, gate, tmp);
@@ -877,7 +877,7 @@ impl Model {
             self.par_rows(total, &|r| {
                 // SAFETY: tasks get disjoint token ranges.
                 let x = unsafe { xs.rows(r.clone()) };
-                ops::add_assign(x, &tmp[r.start * d..r.end * d]);
+                ops::add_rows(x, &tmp[r.start * d..r.end * d]);
             });
         }
         // ---- output head on the wanted rows only

@@ -56,61 +56,13 @@ pub(super) fn rope_apply(layout: RopeLayout, cs: &[f32], head: &mut [f32]) {
     }
 }
 
-/// Defines `fn name(args)` running `body` compiled with AVX-512 enabled when the CPU has it, else
-/// as is. It is the same code either way (Rust never contracts or reassociates float operations,
-/// and `mul_add`/`round_ties_even` are exactly rounded everywhere), so the results are
-/// bit-identical; only the instructions differ (vector loops, native FMA and rounding).
-macro_rules! multiversion {
-    ($(#[$m:meta])* fn $name:ident($($a:ident: $t:ty),*) $body:block) => {
-        $(#[$m])*
-        pub(super) fn $name($($a: $t),*) {
-            #[inline(always)]
-            fn body($($a: $t),*) $body
-            #[cfg(target_arch = "x86_64")]
-            {
-                #[target_feature(enable = "avx512f,avx512vl,avx512bw,avx512dq,fma")]
-                unsafe fn fast($($a: $t),*) {
-                    body($($a),*)
-                }
-                if crate::kernels::has_avx512() {
-                    // SAFETY: the CPU has the features `fast` is compiled for (checked).
-                    return unsafe { fast($($a),*) };
-                }
-            }
-            body($($a),*)
-        }
-    };
-}
-
-multiversion! {
-    /// RMSNorm of every `w.len()`-long row of `x` into `out`: the sum of squares in f64, as 8
-    /// partial sums (element `i` into sum `i % 8`) added as `((s0+s4)+(s2+s6))+((s1+s5)+(s3+s7))`.
-    fn rmsnorm_rows(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
-        let d = w.len();
-        for (xr, or) in x.chunks_exact(d).zip(out.chunks_exact_mut(d)) {
-            let mut s = [0.0f64; 8];
-            let mut it = xr.chunks_exact(8);
-            for c in &mut it {
-                for l in 0..8 {
-                    s[l] += f64::from(c[l]) * f64::from(c[l]);
-                }
-            }
-            for (l, &v) in it.remainder().iter().enumerate() {
-                s[l] += f64::from(v) * f64::from(v);
-            }
-            let ss = ((s[0] + s[4]) + (s[2] + s[6])) + ((s[1] + s[5]) + (s[3] + s[7]));
-            let inv = (1.0 / (ss / d as f64 + f64::from(eps)).sqrt()) as f32;
-            for ((o, &v), &g) in or.iter_mut().zip(xr).zip(w) {
-                *o = v * inv * g;
-            }
-        }
-    }
-}
+use crate::kernels::multiversion;
+pub(super) use crate::kernels::{add_rows, rmsnorm_rows, silu_mul_rows};
 
 multiversion! {
     /// Splits `x` into `hi + lo` per 32-element block: `hi` is exactly representable with 8-bit
     /// integers and one scale (`amax / 127`), `lo = x - hi` is the rounding residual.
-    fn split_q8(x: &[f32], hi: &mut [f32], lo: &mut [f32]) {
+    pub(super) fn split_q8(x: &[f32], hi: &mut [f32], lo: &mut [f32]) -> () {
         for ((xb, hb), lb) in x.chunks(32).zip(hi.chunks_mut(32)).zip(lo.chunks_mut(32)) {
             // max |v| on the bit patterns (for non-negative floats the integer order is the
             // float order; NaN counts as 0, as in a float `max` fold from 0): the same value as
@@ -136,29 +88,10 @@ multiversion! {
 }
 
 multiversion! {
-    /// `x += y`.
-    fn add_assign(x: &mut [f32], y: &[f32]) {
-        x.iter_mut().zip(y).for_each(|(a, b)| *a += b);
-    }
-}
-
-multiversion! {
     /// `out = a + b`.
-    fn add_to(a: &[f32], b: &[f32], out: &mut [f32]) {
+    pub(super) fn add_to(a: &[f32], b: &[f32], out: &mut [f32]) -> () {
         for ((o, &a), &b) in out.iter_mut().zip(a).zip(b) {
             *o = a + b;
-        }
-    }
-}
-
-multiversion! {
-    /// `gate = silu(gate) * up`, with `silu(g) = g * sigmoid(g)` and the sigmoid from
-    /// `e = exp(-|g|)`: `1 / (1 + e)` for `g >= 0`, `e / (1 + e)` below (no overflow).
-    fn silu_mul(gate: &mut [f32], up: &[f32]) {
-        for (g, &u) in gate.iter_mut().zip(up) {
-            let e = super::attention::exp_f(-g.abs());
-            let num = if *g >= 0.0 { 1.0 } else { e };
-            *g = *g * (num / (1.0 + e)) * u;
         }
     }
 }
@@ -257,7 +190,7 @@ mod tests {
         let g: Vec<f32> = (-200..=200).map(|i| i as f32 * 0.5).collect();
         let up: Vec<f32> = (0..g.len()).map(|i| 1.0 + i as f32 * 0.01).collect();
         let mut out = g.clone();
-        silu_mul(&mut out, &up);
+        silu_mul_rows(&mut out, &up);
         for ((&o, &g), &u) in out.iter().zip(&g).zip(&up) {
             let want = f64::from(g) / (1.0 + (-f64::from(g)).exp()) * f64::from(u);
             assert!(
