@@ -474,6 +474,7 @@ mod avx512 {
                 let gn = (nr - g).min(4);
                 let gmax = nb[g..g + gn].iter().copied().max().unwrap_or(0);
                 let mut mx = [ninf; 4];
+                let mut k = [_mm512_setzero_ps(); MAX_HD / 16];
                 let mut kb = 0;
                 while kb < gmax {
                     let mut acc = [[_mm512_setzero_ps(); 16]; 4];
@@ -482,29 +483,17 @@ mod avx512 {
                         if j >= gmax {
                             break;
                         }
-                        if nc == 4 {
-                            let k = [0, 1, 2, 3].map(|c| keys.load(j, c));
-                            for (r, ar) in acc.iter_mut().enumerate().take(gn) {
-                                let qp = q.as_ptr().add((g + r) * hd);
-                                let mut a = _mm512_setzero_ps();
-                                for (c, kc) in k.iter().enumerate() {
-                                    a = _mm512_fmadd_ps(_mm512_loadu_ps(qp.add(16 * c)), *kc, a);
-                                }
-                                ar[jj] = a;
+                        // The key row is loaded (and converted) once for all rows of the group.
+                        for (c, kc) in k.iter_mut().enumerate().take(nc) {
+                            *kc = keys.load(j, c);
+                        }
+                        for (r, ar) in acc.iter_mut().enumerate().take(gn) {
+                            let qp = q.as_ptr().add((g + r) * hd);
+                            let mut a = _mm512_setzero_ps();
+                            for (c, kc) in k.iter().enumerate().take(nc) {
+                                a = _mm512_fmadd_ps(_mm512_loadu_ps(qp.add(16 * c)), *kc, a);
                             }
-                        } else {
-                            for (r, ar) in acc.iter_mut().enumerate().take(gn) {
-                                let qp = q.as_ptr().add((g + r) * hd);
-                                let mut a = _mm512_setzero_ps();
-                                for c in 0..nc {
-                                    a = _mm512_fmadd_ps(
-                                        _mm512_loadu_ps(qp.add(16 * c)),
-                                        keys.load(j, c),
-                                        a,
-                                    );
-                                }
-                                ar[jj] = a;
-                            }
+                            ar[jj] = a;
                         }
                     }
                     for r in 0..gn {
