@@ -870,16 +870,6 @@ impl Model {
             }
             mm!('d', &layer.w_down, gate, tmp);
         }
-        // the last layer's MLP residual
-        {
-            let xs = ops::SharedRows::new(&mut sc.x[..total * d], d);
-            let tmp = &sc.tmp;
-            self.par_rows(total, &|r| {
-                // SAFETY: tasks get disjoint token ranges.
-                let x = unsafe { xs.rows(r.clone()) };
-                ops::add_rows(x, &tmp[r.start * d..r.end * d]);
-            });
-        }
         // ---- output head on the wanted rows only
         let n_out: usize = steps.iter().map(|s| s.logits.rows(s.tokens.len())).sum();
         grow(&mut sc.sel, n_out * d);
@@ -893,6 +883,8 @@ impl Model {
                 LogitsWanted::None => 0..0,
             };
             for r in rows {
+                // The last layer's MLP residual, needed only on the rows the head reads.
+                ops::add_rows(&mut sc.x[r * d..][..d], &sc.tmp[r * d..][..d]);
                 ops::rmsnorm_rows(
                     &sc.x[r * d..][..d],
                     &self.output_norm,
