@@ -4,13 +4,14 @@
 //! the speed-up over one stream.
 //!
 //! `cargo bench -p gpu-pipeline --bench engine` (ZEROLAYER_BENCH_LEVELS=1,8 to pick levels;
-//! ZEROLAYER_BENCH_ROUNDS=N rounds per level, the median one printed, default 3).
+//! ZEROLAYER_BENCH_ROUNDS=N rounds per level, the median one printed, default 3;
+//! ZEROLAYER_BENCH_SPLIT=off|ffn-down|all for the model's `ActivationSplit`, default ffn-down).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use gpu_pipeline::engine::{Engine, EngineConfig, EngineEvent, GenerationRequest};
-use gpu_pipeline::{LogitsWanted, Model, ModelOptions, SeqStep};
+use gpu_pipeline::{ActivationSplit, LogitsWanted, Model, ModelOptions, SeqStep};
 use kv_ring::{KvDtype, KvPool, RingMode};
 use token_stream::{ChatMessage, ChatTemplate, Tokenizer};
 
@@ -134,7 +135,14 @@ fn main() {
     // SAFETY: the model file is not modified while the bench runs.
     let gguf = Arc::new(unsafe { weight_cache::Gguf::open(path) }.expect("open model"));
     let tok = Arc::new(Tokenizer::from_gguf(&gguf).expect("tokenizer"));
-    let model = Arc::new(Model::load(gguf, ModelOptions::default()).expect("model"));
+    let split = match std::env::var("ZEROLAYER_BENCH_SPLIT").as_deref() {
+        Ok("off") => ActivationSplit::Off,
+        Ok("all") => ActivationSplit::All,
+        Ok("ffn-down") | Err(_) => ActivationSplit::FfnDown,
+        Ok(other) => panic!("ZEROLAYER_BENCH_SPLIT={other}: use off, ffn-down or all"),
+    };
+    let opts = ModelOptions::default().with_activation_split(split);
+    let model = Arc::new(Model::load(gguf, opts).expect("model"));
     let levels: Vec<usize> = std::env::var("ZEROLAYER_BENCH_LEVELS")
         .ok()
         .map(|s| s.split(',').filter_map(|x| x.trim().parse().ok()).collect())
@@ -147,7 +155,7 @@ fn main() {
     let all = prompts(&tok, levels.iter().copied().max().unwrap_or(1));
     let rate = prefill_rate(&model, &all[..all.len().min(8)]);
     println!(
-        "engine bench: {PROMPT_TOKENS}-token chat prompts, {NEW_TOKENS} new tokens, {} threads, prefill rate {rate:.0} tok/s, median of {rounds} rounds per level",
+        "engine bench: {PROMPT_TOKENS}-token chat prompts, {NEW_TOKENS} new tokens, {} threads, activation split {split:?}, prefill rate {rate:.0} tok/s, median of {rounds} rounds per level",
         model.pool().n_threads()
     );
     println!(
