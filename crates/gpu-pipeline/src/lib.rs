@@ -14,6 +14,7 @@ pub use engine::{
     Engine, EngineConfig, EngineEvent, GenerationRequest, RequestHandle, SubmitError,
 };
 pub use generate::{GenerateError, GenerateOptions, Generation};
+pub use model::attention::attend_rows;
 pub use model::{
     ActivationSplit, ForwardError, LogitsWanted, Model, ModelConfig, ModelError, ModelOptions,
     RopeConfig, RopeLayout, RopeScaling, SeqStep,

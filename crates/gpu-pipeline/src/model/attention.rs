@@ -70,9 +70,45 @@ fn row_of<'a, T>(parts: &[&'a [T]; 2], j: usize, hd: usize) -> &'a [T] {
     }
 }
 
-/// Attention of `n_keys.len()` query rows (`q`, row-major, `hd` wide) against `view`, written to
-/// `out` (same shape). Every `n_keys[r]` must be in `1..=view.len`. `scratch` is reused.
-pub(super) fn attend_rows(
+/// Softmax attention of `n_keys.len()` query rows (`q`, row-major, `hd` wide) against the keys
+/// and values of a kv-ring `view` (one KV head), written to `out` (same shape): row `r` attends
+/// to the first `n_keys[r]` rows of the view (causal masking and GQA groups are the caller's
+/// choice of rows and counts), with scores scaled by `scale`. `scratch` is reused between calls.
+///
+/// Each row's result depends only on its own query and key count, bit for bit (not on the other
+/// rows of the call, their number or order), on every CPU path. On AVX-512 the kernels are
+/// vectorized across 16 query rows (each converted key row serves all of them) or, for fewer
+/// than 6 rows (decode), across keys with the key row loaded once per GQA group.
+///
+/// # Panics
+/// When `q` or `out` is not `n_keys.len() * hd` long, a count is outside `1..=view.len`, or the
+/// view's rows are not `hd` wide.
+///
+/// ```
+/// use gpu_pipeline::attend_rows;
+/// use kv_ring::{KvDtype, KvPool, KvShape, RingMode};
+///
+/// let shape = KvShape { n_layers: 1, n_kv_heads: 1, head_dim: 16, dtype: KvDtype::F32 };
+/// let pool = KvPool::new(shape, 1 << 20)?;
+/// let mut kv = pool.alloc(8, RingMode::Strict)?;
+/// // Two positions: keys e0 and e1, values all 1s and all 3s.
+/// let (mut k, mut v) = (vec![0.0f32; 32], vec![1.0f32; 32]);
+/// k[0] = 1.0;
+/// k[16 + 1] = 1.0;
+/// v[16..].fill(3.0);
+/// kv.begin(2)?;
+/// kv.write_layer(0, &k, &v)?;
+/// kv.commit()?;
+/// let view = kv.view(0, 0)?;
+/// // One query that sees only position 0, one that sees both with equal scores.
+/// let q = vec![0.0f32; 32];
+/// let mut out = vec![0.0f32; 32];
+/// attend_rows(&q, &[1, 2], 16, &view, 0.25, &mut Vec::new(), &mut out);
+/// assert_eq!(out[0], 1.0);
+/// assert_eq!(out[16], 2.0);
+/// # Ok::<(), kv_ring::KvError>(())
+/// ```
+pub fn attend_rows(
     q: &[f32],
     n_keys: &[usize],
     hd: usize,
@@ -82,8 +118,27 @@ pub(super) fn attend_rows(
     out: &mut [f32],
 ) {
     let rows = n_keys.len();
-    assert!(q.len() == rows * hd && out.len() == rows * hd);
-    assert!(n_keys.iter().all(|&n| n >= 1 && n <= view.len));
+    assert!(
+        q.len() == rows * hd && out.len() == rows * hd,
+        "q and out need {rows} rows of {hd}"
+    );
+    assert!(
+        n_keys.iter().all(|&n| n >= 1 && n <= view.len),
+        "key counts must be in 1..={}",
+        view.len
+    );
+    for s in [&view.keys, &view.values] {
+        let parts = match s {
+            KvSlices::F32([a, b]) => [a.len(), b.len()],
+            KvSlices::F16([a, b]) => [a.len(), b.len()],
+            #[allow(unreachable_patterns)]
+            _ => unreachable!("kv-ring has only F32 and F16 storage"),
+        };
+        assert!(
+            hd > 0 && parts.iter().all(|p| p % hd == 0) && parts[0] + parts[1] == view.len * hd,
+            "the view's rows are not {hd} wide"
+        );
+    }
     #[cfg(target_arch = "x86_64")]
     if hd % 16 == 0 && hd <= avx512::MAX_HD && crate::kernels::has_avx512() {
         // SAFETY: the features were detected at run time; shapes are checked above.
@@ -183,6 +238,20 @@ mod avx512 {
     pub(super) const MAX_HD: usize = 256;
     /// Rows per block of the row-vectorized kernel.
     const LANES: usize = 16;
+
+    /// Calls `$f::<NC>(args)` with `NC = $hd / 16` as a constant (`$hd` a multiple of 16 up to
+    /// [`MAX_HD`]), so per-row vectors can live in registers.
+    macro_rules! by_width {
+        ($hd:expr, $f:ident $args:tt) => {
+            by_width!(@ $hd, $f $args, 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16)
+        };
+        (@ $hd:expr, $f:ident $args:tt, $($nc:literal)+) => {
+            match $hd / 16 {
+                $($nc => $f::<$nc> $args,)+
+                _ => unreachable!("head dim {} is not a multiple of 16 up to {MAX_HD}", $hd),
+            }
+        };
+    }
 
     /// Pointer to row `j` (f32 or f16 elements, as raw bytes).
     #[derive(Clone, Copy)]
@@ -359,6 +428,27 @@ mod avx512 {
         scratch: &mut Vec<f32>,
         out: &mut [f32],
     ) {
+        // SAFETY: forwarded.
+        unsafe { by_width!(hd, rows_block_n(q, nb, keys, values, scale, scratch, out)) }
+    }
+
+    /// [`rows_block`] for a head dimension of `16 * NC`.
+    ///
+    /// # Safety
+    /// As for [`rows_block`].
+    #[allow(clippy::too_many_arguments)]
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512dq,fma,f16c")]
+    unsafe fn rows_block_n<const NC: usize>(
+        q: &[f32],
+        nb: &[usize],
+        keys: RowPtrs,
+        values: RowPtrs,
+        scale: f32,
+        scratch: &mut Vec<f32>,
+        out: &mut [f32],
+    ) {
+        let hd = 16 * NC;
         let nr = nb.len();
         let nmax = nb.iter().copied().max().unwrap_or(0);
         // scratch: qt [hd][16] | kbuf [hd] | st [nmax][16]
@@ -383,11 +473,11 @@ mod avx512 {
             let ninf = _mm512_set1_ps(f32::NEG_INFINITY);
             let mut mx = ninf;
             for j in 0..nmax {
-                for c in 0..hd / 16 {
+                for c in 0..NC {
                     _mm512_storeu_ps(kbuf.add(16 * c), keys.load(j, c));
                 }
                 let mut a = [_mm512_setzero_ps(); 16];
-                for c in 0..hd / 16 {
+                for c in 0..NC {
                     for (l, al) in a.iter_mut().enumerate() {
                         let i = 16 * c + l;
                         *al = _mm512_fmadd_ps(
@@ -457,12 +547,32 @@ mod avx512 {
         scratch: &mut Vec<f32>,
         out: &mut [f32],
     ) {
+        // SAFETY: forwarded.
+        unsafe { by_width!(hd, keys_block_n(q, nb, keys, values, scale, scratch, out)) }
+    }
+
+    /// [`keys_block`] for a head dimension of `16 * NC`.
+    ///
+    /// # Safety
+    /// As for [`keys_block`].
+    #[allow(clippy::too_many_arguments)]
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512dq,fma,f16c")]
+    unsafe fn keys_block_n<const NC: usize>(
+        q: &[f32],
+        nb: &[usize],
+        keys: RowPtrs,
+        values: RowPtrs,
+        scale: f32,
+        scratch: &mut Vec<f32>,
+        out: &mut [f32],
+    ) {
+        let hd = 16 * NC;
         let nr = nb.len();
         let nmax = nb.iter().copied().max().unwrap_or(0);
         let npad = nmax.next_multiple_of(16);
         // scratch: scores [nr][npad]
         let sp = reserve(scratch, nr * npad);
-        let nc = hd / 16;
         let scv = _mm512_set1_ps(scale);
         let ninf = _mm512_set1_ps(f32::NEG_INFINITY);
         let lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
@@ -474,24 +584,26 @@ mod avx512 {
                 let gn = (nr - g).min(4);
                 let gmax = nb[g..g + gn].iter().copied().max().unwrap_or(0);
                 let mut mx = [ninf; 4];
-                let mut k = [_mm512_setzero_ps(); MAX_HD / 16];
+                // The group's query rows (zero past `gn`), loaded once.
+                let qv: [[__m512; NC]; 4] = std::array::from_fn(|r| {
+                    std::array::from_fn(|c| {
+                        if r < gn {
+                            _mm512_loadu_ps(q.as_ptr().add((g + r) * hd + 16 * c))
+                        } else {
+                            _mm512_setzero_ps()
+                        }
+                    })
+                });
                 let mut kb = 0;
                 while kb < gmax {
                     let mut acc = [[_mm512_setzero_ps(); 16]; 4];
-                    for jj in 0..16 {
-                        let j = kb + jj;
-                        if j >= gmax {
-                            break;
-                        }
+                    for jj in 0..16.min(gmax - kb) {
                         // The key row is loaded (and converted) once for all rows of the group.
-                        for (c, kc) in k.iter_mut().enumerate().take(nc) {
-                            *kc = keys.load(j, c);
-                        }
+                        let k: [__m512; NC] = std::array::from_fn(|c| keys.load(kb + jj, c));
                         for (r, ar) in acc.iter_mut().enumerate().take(gn) {
-                            let qp = q.as_ptr().add((g + r) * hd);
                             let mut a = _mm512_setzero_ps();
-                            for (c, kc) in k.iter().enumerate().take(nc) {
-                                a = _mm512_fmadd_ps(_mm512_loadu_ps(qp.add(16 * c)), *kc, a);
+                            for c in 0..NC {
+                                a = _mm512_fmadd_ps(qv[r][c], k[c], a);
                             }
                             ar[jj] = a;
                         }

@@ -1,6 +1,6 @@
 //! The Llama-family model graph over a GGUF file, with a batched forward pass.
 
-mod attention;
+pub(crate) mod attention;
 mod config;
 mod ops;
 
