@@ -383,16 +383,19 @@ pub fn matmul_many(
         });
     }
     let backend = Backend::detect();
-    let mut fmts = Vec::with_capacity(ws.len());
+    // The shared quantized format, if every product has the same one (no allocation: this is
+    // on the decode path).
+    let mut group: Option<Option<Fmt>> = None;
     for (w, y) in ws.iter().zip(ys.iter_mut()) {
-        fmts.push(validate(*w, x, n, y)?);
+        let f = validate(*w, x, n, y)?.filter(|f| !f.is_float() && w.cols == ws[0].cols);
+        group = Some(match group {
+            None => f,
+            Some(g) => g.filter(|&g| Some(g) == f),
+        });
     }
-    let same = fmts
-        .iter()
-        .all(|f| matches!(f, Some(f) if !f.is_float() && Some(*f) == fmts[0]));
-    match fmts.first() {
-        Some(Some(fmt)) if same && ws.iter().all(|w| w.cols == ws[0].cols) => {
-            quant_group(backend, *fmt, ws, x, n, ys, pool);
+    match group {
+        Some(Some(fmt)) => {
+            quant_group(backend, fmt, ws, x, n, ys, pool);
             Ok(())
         }
         _ => {
@@ -512,15 +515,14 @@ fn quantize_par<A: Send>(
         return f(x, acts);
     }
     let per = n.div_ceil(2 * threads);
-    let parts: Vec<_> = x
-        .chunks(per * cols)
-        .zip(acts.chunks_mut(per * per_token))
-        .map(Mutex::new)
-        .collect();
-    pool.run(parts.len(), &|t, _| {
-        let mut part = parts[t].lock().unwrap_or_else(|e| e.into_inner());
-        let (xs, a) = &mut *part;
-        f(xs, a);
+    // Each task takes the next chunk of tokens (no per-call allocation: batched decode runs
+    // this for every product).
+    let chunks = Mutex::new(x.chunks(per * cols).zip(acts.chunks_mut(per * per_token)));
+    pool.run(n.div_ceil(per), &|_, _| {
+        let next = chunks.lock().unwrap_or_else(|e| e.into_inner()).next();
+        if let Some((xs, a)) = next {
+            f(xs, a);
+        }
     });
 }
 
@@ -533,6 +535,7 @@ thread_local! {
 }
 
 /// Output rows `rows` for all `n` tokens; `out` writes `y[t * w.rows + r]`.
+#[derive(Clone, Copy)]
 struct OutRows<'y> {
     ptr: *mut f32,
     stride: usize,
@@ -610,18 +613,6 @@ fn run_rows_many(
     pool: &ThreadPool,
     f: &(dyn Fn(WeightMatrix<'_>, std::ops::Range<usize>, &mut RowsOut<'_>) + Sync),
 ) {
-    let outs: Vec<OutRows<'_>> = ws
-        .iter()
-        .zip(ys.iter_mut())
-        .map(|(w, y)| {
-            debug_assert_eq!(y.len(), n * w.rows);
-            OutRows {
-                ptr: y.as_mut_ptr(),
-                stride: w.rows,
-                _y: std::marker::PhantomData,
-            }
-        })
-        .collect();
     // Chunks of whole 4-row groups; aim for ~8 chunks per thread so a descheduled thread delays
     // an operation by little, but not so small that the claiming overhead shows.
     let threads = pool.n_threads().max(1);
@@ -635,32 +626,80 @@ fn run_rows_many(
     };
     #[cfg(not(target_arch = "x86_64"))]
     let align = 4;
-    // (matrix, first row, end row) per task.
-    let mut tasks: Vec<(usize, usize, usize)> = Vec::new();
-    for (i, w) in ws.iter().enumerate() {
+    /// One matrix's output, row chunk and first task index.
+    #[derive(Clone, Copy)]
+    struct Part<'y> {
+        out: OutRows<'y>,
+        rows: usize,
+        chunk: usize,
+        first: usize,
+    }
+    let mut tasks = 0;
+    let mut part = |w: &WeightMatrix<'_>, y: &mut [f32]| {
+        debug_assert_eq!(y.len(), n * w.rows);
         let chunk = (w
             .rows
             .div_ceil(threads * if n <= 2 { DECODE_TASKS_PER_THREAD } else { 8 }))
         .max(min_rows)
         .next_multiple_of(align);
-        for start in (0..w.rows).step_by(chunk) {
-            tasks.push((i, start, (start + chunk).min(w.rows)));
+        let p = Part {
+            out: OutRows {
+                ptr: y.as_mut_ptr(),
+                stride: w.rows,
+                _y: std::marker::PhantomData,
+            },
+            rows: w.rows,
+            chunk,
+            first: tasks,
+        };
+        tasks += w.rows.div_ceil(chunk);
+        p
+    };
+    // The usual few matrices (one product, or q/k/v) are described on the stack: this runs for
+    // every product of a decode step, which must not allocate.
+    const INLINE: usize = 4;
+    let mut inline = [Part {
+        out: OutRows {
+            ptr: std::ptr::null_mut(),
+            stride: 0,
+            _y: std::marker::PhantomData,
+        },
+        rows: 0,
+        chunk: 1,
+        first: 0,
+    }; INLINE];
+    let heap: Vec<Part<'_>>;
+    let parts: &[Part<'_>] = if ws.len() <= INLINE {
+        for ((slot, w), y) in inline.iter_mut().zip(ws).zip(ys.iter_mut()) {
+            *slot = part(w, y);
         }
-    }
+        &inline[..ws.len()]
+    } else {
+        heap = ws
+            .iter()
+            .zip(ys.iter_mut())
+            .map(|(w, y)| part(w, y))
+            .collect();
+        &heap
+    };
     let task = |t: usize, _thread: usize| {
-        let (i, start, end) = tasks[t];
+        // The matrix whose task range holds `t` (tasks are numbered matrix after matrix).
+        let i = parts.partition_point(|p| p.first <= t) - 1;
+        let p = &parts[i];
+        let start = (t - p.first) * p.chunk;
+        let end = (start + p.chunk).min(p.rows);
         let mut rows_out = RowsOut {
-            base: &outs[i],
+            base: &p.out,
             start,
             end,
             n,
         };
         f(ws[i], start..end, &mut rows_out);
     };
-    if tasks.len() == 1 {
+    if tasks == 1 {
         task(0, 0);
     } else {
-        pool.run(tasks.len(), &task);
+        pool.run(tasks, &task);
     }
 }
 
