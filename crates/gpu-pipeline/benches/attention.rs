@@ -112,6 +112,38 @@ fn cases() -> Vec<(String, usize, usize, Vec<usize>)> {
     v
 }
 
+/// Queries, output and kernel scratch for query rows with key counts `nk`.
+fn buffers(nk: &[usize]) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    let q = (0..nk.len() * HD)
+        .map(|i| (i as f32 * 0.03).cos())
+        .collect();
+    (q, vec![0.0f32; nk.len() * HD], Vec::new())
+}
+
+/// One `attend_rows` call per invocation, on the next view in turn (so that the DRAM cases
+/// read a ring not touched for a while).
+fn caller<'a>(
+    views: &'a [KvView<'a>],
+    q: &'a [f32],
+    nk: &'a [usize],
+    scratch: &'a mut Vec<f32>,
+    out: &'a mut [f32],
+) -> impl FnMut() + 'a {
+    let mut i = 0;
+    move || {
+        attend_rows(
+            black_box(q),
+            nk,
+            HD,
+            &views[i % views.len()],
+            0.125,
+            scratch,
+            out,
+        );
+        i += 1;
+    }
+}
+
 fn summary() {
     println!("attention summary: head dim {HD}, f16 K/V, 1 thread; medians");
     println!(
@@ -121,25 +153,10 @@ fn summary() {
     for (name, n_rings, keys, nk) in cases() {
         let (_pool, rs) = rings(n_rings, keys);
         let views: Vec<KvView<'_>> = rs.iter().map(|r| r.view(0, 0).unwrap()).collect();
-        let q: Vec<f32> = (0..nk.len() * HD)
-            .map(|i| (i as f32 * 0.03).cos())
-            .collect();
-        let mut out = vec![0.0f32; nk.len() * HD];
-        let mut scratch = Vec::new();
-        let mut i = 0;
-        let fast = time(|| {
-            attend_rows(
-                &q,
-                &nk,
-                HD,
-                &views[i % views.len()],
-                0.125,
-                &mut scratch,
-                &mut out,
-            );
-            i += 1;
-        });
+        let (q, mut out, mut scratch) = buffers(&nk);
+        let fast = time(caller(&views, &q, &nk, &mut scratch, &mut out));
         let f32s: Vec<_> = views.iter().map(as_f32).collect();
+        let mut i = 0;
         let slow = time(|| {
             naive(&q, &nk, &f32s[i % f32s.len()], 0.125, &mut out);
             i += 1;
@@ -166,27 +183,10 @@ fn bench(c: &mut Criterion) {
     for (name, n_rings, keys, nk) in cases() {
         let (_pool, rs) = rings(n_rings, keys);
         let views: Vec<KvView<'_>> = rs.iter().map(|r| r.view(0, 0).unwrap()).collect();
-        let q: Vec<f32> = (0..nk.len() * HD)
-            .map(|i| (i as f32 * 0.03).cos())
-            .collect();
-        let mut out = vec![0.0f32; nk.len() * HD];
-        let mut scratch = Vec::new();
+        let (q, mut out, mut scratch) = buffers(&nk);
         g.throughput(Throughput::Elements(nk.iter().sum::<usize>() as u64));
-        let mut i = 0;
-        g.bench_function(name, |b| {
-            b.iter(|| {
-                attend_rows(
-                    black_box(&q),
-                    &nk,
-                    HD,
-                    &views[i % views.len()],
-                    0.125,
-                    &mut scratch,
-                    &mut out,
-                );
-                i += 1;
-            });
-        });
+        let mut call = caller(&views, &q, &nk, &mut scratch, &mut out);
+        g.bench_function(name, |b| b.iter(&mut call));
     }
     g.finish();
 }

@@ -396,9 +396,9 @@ mod avx512 {
             // SAFETY: forwarded; the block's rows are inside the checked shapes.
             unsafe {
                 if nr >= 6 {
-                    rows_block(qb, nb, hd, keys, values, scale, scratch, ob);
+                    by_width!(hd, rows_block(qb, nb, keys, values, scale, scratch, ob));
                 } else {
-                    keys_block(qb, nb, hd, keys, values, scale, scratch, ob);
+                    by_width!(hd, keys_block(qb, nb, keys, values, scale, scratch, ob));
                 }
             }
             r0 += nr;
@@ -412,34 +412,13 @@ mod avx512 {
         scratch.as_mut_ptr()
     }
 
-    /// Up to 16 rows, vectorized across rows: scores are kept transposed (`[key][row]`).
+    /// Up to 16 rows, vectorized across rows: scores are kept transposed (`[key][row]`); head dim
+    /// `16 * NC`.
     ///
     /// # Safety
     /// As for [`attend`]; `1 <= nb.len() <= 16`.
-    #[allow(clippy::too_many_arguments)]
     #[target_feature(enable = "avx512f,avx512dq,fma,f16c")]
-    unsafe fn rows_block(
-        q: &[f32],
-        nb: &[usize],
-        hd: usize,
-        keys: RowPtrs,
-        values: RowPtrs,
-        scale: f32,
-        scratch: &mut Vec<f32>,
-        out: &mut [f32],
-    ) {
-        // SAFETY: forwarded.
-        unsafe { by_width!(hd, rows_block_n(q, nb, keys, values, scale, scratch, out)) }
-    }
-
-    /// [`rows_block`] for a head dimension of `16 * NC`.
-    ///
-    /// # Safety
-    /// As for [`rows_block`].
-    #[allow(clippy::too_many_arguments)]
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512dq,fma,f16c")]
-    unsafe fn rows_block_n<const NC: usize>(
+    unsafe fn rows_block<const NC: usize>(
         q: &[f32],
         nb: &[usize],
         keys: RowPtrs,
@@ -531,34 +510,13 @@ mod avx512 {
         }
     }
 
-    /// Up to 16 rows (in practice < 6), vectorized across keys.
+    /// Up to 16 rows (in practice < 6), vectorized across keys: each key row is loaded once for
+    /// a GQA group of up to 4 rows, whose queries stay in registers; head dim `16 * NC`.
     ///
     /// # Safety
     /// As for [`attend`]; `1 <= nb.len() <= 16`.
-    #[allow(clippy::too_many_arguments)]
     #[target_feature(enable = "avx512f,avx512dq,fma,f16c")]
-    unsafe fn keys_block(
-        q: &[f32],
-        nb: &[usize],
-        hd: usize,
-        keys: RowPtrs,
-        values: RowPtrs,
-        scale: f32,
-        scratch: &mut Vec<f32>,
-        out: &mut [f32],
-    ) {
-        // SAFETY: forwarded.
-        unsafe { by_width!(hd, keys_block_n(q, nb, keys, values, scale, scratch, out)) }
-    }
-
-    /// [`keys_block`] for a head dimension of `16 * NC`.
-    ///
-    /// # Safety
-    /// As for [`keys_block`].
-    #[allow(clippy::too_many_arguments)]
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512dq,fma,f16c")]
-    unsafe fn keys_block_n<const NC: usize>(
+    unsafe fn keys_block<const NC: usize>(
         q: &[f32],
         nb: &[usize],
         keys: RowPtrs,
