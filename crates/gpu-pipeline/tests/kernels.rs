@@ -275,6 +275,34 @@ fn real_model_tensors() {
     }
 }
 
+/// Batches past one token chunk of the many-token kernel (and with ragged last chunks and tiles)
+/// give each token the bits it gets alone.
+#[test]
+fn large_batches_are_batch_invariant() {
+    let mut rng = Rng(0x5EED);
+    let pool = ThreadPool::new(2);
+    for dtype in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0] {
+        let (rows, cols) = (37, 96);
+        let data = random_weights(dtype, rows, cols, &mut rng);
+        let w = WeightMatrix::new(dtype, rows, cols, &data).unwrap();
+        for n in [129usize, 263, 300] {
+            let x = random_acts(n, cols, &mut rng);
+            let mut y = vec![0.0f32; n * rows];
+            matmul(w, &x, n, &mut y, &pool).unwrap();
+            for t in 0..n {
+                let mut yv = vec![0.0f32; rows];
+                matvec(w, &x[t * cols..(t + 1) * cols], &mut yv, &pool).unwrap();
+                let got: Vec<u32> = y[t * rows..(t + 1) * rows]
+                    .iter()
+                    .map(|v| v.to_bits())
+                    .collect();
+                let want: Vec<u32> = yv.iter().map(|v| v.to_bits()).collect();
+                assert_eq!(got, want, "{} n {n} token {t}", dtype.name());
+            }
+        }
+    }
+}
+
 #[test]
 fn rejects_bad_shapes() {
     let pool = ThreadPool::new(1);
