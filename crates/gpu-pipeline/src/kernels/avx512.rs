@@ -24,9 +24,9 @@ use super::act::{ActBlock, ActQuad, block_scale, quads_per_token};
 use super::format::{Fmt, f16_at, q4k_scale_min};
 use super::{RowsOut, WeightMatrix};
 
-const F_Q4_0: u8 = 0;
-const F_Q4_1: u8 = 1;
-const F_Q8_0: u8 = 2;
+pub(crate) const F_Q4_0: u8 = 0;
+pub(crate) const F_Q4_1: u8 = 1;
+pub(crate) const F_Q8_0: u8 = 2;
 const F_Q4K: u8 = 3;
 const F_Q6K: u8 = 4;
 

@@ -26,6 +26,7 @@ use std::cell::RefCell;
 use std::ops::Range;
 
 use super::act::ActBlock;
+use super::avx512::{F_Q4_0, F_Q4_1, F_Q8_0};
 use super::format::Fmt;
 use super::{RowsOut, WeightMatrix};
 
@@ -83,9 +84,9 @@ pub(crate) unsafe fn quant_rows(
     out: &mut RowsOut<'_>,
 ) {
     match fmt {
-        Fmt::Q4_0 => panel_rows::<0>(fmt, w, acts, n, rows, out),
-        Fmt::Q4_1 => panel_rows::<1>(fmt, w, acts, n, rows, out),
-        Fmt::Q8_0 => panel_rows::<2>(fmt, w, acts, n, rows, out),
+        Fmt::Q4_0 => panel_rows::<F_Q4_0>(fmt, w, acts, n, rows, out),
+        Fmt::Q4_1 => panel_rows::<F_Q4_1>(fmt, w, acts, n, rows, out),
+        Fmt::Q8_0 => panel_rows::<F_Q8_0>(fmt, w, acts, n, rows, out),
         _ => unreachable!("panel kernel formats are checked by `applies`"),
     }
 }
@@ -190,11 +191,9 @@ unsafe fn pack<const F: u8>(
     let vidx = unsafe { _mm512_loadu_si512(offs.as_ptr().cast()) };
     let lo4 = _mm512_set1_epi8(0x0F);
     let flip = _mm512_set1_epi8(-128);
-    let (bs, hdr) = match F {
-        0 => (18, 2),
-        1 => (20, 4),
-        _ => (34, 2),
-    };
+    // Block bytes, and header bytes before the quants (f16 scale; Q4_1 also an f16 minimum).
+    let bs = rb / panel.len().max(1);
+    let hdr = if F == F_Q4_1 { 4 } else { 2 };
     let next_len = next.1.min(PANEL_ROWS) * rb;
     // Spread the next panel's lines over the blocks: `per` lines per block.
     let per = next_len.div_ceil(64).div_ceil(panel.len().max(1));
@@ -212,12 +211,12 @@ unsafe fn pack<const F: u8>(
             let p = base.add(b * bs);
             let h = _mm512_i32gather_epi32::<1>(vidx, p.cast());
             _mm512_store_ps(pb.d.as_mut_ptr(), _mm512_cvtph_ps(_mm512_cvtepi32_epi16(h)));
-            if F == 1 {
+            if F == F_Q4_1 {
                 let m = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(h, 16)));
                 _mm512_store_ps(pb.m.as_mut_ptr(), m);
             }
             let q = p.add(hdr);
-            if F == 2 {
+            if F == F_Q8_0 {
                 let lo = transpose16(q, &offs);
                 let hi = transpose16(q.add(16), &offs);
                 for j in 0..4 {
@@ -341,13 +340,13 @@ unsafe fn chain<const F: u8, const T: usize>(
             let a = act(t, b);
             let mut r = isum[t];
             match F {
-                0 => r = _mm512_sub_epi32(r, _mm512_slli_epi32(_mm512_set1_epi32(a.sq), 3)),
-                2 => r = _mm512_sub_epi32(r, _mm512_slli_epi32(_mm512_set1_epi32(a.sq), 7)),
+                F_Q4_0 => r = _mm512_sub_epi32(r, _mm512_slli_epi32(_mm512_set1_epi32(a.sq), 3)),
+                F_Q8_0 => r = _mm512_sub_epi32(r, _mm512_slli_epi32(_mm512_set1_epi32(a.sq), 7)),
                 _ => {}
             }
             let s = _mm512_mul_ps(d, _mm512_set1_ps(a.d));
             *c = _mm512_fmadd_ps(_mm512_cvtepi32_ps(r), s, *c);
-            if F == 1 {
+            if F == F_Q4_1 {
                 *c = _mm512_fmadd_ps(m, _mm512_set1_ps(a.sx), *c);
             }
         }
