@@ -571,11 +571,13 @@ impl Worker {
                 j.3 = j.0.sample(j.2, j.1);
             }
         } else {
+            // Each task takes the next chunk of rows (as the kernels' activation quantization does).
             let chunk = jobs.len().div_ceil(2 * threads);
-            let parts: Vec<Mutex<&mut [_]>> = jobs.chunks_mut(chunk).map(Mutex::new).collect();
-            pool.run(parts.len(), &|t, _| {
-                let mut part = parts[t].lock().unwrap_or_else(|e| e.into_inner());
-                for j in part.iter_mut() {
+            let tasks = jobs.len().div_ceil(chunk);
+            let chunks = Mutex::new(jobs.chunks_mut(chunk));
+            pool.run(tasks, &|_, _| {
+                let next = chunks.lock().unwrap_or_else(|e| e.into_inner()).next();
+                for j in next.into_iter().flatten() {
                     j.3 = j.0.sample(j.2, j.1);
                 }
             });
