@@ -93,17 +93,11 @@ pub(crate) fn quantize_blocks(backend: Backend, x: &[f32], out: &mut [ActBlock])
         }
         _ => {
             for (xb, o) in x.chunks_exact(32).zip(out.iter_mut()) {
-                let amax = xb.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-                let (d, id) = block_scale(amax);
-                let mut sum = 0i32;
-                for (e, &v) in xb.iter().enumerate() {
-                    let q = (v * id).round_ties_even() as i8;
-                    o.q[e] = q;
-                    sum += i32::from(q);
-                }
+                let (d, q, s0, s1) = quant_block(xb);
+                o.q = q;
                 o.d = d;
-                o.sx = d * sum as f32;
-                o.sq = sum;
+                o.sx = d * (s0 + s1) as f32;
+                o.sq = s0 + s1;
             }
         }
     }
@@ -137,6 +131,16 @@ pub(crate) fn block_scale(amax: f32) -> (f32, f32) {
     (d, id)
 }
 
+/// Scale, quants and the sums of quants 0..16 and 16..32 of one 32-element block (the scalar
+/// reference of every quantizer).
+fn quant_block(blk: &[f32]) -> (f32, [i8; 32], i32, i32) {
+    let amax = blk.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+    let (d, id) = block_scale(amax);
+    let q: [i8; 32] = std::array::from_fn(|e| (blk[e] * id).round_ties_even() as i8);
+    let sum = |r: std::ops::Range<usize>| q[r].iter().map(|&v| i32::from(v)).sum::<i32>();
+    (d, q, sum(0..16), sum(16..32))
+}
+
 /// Scalar quantization of one token.
 pub(crate) fn quantize_token(x: &[f32], acts: &mut [ActQuad]) {
     for (qi, a) in acts.iter_mut().enumerate() {
@@ -146,20 +150,9 @@ pub(crate) fn quantize_token(x: &[f32], acts: &mut [ActQuad]) {
             if start >= x.len() {
                 break;
             }
-            let blk = &x[start..start + 32];
-            let amax = blk.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-            let (d, id) = block_scale(amax);
-            let (mut s0, mut s1) = (0i32, 0i32);
-            for (e, &v) in blk.iter().enumerate() {
-                let q = (v * id).round_ties_even() as i8;
-                if e < 16 {
-                    a.x0[16 * l + e] = q;
-                    s0 += i32::from(q);
-                } else {
-                    a.x1[16 * l + e - 16] = q;
-                    s1 += i32::from(q);
-                }
-            }
+            let (d, q, s0, s1) = quant_block(&x[start..start + 32]);
+            a.x0[16 * l..16 * l + 16].copy_from_slice(&q[..16]);
+            a.x1[16 * l..16 * l + 16].copy_from_slice(&q[16..]);
             for k in 0..4 {
                 a.dx[4 * l + k] = d;
                 a.sx[4 * l + k] = d * (s0 + s1) as f32;
