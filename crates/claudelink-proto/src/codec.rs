@@ -160,6 +160,7 @@ pub fn error_code_to_u16(code: ErrorCode) -> u16 {
         ErrorCode::Cancelled => 5,
         ErrorCode::Timeout => 6,
         ErrorCode::Internal => 7,
+        ErrorCode::ShuttingDown => 8,
     }
 }
 
@@ -173,6 +174,7 @@ pub fn error_code_from_u16(v: u16) -> Option<ErrorCode> {
         5 => ErrorCode::Cancelled,
         6 => ErrorCode::Timeout,
         7 => ErrorCode::Internal,
+        8 => ErrorCode::ShuttingDown,
         _ => return None,
     })
 }
@@ -187,6 +189,7 @@ pub fn error_code_name(code: ErrorCode) -> &'static str {
         ErrorCode::Cancelled => "cancelled",
         ErrorCode::Timeout => "timeout",
         ErrorCode::Internal => "internal",
+        ErrorCode::ShuttingDown => "shutting_down",
     }
 }
 

@@ -49,6 +49,7 @@
 
 #![forbid(unsafe_code)]
 
+mod auth;
 mod client;
 mod codec;
 mod gateway;
@@ -57,6 +58,7 @@ mod service;
 mod state;
 mod tls;
 
+pub use auth::{ApiKeys, key_label};
 pub use client::{
     Client, ClientConfig, ClientError, Connection, Pool, PoolConfig, PoolStats, RequestError,
     ResponseStream, StreamError,

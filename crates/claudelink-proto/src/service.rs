@@ -88,6 +88,10 @@ pub struct InferenceRequest {
     pub cache_strategy: CacheStrategy,
     /// Scheduling priority (higher first; 0 is normal).
     pub priority: i32,
+    /// Who sent the request: a stable label of the API key that authenticated it (see
+    /// [`key_label`](crate::key_label); never the key itself), or `None` on a server without
+    /// keys. Engines use it for per-client limits and fairness between clients.
+    pub client: Option<String>,
 }
 
 impl InferenceRequest {
@@ -107,6 +111,7 @@ impl InferenceRequest {
             stop_sequences: Vec::new(),
             cache_strategy: CacheStrategy::default(),
             priority: 0,
+            client: None,
         }
     }
 }
@@ -160,6 +165,8 @@ pub enum ErrorCode {
     Timeout,
     /// A bug or failure inside the server.
     Internal,
+    /// The server is shutting down (its drain deadline passed): retry on another server.
+    ShuttingDown,
 }
 
 /// One event of a running request, in order: `Started`, zero or more `Delta`, then exactly one of

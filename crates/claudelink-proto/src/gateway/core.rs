@@ -17,10 +17,11 @@ use tokio::sync::watch;
 
 use super::config::{GatewayConfig, LAYER_VERSION};
 use super::error::{ApiError, ApiErrorKind};
-use super::ids::{KeySet, new_id};
+use super::ids::new_id;
 use super::metrics::{Endpoint, GatewayMetrics, Outcome, Protocol};
 use super::sse::{Flavor, StreamFormat};
 use super::validate::{GenRequest, Limits, parse_chat, parse_messages};
+use crate::auth::ApiKeys;
 use crate::service::{
     EventStream, InferenceEvent, InferenceRequest, InferenceService, StopReason, Usage,
 };
@@ -138,7 +139,7 @@ pub(crate) struct Inner {
     pub(crate) service: Arc<dyn InferenceService>,
     pub(crate) config: GatewayConfig,
     pub(crate) metrics: Arc<GatewayMetrics>,
-    keys: KeySet,
+    keys: ApiKeys,
     per_key: Arc<Vec<AtomicUsize>>,
     draining: AtomicBool,
     pub(crate) drain_tx: watch::Sender<bool>,
@@ -153,7 +154,7 @@ struct Caller {
 impl Gateway {
     /// A gateway over `service`. Logs a warning when no API key is configured (open mode).
     pub fn new(service: Arc<dyn InferenceService>, config: GatewayConfig) -> Self {
-        let keys = KeySet::new(&config.api_keys);
+        let keys = ApiKeys::new(config.api_keys.iter().cloned());
         if keys.is_empty() {
             tracing::warn!("no API key configured: the gateway accepts every request (open mode)");
         }
@@ -458,6 +459,7 @@ impl Gateway {
         let mut request = InferenceRequest::new(parsed.model.clone(), prompt, parsed.max_tokens);
         request.sampling = parsed.sampling.clone();
         request.stop_sequences = parsed.stop_sequences.clone();
+        request.client = caller.key.map(|i| self.inner.keys.label(i).to_owned());
         let submitted = Instant::now();
         let events = self.inner.service.submit(request)?;
         let mut g = Generation {

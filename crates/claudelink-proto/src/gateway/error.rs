@@ -98,7 +98,7 @@ impl ApiError {
         let kind = match code {
             ErrorCode::InvalidRequest | ErrorCode::ContextLength => ApiErrorKind::InvalidRequest,
             ErrorCode::NotFound => ApiErrorKind::NotFound,
-            ErrorCode::Overloaded => ApiErrorKind::Overloaded,
+            ErrorCode::Overloaded | ErrorCode::ShuttingDown => ApiErrorKind::Overloaded,
             ErrorCode::Timeout => ApiErrorKind::Timeout,
             ErrorCode::Cancelled | ErrorCode::Internal => ApiErrorKind::Api,
         };
