@@ -62,7 +62,9 @@ mod locate;
 mod profile;
 pub mod quant;
 mod safetensors;
+mod sigbus;
 mod sys;
+mod watch;
 
 pub use block_table::{BlockTable, BlockTableError, DEFAULT_BLOCK_SIZE};
 pub use builder::GgufBuilder;
@@ -83,3 +85,5 @@ pub use profile::{AccessProfile, ProfileError};
 pub use safetensors::{
     MAX_SAFETENSORS_HEADER, Safetensors, SafetensorsError, StDtype, StTensorView,
 };
+pub use sigbus::{SigbusHandlerError, install_sigbus_handler};
+pub use watch::{DEFAULT_WATCH_INTERVAL, FileChanged, FileWatch};
