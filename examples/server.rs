@@ -109,7 +109,12 @@ fn build_service(args: &Args) -> anyhow::Result<(Arc<EngineService>, PathBuf)> {
         engine_cfg = engine_cfg.with_kv_budget_bytes(usize::try_from(b)?);
     }
     let options = ModelOptions::default().with_threads(args.threads.unwrap_or(0));
-    // SAFETY: the model file is not modified while the server runs.
+    // If the file is truncated anyway, say which file and offset before SIGBUS ends the process.
+    if let Err(e) = weight_cache::install_sigbus_handler() {
+        tracing::warn!("no SIGBUS handler: {e}");
+    }
+    // SAFETY: the model file is not modified while the server runs (if it is, /health turns
+    // 503 within a second, and a read past a truncation dies of SIGBUS naming the file).
     let svc = unsafe { EngineService::load(&model, "smollm2", options, engine_cfg) }
         .with_context(|| format!("loading {}", model.display()))?;
     let budget = args.weight_budget.map(usize::try_from).transpose()?;
