@@ -612,3 +612,61 @@ fn die_by_default(signal: libc::c_int) {
         libc::raise(signal);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn describe(addr: usize) -> Option<String> {
+        let mut msg = Message::new();
+        describe_fault(addr, &mut msg).then(|| String::from_utf8_lossy(msg.bytes()).into_owned())
+    }
+
+    #[test]
+    fn the_registry_names_the_file_and_offset_of_an_address_until_dropped() {
+        // Far from any real mapping.
+        let start = usize::MAX / 2;
+        let reg = Registration::new(start, 1 << 20, Path::new("/models/m.gguf")).unwrap();
+        assert_eq!(
+            describe(start + 123_456).as_deref(),
+            Some("reading /models/m.gguf at offset 123456 (of 1048576 mapped bytes)")
+        );
+        assert_eq!(describe(start - 1), None);
+        assert_eq!(describe(start + (1 << 20)), None);
+        drop(reg);
+        assert_eq!(describe(start + 123_456), None);
+    }
+
+    #[test]
+    fn a_long_path_keeps_its_tail() {
+        let start = usize::MAX / 2 + (1 << 30);
+        let long = format!("/{}/model.gguf", "d".repeat(2 * PATH_CAPACITY));
+        let _reg = Registration::new(start, 4096, Path::new(&long)).unwrap();
+        let text = describe(start).unwrap();
+        assert!(text.starts_with("reading ..."), "{text}");
+        assert!(
+            text.contains("ddd/model.gguf at offset 0 (of 4096"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn numbers_are_formatted_by_hand() {
+        let mut msg = Message::new();
+        msg.push_decimal(0);
+        msg.push(b" ");
+        msg.push_decimal(usize::MAX);
+        msg.push(b" ");
+        msg.push_hex(0);
+        msg.push(b" ");
+        msg.push_hex(0x7f00_dead_beef);
+        assert_eq!(
+            msg.bytes(),
+            format!("0 {} 0x0 0x7f00deadbeef", usize::MAX).as_bytes()
+        );
+        // The buffer never overflows: extra bytes are dropped.
+        let mut msg = Message::new();
+        msg.push(&[b'x'; 2000]);
+        assert_eq!(msg.bytes().len(), 1024);
+    }
+}

@@ -307,9 +307,9 @@ impl FileWatch {
         let message = change.to_string();
         if self.changed.set(change).is_ok() {
             tracing::error!(
-                "{message}: refusing to report ready; a read past the file's new end kills the \
-                 process with SIGBUS, and the weights served may no longer be the file's. \
-                 Restart to serve the file on disk."
+                "{message}: not ready from now on; the mapping no longer matches the file on \
+                 disk (after a truncation, the next read past the new end kills the process \
+                 with SIGBUS). Restart to serve the file on disk."
             );
         }
         self.changed.get()
