@@ -3,6 +3,7 @@
 //! replacement by rename and removal.
 
 use std::path::{Path, PathBuf};
+#[cfg(target_os = "linux")]
 use std::process::Command;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -19,9 +20,11 @@ fn write_model(path: &Path, fill: u8) {
     std::fs::write(path, file).unwrap();
 }
 
+#[cfg(target_os = "linux")]
 /// The child's side of the SIGBUS test: map, truncate, read a weight byte past the new end.
 const SIGBUS_CHILD: &str = "WEIGHT_CACHE_SIGBUS_CHILD";
 
+#[cfg(target_os = "linux")]
 /// Byte of the tensor the child reads (the tensor starts in the first page; this is pages away).
 const READ_AT: usize = 40_000;
 
