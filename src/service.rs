@@ -13,7 +13,7 @@ use claudelink_proto::{
 use gpu_pipeline::engine::{Engine, EngineConfig, EngineEvent, GenerationRequest, SubmitError};
 use gpu_pipeline::{Model, ModelOptions, SamplingParams};
 use token_stream::{ChatMessage, ChatTemplate, Tokenizer};
-use weight_cache::{WarmupHandle, WarmupStrategy, WeightCache};
+use weight_cache::{FileWatch, WarmupHandle, WarmupStrategy, WeightCache};
 
 /// Why [`EngineService::load`] failed.
 #[non_exhaustive]
@@ -55,6 +55,8 @@ pub struct EngineService {
     chat: Option<ChatTemplate>,
     info: ModelInfo,
     weights: Option<Weights>,
+    /// Whether the served file changed on disk since it was mapped (checked once a second).
+    file_watch: Arc<FileWatch>,
 }
 
 /// The weight cache of the served file and its running warm-up.
@@ -110,12 +112,17 @@ impl EngineService {
             context_length: u32::try_from(engine.model().config().context_length)
                 .unwrap_or(u32::MAX),
         };
+        let file_watch = Arc::new(FileWatch::new(engine.model().gguf().clone()));
+        if let Err(e) = FileWatch::spawn_checker(&file_watch) {
+            tracing::warn!("no model-file watch thread ({e}): ready() checks the file itself");
+        }
         Ok(Self {
             engine,
             tokenizer,
             chat,
             info,
             weights: None,
+            file_watch,
         })
     }
 
@@ -418,10 +425,16 @@ impl InferenceService for EngineService {
         s
     }
 
+    /// False while a gating warm-up runs, and for good once the model file changed on disk
+    /// (truncated, rewritten, replaced or removed: see [`FileWatch`]; checked at most once a
+    /// second), so `/health` answers 503 and the process can be restarted before a read of a
+    /// truncated page kills it.
     fn ready(&self) -> bool {
-        self.weights
-            .as_ref()
-            .is_none_or(|w| !w.gate || w.warm.progress().is_finished())
+        self.file_watch.check(std::time::Instant::now()).is_none()
+            && self
+                .weights
+                .as_ref()
+                .is_none_or(|w| !w.gate || w.warm.progress().is_finished())
     }
 }
 

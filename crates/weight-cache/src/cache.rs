@@ -70,7 +70,10 @@ pub enum ReleaseMode {
 pub struct CacheConfig {
     /// Block size (power of two >= page size; default 64 KiB).
     pub block_size: usize,
-    /// Resident-bytes budget for [`WeightCache::enforce_budget`] (`None`: unlimited).
+    /// Resident-bytes budget for [`WeightCache::enforce_budget`] (`None`: unlimited). A soft
+    /// target: it holds between enforcement passes while nothing reads the weights, but a decode
+    /// step of a dense model reads (nearly) every tensor, so while requests run residency returns
+    /// to the working set, up to [`WeightCache::tensor_data_bytes`], whatever the budget.
     pub budget_bytes: Option<usize>,
     /// Check residency (mincore) on every n-th touch of a tensor for the all-touch hit rate
     /// (0 disables sampling; first touches per request are always checked). Default 256.
@@ -356,6 +359,27 @@ impl WeightCache {
         })
     }
 
+    /// Bytes of all tensor data in the file (the file minus its header and padding): what a
+    /// forward pass of a dense model reads per decode step (all of it when the output layer
+    /// shares the token embedding, as SmolLM2's does; the embedding rows of the step's tokens
+    /// only, otherwise). A residency budget below this cannot hold while requests run.
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use weight_cache::{CacheConfig, GgmlType, Gguf, GgufBuilder, WeightCache};
+    /// let file = GgufBuilder::new()
+    ///     .tensor("a", GgmlType::F32, &[1000], vec![0; 4000])
+    ///     .tensor("b", GgmlType::F32, &[24], vec![0; 96])
+    ///     .build();
+    /// let cache = WeightCache::new(Arc::new(Gguf::from_bytes(file)?), CacheConfig::default())?;
+    /// assert_eq!(cache.tensor_data_bytes(), 4096);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn tensor_data_bytes(&self) -> usize {
+        let t = &self.inner.table;
+        (0..t.n_tensors()).map(|i| t.tensor_bytes(i).len()).sum()
+    }
+
     /// Resident bytes of tensor `index`'s blocks.
     pub fn tensor_resident_bytes(&self, index: usize) -> io::Result<usize> {
         let r = self.inner.table.tensor_bytes(index);
@@ -626,6 +650,12 @@ impl WeightCache {
     /// If resident bytes exceed the configured budget, release the coldest blocks (by profile;
     /// higher block index first among equals) until they fit, with the configured
     /// [`ReleaseMode`]. Returns what happened (a no-op without a budget or within it).
+    ///
+    /// One pass, not a limit the kernel enforces: pages released here fault back in (from disk,
+    /// after `DontNeed`) the next time a forward pass reads them. With a budget below the per-step
+    /// working set ([`tensor_data_bytes`](Self::tensor_data_bytes) for a dense model with tied
+    /// embeddings) the budget holds only while idle; calling this between decode steps would
+    /// re-read the released weights from disk on every step.
     pub fn enforce_budget(&self) -> io::Result<BudgetReport> {
         let before = self.resident_bytes()?;
         let Some(budget) = self.inner.cfg.budget_bytes else {

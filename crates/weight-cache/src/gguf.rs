@@ -14,7 +14,7 @@ use std::io;
 use std::path::{Path, PathBuf};
 
 use crate::sys::Backing;
-use crate::{DequantError, GgmlType, dequantize};
+use crate::{DequantError, FileChanged, GgmlType, dequantize};
 
 /// `GGUF` as a little-endian `u32`.
 const MAGIC: [u8; 4] = *b"GGUF";
@@ -706,7 +706,7 @@ impl Gguf {
         };
         let file = File::open(path).map_err(io_err)?;
         // SAFETY: forwarded to our caller (see `# Safety`).
-        let backing = unsafe { Backing::map(file) }.map_err(io_err)?;
+        let backing = unsafe { Backing::map(file, path) }.map_err(io_err)?;
         let mut g = Self::parse(backing)?;
         g.path = Some(path.to_path_buf());
         Ok(g)
@@ -910,6 +910,38 @@ impl Gguf {
     /// The path the file was opened from (`None` for [`from_bytes`](Self::from_bytes)).
     pub fn path(&self) -> Option<&Path> {
         self.path.as_deref()
+    }
+
+    /// Whether the file is still what was mapped: compares the open file (fstat: size,
+    /// modification time) and the path (stat: device and inode) with what they were at
+    /// [`open`](Self::open). Two system calls, no reads of the mapping; `Ok` for
+    /// [`from_bytes`](Self::from_bytes).
+    ///
+    /// The whole file is mapped at open and nothing maps further ranges later, so a change is not
+    /// noticed by this crate on its own: call this (or let a [`FileWatch`](crate::FileWatch)
+    /// call it) periodically. It cannot see a rewrite that keeps the size and restores the
+    /// modification time.
+    ///
+    /// ```
+    /// use weight_cache::{FileChanged, GgmlType, Gguf, GgufBuilder};
+    /// let dir = tempfile::tempdir()?;
+    /// let path = dir.path().join("m.gguf");
+    /// let file = GgufBuilder::new().tensor("w", GgmlType::F32, &[1024], vec![0; 4096]).build();
+    /// std::fs::write(&path, &file)?;
+    /// // SAFETY: the file is only replaced below (a rename: the mapping keeps the old inode).
+    /// let gguf = unsafe { Gguf::open(&path)? };
+    /// gguf.check_unchanged()?;
+    /// let other = dir.path().join("new.gguf");
+    /// std::fs::write(&other, &file)?;
+    /// std::fs::rename(&other, &path)?;
+    /// assert!(matches!(gguf.check_unchanged(), Err(FileChanged::Replaced { .. })));
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn check_unchanged(&self) -> Result<(), FileChanged> {
+        match (self.backing.file_identity(), self.path.as_deref()) {
+            (Some((file, identity)), Some(path)) => identity.check(file, path),
+            _ => Ok(()),
+        }
     }
 
     /// The whole file.

@@ -11,6 +11,11 @@
 //! blocks were resident when first touched, saves a checksummed [`AccessProfile`], warms the hot
 //! blocks in a background thread ([`WarmupStrategy`]) and releases cold ones under a budget.
 //!
+//! A mapped file that changes on disk is the one thing the mapping cannot guard against:
+//! [`Gguf::check_unchanged`] and [`FileWatch`] notice it (typed [`FileChanged`]), and
+//! [`install_sigbus_handler`] makes a read past a truncation say which file and offset before the
+//! process dies.
+//!
 //! ```no_run
 //! use weight_cache::{Gguf, GgmlType, locate_default_model};
 //!
@@ -62,7 +67,9 @@ mod locate;
 mod profile;
 pub mod quant;
 mod safetensors;
+mod sigbus;
 mod sys;
+mod watch;
 
 pub use block_table::{BlockTable, BlockTableError, DEFAULT_BLOCK_SIZE};
 pub use builder::GgufBuilder;
@@ -83,3 +90,5 @@ pub use profile::{AccessProfile, ProfileError};
 pub use safetensors::{
     MAX_SAFETENSORS_HEADER, Safetensors, SafetensorsError, StDtype, StTensorView,
 };
+pub use sigbus::{SigbusHandlerError, install_sigbus_handler};
+pub use watch::{DEFAULT_WATCH_INTERVAL, FileChanged, FileWatch};

@@ -268,7 +268,7 @@ impl Safetensors {
         };
         let file = File::open(path).map_err(io_err)?;
         // SAFETY: forwarded to our caller.
-        let backing = unsafe { Backing::map(file) }.map_err(io_err)?;
+        let backing = unsafe { Backing::map(file, path) }.map_err(io_err)?;
         let mut s = Self::parse(backing)?;
         s.path = Some(path.to_path_buf());
         Ok(s)

@@ -263,6 +263,45 @@ fn profile_warmup_budget_cycle_with_real_residency() {
     }
 }
 
+/// The budget is a soft target: `enforce_budget` brings residency under it, but one pass that
+/// reads every weight (what a decode step of a dense model does) brings it back to the tensor
+/// data, the working-set floor.
+#[cfg(target_os = "linux")]
+#[test]
+fn a_budget_below_the_working_set_holds_only_until_the_next_pass_over_the_weights() {
+    let dir = tempfile::tempdir().unwrap();
+    let g = synthetic(dir.path());
+    let cache = WeightCache::new(
+        g.clone(),
+        CacheConfig::default().budget_bytes(Some(4 * MIB)),
+    )
+    .unwrap();
+    let working_set = cache.tensor_data_bytes();
+    let expected: usize = g.tensors().map(|t| t.data.len()).sum();
+    assert_eq!(working_set, expected);
+    assert!(working_set > 20 * MIB, "{working_set}");
+
+    cache.warm(WarmupStrategy::Full).wait();
+    cache.enforce_budget().unwrap();
+    let enforced = cache.resident_bytes().unwrap();
+    assert!(enforced <= 4 * MIB + 256 * 1024, "{enforced}");
+
+    // One "decode step": read one byte per page of every tensor.
+    let mut acc = 0u8;
+    for t in g.tensors() {
+        for b in t.data.iter().step_by(4096) {
+            acc = acc.wrapping_add(*b);
+        }
+    }
+    std::hint::black_box(acc);
+    let after_step = cache.resident_bytes().unwrap();
+    println!(
+        "budget 4 MiB: {enforced} resident after enforce_budget, {after_step} after one pass \
+         (tensor data {working_set})"
+    );
+    assert!(after_step >= working_set, "{after_step} < {working_set}");
+}
+
 #[cfg(target_os = "linux")]
 #[test]
 fn adaptive_warmup_learns_from_live_touches() {
