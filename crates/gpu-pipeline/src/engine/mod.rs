@@ -624,6 +624,9 @@ struct Parked<'t> {
     input_tokens: usize,
 }
 
+/// An admitted request whose KV could not be allocated, handed back to wait again.
+type StartFailed<'t> = Box<(Pending, Option<Parked<'t>>)>;
+
 enum Outcome {
     Continue,
     Stop(StopReason, Option<String>),
@@ -929,8 +932,9 @@ impl Worker {
                     }
                     active.insert(id, a);
                 }
-                Err((p, resumed)) => {
-                    st.pending.insert(id, *p);
+                Err(failed) => {
+                    let (p, resumed) = *failed;
+                    st.pending.insert(id, p);
                     if let Some(r) = resumed {
                         parked.insert(id, r);
                     }
@@ -942,7 +946,6 @@ impl Worker {
 
     /// Allocates the KV of an admitted request, `capacity` tokens (forking a cached prefix
     /// when one matches); a preempted sequence resumes from its parked state.
-    #[allow(clippy::type_complexity)]
     fn start<'t>(
         &mut self,
         id: SeqId,
@@ -950,7 +953,7 @@ impl Worker {
         capacity: usize,
         resumed: Option<Parked<'t>>,
         tok: Option<&'t Tokenizer>,
-    ) -> Result<Active<'t>, (Box<Pending>, Option<Parked<'t>>)> {
+    ) -> Result<Active<'t>, StartFailed<'t>> {
         let cap = capacity.max(p.req.prompt.len() + 1);
         let forked = match self.prefix.lookup(&p.req.prompt) {
             Some((ring, n)) => ring
@@ -963,7 +966,7 @@ impl Worker {
             Some(x) => x,
             None => match self.pool.alloc(cap, RingMode::Strict) {
                 Ok(r) => (r, 0),
-                Err(_) => return Err((Box::new(p), resumed)),
+                Err(_) => return Err(Box::new((p, resumed))),
             },
         };
         if let Some(r) = resumed {

@@ -41,22 +41,31 @@
 //!   So KV only moves from clients over their share to clients under it, never back, and a
 //!   hoard cannot keep others out. Otherwise admission stops there (no overtaking by size, so a
 //!   big request cannot starve behind small ones).
-//! - **Bounded queue.** At most `max_queue` requests and `max_queued_tokens` KV tokens (prompt
-//!   + `max_new_tokens`) wait, or `submit` refuses at once. Preempted sequences re-enter the
-//!   queue without these checks (they were accepted already): the queue may exceed `max_queue`
-//!   by at most `max_running`.
+//! - **Bounded queue.** At most `max_queue` requests and `max_queued_tokens` KV tokens
+//!   (prompt plus `max_new_tokens`) wait, or `submit` refuses at once. Preempted sequences
+//!   re-enter the queue without these checks (they were accepted already): the queue may
+//!   exceed `max_queue` by at most `max_running`.
 //! - **Steps.** Every step decodes **all** sequences that are past their prompt (continuous
 //!   batching); the rest of the step's token budget goes to prompt chunks of at most
 //!   `prefill_chunk` tokens, oldest admission first. `step_token_budget > max_running`
 //!   guarantees at least one prompt token per step, so prefill never starves either.
 //!
-//! Why nothing deadlocks or livelocks: the reserved KV never exceeds what the engine reports
-//! free (growth and admission are planned within it, after preemptions), and any one request fits
-//! the pool, so the oldest running sequence can always grow. A preempted sequence keeps its
-//! generated tokens (they become prompt), so generation progress is never lost; only prefill
-//! growth-free steps can follow one another without a generated token, and a prefill step
-//! preempts nothing (only decode grows). With no new arrivals, every step either generates a
-//! token or advances a prefill that no growth can undo, so all requests finish.
+//! Why nothing deadlocks, livelocks or starves:
+//! - The KV planned never exceeds what the engine reports free: growth and admissions are
+//!   planned within it, after the preemptions that free it.
+//! - Any one request fits the pool (larger ones are refused at submit) and a client holding
+//!   nothing is never held back by the share cap, so when nothing runs the next request in
+//!   fair order is admitted, and a sequence alone can always grow to its end.
+//! - A preempted sequence keeps its generated tokens (they become its prompt): generation
+//!   progress is never lost, only recomputed. Growth, and so growth preemption, happens only
+//!   in steps that generate a token. Between two such steps, an admission preempts only
+//!   sequences of clients over their fair share, for a client that stays within it, so the
+//!   total KV held over the fair shares strictly decreases with each such preemption (no
+//!   ping-pong); everything else in those steps is prefill progress.
+//! - Hence with no new arrivals every request finishes within a bounded number of steps, and
+//!   with arrivals a waiting request is passed only by higher priorities and by at most one
+//!   admission per other client (the round-robin above). The property test in this file checks
+//!   the KV bound, one end per request and the drain bound against a reference shell.
 
 use std::collections::{BTreeMap, HashMap};
 
@@ -88,7 +97,7 @@ pub struct SchedulerConfig {
     /// Most requests (queued + running) of one client.
     pub max_running_per_client: usize,
     /// Largest fraction of `kv_budget_tokens` one client is admitted up to while other clients
-    /// wait (1.0: no cap beyond the fair-share preemption).
+    /// wait (1.0: no cap beyond the fair-share preemption; clamped to [0, 1], NaN means 1).
     pub max_kv_share_per_client: f64,
 }
 
@@ -613,8 +622,13 @@ impl Scheduler {
     /// The waiting request to admit next: the highest priority with an eligible client, and
     /// among those the client served least recently (ties: older head request).
     fn candidate(&self, skip: &[SeqId]) -> Option<SeqId> {
-        let share_cap = (self.cfg.max_kv_share_per_client.clamp(0.0, 1.0)
-            * self.cfg.kv_budget_tokens as f64) as usize;
+        let share = self.cfg.max_kv_share_per_client;
+        let share = if share.is_nan() {
+            1.0
+        } else {
+            share.clamp(0.0, 1.0)
+        };
+        let share_cap = (share * self.cfg.kv_budget_tokens as f64) as usize;
         let mut seen: Vec<ClientKey> = Vec::new();
         let mut best: Option<(i64, (u64, u64), SeqId)> = None;
         for (&(prio, arrival), &id) in &self.order {
