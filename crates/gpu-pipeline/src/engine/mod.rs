@@ -262,6 +262,9 @@ pub struct EngineUsage {
 }
 
 /// An event of a request, in order: `Started`, `Token`s, then `Finished` or `Error`.
+///
+/// A request preempted for lack of KV and readmitted later (its KV recomputed) sees no event
+/// of it: one `Started`, and its tokens continue where they stopped.
 #[non_exhaustive]
 #[derive(Clone, Debug)]
 pub enum EngineEvent {

@@ -1309,6 +1309,27 @@ mod tests {
     }
 
     #[test]
+    fn the_victim_is_the_lowest_priority_before_the_youngest() {
+        let mut sh = Shell::new(SchedulerConfig {
+            kv_budget_tokens: 100,
+            kv_grow_chunk: 10,
+            ..hoard_cfg()
+        });
+        let low = sh.submit(spec(10, 80).with_priority(-1)).unwrap();
+        sh.step(0); // admitted first: the oldest
+        let others: Vec<SeqId> = (0..2).map(|_| sh.submit(spec(10, 80)).unwrap()).collect();
+        let mut victims = Vec::new();
+        for _ in 0..40 {
+            victims.extend(sh.step(0).0.preempt);
+            if !victims.is_empty() {
+                break;
+            }
+        }
+        assert_eq!(victims, vec![low]);
+        assert!(others.iter().all(|&id| sh.s.reserved(id).is_some()));
+    }
+
+    #[test]
     fn a_burst_of_one_client_delays_another_by_one_admission() {
         let mut sh = Shell::new(SchedulerConfig {
             max_queue: 200,
