@@ -92,6 +92,13 @@ struct Args {
     /// Most requests waiting for a slot; beyond them, 529 overloaded at once.
     #[arg(long, default_value_t = 128)]
     max_queue: usize,
+    /// Most requests (queued + running) of one API key; keyless requests share one limit.
+    /// Beyond it, 529 overloaded at once (default: no limit).
+    #[arg(long)]
+    max_per_client: Option<usize>,
+    /// Largest fraction of the KV cache one API key is admitted up to while others wait.
+    #[arg(long, default_value_t = 0.5)]
+    max_kv_share_per_client: f64,
     /// Seconds to let running streams finish after SIGINT/SIGTERM.
     #[arg(long, default_value_t = 30)]
     drain_secs: u64,
@@ -107,7 +114,11 @@ fn build_service(args: &Args) -> anyhow::Result<(Arc<EngineService>, PathBuf)> {
     let t0 = Instant::now();
     let mut engine_cfg = EngineConfig::default()
         .with_max_running(args.max_batch)
-        .with_max_queue(args.max_queue);
+        .with_max_queue(args.max_queue)
+        .with_max_kv_share_per_client(args.max_kv_share_per_client);
+    if let Some(n) = args.max_per_client {
+        engine_cfg = engine_cfg.with_max_running_per_client(n);
+    }
     if let Some(b) = args.kv_budget {
         engine_cfg = engine_cfg.with_kv_budget_bytes(usize::try_from(b)?);
     }

@@ -327,7 +327,8 @@ impl InferenceService for EngineService {
         let req = GenerationRequest::new(prompt, request.max_tokens as usize)
             .with_sampling(sampling(&request.sampling)?)
             .with_stop_sequences(request.stop_sequences.iter().cloned())
-            .with_priority(request.priority);
+            .with_priority(request.priority)
+            .with_client(request.client.clone());
         let handle = self.engine.submit(req).map_err(|e| match e {
             SubmitError::ContextLength {
                 prompt_tokens,

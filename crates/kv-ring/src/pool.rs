@@ -44,6 +44,7 @@ pub struct KvPool {
     recycled_allocs: AtomicU64,
     rejected_allocs: AtomicU64,
     frees: AtomicU64,
+    grows: AtomicU64,
 }
 
 #[derive(Default)]
@@ -75,6 +76,8 @@ pub struct PoolStats {
     pub rejected_allocs: u64,
     /// Rings returned (dropped).
     pub frees: u64,
+    /// Successful [`KvRing::grow`] calls.
+    pub grows: u64,
 }
 
 impl std::fmt::Debug for KvPool {
@@ -109,6 +112,7 @@ impl KvPool {
             recycled_allocs: AtomicU64::new(0),
             rejected_allocs: AtomicU64::new(0),
             frees: AtomicU64::new(0),
+            grows: AtomicU64::new(0),
         }))
     }
 
@@ -153,6 +157,7 @@ impl KvPool {
             recycled_allocs: self.recycled_allocs.load(Ordering::Relaxed),
             rejected_allocs: self.rejected_allocs.load(Ordering::Relaxed),
             frees: self.frees.load(Ordering::Relaxed),
+            grows: self.grows.load(Ordering::Relaxed),
         }
     }
 
@@ -265,6 +270,44 @@ impl KvPool {
         let storage = Storage::zeroed(self.shape.dtype, elems);
         debug_assert_eq!(storage.allocated_bytes(), bytes);
         Ok(storage)
+    }
+
+    /// Reserves `extra` more bytes of the budget for a live ring that grows in place
+    /// ([`KvRing::grow`]); releases cached free buffers as needed so that resident memory stays
+    /// within the budget. Errors: [`KvError::OverBudget`] (nothing reserved).
+    pub(crate) fn reserve_growth(&self, extra: usize) -> Result<(), KvError> {
+        let mut to_release = Vec::new();
+        {
+            let mut st = self.lock();
+            if extra > self.budget - st.used {
+                let used = st.used;
+                drop(st);
+                self.rejected_allocs.fetch_add(1, Ordering::Relaxed);
+                return Err(KvError::OverBudget {
+                    requested: extra,
+                    used,
+                    budget: self.budget,
+                });
+            }
+            st.used += extra;
+            while st.used + st.cached > self.budget {
+                let Some(mut entry) = st.free.last_entry() else {
+                    break;
+                };
+                let storage = entry.get_mut().pop();
+                if entry.get().is_empty() {
+                    entry.remove();
+                }
+                if let Some(storage) = storage {
+                    st.cached -= storage.allocated_bytes();
+                    to_release.push(storage);
+                }
+            }
+            debug_assert!(st.used + st.cached <= self.budget);
+        }
+        drop(to_release); // outside the lock
+        self.grows.fetch_add(1, Ordering::Relaxed);
+        Ok(())
     }
 
     /// Returns a dropped ring's buffer and its budget.

@@ -436,6 +436,83 @@ impl KvRing {
         self.pending = 0;
     }
 
+    /// Raises the ring's capacity to `new_capacity` positions in place, keeping every cached
+    /// position, its view order and `next_pos`; the extra bytes come from the pool's budget.
+    /// A `new_capacity` at or below [`capacity`](Self::capacity) changes nothing.
+    ///
+    /// This is how an engine reserves KV by what a sequence uses: start at prompt + a chunk and
+    /// grow by a chunk when the sequence reaches it (once per chunk, never per step). The cost is
+    /// one reallocation of the buffer (`realloc`: the old contents are moved, usually without a
+    /// copy for large buffers) plus one `memmove` per (layer, head, K/V) block to re-space the
+    /// blocks. A sliding ring whose contents wrap keeps them wrapped: the run at the end of each
+    /// block moves to the new end, so views stay at most two slices.
+    ///
+    /// Errors (the ring is unchanged): [`KvError::ChunkPending`] (grow between chunks only),
+    /// [`KvError::CapacityOverflow`], [`KvError::OverBudget`] (`requested` is the extra bytes).
+    ///
+    /// ```
+    /// use kv_ring::{KvDtype, KvPool, KvShape, RingMode};
+    /// let shape = KvShape::new(2, 1, 4, KvDtype::F32);
+    /// let pool = KvPool::new(shape, 64 * shape.bytes_per_token())?;
+    /// let mut ring = pool.alloc(8, RingMode::Strict)?;
+    /// ring.begin(8)?;
+    /// ring.write_all_layers(&[1.0; 2 * 8 * 4], &[2.0; 2 * 8 * 4])?;
+    /// ring.commit()?;
+    /// assert!(ring.begin(1).is_err()); // full
+    /// ring.grow(16)?;
+    /// assert_eq!((ring.capacity(), ring.len()), (16, 8));
+    /// assert_eq!(pool.used_bytes(), 16 * shape.bytes_per_token());
+    /// ring.begin(1)?; // room again
+    /// assert!(ring.grow(100).is_err()); // a pending chunk: grow between chunks
+    /// # Ok::<(), kv_ring::KvError>(())
+    /// ```
+    pub fn grow(&mut self, new_capacity: usize) -> Result<(), KvError> {
+        if self.in_chunk {
+            return Err(KvError::ChunkPending {
+                pending: self.pending,
+            });
+        }
+        if new_capacity <= self.capacity {
+            return Ok(());
+        }
+        let overflow = KvError::CapacityOverflow {
+            capacity: new_capacity,
+            bytes_per_token: self.pool.bytes_per_token(),
+        };
+        let Some(new_bytes) = self.pool.ring_bytes(new_capacity) else {
+            return Err(overflow);
+        };
+        let hd = self.head_dim;
+        let blocks = 2 * self.n_layers * self.n_kv_heads;
+        let new_block = new_capacity * hd;
+        let Some(new_elems) = new_block.checked_mul(blocks) else {
+            return Err(overflow);
+        };
+        let old_bytes = self.storage.allocated_bytes();
+        self.pool
+            .reserve_growth(new_bytes.saturating_sub(old_bytes))?;
+        self.storage.grow_to(new_elems);
+        // Re-space the blocks, last first: block b moves from b * block to b * new_block
+        // (never left), so a later block's source is never overwritten before it moves.
+        // Slots [start, capacity) hold view indices 0..; they go to the end of the new block
+        // and the wrapped slots [0, start) stay at its beginning.
+        let (cap, start) = (self.capacity, self.start);
+        let head = cap - start;
+        let new_start = if start == 0 { 0 } else { new_capacity - head };
+        for b in (0..blocks).rev() {
+            let (old, new) = (b * self.block, b * new_block);
+            self.storage
+                .copy_within(old + start * hd, new + new_start * hd, head * hd);
+            if start > 0 {
+                self.storage.copy_within(old, new, start * hd);
+            }
+        }
+        self.capacity = new_capacity;
+        self.block = new_block;
+        self.start = new_start;
+        Ok(())
+    }
+
     /// A new ring of the same capacity and mode, from the same pool, holding a **copy** of this
     /// ring's first `n` positions (prefix reuse, e.g. a shared system prompt): `len() ==
     /// next_pos() == n`. See [`fork_into`](Self::fork_into).

@@ -45,6 +45,21 @@ impl Storage {
         }
     }
 
+    /// Lengthens the buffer to `elems` elements (zero-filled tail), reallocating to exactly that
+    /// size: `allocated_bytes` stays exact, and no amortized over-allocation escapes the budget.
+    pub(crate) fn grow_to(&mut self, elems: usize) {
+        match self {
+            Self::F32(v) => {
+                v.reserve_exact(elems.saturating_sub(v.len()));
+                v.resize(elems, 0.0);
+            }
+            Self::F16(v) => {
+                v.reserve_exact(elems.saturating_sub(v.len()));
+                v.resize(elems, 0);
+            }
+        }
+    }
+
     /// `copy_within` for either element type.
     #[inline]
     pub(crate) fn copy_within(&mut self, src: usize, dst: usize, len: usize) {

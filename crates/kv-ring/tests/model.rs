@@ -95,6 +95,12 @@ enum Op {
     Reset {
         ring: usize,
     },
+    /// `grow(capacity + extra)`, halfway through a chunk when `mid_chunk` (must be refused).
+    Grow {
+        ring: usize,
+        extra: usize,
+        mid_chunk: bool,
+    },
 }
 
 fn mode_of(sinks: Option<usize>) -> RingMode {
@@ -132,6 +138,8 @@ fn op_strategy() -> impl Strategy<Value = Op> {
             .prop_map(|(ring, n, target)| Op::Fork { ring, n, target }),
         1 => any::<usize>().prop_map(|ring| Op::Drop { ring }),
         1 => any::<usize>().prop_map(|ring| Op::Reset { ring }),
+        2 => (any::<usize>(), 0..=8usize, proptest::bool::weighted(0.1))
+            .prop_map(|(ring, extra, mid_chunk)| Op::Grow { ring, extra, mid_chunk }),
     ]
 }
 
@@ -407,6 +415,42 @@ impl Harness {
                     r.next_pos = 0;
                 }
             }
+            Op::Grow {
+                ring,
+                extra,
+                mid_chunk,
+            } => {
+                if self.rings.is_empty() {
+                    return;
+                }
+                let idx = ring % self.rings.len();
+                let cap = self.rings[idx].1.cap;
+                if mid_chunk {
+                    // begin(0) never evicts nor fails on a committed ring.
+                    self.rings[idx].0.begin(0).unwrap();
+                    assert_eq!(
+                        self.rings[idx].0.grow(cap + extra.max(1)),
+                        Err(KvError::ChunkPending { pending: 0 })
+                    );
+                    self.rings[idx].0.commit().unwrap();
+                    return;
+                }
+                let bytes = extra * self.shape.bytes_per_token();
+                let used = self.expected_used();
+                let want = if used + bytes > self.pool.budget_bytes() {
+                    Err(KvError::OverBudget {
+                        requested: bytes,
+                        used,
+                        budget: self.pool.budget_bytes(),
+                    })
+                } else {
+                    Ok(())
+                };
+                assert_eq!(self.rings[idx].0.grow(cap + extra), want);
+                if want.is_ok() {
+                    self.rings[idx].1.cap = cap + extra;
+                }
+            }
         }
     }
 }
@@ -431,5 +475,7 @@ proptest! {
         prop_assert_eq!(h.pool.used_bytes(), 0);
         let st = h.pool.stats();
         prop_assert_eq!(st.fresh_allocs + st.recycled_allocs, st.frees);
+        // Grown buffers are recycled under their new size: allocations of that size reuse them.
+        prop_assert!(h.pool.used_bytes() + h.pool.cached_bytes() <= h.pool.budget_bytes());
     }
 }

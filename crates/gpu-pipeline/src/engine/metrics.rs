@@ -64,6 +64,9 @@ pub struct EngineMetrics {
     pub finished: u64,
     /// Requests cancelled since start.
     pub cancelled: u64,
+    /// Running sequences preempted since start (KV given back, recomputed on readmission)
+    /// because the pool could not grow them or a client under its fair share needed room.
+    pub preempted: u64,
     /// Forward steps run.
     pub steps: u64,
     /// Steps by batch size (sequences per step): bucket `k` counts sizes in `[2^k, 2^(k+1))`.

@@ -47,7 +47,9 @@ use crate::sampling::{Sampler, SamplingParams, StopReason};
 
 pub use channel::RequestHandle;
 pub use metrics::{EngineMetrics, LatencyHistogram};
-pub use scheduler::{Refusal, Scheduler, SchedulerConfig, SeqId, SeqSpec, WorkItem};
+pub use scheduler::{
+    ClientKey, ClientUsage, KvPlan, Refusal, Scheduler, SchedulerConfig, SeqId, SeqSpec, WorkItem,
+};
 
 use channel::Chan;
 use prefix::PrefixCache;
@@ -72,6 +74,16 @@ pub struct EngineConfig {
     pub prefix_cache_entries: usize,
     /// Shortest prefix worth reusing, in tokens.
     pub prefix_min_tokens: usize,
+    /// KV tokens reserved beyond the prompt at admission and added at each growth: a request
+    /// holds the KV it uses rounded up to this, not its whole `max_new_tokens`.
+    pub kv_grow_chunk: usize,
+    /// Most requests (queued + running) of one client ([`GenerationRequest::client`]; all
+    /// requests without a client count as one anonymous client). Beyond it `submit` refuses with
+    /// [`SubmitError::Overloaded`] ([`Refusal::ClientLimit`]).
+    pub max_running_per_client: usize,
+    /// Largest fraction of the KV pool one client is admitted up to while other clients wait
+    /// (1.0: only the fair-share preemption applies). See [`Scheduler`] for the policy.
+    pub max_kv_share_per_client: f64,
 }
 
 impl Default for EngineConfig {
@@ -85,6 +97,9 @@ impl Default for EngineConfig {
             prefill_chunk: 256,
             prefix_cache_entries: 16,
             prefix_min_tokens: 8,
+            kv_grow_chunk: 256,
+            max_running_per_client: usize::MAX,
+            max_kv_share_per_client: 1.0,
         }
     }
 }
@@ -120,6 +135,52 @@ impl EngineConfig {
         self.prefix_cache_entries = n;
         self
     }
+    /// Sets [`kv_grow_chunk`](Self::kv_grow_chunk).
+    ///
+    /// ```
+    /// use gpu_pipeline::engine::EngineConfig;
+    /// let cfg = EngineConfig::default()
+    ///     .with_kv_grow_chunk(128)
+    ///     .with_max_running_per_client(32)
+    ///     .with_max_kv_share_per_client(0.5);
+    /// assert_eq!((cfg.kv_grow_chunk, cfg.max_running_per_client), (128, 32));
+    /// ```
+    pub fn with_kv_grow_chunk(mut self, n: usize) -> Self {
+        self.kv_grow_chunk = n;
+        self
+    }
+    /// Sets [`max_running_per_client`](Self::max_running_per_client).
+    pub fn with_max_running_per_client(mut self, n: usize) -> Self {
+        self.max_running_per_client = n;
+        self
+    }
+    /// Sets [`max_kv_share_per_client`](Self::max_kv_share_per_client).
+    pub fn with_max_kv_share_per_client(mut self, share: f64) -> Self {
+        self.max_kv_share_per_client = share;
+        self
+    }
+}
+
+/// The scheduler's key for a client label: `None` (no API key) is one anonymous client, 0.
+///
+/// ```
+/// use gpu_pipeline::engine::client_key;
+/// assert_eq!(client_key(None), 0);
+/// assert_eq!(client_key(Some("key-a")), client_key(Some("key-a")));
+/// assert_ne!(client_key(Some("key-a")), client_key(Some("key-b")));
+/// assert_ne!(client_key(Some("")), 0);
+/// ```
+pub fn client_key(label: Option<&str>) -> ClientKey {
+    use std::hash::{Hash, Hasher};
+    match label {
+        None => 0,
+        Some(l) => {
+            // SipHash with fixed keys: stable within and across runs.
+            let mut h = std::hash::DefaultHasher::new();
+            l.hash(&mut h);
+            h.finish().max(1)
+        }
+    }
 }
 
 /// One generation request.
@@ -138,6 +199,9 @@ pub struct GenerationRequest {
     pub stop_sequences: Vec<String>,
     /// Higher is admitted first.
     pub priority: i32,
+    /// Who sent it: a stable, non-secret label of the API key (`None`: one anonymous client).
+    /// Per-client limits and fair admission go by it.
+    pub client: Option<String>,
 }
 
 impl GenerationRequest {
@@ -150,6 +214,7 @@ impl GenerationRequest {
             stop_tokens: None,
             stop_sequences: Vec::new(),
             priority: 0,
+            client: None,
         }
     }
     /// Sets [`sampling`](Self::sampling).
@@ -172,6 +237,17 @@ impl GenerationRequest {
         self.priority = p;
         self
     }
+    /// Sets [`client`](Self::client).
+    ///
+    /// ```
+    /// use gpu_pipeline::engine::GenerationRequest;
+    /// let r = GenerationRequest::new(vec![1, 2], 4).with_client(Some("team-a".into()));
+    /// assert_eq!(r.client.as_deref(), Some("team-a"));
+    /// ```
+    pub fn with_client(mut self, client: Option<String>) -> Self {
+        self.client = client;
+        self
+    }
 }
 
 /// Token counts of a finished request.
@@ -186,6 +262,9 @@ pub struct EngineUsage {
 }
 
 /// An event of a request, in order: `Started`, `Token`s, then `Finished` or `Error`.
+///
+/// A request preempted for lack of KV and readmitted later (its KV recomputed) sees no event
+/// of it: one `Started`, and its tokens continue where they stopped.
 #[non_exhaustive]
 #[derive(Clone, Debug)]
 pub enum EngineEvent {
@@ -226,7 +305,8 @@ pub enum EngineEvent {
 #[non_exhaustive]
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum SubmitError {
-    /// The queue or the KV budget is full: retry later (HTTP 529 / `overloaded`).
+    /// The queue or the KV budget is full, or the client has too many requests in flight:
+    /// retry later (HTTP 529 / `overloaded`).
     #[error("overloaded: {0}")]
     Overloaded(Refusal),
     /// Prompt plus `max_new_tokens` exceed the model's context.
@@ -319,11 +399,11 @@ impl Shared {
     pub(crate) fn cancel(&self, id: SeqId) {
         let mut st = self.lock();
         if st.sched.cancel(id) && st.pending.remove(&id).is_some() {
-            // It was still waiting: nothing else holds resources for it.
+            // It was still waiting: only the worker's parked state of a preempted sequence
+            // remains, which the worker drops when it sees the id.
             st.metrics.cancelled += 1;
-        } else {
-            st.cancels.push(id);
         }
+        st.cancels.push(id);
         drop(st);
         self.wake.notify_all();
     }
@@ -365,6 +445,9 @@ impl Engine {
             step_token_budget: cfg.step_token_budget,
             prefill_chunk: cfg.prefill_chunk,
             kv_budget_tokens: cfg.kv_budget_bytes / bpt,
+            kv_grow_chunk: cfg.kv_grow_chunk,
+            max_running_per_client: cfg.max_running_per_client,
+            max_kv_share_per_client: cfg.max_kv_share_per_client,
         });
         let shared = Arc::new(Shared {
             state: Mutex::new(State {
@@ -438,11 +521,9 @@ impl Engine {
             return Err(SubmitError::StopSequencesNeedTokenizer);
         }
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        let spec = SeqSpec {
-            prompt_tokens: req.prompt.len(),
-            max_new_tokens: req.max_new_tokens,
-            priority: req.priority,
-        };
+        let spec = SeqSpec::new(req.prompt.len(), req.max_new_tokens)
+            .with_priority(req.priority)
+            .with_client(client_key(req.client.as_deref()));
         let chan = Arc::new(Chan::default());
         let mut st = self.shared.lock();
         if st.shutdown {
@@ -482,6 +563,7 @@ impl Engine {
         let mut m = st.metrics.clone();
         m.queue_depth = st.sched.queue_depth();
         m.running = st.sched.running();
+        m.preempted = st.sched.preemptions();
         drop(st);
         let busy = m.busy.as_secs_f64();
         if busy > 0.0 {
@@ -521,10 +603,32 @@ struct Active<'t> {
     decoder: Option<StreamDecoder<'t>>,
     stop_tokens: Vec<u32>,
     cached: usize,
+    /// Prompt tokens whose KV came from the prefix cache at the latest (re)admission.
+    cached_now: usize,
     submitted: Instant,
     last_token: Option<Instant>,
     output_tokens: usize,
+    /// Prompt tokens of the request as submitted (`req.prompt` also holds the tokens generated
+    /// before a preemption).
+    input_tokens: usize,
 }
+
+/// What a preempted sequence keeps while it waits for readmission (everything but its KV):
+/// on readmission its prompt plus generated tokens are prefilled again and it goes on where it
+/// stopped, with the same sampler state and text decoder.
+struct Parked<'t> {
+    sampler: Sampler,
+    history: Vec<u32>,
+    decoder: Option<StreamDecoder<'t>>,
+    stop_tokens: Vec<u32>,
+    cached: usize,
+    last_token: Option<Instant>,
+    output_tokens: usize,
+    input_tokens: usize,
+}
+
+/// An admitted request whose KV could not be allocated, handed back to wait again.
+type StartFailed<'t> = Box<(Pending, Option<Parked<'t>>)>;
 
 enum Outcome {
     Continue,
@@ -587,9 +691,9 @@ impl Worker {
 
     fn run(mut self, tok: Option<&Tokenizer>) {
         let mut active: HashMap<SeqId, Active<'_>> = HashMap::new();
+        let mut parked: HashMap<SeqId, Parked<'_>> = HashMap::new();
         let mut logits = Vec::new();
         let vocab = self.model.config().vocab_size;
-        let bpt = self.pool.bytes_per_token().max(1);
         let shared = self.shared.clone();
         loop {
             // ---- between steps: cancellations, admissions, the plan
@@ -620,38 +724,12 @@ impl Worker {
             for id in cancels {
                 st.sched.cancel(id);
                 st.pending.remove(&id);
+                parked.remove(&id);
                 if active.remove(&id).is_some() {
                     st.metrics.cancelled += 1;
                 }
             }
-            let free = |pool: &KvPool| pool.budget_bytes().saturating_sub(pool.used_bytes()) / bpt;
-            if let Some(need) = st.sched.next_waiting_tokens() {
-                while free(&self.pool) < need && self.prefix.evict_lru() {}
-            }
-            for id in st.sched.admit(free(&self.pool)) {
-                let Some(p) = st.pending.remove(&id) else {
-                    continue;
-                };
-                match self.start(id, p, tok) {
-                    Ok(a) => {
-                        st.sched.started(id, a.cached);
-                        if a.cached > 0 {
-                            st.metrics.prefix_hits += 1;
-                            st.metrics.prefix_hit_tokens += a.cached as u64;
-                        }
-                        st.metrics.prefix_lookups += 1;
-                        a.chan.send(EngineEvent::Started {
-                            input_tokens: a.req.prompt.len(),
-                            cached_tokens: a.cached,
-                        });
-                        active.insert(id, a);
-                    }
-                    Err(p) => {
-                        st.pending.insert(id, *p);
-                        st.sched.start_failed(id);
-                    }
-                }
-            }
+            self.plan_kv(&mut st, &mut active, &mut parked, tok);
             let batch = st.sched.next_batch();
             st.metrics.prefix_entries = self.prefix.len();
             drop(st);
@@ -783,7 +861,7 @@ impl Worker {
                         _ => String::new(),
                     };
                     let usage = EngineUsage {
-                        input_tokens: a.req.prompt.len(),
+                        input_tokens: a.input_tokens,
                         cached_input_tokens: a.cached,
                         output_tokens: a.output_tokens,
                     };
@@ -801,14 +879,85 @@ impl Worker {
         }
     }
 
-    /// Allocates the KV of an admitted request (forking a cached prefix when one matches).
+    /// Between steps: asks the scheduler for the KV plan within the pool's free memory (after
+    /// evicting cached prefixes it wants), then applies it in order: preemptions (the ring is
+    /// freed, the request waits again with its generated tokens as prompt), growth, admissions.
+    fn plan_kv<'t>(
+        &mut self,
+        st: &mut State,
+        active: &mut HashMap<SeqId, Active<'t>>,
+        parked: &mut HashMap<SeqId, Parked<'t>>,
+        tok: Option<&'t Tokenizer>,
+    ) {
+        let bpt = self.pool.bytes_per_token().max(1);
+        let free = |pool: &KvPool| pool.budget_bytes().saturating_sub(pool.used_bytes()) / bpt;
+        let want = st.sched.kv_wanted();
+        while free(&self.pool) < want && self.prefix.evict_lru() {}
+        let plan = st.sched.schedule(free(&self.pool));
+        for &id in &plan.preempt {
+            if let Some(a) = active.remove(&id) {
+                park(st, parked, a);
+            }
+        }
+        for &(id, capacity) in &plan.grow {
+            let Some(a) = active.get_mut(&id) else {
+                continue;
+            };
+            if a.kv.grow(capacity).is_err() {
+                // The pool holds less than the scheduler was told (cannot happen with exact
+                // accounting): this sequence waits again instead of failing.
+                st.sched.preempt(id);
+                if let Some(a) = active.remove(&id) {
+                    park(st, parked, a);
+                }
+            }
+        }
+        for (id, capacity) in plan.admit {
+            let Some(p) = st.pending.remove(&id) else {
+                st.sched.cancel(id);
+                continue;
+            };
+            let resumed = parked.remove(&id);
+            let is_resume = resumed.is_some();
+            match self.start(id, p, capacity, resumed, tok) {
+                Ok(a) => {
+                    st.sched.started(id, a.cached_now);
+                    if !is_resume {
+                        if a.cached > 0 {
+                            st.metrics.prefix_hits += 1;
+                            st.metrics.prefix_hit_tokens += a.cached as u64;
+                        }
+                        st.metrics.prefix_lookups += 1;
+                        a.chan.send(EngineEvent::Started {
+                            input_tokens: a.input_tokens,
+                            cached_tokens: a.cached,
+                        });
+                    }
+                    active.insert(id, a);
+                }
+                Err(failed) => {
+                    let (p, resumed) = *failed;
+                    st.pending.insert(id, p);
+                    if let Some(r) = resumed {
+                        parked.insert(id, r);
+                    }
+                    st.sched.start_failed(id);
+                }
+            }
+        }
+    }
+
+    /// Allocates the KV of an admitted request, `capacity` tokens (forking a cached prefix
+    /// when one matches); a preempted sequence resumes from its parked state.
     fn start<'t>(
         &mut self,
         id: SeqId,
         p: Pending,
+        capacity: usize,
+        resumed: Option<Parked<'t>>,
         tok: Option<&'t Tokenizer>,
-    ) -> Result<Active<'t>, Box<Pending>> {
-        let cap = p.req.prompt.len() + p.req.max_new_tokens;
+    ) -> Result<Active<'t>, StartFailed<'t>> {
+        let cap = capacity.max(p.req.prompt.len() + 1);
         let forked = match self.prefix.lookup(&p.req.prompt) {
             Some((ring, n)) => ring
                 .fork_into(n, cap, RingMode::Strict)
@@ -820,9 +969,27 @@ impl Worker {
             Some(x) => x,
             None => match self.pool.alloc(cap, RingMode::Strict) {
                 Ok(r) => (r, 0),
-                Err(_) => return Err(Box::new(p)),
+                Err(_) => return Err(Box::new((p, resumed))),
             },
         };
+        if let Some(r) = resumed {
+            return Ok(Active {
+                id,
+                req: p.req,
+                chan: p.chan,
+                kv,
+                sampler: r.sampler,
+                history: r.history,
+                decoder: r.decoder,
+                stop_tokens: r.stop_tokens,
+                cached: r.cached,
+                cached_now: cached,
+                submitted: p.submitted,
+                last_token: r.last_token,
+                output_tokens: r.output_tokens,
+                input_tokens: r.input_tokens,
+            });
+        }
         let decoder = tok.map(|t| {
             StreamDecoder::new(t)
                 .skip_special_tokens(true)
@@ -833,9 +1000,11 @@ impl Worker {
             .stop_tokens
             .clone()
             .unwrap_or_else(|| self.model.stop_tokens());
-        let mut history = Vec::with_capacity(cap);
+        let mut history = Vec::with_capacity(p.req.prompt.len() + p.req.max_new_tokens);
         history.extend_from_slice(&p.req.prompt);
         Ok(Active {
+            input_tokens: p.req.prompt.len(),
+            cached_now: cached,
             id,
             sampler: Sampler::new(p.req.sampling.clone()),
             req: p.req,
@@ -854,13 +1023,59 @@ impl Worker {
     /// Keeps a copy of a just-prefilled prompt's KV for later requests with the same prefix.
     fn remember_prefix(&mut self, a: &Active<'_>) {
         let n = a.req.prompt.len();
-        if self.prefix.is_disabled() || self.prefix.covers(&a.req.prompt) {
+        // A resumed sequence's prompt holds its own generated tokens: nobody else's prefix.
+        let resumed = n != a.input_tokens;
+        if resumed || self.prefix.is_disabled() || self.prefix.covers(&a.req.prompt) {
             return;
         }
         if let Ok(ring) = a.kv.fork_into(n, n, RingMode::Strict) {
             self.prefix.insert(a.req.prompt.clone(), ring);
         }
     }
+}
+
+/// Frees a preempted sequence's KV and keeps the rest for its readmission: its pending request
+/// now has prompt + generated tokens as prompt (what the scheduler queued it with).
+fn park<'t>(st: &mut State, parked: &mut HashMap<SeqId, Parked<'t>>, a: Active<'t>) {
+    let Active {
+        id,
+        mut req,
+        chan,
+        kv,
+        sampler,
+        history,
+        decoder,
+        stop_tokens,
+        cached,
+        submitted,
+        last_token,
+        output_tokens,
+        input_tokens,
+        ..
+    } = a;
+    drop(kv);
+    req.prompt.clone_from(&history);
+    st.pending.insert(
+        id,
+        Pending {
+            req,
+            chan,
+            submitted,
+        },
+    );
+    parked.insert(
+        id,
+        Parked {
+            sampler,
+            history,
+            decoder,
+            stop_tokens,
+            cached,
+            last_token,
+            output_tokens,
+            input_tokens,
+        },
+    );
 }
 
 impl Active<'_> {
