@@ -15,6 +15,8 @@ mod core;
 mod error;
 mod h3;
 mod ids;
+mod in_flight;
+mod limits;
 mod metrics;
 mod sse;
 mod tcp;
