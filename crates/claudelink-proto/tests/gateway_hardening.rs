@@ -187,6 +187,10 @@ async fn silent_and_half_sent_requests_are_closed_after_the_header_timeout() {
     assert!(got.is_empty(), "{got:?}");
     // A prompt client on the same server is served.
     assert_eq!(server.get("/health", &[]).await.status, 200);
+    // A keep-alive connection that goes silent after a request is closed as well.
+    let mut idle = TcpStream::connect(server.addr).await.unwrap();
+    assert!(health_on(&mut idle).await.starts_with("HTTP/1.1 200 "));
+    read_to_close(&mut idle, Duration::from_secs(5)).await;
 }
 
 #[tokio::test]
