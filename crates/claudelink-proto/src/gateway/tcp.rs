@@ -278,3 +278,23 @@ impl AcceptBackoff {
         self.pause = Duration::ZERO;
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn accept_failures_back_off_to_a_second_and_reset_on_success() {
+        let mut b = AcceptBackoff::default();
+        let emfile = std::io::Error::from_raw_os_error(24);
+        let pauses: Vec<Duration> = (0..10).map(|_| b.failed(&emfile, 1000)).collect();
+        assert_eq!(pauses[0], Duration::from_millis(10));
+        assert_eq!(pauses[1], Duration::from_millis(20));
+        assert!(pauses.windows(2).all(|w| w[0] <= w[1]), "{pauses:?}");
+        assert_eq!(*pauses.last().unwrap(), MAX_ACCEPT_BACKOFF);
+        // Only the first failure of this burst was logged; the rest were counted.
+        assert_eq!(b.suppressed, 9);
+        b.succeeded();
+        assert_eq!(b.failed(&emfile, 0), Duration::from_millis(10));
+    }
+}
