@@ -99,9 +99,37 @@ struct Args {
     /// Largest fraction of the KV cache one API key is admitted up to while others wait.
     #[arg(long, default_value_t = 0.5)]
     max_kv_share_per_client: f64,
-    /// Seconds to let running streams finish after SIGINT/SIGTERM.
+    /// Seconds to let running streams finish after SIGINT/SIGTERM; then the gateway's streams
+    /// end with an `overloaded_error` event.
     #[arg(long, default_value_t = 30)]
     drain_secs: u64,
+    /// Key that `GET /metrics` requires (Bearer or x-api-key). Without it, /metrics is open.
+    #[arg(long, env = "ZEROLAYER_METRICS_KEY", hide_env_values = true)]
+    metrics_key: Option<String>,
+    /// Open HTTP (TCP) connections at most; lowered to fit the open-file limit.
+    #[arg(long, default_value_t = 4096)]
+    max_connections: usize,
+    /// Open HTTP (TCP) connections per client IP address at most (0: no limit).
+    #[arg(long, default_value_t = 256)]
+    max_connections_per_ip: usize,
+}
+
+/// Descriptors kept free of HTTP connections: the model file, QUIC sockets, logs, the engine.
+const RESERVED_FDS: u64 = 256;
+
+/// Raises the soft `RLIMIT_NOFILE` to the hard limit (the 1024 default runs out under many
+/// idle connections) and returns the resulting limit.
+fn raise_open_file_limit() -> Option<u64> {
+    match rlimit::increase_nofile_limit(u64::MAX) {
+        Ok(n) => {
+            tracing::info!(nofile = n, "open-file limit");
+            Some(n)
+        }
+        Err(e) => {
+            tracing::warn!("raising the open-file limit: {e}");
+            None
+        }
+    }
 }
 
 /// Maps the model, starts the engine and the weight warm-up (which goes on in the background:
@@ -173,6 +201,7 @@ async fn main() -> anyhow::Result<()> {
         )
         .init();
     let args = Args::parse();
+    let nofile = raise_open_file_limit();
     let (engine, profile) = build_service(&args)?;
     let budget_every = args.weight_budget.map(|_| Duration::from_secs(5));
     EngineService::watch_weights(&engine, budget_every)?;
@@ -194,14 +223,22 @@ async fn main() -> anyhow::Result<()> {
     let config = GatewayConfig::default()
         .api_keys(args.api_keys.iter().map(|k| k.trim().to_owned()))
         .h3_port(Some(args.quic_listen.port()))
-        .max_concurrent_requests(args.max_streams as usize);
+        .max_concurrent_requests(args.max_streams as usize)
+        .metrics_key(args.metrics_key.clone())
+        .max_connections(max_connections(args.max_connections, nofile))
+        .max_connections_per_ip(args.max_connections_per_ip);
     let gateway = Gateway::new(service.clone(), config);
 
     let quic_config = ServerConfig::new(identity)
         .max_concurrent_streams(args.max_streams)
         .alpn_handler(H3_ALPN, Arc::new(gateway.h3_handler()));
-    let quic = Server::bind(args.quic_listen, quic_config, service.clone())
-        .with_context(|| format!("binding UDP {}", args.quic_listen))?;
+    // claudelink's streams count in the gateway's in-flight gauge (and the drain waits on them).
+    let quic = Server::bind(
+        args.quic_listen,
+        quic_config,
+        gateway.count_in_flight(service.clone()),
+    )
+    .with_context(|| format!("binding UDP {}", args.quic_listen))?;
     let listener = tokio::net::TcpListener::bind(args.http_listen)
         .await
         .with_context(|| format!("binding TCP {}", args.http_listen))?;
@@ -256,7 +293,16 @@ async fn main() -> anyhow::Result<()> {
     while drain.in_flight() > 0 && Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    let _ = tokio::time::timeout(deadline.saturating_duration_since(Instant::now()), http).await;
+    if drain.in_flight() > 0 {
+        // Streams still running at the deadline end with an error event, not a cut.
+        tracing::warn!(
+            in_flight = drain.in_flight(),
+            "drain deadline: ending the remaining streams"
+        );
+        drain.abort_streams();
+    }
+    let grace = deadline.max(Instant::now()) + Duration::from_secs(2);
+    let _ = tokio::time::timeout(grace.saturating_duration_since(Instant::now()), http).await;
     quic.shutdown().await;
     // The access profile recorded while serving drives the next start's deterministic warm-up.
     if let Some(cache) = engine.weight_cache().filter(|c| c.stats().touches > 0) {
@@ -269,6 +315,19 @@ async fn main() -> anyhow::Result<()> {
     }
     tracing::info!(left = drain.in_flight(), "stopped");
     Ok(())
+}
+
+/// `--max-connections`, lowered to leave [`RESERVED_FDS`] of the open-file limit free.
+fn max_connections(wanted: usize, nofile: Option<u64>) -> usize {
+    let fit = nofile.map_or(u64::MAX, |n| n.saturating_sub(RESERVED_FDS).max(16));
+    let n = wanted.min(usize::try_from(fit).unwrap_or(usize::MAX));
+    if n < wanted {
+        tracing::warn!(
+            max_connections = n,
+            "--max-connections lowered to fit the open-file limit"
+        );
+    }
+    n
 }
 
 /// Resolves on SIGINT or SIGTERM.

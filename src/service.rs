@@ -3,14 +3,19 @@
 
 use std::collections::VecDeque;
 use std::path::Path;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError, mpsc};
 use std::task::Poll;
+
+use futures::FutureExt;
+use futures::channel::oneshot;
 
 use claudelink_proto::{
     ChatRole, ErrorCode, EventStream, InferenceEvent, InferenceRequest, InferenceService,
     ModelInfo, Prompt, ServiceError, ServiceMetrics, StopReason, Usage,
 };
-use gpu_pipeline::engine::{Engine, EngineConfig, EngineEvent, GenerationRequest, SubmitError};
+use gpu_pipeline::engine::{
+    Engine, EngineConfig, EngineEvent, GenerationRequest, RequestHandle, SubmitError,
+};
 use gpu_pipeline::{Model, ModelOptions, SamplingParams};
 use token_stream::{ChatMessage, ChatTemplate, Tokenizer};
 use weight_cache::{FileWatch, WarmupHandle, WarmupStrategy, WeightCache};
@@ -34,6 +39,9 @@ pub enum LoadServiceError {
     /// The weight cache's block table could not be built.
     #[error("building the weight cache: {0}")]
     WeightCache(#[from] weight_cache::BlockTableError),
+    /// A thread of the prompt (tokenizer) pool could not be started.
+    #[error("starting the prompt tokenizer threads: {0}")]
+    PromptPool(std::io::Error),
 }
 
 /// An [`InferenceService`] over one model served by an [`Engine`].
@@ -50,13 +58,15 @@ pub enum LoadServiceError {
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
 pub struct EngineService {
-    engine: Engine,
+    engine: Arc<Engine>,
     tokenizer: Arc<Tokenizer>,
-    chat: Option<ChatTemplate>,
+    chat: Option<Arc<ChatTemplate>>,
     info: ModelInfo,
     weights: Option<Weights>,
     /// Whether the served file changed on disk since it was mapped (checked once a second).
     file_watch: Arc<FileWatch>,
+    /// Tokenizes submitted prompts off the caller's (async) thread.
+    prompts: PromptPool,
 }
 
 /// The weight cache of the served file and its running warm-up.
@@ -100,7 +110,7 @@ impl EngineService {
             Some(t) => t.clone(),
             None => Arc::new(Tokenizer::from_gguf(engine.model().gguf())?),
         };
-        let chat = ChatTemplate::from_tokenizer(&tokenizer).ok();
+        let chat = ChatTemplate::from_tokenizer(&tokenizer).ok().map(Arc::new);
         let info = ModelInfo {
             id: model_id.to_string(),
             display_name: engine
@@ -117,12 +127,13 @@ impl EngineService {
             tracing::warn!("no model-file watch thread ({e}): ready() checks the file itself");
         }
         Ok(Self {
-            engine,
+            engine: Arc::new(engine),
             tokenizer,
             chat,
             info,
             weights: None,
             file_watch,
+            prompts: PromptPool::start()?,
         })
     }
 
@@ -216,6 +227,28 @@ impl EngineService {
 
     /// Token ids of a prompt (chat prompts through the model's chat template).
     pub fn tokenize(&self, prompt: &Prompt) -> Result<Vec<u32>, ServiceError> {
+        self.prompt_parts().tokenize(prompt)
+    }
+
+    /// What tokenizing a prompt and submitting it needs, detached from `self` for the pool.
+    fn prompt_parts(&self) -> PromptParts {
+        PromptParts {
+            engine: self.engine.clone(),
+            tokenizer: self.tokenizer.clone(),
+            chat: self.chat.clone(),
+        }
+    }
+}
+
+/// Tokenizer, chat template and engine: what a [`PromptPool`] job needs.
+struct PromptParts {
+    engine: Arc<Engine>,
+    tokenizer: Arc<Tokenizer>,
+    chat: Option<Arc<ChatTemplate>>,
+}
+
+impl PromptParts {
+    fn tokenize(&self, prompt: &Prompt) -> Result<Vec<u32>, ServiceError> {
         let invalid = |reason: String| ServiceError::InvalidRequest {
             field: "prompt",
             reason,
@@ -263,6 +296,91 @@ impl EngineService {
             }
             _ => Err(invalid("unsupported prompt kind".into())),
         }
+    }
+
+    /// Tokenizes the prompt and queues the request in the engine.
+    fn start(
+        &self,
+        prompt: &Prompt,
+        req: impl FnOnce(Vec<u32>) -> GenerationRequest,
+    ) -> Result<RequestHandle, ServiceError> {
+        let ids = self.tokenize(prompt)?;
+        if ids.is_empty() {
+            return Err(ServiceError::InvalidRequest {
+                field: "prompt",
+                reason: "the prompt has no tokens".into(),
+            });
+        }
+        self.engine.submit(req(ids)).map_err(|e| match e {
+            SubmitError::ContextLength {
+                prompt_tokens,
+                max_new_tokens,
+                context,
+            } => ServiceError::ContextLength {
+                prompt_tokens: u32::try_from(prompt_tokens + max_new_tokens).unwrap_or(u32::MAX),
+                limit: u32::try_from(context).unwrap_or(u32::MAX),
+            },
+            SubmitError::Overloaded(_) => ServiceError::Overloaded {
+                retry_after_ms: 1000,
+            },
+            SubmitError::ShuttingDown => ServiceError::ShuttingDown,
+            other => ServiceError::InvalidRequest {
+                field: "prompt",
+                reason: other.to_string(),
+            },
+        })
+    }
+}
+
+/// A job of the [`PromptPool`].
+type PromptJob = Box<dyn FnOnce() + Send>;
+
+/// A few threads that tokenize (and render the chat template of) submitted prompts, so that
+/// [`InferenceService::submit`] only enqueues work and returns at once: tokenizing a prompt of
+/// megabytes takes long enough to stall an async runtime's thread. The queue is bounded;
+/// when it is full, `submit` answers `Overloaded`. The threads end when the service is dropped.
+struct PromptPool {
+    jobs: mpsc::SyncSender<PromptJob>,
+}
+
+impl PromptPool {
+    /// Jobs waiting for a thread before `submit` answers `Overloaded`.
+    const QUEUE: usize = 1024;
+    /// Threads at most (tokenizing is one thread's work per prompt; the engine needs the rest).
+    const MAX_THREADS: usize = 4;
+
+    fn start() -> Result<Self, LoadServiceError> {
+        let (jobs, queue) = mpsc::sync_channel::<PromptJob>(Self::QUEUE);
+        let queue = Arc::new(Mutex::new(queue));
+        let threads = std::thread::available_parallelism()
+            .map_or(1, |n| n.get())
+            .min(Self::MAX_THREADS);
+        for i in 0..threads {
+            let queue = queue.clone();
+            std::thread::Builder::new()
+                .name(format!("zerolayer-prompt-{i}"))
+                .spawn(move || {
+                    loop {
+                        // Poisoning: the lock is held only around `recv`, which does not
+                        // panic; a poisoned lock still guards a valid receiver.
+                        let job = queue.lock().unwrap_or_else(PoisonError::into_inner).recv();
+                        let Ok(job) = job else { return };
+                        // A panicking job fails only its own request (its reply is dropped).
+                        let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(job));
+                    }
+                })
+                .map_err(LoadServiceError::PromptPool)?;
+        }
+        Ok(Self { jobs })
+    }
+
+    fn try_run(&self, job: PromptJob) -> Result<(), ServiceError> {
+        self.jobs.try_send(job).map_err(|e| match e {
+            mpsc::TrySendError::Full(_) => ServiceError::Overloaded {
+                retry_after_ms: 1000,
+            },
+            mpsc::TrySendError::Disconnected(_) => ServiceError::ShuttingDown,
+        })
     }
 }
 
@@ -317,43 +435,60 @@ impl InferenceService for EngineService {
                 reason: "must be at least 1".into(),
             });
         }
-        let prompt = self.tokenize(&request.prompt)?;
-        if prompt.is_empty() {
-            return Err(ServiceError::InvalidRequest {
-                field: "prompt",
-                reason: "the prompt has no tokens".into(),
+        let sampling = sampling(&request.sampling)?;
+        let max_tokens = request.max_tokens as usize;
+        let (stops, priority, client) = (request.stop_sequences, request.priority, request.client);
+        let prompt = request.prompt;
+        // Tokenizing (and rendering the chat template) is CPU work proportional to the prompt:
+        // it runs on the prompt pool; its failures arrive as the stream's first event.
+        let parts = self.prompt_parts();
+        let (reply, started) = oneshot::channel::<Result<RequestHandle, ServiceError>>();
+        self.prompts.try_run(Box::new(move || {
+            if reply.is_canceled() {
+                return;
+            }
+            let handle = parts.start(&prompt, |ids| {
+                GenerationRequest::new(ids, max_tokens)
+                    .with_sampling(sampling)
+                    .with_stop_sequences(stops)
+                    .with_priority(priority)
+                    .with_client(client)
             });
-        }
-        let req = GenerationRequest::new(prompt, request.max_tokens as usize)
-            .with_sampling(sampling(&request.sampling)?)
-            .with_stop_sequences(request.stop_sequences.iter().cloned())
-            .with_priority(request.priority)
-            .with_client(request.client.clone());
-        let handle = self.engine.submit(req).map_err(|e| match e {
-            SubmitError::ContextLength {
-                prompt_tokens,
-                max_new_tokens,
-                context,
-            } => ServiceError::ContextLength {
-                prompt_tokens: u32::try_from(prompt_tokens + max_new_tokens).unwrap_or(u32::MAX),
-                limit: u32::try_from(context).unwrap_or(u32::MAX),
-            },
-            SubmitError::Overloaded(_) => ServiceError::Overloaded {
-                retry_after_ms: 1000,
-            },
-            SubmitError::ShuttingDown => ServiceError::ShuttingDown,
-            other => ServiceError::InvalidRequest {
-                field: "prompt",
-                reason: other.to_string(),
-            },
-        })?;
+            // A stream dropped meanwhile drops the handle here, which cancels the request.
+            let _ = reply.send(handle);
+        }))?;
+        let mut started = Some(started);
+        let mut handle: Option<RequestHandle> = None;
         let mut ready: VecDeque<InferenceEvent> = VecDeque::new();
         let stream = futures::stream::poll_fn(move |cx| {
             loop {
                 if let Some(ev) = ready.pop_front() {
                     return Poll::Ready(Some(ev));
                 }
-                let ev = match handle.poll_recv(cx) {
+                if let Some(pending) = started.as_mut() {
+                    let outcome = match pending.poll_unpin(cx) {
+                        Poll::Pending => return Poll::Pending,
+                        Poll::Ready(Ok(r)) => r,
+                        Poll::Ready(Err(oneshot::Canceled)) => Err(ServiceError::InvalidRequest {
+                            field: "prompt",
+                            reason: "tokenizing the prompt failed".into(),
+                        }),
+                    };
+                    started = None;
+                    match outcome {
+                        Ok(h) => handle = Some(h),
+                        Err(e) => {
+                            return Poll::Ready(Some(InferenceEvent::Error {
+                                code: e.code(),
+                                message: e.to_string(),
+                            }));
+                        }
+                    }
+                }
+                let Some(h) = handle.as_ref() else {
+                    return Poll::Ready(None);
+                };
+                let ev = match h.poll_recv(cx) {
                     Poll::Pending => return Poll::Pending,
                     Poll::Ready(None) => return Poll::Ready(None),
                     Poll::Ready(Some(ev)) => ev,
@@ -444,6 +579,61 @@ mod tests {
     use super::*;
     use claudelink_proto::ChatMessage as Msg;
     use futures::StreamExt;
+
+    #[test]
+    fn submit_only_enqueues_and_prompt_errors_arrive_as_the_first_event() {
+        let path = weight_cache::locate_default_model().unwrap_or_else(|e| panic!("{e}"));
+        // SAFETY: the model file is not modified while the test runs.
+        let svc = unsafe {
+            EngineService::load(
+                &path,
+                "smollm2",
+                ModelOptions::default(),
+                EngineConfig::default(),
+            )
+        }
+        .expect("load");
+        let context = svc.models()[0].context_length as usize;
+        let too_long = Prompt::Text("hello ".repeat(context + 16));
+        let stream = svc
+            .submit(InferenceRequest::new("smollm2", too_long, 8))
+            .expect("submit does not tokenize: the context error comes as an event");
+        let events: Vec<InferenceEvent> = futures::executor::block_on(stream.collect());
+        assert!(
+            matches!(
+                events.as_slice(),
+                [InferenceEvent::Error {
+                    code: ErrorCode::ContextLength,
+                    ..
+                }]
+            ),
+            "{events:?}"
+        );
+        let bad_id = Prompt::TokenIds(vec![u32::MAX]);
+        let events: Vec<InferenceEvent> = futures::executor::block_on(
+            svc.submit(InferenceRequest::new("smollm2", bad_id, 8))
+                .unwrap()
+                .collect(),
+        );
+        assert!(
+            matches!(
+                events.as_slice(),
+                [InferenceEvent::Error {
+                    code: ErrorCode::InvalidRequest,
+                    ..
+                }]
+            ),
+            "{events:?}"
+        );
+        // A valid prompt still starts (Started first) after its tokenization.
+        let ok = Prompt::Text("Hello".into());
+        let mut stream = svc
+            .submit(InferenceRequest::new("smollm2", ok.clone(), 2))
+            .unwrap();
+        let first = futures::executor::block_on(stream.next());
+        let n = svc.count_tokens(&ok).unwrap();
+        assert_eq!(first, Some(InferenceEvent::Started { input_tokens: n }));
+    }
 
     #[test]
     fn chat_request_streams_text_and_usage_from_the_real_model() {

@@ -19,7 +19,11 @@ struct H3Fixture {
 }
 
 async fn start() -> H3Fixture {
-    let tcp = TestServer::start(GatewayConfig::default()).await;
+    start_with(GatewayConfig::default()).await
+}
+
+async fn start_with(config: GatewayConfig) -> H3Fixture {
+    let tcp = TestServer::start(config).await;
     let identity = Identity::self_signed(&["localhost"]).unwrap();
     let cert = identity.certificate().clone();
     let config =
@@ -166,4 +170,24 @@ async fn h3_messages_json_and_stream_on_the_claudelink_port() {
         t.contains("zerolayer_reused_connection_requests_total 3"),
         "{t}"
     );
+}
+
+#[tokio::test]
+async fn keyless_h3_request_declaring_a_30_mb_body_gets_401_before_any_body_byte() {
+    let f = start_with(GatewayConfig::default().api_keys(["sk-test".to_string()])).await;
+    let (_endpoint, mut send) = h3_client(&f).await;
+    let req = http::Request::builder()
+        .method("POST")
+        .uri("https://localhost/v1/messages")
+        .header("content-type", "application/json")
+        .header("content-length", "30000000")
+        .body(())
+        .unwrap();
+    let mut stream = send.send_request(req).await.unwrap();
+    // Not one body byte is sent, and the request stream stays open.
+    let resp = tokio::time::timeout(std::time::Duration::from_secs(5), stream.recv_response())
+        .await
+        .expect("a keyless HTTP/3 request is answered without waiting for its body")
+        .unwrap();
+    assert_eq!(resp.status(), 401);
 }

@@ -15,8 +15,12 @@ pub const LAYER_VERSION: &str = "v2.1.0-alpha";
 ///     .api_keys(["sk-local-1".to_string()])
 ///     .max_body_bytes(1 << 20)
 ///     .request_timeout(Duration::from_secs(120))
-///     .h3_port(Some(8443));
+///     .h3_port(Some(8443))
+///     .max_prompt_bytes(1 << 20)
+///     .metrics_key(Some("sk-metrics".to_string()))
+///     .max_connections_per_ip(64);
 /// assert_eq!(config.max_body_bytes, 1 << 20);
+/// assert_eq!(config.max_connections_per_ip, 64);
 /// ```
 #[derive(Debug, Clone)]
 #[non_exhaustive]
@@ -45,6 +49,33 @@ pub struct GatewayConfig {
     pub h3_port: Option<u16>,
     /// Serve requests naming an unknown model with the first served model instead of 404.
     pub accept_any_model: bool,
+    /// Largest accepted prompt in bytes (the text of every message and the system prompt);
+    /// bigger prompts get 413 `request_too_large` before any tokenization. Default 4 MiB.
+    pub max_prompt_bytes: usize,
+    /// Key required by `GET /metrics` (as `x-api-key` or `Authorization: Bearer`); `None`:
+    /// `/metrics` is open.
+    pub metrics_key: Option<String>,
+    /// How long a TCP client may take to send a request's headers (HTTP/1.1) or its first
+    /// bytes (HTTP/2 preface) before the connection is closed. Default 10 s.
+    pub header_read_timeout: Duration,
+    /// HTTP/2 keep-alive: a PING is sent after this much silence and the connection is closed
+    /// when it is not answered within the same time. Default 20 s.
+    pub http2_keep_alive: Duration,
+    /// TCP keep-alive idle time; with `tcp_user_timeout` it bounds how long a vanished peer's
+    /// connection (and generation) lives. Default 10 s.
+    pub tcp_keepalive: Duration,
+    /// `TCP_USER_TIMEOUT` (Linux): unacknowledged sent data for this long closes the
+    /// connection. Default 20 s.
+    pub tcp_user_timeout: Duration,
+    /// Open TCP connections per listener; beyond them new connections get a minimal `503` and
+    /// are closed (0: no limit). Default 4096.
+    pub max_connections: usize,
+    /// Open TCP connections per client IP address; beyond them new connections from that
+    /// address get a minimal `503` and are closed (0: no limit). Default 256.
+    pub max_connections_per_ip: usize,
+    /// Tokenizations (`count_tokens`) and large-body parses running at once on the blocking
+    /// pool; more wait for a turn (0: the number of CPUs).
+    pub blocking_tasks: usize,
 }
 
 impl Default for GatewayConfig {
@@ -62,6 +93,15 @@ impl Default for GatewayConfig {
             retry_after_ms: 1000,
             h3_port: None,
             accept_any_model: false,
+            max_prompt_bytes: 4 * 1024 * 1024,
+            metrics_key: None,
+            header_read_timeout: Duration::from_secs(10),
+            http2_keep_alive: Duration::from_secs(20),
+            tcp_keepalive: Duration::from_secs(10),
+            tcp_user_timeout: Duration::from_secs(20),
+            max_connections: 4096,
+            max_connections_per_ip: 256,
+            blocking_tasks: 0,
         }
     }
 }
@@ -125,6 +165,51 @@ impl GatewayConfig {
     /// Serve unknown model names with the first served model instead of answering 404.
     pub fn accept_any_model(mut self, yes: bool) -> Self {
         self.accept_any_model = yes;
+        self
+    }
+    /// Sets the largest accepted prompt in bytes (413 `request_too_large` beyond it).
+    pub fn max_prompt_bytes(mut self, bytes: usize) -> Self {
+        self.max_prompt_bytes = bytes;
+        self
+    }
+    /// Sets the key `/metrics` requires (`None` or empty: `/metrics` is open).
+    pub fn metrics_key(mut self, key: Option<String>) -> Self {
+        self.metrics_key = key.filter(|k| !k.is_empty());
+        self
+    }
+    /// Sets the time a TCP client has to send its request headers.
+    pub fn header_read_timeout(mut self, timeout: Duration) -> Self {
+        self.header_read_timeout = timeout;
+        self
+    }
+    /// Sets the HTTP/2 keep-alive interval (and PING answer timeout).
+    pub fn http2_keep_alive(mut self, every: Duration) -> Self {
+        self.http2_keep_alive = every;
+        self
+    }
+    /// Sets the TCP keep-alive idle time.
+    pub fn tcp_keepalive(mut self, idle: Duration) -> Self {
+        self.tcp_keepalive = idle;
+        self
+    }
+    /// Sets `TCP_USER_TIMEOUT` (Linux only; ignored elsewhere).
+    pub fn tcp_user_timeout(mut self, timeout: Duration) -> Self {
+        self.tcp_user_timeout = timeout;
+        self
+    }
+    /// Sets the open TCP connections allowed per listener (0: no limit).
+    pub fn max_connections(mut self, n: usize) -> Self {
+        self.max_connections = n;
+        self
+    }
+    /// Sets the open TCP connections allowed per client IP address (0: no limit).
+    pub fn max_connections_per_ip(mut self, n: usize) -> Self {
+        self.max_connections_per_ip = n;
+        self
+    }
+    /// Sets how many tokenizations run at once on the blocking pool (0: the number of CPUs).
+    pub fn blocking_tasks(mut self, n: usize) -> Self {
+        self.blocking_tasks = n;
         self
     }
 }

@@ -23,8 +23,11 @@ use super::sse::{Flavor, StreamFormat};
 use super::validate::{GenRequest, Limits, parse_chat, parse_messages};
 use crate::auth::ApiKeys;
 use crate::service::{
-    EventStream, InferenceEvent, InferenceRequest, InferenceService, StopReason, Usage,
+    ErrorCode, EventStream, InferenceEvent, InferenceRequest, InferenceService, StopReason, Usage,
 };
+
+/// Bodies up to this size are parsed on the runtime's thread; larger ones on the blocking pool.
+const SMALL_BODY: usize = 64 * 1024;
 
 /// Anthropic API versions accepted in `anthropic-version`.
 pub const SUPPORTED_ANTHROPIC_VERSIONS: [&str; 2] = ["2023-06-01", "2026-10-21"];
@@ -50,15 +53,27 @@ pub(crate) enum BodyError {
     Transport(String),
 }
 
-/// A request as the transports hand it over.
+/// A request whose headers passed routing and auth: the transport reads its body (within
+/// `max_body_bytes` and `body_timeout`) and hands both to [`Gateway::respond`].
 #[derive(Debug)]
-pub(crate) struct Incoming {
-    pub(crate) method: Method,
-    pub(crate) path: String,
-    pub(crate) headers: HeaderMap,
-    pub(crate) body: Result<Bytes, BodyError>,
-    pub(crate) protocol: Protocol,
-    pub(crate) received: Instant,
+pub(crate) struct Admitted {
+    request_id: String,
+    path: String,
+    endpoint: Endpoint,
+    flavor: Flavor,
+    caller: Caller,
+    protocol: Protocol,
+    debug: bool,
+    received: Instant,
+}
+
+/// What a transport does once a request's headers are in ([`Gateway::admit`]).
+#[derive(Debug)]
+pub(crate) enum Admission {
+    /// Answer with this and do not read the body (an error, or a body-less endpoint).
+    Reply(Reply),
+    /// Read the body, then call [`Gateway::respond`].
+    ReadBody(Admitted),
 }
 
 /// A response body: complete, or a stream of chunks (SSE events) that cancels its generation when
@@ -143,6 +158,12 @@ pub(crate) struct Inner {
     per_key: Arc<Vec<AtomicUsize>>,
     draining: AtomicBool,
     pub(crate) drain_tx: watch::Sender<bool>,
+    /// Set by [`Gateway::abort_streams`]: running generations end with an error event.
+    abort_tx: watch::Sender<bool>,
+    /// Bounds the CPU-heavy work running on the blocking pool.
+    blocking: tokio::sync::Semaphore,
+    /// `metrics_key` as an [`ApiKeys`] set (constant-time comparison).
+    metrics_keys: ApiKeys,
 }
 
 /// Who sent a request, after auth.
@@ -160,6 +181,12 @@ impl Gateway {
         }
         let per_key = Arc::new((0..keys.len()).map(|_| AtomicUsize::new(0)).collect());
         let (drain_tx, _) = watch::channel(false);
+        let (abort_tx, _) = watch::channel(false);
+        let blocking = match config.blocking_tasks {
+            0 => std::thread::available_parallelism().map_or(2, |n| n.get()),
+            n => n,
+        };
+        let metrics_keys = ApiKeys::new(config.metrics_key.iter().cloned());
         Self {
             inner: Arc::new(Inner {
                 service,
@@ -169,6 +196,9 @@ impl Gateway {
                 per_key,
                 draining: AtomicBool::new(false),
                 drain_tx,
+                abort_tx,
+                blocking: tokio::sync::Semaphore::new(blocking),
+                metrics_keys,
             }),
         }
     }
@@ -185,12 +215,30 @@ impl Gateway {
         self.inner.drain_tx.send_replace(true);
     }
 
+    /// Ends every running generation (streaming or not) at once: streams get an error event
+    /// (`overloaded_error`, "the server is shutting down"; the OpenAI flavour its error chunk)
+    /// and are closed, non-streaming requests answer 529. Call it at the drain deadline, after
+    /// [`Gateway::start_draining`]; generations that start later end the same way.
+    ///
+    /// ```no_run
+    /// # async fn f(gateway: claudelink_proto::Gateway) {
+    /// gateway.start_draining();
+    /// tokio::time::sleep(std::time::Duration::from_secs(30)).await;
+    /// gateway.abort_streams();
+    /// # }
+    /// ```
+    pub fn abort_streams(&self) {
+        self.start_draining();
+        self.inner.abort_tx.send_replace(true);
+    }
+
     /// Whether [`Gateway::start_draining`] was called.
     pub fn is_draining(&self) -> bool {
         self.inner.draining.load(Ordering::SeqCst)
     }
 
-    /// Generation requests in flight.
+    /// Generation requests in flight: the gateway's own, plus those submitted through a
+    /// service wrapped by [`Gateway::count_in_flight`] (claudelink).
     pub fn in_flight(&self) -> u64 {
         self.inner.metrics.in_flight()
     }
@@ -210,26 +258,78 @@ impl Gateway {
             .and_then(|p| HeaderValue::from_str(&format!("h3=\":{p}\"; ma=86400")).ok())
     }
 
-    pub(crate) async fn handle(&self, req: Incoming) -> Reply {
+    /// Decides on a request from its method, path and headers alone: routing, method, API key
+    /// and `anthropic-version` are checked here, before any byte of the body is read, so an
+    /// unauthenticated client cannot make the server buffer (or wait for) a body.
+    pub(crate) fn admit(
+        &self,
+        method: &Method,
+        path_and_query: &str,
+        headers: &HeaderMap,
+        protocol: Protocol,
+        received: Instant,
+    ) -> Admission {
         let request_id = new_id("req_");
-        let path = req.path.split('?').next().unwrap_or("").to_owned();
+        let path = path_and_query.split('?').next().unwrap_or("").to_owned();
         let endpoint = route_endpoint(&path);
         let flavor = if endpoint == Endpoint::ChatCompletions {
             Flavor::OpenAi
         } else {
             Flavor::Anthropic
         };
-        let protocol = req.protocol;
-        let mut reply = match self
-            .dispatch(req, &path, endpoint, flavor, &request_id)
-            .await
-        {
+        match self.admit_headers(method, &path, headers, endpoint, flavor) {
+            Ok(Some(reply)) => {
+                Admission::Reply(self.finish(reply, &request_id, endpoint, protocol))
+            }
+            Ok(None) => {
+                let debug = headers
+                    .get(X_ANTHROPIC_DEBUG)
+                    .and_then(|v| v.to_str().ok())
+                    .is_some_and(|v| v.eq_ignore_ascii_case("true") || v == "1");
+                match self.authenticate(headers) {
+                    Ok(caller) => Admission::ReadBody(Admitted {
+                        request_id,
+                        path,
+                        endpoint,
+                        flavor,
+                        caller,
+                        protocol,
+                        debug,
+                        received,
+                    }),
+                    Err(e) => {
+                        let reply = error_reply(&e, flavor, &request_id);
+                        Admission::Reply(self.finish(reply, &request_id, endpoint, protocol))
+                    }
+                }
+            }
+            Err(e) => {
+                let reply = error_reply(&e, flavor, &request_id);
+                Admission::Reply(self.finish(reply, &request_id, endpoint, protocol))
+            }
+        }
+    }
+
+    /// Answers an admitted request once its body is in.
+    pub(crate) async fn respond(&self, req: Admitted, body: Result<Bytes, BodyError>) -> Reply {
+        let reply = match self.dispatch(&req, body).await {
             Ok(r) => r,
-            Err(e) => error_reply(&e, flavor, &request_id),
+            Err(e) => error_reply(&e, req.flavor, &req.request_id),
         };
+        self.finish(reply, &req.request_id, req.endpoint, req.protocol)
+    }
+
+    /// Adds the headers every response carries and counts the response.
+    fn finish(
+        &self,
+        mut reply: Reply,
+        request_id: &str,
+        endpoint: Endpoint,
+        protocol: Protocol,
+    ) -> Reply {
         let h = &mut reply.headers;
         h.insert(X_CLAUDE_LAYER, HeaderValue::from_static(LAYER_VERSION));
-        if let Ok(v) = HeaderValue::from_str(&request_id) {
+        if let Ok(v) = HeaderValue::from_str(request_id) {
             h.insert(REQUEST_ID, v.clone());
             h.insert(X_REQUEST_ID, v);
         }
@@ -239,30 +339,32 @@ impl Gateway {
         reply
     }
 
-    async fn dispatch(
+    /// The header-only part of [`Gateway::admit`]: `Some(reply)` for requests answered without
+    /// a body (errors included), `None` when the body is needed (auth is checked by the caller).
+    fn admit_headers(
         &self,
-        req: Incoming,
+        m: &Method,
         path: &str,
+        headers: &HeaderMap,
         endpoint: Endpoint,
         flavor: Flavor,
-        request_id: &str,
-    ) -> Result<Reply, ApiError> {
-        let m = &req.method;
+    ) -> Result<Option<Reply>, ApiError> {
         match (endpoint, m) {
             (Endpoint::Health, &Method::GET | &Method::HEAD) => {
-                return Ok(self.health(m == Method::HEAD));
+                return Ok(Some(self.health(m == Method::HEAD)));
             }
             (Endpoint::Metrics, &Method::GET) => {
-                return Ok(Reply::text(
+                self.authenticate_metrics(headers)?;
+                return Ok(Some(Reply::text(
                     StatusCode::OK,
                     "text/plain; version=0.0.4; charset=utf-8",
                     self.render_metrics(),
-                ));
+                )));
             }
             (Endpoint::Other, _) => {
                 return Err(ApiError::new(
                     ApiErrorKind::NotFound,
-                    format!("{} {path}: no such endpoint", req.method),
+                    format!("{m} {path}: no such endpoint"),
                 ));
             }
             _ => {}
@@ -276,17 +378,25 @@ impl Gateway {
         if !allowed {
             return Err(ApiError::new(
                 ApiErrorKind::NotFound,
-                format!("{} {path}: method not allowed on this endpoint", req.method),
+                format!("{m} {path}: method not allowed on this endpoint"),
             ));
         }
-        let caller = self.authenticate(&req.headers)?;
+        self.authenticate(headers)?;
         if flavor == Flavor::Anthropic {
-            check_version(&req.headers)?;
+            check_version(headers)?;
         }
         if endpoint == Endpoint::Models {
-            return self.models(path);
+            return self.models(path).map(Some);
         }
-        let body = match req.body {
+        Ok(None)
+    }
+
+    async fn dispatch(
+        &self,
+        req: &Admitted,
+        body: Result<Bytes, BodyError>,
+    ) -> Result<Reply, ApiError> {
+        let body = match body {
             Ok(b) => b,
             Err(BodyError::TooLarge) => {
                 return Err(ApiError::new(
@@ -307,39 +417,75 @@ impl Gateway {
                 return Err(ApiError::invalid(format!("request body: {e}")));
             }
         };
-        let value: Value = serde_json::from_slice(&body)
-            .map_err(|e| ApiError::invalid(format!("request body: invalid JSON: {e}")))?;
         let limits = Limits {
             max_output_tokens: self.inner.config.max_output_tokens,
             default_chat_max_tokens: self.inner.config.default_chat_max_tokens,
         };
-        let debug = req
-            .headers
-            .get(X_ANTHROPIC_DEBUG)
-            .and_then(|v| v.to_str().ok())
-            .is_some_and(|v| v.eq_ignore_ascii_case("true") || v == "1");
+        let endpoint = req.endpoint;
+        let big = body.len() > SMALL_BODY;
+        // Parsing a large body is CPU work too: off the runtime's threads.
+        let parse = move || -> Result<GenRequest, ApiError> {
+            let value: Value = serde_json::from_slice(&body)
+                .map_err(|e| ApiError::invalid(format!("request body: invalid JSON: {e}")))?;
+            match endpoint {
+                Endpoint::ChatCompletions => parse_chat(&value, limits),
+                Endpoint::CountTokens => parse_messages(&value, limits, true),
+                _ => parse_messages(&value, limits, false),
+            }
+        };
+        let parsed = if big {
+            self.blocking(parse).await??
+        } else {
+            parse()?
+        };
+        self.check_prompt_size(&parsed)?;
         match endpoint {
             Endpoint::CountTokens => {
-                let parsed = parse_messages(&value, limits, true)?;
                 self.check_model(&parsed.model)?;
-                let n = self.inner.service.count_tokens(&parsed.prompt())?;
+                let service = self.inner.service.clone();
+                let prompt = parsed.prompt();
+                let n = self
+                    .blocking(move || service.count_tokens(&prompt))
+                    .await??;
                 Ok(Reply::json(StatusCode::OK, &json!({"input_tokens": n})))
             }
-            Endpoint::Messages => {
-                let parsed = parse_messages(&value, limits, false)?;
-                self.generate(parsed, flavor, caller, debug, req.received, request_id)
-                    .await
-            }
-            Endpoint::ChatCompletions => {
-                let parsed = parse_chat(&value, limits)?;
-                self.generate(parsed, flavor, caller, debug, req.received, request_id)
-                    .await
-            }
+            Endpoint::Messages | Endpoint::ChatCompletions => self.generate(parsed, req).await,
             _ => Err(ApiError::new(
                 ApiErrorKind::NotFound,
-                format!("{path}: no such endpoint"),
+                format!("{}: no such endpoint", req.path),
             )),
         }
+    }
+
+    /// Runs CPU-heavy request work (body parsing, tokenization) on tokio's blocking pool, at
+    /// most `blocking_tasks` at once, so the runtime's threads stay free for I/O (`/health`
+    /// answers while large prompts are tokenized).
+    async fn blocking<T: Send + 'static>(
+        &self,
+        work: impl FnOnce() -> T + Send + 'static,
+    ) -> Result<T, ApiError> {
+        let _permit = self
+            .inner
+            .blocking
+            .acquire()
+            .await
+            .map_err(|_| ApiError::new(ApiErrorKind::Overloaded, "Overloaded"))?;
+        tokio::task::spawn_blocking(work)
+            .await
+            .map_err(|e| ApiError::new(ApiErrorKind::Api, format!("request work failed: {e}")))
+    }
+
+    /// Refuses prompts above `max_prompt_bytes` before they are tokenized.
+    fn check_prompt_size(&self, parsed: &GenRequest) -> Result<(), ApiError> {
+        let limit = self.inner.config.max_prompt_bytes;
+        let bytes: usize = parsed.messages.iter().map(|m| m.content.len()).sum();
+        if bytes > limit {
+            return Err(ApiError::new(
+                ApiErrorKind::RequestTooLarge,
+                format!("prompt of {bytes} bytes exceeds the limit of {limit} bytes"),
+            ));
+        }
+        Ok(())
     }
 
     fn health(&self, head: bool) -> Reply {
@@ -360,30 +506,26 @@ impl Gateway {
         if self.inner.keys.is_empty() {
             return Ok(Caller { key: None });
         }
-        // x-api-key wins when both are sent (as upstream does).
-        let presented = if let Some(k) = headers.get(X_API_KEY) {
-            Some(k.as_bytes())
-        } else {
-            headers.get(http::header::AUTHORIZATION).map(|v| {
-                let v = v.as_bytes();
-                if v.len() > 7 && v[..7].eq_ignore_ascii_case(b"bearer ") {
-                    &v[7..]
-                } else {
-                    v
-                }
-            })
-        };
-        let Some(presented) = presented else {
-            return Err(ApiError::new(
-                ApiErrorKind::Authentication,
-                "x-api-key header (or Authorization: Bearer) is required",
-            ));
-        };
+        let presented = presented_key(headers)?;
         match self.inner.keys.find(presented) {
             Some(i) => Ok(Caller { key: Some(i) }),
             None => Err(ApiError::new(
                 ApiErrorKind::Authentication,
                 "invalid x-api-key",
+            )),
+        }
+    }
+
+    /// `/metrics` needs `metrics_key` when one is configured.
+    fn authenticate_metrics(&self, headers: &HeaderMap) -> Result<(), ApiError> {
+        if self.inner.metrics_keys.is_empty() {
+            return Ok(());
+        }
+        match self.inner.metrics_keys.find(presented_key(headers)?) {
+            Some(_) => Ok(()),
+            None => Err(ApiError::new(
+                ApiErrorKind::Authentication,
+                "invalid metrics key",
             )),
         }
     }
@@ -435,15 +577,9 @@ impl Gateway {
         ))
     }
 
-    async fn generate(
-        &self,
-        parsed: GenRequest,
-        flavor: Flavor,
-        caller: Caller,
-        debug: bool,
-        received: Instant,
-        request_id: &str,
-    ) -> Result<Reply, ApiError> {
+    async fn generate(&self, parsed: GenRequest, req: &Admitted) -> Result<Reply, ApiError> {
+        let (flavor, caller, debug, received) = (req.flavor, req.caller, req.debug, req.received);
+        let request_id = req.request_id.as_str();
         self.check_model(&parsed.model)?;
         let cfg = &self.inner.config;
         if self.is_draining() {
@@ -471,6 +607,7 @@ impl Gateway {
             first_token: None,
             done: false,
             metrics: self.inner.metrics.clone(),
+            abort: self.inner.abort_tx.subscribe(),
             _slot: slot,
         };
         // Wait for the service to accept the prompt so early failures get a proper status.
@@ -548,6 +685,29 @@ impl Gateway {
             headers,
             body: ReplyBody::Stream(Box::pin(futures::stream::unfold(state, SseState::step))),
         })
+    }
+}
+
+/// The key a request presents: `x-api-key`, else `Authorization: Bearer <key>` (`x-api-key`
+/// wins when both are sent, as upstream does). A bare `Authorization: <key>` is refused.
+fn presented_key(headers: &HeaderMap) -> Result<&[u8], ApiError> {
+    if let Some(k) = headers.get(X_API_KEY) {
+        return Ok(k.as_bytes());
+    }
+    let Some(v) = headers.get(http::header::AUTHORIZATION) else {
+        return Err(ApiError::new(
+            ApiErrorKind::Authentication,
+            "x-api-key header (or Authorization: Bearer) is required",
+        ));
+    };
+    let v = v.as_bytes();
+    if v.len() > 7 && v[..7].eq_ignore_ascii_case(b"bearer ") {
+        Ok(v[7..].trim_ascii())
+    } else {
+        Err(ApiError::new(
+            ApiErrorKind::Authentication,
+            "Authorization must be `Bearer <key>`; or send the key in x-api-key",
+        ))
     }
 }
 
@@ -650,6 +810,8 @@ struct Generation {
     first_token: Option<Instant>,
     done: bool,
     metrics: Arc<GatewayMetrics>,
+    /// [`Gateway::abort_streams`] was called when this turns true.
+    abort: watch::Receiver<bool>,
     _slot: Slot,
 }
 
@@ -670,10 +832,15 @@ impl Generation {
         if let Some(ev) = self.buffered.take() {
             return Some(ev);
         }
-        let ev = tokio::time::timeout_at(self.deadline, self.events.next())
-            .await
-            .ok()
-            .flatten();
+        let next = tokio::time::timeout_at(self.deadline, self.events.next());
+        let ev = tokio::select! {
+            ev = next => ev.ok().flatten(),
+            // An error from `wait_for` means the gateway is gone: abort as well.
+            _ = self.abort.wait_for(|aborted| *aborted) => Some(InferenceEvent::Error {
+                code: ErrorCode::ShuttingDown,
+                message: "the server is shutting down".into(),
+            }),
+        };
         if let Some(InferenceEvent::Delta { ids, text }) = &ev {
             if self.first_token.is_none() && (!ids.is_empty() || !text.is_empty()) {
                 let now = Instant::now();

@@ -6,10 +6,10 @@ use std::time::Instant;
 
 use bytes::{Buf, Bytes, BytesMut};
 use futures::StreamExt;
-use h3::server::RequestResolver;
+use h3::server::{RequestResolver, RequestStream};
 use http::Response;
 
-use super::core::{BodyError, Gateway, Incoming, ReplyBody};
+use super::core::{Admission, BodyError, Gateway, Reply, ReplyBody};
 use super::metrics::Protocol;
 use crate::server::ConnectionHandler;
 
@@ -17,6 +17,7 @@ use crate::server::ConnectionHandler;
 pub const H3_ALPN: &[u8] = b"h3";
 
 type H3Conn = h3_quinn::Connection;
+type H3Stream = h3_quinn::BidiStream<Bytes>;
 
 /// Serves HTTP/3 on the claudelink server's UDP port: pass it to
 /// [`ServerConfig::alpn_handler`](crate::ServerConfig::alpn_handler) with [`H3_ALPN`].
@@ -128,9 +129,29 @@ impl Gateway {
                 return;
             }
         };
+        let (parts, ()) = req.into_parts();
+        let path = parts
+            .uri
+            .path_and_query()
+            .map_or_else(|| parts.uri.path().to_owned(), |p| p.as_str().to_owned());
+        let admitted = match self.admit(
+            &parts.method,
+            &path,
+            &parts.headers,
+            Protocol::Http3,
+            received,
+        ) {
+            Admission::ReadBody(a) => a,
+            Admission::Reply(reply) => {
+                // The body (if any) is never read: tell the peer to stop sending it.
+                stream.stop_sending(h3::error::Code::H3_NO_ERROR);
+                send_reply(&mut stream, reply).await;
+                return;
+            }
+        };
         let limit = self.inner.config.max_body_bytes;
-        let declared = req
-            .headers()
+        let declared = parts
+            .headers
             .get(http::header::CONTENT_LENGTH)
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.parse::<u64>().ok());
@@ -161,42 +182,34 @@ impl Gateway {
                 Err(_) => Err(BodyError::Timeout),
             }
         };
-        let (parts, ()) = req.into_parts();
-        let path = parts
-            .uri
-            .path_and_query()
-            .map_or_else(|| parts.uri.path().to_owned(), |p| p.as_str().to_owned());
-        let incoming = Incoming {
-            method: parts.method,
-            path,
-            headers: parts.headers,
-            body,
-            protocol: Protocol::Http3,
-            received,
-        };
-        let reply = self.handle(incoming).await;
-        let mut resp = Response::new(());
-        *resp.status_mut() = reply.status;
-        *resp.headers_mut() = reply.headers;
-        if let Err(e) = stream.send_response(resp).await {
-            tracing::debug!(error = %e, "h3 send_response failed");
-            return;
+        let reply = self.respond(admitted, body).await;
+        send_reply(&mut stream, reply).await;
+    }
+}
+
+/// Sends a reply on an HTTP/3 request stream and finishes it.
+async fn send_reply(stream: &mut RequestStream<H3Stream, Bytes>, reply: Reply) {
+    let mut resp = Response::new(());
+    *resp.status_mut() = reply.status;
+    *resp.headers_mut() = reply.headers;
+    if let Err(e) = stream.send_response(resp).await {
+        tracing::debug!(error = %e, "h3 send_response failed");
+        return;
+    }
+    match reply.body {
+        ReplyBody::Full(b) => {
+            if !b.is_empty() && stream.send_data(b).await.is_err() {
+                return;
+            }
         }
-        match reply.body {
-            ReplyBody::Full(b) => {
-                if !b.is_empty() && stream.send_data(b).await.is_err() {
+        ReplyBody::Stream(mut s) => {
+            while let Some(chunk) = s.next().await {
+                if stream.send_data(chunk).await.is_err() {
+                    // The client went away: dropping `s` cancels the generation.
                     return;
                 }
             }
-            ReplyBody::Stream(mut s) => {
-                while let Some(chunk) = s.next().await {
-                    if stream.send_data(chunk).await.is_err() {
-                        // The client went away: dropping `s` cancels the generation.
-                        return;
-                    }
-                }
-            }
         }
-        let _ = stream.finish().await;
     }
+    let _ = stream.finish().await;
 }

@@ -143,6 +143,8 @@ pub(crate) struct GatewayMetrics {
     output_tokens: AtomicU64,
     input_tokens: AtomicU64,
     in_flight: AtomicU64,
+    /// Generations of other transports (claudelink) counted by `Gateway::count_in_flight`.
+    other_in_flight: AtomicU64,
     connections: Mutex<BTreeMap<Protocol, u64>>,
     reused_requests: AtomicU64,
     total_conn_requests: AtomicU64,
@@ -163,6 +165,7 @@ impl GatewayMetrics {
             output_tokens: AtomicU64::new(0),
             input_tokens: AtomicU64::new(0),
             in_flight: AtomicU64::new(0),
+            other_in_flight: AtomicU64::new(0),
             connections: Mutex::default(),
             reused_requests: AtomicU64::new(0),
             total_conn_requests: AtomicU64::new(0),
@@ -196,8 +199,18 @@ impl GatewayMetrics {
         self.in_flight.fetch_sub(1, Ordering::Relaxed);
     }
 
+    /// Generations in flight: the gateway's own and those of the services wrapped by
+    /// `Gateway::count_in_flight` (claudelink).
     pub(crate) fn in_flight(&self) -> u64 {
-        self.in_flight.load(Ordering::Relaxed)
+        self.in_flight.load(Ordering::Relaxed) + self.other_in_flight.load(Ordering::Relaxed)
+    }
+
+    pub(crate) fn other_started(&self) {
+        self.other_in_flight.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub(crate) fn other_ended(&self) {
+        self.other_in_flight.fetch_sub(1, Ordering::Relaxed);
     }
 
     pub(crate) fn observe_queue(&self, d: Duration) {
@@ -322,7 +335,7 @@ impl GatewayMetrics {
         gauge(
             &mut o,
             "zerolayer_generations_in_flight",
-            "Generation requests in flight at the gateway.",
+            "Generation requests in flight (HTTP and claudelink).",
             self.in_flight() as f64,
         );
         self.ttft.render(

@@ -6,6 +6,12 @@
 //! `GET /v1/models[/{id}]`, `POST /v1/chat/completions` (JSON or `data:` chunks ending in
 //! `[DONE]`), `GET|HEAD /health`, `GET /metrics` (Prometheus text).
 //!
+//! Defences: requests are admitted on their headers (route, method, API key) before any body
+//! byte is read; bodies, prompts (`max_prompt_bytes`) and TCP connections (in all and per
+//! client address) are limited; headers must arrive within `header_read_timeout`; dead TCP
+//! peers are found by keep-alive and `TCP_USER_TIMEOUT`; JSON parsing of large bodies and
+//! tokenization (`count_tokens`) run on tokio's blocking pool, never on a runtime thread.
+//!
 //! Deviation from upstream: `anthropic-version: 2026-10-21` removed `temperature`, `top_p` and
 //! `top_k` (upstream answers 400 when they are sent); this gateway honours them under both
 //! versions, so old and new SDKs (the latter via `extra_body`) can sample.
@@ -15,6 +21,8 @@ mod core;
 mod error;
 mod h3;
 mod ids;
+mod in_flight;
+mod limits;
 mod metrics;
 mod sse;
 mod tcp;

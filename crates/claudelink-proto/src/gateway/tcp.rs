@@ -1,56 +1,100 @@
 //! HTTP/1.1 and HTTP/2 (cleartext, prior knowledge) on TCP with hyper.
+//!
+//! Defences of the listener: connection limits per listener and per client address (refused
+//! connections get a minimal `503` and are closed), a header-read timeout (HTTP/1.1) and a
+//! first-bytes timeout (HTTP/2 preface), HTTP/2 keep-alive PINGs, TCP keep-alive and
+//! `TCP_USER_TIMEOUT` so a vanished peer's connection (and generation) ends within seconds, and
+//! a backed-off, rate-limited log when `accept` fails (EMFILE). Requests are admitted on their
+//! headers; the body is read only for admitted ones.
 
 use std::convert::Infallible;
 use std::future::Future;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use futures::StreamExt;
-use http::header::{ALT_SVC, CONTENT_LENGTH};
+use http::header::{ALT_SVC, CONNECTION, CONTENT_LENGTH, HeaderValue, TRANSFER_ENCODING};
 use http::{Request, Response, Version};
 use http_body_util::combinators::UnsyncBoxBody;
 use http_body_util::{BodyExt, Full, Limited, StreamBody};
 use hyper::body::{Frame, Incoming as HyperBody};
-use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use hyper_util::server::graceful::GracefulShutdown;
-use tokio::net::TcpListener;
+use tokio::io::AsyncWriteExt;
+use tokio::net::{TcpListener, TcpStream};
 
-use super::core::{BodyError, Gateway, Incoming, ReplyBody};
+use super::core::{Admission, BodyError, Gateway, ReplyBody};
+use super::limits::ConnectionLimits;
 use super::metrics::Protocol;
 
 /// The response body type of the TCP transport.
 type Body = UnsyncBoxBody<Bytes, Infallible>;
 
+/// What a refused connection is told before it is closed.
+const REFUSAL: &[u8] =
+    b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n";
+
+/// The longest pause between `accept` attempts after failures (EMFILE and the like).
+const MAX_ACCEPT_BACKOFF: Duration = Duration::from_secs(1);
+
 impl Gateway {
     /// Serves HTTP/1.1 and HTTP/2 (h2c prior knowledge) on `listener` until `shutdown` resolves,
     /// then stops accepting, closes idle connections and waits for in-flight responses (streams
-    /// included) to finish. Bound the wait with a timeout around this future if needed.
+    /// included) to finish. Bound the wait with a timeout around this future if needed, and
+    /// end the streams with [`Gateway::abort_streams`].
+    ///
+    /// Connections beyond `max_connections` (in all) or `max_connections_per_ip` (from one
+    /// address) get a minimal `503` and are closed.
     pub async fn serve_tcp(
         &self,
         listener: TcpListener,
         shutdown: impl Future<Output = ()>,
     ) -> std::io::Result<()> {
+        let cfg = &self.inner.config;
         let graceful = GracefulShutdown::new();
-        let builder = auto::Builder::new(TokioExecutor::new());
+        let mut builder = auto::Builder::new(TokioExecutor::new());
+        builder
+            .http1()
+            .timer(TokioTimer::new())
+            .header_read_timeout(cfg.header_read_timeout);
+        builder
+            .http2()
+            .timer(TokioTimer::new())
+            .keep_alive_interval(cfg.http2_keep_alive)
+            .keep_alive_timeout(cfg.http2_keep_alive);
+        let builder = Arc::new(builder);
+        let limits = ConnectionLimits::new(cfg.max_connections, cfg.max_connections_per_ip);
+        let mut accept_errors = AcceptBackoff::default();
         let mut shutdown = std::pin::pin!(shutdown);
         loop {
             let (stream, peer) = tokio::select! {
                 r = listener.accept() => match r {
                     Ok(x) => x,
                     Err(e) => {
-                        // Per-connection failures (e.g. EMFILE, reset before accept) must not stop
-                        // the server.
-                        tracing::warn!(error = %e, "accept failed");
-                        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
-                        continue;
+                        // Per-connection failures (EMFILE, reset before accept) must not stop
+                        // the server; back off so a descriptor shortage does not spin.
+                        let pause = accept_errors.failed(&e, limits.open_connections());
+                        tokio::select! {
+                            () = tokio::time::sleep(pause) => continue,
+                            () = &mut shutdown => break,
+                        }
                     }
                 },
                 () = &mut shutdown => break,
             };
-            let _ = stream.set_nodelay(true);
+            accept_errors.succeeded();
+            let guard = match limits.admit(peer.ip()) {
+                Ok(g) => g,
+                Err(why) => {
+                    tracing::debug!(%peer, %why, "connection refused");
+                    tokio::spawn(refuse(stream));
+                    continue;
+                }
+            };
+            self.tune_socket(&stream);
             let gw = self.clone();
             let seen = Arc::new(AtomicU64::new(0));
             let svc = hyper::service::service_fn(move |req: Request<HyperBody>| {
@@ -69,12 +113,24 @@ impl Gateway {
                     Ok::<_, Infallible>(gw.serve_hyper(req).await)
                 }
             });
-            let conn = builder
-                .serve_connection(TokioIo::new(stream), svc)
-                .into_owned();
-            let conn = graceful.watch(conn);
+            let first_bytes = cfg.header_read_timeout;
+            let builder = Arc::clone(&builder);
+            let watcher = graceful.watcher();
             tokio::spawn(async move {
-                if let Err(e) = conn.await {
+                let _guard = guard;
+                // hyper's header timeout covers HTTP/1.1 once the protocol is known; this
+                // covers a client that sends nothing at all (the protocol is not known yet).
+                let mut probe = [0u8; 1];
+                match tokio::time::timeout(first_bytes, stream.peek(&mut probe)).await {
+                    Ok(Ok(n)) if n > 0 => {}
+                    Ok(_) => return,
+                    Err(_) => {
+                        tracing::debug!(%peer, "nothing received within the header timeout: closed");
+                        return;
+                    }
+                }
+                let conn = builder.serve_connection(TokioIo::new(stream), svc);
+                if let Err(e) = watcher.watch(conn).await {
                     tracing::debug!(%peer, error = %e, "connection ended with an error");
                 }
             });
@@ -82,6 +138,26 @@ impl Gateway {
         drop(listener);
         graceful.shutdown().await;
         Ok(())
+    }
+
+    /// TCP keep-alive and `TCP_USER_TIMEOUT`: a peer that vanished (no FIN, no RST) is noticed
+    /// within seconds, which ends its connection and so cancels its generation.
+    fn tune_socket(&self, stream: &TcpStream) {
+        let cfg = &self.inner.config;
+        let _ = stream.set_nodelay(true);
+        let sock = socket2::SockRef::from(stream);
+        let idle = cfg.tcp_keepalive.max(Duration::from_secs(1));
+        let keepalive = socket2::TcpKeepalive::new()
+            .with_time(idle)
+            .with_interval(idle.div_f64(2.0).max(Duration::from_secs(1)))
+            .with_retries(3);
+        if let Err(e) = sock.set_tcp_keepalive(&keepalive) {
+            tracing::debug!(error = %e, "setting TCP keep-alive");
+        }
+        #[cfg(any(target_os = "linux", target_os = "android", target_os = "fuchsia"))]
+        if let Err(e) = sock.set_tcp_user_timeout(Some(cfg.tcp_user_timeout)) {
+            tracing::debug!(error = %e, "setting TCP_USER_TIMEOUT");
+        }
     }
 
     async fn serve_hyper(&self, req: Request<HyperBody>) -> Response<Body> {
@@ -92,6 +168,27 @@ impl Gateway {
             Protocol::Http1
         };
         let (parts, body) = req.into_parts();
+        let path = parts
+            .uri
+            .path_and_query()
+            .map_or_else(|| parts.uri.path().to_owned(), |p| p.as_str().to_owned());
+        let admitted = match self.admit(&parts.method, &path, &parts.headers, protocol, received) {
+            Admission::ReadBody(a) => a,
+            Admission::Reply(reply) => {
+                // The body (if any) is never read: an HTTP/1.1 connection cannot be reused.
+                let unread = parts.headers.contains_key(TRANSFER_ENCODING)
+                    || parts
+                        .headers
+                        .get(CONTENT_LENGTH)
+                        .is_some_and(|v| v.as_bytes() != b"0");
+                let mut resp = self.hyper_response(reply.status, reply.headers, reply.body);
+                if unread && protocol == Protocol::Http1 {
+                    resp.headers_mut()
+                        .insert(CONNECTION, HeaderValue::from_static("close"));
+                }
+                return resp;
+            }
+        };
         let limit = self.inner.config.max_body_bytes;
         let declared = parts
             .headers
@@ -115,31 +212,89 @@ impl Gateway {
                 Ok(Err(e)) => Err(BodyError::Transport(e.to_string())),
             }
         };
-        let path = parts
-            .uri
-            .path_and_query()
-            .map_or_else(|| parts.uri.path().to_owned(), |p| p.as_str().to_owned());
-        let incoming = Incoming {
-            method: parts.method,
-            path,
-            headers: parts.headers,
-            body,
-            protocol,
-            received,
-        };
-        let reply = self.handle(incoming).await;
-        let body: Body = match reply.body {
+        let reply = self.respond(admitted, body).await;
+        self.hyper_response(reply.status, reply.headers, reply.body)
+    }
+
+    fn hyper_response(
+        &self,
+        status: http::StatusCode,
+        headers: http::HeaderMap,
+        body: ReplyBody,
+    ) -> Response<Body> {
+        let body: Body = match body {
             ReplyBody::Full(b) => Full::new(b).boxed_unsync(),
             ReplyBody::Stream(s) => {
                 StreamBody::new(s.map(|b| Ok::<_, Infallible>(Frame::data(b)))).boxed_unsync()
             }
         };
         let mut resp = Response::new(body);
-        *resp.status_mut() = reply.status;
-        *resp.headers_mut() = reply.headers;
+        *resp.status_mut() = status;
+        *resp.headers_mut() = headers;
         if let Some(v) = self.alt_svc() {
             resp.headers_mut().insert(ALT_SVC, v);
         }
         resp
+    }
+}
+
+/// Tells a refused connection why (best effort, bounded) and closes it.
+async fn refuse(mut stream: TcpStream) {
+    let _ = tokio::time::timeout(Duration::from_secs(1), async {
+        let _ = stream.write_all(REFUSAL).await;
+        let _ = stream.shutdown().await;
+    })
+    .await;
+}
+
+/// Backs off `accept` after failures and logs them at most once a second.
+#[derive(Debug, Default)]
+struct AcceptBackoff {
+    pause: Duration,
+    suppressed: u64,
+    last_log: Option<Instant>,
+}
+
+impl AcceptBackoff {
+    /// Records a failure; returns how long to wait before the next `accept`.
+    fn failed(&mut self, e: &std::io::Error, open: usize) -> Duration {
+        self.pause = (self.pause * 2).clamp(Duration::from_millis(10), MAX_ACCEPT_BACKOFF);
+        let now = Instant::now();
+        if self
+            .last_log
+            .is_none_or(|t| now.duration_since(t) >= Duration::from_secs(1))
+        {
+            tracing::warn!(error = %e, open_connections = open, suppressed = self.suppressed,
+                pause_ms = self.pause.as_millis() as u64, "accept failed");
+            self.last_log = Some(now);
+            self.suppressed = 0;
+        } else {
+            self.suppressed += 1;
+        }
+        self.pause
+    }
+
+    fn succeeded(&mut self) {
+        self.pause = Duration::ZERO;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn accept_failures_back_off_to_a_second_and_reset_on_success() {
+        let mut b = AcceptBackoff::default();
+        let emfile = std::io::Error::from_raw_os_error(24);
+        let pauses: Vec<Duration> = (0..10).map(|_| b.failed(&emfile, 1000)).collect();
+        assert_eq!(pauses[0], Duration::from_millis(10));
+        assert_eq!(pauses[1], Duration::from_millis(20));
+        assert!(pauses.windows(2).all(|w| w[0] <= w[1]), "{pauses:?}");
+        assert_eq!(*pauses.last().unwrap(), MAX_ACCEPT_BACKOFF);
+        // Only the first failure of this burst was logged; the rest were counted.
+        assert_eq!(b.suppressed, 9);
+        b.succeeded();
+        assert_eq!(b.failed(&emfile, 0), Duration::from_millis(10));
     }
 }

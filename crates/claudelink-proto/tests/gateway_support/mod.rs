@@ -16,7 +16,8 @@ use serde_json::Value;
 /// Tokens are whitespace-separated words. The answer repeats the last user turn's words (cycling)
 /// for as many tokens as that turn has, then ends the turn. Magic words in the last user turn:
 /// `OVERLOAD` (refused with `Overloaded`), `FAILMID` (error after two deltas), `SLOW` (20 ms per
-/// token, and the answer runs until `max_tokens`), `SILENT` (never emits an event).
+/// token, and the answer runs until `max_tokens`), `SILENT` (never emits an event),
+/// `SLOWCOUNT` (`count_tokens` blocks its thread for 2 s, like tokenizing a huge prompt).
 #[derive(Debug, Default)]
 pub struct WordService {
     pub not_ready: AtomicBool,
@@ -24,6 +25,8 @@ pub struct WordService {
     pub cancelled: Arc<AtomicU64>,
     pub finished: Arc<AtomicU64>,
     pub context: u32,
+    /// Calls of `count_tokens`.
+    pub count_calls: AtomicU64,
 }
 
 impl WordService {
@@ -184,7 +187,12 @@ impl InferenceService for WordService {
     }
 
     fn count_tokens(&self, prompt: &Prompt) -> Result<u32, ServiceError> {
-        Ok(words(prompt).0)
+        self.count_calls.fetch_add(1, Ordering::SeqCst);
+        let (n, last) = words(prompt);
+        if last.iter().any(|w| w == "SLOWCOUNT") {
+            std::thread::sleep(Duration::from_secs(2));
+        }
+        Ok(n)
     }
 
     fn models(&self) -> Vec<ModelInfo> {
@@ -215,6 +223,7 @@ pub struct TestServer {
     pub gateway: Gateway,
     pub service: Arc<WordService>,
     shutdown: Option<tokio::sync::oneshot::Sender<()>>,
+    runtime: Option<tokio::runtime::Runtime>,
 }
 
 impl TestServer {
@@ -240,6 +249,42 @@ impl TestServer {
             gateway,
             service,
             shutdown: Some(tx),
+            runtime: None,
+        }
+    }
+
+    /// Like [`TestServer::start_with`], but the gateway runs on a runtime of its own with
+    /// `workers` threads, so a blocked server thread cannot stall the test's client.
+    pub fn start_isolated(
+        service: Arc<WordService>,
+        config: GatewayConfig,
+        workers: usize,
+    ) -> Self {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(workers)
+            .enable_all()
+            .build()
+            .unwrap();
+        let listener = rt
+            .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
+            .unwrap();
+        let addr = listener.local_addr().unwrap();
+        let gateway = Gateway::new(service.clone(), config);
+        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+        let gw = gateway.clone();
+        rt.spawn(async move {
+            let _ = gw
+                .serve_tcp(listener, async {
+                    let _ = rx.await;
+                })
+                .await;
+        });
+        Self {
+            addr,
+            gateway,
+            service,
+            shutdown: Some(tx),
+            runtime: Some(rt),
         }
     }
 
@@ -263,6 +308,9 @@ impl Drop for TestServer {
     fn drop(&mut self) {
         if let Some(tx) = self.shutdown.take() {
             let _ = tx.send(());
+        }
+        if let Some(rt) = self.runtime.take() {
+            rt.shutdown_background();
         }
     }
 }
