@@ -571,9 +571,21 @@ impl Server {
         self.shared.abort.send_replace(true);
     }
 
-    /// Stops accepting, closes every connection and waits until they are gone.
+    /// Stops accepting, closes every connection and waits until they are gone. Request
+    /// streams still ending (e.g. after [`Server::abort_streams`]) get up to one second to
+    /// send their last frames first.
     pub async fn shutdown(self) {
         self.accept.abort();
+        let flush = Instant::now() + Duration::from_secs(1);
+        while self.shared.counters.active_streams.load(Ordering::Relaxed) > 0
+            && Instant::now() < flush
+        {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        if self.shared.abort.borrow().to_owned() {
+            // The ERROR frames were handed to QUIC; give them a moment on the wire.
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
         self.endpoint
             .close(VarInt::from_u32(0), b"server shutting down");
         self.endpoint.wait_idle().await;

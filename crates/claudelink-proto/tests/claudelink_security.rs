@@ -448,6 +448,61 @@ async fn zero_rtt_works_for_an_authenticated_client() {
     assert_eq!(svc.clients(), vec![Some(key_label(KEY)); 2]);
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rejected_0rtt_resends_auth_and_the_retried_request_is_served() {
+    let identity = Identity::self_signed(&["localhost"]).unwrap();
+    let svc = Recorder::new(Some(1), Duration::ZERO);
+    let cfg = || ServerConfig::new(identity.clone()).api_keys(keys());
+    let a = Server::bind("127.0.0.1:0".parse().unwrap(), cfg(), svc.clone()).unwrap();
+    let addr = a.local_addr();
+    let c = Client::new(ClientConfig::new(Trust::Pinned(a.fingerprint())).api_key(KEY)).unwrap();
+    let first = c.connect(addr).await.unwrap();
+    first
+        .request(&req("m", 1))
+        .await
+        .unwrap()
+        .collect_all()
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    first.close();
+    a.shutdown().await;
+    // The same identity restarted on the same port: it knows none of the old tickets.
+    // (The old socket closes once the old server's tasks have dropped their endpoint handles.)
+    let mut b = None;
+    for _ in 0..200 {
+        if let Ok(s) = Server::bind(addr, cfg(), svc.clone()) {
+            b = Some(s);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let b = b.expect("the port is free again");
+    let second = c.connect(addr).await.unwrap();
+    assert!(second.zero_rtt_attempted());
+    let early = second
+        .request(&req("m", 1))
+        .await
+        .unwrap()
+        .collect_all()
+        .await;
+    assert!(
+        matches!(early, Err(StreamError::ZeroRttRejected)),
+        "{early:?}"
+    );
+    assert_eq!(second.zero_rtt_accepted().await, Some(false));
+    let retried = second
+        .request(&req("m", 1))
+        .await
+        .unwrap()
+        .collect_all()
+        .await;
+    assert_eq!(retried.unwrap().len(), 3);
+    assert!(!second.is_closed());
+    assert_eq!(svc.clients(), vec![Some(key_label(KEY)); 2]);
+    assert_eq!(b.stats().unauthenticated, 0);
+}
+
 /// What the relay does with datagrams from the client.
 const FORWARD: u8 = 0;
 const BLACK_HOLE: u8 = 1;
