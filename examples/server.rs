@@ -19,7 +19,7 @@ use clap::{Parser, ValueEnum};
 use weight_cache::{CacheConfig, WarmupStrategy, WeightCache};
 use zerolayer::EngineService;
 use zerolayer::claudelink_proto::{
-    Gateway, GatewayConfig, H3_ALPN, Identity, InferenceService, Server, ServerConfig,
+    ApiKeys, Gateway, GatewayConfig, H3_ALPN, Identity, InferenceService, Server, ServerConfig,
 };
 use zerolayer::gpu_pipeline::ModelOptions;
 use zerolayer::gpu_pipeline::engine::EngineConfig;
@@ -172,6 +172,9 @@ async fn main() -> anyhow::Result<()> {
     let gateway = Gateway::new(service.clone(), config);
 
     let quic_config = ServerConfig::new(identity)
+        .api_keys(ApiKeys::new(
+            args.api_keys.iter().map(|k| k.trim().to_owned()),
+        ))
         .max_concurrent_streams(args.max_streams)
         .alpn_handler(H3_ALPN, Arc::new(gateway.h3_handler()));
     let quic = Server::bind(args.quic_listen, quic_config, service.clone())
@@ -225,12 +228,13 @@ async fn main() -> anyhow::Result<()> {
     );
     drain.start_draining();
     let _ = stop_tcp.send(());
-    quic.goaway_all(None, 1000);
+    quic.start_draining();
     let deadline = Instant::now() + Duration::from_secs(args.drain_secs);
-    while drain.in_flight() > 0 && Instant::now() < deadline {
+    while (drain.in_flight() > 0 || quic.stats().active_streams > 0) && Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     let _ = tokio::time::timeout(deadline.saturating_duration_since(Instant::now()), http).await;
+    quic.abort_streams();
     quic.shutdown().await;
     // The access profile recorded while serving drives the next start's deterministic warm-up.
     if let Some(cache) = engine.weight_cache().filter(|c| c.stats().touches > 0) {
