@@ -955,6 +955,8 @@ async fn await_gate(ctx: &ConnCtx, abort: &mut watch::Receiver<bool>) -> Option<
     }
 }
 
+/// Serves one request stream, in stages: admission (GOAWAY, drain, authentication), reading
+/// the REQUEST, submitting it (or refusing it), then streaming the service's events.
 async fn serve_stream(ctx: Arc<ConnCtx>, mut send: quinn::SendStream, mut recv: quinn::RecvStream) {
     let sid = u64::from(send.id());
     let counters = &ctx.shared.counters;
@@ -973,204 +975,268 @@ async fn serve_stream(ctx: Arc<ConnCtx>, mut send: quinn::SendStream, mut recv: 
     ctx.active.fetch_add(1, Ordering::Relaxed);
     counters.active_streams.fetch_add(1, Ordering::Relaxed);
     let _guard = ActiveGuard(&ctx);
-    let cfg = &ctx.shared.cfg;
-    let mut ss = ServerStream::new(sid, cfg.max_frame_size);
-    let mut budget = Budget { ctx: &ctx, held: 0 };
+    let mut stream = StreamTask {
+        ctx: &ctx,
+        ss: ServerStream::new(sid, ctx.shared.cfg.max_frame_size),
+        send,
+        recv,
+        abort,
+        recv_done: false,
+        events: None,
+        aborted: false,
+    };
+    let Some((mut request, stream_buffer_size)) = stream.read_request().await else {
+        return;
+    };
+    request.client = client.as_deref().map(str::to_owned);
+    stream.submit(request);
+    stream.stream_events(stream_buffer_size).await;
+}
 
-    // Phase 1: read the REQUEST frame.
-    let mut recv_done = false;
-    let (mut request, sbs) = loop {
-        tokio::select! {
-            biased;
-            _ = abort.wait_for(|a| *a) => ss.shutting_down(),
-            r = recv.read_chunk(64 << 10, true) => match r {
-                Ok(Some(chunk)) => {
-                    if !budget.take(chunk.bytes.len()) {
-                        abort_stream(&mut send, &mut recv, AppErrorCode::ExcessiveLoad);
+/// One request stream being served (after admission).
+struct StreamTask<'a> {
+    ctx: &'a ConnCtx,
+    ss: ServerStream,
+    send: quinn::SendStream,
+    recv: quinn::RecvStream,
+    abort: watch::Receiver<bool>,
+    /// The client finished its send side.
+    recv_done: bool,
+    /// The service's events; dropping them cancels the work.
+    events: Option<EventStream>,
+    /// [`Server::abort_streams`] ended this stream.
+    aborted: bool,
+}
+
+impl StreamTask<'_> {
+    fn counters(&self) -> &Counters {
+        &self.ctx.shared.counters
+    }
+
+    /// Reads the REQUEST frame within the connection's request budget; `None` when the stream
+    /// ended instead (reset, violation, shutdown), already handled.
+    async fn read_request(&mut self) -> Option<(crate::service::InferenceRequest, u32)> {
+        let mut budget = Budget {
+            ctx: self.ctx,
+            held: 0,
+        };
+        loop {
+            tokio::select! {
+                biased;
+                _ = self.abort.wait_for(|a| *a) => self.ss.shutting_down(),
+                r = self.recv.read_chunk(64 << 10, true) => match r {
+                    Ok(Some(chunk)) => {
+                        if !budget.take(chunk.bytes.len()) {
+                            abort_stream(&mut self.send, &mut self.recv, AppErrorCode::ExcessiveLoad);
+                            return None;
+                        }
+                        self.ss.recv(&chunk.bytes, false);
+                    }
+                    Ok(None) => {
+                        self.recv_done = true;
+                        self.ss.recv(&[], true);
+                    }
+                    Err(_) => {
+                        self.ss.peer_aborted();
+                        return None;
+                    }
+                },
+            }
+            match self.ss.poll_action() {
+                None => continue,
+                Some(ServerStreamAction::Submit {
+                    request,
+                    stream_buffer_size,
+                }) => return Some((request, stream_buffer_size)),
+                Some(ServerStreamAction::Abort(c)) => {
+                    let counter = if c == AppErrorCode::Refused {
+                        &self.counters().refused
+                    } else {
+                        &self.counters().protocol_errors
+                    };
+                    counter.fetch_add(1, Ordering::Relaxed);
+                    abort_stream(&mut self.send, &mut self.recv, c);
+                    return None;
+                }
+                Some(_) => return None,
+            }
+        }
+    }
+
+    /// Hands the request to the service, or refuses it (`not_found` for an unknown model, the
+    /// service's own refusal).
+    fn submit(&mut self, request: crate::service::InferenceRequest) {
+        let shared = &self.ctx.shared;
+        let unknown = if shared.cfg.accept_any_model {
+            None
+        } else {
+            unknown_model(&shared.service.models(), &request.model)
+        };
+        if let Some(msg) = unknown {
+            self.counters()
+                .unknown_model
+                .fetch_add(1, Ordering::Relaxed);
+            self.ss.reject(ErrorCode::NotFound, &msg);
+            return;
+        }
+        self.counters().requests.fetch_add(1, Ordering::Relaxed);
+        match shared.service.submit(request) {
+            Ok(ev) => self.events = Some(ev),
+            Err(e) => self.ss.submit_failed(&e),
+        }
+    }
+
+    /// Cancels the work because the server is shutting down; the state machine queues the
+    /// ERROR `shutting_down` frame.
+    fn shut_down(&mut self) {
+        self.aborted = true;
+        self.counters().aborted.fetch_add(1, Ordering::Relaxed);
+        self.events = None;
+        self.ss.shutting_down();
+    }
+
+    /// Writes `out` within the send timeout. Returns `false` when the stream ended (the client
+    /// went away or did not read), already handled. A shutdown during the write cancels the
+    /// work at once; the ERROR frame follows the bytes being written.
+    async fn write(&mut self, out: &[u8]) -> bool {
+        let ctx: &ConnCtx = self.ctx;
+        let counters = &ctx.shared.counters;
+        let timeout = ctx.shared.cfg.send_timeout;
+        let written = {
+            let write = tokio::time::timeout(timeout, self.send.write_all(out));
+            tokio::pin!(write);
+            loop {
+                tokio::select! {
+                    r = &mut write => break r.map(|r| r.is_ok()),
+                    _ = self.abort.wait_for(|a| *a), if !self.aborted && self.events.is_some() => {
+                        self.aborted = true;
+                        counters.aborted.fetch_add(1, Ordering::Relaxed);
+                        self.events = None;
+                        self.ss.shutting_down();
+                    }
+                }
+            }
+        };
+        match written {
+            Ok(true) => true,
+            Ok(false) => {
+                // The client stopped reading the stream (it dropped the request) or the
+                // connection is gone.
+                if self.events.take().is_some() {
+                    counters.cancelled.fetch_add(1, Ordering::Relaxed);
+                }
+                false
+            }
+            Err(_) => {
+                counters.slow_readers.fetch_add(1, Ordering::Relaxed);
+                drop(self.events.take());
+                abort_stream(&mut self.send, &mut self.recv, AppErrorCode::SlowReader);
+                false
+            }
+        }
+    }
+
+    /// Streams the service's events to the client until the terminal frame, a cancellation or
+    /// a shutdown.
+    async fn stream_events(mut self, stream_buffer_size: u32) {
+        let ctx: &ConnCtx = self.ctx;
+        let counters = &ctx.shared.counters;
+        let cfg = &ctx.shared.cfg;
+        // Coalesce ready events into writes of at most the client's stream buffer size.
+        let coalesce =
+            (stream_buffer_size as usize).clamp(1024, cfg.stream_buffer_size.max(1024) as usize);
+        let stopped = self.send.stopped();
+        tokio::pin!(stopped);
+        let mut out: Vec<u8> = Vec::new();
+        let mut scratch = [0u8; 256];
+        loop {
+            // Carry out queued actions.
+            let mut finish = false;
+            while let Some(a) = self.ss.poll_action() {
+                match a {
+                    ServerStreamAction::Send(b) => {
+                        if out.is_empty() {
+                            out = b;
+                        } else {
+                            out.extend_from_slice(&b);
+                        }
+                    }
+                    ServerStreamAction::Finish => finish = true,
+                    ServerStreamAction::Cancel => self.events = None,
+                    ServerStreamAction::Abort(c) => {
+                        counters.protocol_errors.fetch_add(1, Ordering::Relaxed);
+                        if self.events.take().is_some() {
+                            counters.cancelled.fetch_add(1, Ordering::Relaxed);
+                        }
+                        abort_stream(&mut self.send, &mut self.recv, c);
                         return;
                     }
-                    ss.recv(&chunk.bytes, false);
+                    ServerStreamAction::Submit { .. } => {}
                 }
-                Ok(None) => {
-                    recv_done = true;
-                    ss.recv(&[], true);
-                }
-                Err(_) => {
-                    ss.peer_aborted();
-                    return;
-                }
-            },
-        }
-        match ss.poll_action() {
-            None => continue,
-            Some(ServerStreamAction::Submit {
-                request,
-                stream_buffer_size,
-            }) => break (request, stream_buffer_size),
-            Some(ServerStreamAction::Abort(AppErrorCode::Refused)) => {
-                counters.refused.fetch_add(1, Ordering::Relaxed);
-                abort_stream(&mut send, &mut recv, AppErrorCode::Refused);
-                return;
             }
-            Some(ServerStreamAction::Abort(c)) => {
-                counters.protocol_errors.fetch_add(1, Ordering::Relaxed);
-                abort_stream(&mut send, &mut recv, c);
-                return;
-            }
-            Some(_) => return,
-        }
-    };
-    budget.release();
-    request.client = client.as_deref().map(str::to_owned);
-    // Coalesce ready events into writes of at most the client's stream buffer size.
-    let coalesce = (sbs as usize).clamp(1024, cfg.stream_buffer_size.max(1024) as usize);
-
-    let unknown = if cfg.accept_any_model {
-        None
-    } else {
-        unknown_model(&ctx.shared.service.models(), &request.model)
-    };
-    let mut events: Option<EventStream> = if let Some(msg) = unknown {
-        counters.unknown_model.fetch_add(1, Ordering::Relaxed);
-        ss.reject(ErrorCode::NotFound, &msg);
-        None
-    } else {
-        counters.requests.fetch_add(1, Ordering::Relaxed);
-        match ctx.shared.service.submit(request) {
-            Ok(ev) => Some(ev),
-            Err(e) => {
-                ss.submit_failed(&e);
-                None
-            }
-        }
-    };
-    let stopped = send.stopped();
-    tokio::pin!(stopped);
-    let mut out: Vec<u8> = Vec::new();
-    let mut scratch = [0u8; 256];
-    let mut aborted = false;
-    loop {
-        // Carry out queued actions.
-        let mut finish = false;
-        while let Some(a) = ss.poll_action() {
-            match a {
-                ServerStreamAction::Send(b) => {
-                    if out.is_empty() {
-                        out = b;
-                    } else {
-                        out.extend_from_slice(&b);
-                    }
-                }
-                ServerStreamAction::Finish => finish = true,
-                ServerStreamAction::Cancel => {
-                    events = None;
-                }
-                ServerStreamAction::Abort(c) => {
-                    counters.protocol_errors.fetch_add(1, Ordering::Relaxed);
-                    if events.take().is_some() {
-                        counters.cancelled.fetch_add(1, Ordering::Relaxed);
-                    }
-                    abort_stream(&mut send, &mut recv, c);
-                    return;
-                }
-                ServerStreamAction::Submit { .. } => {}
-            }
-        }
-        // Pull more ready events before writing, up to the coalescing size.
-        if !finish && out.len() < coalesce {
-            if let Some(ev) = events.as_mut() {
+            // Pull more ready events before writing, up to the coalescing size.
+            if !finish
+                && out.len() < coalesce
+                && let Some(ev) = self.events.as_mut()
+            {
                 match ev.next().now_or_never() {
                     Some(Some(e)) => {
-                        ss.event(&e);
+                        self.ss.event(&e);
                         continue;
                     }
                     Some(None) => {
-                        ss.events_ended();
+                        self.ss.events_ended();
                         continue;
                     }
                     None => {}
                 }
             }
-        }
-        if !out.is_empty() {
-            let mut aborted_in_write = false;
-            let written = {
-                let write = tokio::time::timeout(cfg.send_timeout, send.write_all(&out));
-                tokio::pin!(write);
-                loop {
-                    tokio::select! {
-                        r = &mut write => break r.map(|r| r.is_ok()),
-                        // The drain deadline passed while the client is slow to read: cancel the
-                        // work now; the ERROR frame follows the bytes already being written.
-                        _ = abort.wait_for(|a| *a), if !aborted && events.is_some() => {
-                            aborted = true;
-                            aborted_in_write = true;
-                            counters.aborted.fetch_add(1, Ordering::Relaxed);
-                            events = None;
-                            ss.shutting_down();
-                        }
-                    }
-                }
-            };
-            match written {
-                Ok(true) => out.clear(),
-                Ok(false) => {
-                    // The client stopped reading the stream (it dropped the request) or the
-                    // connection is gone.
-                    if events.take().is_some() {
-                        counters.cancelled.fetch_add(1, Ordering::Relaxed);
-                    }
+            if !out.is_empty() {
+                let was_aborted = self.aborted;
+                if !self.write(&out).await {
                     return;
                 }
-                Err(_) => {
-                    counters.slow_readers.fetch_add(1, Ordering::Relaxed);
-                    drop(events.take());
-                    abort_stream(&mut send, &mut recv, AppErrorCode::SlowReader);
-                    return;
+                out.clear();
+                if self.aborted && !was_aborted {
+                    // Send the ERROR frame queued by the shutdown.
+                    continue;
                 }
             }
-            if aborted_in_write {
-                // Send the ERROR frame queued by `shutting_down`.
-                continue;
-            }
-        }
-        if finish {
-            let _ = send.finish();
-            return;
-        }
-        let Some(ev) = events.as_mut() else {
-            return;
-        };
-        let mut abort_now = false;
-        tokio::select! {
-            biased;
-            _ = &mut stopped => {
-                // STOP_SENDING, or the connection is gone (closed, or the peer timed out).
-                ss.peer_aborted();
-                counters.cancelled.fetch_add(1, Ordering::Relaxed);
+            if finish {
+                let _ = self.send.finish();
                 return;
             }
-            _ = abort.wait_for(|a| *a), if !aborted => abort_now = true,
-            r = recv.read(&mut scratch), if !recv_done => match r {
-                Ok(None) => recv_done = true,
-                Ok(Some(n)) => ss.recv(&scratch[..n], false),
-                Err(_) => {
-                    // The client reset its send side: it cancelled.
-                    ss.peer_aborted();
+            let Some(ev) = self.events.as_mut() else {
+                return;
+            };
+            let mut shut_down = false;
+            tokio::select! {
+                biased;
+                _ = &mut stopped => {
+                    // STOP_SENDING, or the connection is gone (closed, or the peer timed out).
+                    self.ss.peer_aborted();
                     counters.cancelled.fetch_add(1, Ordering::Relaxed);
                     return;
                 }
-            },
-            e = ev.next() => match e {
-                Some(e) => ss.event(&e),
-                None => ss.events_ended(),
-            },
-        }
-        if abort_now {
-            aborted = true;
-            counters.aborted.fetch_add(1, Ordering::Relaxed);
-            events = None;
-            ss.shutting_down();
+                _ = self.abort.wait_for(|a| *a), if !self.aborted => shut_down = true,
+                r = self.recv.read(&mut scratch), if !self.recv_done => match r {
+                    Ok(None) => self.recv_done = true,
+                    Ok(Some(n)) => self.ss.recv(&scratch[..n], false),
+                    Err(_) => {
+                        // The client reset its send side: it cancelled.
+                        self.ss.peer_aborted();
+                        counters.cancelled.fetch_add(1, Ordering::Relaxed);
+                        return;
+                    }
+                },
+                e = ev.next() => match e {
+                    Some(e) => self.ss.event(&e),
+                    None => self.ss.events_ended(),
+                },
+            }
+            if shut_down {
+                self.shut_down();
+            }
         }
     }
 }
