@@ -338,10 +338,23 @@ impl Client {
             tokio::spawn(async move {
                 let ok = accepted.await;
                 if !ok {
-                    // The server dropped all early data, our AUTH included: send it again on
-                    // a new control stream before anyone retries a request.
-                    *inner.control.lock().await = None;
-                    inner.send_auth().await;
+                    // The server dropped all early data. If our control stream (and AUTH) was
+                    // part of it, open a new one and send AUTH again; if the handshake was
+                    // already over when it was opened, it went in 1-RTT data and stands (a
+                    // second control stream would be a protocol violation).
+                    let mut ctl = inner.control.lock().await;
+                    let lost = match ctl.as_mut() {
+                        Some(s) => matches!(
+                            futures::FutureExt::now_or_never(s.write(&[])),
+                            Some(Err(quinn::WriteError::ZeroRttRejected))
+                        ),
+                        None => true,
+                    };
+                    if lost {
+                        *ctl = None;
+                        drop(ctl);
+                        inner.send_auth().await;
+                    }
                 }
                 let _ = zr_tx.send(Some(ok));
             });

@@ -149,7 +149,9 @@ impl ServerConfig {
         self
     }
 
-    /// Most connections from one IP address; further attempts from it are refused.
+    /// Most connections from one IP address; further attempts from it are refused. Once half
+    /// of this (or of [`ServerConfig::max_connections`]) is in use, new clients must first
+    /// validate their address with a QUIC Retry, so spoofed addresses cannot use up the limits.
     pub fn max_connections_per_ip(mut self, n: usize) -> Self {
         self.max_connections_per_ip = n;
         self
@@ -361,6 +363,14 @@ struct ConnSlot {
 }
 
 impl ConnSlot {
+    /// Whether half of the total or of `ip`'s limit is in use.
+    fn under_pressure(shared: &Shared, ip: IpAddr) -> bool {
+        let a = shared.admission.lock().unwrap_or_else(|e| e.into_inner());
+        let n = a.per_ip.get(&ip.to_canonical()).copied().unwrap_or(0);
+        a.total >= shared.cfg.max_connections.div_ceil(2)
+            || n >= shared.cfg.max_connections_per_ip.div_ceil(2)
+    }
+
     fn admit(shared: &Arc<Shared>, ip: IpAddr) -> Option<Self> {
         let ip = ip.to_canonical();
         let mut a = shared.admission.lock().unwrap_or_else(|e| e.into_inner());
@@ -600,6 +610,15 @@ impl Drop for Server {
 
 async fn accept_loop(endpoint: quinn::Endpoint, shared: Arc<Shared>) {
     while let Some(incoming) = endpoint.accept().await {
+        // Under pressure (half a limit used), a client must first prove it owns its address
+        // (a QUIC Retry round trip), so that spoofed source addresses cannot fill the limits.
+        if !incoming.remote_address_validated()
+            && incoming.may_retry()
+            && ConnSlot::under_pressure(&shared, incoming.remote_address().ip())
+        {
+            let _ = incoming.retry();
+            continue;
+        }
         let slot = if shared.draining.load(Ordering::Acquire) {
             None
         } else {
@@ -632,14 +651,24 @@ async fn accept_loop(endpoint: quinn::Endpoint, shared: Arc<Shared>) {
             match protocol.as_deref() {
                 Some(p) if p == ALPN => {
                     // 0.5-RTT: requests sent in the client's 0-RTT data are served at once.
+                    let (handshake_tx, handshake) = watch::channel(false);
                     let conn = match connecting.into_0rtt() {
-                        Ok((conn, _)) => conn,
+                        Ok((conn, established)) => {
+                            tokio::spawn(async move {
+                                established.await;
+                                handshake_tx.send_replace(true);
+                            });
+                            conn
+                        }
                         Err(connecting) => match connecting.await {
-                            Ok(c) => c,
+                            Ok(c) => {
+                                handshake_tx.send_replace(true);
+                                c
+                            }
                             Err(_) => return,
                         },
                     };
-                    serve_connection(conn, shared).await;
+                    serve_connection(conn, handshake, shared).await;
                 }
                 Some(p) => {
                     let handler = shared
@@ -693,6 +722,8 @@ struct ConnCtx {
     budget: AtomicUsize,
     last_stream_id: AtomicU64,
     gate: watch::Sender<Gate>,
+    /// Whether the TLS handshake completed (the connection may be served from 0.5-RTT on).
+    handshake: watch::Receiver<bool>,
     /// When the connection last had a request stream starting or running (for
     /// `connection_ttl`).
     last_active: Mutex<Instant>,
@@ -737,6 +768,15 @@ impl ConnCtx {
                         .counters
                         .unauthenticated
                         .fetch_add(1, Ordering::Relaxed);
+                    // Before the handshake completes, QUIC can only send the close in
+                    // Initial/Handshake packets, which carry no application code (RFC 9000
+                    // section 10.2.3): wait for it (bounded), so the client learns why.
+                    let mut handshake = self.handshake.clone();
+                    let _ = tokio::time::timeout(
+                        Duration::from_secs(2),
+                        handshake.wait_for(|done| *done),
+                    )
+                    .await;
                     tracing::debug!(remote = %self.conn.remote_address(), "claudelink connection failed to authenticate");
                     self.conn
                         .close(code(AppErrorCode::Unauthenticated), b"unauthenticated");
@@ -768,7 +808,11 @@ impl ConnCtx {
     }
 }
 
-async fn serve_connection(conn: quinn::Connection, shared: Arc<Shared>) {
+async fn serve_connection(
+    conn: quinn::Connection,
+    handshake: watch::Receiver<bool>,
+    shared: Arc<Shared>,
+) {
     let id = conn.stable_id();
     let (tx, mut rx) = mpsc::unbounded_channel();
     let active = Arc::new(AtomicU32::new(0));
@@ -801,6 +845,7 @@ async fn serve_connection(conn: quinn::Connection, shared: Arc<Shared>) {
         budget: AtomicUsize::new(cfg.request_budget),
         last_stream_id: AtomicU64::new(0),
         gate: watch::Sender::new(gate),
+        handshake,
         last_active: Mutex::new(Instant::now()),
         shared: shared.clone(),
     });

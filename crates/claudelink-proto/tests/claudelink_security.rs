@@ -480,17 +480,23 @@ async fn rejected_0rtt_resends_auth_and_the_retried_request_is_served() {
     let b = b.expect("the port is free again");
     let second = c.connect(addr).await.unwrap();
     assert!(second.zero_rtt_attempted());
+    // Sent in early data, the request is not processed; if the handshake was already over
+    // when it was opened (a loaded machine), it went in 1-RTT data and is served.
     let early = second
         .request(&req("m", 1))
         .await
         .unwrap()
         .collect_all()
         .await;
-    assert!(
-        matches!(early, Err(StreamError::ZeroRttRejected)),
-        "{early:?}"
-    );
+    let served_early = match early {
+        Err(StreamError::ZeroRttRejected) => 0,
+        Ok(ev) if ev.len() == 3 => 1,
+        other => panic!("{other:?}"),
+    };
     assert_eq!(second.zero_rtt_accepted().await, Some(false));
+    // Served only if the client sent AUTH again when its first one was in the dropped early
+    // data (else this waits for the AUTH deadline and fails UNAUTHENTICATED), and did not open
+    // a second control stream when it was not (PROTOCOL_ERROR).
     let retried = second
         .request(&req("m", 1))
         .await
@@ -499,8 +505,9 @@ async fn rejected_0rtt_resends_auth_and_the_retried_request_is_served() {
         .await;
     assert_eq!(retried.unwrap().len(), 3);
     assert!(!second.is_closed());
-    assert_eq!(svc.clients(), vec![Some(key_label(KEY)); 2]);
+    assert_eq!(svc.clients(), vec![Some(key_label(KEY)); 2 + served_early]);
     assert_eq!(b.stats().unauthenticated, 0);
+    assert_eq!(b.stats().protocol_errors, 0);
 }
 
 /// What the relay does with datagrams from the client.
