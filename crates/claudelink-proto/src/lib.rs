@@ -7,7 +7,7 @@
 //!
 //! A binary protocol on QUIC + TLS 1.3 (quinn, rustls): one bidirectional stream per request, a
 //! REQUEST frame up, STARTED / DELTA* / FINISHED|ERROR frames down, and a control stream for
-//! PING/PONG health and GOAWAY. The frame codec ([`decode_frame`], [`Frame`]) and the state
+//! AUTH (the API key, first), PING/PONG health and GOAWAY. The frame codec ([`decode_frame`], [`Frame`]) and the state
 //! machines ([`ServerStream`], [`ClientStream`], [`ConnectionState`]) are sans-IO; [`Server`],
 //! [`Client`], [`Connection`] and [`Pool`] are the thin quinn shell. The wire format is specified
 //! in `docs/claudelink.md`. Use it when a client talks to the engine often: after one handshake

@@ -765,6 +765,7 @@ async fn connection_ttl_closes_connections_without_streams() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn connections_over_the_per_ip_limit_are_refused() {
     let svc = Recorder::new(Some(1), Duration::ZERO);
+    // (With a limit of 2, the second and later connections also go through a QUIC Retry.)
     let server = start(svc.clone(), |c| c.max_connections_per_ip(2));
     let c = client_with(&server, None);
     let a = c.connect(server.local_addr()).await.unwrap();
