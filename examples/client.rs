@@ -35,8 +35,8 @@ struct Args {
     /// TLS server name.
     #[arg(long, default_value = "localhost")]
     server_name: String,
-    /// Model id.
-    #[arg(long, default_value = "default")]
+    /// Model id (the server refuses models it does not serve with `not_found`).
+    #[arg(long, default_value = "smollm2")]
     model: String,
     /// System prompt.
     #[arg(long)]

@@ -84,7 +84,7 @@ struct Args {
     /// Model name sent.
     #[arg(long, default_value = "smollm2")]
     model: String,
-    /// API key (sent as `x-api-key` and `Authorization: Bearer`).
+    /// API key (sent as `x-api-key` and `Authorization: Bearer`; on claudelink, in AUTH).
     #[arg(long)]
     api_key: Option<String>,
     /// Per-request time limit in seconds (beyond it the request counts as `timeout`).
@@ -273,7 +273,11 @@ async fn connect(args: &Args) -> anyhow::Result<Backend> {
     Ok(match args.transport {
         Transport::Claudelink => {
             let n = args.connections.unwrap_or(4).max(1);
-            let client = Client::new(ClientConfig::new(Trust::Pinned(need_fp()?)))?;
+            let mut config = ClientConfig::new(Trust::Pinned(need_fp()?));
+            if let Some(k) = &args.api_key {
+                config = config.api_key(k.clone());
+            }
+            let client = Client::new(config)?;
             let per_conn = args.concurrency.div_ceil(n).max(1);
             let cfg = PoolConfig::default()
                 .connections(n, n)

@@ -19,7 +19,7 @@ use clap::{Parser, ValueEnum};
 use weight_cache::{CacheConfig, WarmupStrategy, WeightCache};
 use zerolayer::EngineService;
 use zerolayer::claudelink_proto::{
-    Gateway, GatewayConfig, H3_ALPN, Identity, InferenceService, Server, ServerConfig,
+    ApiKeys, Gateway, GatewayConfig, H3_ALPN, Identity, InferenceService, Server, ServerConfig,
 };
 use zerolayer::gpu_pipeline::ModelOptions;
 use zerolayer::gpu_pipeline::engine::EngineConfig;
@@ -230,6 +230,9 @@ async fn main() -> anyhow::Result<()> {
     let gateway = Gateway::new(service.clone(), config);
 
     let quic_config = ServerConfig::new(identity)
+        .api_keys(ApiKeys::new(
+            args.api_keys.iter().map(|k| k.trim().to_owned()),
+        ))
         .max_concurrent_streams(args.max_streams)
         .alpn_handler(H3_ALPN, Arc::new(gateway.h3_handler()));
     // claudelink's streams count in the gateway's in-flight gauge (and the drain waits on them).
@@ -288,19 +291,21 @@ async fn main() -> anyhow::Result<()> {
     );
     drain.start_draining();
     let _ = stop_tcp.send(());
-    quic.goaway_all(None, 1000);
+    quic.start_draining();
     let deadline = Instant::now() + Duration::from_secs(args.drain_secs);
     while drain.in_flight() > 0 && Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     if drain.in_flight() > 0 {
-        // Streams still running at the deadline end with an error event, not a cut.
+        // Streams still running at the deadline end with an error event, not a cut: the
+        // gateway's with an `overloaded_error` event, claudelink's with ERROR `shutting_down`.
         tracing::warn!(
             in_flight = drain.in_flight(),
             "drain deadline: ending the remaining streams"
         );
         drain.abort_streams();
     }
+    quic.abort_streams();
     let grace = deadline.max(Instant::now()) + Duration::from_secs(2);
     let _ = tokio::time::timeout(grace.saturating_duration_since(Instant::now()), http).await;
     quic.shutdown().await;

@@ -20,11 +20,22 @@ use crate::service::{InferenceEvent, InferenceRequest};
 use crate::state::{ClientStream, ClientStreamError, ConnectionAction, ConnectionState, Side};
 use crate::tls::{TlsError, Trust};
 
+/// An API key, never printed.
+#[derive(Clone)]
+struct Secret(String);
+
+impl std::fmt::Debug for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("<redacted>")
+    }
+}
+
 /// Client settings. Build with [`ClientConfig::new`] and the setters.
 #[derive(Debug, Clone)]
 #[non_exhaustive]
 pub struct ClientConfig {
     trust: Trust,
+    api_key: Option<Secret>,
     server_name: String,
     stream_buffer_size: u32,
     connection_ttl: Duration,
@@ -40,6 +51,7 @@ impl ClientConfig {
     pub fn new(trust: Trust) -> Self {
         Self {
             trust,
+            api_key: None,
             server_name: "localhost".into(),
             stream_buffer_size: 64 << 10,
             connection_ttl: Duration::from_secs(300),
@@ -48,6 +60,21 @@ impl ClientConfig {
             health_timeout: Duration::from_secs(5),
             zero_rtt: true,
         }
+    }
+
+    /// The API key sent in an AUTH frame, the first frame of the control stream, on every
+    /// connection (the [`Pool`]'s too). A server configured with keys closes connections
+    /// without a valid one; requests on them fail with [`RequestError::Unauthenticated`] /
+    /// [`StreamError::Unauthenticated`].
+    ///
+    /// ```
+    /// use claudelink_proto::{CertFingerprint, ClientConfig, Trust};
+    /// let config = ClientConfig::new(Trust::Pinned(CertFingerprint([0; 32]))).api_key("sk-1");
+    /// assert!(!format!("{config:?}").contains("sk-1"));
+    /// ```
+    pub fn api_key(mut self, key: impl Into<String>) -> Self {
+        self.api_key = Some(Secret(key.into()));
+        self
     }
 
     /// TLS server name (SNI, and the name checked against the certificate with [`Trust::Roots`]).
@@ -87,8 +114,9 @@ impl ClientConfig {
         self
     }
 
-    /// Whether reconnects send their first requests in 0-RTT data (replayable; inference
-    /// requests have no side effects beyond compute).
+    /// Whether reconnects send their AUTH and first requests in 0-RTT data. The reference
+    /// server only accepts early data with a single-use session ticket, so it is not
+    /// replayable against it (see `docs/claudelink.md` section 7).
     pub fn zero_rtt(mut self, on: bool) -> Self {
         self.zero_rtt = on;
         self
@@ -133,9 +161,13 @@ pub enum RequestError {
     /// The connection received GOAWAY; send the request on another connection.
     #[error("the connection is draining (GOAWAY received)")]
     Draining,
+    /// The server closed the connection with `UNAUTHENTICATED`: the API key is missing or
+    /// wrong ([`ClientConfig::api_key`]). Do not retry with the same key.
+    #[error("the server refused the credential (UNAUTHENTICATED): set a valid API key")]
+    Unauthenticated,
     /// The connection is closed.
     #[error("connection lost: {0}")]
-    ConnectionLost(#[from] quinn::ConnectionError),
+    ConnectionLost(quinn::ConnectionError),
     /// The request does not encode (non-finite float, too many stop sequences, too large).
     #[error(transparent)]
     Encode(#[from] EncodeError),
@@ -165,12 +197,42 @@ pub enum StreamError {
     /// The connection closed.
     #[error("connection lost: {0}")]
     ConnectionLost(quinn::ConnectionError),
+    /// The server closed the connection with `UNAUTHENTICATED`: the API key is missing or
+    /// wrong ([`ClientConfig::api_key`]).
+    #[error("the server refused the credential (UNAUTHENTICATED): set a valid API key")]
+    Unauthenticated,
     /// The server rejected 0-RTT data; the request was not processed, retry it.
     #[error("0-RTT rejected; the request was not processed")]
     ZeroRttRejected,
     /// The server broke the protocol.
     #[error(transparent)]
     Protocol(#[from] ClientStreamError),
+}
+
+impl From<quinn::ConnectionError> for RequestError {
+    fn from(e: quinn::ConnectionError) -> Self {
+        if is_unauthenticated(&e) {
+            Self::Unauthenticated
+        } else {
+            Self::ConnectionLost(e)
+        }
+    }
+}
+
+impl From<quinn::ConnectionError> for StreamError {
+    fn from(e: quinn::ConnectionError) -> Self {
+        if is_unauthenticated(&e) {
+            Self::Unauthenticated
+        } else {
+            Self::ConnectionLost(e)
+        }
+    }
+}
+
+/// Whether the server closed the connection for a missing or wrong credential.
+fn is_unauthenticated(e: &quinn::ConnectionError) -> bool {
+    matches!(e, quinn::ConnectionError::ApplicationClosed(c)
+        if c.error_code.into_inner() == AppErrorCode::Unauthenticated.to_u64())
 }
 
 impl StreamError {
@@ -253,12 +315,6 @@ impl Client {
         };
         let (zr_tx, zr_rx) = watch::channel(None);
         let attempted = zero_rtt.is_some();
-        if let Some(accepted) = zero_rtt {
-            tokio::spawn(async move {
-                let ok = accepted.await;
-                let _ = zr_tx.send(Some(ok));
-            });
-        }
         let inner = Arc::new(ConnInner {
             conn,
             cfg: self.cfg.clone(),
@@ -274,6 +330,35 @@ impl Client {
             zero_rtt_attempted: attempted,
             zero_rtt: zr_rx,
         });
+        // AUTH goes first on the control stream, opened right away (in 0-RTT data when
+        // resuming), so the server can serve the requests that follow.
+        inner.send_auth().await;
+        if let Some(accepted) = zero_rtt {
+            let inner = inner.clone();
+            tokio::spawn(async move {
+                let ok = accepted.await;
+                if !ok {
+                    // The server dropped all early data. If our control stream (and AUTH) was
+                    // part of it, open a new one and send AUTH again; if the handshake was
+                    // already over when it was opened, it went in 1-RTT data and stands (a
+                    // second control stream would be a protocol violation).
+                    let mut ctl = inner.control.lock().await;
+                    let lost = match ctl.as_mut() {
+                        Some(s) => matches!(
+                            futures::FutureExt::now_or_never(s.write(&[])),
+                            Some(Err(quinn::WriteError::ZeroRttRejected))
+                        ),
+                        None => true,
+                    };
+                    if lost {
+                        *ctl = None;
+                        drop(ctl);
+                        inner.send_auth().await;
+                    }
+                }
+                let _ = zr_tx.send(Some(ok));
+            });
+        }
         tokio::spawn(client_control(inner.clone()));
         Ok(Connection { inner })
     }
@@ -294,6 +379,14 @@ struct ConnInner {
 impl ConnInner {
     fn lock(&self) -> std::sync::MutexGuard<'_, ConnectionState> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Sends AUTH when the config has a key.
+    async fn send_auth(&self) {
+        if let Some(key) = &self.cfg.api_key {
+            self.lock().send_auth(&key.0);
+            self.drive().await;
+        }
     }
 
     async fn drive(&self) {
@@ -406,7 +499,10 @@ impl Connection {
         };
         // Dropping `stream` on a failed write resets the stream and releases the slot.
         let send = stream.send.insert(send);
-        send.write_all(&bytes).await?;
+        send.write_all(&bytes).await.map_err(|e| match e {
+            quinn::WriteError::ConnectionLost(e) => RequestError::from(e),
+            e => RequestError::Write(e),
+        })?;
         let _ = send.finish();
         Ok(stream)
     }
@@ -432,7 +528,7 @@ impl Connection {
             Ok(Ok(x)) => Ok(x),
             _ => {
                 if let Some(e) = self.inner.conn.close_reason() {
-                    return Err(RequestError::ConnectionLost(e));
+                    return Err(e.into());
                 }
                 Err(RequestError::PingTimeout(timeout))
             }
@@ -535,7 +631,7 @@ fn map_read_error(e: quinn::ReadError) -> StreamError {
                 raw,
             }
         }
-        quinn::ReadError::ConnectionLost(e) => StreamError::ConnectionLost(e),
+        quinn::ReadError::ConnectionLost(e) => e.into(),
         quinn::ReadError::ZeroRttRejected => StreamError::ZeroRttRejected,
         quinn::ReadError::ClosedStream | quinn::ReadError::IllegalOrderedRead => {
             StreamError::Reset {
@@ -822,7 +918,11 @@ impl Pool {
             };
             match conn.request(req).await {
                 Ok(s) => return Ok(s),
-                Err(e @ (RequestError::Encode(_) | RequestError::NoConnection(_))) => {
+                Err(
+                    e @ (RequestError::Encode(_)
+                    | RequestError::NoConnection(_)
+                    | RequestError::Unauthenticated),
+                ) => {
                     return Err(e);
                 }
                 Err(e) => last_err = Some(e),

@@ -41,6 +41,9 @@ pub enum FrameType {
     Pong,
     /// `0x12`, control stream, server to client: open no new streams here.
     GoAway,
+    /// `0x13`, control stream, client to server: the credential; the first frame of the
+    /// client's control stream.
+    Auth,
 }
 
 impl FrameType {
@@ -55,6 +58,7 @@ impl FrameType {
             Self::Ping => 0x10,
             Self::Pong => 0x11,
             Self::GoAway => 0x12,
+            Self::Auth => 0x13,
         }
     }
 
@@ -69,6 +73,7 @@ impl FrameType {
             0x10 => Self::Ping,
             0x11 => Self::Pong,
             0x12 => Self::GoAway,
+            0x13 => Self::Auth,
             _ => return None,
         })
     }
@@ -84,12 +89,13 @@ impl FrameType {
             Self::Ping => "PING",
             Self::Pong => "PONG",
             Self::GoAway => "GOAWAY",
+            Self::Auth => "AUTH",
         }
     }
 
     /// Whether the frame belongs on the connection's control stream.
     pub fn is_control(self) -> bool {
-        matches!(self, Self::Ping | Self::Pong | Self::GoAway)
+        matches!(self, Self::Ping | Self::Pong | Self::GoAway | Self::Auth)
     }
 }
 
@@ -115,6 +121,9 @@ pub enum AppErrorCode {
     SlowReader,
     /// `0x08`: the connection's request memory budget is exhausted.
     ExcessiveLoad,
+    /// `0x09`: the server requires a credential and the client sent none in time, sent a
+    /// wrong one, or sent another control frame before it (connection close only).
+    Unauthenticated,
 }
 
 impl AppErrorCode {
@@ -130,6 +139,7 @@ impl AppErrorCode {
             Self::Internal => 0x06,
             Self::SlowReader => 0x07,
             Self::ExcessiveLoad => 0x08,
+            Self::Unauthenticated => 0x09,
         }
     }
 
@@ -145,6 +155,7 @@ impl AppErrorCode {
             0x06 => Self::Internal,
             0x07 => Self::SlowReader,
             0x08 => Self::ExcessiveLoad,
+            0x09 => Self::Unauthenticated,
             _ => return None,
         })
     }
@@ -490,6 +501,31 @@ pub struct GoAwayFrame<'a> {
     pub message: &'a str,
 }
 
+/// AUTH frame: the client's credential (an API key), checked by a server configured with keys.
+///
+/// ```
+/// use claudelink_proto::{AuthFrame, Frame, decode_frame, DEFAULT_MAX_FRAME_SIZE};
+/// let bytes = Frame::Auth(AuthFrame { credential: "sk-1" }).to_vec().unwrap();
+/// let (frame, _) = decode_frame(&bytes, DEFAULT_MAX_FRAME_SIZE).unwrap().unwrap();
+/// assert_eq!(frame, Frame::Auth(AuthFrame { credential: "sk-1" }));
+/// ```
+#[derive(Clone, PartialEq, Eq)]
+pub struct AuthFrame<'a> {
+    /// The credential (never printed by `Debug`).
+    pub credential: &'a str,
+}
+
+impl std::fmt::Debug for AuthFrame<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AuthFrame")
+            .field(
+                "credential",
+                &format_args!("<{} bytes>", self.credential.len()),
+            )
+            .finish()
+    }
+}
+
 /// Any claudelink frame.
 #[derive(Debug, Clone, PartialEq)]
 #[non_exhaustive]
@@ -510,6 +546,8 @@ pub enum Frame<'a> {
     Pong(PongFrame),
     /// GOAWAY.
     GoAway(GoAwayFrame<'a>),
+    /// AUTH.
+    Auth(AuthFrame<'a>),
 }
 
 impl<'a> Frame<'a> {
@@ -524,6 +562,7 @@ impl<'a> Frame<'a> {
             Self::Ping(_) => FrameType::Ping,
             Self::Pong(_) => FrameType::Pong,
             Self::GoAway(_) => FrameType::GoAway,
+            Self::Auth(_) => FrameType::Auth,
         }
     }
 
@@ -725,6 +764,7 @@ impl<'a> Frame<'a> {
                 put_u32(out, g.retry_after_ms);
                 put_str(out, ft, g.message)?;
             }
+            Self::Auth(a) => put_str(out, ft, a.credential)?,
         }
         Ok(())
     }
@@ -1116,6 +1156,9 @@ pub fn decode_payload(ft: FrameType, payload: &[u8]) -> Result<Frame<'_>, Decode
                 message: r.str("message")?,
             })
         }
+        FrameType::Auth => Frame::Auth(AuthFrame {
+            credential: r.str("credential")?,
+        }),
     };
     r.finish()?;
     Ok(frame)

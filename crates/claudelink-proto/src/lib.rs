@@ -7,7 +7,7 @@
 //!
 //! A binary protocol on QUIC + TLS 1.3 (quinn, rustls): one bidirectional stream per request, a
 //! REQUEST frame up, STARTED / DELTA* / FINISHED|ERROR frames down, and a control stream for
-//! PING/PONG health and GOAWAY. The frame codec ([`decode_frame`], [`Frame`]) and the state
+//! AUTH (the API key, first), PING/PONG health and GOAWAY. The frame codec ([`decode_frame`], [`Frame`]) and the state
 //! machines ([`ServerStream`], [`ClientStream`], [`ConnectionState`]) are sans-IO; [`Server`],
 //! [`Client`], [`Connection`] and [`Pool`] are the thin quinn shell. The wire format is specified
 //! in `docs/claudelink.md`. Use it when a client talks to the engine often: after one handshake
@@ -64,8 +64,8 @@ pub use client::{
     ResponseStream, StreamError,
 };
 pub use codec::{
-    AppErrorCode, ChatMessageRef, DEFAULT_MAX_FRAME_SIZE, DecodeError, DeltaFrame, EncodeError,
-    ErrorFrame, FRAME_HEADER_LEN, FinishedFrame, Frame, FrameType, GoAwayFrame,
+    AppErrorCode, AuthFrame, ChatMessageRef, DEFAULT_MAX_FRAME_SIZE, DecodeError, DeltaFrame,
+    EncodeError, ErrorFrame, FRAME_HEADER_LEN, FinishedFrame, Frame, FrameType, GoAwayFrame,
     HARD_MAX_FRAME_SIZE, Health, MAX_STOP_SEQUENCES, PingFrame, PongFrame, PromptRef, RequestFrame,
     StartedFrame, TokenIds, decode_frame, decode_header, decode_payload, error_code_from_u16,
     error_code_name, error_code_to_u16,

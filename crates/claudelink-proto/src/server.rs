@@ -4,19 +4,20 @@
 
 use std::collections::HashMap;
 use std::future::Future;
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use futures::{FutureExt, StreamExt};
 use quinn::VarInt;
 use quinn::crypto::rustls::QuicServerConfig;
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, watch};
 
+use crate::auth::ApiKeys;
 use crate::codec::{AppErrorCode, DEFAULT_MAX_FRAME_SIZE, HARD_MAX_FRAME_SIZE, Health};
-use crate::service::{ErrorCode, EventStream, InferenceService};
+use crate::service::{ErrorCode, EventStream, InferenceService, ModelInfo};
 use crate::state::{ConnectionAction, ConnectionState, ServerStream, ServerStreamAction, Side};
 use crate::tls::{CertFingerprint, Identity, TlsError};
 
@@ -38,11 +39,17 @@ pub struct ServerConfig {
     identity: Identity,
     max_concurrent_streams: u32,
     connection_ttl: Duration,
+    peer_timeout: Duration,
     keep_alive_interval: Option<Duration>,
     stream_buffer_size: u32,
     max_frame_size: u32,
     send_timeout: Duration,
     request_budget: usize,
+    api_keys: Arc<ApiKeys>,
+    auth_timeout: Duration,
+    accept_any_model: bool,
+    max_connections: usize,
+    max_connections_per_ip: usize,
     handlers: Vec<(Vec<u8>, Arc<dyn ConnectionHandler>)>,
 }
 
@@ -52,11 +59,17 @@ impl std::fmt::Debug for ServerConfig {
             .field("fingerprint", &self.identity.fingerprint())
             .field("max_concurrent_streams", &self.max_concurrent_streams)
             .field("connection_ttl", &self.connection_ttl)
+            .field("peer_timeout", &self.peer_timeout)
             .field("keep_alive_interval", &self.keep_alive_interval)
             .field("stream_buffer_size", &self.stream_buffer_size)
             .field("max_frame_size", &self.max_frame_size)
             .field("send_timeout", &self.send_timeout)
             .field("request_budget", &self.request_budget)
+            .field("api_keys", &self.api_keys)
+            .field("auth_timeout", &self.auth_timeout)
+            .field("accept_any_model", &self.accept_any_model)
+            .field("max_connections", &self.max_connections)
+            .field("max_connections_per_ip", &self.max_connections_per_ip)
             .field(
                 "alpns",
                 &self
@@ -70,21 +83,78 @@ impl std::fmt::Debug for ServerConfig {
 }
 
 impl ServerConfig {
-    /// Defaults: 256 concurrent streams per connection, `connection_ttl` 300 s, keep-alive
-    /// every 15 s, 64 KiB per-stream windows, 256 KiB frames, 10 s send timeout, 4 MiB of
-    /// buffered request bytes per connection.
+    /// Defaults: 256 concurrent streams per connection, `connection_ttl` 300 s, peer timeout
+    /// 8 s with keep-alive every 2 s, 64 KiB per-stream windows, 256 KiB frames, 10 s send
+    /// timeout, 4 MiB of buffered request bytes per connection, no API keys (open), 5 s to
+    /// authenticate, unknown models refused, 4096 connections of which 128 per IP address.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use claudelink_proto::{ApiKeys, Identity, ServerConfig};
+    /// let config = ServerConfig::new(Identity::self_signed(&["localhost"]).unwrap())
+    ///     .api_keys(ApiKeys::new(["sk-1".to_string()]))
+    ///     .peer_timeout(Duration::from_secs(8))
+    ///     .keep_alive_interval(Some(Duration::from_secs(2)))
+    ///     .max_connections_per_ip(64);
+    /// assert!(config.quinn_config().is_ok());
+    /// ```
     pub fn new(identity: Identity) -> Self {
         Self {
             identity,
             max_concurrent_streams: 256,
             connection_ttl: Duration::from_secs(300),
-            keep_alive_interval: Some(Duration::from_secs(15)),
+            peer_timeout: Duration::from_secs(8),
+            keep_alive_interval: Some(Duration::from_secs(2)),
             stream_buffer_size: 64 << 10,
             max_frame_size: DEFAULT_MAX_FRAME_SIZE,
             send_timeout: Duration::from_secs(10),
             request_budget: 4 << 20,
+            api_keys: Arc::new(ApiKeys::default()),
+            auth_timeout: Duration::from_secs(5),
+            accept_any_model: false,
+            max_connections: 4096,
+            max_connections_per_ip: 128,
             handlers: Vec::new(),
         }
+    }
+
+    /// Requires every claudelink connection to authenticate with one of these keys (an AUTH
+    /// frame first on its control stream, within [`ServerConfig::auth_timeout`]); the key's
+    /// label goes into [`InferenceRequest::client`](crate::InferenceRequest::client). An
+    /// empty set (the default) serves every connection.
+    pub fn api_keys(mut self, keys: ApiKeys) -> Self {
+        self.api_keys = Arc::new(keys);
+        self
+    }
+
+    /// How long after the handshake a client may take to send a valid AUTH before the
+    /// connection is closed with `UNAUTHENTICATED` (only with [`ServerConfig::api_keys`]).
+    pub fn auth_timeout(mut self, t: Duration) -> Self {
+        self.auth_timeout = t;
+        self
+    }
+
+    /// Serve requests naming a model the service does not list (`false`, the default, refuses
+    /// them with ERROR `not_found` like the HTTP gateway; a service listing no models accepts
+    /// any name).
+    pub fn accept_any_model(mut self, yes: bool) -> Self {
+        self.accept_any_model = yes;
+        self
+    }
+
+    /// Most connections (claudelink and other ALPNs, handshakes included) the endpoint holds;
+    /// further connection attempts are refused.
+    pub fn max_connections(mut self, n: usize) -> Self {
+        self.max_connections = n;
+        self
+    }
+
+    /// Most connections from one IP address; further attempts from it are refused. Once half
+    /// of this (or of [`ServerConfig::max_connections`]) is in use, new clients must first
+    /// validate their address with a QUIC Retry, so spoofed addresses cannot use up the limits.
+    pub fn max_connections_per_ip(mut self, n: usize) -> Self {
+        self.max_connections_per_ip = n;
+        self
     }
 
     /// Request streams a client may have open at once on one connection (QUIC MAX_STREAMS).
@@ -93,13 +163,25 @@ impl ServerConfig {
         self
     }
 
-    /// Idle timeout of a connection.
+    /// How long a live claudelink connection may stay without request streams before the
+    /// server closes it (`NO_ERROR`, "idle"). Health PINGs do not count as activity.
     pub fn connection_ttl(mut self, ttl: Duration) -> Self {
         self.connection_ttl = ttl;
         self
     }
 
-    /// QUIC keep-alive interval (`None`: off).
+    /// How long the connection may go without hearing anything from the peer before it is
+    /// considered gone (QUIC `max_idle_timeout`; the effective value is the smaller of both
+    /// sides'). With keep-alive on, a live peer answers the server's PINGs, so this is the
+    /// time in which a vanished client (killed, unplugged) is detected and its requests are
+    /// cancelled.
+    pub fn peer_timeout(mut self, t: Duration) -> Self {
+        self.peer_timeout = t;
+        self
+    }
+
+    /// QUIC keep-alive interval (`None`: off). Keep it well under the peer timeout, so a live
+    /// but quiet client is never timed out.
     pub fn keep_alive_interval(mut self, every: Option<Duration>) -> Self {
         self.keep_alive_interval = every;
         self
@@ -168,7 +250,7 @@ impl ServerConfig {
             )
             .keep_alive_interval(self.keep_alive_interval)
             .max_idle_timeout(Some(
-                quinn::IdleTimeout::try_from(self.connection_ttl)
+                quinn::IdleTimeout::try_from(self.peer_timeout)
                     .map_err(|e| ServerError::Quic(e.to_string()))?,
             ));
         cfg.transport_config(Arc::new(t));
@@ -212,8 +294,17 @@ pub struct ServerStats {
     pub protocol_errors: u64,
     /// Streams reset because the client did not read.
     pub slow_readers: u64,
-    /// Streams refused after GOAWAY.
+    /// Streams refused after GOAWAY or while draining.
     pub refused: u64,
+    /// Connection attempts refused: over [`ServerConfig::max_connections`] or
+    /// [`ServerConfig::max_connections_per_ip`], or while draining.
+    pub refused_connections: u64,
+    /// Connections closed with `UNAUTHENTICATED` (wrong, late or missing AUTH).
+    pub unauthenticated: u64,
+    /// Requests refused with `not_found` (a model the service does not serve).
+    pub unknown_model: u64,
+    /// Running requests ended by [`Server::abort_streams`].
+    pub aborted: u64,
 }
 
 #[derive(Default)]
@@ -225,6 +316,10 @@ struct Counters {
     protocol_errors: AtomicU64,
     slow_readers: AtomicU64,
     refused: AtomicU64,
+    refused_connections: AtomicU64,
+    unauthenticated: AtomicU64,
+    unknown_model: AtomicU64,
+    aborted: AtomicU64,
 }
 
 enum ConnCommand {
@@ -245,6 +340,68 @@ struct Shared {
     cfg: ServerConfig,
     counters: Counters,
     conns: Mutex<HashMap<usize, ConnEntry>>,
+    admission: Mutex<Admission>,
+    draining: AtomicBool,
+    /// Set once by [`Server::abort_streams`]; every stream task watches it.
+    abort: watch::Sender<bool>,
+}
+
+/// Connections held on the endpoint, in total and per IP address.
+///
+/// Lock poisoning: every update is one statement that cannot panic half-way, so a poisoned
+/// lock still guards consistent counts and is used as is.
+#[derive(Default)]
+struct Admission {
+    total: usize,
+    per_ip: HashMap<IpAddr, usize>,
+}
+
+/// One admitted connection; gives its place back when dropped.
+struct ConnSlot {
+    shared: Arc<Shared>,
+    ip: IpAddr,
+}
+
+impl ConnSlot {
+    /// Whether half of the total or of `ip`'s limit is in use.
+    fn under_pressure(shared: &Shared, ip: IpAddr) -> bool {
+        let a = shared.admission.lock().unwrap_or_else(|e| e.into_inner());
+        let n = a.per_ip.get(&ip.to_canonical()).copied().unwrap_or(0);
+        a.total >= shared.cfg.max_connections.div_ceil(2)
+            || n >= shared.cfg.max_connections_per_ip.div_ceil(2)
+    }
+
+    fn admit(shared: &Arc<Shared>, ip: IpAddr) -> Option<Self> {
+        let ip = ip.to_canonical();
+        let mut a = shared.admission.lock().unwrap_or_else(|e| e.into_inner());
+        let n = a.per_ip.get(&ip).copied().unwrap_or(0);
+        if a.total >= shared.cfg.max_connections || n >= shared.cfg.max_connections_per_ip {
+            return None;
+        }
+        a.total += 1;
+        a.per_ip.insert(ip, n + 1);
+        Some(Self {
+            shared: shared.clone(),
+            ip,
+        })
+    }
+}
+
+impl Drop for ConnSlot {
+    fn drop(&mut self) {
+        let mut a = self
+            .shared
+            .admission
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        a.total = a.total.saturating_sub(1);
+        if let Some(n) = a.per_ip.get_mut(&self.ip) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                a.per_ip.remove(&self.ip);
+            }
+        }
+    }
 }
 
 /// A running claudelink server (on the current tokio runtime).
@@ -301,6 +458,9 @@ impl Server {
             cfg: config,
             counters: Counters::default(),
             conns: Mutex::new(HashMap::new()),
+            admission: Mutex::new(Admission::default()),
+            draining: AtomicBool::new(false),
+            abort: watch::Sender::new(false),
         });
         let accept = tokio::spawn(accept_loop(endpoint.clone(), shared.clone()));
         Ok(Self {
@@ -339,6 +499,10 @@ impl Server {
             protocol_errors: c.protocol_errors.load(Ordering::Relaxed),
             slow_readers: c.slow_readers.load(Ordering::Relaxed),
             refused: c.refused.load(Ordering::Relaxed),
+            refused_connections: c.refused_connections.load(Ordering::Relaxed),
+            unauthenticated: c.unauthenticated.load(Ordering::Relaxed),
+            unknown_model: c.unknown_model.load(Ordering::Relaxed),
+            aborted: c.aborted.load(Ordering::Relaxed),
         }
     }
 
@@ -382,9 +546,56 @@ impl Server {
         }
     }
 
-    /// Stops accepting, closes every connection and waits until they are gone.
+    /// Starts draining (graceful shutdown, first step): GOAWAY on every connection, new
+    /// connections refused, new request streams on existing connections reset with `REFUSED`
+    /// (not processed: the client retries elsewhere). Running requests continue; end them
+    /// with [`Server::abort_streams`] at the drain deadline.
+    ///
+    /// ```no_run
+    /// # async fn run(server: claudelink_proto::Server) {
+    /// server.start_draining();
+    /// let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(30);
+    /// while server.stats().active_streams > 0 && tokio::time::Instant::now() < deadline {
+    ///     tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    /// }
+    /// server.abort_streams();
+    /// server.shutdown().await;
+    /// # }
+    /// ```
+    pub fn start_draining(&self) {
+        self.shared.draining.store(true, Ordering::Release);
+        self.goaway_all(None, 0);
+    }
+
+    /// Whether [`Server::start_draining`] was called.
+    pub fn is_draining(&self) -> bool {
+        self.shared.draining.load(Ordering::Acquire)
+    }
+
+    /// Ends every running request now (graceful shutdown, drain deadline): its work is
+    /// cancelled (the service's event stream dropped) and the client gets ERROR
+    /// `shutting_down`; streams still reading their REQUEST are reset with `REFUSED`. Also
+    /// starts draining, so nothing new is accepted.
+    pub fn abort_streams(&self) {
+        self.start_draining();
+        self.shared.abort.send_replace(true);
+    }
+
+    /// Stops accepting, closes every connection and waits until they are gone. Request
+    /// streams still ending (e.g. after [`Server::abort_streams`]) get up to one second to
+    /// send their last frames first.
     pub async fn shutdown(self) {
         self.accept.abort();
+        let flush = Instant::now() + Duration::from_secs(1);
+        while self.shared.counters.active_streams.load(Ordering::Relaxed) > 0
+            && Instant::now() < flush
+        {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        if self.shared.abort.borrow().to_owned() {
+            // The ERROR frames were handed to QUIC; give them a moment on the wire.
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
         self.endpoint
             .close(VarInt::from_u32(0), b"server shutting down");
         self.endpoint.wait_idle().await;
@@ -399,8 +610,31 @@ impl Drop for Server {
 
 async fn accept_loop(endpoint: quinn::Endpoint, shared: Arc<Shared>) {
     while let Some(incoming) = endpoint.accept().await {
+        // Under pressure (half a limit used), a client must first prove it owns its address
+        // (a QUIC Retry round trip), so that spoofed source addresses cannot fill the limits.
+        if !incoming.remote_address_validated()
+            && incoming.may_retry()
+            && ConnSlot::under_pressure(&shared, incoming.remote_address().ip())
+        {
+            let _ = incoming.retry();
+            continue;
+        }
+        let slot = if shared.draining.load(Ordering::Acquire) {
+            None
+        } else {
+            ConnSlot::admit(&shared, incoming.remote_address().ip())
+        };
+        let Some(slot) = slot else {
+            shared
+                .counters
+                .refused_connections
+                .fetch_add(1, Ordering::Relaxed);
+            incoming.refuse();
+            continue;
+        };
         let shared = shared.clone();
         tokio::spawn(async move {
+            let _slot = slot;
             let Ok(mut connecting) = incoming.accept() else {
                 return;
             };
@@ -417,14 +651,24 @@ async fn accept_loop(endpoint: quinn::Endpoint, shared: Arc<Shared>) {
             match protocol.as_deref() {
                 Some(p) if p == ALPN => {
                     // 0.5-RTT: requests sent in the client's 0-RTT data are served at once.
+                    let (handshake_tx, handshake) = watch::channel(false);
                     let conn = match connecting.into_0rtt() {
-                        Ok((conn, _)) => conn,
+                        Ok((conn, established)) => {
+                            tokio::spawn(async move {
+                                established.await;
+                                handshake_tx.send_replace(true);
+                            });
+                            conn
+                        }
                         Err(connecting) => match connecting.await {
-                            Ok(c) => c,
+                            Ok(c) => {
+                                handshake_tx.send_replace(true);
+                                c
+                            }
                             Err(_) => return,
                         },
                     };
-                    serve_connection(conn, shared).await;
+                    serve_connection(conn, handshake, shared).await;
                 }
                 Some(p) => {
                     let handler = shared
@@ -457,6 +701,17 @@ pub(crate) fn code(c: AppErrorCode) -> VarInt {
     VarInt::from_u64(c.to_u64()).unwrap_or(VarInt::from_u32(1))
 }
 
+/// Whether a connection's request streams may be served yet.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Gate {
+    /// Waiting for the client's AUTH.
+    Pending,
+    /// Serve; requests carry this key label.
+    Open(Option<Arc<str>>),
+    /// The connection failed authentication or ended: serve nothing.
+    Closed,
+}
+
 /// Per-connection context shared by its tasks.
 struct ConnCtx {
     conn: quinn::Connection,
@@ -466,11 +721,25 @@ struct ConnCtx {
     active: Arc<AtomicU32>,
     budget: AtomicUsize,
     last_stream_id: AtomicU64,
+    gate: watch::Sender<Gate>,
+    /// Whether the TLS handshake completed (the connection may be served from 0.5-RTT on).
+    handshake: watch::Receiver<bool>,
+    /// When the connection last had a request stream starting or running (for
+    /// `connection_ttl`).
+    last_active: Mutex<Instant>,
 }
 
 impl ConnCtx {
     fn lock(&self) -> std::sync::MutexGuard<'_, ConnectionState> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn touch(&self) {
+        *self.last_active.lock().unwrap_or_else(|e| e.into_inner()) = Instant::now();
+    }
+
+    fn idle_deadline(&self) -> Instant {
+        *self.last_active.lock().unwrap_or_else(|e| e.into_inner()) + self.shared.cfg.connection_ttl
     }
 
     /// Carries out the connection state machine's queued actions.
@@ -493,12 +762,35 @@ impl ConnCtx {
                         return;
                     }
                 }
+                ConnectionAction::Close(AppErrorCode::Unauthenticated) => {
+                    self.gate.send_replace(Gate::Closed);
+                    self.shared
+                        .counters
+                        .unauthenticated
+                        .fetch_add(1, Ordering::Relaxed);
+                    // Before the handshake completes, QUIC can only send the close in
+                    // Initial/Handshake packets, which carry no application code (RFC 9000
+                    // section 10.2.3): wait for it (bounded), so the client learns why.
+                    let mut handshake = self.handshake.clone();
+                    let _ = tokio::time::timeout(
+                        Duration::from_secs(2),
+                        handshake.wait_for(|done| *done),
+                    )
+                    .await;
+                    tracing::debug!(remote = %self.conn.remote_address(), "claudelink connection failed to authenticate");
+                    self.conn
+                        .close(code(AppErrorCode::Unauthenticated), b"unauthenticated");
+                }
                 ConnectionAction::Close(c) => {
+                    self.gate.send_replace(Gate::Closed);
                     self.shared
                         .counters
                         .protocol_errors
                         .fetch_add(1, Ordering::Relaxed);
                     self.conn.close(code(c), b"control stream violation");
+                }
+                ConnectionAction::Authenticated { client } => {
+                    self.gate.send_replace(Gate::Open(client.map(Arc::from)));
                 }
                 ConnectionAction::PingReceived { nonce } => {
                     let m = self.shared.service.metrics();
@@ -516,7 +808,11 @@ impl ConnCtx {
     }
 }
 
-async fn serve_connection(conn: quinn::Connection, shared: Arc<Shared>) {
+async fn serve_connection(
+    conn: quinn::Connection,
+    handshake: watch::Receiver<bool>,
+    shared: Arc<Shared>,
+) {
     let id = conn.stable_id();
     let (tx, mut rx) = mpsc::unbounded_channel();
     let active = Arc::new(AtomicU32::new(0));
@@ -533,24 +829,40 @@ async fn serve_connection(conn: quinn::Connection, shared: Arc<Shared>) {
             },
         );
     shared.counters.connections.fetch_add(1, Ordering::Relaxed);
+    let cfg = &shared.cfg;
+    let state = ConnectionState::new(Side::Server, cfg.max_frame_size, Duration::from_secs(10))
+        .require_auth(cfg.api_keys.clone(), Instant::now() + cfg.auth_timeout);
+    let gate = if state.is_authenticated() {
+        Gate::Open(None)
+    } else {
+        Gate::Pending
+    };
     let ctx = Arc::new(ConnCtx {
         conn: conn.clone(),
-        state: Mutex::new(ConnectionState::new(
-            Side::Server,
-            shared.cfg.max_frame_size,
-            Duration::from_secs(10),
-        )),
+        state: Mutex::new(state),
         control: tokio::sync::Mutex::new(None),
         active,
-        budget: AtomicUsize::new(shared.cfg.request_budget),
+        budget: AtomicUsize::new(cfg.request_budget),
         last_stream_id: AtomicU64::new(0),
+        gate: watch::Sender::new(gate),
+        handshake,
+        last_active: Mutex::new(Instant::now()),
         shared: shared.clone(),
     });
+    if shared.draining.load(Ordering::Acquire) {
+        // Accepted just before draining started: tell the client at once.
+        ctx.lock().send_goaway(None, 0, 0, "draining");
+        ctx.drive().await;
+    }
     let mut control_seen = false;
     loop {
+        // The state machine's next deadline (the AUTH deadline on a server with keys).
+        let timer = ctx.lock().poll_timeout();
+        let idle_at = ctx.idle_deadline();
         tokio::select! {
             bi = conn.accept_bi() => match bi {
                 Ok((send, recv)) => {
+                    ctx.touch();
                     let ctx = ctx.clone();
                     tokio::spawn(serve_stream(ctx, send, recv));
                 }
@@ -576,8 +888,21 @@ async fn serve_connection(conn: quinn::Connection, shared: Arc<Shared>) {
                 }
                 None => break,
             },
+            _ = tokio::time::sleep_until(timer.unwrap_or(idle_at).into()), if timer.is_some() => {
+                ctx.lock().handle_timeout(Instant::now());
+                ctx.drive().await;
+            }
+            _ = tokio::time::sleep_until(idle_at.into()) => {
+                if ctx.active.load(Ordering::Acquire) > 0 {
+                    ctx.touch();
+                } else if ctx.idle_deadline() <= Instant::now() {
+                    conn.close(code(AppErrorCode::NoError), b"idle");
+                    break;
+                }
+            }
         }
     }
+    ctx.gate.send_replace(Gate::Closed);
     shared
         .conns
         .lock()
@@ -604,6 +929,7 @@ struct ActiveGuard<'a>(&'a ConnCtx);
 
 impl Drop for ActiveGuard<'_> {
     fn drop(&mut self) {
+        self.0.touch();
         self.0.active.fetch_sub(1, Ordering::Relaxed);
         self.0
             .shared
@@ -649,161 +975,334 @@ fn abort_stream(send: &mut quinn::SendStream, recv: &mut quinn::RecvStream, c: A
     let _ = recv.stop(code(c));
 }
 
+/// The `not_found` message for a model the service does not serve, exactly as the HTTP
+/// gateway decides it: a service listing no models accepts any name.
+fn unknown_model(models: &[ModelInfo], model: &str) -> Option<String> {
+    if models.is_empty() || models.iter().any(|m| m.id == model) {
+        return None;
+    }
+    let served: Vec<&str> = models.iter().map(|m| m.id.as_str()).collect();
+    Some(format!(
+        "model: {model} is not served here (served: {})",
+        served.join(", ")
+    ))
+}
+
+/// Waits until the connection authenticated (its key label) or failed / was aborted (`None`).
+async fn await_gate(ctx: &ConnCtx, abort: &mut watch::Receiver<bool>) -> Option<Option<Arc<str>>> {
+    let mut gate = ctx.gate.subscribe();
+    tokio::select! {
+        g = gate.wait_for(|g| *g != Gate::Pending) => match g.as_deref() {
+            Ok(Gate::Open(client)) => Some(client.clone()),
+            _ => None,
+        },
+        _ = abort.wait_for(|a| *a) => None,
+    }
+}
+
+/// Serves one request stream, in stages: admission (GOAWAY, drain, authentication), reading
+/// the REQUEST, submitting it (or refusing it), then streaming the service's events.
 async fn serve_stream(ctx: Arc<ConnCtx>, mut send: quinn::SendStream, mut recv: quinn::RecvStream) {
     let sid = u64::from(send.id());
     let counters = &ctx.shared.counters;
-    if !ctx.lock().accept_stream(sid) {
+    if ctx.shared.draining.load(Ordering::Acquire) || !ctx.lock().accept_stream(sid) {
         counters.refused.fetch_add(1, Ordering::Relaxed);
         abort_stream(&mut send, &mut recv, AppErrorCode::Refused);
         return;
     }
     ctx.last_stream_id.fetch_max(sid, Ordering::AcqRel);
+    let mut abort = ctx.shared.abort.subscribe();
+    // Nothing of the stream is read before the client authenticated: its bytes wait in
+    // QUIC's flow-control windows, and a connection that fails closes them all.
+    let Some(client) = await_gate(&ctx, &mut abort).await else {
+        return;
+    };
     ctx.active.fetch_add(1, Ordering::Relaxed);
     counters.active_streams.fetch_add(1, Ordering::Relaxed);
     let _guard = ActiveGuard(&ctx);
-    let cfg = &ctx.shared.cfg;
-    let mut ss = ServerStream::new(sid, cfg.max_frame_size);
-    let mut budget = Budget { ctx: &ctx, held: 0 };
+    let mut stream = StreamTask {
+        ctx: &ctx,
+        ss: ServerStream::new(sid, ctx.shared.cfg.max_frame_size),
+        send,
+        recv,
+        abort,
+        recv_done: false,
+        events: None,
+        aborted: false,
+    };
+    let Some((mut request, stream_buffer_size)) = stream.read_request().await else {
+        return;
+    };
+    request.client = client.as_deref().map(str::to_owned);
+    stream.submit(request);
+    stream.stream_events(stream_buffer_size).await;
+}
 
-    // Phase 1: read the REQUEST frame.
-    let mut recv_done = false;
-    let (request, sbs) = loop {
-        match recv.read_chunk(64 << 10, true).await {
-            Ok(Some(chunk)) => {
-                if !budget.take(chunk.bytes.len()) {
-                    abort_stream(&mut send, &mut recv, AppErrorCode::ExcessiveLoad);
-                    return;
-                }
-                ss.recv(&chunk.bytes, false);
+/// One request stream being served (after admission).
+struct StreamTask<'a> {
+    ctx: &'a ConnCtx,
+    ss: ServerStream,
+    send: quinn::SendStream,
+    recv: quinn::RecvStream,
+    abort: watch::Receiver<bool>,
+    /// The client finished its send side.
+    recv_done: bool,
+    /// The service's events; dropping them cancels the work.
+    events: Option<EventStream>,
+    /// [`Server::abort_streams`] ended this stream.
+    aborted: bool,
+}
+
+impl StreamTask<'_> {
+    fn counters(&self) -> &Counters {
+        &self.ctx.shared.counters
+    }
+
+    /// Reads the REQUEST frame within the connection's request budget; `None` when the stream
+    /// ended instead (reset, violation, shutdown), already handled.
+    async fn read_request(&mut self) -> Option<(crate::service::InferenceRequest, u32)> {
+        let mut budget = Budget {
+            ctx: self.ctx,
+            held: 0,
+        };
+        loop {
+            tokio::select! {
+                biased;
+                _ = self.abort.wait_for(|a| *a) => self.ss.shutting_down(),
+                r = self.recv.read_chunk(64 << 10, true) => match r {
+                    Ok(Some(chunk)) => {
+                        if !budget.take(chunk.bytes.len()) {
+                            abort_stream(&mut self.send, &mut self.recv, AppErrorCode::ExcessiveLoad);
+                            return None;
+                        }
+                        self.ss.recv(&chunk.bytes, false);
+                    }
+                    Ok(None) => {
+                        self.recv_done = true;
+                        self.ss.recv(&[], true);
+                    }
+                    Err(_) => {
+                        self.ss.peer_aborted();
+                        return None;
+                    }
+                },
             }
-            Ok(None) => {
-                recv_done = true;
-                ss.recv(&[], true);
+            match self.ss.poll_action() {
+                None => continue,
+                Some(ServerStreamAction::Submit {
+                    request,
+                    stream_buffer_size,
+                }) => return Some((request, stream_buffer_size)),
+                Some(ServerStreamAction::Abort(c)) => {
+                    let counter = if c == AppErrorCode::Refused {
+                        &self.counters().refused
+                    } else {
+                        &self.counters().protocol_errors
+                    };
+                    counter.fetch_add(1, Ordering::Relaxed);
+                    abort_stream(&mut self.send, &mut self.recv, c);
+                    return None;
+                }
+                Some(_) => return None,
+            }
+        }
+    }
+
+    /// Hands the request to the service, or refuses it (`not_found` for an unknown model, the
+    /// service's own refusal).
+    fn submit(&mut self, request: crate::service::InferenceRequest) {
+        let shared = &self.ctx.shared;
+        let unknown = if shared.cfg.accept_any_model {
+            None
+        } else {
+            unknown_model(&shared.service.models(), &request.model)
+        };
+        if let Some(msg) = unknown {
+            self.counters()
+                .unknown_model
+                .fetch_add(1, Ordering::Relaxed);
+            self.ss.reject(ErrorCode::NotFound, &msg);
+            return;
+        }
+        self.counters().requests.fetch_add(1, Ordering::Relaxed);
+        match shared.service.submit(request) {
+            Ok(ev) => self.events = Some(ev),
+            Err(e) => self.ss.submit_failed(&e),
+        }
+    }
+
+    /// Cancels the work because the server is shutting down; the state machine queues the
+    /// ERROR `shutting_down` frame.
+    fn shut_down(&mut self) {
+        self.aborted = true;
+        self.counters().aborted.fetch_add(1, Ordering::Relaxed);
+        self.events = None;
+        self.ss.shutting_down();
+    }
+
+    /// Writes `out` within the send timeout. Returns `false` when the stream ended (the client
+    /// went away or did not read), already handled. A shutdown during the write cancels the
+    /// work at once; the ERROR frame follows the bytes being written.
+    async fn write(&mut self, out: &[u8]) -> bool {
+        let ctx: &ConnCtx = self.ctx;
+        let counters = &ctx.shared.counters;
+        let timeout = ctx.shared.cfg.send_timeout;
+        let written = {
+            let write = tokio::time::timeout(timeout, self.send.write_all(out));
+            tokio::pin!(write);
+            loop {
+                tokio::select! {
+                    r = &mut write => break r.map(|r| r.is_ok()),
+                    _ = self.abort.wait_for(|a| *a), if !self.aborted && self.events.is_some() => {
+                        self.aborted = true;
+                        counters.aborted.fetch_add(1, Ordering::Relaxed);
+                        self.events = None;
+                        self.ss.shutting_down();
+                    }
+                }
+            }
+        };
+        match written {
+            Ok(true) => true,
+            Ok(false) => {
+                // The client stopped reading the stream (it dropped the request) or the
+                // connection is gone.
+                if self.events.take().is_some() {
+                    counters.cancelled.fetch_add(1, Ordering::Relaxed);
+                }
+                false
             }
             Err(_) => {
-                ss.peer_aborted();
-                return;
+                counters.slow_readers.fetch_add(1, Ordering::Relaxed);
+                drop(self.events.take());
+                abort_stream(&mut self.send, &mut self.recv, AppErrorCode::SlowReader);
+                false
             }
         }
-        match ss.poll_action() {
-            None => continue,
-            Some(ServerStreamAction::Submit {
-                request,
-                stream_buffer_size,
-            }) => break (request, stream_buffer_size),
-            Some(ServerStreamAction::Abort(c)) => {
-                counters.protocol_errors.fetch_add(1, Ordering::Relaxed);
-                abort_stream(&mut send, &mut recv, c);
-                return;
-            }
-            Some(_) => return,
-        }
-    };
-    budget.release();
-    counters.requests.fetch_add(1, Ordering::Relaxed);
-    // Coalesce ready events into writes of at most the client's stream buffer size.
-    let coalesce = (sbs as usize).clamp(1024, cfg.stream_buffer_size.max(1024) as usize);
+    }
 
-    let mut events: Option<EventStream> = match ctx.shared.service.submit(request) {
-        Ok(ev) => Some(ev),
-        Err(e) => {
-            ss.submit_failed(&e);
-            None
-        }
-    };
-    let stopped = send.stopped();
-    tokio::pin!(stopped);
-    let mut out: Vec<u8> = Vec::new();
-    let mut scratch = [0u8; 256];
-    loop {
-        // Carry out queued actions.
-        let mut finish = false;
-        while let Some(a) = ss.poll_action() {
-            match a {
-                ServerStreamAction::Send(b) => {
-                    if out.is_empty() {
-                        out = b;
-                    } else {
-                        out.extend_from_slice(&b);
+    /// Streams the service's events to the client until the terminal frame, a cancellation or
+    /// a shutdown.
+    async fn stream_events(mut self, stream_buffer_size: u32) {
+        let ctx: &ConnCtx = self.ctx;
+        let counters = &ctx.shared.counters;
+        let cfg = &ctx.shared.cfg;
+        // Coalesce ready events into writes of at most the client's stream buffer size.
+        let coalesce =
+            (stream_buffer_size as usize).clamp(1024, cfg.stream_buffer_size.max(1024) as usize);
+        let stopped = self.send.stopped();
+        tokio::pin!(stopped);
+        let mut out: Vec<u8> = Vec::new();
+        let mut scratch = [0u8; 256];
+        loop {
+            // Carry out queued actions.
+            let mut finish = false;
+            while let Some(a) = self.ss.poll_action() {
+                match a {
+                    ServerStreamAction::Send(b) => {
+                        if out.is_empty() {
+                            out = b;
+                        } else {
+                            out.extend_from_slice(&b);
+                        }
                     }
-                }
-                ServerStreamAction::Finish => finish = true,
-                ServerStreamAction::Cancel => {
-                    events = None;
-                }
-                ServerStreamAction::Abort(c) => {
-                    counters.protocol_errors.fetch_add(1, Ordering::Relaxed);
-                    if events.take().is_some() {
-                        counters.cancelled.fetch_add(1, Ordering::Relaxed);
+                    ServerStreamAction::Finish => finish = true,
+                    ServerStreamAction::Cancel => self.events = None,
+                    ServerStreamAction::Abort(c) => {
+                        counters.protocol_errors.fetch_add(1, Ordering::Relaxed);
+                        if self.events.take().is_some() {
+                            counters.cancelled.fetch_add(1, Ordering::Relaxed);
+                        }
+                        abort_stream(&mut self.send, &mut self.recv, c);
+                        return;
                     }
-                    abort_stream(&mut send, &mut recv, c);
-                    return;
+                    ServerStreamAction::Submit { .. } => {}
                 }
-                ServerStreamAction::Submit { .. } => {}
             }
-        }
-        // Pull more ready events before writing, up to the coalescing size.
-        if !finish && out.len() < coalesce {
-            if let Some(ev) = events.as_mut() {
+            // Pull more ready events before writing, up to the coalescing size.
+            if !finish
+                && out.len() < coalesce
+                && let Some(ev) = self.events.as_mut()
+            {
                 match ev.next().now_or_never() {
                     Some(Some(e)) => {
-                        ss.event(&e);
+                        self.ss.event(&e);
                         continue;
                     }
                     Some(None) => {
-                        ss.events_ended();
+                        self.ss.events_ended();
                         continue;
                     }
                     None => {}
                 }
             }
-        }
-        if !out.is_empty() {
-            match tokio::time::timeout(cfg.send_timeout, send.write_all(&out)).await {
-                Ok(Ok(())) => out.clear(),
-                Ok(Err(_)) => {
-                    // The client stopped reading the stream (it dropped the request).
-                    if events.take().is_some() {
-                        counters.cancelled.fetch_add(1, Ordering::Relaxed);
-                    }
+            if !out.is_empty() {
+                let was_aborted = self.aborted;
+                if !self.write(&out).await {
                     return;
                 }
-                Err(_) => {
-                    counters.slow_readers.fetch_add(1, Ordering::Relaxed);
-                    drop(events.take());
-                    abort_stream(&mut send, &mut recv, AppErrorCode::SlowReader);
-                    return;
+                out.clear();
+                if self.aborted && !was_aborted {
+                    // Send the ERROR frame queued by the shutdown.
+                    continue;
                 }
             }
-        }
-        if finish {
-            let _ = send.finish();
-            return;
-        }
-        let Some(ev) = events.as_mut() else {
-            return;
-        };
-        tokio::select! {
-            biased;
-            _ = &mut stopped => {
-                ss.peer_aborted();
-                counters.cancelled.fetch_add(1, Ordering::Relaxed);
+            if finish {
+                let _ = self.send.finish();
                 return;
             }
-            r = recv.read(&mut scratch), if !recv_done => match r {
-                Ok(None) => recv_done = true,
-                Ok(Some(n)) => ss.recv(&scratch[..n], false),
-                Err(_) => {
-                    // The client reset its send side: it cancelled.
-                    ss.peer_aborted();
+            let Some(ev) = self.events.as_mut() else {
+                return;
+            };
+            let mut shut_down = false;
+            tokio::select! {
+                biased;
+                _ = &mut stopped => {
+                    // STOP_SENDING, or the connection is gone (closed, or the peer timed out).
+                    self.ss.peer_aborted();
                     counters.cancelled.fetch_add(1, Ordering::Relaxed);
                     return;
                 }
-            },
-            e = ev.next() => match e {
-                Some(e) => ss.event(&e),
-                None => ss.events_ended(),
-            },
+                _ = self.abort.wait_for(|a| *a), if !self.aborted => shut_down = true,
+                r = self.recv.read(&mut scratch), if !self.recv_done => match r {
+                    Ok(None) => self.recv_done = true,
+                    Ok(Some(n)) => self.ss.recv(&scratch[..n], false),
+                    Err(_) => {
+                        // The client reset its send side: it cancelled.
+                        self.ss.peer_aborted();
+                        counters.cancelled.fetch_add(1, Ordering::Relaxed);
+                        return;
+                    }
+                },
+                e = ev.next() => match e {
+                    Some(e) => self.ss.event(&e),
+                    None => self.ss.events_ended(),
+                },
+            }
+            if shut_down {
+                self.shut_down();
+            }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn model(id: &str) -> ModelInfo {
+        ModelInfo {
+            id: id.into(),
+            display_name: id.into(),
+            context_length: 0,
+        }
+    }
+
+    #[test]
+    fn unknown_models_are_decided_like_the_gateway() {
+        assert_eq!(unknown_model(&[], "anything"), None);
+        assert_eq!(unknown_model(&[model("a"), model("b")], "b"), None);
+        let msg = unknown_model(&[model("a"), model("b")], "c").unwrap();
+        assert!(msg.contains("model: c") && msg.contains("a, b"), "{msg}");
     }
 }

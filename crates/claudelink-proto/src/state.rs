@@ -3,11 +3,13 @@
 //! spirit of `quinn-proto`.
 
 use std::collections::VecDeque;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use crate::auth::ApiKeys;
 use crate::codec::{
-    AppErrorCode, DecodeError, ErrorFrame, FRAME_HEADER_LEN, Frame, FrameType, GoAwayFrame, Health,
-    PingFrame, PongFrame, RequestFrame, decode_frame,
+    AppErrorCode, AuthFrame, DecodeError, ErrorFrame, FRAME_HEADER_LEN, Frame, FrameType,
+    GoAwayFrame, Health, PingFrame, PongFrame, RequestFrame, decode_frame,
 };
 use crate::service::{ErrorCode, InferenceEvent, InferenceRequest, ServiceError};
 
@@ -181,6 +183,57 @@ impl ServerStream {
             retry_after_ms,
             message: &msg,
         }));
+    }
+
+    /// Refuses a submitted request before it reaches the service (e.g. `not_found` for a
+    /// model the server does not serve): ERROR with `code` and `message`, then FIN.
+    ///
+    /// ```
+    /// use claudelink_proto::*;
+    /// let req = InferenceRequest::new("nope", Prompt::Text("hi".into()), 4);
+    /// let bytes = Frame::Request(RequestFrame::from_request(&req, 65536)).to_vec().unwrap();
+    /// let mut s = ServerStream::new(0, DEFAULT_MAX_FRAME_SIZE);
+    /// s.recv(&bytes, true);
+    /// assert!(matches!(s.poll_action(), Some(ServerStreamAction::Submit { .. })));
+    /// s.reject(ErrorCode::NotFound, "model: nope is not served here");
+    /// assert!(matches!(s.poll_action(), Some(ServerStreamAction::Send(_))));
+    /// assert_eq!(s.poll_action(), Some(ServerStreamAction::Finish));
+    /// assert!(s.is_done());
+    /// ```
+    pub fn reject(&mut self, code: ErrorCode, message: &str) {
+        if !self.is_running() {
+            return;
+        }
+        self.send_terminal(&Frame::Error(ErrorFrame {
+            code,
+            retry_after_ms: 0,
+            message,
+        }));
+    }
+
+    /// The server is shutting down (its drain deadline passed): a running request is
+    /// cancelled and ends with ERROR `shutting_down`; a stream still reading its REQUEST is
+    /// reset with `REFUSED` (it was not processed).
+    ///
+    /// ```
+    /// use claudelink_proto::*;
+    /// let mut s = ServerStream::new(0, DEFAULT_MAX_FRAME_SIZE);
+    /// s.shutting_down();
+    /// assert_eq!(s.poll_action(), Some(ServerStreamAction::Abort(AppErrorCode::Refused)));
+    /// ```
+    pub fn shutting_down(&mut self) {
+        match self.phase {
+            ServerPhase::Done => {}
+            ServerPhase::ReadingRequest => self.abort(AppErrorCode::Refused),
+            ServerPhase::Running { .. } => {
+                self.actions.push_back(ServerStreamAction::Cancel);
+                self.send_terminal(&Frame::Error(ErrorFrame {
+                    code: ErrorCode::ShuttingDown,
+                    retry_after_ms: 0,
+                    message: "the server is shutting down",
+                }));
+            }
+        }
     }
 
     fn send_terminal(&mut self, frame: &Frame<'_>) {
@@ -418,6 +471,12 @@ pub enum ConnectionAction {
         /// Nonce.
         nonce: u64,
     },
+    /// (server) The client's AUTH was accepted (or, on a server without keys, arrived):
+    /// serve its request streams from now on.
+    Authenticated {
+        /// The label of the matching key ([`ApiKeys::label`]); `None` on a server without keys.
+        client: Option<String>,
+    },
     /// (client) The server sent GOAWAY: open no new streams here.
     GoAwayReceived {
         /// Why.
@@ -429,10 +488,53 @@ pub enum ConnectionAction {
     },
 }
 
-/// Connection-level state: the control stream (PING/PONG/GOAWAY) and stream admission.
+/// Where a server connection stands with authentication.
+#[derive(Debug, Clone)]
+enum AuthState {
+    /// No keys configured: every connection is served, an AUTH first frame is accepted and
+    /// ignored.
+    Open,
+    /// Keys configured and no AUTH yet: request streams wait, until `deadline`.
+    Pending {
+        keys: Arc<ApiKeys>,
+        deadline: Instant,
+    },
+    /// A valid AUTH arrived (server), or this is the client.
+    Done { client: Option<String> },
+    /// The credential was wrong or missing: the connection is closed.
+    Failed,
+}
+
+/// Connection-level state: the control stream (AUTH/PING/PONG/GOAWAY), authentication and
+/// stream admission.
+///
+/// A server built with [`ConnectionState::require_auth`] serves nothing before the client's
+/// AUTH frame, which must be the first frame of the client's control stream:
+///
+/// ```
+/// use std::sync::Arc;
+/// use std::time::{Duration, Instant};
+/// use claudelink_proto::*;
+/// let now = Instant::now();
+/// let keys = Arc::new(ApiKeys::new(["sk-1".to_string()]));
+/// let mut server = ConnectionState::new(Side::Server, DEFAULT_MAX_FRAME_SIZE, Duration::from_secs(5))
+///     .require_auth(keys.clone(), now + Duration::from_secs(5));
+/// assert!(!server.is_authenticated());
+/// let mut client = ConnectionState::new(Side::Client, DEFAULT_MAX_FRAME_SIZE, Duration::from_secs(5));
+/// client.send_auth("sk-1");
+/// let Some(ConnectionAction::SendControl(bytes)) = client.poll_action() else { panic!() };
+/// server.recv_control(&bytes, now);
+/// assert_eq!(
+///     server.poll_action(),
+///     Some(ConnectionAction::Authenticated { client: Some(keys.label(0).to_string()) })
+/// );
+/// assert!(server.is_authenticated());
+/// ```
 #[derive(Debug)]
 pub struct ConnectionState {
     side: Side,
+    auth: AuthState,
+    control_frames_seen: u64,
     max_frame_size: u32,
     buf: Vec<u8>,
     next_nonce: u64,
@@ -451,6 +553,11 @@ impl ConnectionState {
     pub fn new(side: Side, max_frame_size: u32, health_timeout: Duration) -> Self {
         Self {
             side,
+            auth: match side {
+                Side::Server => AuthState::Open,
+                Side::Client => AuthState::Done { client: None },
+            },
+            control_frames_seen: 0,
             max_frame_size,
             buf: Vec::new(),
             next_nonce: 1,
@@ -460,6 +567,38 @@ impl ConnectionState {
             closed: false,
             actions: VecDeque::new(),
         }
+    }
+
+    /// (server) Requires a valid AUTH (a key of `keys`) as the first frame of the client's
+    /// control stream, before `deadline` (typically a few seconds after the handshake).
+    /// A wrong credential, another frame first, or the deadline passing closes the connection
+    /// with `UNAUTHENTICATED`. With an empty key set the server stays open.
+    pub fn require_auth(mut self, keys: Arc<ApiKeys>, deadline: Instant) -> Self {
+        if self.side == Side::Server && !keys.is_empty() {
+            self.auth = AuthState::Pending { keys, deadline };
+        }
+        self
+    }
+
+    /// (server) Whether request streams may be served: no keys are required, or a valid AUTH
+    /// arrived. Always `true` on the client.
+    pub fn is_authenticated(&self) -> bool {
+        matches!(self.auth, AuthState::Open | AuthState::Done { .. })
+    }
+
+    /// (server) The label of the key the client authenticated with (`None` before AUTH or on
+    /// a server without keys).
+    pub fn client_label(&self) -> Option<&str> {
+        match &self.auth {
+            AuthState::Done { client } => client.as_deref(),
+            _ => None,
+        }
+    }
+
+    /// (client) Sends AUTH with `credential`. Call it first, before any other control frame:
+    /// the server requires AUTH to be the first frame of the client's control stream.
+    pub fn send_auth(&mut self, credential: &str) {
+        self.push_frame(&Frame::Auth(AuthFrame { credential }));
     }
 
     /// The next action.
@@ -478,6 +617,9 @@ impl ConnectionState {
     }
 
     fn close(&mut self, code: AppErrorCode) {
+        if code == AppErrorCode::Unauthenticated {
+            self.auth = AuthState::Failed;
+        }
         if !self.closed {
             self.closed = true;
             self.actions.push_back(ConnectionAction::Close(code));
@@ -536,13 +678,28 @@ impl ConnectionState {
 
     /// The earliest time [`ConnectionState::handle_timeout`] has work to do.
     pub fn poll_timeout(&self) -> Option<Instant> {
-        self.outstanding
+        let ping = self
+            .outstanding
             .front()
-            .map(|(_, t)| *t + self.health_timeout)
+            .map(|(_, t)| *t + self.health_timeout);
+        let auth = match &self.auth {
+            AuthState::Pending { deadline, .. } if !self.closed => Some(*deadline),
+            _ => None,
+        };
+        match (ping, auth) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
     }
 
-    /// Expires PINGs older than the health timeout.
+    /// Expires PINGs older than the health timeout; (server) closes the connection with
+    /// `UNAUTHENTICATED` when the AUTH deadline passed.
     pub fn handle_timeout(&mut self, now: Instant) {
+        if let AuthState::Pending { deadline, .. } = &self.auth
+            && now >= *deadline
+        {
+            self.close(AppErrorCode::Unauthenticated);
+        }
         while let Some(&(nonce, sent)) = self.outstanding.front() {
             if now.saturating_duration_since(sent) < self.health_timeout {
                 break;
@@ -572,7 +729,33 @@ impl ConnectionState {
                 Ok(Some(x)) => x,
             };
             off += used;
+            let first = self.control_frames_seen == 0;
+            self.control_frames_seen += 1;
+            if let AuthState::Pending { keys, .. } = &self.auth {
+                // Nothing but a valid AUTH may come first.
+                let client = match &frame {
+                    Frame::Auth(a) if first => keys
+                        .find(a.credential.as_bytes())
+                        .map(|i| keys.label(i).to_owned()),
+                    _ => None,
+                };
+                let Some(client) = client else {
+                    self.buf.clear();
+                    return self.close(AppErrorCode::Unauthenticated);
+                };
+                self.auth = AuthState::Done {
+                    client: Some(client.clone()),
+                };
+                self.actions.push_back(ConnectionAction::Authenticated {
+                    client: Some(client),
+                });
+                continue;
+            }
             let action = match (self.side, frame) {
+                // A server without keys accepts (and ignores) the credential.
+                (Side::Server, Frame::Auth(_)) if first => {
+                    ConnectionAction::Authenticated { client: None }
+                }
                 (Side::Server, Frame::Ping(p)) => ConnectionAction::PingReceived { nonce: p.nonce },
                 (Side::Client, Frame::Pong(p)) => {
                     let Some(i) = self.outstanding.iter().position(|(n, _)| *n == p.nonce) else {

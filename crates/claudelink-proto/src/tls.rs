@@ -177,6 +177,15 @@ impl Identity {
         cfg.alpn_protocols = alpns;
         // QUIC 0-RTT: quinn requires max_early_data_size = u32::MAX when early data is enabled.
         cfg.max_early_data_size = u32::MAX;
+        // 0-RTT anti-replay (RFC 8446 section 8.1, single-use tickets): with no `Ticketer`, a
+        // TLS 1.3 ticket is only the key of an entry in this in-memory store, and rustls
+        // `take`s (removes) the entry when a client resumes with it, so a ticket resumes (and
+        // carries early data) at most once; a replayed first flight gets a full handshake and
+        // its early data is dropped. rustls refuses early data altogether with a stateless
+        // `Ticketer`, so never set one here. The store holds 4096 tickets (two per
+        // connection); when it is full the oldest go, and their clients do a full handshake.
+        cfg.session_storage = rustls::server::ServerSessionMemoryCache::new(4096);
+        debug_assert!(!cfg.ticketer.enabled());
         Ok(cfg)
     }
 }

@@ -1,6 +1,7 @@
 //! Sans-IO tests: proptest round trips for every frame, decoder robustness, and deterministic
 //! in-memory simulations of a client and a server stream/connection wired together.
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use claudelink_proto::*;
@@ -149,6 +150,46 @@ proptest! {
             nonce, health: Health { ready, queue_depth: q, running: r, active_streams: a },
         }));
         roundtrip(&Frame::GoAway(GoAwayFrame { code, last_stream_id: last, retry_after_ms: retry, message: &msg }));
+        roundtrip(&Frame::Auth(AuthFrame { credential: &msg }));
+    }
+
+    #[test]
+    fn mutated_auth_frames_decode_or_error_cleanly(
+        key in ".{0,40}", pos in any::<prop::sample::Index>(), val in any::<u8>(), cut in any::<prop::sample::Index>(),
+    ) {
+        let mut bytes = Frame::Auth(AuthFrame { credential: &key }).to_vec().unwrap();
+        let i = pos.index(bytes.len());
+        bytes[i] = val;
+        let bytes = &bytes[..cut.index(bytes.len() + 1)];
+        // Decodes (and then re-encodes to itself), is incomplete, or is an error: never a panic.
+        if let Ok(Some((f, _))) = decode_frame(bytes, DEFAULT_MAX_FRAME_SIZE) {
+            let again = f.to_vec().unwrap();
+            prop_assert_eq!(decode_frame(&again, DEFAULT_MAX_FRAME_SIZE).unwrap().unwrap().0, f);
+        }
+    }
+
+    #[test]
+    fn only_a_listed_key_authenticates(
+        keys in prop::collection::vec("[a-z0-9]{1,12}", 1..4), presented in "[a-z0-9]{0,12}",
+    ) {
+        let set = Arc::new(ApiKeys::new(keys.clone()));
+        let t0 = Instant::now();
+        let mut server = ConnectionState::new(Side::Server, DEFAULT_MAX_FRAME_SIZE, Duration::from_secs(5))
+            .require_auth(set.clone(), t0 + Duration::from_secs(5));
+        server.recv_control(&Frame::Auth(AuthFrame { credential: &presented }).to_vec().unwrap(), t0);
+        match keys.iter().position(|k| *k == presented) {
+            Some(i) => {
+                prop_assert_eq!(
+                    server.poll_action(),
+                    Some(ConnectionAction::Authenticated { client: Some(set.label(i).to_owned()) })
+                );
+                prop_assert!(server.is_authenticated());
+            }
+            None => {
+                prop_assert_eq!(server.poll_action(), Some(ConnectionAction::Close(AppErrorCode::Unauthenticated)));
+                prop_assert!(!server.is_authenticated());
+            }
+        }
     }
 
     #[test]
@@ -473,5 +514,185 @@ fn simulated_connection_ping_goaway_and_timeouts() {
     assert_eq!(
         s.poll_action(),
         Some(ConnectionAction::Close(AppErrorCode::ProtocolError))
+    );
+}
+
+fn keyed_server(t0: Instant) -> (ConnectionState, Arc<ApiKeys>) {
+    let keys = Arc::new(ApiKeys::new(["sk-a".to_string(), "sk-b".to_string()]));
+    let s = ConnectionState::new(Side::Server, DEFAULT_MAX_FRAME_SIZE, Duration::from_secs(5))
+        .require_auth(keys.clone(), t0 + Duration::from_secs(5));
+    (s, keys)
+}
+
+fn control(frames: &[Frame<'_>]) -> Vec<u8> {
+    frames.iter().flat_map(|f| f.to_vec().unwrap()).collect()
+}
+
+#[test]
+fn auth_first_then_control_traffic_flows_and_the_label_is_kept() {
+    let t0 = Instant::now();
+    let (mut server, keys) = keyed_server(t0);
+    assert!(!server.is_authenticated());
+    assert_eq!(server.poll_timeout(), Some(t0 + Duration::from_secs(5)));
+    let mut client =
+        ConnectionState::new(Side::Client, DEFAULT_MAX_FRAME_SIZE, Duration::from_secs(5));
+    client.send_auth("sk-b");
+    let nonce = client.send_ping(t0);
+    // AUTH and PING in one write, delivered a byte at a time.
+    let mut bytes = Vec::new();
+    while let Some(ConnectionAction::SendControl(b)) = client.poll_action() {
+        bytes.extend(b);
+    }
+    for b in bytes {
+        server.recv_control(&[b], t0);
+    }
+    assert_eq!(
+        server.poll_action(),
+        Some(ConnectionAction::Authenticated {
+            client: Some(keys.label(1).to_owned())
+        })
+    );
+    assert_eq!(
+        server.poll_action(),
+        Some(ConnectionAction::PingReceived { nonce })
+    );
+    assert!(server.is_authenticated());
+    assert_eq!(server.client_label(), Some(keys.label(1)));
+    // The AUTH deadline no longer applies.
+    assert_eq!(server.poll_timeout(), None);
+    server.handle_timeout(t0 + Duration::from_secs(60));
+    assert_eq!(server.poll_action(), None);
+    // A second AUTH is a protocol violation.
+    server.recv_control(
+        &control(&[Frame::Auth(AuthFrame { credential: "sk-b" })]),
+        t0,
+    );
+    assert_eq!(
+        server.poll_action(),
+        Some(ConnectionAction::Close(AppErrorCode::ProtocolError))
+    );
+}
+
+#[test]
+fn missing_wrong_or_misplaced_auth_closes_unauthenticated() {
+    let t0 = Instant::now();
+    let unauth = Some(ConnectionAction::Close(AppErrorCode::Unauthenticated));
+    // Wrong key.
+    let (mut s, _) = keyed_server(t0);
+    s.recv_control(
+        &control(&[Frame::Auth(AuthFrame { credential: "sk-c" })]),
+        t0,
+    );
+    assert_eq!(s.poll_action(), unauth);
+    assert!(s.is_closed() && !s.is_authenticated());
+    // Anything else first, even with the right key after it: nothing after it is looked at.
+    let (mut s, _) = keyed_server(t0);
+    s.recv_control(
+        &control(&[
+            Frame::Ping(PingFrame { nonce: 1 }),
+            Frame::Auth(AuthFrame { credential: "sk-a" }),
+        ]),
+        t0,
+    );
+    assert_eq!(s.poll_action(), unauth);
+    assert_eq!(s.poll_action(), None);
+    let r = InferenceRequest::new("m", Prompt::Text("x".into()), 1);
+    let (mut s, _) = keyed_server(t0);
+    s.recv_control(
+        &control(&[Frame::Request(RequestFrame::from_request(&r, 1))]),
+        t0,
+    );
+    assert_eq!(s.poll_action(), unauth);
+    // Nothing within the deadline.
+    let (mut s, _) = keyed_server(t0);
+    s.handle_timeout(t0 + Duration::from_millis(4999));
+    assert_eq!(s.poll_action(), None);
+    s.handle_timeout(t0 + Duration::from_secs(5));
+    assert_eq!(s.poll_action(), unauth);
+    assert_eq!(s.poll_timeout(), None);
+    // AUTH after the deadline is not looked at.
+    s.recv_control(
+        &control(&[Frame::Auth(AuthFrame { credential: "sk-a" })]),
+        t0,
+    );
+    assert_eq!(s.poll_action(), None);
+    assert!(!s.is_authenticated());
+}
+
+#[test]
+fn a_server_without_keys_takes_auth_or_none_and_clients_refuse_auth() {
+    let t0 = Instant::now();
+    // No keys (or an empty key set): open, AUTH accepted and ignored.
+    let mut s = ConnectionState::new(Side::Server, DEFAULT_MAX_FRAME_SIZE, Duration::from_secs(5))
+        .require_auth(Arc::new(ApiKeys::default()), t0);
+    assert!(s.is_authenticated());
+    s.handle_timeout(t0 + Duration::from_secs(10));
+    assert_eq!(s.poll_action(), None);
+    s.recv_control(&control(&[Frame::Auth(AuthFrame { credential: "x" })]), t0);
+    assert_eq!(
+        s.poll_action(),
+        Some(ConnectionAction::Authenticated { client: None })
+    );
+    assert_eq!(s.client_label(), None);
+    // A client receiving AUTH: wrong direction.
+    let mut c = ConnectionState::new(Side::Client, DEFAULT_MAX_FRAME_SIZE, Duration::from_secs(5));
+    c.recv_control(&control(&[Frame::Auth(AuthFrame { credential: "x" })]), t0);
+    assert_eq!(
+        c.poll_action(),
+        Some(ConnectionAction::Close(AppErrorCode::ProtocolError))
+    );
+}
+
+#[test]
+fn server_stream_rejects_unknown_models_and_ends_with_shutting_down() {
+    let r = InferenceRequest::new("m", Prompt::Text("x".into()), 1);
+    let bytes = Frame::Request(RequestFrame::from_request(&r, 1))
+        .to_vec()
+        .unwrap();
+    let decode_error = |b: &[u8]| match decode_frame(b, DEFAULT_MAX_FRAME_SIZE) {
+        Ok(Some((Frame::Error(e), _))) => (e.code, e.message.to_owned()),
+        other => panic!("expected ERROR, got {other:?}"),
+    };
+    // Rejected before submission: ERROR not_found, FIN, no Cancel (nothing was running).
+    let mut s = ServerStream::new(0, DEFAULT_MAX_FRAME_SIZE);
+    s.recv(&bytes, true);
+    assert!(matches!(
+        s.poll_action(),
+        Some(ServerStreamAction::Submit { .. })
+    ));
+    s.reject(ErrorCode::NotFound, "model: m is not served here");
+    let Some(ServerStreamAction::Send(b)) = s.poll_action() else {
+        panic!("no ERROR frame")
+    };
+    assert_eq!(decode_error(&b).0, ErrorCode::NotFound);
+    assert_eq!(s.poll_action(), Some(ServerStreamAction::Finish));
+    assert!(s.is_done());
+    // Shutting down while running: cancel the work, then ERROR shutting_down and FIN.
+    let mut s = ServerStream::new(0, DEFAULT_MAX_FRAME_SIZE);
+    s.recv(&bytes, true);
+    let _ = s.poll_action();
+    s.event(&InferenceEvent::Started { input_tokens: 1 });
+    let _ = s.poll_action();
+    s.shutting_down();
+    assert_eq!(s.poll_action(), Some(ServerStreamAction::Cancel));
+    let Some(ServerStreamAction::Send(b)) = s.poll_action() else {
+        panic!("no ERROR frame")
+    };
+    assert_eq!(decode_error(&b).0, ErrorCode::ShuttingDown);
+    assert_eq!(s.poll_action(), Some(ServerStreamAction::Finish));
+    // Later events are ignored; a second shutdown does nothing.
+    s.event(&InferenceEvent::Delta {
+        ids: vec![1],
+        text: "a".into(),
+    });
+    s.shutting_down();
+    assert_eq!(s.poll_action(), None);
+    // Still reading its REQUEST: refused (not processed).
+    let mut s = ServerStream::new(0, DEFAULT_MAX_FRAME_SIZE);
+    s.recv(&bytes[..3], false);
+    s.shutting_down();
+    assert_eq!(
+        s.poll_action(),
+        Some(ServerStreamAction::Abort(AppErrorCode::Refused))
     );
 }

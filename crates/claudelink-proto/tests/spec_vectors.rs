@@ -98,6 +98,7 @@ fn vectors() -> Vec<(&'static str, Vec<u8>)> {
                 message: "shed",
             })),
         ),
+        ("auth", enc(Frame::Auth(AuthFrame { credential: "sk-1" }))),
     ]
 }
 
