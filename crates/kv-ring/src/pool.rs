@@ -250,20 +250,7 @@ impl KvPool {
                 }
             }
             // Fresh buffer: make room by releasing cached buffers, largest first.
-            while st.used + st.cached > self.budget {
-                let Some(mut entry) = st.free.last_entry() else {
-                    break;
-                };
-                let storage = entry.get_mut().pop();
-                if entry.get().is_empty() {
-                    entry.remove();
-                }
-                if let Some(storage) = storage {
-                    st.cached -= storage.allocated_bytes();
-                    to_release.push(storage);
-                }
-            }
-            debug_assert!(st.used + st.cached <= self.budget);
+            self.evict_cached(&mut st, &mut to_release);
         }
         drop(to_release); // outside the lock: large frees are munmap calls
         self.fresh_allocs.fetch_add(1, Ordering::Relaxed);
@@ -290,20 +277,7 @@ impl KvPool {
                 });
             }
             st.used += extra;
-            while st.used + st.cached > self.budget {
-                let Some(mut entry) = st.free.last_entry() else {
-                    break;
-                };
-                let storage = entry.get_mut().pop();
-                if entry.get().is_empty() {
-                    entry.remove();
-                }
-                if let Some(storage) = storage {
-                    st.cached -= storage.allocated_bytes();
-                    to_release.push(storage);
-                }
-            }
-            debug_assert!(st.used + st.cached <= self.budget);
+            self.evict_cached(&mut st, &mut to_release);
         }
         drop(to_release); // outside the lock
         self.grows.fetch_add(1, Ordering::Relaxed);
@@ -326,6 +300,25 @@ impl KvPool {
             drop(st);
             drop(storage);
         }
+    }
+
+    /// Moves cached free buffers, largest first, into `to_release` until used plus cached bytes
+    /// fit the budget again (the caller frees them outside the lock).
+    fn evict_cached(&self, st: &mut PoolState, to_release: &mut Vec<Storage>) {
+        while st.used + st.cached > self.budget {
+            let Some(mut entry) = st.free.last_entry() else {
+                break;
+            };
+            let storage = entry.get_mut().pop();
+            if entry.get().is_empty() {
+                entry.remove();
+            }
+            if let Some(storage) = storage {
+                st.cached -= storage.allocated_bytes();
+                to_release.push(storage);
+            }
+        }
+        debug_assert!(st.used + st.cached <= self.budget);
     }
 
     fn lock(&self) -> MutexGuard<'_, PoolState> {
