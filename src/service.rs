@@ -580,11 +580,11 @@ mod tests {
     use claudelink_proto::ChatMessage as Msg;
     use futures::StreamExt;
 
-    #[test]
-    fn submit_only_enqueues_and_prompt_errors_arrive_as_the_first_event() {
+    /// The default model, served as `smollm2` with default options.
+    fn load_default() -> EngineService {
         let path = weight_cache::locate_default_model().unwrap_or_else(|e| panic!("{e}"));
         // SAFETY: the model file is not modified while the test runs.
-        let svc = unsafe {
+        unsafe {
             EngineService::load(
                 &path,
                 "smollm2",
@@ -592,7 +592,12 @@ mod tests {
                 EngineConfig::default(),
             )
         }
-        .expect("load");
+        .expect("load")
+    }
+
+    #[test]
+    fn submit_only_enqueues_and_prompt_errors_arrive_as_the_first_event() {
+        let svc = load_default();
         let context = svc.models()[0].context_length as usize;
         let too_long = Prompt::Text("hello ".repeat(context + 16));
         let stream = svc
@@ -637,17 +642,7 @@ mod tests {
 
     #[test]
     fn chat_request_streams_text_and_usage_from_the_real_model() {
-        let path = weight_cache::locate_default_model().unwrap_or_else(|e| panic!("{e}"));
-        // SAFETY: the model file is not modified while the test runs.
-        let svc = unsafe {
-            EngineService::load(
-                &path,
-                "smollm2",
-                ModelOptions::default(),
-                EngineConfig::default(),
-            )
-        }
-        .expect("load");
+        let svc = load_default();
         let cache = WeightCache::new(svc.engine().model().gguf().clone(), Default::default())
             .expect("block table");
         let svc = svc.with_warmup(cache, WarmupStrategy::Full);
