@@ -666,7 +666,7 @@ impl TensorView<'_> {
         self.shape.first().copied().unwrap_or(1) as usize
     }
 
-    /// Number of rows (product of `shape[1..]`).
+    /// Number of rows (product of `shape[1..]`; the parser refuses shapes where it overflows).
     pub fn rows(&self) -> usize {
         self.shape.iter().skip(1).product::<u64>() as usize
     }
@@ -815,6 +815,14 @@ impl Gguf {
             let n_elements = shape
                 .iter()
                 .try_fold(1u64, |a, &d| a.checked_mul(d))
+                .ok_or_else(overflow)?;
+            // With a zero dimension the total is 0 whatever the others are, but the row count
+            // (product of dims[1..]) must still fit: `TensorView::rows` relies on it.
+            shape
+                .iter()
+                .skip(1)
+                .try_fold(1u64, |a, &d| a.checked_mul(d))
+                .filter(|&rows| usize::try_from(rows).is_ok())
                 .ok_or_else(overflow)?;
             let row_len = dims[0];
             let bs = dtype.block_size() as u64;

@@ -291,3 +291,27 @@ proptest! {
         }
     }
 }
+
+/// Found by `scripts/fuzz` (gguf_header, with overflow checks): a zero dimension makes the element
+/// count 0, so only the row count (product of the other dimensions) overflowed, in
+/// `TensorView::rows`. The parser now refuses such shapes.
+#[test]
+fn a_zero_dimension_does_not_hide_a_row_count_overflow() {
+    let huge = 1u64 << 40;
+    let file = GgufBuilder::new()
+        .tensor("z", GgmlType::F32, &[0, huge, huge], Vec::new())
+        .build();
+    assert!(matches!(
+        err(file),
+        GgufError::ShapeOverflow { ref shape, .. } if shape == &[0, huge, huge]
+    ));
+    // Zero-sized tensors whose row count fits still load.
+    let file = GgufBuilder::new()
+        .tensor("z", GgmlType::F32, &[0, 3, 5], Vec::new())
+        .build();
+    let g = Gguf::from_bytes(file).expect("an empty tensor with a sane shape loads");
+    assert_eq!(
+        g.tensor("z").map(|t| (t.rows(), t.n_elements())),
+        Some((15, 0))
+    );
+}
