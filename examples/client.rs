@@ -47,6 +47,9 @@ struct Args {
     /// Sampling temperature (default: greedy).
     #[arg(long)]
     temperature: Option<f32>,
+    /// API key, sent in the connection's AUTH frame (needed when the server runs with keys).
+    #[arg(long, env = "ZEROLAYER_API_KEY", hide_env_values = true)]
+    api_key: Option<String>,
 }
 
 #[tokio::main]
@@ -57,7 +60,11 @@ async fn main() -> anyhow::Result<()> {
         (None, Some(ca)) => Trust::pem_file(ca).context("reading --ca")?,
         (None, None) => anyhow::bail!("pass --fingerprint (printed by the server) or --ca"),
     };
-    let client = Client::new(ClientConfig::new(trust).server_name(args.server_name.clone()))?;
+    let mut config = ClientConfig::new(trust).server_name(args.server_name.clone());
+    if let Some(key) = &args.api_key {
+        config = config.api_key(key.as_str());
+    }
+    let client = Client::new(config)?;
     let conn = client
         .connect(args.server)
         .await
