@@ -53,6 +53,7 @@ mod auth;
 mod client;
 mod codec;
 mod gateway;
+mod limits;
 mod server;
 mod service;
 mod state;

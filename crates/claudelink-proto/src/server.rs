@@ -4,7 +4,7 @@
 
 use std::collections::HashMap;
 use std::future::Future;
-use std::net::{IpAddr, SocketAddr};
+use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -17,6 +17,7 @@ use tokio::sync::{mpsc, watch};
 
 use crate::auth::ApiKeys;
 use crate::codec::{AppErrorCode, DEFAULT_MAX_FRAME_SIZE, HARD_MAX_FRAME_SIZE, Health};
+use crate::limits::ConnectionLimits;
 use crate::service::{ErrorCode, EventStream, InferenceService, ModelInfo};
 use crate::state::{ConnectionAction, ConnectionState, ServerStream, ServerStreamAction, Side};
 use crate::tls::{CertFingerprint, Identity, TlsError};
@@ -143,13 +144,13 @@ impl ServerConfig {
     }
 
     /// Most connections (claudelink and other ALPNs, handshakes included) the endpoint holds;
-    /// further connection attempts are refused.
+    /// further connection attempts are refused (0: no limit).
     pub fn max_connections(mut self, n: usize) -> Self {
         self.max_connections = n;
         self
     }
 
-    /// Most connections from one IP address; further attempts from it are refused. Once half
+    /// Most connections from one IP address (0: no limit); further attempts from it are refused. Once half
     /// of this (or of [`ServerConfig::max_connections`]) is in use, new clients must first
     /// validate their address with a QUIC Retry, so spoofed addresses cannot use up the limits.
     pub fn max_connections_per_ip(mut self, n: usize) -> Self {
@@ -340,68 +341,11 @@ struct Shared {
     cfg: ServerConfig,
     counters: Counters,
     conns: Mutex<HashMap<usize, ConnEntry>>,
-    admission: Mutex<Admission>,
+    /// Connections held on the endpoint, in total and per IP address.
+    limits: ConnectionLimits,
     draining: AtomicBool,
     /// Set once by [`Server::abort_streams`]; every stream task watches it.
     abort: watch::Sender<bool>,
-}
-
-/// Connections held on the endpoint, in total and per IP address.
-///
-/// Lock poisoning: every update is one statement that cannot panic half-way, so a poisoned
-/// lock still guards consistent counts and is used as is.
-#[derive(Default)]
-struct Admission {
-    total: usize,
-    per_ip: HashMap<IpAddr, usize>,
-}
-
-/// One admitted connection; gives its place back when dropped.
-struct ConnSlot {
-    shared: Arc<Shared>,
-    ip: IpAddr,
-}
-
-impl ConnSlot {
-    /// Whether half of the total or of `ip`'s limit is in use.
-    fn under_pressure(shared: &Shared, ip: IpAddr) -> bool {
-        let a = shared.admission.lock().unwrap_or_else(|e| e.into_inner());
-        let n = a.per_ip.get(&ip.to_canonical()).copied().unwrap_or(0);
-        a.total >= shared.cfg.max_connections.div_ceil(2)
-            || n >= shared.cfg.max_connections_per_ip.div_ceil(2)
-    }
-
-    fn admit(shared: &Arc<Shared>, ip: IpAddr) -> Option<Self> {
-        let ip = ip.to_canonical();
-        let mut a = shared.admission.lock().unwrap_or_else(|e| e.into_inner());
-        let n = a.per_ip.get(&ip).copied().unwrap_or(0);
-        if a.total >= shared.cfg.max_connections || n >= shared.cfg.max_connections_per_ip {
-            return None;
-        }
-        a.total += 1;
-        a.per_ip.insert(ip, n + 1);
-        Some(Self {
-            shared: shared.clone(),
-            ip,
-        })
-    }
-}
-
-impl Drop for ConnSlot {
-    fn drop(&mut self) {
-        let mut a = self
-            .shared
-            .admission
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
-        a.total = a.total.saturating_sub(1);
-        if let Some(n) = a.per_ip.get_mut(&self.ip) {
-            *n = n.saturating_sub(1);
-            if *n == 0 {
-                a.per_ip.remove(&self.ip);
-            }
-        }
-    }
 }
 
 /// A running claudelink server (on the current tokio runtime).
@@ -453,12 +397,13 @@ impl Server {
             .map_err(|source| ServerError::Bind { addr, source })?;
         let fingerprint = config.identity.fingerprint();
         tracing::info!(%fingerprint, addr = ?endpoint.local_addr().ok(), "claudelink server listening");
+        let limits = ConnectionLimits::new(config.max_connections, config.max_connections_per_ip);
         let shared = Arc::new(Shared {
             service,
             cfg: config,
             counters: Counters::default(),
             conns: Mutex::new(HashMap::new()),
-            admission: Mutex::new(Admission::default()),
+            limits,
             draining: AtomicBool::new(false),
             abort: watch::Sender::new(false),
         });
@@ -614,7 +559,7 @@ async fn accept_loop(endpoint: quinn::Endpoint, shared: Arc<Shared>) {
         // (a QUIC Retry round trip), so that spoofed source addresses cannot fill the limits.
         if !incoming.remote_address_validated()
             && incoming.may_retry()
-            && ConnSlot::under_pressure(&shared, incoming.remote_address().ip())
+            && shared.limits.under_pressure(incoming.remote_address().ip())
         {
             let _ = incoming.retry();
             continue;
@@ -622,7 +567,7 @@ async fn accept_loop(endpoint: quinn::Endpoint, shared: Arc<Shared>) {
         let slot = if shared.draining.load(Ordering::Acquire) {
             None
         } else {
-            ConnSlot::admit(&shared, incoming.remote_address().ip())
+            shared.limits.admit(incoming.remote_address().ip()).ok()
         };
         let Some(slot) = slot else {
             shared

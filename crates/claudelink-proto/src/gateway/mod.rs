@@ -22,7 +22,6 @@ mod error;
 mod h3;
 mod ids;
 mod in_flight;
-mod limits;
 mod metrics;
 mod sse;
 mod tcp;

@@ -27,8 +27,8 @@ use tokio::io::AsyncWriteExt;
 use tokio::net::{TcpListener, TcpStream};
 
 use super::core::{Admission, BodyError, Gateway, ReplyBody};
-use super::limits::ConnectionLimits;
 use super::metrics::Protocol;
+use crate::limits::ConnectionLimits;
 
 /// The response body type of the TCP transport.
 type Body = UnsyncBoxBody<Bytes, Infallible>;

@@ -1,6 +1,7 @@
-//! Connection limits of a TCP listener: at most `max_connections` open connections in all and
-//! `max_connections_per_ip` from one client address. A sans-IO count ([`ConnectionCounts`])
-//! behind a mutex, and a guard that gives its connection back when dropped.
+//! Connection limits of a listener (the gateway's TCP listener, the QUIC endpoint): at most
+//! `max_connections` open connections in all and `max_connections_per_ip` from one client
+//! address (IPv4-mapped IPv6 addresses count as their IPv4 address). A sans-IO count
+//! ([`ConnectionCounts`]) behind a mutex, and a guard that gives its connection back when dropped.
 
 use std::collections::HashMap;
 use std::net::IpAddr;
@@ -41,8 +42,17 @@ impl ConnectionCounts {
         }
     }
 
+    /// Whether half of the total or of `ip`'s limit is in use (the QUIC endpoint then asks new
+    /// clients to validate their address first).
+    pub(crate) fn under_pressure(&self, ip: IpAddr) -> bool {
+        let n = self.per_ip.get(&ip.to_canonical()).copied().unwrap_or(0);
+        (self.max_total > 0 && self.total >= self.max_total.div_ceil(2))
+            || (self.max_per_ip > 0 && n >= self.max_per_ip.div_ceil(2))
+    }
+
     /// Counts a new connection from `ip`, or says why it is refused (nothing is counted then).
     pub(crate) fn open(&mut self, ip: IpAddr) -> Result<(), Refused> {
+        let ip = ip.to_canonical();
         if self.max_total > 0 && self.total >= self.max_total {
             return Err(Refused::Listener {
                 limit: self.max_total,
@@ -61,11 +71,11 @@ impl ConnectionCounts {
 
     /// Forgets a connection counted by [`ConnectionCounts::open`].
     pub(crate) fn close(&mut self, ip: IpAddr) {
-        if let Some(n) = self.per_ip.get_mut(&ip) {
+        if let Some(n) = self.per_ip.get_mut(&ip.to_canonical()) {
             *n -= 1;
             self.total -= 1;
             if *n == 0 {
-                self.per_ip.remove(&ip);
+                self.per_ip.remove(&ip.to_canonical());
             }
         }
     }
@@ -102,6 +112,11 @@ impl ConnectionLimits {
             limits: self.clone(),
             ip,
         })
+    }
+
+    /// See [`ConnectionCounts::under_pressure`].
+    pub(crate) fn under_pressure(&self, ip: IpAddr) -> bool {
+        self.lock().under_pressure(ip)
     }
 
     /// Connections open.
@@ -156,5 +171,23 @@ mod tests {
             c.open([127, 0, 0, 1].into()).unwrap();
         }
         assert_eq!(c.total(), 10_000);
+    }
+
+    #[test]
+    fn mapped_ipv6_counts_as_its_ipv4_and_pressure_starts_at_half_a_limit() {
+        let v4: IpAddr = [10, 0, 0, 1].into();
+        let mapped: IpAddr = std::net::Ipv4Addr::new(10, 0, 0, 1).to_ipv6_mapped().into();
+        let mut c = ConnectionCounts::new(0, 4);
+        assert!(!c.under_pressure(v4));
+        assert_eq!(c.open(v4), Ok(()));
+        assert!(!c.under_pressure(mapped));
+        assert_eq!(c.open(mapped), Ok(()));
+        assert!(c.under_pressure(v4), "2 of 4 from one address");
+        assert_eq!(c.open(v4), Ok(()));
+        assert_eq!(c.open(mapped), Ok(()));
+        assert_eq!(c.open(v4), Err(Refused::PerIp { limit: 4 }));
+        c.close(mapped);
+        assert_eq!(c.total(), 3);
+        assert!(ConnectionCounts::new(0, 0).open(v4).is_ok(), "0: no limit");
     }
 }
