@@ -1,0 +1,178 @@
+//! llama.cpp's own tokenizer test suite: every `ggml-vocab-*.gguf` of llama.cpp's
+//! `models/` folder (fetched by `scripts/fetch-vocab-suite`), every case of its `.inp` file, ids
+//! equal to llama.cpp's (`.out` as shipped, or, for the vocabularies llama.cpp ships without
+//! one, the ids llama-cpp-python 0.3.36 gives, committed by
+//! `scripts/fixtures/token-stream-vocab-suite.py`), plus the first texts of the parity corpus.
+//!
+//! The cases are tokenized as llama.cpp's `test-tokenizer-0` does: no BOS/EOS added, special
+//! tokens not parsed (our [`Tokenizer::encode`]).
+
+use std::path::{Path, PathBuf};
+
+use token_stream::Tokenizer;
+use weight_cache::Gguf;
+
+const SEP: &str = "\n__ggml_vocab_test__\n";
+const FIXTURES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/vocab-suite");
+
+fn suite_dir() -> PathBuf {
+    let dir = std::env::var_os("ZEROLAYER_VOCAB_SUITE").map_or_else(
+        || {
+            let home = std::env::var_os("HOME").expect("HOME is set");
+            Path::new(&home).join(".cache/zerolayer/llama-vocab-suite-0.3.36")
+        },
+        PathBuf::from,
+    );
+    assert!(
+        dir.join(".complete").exists(),
+        "llama.cpp's vocabulary suite is not at {}: run scripts/fetch-vocab-suite",
+        dir.display()
+    );
+    dir
+}
+
+/// The `.inp` format: cases separated by `SEP` (as `test-tokenizer-0.cpp` reads it).
+fn read_cases(text: &str) -> Vec<&str> {
+    let mut cases = Vec::new();
+    let mut rest = text;
+    while !rest.is_empty() {
+        match rest.find(SEP) {
+            Some(i) => {
+                cases.push(&rest[..i]);
+                rest = &rest[i + SEP.len()..];
+            }
+            None => {
+                cases.push(rest);
+                break;
+            }
+        }
+    }
+    cases
+}
+
+fn read_ids(text: &str) -> Vec<Vec<u32>> {
+    text.lines()
+        .map(|l| {
+            l.split_whitespace()
+                .map(|t| t.parse().expect("an id"))
+                .collect()
+        })
+        .collect()
+}
+
+fn manifest() -> serde_json::Value {
+    let text = std::fs::read_to_string(Path::new(FIXTURES).join("manifest.json")).unwrap();
+    serde_json::from_str(&text).unwrap()
+}
+
+/// Loads `ggml-vocab-<name>.gguf` and checks every case; returns the failures, described.
+fn check_vocab(name: &str) {
+    let suite = suite_dir();
+    let manifest = manifest();
+    let entry = &manifest["vocabs"][name];
+    assert!(entry.is_object(), "{name} is not in the manifest");
+    let path = suite.join(format!("ggml-vocab-{name}.gguf"));
+    // SAFETY: test process; nothing modifies the suite's files while they are mapped.
+    let gguf = unsafe { Gguf::open(&path) }.unwrap_or_else(|e| panic!("{name}: {e}"));
+    let tok = Tokenizer::from_gguf(&gguf).unwrap_or_else(|e| panic!("{name}: {e}"));
+
+    let inp = std::fs::read_to_string(suite.join(entry["cases"].as_str().unwrap())).unwrap();
+    let out_name = entry["out"].as_str().unwrap();
+    let out_path = if out_name.starts_with("ggml-vocab-") {
+        suite.join(out_name)
+    } else {
+        Path::new(FIXTURES).join(out_name)
+    };
+    let cases = read_cases(&inp);
+    let want = read_ids(&std::fs::read_to_string(out_path).unwrap());
+    assert!(want.len() >= cases.len(), "{name}: fewer ids than cases");
+    let mut failures = Vec::new();
+    for (i, case) in cases.iter().enumerate() {
+        let got = tok.encode(case);
+        if got.as_slice() != want[i].as_slice() {
+            failures.push(format!(
+                "case {i} {case:?}:\n   ours  {:?}\n   llama {:?}",
+                got.as_slice(),
+                want[i]
+            ));
+        }
+    }
+
+    let parity =
+        std::fs::read_to_string(Path::new(FIXTURES).join(entry["parity"].as_str().unwrap()))
+            .unwrap();
+    let want = read_ids(&parity);
+    let corpus = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/fixtures/parity.jsonl"
+    ))
+    .unwrap();
+    for (i, (line, want)) in corpus.lines().zip(&want).enumerate() {
+        let v: serde_json::Value = serde_json::from_str(line).unwrap();
+        let text = v["text"].as_str().unwrap();
+        let got = tok.encode(text);
+        if got.as_slice() != want.as_slice() {
+            failures.push(format!(
+                "parity text {i} {text:?}:\n   ours  {:?}\n   llama {:?}",
+                got.as_slice(),
+                want
+            ));
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "{name}: {} of {} cases differ from llama.cpp:\n{}",
+        failures.len(),
+        cases.len() + want.len(),
+        failures
+            .iter()
+            .take(8)
+            .cloned()
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+}
+
+macro_rules! vocab_tests {
+    ($($test:ident => $name:literal,)*) => {
+        $(
+            #[test]
+            fn $test() {
+                check_vocab($name);
+            }
+        )*
+
+        /// Every vocabulary of the suite has a test above (a new file in a later llama.cpp
+        /// release must not go unchecked).
+        #[test]
+        fn every_vocabulary_of_the_suite_is_tested() {
+            let tested = [$($name),*];
+            let manifest = manifest();
+            for name in manifest["vocabs"].as_object().unwrap().keys() {
+                assert!(tested.contains(&name.as_str()), "{name} has no test");
+            }
+        }
+    };
+}
+
+vocab_tests! {
+    aquila => "aquila",
+    baichuan => "baichuan",
+    bert_bge => "bert-bge",
+    command_r => "command-r",
+    deepseek_coder => "deepseek-coder",
+    deepseek_llm => "deepseek-llm",
+    falcon => "falcon",
+    gemma_4 => "gemma-4",
+    gpt_2 => "gpt-2",
+    gpt_neox => "gpt-neox",
+    llama_bpe => "llama-bpe",
+    llama_spm => "llama-spm",
+    mpt => "mpt",
+    nomic_bert_moe => "nomic-bert-moe",
+    phi_3 => "phi-3",
+    qwen2 => "qwen2",
+    qwen35 => "qwen35",
+    refact => "refact",
+    starcoder => "starcoder",
+}
