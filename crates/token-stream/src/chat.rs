@@ -26,7 +26,7 @@ const CLOSE: char = '\u{FDD1}';
 /// let call = ToolCall::new("get_weather", &args).with_id("call12345");
 /// assert_eq!(call.name, "get_weather");
 /// ```
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct ToolCall<'a> {
     /// The call's id (`tool_call_id` of the matching `tool` message), when there is one.
@@ -82,7 +82,7 @@ impl<'a> ToolCall<'a> {
 /// ];
 /// assert_eq!(turn[1].tool_calls.len(), 1);
 /// ```
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct ChatMessage<'a> {
     /// `system`, `user`, `assistant`, `tool`, ...
@@ -447,10 +447,7 @@ impl ChatTemplate {
         match &self.kind {
             Kind::Builtin(b) => Ok(b.render_marked(messages, opts.add_generation_prompt, mark)),
             Kind::Jinja(c) => {
-                let msgs: Vec<Value> = messages
-                    .iter()
-                    .map(|m| message_value(m, mark))
-                    .collect();
+                let msgs: Vec<Value> = messages.iter().map(|m| message_value(m, mark)).collect();
                 c.render(Value::from(msgs), opts, &self.bos_token, &self.eos_token)
             }
         }

@@ -14,13 +14,39 @@ use std::path::{Path, PathBuf};
 
 use serde_json::Value as Json;
 use sha2::{Digest, Sha256};
-use token_stream::{BuiltinTemplate, ChatError, ChatMessage, ChatTemplate, RenderOptions, ToolCall};
+use token_stream::{
+    BuiltinTemplate, ChatError, ChatMessage, ChatTemplate, RenderOptions, ToolCall,
+};
 
 const FIXTURE: &str = include_str!("fixtures/chat_templates.json");
 
 /// Templates whose render differs from transformers', with the reason (kept exact: a template
 /// that starts matching must be taken off this list).
-const KNOWN_DIFFERENT: &[(&str, &str)] = &[];
+const KNOWN_DIFFERENT: &[(&str, &str)] = &[
+    (
+        "CohereForAI-c4ai-command-r-plus-tool_use.jinja",
+        "iterates `tools` when it is None: Python raises TypeError, minijinja iterates none as empty \
+         and renders; with tools, Jinja's undefined `description` raises, minijinja prints nothing",
+    ),
+    (
+        "NousResearch-Hermes-2-Pro-Llama-3-8B-tool_use.jinja",
+        "iterates `tools` when it is None: Python raises TypeError, minijinja renders",
+    ),
+    (
+        "NousResearch-Hermes-3-Llama-3.1-8B-tool_use.jinja",
+        "iterates `tools` when it is None: Python raises TypeError, minijinja renders",
+    ),
+    (
+        "llama-cpp-deepseek-r1.jinja",
+        "`tools | map(...) | tojson`: Jinja's map is a generator json.dumps refuses, minijinja's \
+         map is a list",
+    ),
+    (
+        "meetkai-functionary-medium-v3.1.jinja",
+        "`'..'|safe + t | tojson`: Jinja's Markup concatenation HTML-escapes the JSON \
+         (`&#34;`), minijinja does not escape",
+    ),
+];
 
 fn templates_dir() -> PathBuf {
     let dir = std::env::var_os("ZEROLAYER_VOCAB_SUITE").map_or_else(
@@ -116,6 +142,19 @@ fn with_messages<R>(messages: &Json, f: impl FnOnce(&[ChatMessage<'_>]) -> R) ->
     f(&msgs)
 }
 
+/// Up to 40 bytes either side of `at`, on character boundaries.
+fn around(s: &str, at: usize) -> &str {
+    let mut lo = at.saturating_sub(40).min(s.len());
+    while !s.is_char_boundary(lo) {
+        lo -= 1;
+    }
+    let mut hi = (at + 40).min(s.len());
+    while !s.is_char_boundary(hi) {
+        hi += 1;
+    }
+    &s[lo..hi]
+}
+
 fn sha256_hex(bytes: &[u8]) -> String {
     Sha256::digest(bytes)
         .iter()
@@ -160,11 +199,9 @@ fn real_world_templates_render_as_transformers() {
                 .kwargs_json(&case["kwargs"].to_string())
                 .expect("kwargs object");
             let ours = match &compiled {
-                Ok(c) => with_messages(&conversations[conv], |m| c.render_with(m, &opts)),
-                Err(e) => Err(ChatError::InvalidJson {
-                    what: "compile",
-                    message: e.to_string(),
-                }),
+                Ok(c) => with_messages(&conversations[conv], |m| c.render_with(m, &opts))
+                    .map_err(|e| e.to_string()),
+                Err(e) => Err(format!("compiling: {e}")),
             };
             match (case.get("rendered").and_then(Json::as_str), ours) {
                 (Some(want), Ok(got)) if want == got => matched_cases += 1,
@@ -174,12 +211,10 @@ fn real_world_templates_render_as_transformers() {
                         .zip(got.chars())
                         .find(|((_, a), b)| a != b)
                         .map_or(want.len().min(got.len()), |((i, _), _)| i);
-                    let lo = want.floor_char_boundary(at.saturating_sub(40));
                     failures.entry(file.into()).or_default().push(format!(
                         "{label}: differs at byte {at}: want {:?} got {:?}",
-                        &want[lo..want.ceil_char_boundary((at + 40).min(want.len()))],
-                        &got[got.floor_char_boundary(lo.min(got.len()))
-                            ..got.ceil_char_boundary((at + 40).min(got.len()))]
+                        around(want, at),
+                        around(&got, at)
                     ));
                 }
                 (Some(_), Err(e)) => failures
@@ -244,7 +279,10 @@ fn builtins_render_as_llama_cpp() {
     let fx = fixture();
     let builtins = fx["builtins"].as_array().unwrap();
     // Every name llama.cpp lists is one of ours, and we list no name llama.cpp lacks.
-    let names: Vec<&str> = builtins.iter().map(|b| b["name"].as_str().unwrap()).collect();
+    let names: Vec<&str> = builtins
+        .iter()
+        .map(|b| b["name"].as_str().unwrap())
+        .collect();
     let ours: Vec<&str> = BuiltinTemplate::ALL.iter().map(|b| b.name()).collect();
     assert_eq!(names, ours);
     let mut checked = 0;
@@ -255,7 +293,9 @@ fn builtins_render_as_llama_cpp() {
         for case in b["cases"].as_array().unwrap() {
             let conv = case["conversation"].as_str().unwrap();
             let agp = case["add_generation_prompt"].as_bool().unwrap();
-            let want = case["rendered"].as_str().expect("llama.cpp renders every built-in");
+            let want = case["rendered"]
+                .as_str()
+                .expect("llama.cpp renders every built-in");
             let got = render_plain(t, &plain(&fx["plain"][conv]), agp);
             assert_eq!(got, want, "{name} on {conv} (add_ass={agp})");
             checked += 1;
@@ -294,7 +334,10 @@ fn detection_agrees_with_llama_cpp() {
         }
         detected += usize::from(ours.is_some());
     }
-    assert!(detected > 40, "most real templates map to a built-in ({detected})");
+    assert!(
+        detected > 40,
+        "most real templates map to a built-in ({detected})"
+    );
 }
 
 #[test]
@@ -334,7 +377,10 @@ fn raise_exception_is_typed_with_the_message() {
         matches!(&e, ChatError::Raised { message } if message == "System role not supported"),
         "{e:?}"
     );
-    assert_eq!(t.render(&[ChatMessage::new("user", "x")], false).unwrap(), "ok");
+    assert_eq!(
+        t.render(&[ChatMessage::new("user", "x")], false).unwrap(),
+        "ok"
+    );
     // A syntax error is an error, not a panic.
     assert!(matches!(
         ChatTemplate::new("{% for %}", "", ""),

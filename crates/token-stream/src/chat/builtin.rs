@@ -273,7 +273,8 @@ impl BuiltinTemplate {
             B::Minicpm
         } else if has("'Assistant: ' + message['content'] + eos_token") {
             B::Deepseek2
-        } else if has("<｜Assistant｜>") && has("<｜User｜>") && has("<｜end▁of▁sentence｜>") {
+        } else if has("<｜Assistant｜>") && has("<｜User｜>") && has("<｜end▁of▁sentence｜>")
+        {
             B::Deepseek3
         } else if has("[|system|]") && has("[|assistant|]") && has("[|endofturn|]") {
             if has("[|tool|]") {
@@ -855,7 +856,10 @@ impl BuiltinTemplate {
                     }
                     match m.role {
                         "assistant" => {
-                            w!("<｜hy_Assistant｜>{}<｜hy_place▁holder▁no▁2｜>", c(m.content));
+                            w!(
+                                "<｜hy_Assistant｜>{}<｜hy_place▁holder▁no▁2｜>",
+                                c(m.content)
+                            );
                         }
                         "user" => w!("<｜hy_User｜>{}<｜hy_Assistant｜>", c(m.content)),
                         _ => {}

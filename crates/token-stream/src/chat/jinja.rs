@@ -41,7 +41,25 @@ impl Compiled {
         });
         env.add_function("strftime_now", strftime_now);
         env.add_filter("tojson", tojson);
-        env.add_template_owned("chat", source.to_owned())
+        // Jinja's `iterable` test: `none` is not iterable (minijinja iterates it as empty).
+        env.add_test("iterable", |v: Value| {
+            v.kind() != ValueKind::None && v.try_iter().is_ok()
+        });
+        env.set_formatter(python_formatter);
+        // Jinja's `string` filter is Python's `str()`.
+        env.add_filter("string", |v: Value| -> Result<Value, Error> {
+            match v.kind() {
+                ValueKind::None | ValueKind::Bool | ValueKind::Seq | ValueKind::Map => {
+                    let mut s = String::new();
+                    py_repr(&v, &mut s)?;
+                    Ok(Value::from(s))
+                }
+                ValueKind::String => Ok(v),
+                ValueKind::Undefined => Ok(Value::from("")),
+                _ => Ok(Value::from(v.to_string())),
+            }
+        });
+        env.add_template_owned("chat", without_generation_tags(source))
             .map_err(convert)?;
         Ok(Self { env })
     }
@@ -56,7 +74,10 @@ impl Compiled {
         let tmpl = self.env.get_template("chat").map_err(convert)?;
         let mut ctx: Vec<(String, Value)> = vec![
             ("messages".into(), messages),
-            ("tools".into(), opts.tools.clone().unwrap_or(Value::from(()))),
+            (
+                "tools".into(),
+                opts.tools.clone().unwrap_or(Value::from(())),
+            ),
             (
                 "documents".into(),
                 opts.documents.clone().unwrap_or(Value::from(())),
@@ -77,6 +98,132 @@ impl Compiled {
         }
         tmpl.render(Value::from_iter(ctx)).map_err(convert)
     }
+}
+
+/// transformers' `{% generation %}...{% endgeneration %}` (its AssistantTracker extension)
+/// renders its body unchanged: rewritten to `{% if true %}...{% endif %}`, keeping the tags'
+/// whitespace control.
+fn without_generation_tags(source: &str) -> String {
+    let mut out = String::with_capacity(source.len());
+    let mut rest = source;
+    while let Some(p) = rest.find("{%") {
+        out.push_str(&rest[..p]);
+        let tag = &rest[p..];
+        let Some(end) = tag.find("%}") else {
+            break;
+        };
+        let inner = &tag[2..end];
+        let lead = inner.strip_prefix(['-', '+']);
+        let body = lead.unwrap_or(inner);
+        let trail = body.strip_suffix(['-', '+']);
+        let word = trail.unwrap_or(body).trim();
+        let replacement = match word {
+            "generation" => Some("if true"),
+            "endgeneration" => Some("endif"),
+            _ => None,
+        };
+        match replacement {
+            Some(r) => {
+                out.push_str("{%");
+                if lead.is_some() {
+                    out.push_str(&inner[..1]);
+                }
+                out.push(' ');
+                out.push_str(r);
+                out.push(' ');
+                if trail.is_some() {
+                    out.push_str(&body[body.len() - 1..]);
+                }
+                out.push_str("%}");
+            }
+            None => out.push_str(&tag[..end + 2]),
+        }
+        rest = &tag[end + 2..];
+    }
+    out.push_str(rest);
+    out
+}
+
+/// Prints values as Jinja2 does (Python's `str()`): `None`, `True`, `False`, floats as Python's
+/// `repr`, and lists and dicts as Python's `repr` (`{'a': 1}`), not as JSON.
+fn python_formatter(
+    out: &mut minijinja::Output<'_>,
+    state: &State<'_, '_>,
+    value: &Value,
+) -> Result<(), Error> {
+    match value.kind() {
+        ValueKind::None | ValueKind::Bool | ValueKind::Seq | ValueKind::Map => {
+            let mut s = String::new();
+            py_repr(value, &mut s)?;
+            out.write_str(&s).map_err(Error::from)
+        }
+        ValueKind::Number if !value.is_integer() => match f64::try_from(value.clone()) {
+            Ok(f) => out.write_str(&py_float(f)).map_err(Error::from),
+            Err(_) => minijinja::escape_formatter(out, state, value),
+        },
+        _ => minijinja::escape_formatter(out, state, value),
+    }
+}
+
+/// Python's `repr` of a JSON-like value.
+fn py_repr(v: &Value, out: &mut String) -> Result<(), Error> {
+    match v.kind() {
+        ValueKind::None | ValueKind::Undefined => out.push_str("None"),
+        ValueKind::Bool => out.push_str(if v.is_true() { "True" } else { "False" }),
+        ValueKind::Number => out.push_str(&number(v)),
+        ValueKind::String => py_str_repr(v.as_str().unwrap_or_default(), out),
+        ValueKind::Seq => {
+            out.push('[');
+            for (i, item) in v.try_iter()?.enumerate() {
+                if i > 0 {
+                    out.push_str(", ");
+                }
+                py_repr(&item, out)?;
+            }
+            out.push(']');
+        }
+        ValueKind::Map => {
+            out.push('{');
+            for (i, k) in v.try_iter()?.enumerate() {
+                if i > 0 {
+                    out.push_str(", ");
+                }
+                py_repr(&k, out)?;
+                out.push_str(": ");
+                py_repr(&v.get_item(&k)?, out)?;
+            }
+            out.push('}');
+        }
+        _ => out.push_str(&v.to_string()),
+    }
+    Ok(())
+}
+
+/// Python's `repr(str)`: single quotes unless the text has `'` and no `"`.
+fn py_str_repr(s: &str, out: &mut String) {
+    let q = if s.contains('\'') && !s.contains('"') {
+        '"'
+    } else {
+        '\''
+    };
+    out.push(q);
+    for c in s.chars() {
+        match c {
+            '\\' => out.push_str("\\\\"),
+            '\n' => out.push_str("\\n"),
+            '\r' => out.push_str("\\r"),
+            '\t' => out.push_str("\\t"),
+            c if c == q => {
+                out.push('\\');
+                out.push(c);
+            }
+            c if (c as u32) < 0x20 || c as u32 == 0x7f => {
+                let _ = write!(out, "\\x{:02x}", c as u32);
+            }
+            c => out.push(c),
+        }
+    }
+    out.push(q);
 }
 
 /// The typed error for a minijinja error.
@@ -249,7 +396,9 @@ fn tojson(value: Value, args: Rest<Value>, kwargs: Kwargs) -> Result<Value, Erro
         .or_else(|| pos(0))
         .is_some_and(|v| v.is_true());
     let indent_v = kwargs.get::<Option<Value>>("indent")?.or_else(|| pos(1));
-    let seps_v = kwargs.get::<Option<Value>>("separators")?.or_else(|| pos(2));
+    let seps_v = kwargs
+        .get::<Option<Value>>("separators")?
+        .or_else(|| pos(2));
     let sort_keys = kwargs
         .get::<Option<Value>>("sort_keys")?
         .or_else(|| pos(3))
@@ -349,7 +498,10 @@ fn dump(v: &Value, style: &JsonStyle, level: usize, out: &mut String) -> Result<
                     _ => {
                         return Err(Error::new(
                             ErrorKind::InvalidOperation,
-                            format!("keys must be str, int, float, bool or None, not {}", k.kind()),
+                            format!(
+                                "keys must be str, int, float, bool or None, not {}",
+                                k.kind()
+                            ),
                         ));
                     }
                 };
@@ -493,6 +645,9 @@ mod tests {
             "Thursday January 15 12:34:56 015 PM 12"
         );
         assert_eq!(strftime("%Y-%m-%d", 0).unwrap(), "1970-01-01");
-        assert_eq!(strftime("%Y-%m-%d %a", 951_782_400).unwrap(), "2000-02-29 Tue");
+        assert_eq!(
+            strftime("%Y-%m-%d %a", 951_782_400).unwrap(),
+            "2000-02-29 Tue"
+        );
     }
 }
