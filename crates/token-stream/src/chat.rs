@@ -312,7 +312,7 @@ fn parse_json(what: &'static str, json: &str) -> Result<Value, ChatError> {
 
 #[derive(Debug)]
 enum Kind {
-    Jinja(jinja::Compiled),
+    Jinja(Box<jinja::Compiled>),
     Builtin(BuiltinTemplate),
 }
 
@@ -358,7 +358,7 @@ impl ChatTemplate {
     /// ```
     pub fn new(source: &str, bos_token: &str, eos_token: &str) -> Result<Self, ChatError> {
         Ok(Self {
-            kind: Kind::Jinja(jinja::Compiled::new(source)?),
+            kind: Kind::Jinja(Box::new(jinja::Compiled::new(source)?)),
             bos_token: bos_token.to_owned(),
             eos_token: eos_token.to_owned(),
         })

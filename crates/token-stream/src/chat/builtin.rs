@@ -40,8 +40,8 @@ macro_rules! builtins {
             /// ```
             pub fn name(self) -> &'static str {
                 match self {
-                    $(BuiltinTemplate::$v => $name,)*
-                    BuiltinTemplate::Dots1 => "dots1",
+                    $(Self::$v => $name,)*
+                    Self::Dots1 => "dots1",
                 }
             }
         }
@@ -51,7 +51,7 @@ macro_rules! builtins {
 
             fn from_str(s: &str) -> Result<Self, ChatError> {
                 match s {
-                    $($name => Ok(BuiltinTemplate::$v),)*
+                    $($name => Ok(Self::$v),)*
                     _ => Err(ChatError::UnknownBuiltin { name: s.to_owned() }),
                 }
             }
@@ -198,140 +198,139 @@ impl BuiltinTemplate {
     /// assert_eq!(BuiltinTemplate::detect("{{ messages }}"), None);
     /// ```
     pub fn detect(tmpl: &str) -> Option<Self> {
-        use BuiltinTemplate as B;
         if let Ok(b) = tmpl.parse() {
             return Some(b);
         }
         let has = |s: &str| tmpl.contains(s);
         let t = if has("<|im_start|>") {
             if has("<|im_sep|>") {
-                B::Phi4
+                Self::Phi4
             } else if has("<end_of_utterance>") {
-                B::Smolvlm
+                Self::Smolvlm
             } else {
-                B::Chatml
+                Self::Chatml
             }
         } else if tmpl.starts_with("mistral") || has("[INST]") {
             if has("[SYSTEM_PROMPT]") {
-                B::MistralV7
+                Self::MistralV7
             } else if has("' [INST] ' + system_message") || has("[AVAILABLE_TOOLS]") {
                 if has(" [INST]") {
-                    B::MistralV1
+                    Self::MistralV1
                 } else if has("\"[INST]\"") {
-                    B::MistralV3Tekken
+                    Self::MistralV3Tekken
                 } else {
-                    B::MistralV3
+                    Self::MistralV3
                 }
             } else if has("content.strip()") {
-                B::Llama2SysStrip
+                Self::Llama2SysStrip
             } else if has("bos_token + '[INST]") {
-                B::Llama2SysBos
+                Self::Llama2SysBos
             } else if has("<<SYS>>") {
-                B::Llama2Sys
+                Self::Llama2Sys
             } else {
-                B::Llama2
+                Self::Llama2
             }
         } else if has("<|assistant|>") && has("<|end|>") {
-            B::Phi3
+            Self::Phi3
         } else if has("[gMASK]<sop>") {
-            B::Chatglm4
+            Self::Chatglm4
         } else if has("<|assistant|>") && has("<|user|>") {
             if has("<|tool_declare|>") {
-                B::ExaoneMoe
+                Self::ExaoneMoe
             } else if has("</s>") {
-                B::Falcon3
+                Self::Falcon3
             } else {
-                B::Glmedge
+                Self::Glmedge
             }
         } else if has("<|{{ item['role'] }}|>") && has("<|begin_of_image|>") {
-            B::Glmedge
+            Self::Glmedge
         } else if has("<|user|>") && has("<|endoftext|>") {
-            B::Zephyr
+            Self::Zephyr
         } else if has("bos_token + message['role']") {
-            B::Monarch
+            Self::Monarch
         } else if has("<start_of_turn>") {
-            B::Gemma
+            Self::Gemma
         } else if has("'\\n\\nAssistant: ' + eos_token") {
-            B::Orion
+            Self::Orion
         } else if has("GPT4 Correct ") {
-            B::Openchat
+            Self::Openchat
         } else if has("USER: ") && has("ASSISTANT: ") {
             if has("SYSTEM: ") {
-                B::VicunaOrca
+                Self::VicunaOrca
             } else {
-                B::Vicuna
+                Self::Vicuna
             }
         } else if has("### Instruction:") && has("<|EOT|>") {
-            B::Deepseek
+            Self::Deepseek
         } else if has("<|START_OF_TURN_TOKEN|>") && has("<|USER_TOKEN|>") {
-            B::CommandR
+            Self::CommandR
         } else if has("<|start_header_id|>") && has("<|end_header_id|>") {
-            B::Llama3
+            Self::Llama3
         } else if has("[gMASK]sop") {
-            B::Chatglm3
+            Self::Chatglm3
         } else if has("<用户>") {
-            B::Minicpm
+            Self::Minicpm
         } else if has("'Assistant: ' + message['content'] + eos_token") {
-            B::Deepseek2
+            Self::Deepseek2
         } else if has("<｜Assistant｜>") && has("<｜User｜>") && has("<｜end▁of▁sentence｜>")
         {
-            B::Deepseek3
+            Self::Deepseek3
         } else if has("[|system|]") && has("[|assistant|]") && has("[|endofturn|]") {
             if has("[|tool|]") {
-                B::Exaone4
+                Self::Exaone4
             } else {
-                B::Exaone3
+                Self::Exaone3
             }
         } else if has("rwkv-world") || has("{{- 'User: ' + message['content']|trim + '\\n\\n' -}}")
         {
-            B::RwkvWorld
+            Self::RwkvWorld
         } else if has("<|start_of_role|>") {
             if has("<tool_call>") || has("<tools>") {
                 if has("g4_default_system_message") {
-                    B::Granite40
+                    Self::Granite40
                 } else {
-                    B::Granite41
+                    Self::Granite41
                 }
             } else {
-                B::Granite
+                Self::Granite
             }
         } else if has(
             "message['role'] + additional_special_tokens[0] + message['content'] + additional_special_tokens[1]",
         ) {
-            B::Gigachat
+            Self::Gigachat
         } else if has("<|role_start|>") {
-            B::Megrez
+            Self::Megrez
         } else if has(" Ассистент:") {
-            B::Yandex
+            Self::Yandex
         } else if has("<role>ASSISTANT</role>") && has("'HUMAN'") {
-            B::Bailing
+            Self::Bailing
         } else if has("<role>ASSISTANT</role>") && has("\"HUMAN\"") && has("<think>") {
-            B::BailingThink
+            Self::BailingThink
         } else if has("<role>ASSISTANT</role>") && has("<role>HUMAN</role>") && has("<|role_end|>")
         {
-            B::Bailing2
+            Self::Bailing2
         } else if has("<|header_start|>") && has("<|header_end|>") {
-            B::Llama4
+            Self::Llama4
         } else if has("<|endofuserprompt|>") {
-            B::Dots1
+            Self::Dots1
         } else if has("<|extra_0|>") && has("<|extra_4|>") {
-            B::HunyuanMoe
+            Self::HunyuanMoe
         } else if has("<|start|>") && has("<|channel|>") {
-            B::GptOss
+            Self::GptOss
         } else if has("<｜hy_Assistant｜>") && has("<｜hy_begin▁of▁sentence｜>") {
-            B::HunyuanVl
+            Self::HunyuanVl
         } else if has("<｜hy_Assistant｜>") && has("<｜hy_place▁holder▁no▁3｜>") {
-            B::HunyuanDense
+            Self::HunyuanDense
         } else if has("<|im_assistant|>assistant<|im_middle|>") {
-            B::KimiK2
+            Self::KimiK2
         } else if has("<seed:bos>") {
-            B::SeedOss
+            Self::SeedOss
         } else if has("'Assistant: '  + message['content'] + '<|separator|>") {
-            B::Grok2
+            Self::Grok2
         } else if has("[unused9]系统：[unused10]") {
-            B::PanguEmbedded
+            Self::PanguEmbedded
         } else if has("<|begin|>") && has("<|end|>") && has("<|content|>") {
-            B::SolarOpen
+            Self::SolarOpen
         } else {
             return None;
         };
@@ -357,7 +356,6 @@ impl BuiltinTemplate {
         add_ass: bool,
         mark: bool,
     ) -> String {
-        use BuiltinTemplate as B;
         let mut ss = String::new();
         // Message text (already trimmed where llama.cpp trims it).
         let c = |s: &str| marked(s, mark);
@@ -366,7 +364,7 @@ impl BuiltinTemplate {
             ($($t:tt)*) => {{ let _ = write!(ss, $($t)*); }};
         }
         match self {
-            B::Chatml => {
+            Self::Chatml => {
                 for m in chat {
                     w!("<|im_start|>{}\n{}<|im_end|>\n", m.role, c(m.content));
                 }
@@ -374,8 +372,8 @@ impl BuiltinTemplate {
                     ss.push_str("<|im_start|>assistant\n");
                 }
             }
-            B::MistralV7 | B::MistralV7Tekken => {
-                let sp = if self == B::MistralV7 { " " } else { "" };
+            Self::MistralV7 | Self::MistralV7Tekken => {
+                let sp = if self == Self::MistralV7 { " " } else { "" };
                 for m in chat {
                     match m.role {
                         "system" => w!("[SYSTEM_PROMPT]{sp}{}[/SYSTEM_PROMPT]", c(m.content)),
@@ -384,10 +382,14 @@ impl BuiltinTemplate {
                     }
                 }
             }
-            B::MistralV1 | B::MistralV3 | B::MistralV3Tekken => {
-                let lead = if self == B::MistralV1 { " " } else { "" };
-                let trail = if self == B::MistralV3Tekken { "" } else { " " };
-                let trim_assistant = self == B::MistralV3;
+            Self::MistralV1 | Self::MistralV3 | Self::MistralV3Tekken => {
+                let lead = if self == Self::MistralV1 { " " } else { "" };
+                let trail = if self == Self::MistralV3Tekken {
+                    ""
+                } else {
+                    " "
+                };
+                let trim_assistant = self == Self::MistralV3;
                 let mut inside = false;
                 for m in chat {
                     if !inside {
@@ -409,10 +411,10 @@ impl BuiltinTemplate {
                     }
                 }
             }
-            B::Llama2 | B::Llama2Sys | B::Llama2SysBos | B::Llama2SysStrip => {
-                let support_system = self != B::Llama2;
-                let bos_inside = self == B::Llama2SysBos;
-                let strip = self == B::Llama2SysStrip;
+            Self::Llama2 | Self::Llama2Sys | Self::Llama2SysBos | Self::Llama2SysStrip => {
+                let support_system = self != Self::Llama2;
+                let bos_inside = self == Self::Llama2SysBos;
+                let strip = self == Self::Llama2SysStrip;
                 let mut inside = true;
                 ss.push_str("[INST] ");
                 for m in chat {
@@ -434,7 +436,7 @@ impl BuiltinTemplate {
                     }
                 }
             }
-            B::Phi3 => {
+            Self::Phi3 => {
                 for m in chat {
                     w!("<|{}|>\n{}<|end|>\n", m.role, c(m.content));
                 }
@@ -442,7 +444,7 @@ impl BuiltinTemplate {
                     ss.push_str("<|assistant|>\n");
                 }
             }
-            B::Phi4 => {
+            Self::Phi4 => {
                 for m in chat {
                     w!("<|im_start|>{}<|im_sep|>{}<|im_end|>", m.role, c(m.content));
                 }
@@ -450,7 +452,7 @@ impl BuiltinTemplate {
                     ss.push_str("<|im_start|>assistant<|im_sep|>");
                 }
             }
-            B::Falcon3 => {
+            Self::Falcon3 => {
                 for m in chat {
                     w!("<|{}|>\n{}\n", m.role, c(m.content));
                 }
@@ -458,7 +460,7 @@ impl BuiltinTemplate {
                     ss.push_str("<|assistant|>\n");
                 }
             }
-            B::Zephyr => {
+            Self::Zephyr => {
                 for m in chat {
                     w!("<|{}|>\n{}<|endoftext|>\n", m.role, c(m.content));
                 }
@@ -466,7 +468,7 @@ impl BuiltinTemplate {
                     ss.push_str("<|assistant|>\n");
                 }
             }
-            B::Monarch => {
+            Self::Monarch => {
                 for (i, m) in chat.iter().enumerate() {
                     let bos = if i == 0 { "" } else { "<s>" };
                     w!("{bos}{}\n{}</s>\n", m.role, c(m.content));
@@ -475,7 +477,7 @@ impl BuiltinTemplate {
                     ss.push_str("<s>assistant\n");
                 }
             }
-            B::Gemma => {
+            Self::Gemma => {
                 let mut system = String::new();
                 for m in chat {
                     if m.role == "system" {
@@ -498,7 +500,7 @@ impl BuiltinTemplate {
                     ss.push_str("<start_of_turn>model\n");
                 }
             }
-            B::Orion => {
+            Self::Orion => {
                 let mut system = String::new();
                 for m in chat {
                     match m.role {
@@ -515,7 +517,7 @@ impl BuiltinTemplate {
                     }
                 }
             }
-            B::Openchat => {
+            Self::Openchat => {
                 for m in chat {
                     if m.role == "system" {
                         w!("{}<|end_of_turn|>", c(m.content));
@@ -532,10 +534,10 @@ impl BuiltinTemplate {
                     ss.push_str("GPT4 Correct Assistant:");
                 }
             }
-            B::Vicuna | B::VicunaOrca => {
+            Self::Vicuna | Self::VicunaOrca => {
                 for m in chat {
                     match m.role {
-                        "system" if self == B::VicunaOrca => w!("SYSTEM: {}\n", c(m.content)),
+                        "system" if self == Self::VicunaOrca => w!("SYSTEM: {}\n", c(m.content)),
                         "system" => w!("{}\n\n", c(m.content)),
                         "user" => w!("USER: {}\n", c(m.content)),
                         "assistant" => w!("ASSISTANT: {}</s>\n", c(m.content)),
@@ -546,7 +548,7 @@ impl BuiltinTemplate {
                     ss.push_str("ASSISTANT:");
                 }
             }
-            B::Deepseek => {
+            Self::Deepseek => {
                 for m in chat {
                     match m.role {
                         "system" => ss.push_str(&c(m.content)),
@@ -559,7 +561,7 @@ impl BuiltinTemplate {
                     ss.push_str("### Response:\n");
                 }
             }
-            B::CommandR => {
+            Self::CommandR => {
                 for m in chat {
                     let tag = match m.role {
                         "system" => "<|SYSTEM_TOKEN|>",
@@ -576,7 +578,7 @@ impl BuiltinTemplate {
                     ss.push_str("<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>");
                 }
             }
-            B::Llama3 => {
+            Self::Llama3 => {
                 for m in chat {
                     w!(
                         "<|start_header_id|>{}<|end_header_id|>\n\n{}<|eot_id|>",
@@ -588,7 +590,7 @@ impl BuiltinTemplate {
                     ss.push_str("<|start_header_id|>assistant<|end_header_id|>\n\n");
                 }
             }
-            B::Chatglm3 => {
+            Self::Chatglm3 => {
                 ss.push_str("[gMASK]sop");
                 for m in chat {
                     w!("<|{}|>\n {}", m.role, c(m.content));
@@ -597,7 +599,7 @@ impl BuiltinTemplate {
                     ss.push_str("<|assistant|>");
                 }
             }
-            B::Chatglm4 => {
+            Self::Chatglm4 => {
                 ss.push_str("[gMASK]<sop>");
                 for m in chat {
                     w!("<|{}|>\n{}", m.role, c(m.content));
@@ -606,7 +608,7 @@ impl BuiltinTemplate {
                     ss.push_str("<|assistant|>\n");
                 }
             }
-            B::Glmedge => {
+            Self::Glmedge => {
                 for m in chat {
                     w!("<|{}|>\n{}", m.role, c(m.content));
                 }
@@ -614,7 +616,7 @@ impl BuiltinTemplate {
                     ss.push_str("<|assistant|>");
                 }
             }
-            B::Minicpm => {
+            Self::Minicpm => {
                 for m in chat {
                     if m.role == "user" {
                         w!("<用户>{}<AI>", c(trim(m.content)));
@@ -623,7 +625,7 @@ impl BuiltinTemplate {
                     }
                 }
             }
-            B::Deepseek2 => {
+            Self::Deepseek2 => {
                 for m in chat {
                     match m.role {
                         "system" => w!("{}\n\n", c(m.content)),
@@ -636,7 +638,7 @@ impl BuiltinTemplate {
                     ss.push_str("Assistant:");
                 }
             }
-            B::Deepseek3 => {
+            Self::Deepseek3 => {
                 for m in chat {
                     match m.role {
                         "system" => w!("{}\n\n", c(m.content)),
@@ -651,19 +653,19 @@ impl BuiltinTemplate {
                     ss.push_str("<｜Assistant｜>");
                 }
             }
-            B::DeepseekOcr => {
+            Self::DeepseekOcr => {
                 for m in chat {
                     ss.push_str(&c(m.content));
                 }
             }
-            B::Exaone3 | B::Exaone4 => {
+            Self::Exaone3 | Self::Exaone4 => {
                 for m in chat {
                     let t = c(trim(m.content));
                     match m.role {
                         "system" => w!("[|system|]{t}[|endofturn|]\n"),
                         "user" => w!("[|user|]{t}\n"),
                         "assistant" => w!("[|assistant|]{t}[|endofturn|]\n"),
-                        "tool" if self == B::Exaone4 => w!("[|tool|]{t}[|endofturn|]\n"),
+                        "tool" if self == Self::Exaone4 => w!("[|tool|]{t}[|endofturn|]\n"),
                         _ => {}
                     }
                 }
@@ -671,7 +673,7 @@ impl BuiltinTemplate {
                     ss.push_str("[|assistant|]");
                 }
             }
-            B::ExaoneMoe => {
+            Self::ExaoneMoe => {
                 for m in chat {
                     if matches!(m.role, "system" | "user" | "assistant" | "tool") {
                         w!("<|{}|>\n{}<|endofturn|>\n", m.role, c(trim(m.content)));
@@ -681,7 +683,7 @@ impl BuiltinTemplate {
                     ss.push_str("<|assistant|>\n");
                 }
             }
-            B::RwkvWorld => {
+            Self::RwkvWorld => {
                 for (i, m) in chat.iter().enumerate() {
                     let t = c(trim(m.content));
                     match m.role {
@@ -697,7 +699,7 @@ impl BuiltinTemplate {
                     }
                 }
             }
-            B::Granite => {
+            Self::Granite => {
                 for m in chat {
                     w!("<|start_of_role|>{}<|end_of_role|>", m.role);
                     if m.role == "assistant_tool_call" {
@@ -709,7 +711,7 @@ impl BuiltinTemplate {
                     ss.push_str("<|start_of_role|>assistant<|end_of_role|>");
                 }
             }
-            B::Granite40 | B::Granite41 => {
+            Self::Granite40 | Self::Granite41 => {
                 for m in chat {
                     if m.role == "assistant_tool_call" {
                         ss.push_str("<|start_of_role|>assistant<|end_of_role|><|tool_call|>");
@@ -722,7 +724,7 @@ impl BuiltinTemplate {
                     ss.push_str("<|start_of_role|>assistant<|end_of_role|>");
                 }
             }
-            B::Gigachat => {
+            Self::Gigachat => {
                 let has_system = chat.first().is_some_and(|m| m.role == "system");
                 if has_system {
                     w!("<s>{}<|message_sep|>", c(chat[0].content));
@@ -743,7 +745,7 @@ impl BuiltinTemplate {
                     ss.push_str("assistant<|role_sep|>");
                 }
             }
-            B::Megrez => {
+            Self::Megrez => {
                 for m in chat {
                     w!(
                         "<|role_start|>{}<|role_end|>{}<|turn_end|>",
@@ -755,7 +757,7 @@ impl BuiltinTemplate {
                     ss.push_str("<|role_start|>assistant<|role_end|>");
                 }
             }
-            B::Yandex => {
+            Self::Yandex => {
                 for m in chat {
                     match m.role {
                         "user" => w!(" Пользователь: {}\n\n", c(m.content)),
@@ -767,8 +769,8 @@ impl BuiltinTemplate {
                     ss.push_str(" Ассистент:[SEP]");
                 }
             }
-            B::Bailing | B::BailingThink | B::Bailing2 => {
-                let two = self == B::Bailing2;
+            Self::Bailing | Self::BailingThink | Self::Bailing2 => {
+                let two = self == Self::Bailing2;
                 if two && chat.first().is_none_or(|m| m.role != "system") {
                     ss.push_str("<role>SYSTEM</role>detailed thinking off<|role_end|>");
                 }
@@ -785,12 +787,12 @@ impl BuiltinTemplate {
                 }
                 if add_ass {
                     ss.push_str("<role>ASSISTANT</role>");
-                    if self == B::BailingThink {
+                    if self == Self::BailingThink {
                         ss.push_str("<think>");
                     }
                 }
             }
-            B::Llama4 => {
+            Self::Llama4 => {
                 for m in chat {
                     w!(
                         "<|header_start|>{}<|header_end|>\n\n{}<|eot|>",
@@ -802,7 +804,7 @@ impl BuiltinTemplate {
                     ss.push_str("<|header_start|>assistant<|header_end|>\n\n");
                 }
             }
-            B::Smolvlm => {
+            Self::Smolvlm => {
                 ss.push_str("<|im_start|>");
                 for m in chat {
                     match m.role {
@@ -815,7 +817,7 @@ impl BuiltinTemplate {
                     ss.push_str("Assistant:");
                 }
             }
-            B::Dots1 => {
+            Self::Dots1 => {
                 for m in chat {
                     match m.role {
                         "system" => w!("<|system|>{}<|endofsystem|>", c(m.content)),
@@ -827,7 +829,7 @@ impl BuiltinTemplate {
                     ss.push_str("<|response|>");
                 }
             }
-            B::HunyuanMoe => {
+            Self::HunyuanMoe => {
                 for m in chat {
                     match m.role {
                         "system" => w!("<|startoftext|>{}<|extra_4|>", c(m.content)),
@@ -836,7 +838,7 @@ impl BuiltinTemplate {
                     }
                 }
             }
-            B::GptOss => {
+            Self::GptOss => {
                 for m in chat {
                     w!("<|start|>{}<|message|>{}", m.role, c(m.content));
                     ss.push_str(if m.role == "assistant" {
@@ -849,7 +851,7 @@ impl BuiltinTemplate {
                     ss.push_str("<|start|>assistant");
                 }
             }
-            B::HunyuanDense => {
+            Self::HunyuanDense => {
                 for (i, m) in chat.iter().enumerate() {
                     if i == 0 && m.role == "system" {
                         w!("{}<｜hy_place▁holder▁no▁3｜>", c(m.content));
@@ -866,7 +868,7 @@ impl BuiltinTemplate {
                     }
                 }
             }
-            B::HunyuanVl => {
+            Self::HunyuanVl => {
                 ss.push_str("<｜hy_begin▁of▁sentence｜>");
                 for (i, m) in chat.iter().enumerate() {
                     if i == 0 && m.role == "system" {
@@ -880,7 +882,7 @@ impl BuiltinTemplate {
                     }
                 }
             }
-            B::KimiK2 => {
+            Self::KimiK2 => {
                 for m in chat {
                     ss.push_str(match m.role {
                         "system" => "<|im_system|>system<|im_middle|>",
@@ -895,7 +897,7 @@ impl BuiltinTemplate {
                     ss.push_str("<|im_assistant|>assistant<|im_middle|>");
                 }
             }
-            B::SeedOss => {
+            Self::SeedOss => {
                 for m in chat {
                     let t = if m.role == "assistant" {
                         trim(m.content)
@@ -908,7 +910,7 @@ impl BuiltinTemplate {
                     ss.push_str("<seed:bos>assistant\n");
                 }
             }
-            B::Grok2 => {
+            Self::Grok2 => {
                 for m in chat {
                     match m.role {
                         "system" => w!("System: {}<|separator|>\n\n", c(trim(m.content))),
@@ -921,7 +923,7 @@ impl BuiltinTemplate {
                     ss.push_str("Assistant:");
                 }
             }
-            B::PanguEmbedded => {
+            Self::PanguEmbedded => {
                 for (i, m) in chat.iter().enumerate() {
                     if i == 0 && m.role != "system" {
                         ss.push_str("[unused9]系统：[unused10]");
@@ -940,7 +942,7 @@ impl BuiltinTemplate {
                     ss.push_str("[unused9]助手：");
                 }
             }
-            B::SolarOpen => {
+            Self::SolarOpen => {
                 for m in chat {
                     w!("<|begin|>{}<|content|>{}<|end|>", m.role, c(m.content));
                 }

@@ -351,7 +351,7 @@ pub(super) fn strftime(format: &str, unix: i64) -> Result<String, Error> {
             'Z' => write!(out, "UTC"),
             'z' => write!(out, "+0000"),
             'f' => write!(out, "000000"),
-            'n' => write!(out, "\n"),
+            'n' => writeln!(out),
             't' => write!(out, "\t"),
             '%' => write!(out, "%"),
             other => {
