@@ -37,11 +37,6 @@ const KNOWN_DIFFERENT: &[(&str, &str)] = &[
         "iterates `tools` when it is None: Python raises TypeError, minijinja renders",
     ),
     (
-        "llama-cpp-deepseek-r1.jinja",
-        "`tools | map(...) | tojson`: Jinja's map is a generator json.dumps refuses, minijinja's \
-         map is a list",
-    ),
-    (
         "meetkai-functionary-medium-v3.1.jinja",
         "`'..'|safe + t | tojson`: Jinja's Markup concatenation HTML-escapes the JSON \
          (`&#34;`), minijinja does not escape",
@@ -407,6 +402,49 @@ fn tojson_as_python_json_dumps() {
         r#"{"a":"é\"\n<","e":{},"l":[1,2.5e-07,true],"n":null,"z":1.0}"#
     );
     assert_eq!(got, want);
+}
+
+/// A GGUF without `tokenizer.chat_template` gets llama.cpp's fallback, chatml; one with a
+/// template gets its own.
+#[test]
+fn tokenizer_without_template_falls_back_to_chatml() {
+    let dir = templates_dir().parent().unwrap().to_path_buf();
+    let (mut without, mut with) = (0, 0);
+    for entry in std::fs::read_dir(&dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().is_none_or(|e| e != "gguf") {
+            continue;
+        }
+        // SAFETY: test process; nothing modifies the suite's files while they are mapped.
+        let Ok(gguf) = (unsafe { weight_cache::Gguf::open(&path) }) else {
+            continue;
+        };
+        let Ok(tok) = token_stream::Tokenizer::from_gguf(&gguf) else {
+            continue;
+        };
+        let t = ChatTemplate::from_tokenizer(&tok).unwrap();
+        if tok.chat_template().is_some() {
+            assert_eq!(t.builtin_template(), None, "{}", path.display());
+            with += 1;
+        } else {
+            assert_eq!(
+                t.builtin_template(),
+                Some(BuiltinTemplate::Chatml),
+                "{}",
+                path.display()
+            );
+            assert_eq!(
+                t.render(&[ChatMessage::new("user", "hi")], true).unwrap(),
+                "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+            );
+            without += 1;
+        }
+    }
+    eprintln!("{without} vocabularies without a template, {with} with one");
+    assert!(
+        without > 0,
+        "the suite has vocabularies without a chat template"
+    );
 }
 
 #[test]

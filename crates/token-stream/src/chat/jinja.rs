@@ -46,6 +46,14 @@ impl Compiled {
             v.kind() != ValueKind::None && v.try_iter().is_ok()
         });
         env.set_formatter(python_formatter);
+        // Jinja's `map` is a generator: iterable once, no length, refused by `tojson`.
+        env.add_filter(
+            "map",
+            |state: &State<'_, '_>, value: Value, args: Rest<Value>| -> Result<Value, Error> {
+                let items = minijinja::filters::map(state, value, args)?;
+                Ok(Value::make_one_shot_iterator(items.into_iter()))
+            },
+        );
         // Jinja's `string` filter is Python's `str()`.
         env.add_filter("string", |v: Value| -> Result<Value, Error> {
             match v.kind() {
@@ -449,9 +457,13 @@ fn tojson(value: Value, args: Rest<Value>, kwargs: Kwargs) -> Result<Value, Erro
 }
 
 fn not_serializable(v: &Value) -> Error {
+    let kind = match v.kind() {
+        ValueKind::Iterable => "generator".to_owned(),
+        k => k.to_string(),
+    };
     Error::new(
         ErrorKind::InvalidOperation,
-        format!("Object of type {} is not JSON serializable", v.kind()),
+        format!("Object of type {kind} is not JSON serializable"),
     )
 }
 
