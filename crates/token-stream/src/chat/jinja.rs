@@ -23,6 +23,44 @@ impl std::fmt::Display for Raised {
 
 impl std::error::Error for Raised {}
 
+/// Python's `None` as transformers passes it for absent `tools`/`documents`: `is none`, false,
+/// printed `None`, `null` in JSON, but not iterable and without a length (minijinja's own
+/// `none` iterates as empty, where Python raises "'NoneType' object is not iterable").
+#[derive(Debug)]
+struct PyNone;
+
+impl minijinja::value::Object for PyNone {
+    fn repr(self: &std::sync::Arc<Self>) -> minijinja::value::ObjectRepr {
+        minijinja::value::ObjectRepr::Plain
+    }
+
+    fn is_true(self: &std::sync::Arc<Self>) -> bool {
+        false
+    }
+
+    fn render(self: &std::sync::Arc<Self>, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("None")
+    }
+}
+
+fn py_none() -> Value {
+    Value::from_object(PyNone)
+}
+
+/// `none`, or the [`PyNone`] stand-in.
+fn is_none(v: &Value) -> bool {
+    v.is_none() || v.downcast_object_ref::<PyNone>().is_some()
+}
+
+/// Jinja's `if value:` guard in its sequence filters: a falsy value is an empty list.
+fn falsy_empty(v: Value) -> Value {
+    if v.is_true() {
+        v
+    } else {
+        Value::from(Vec::<Value>::new())
+    }
+}
+
 /// A compiled template in its environment.
 #[derive(Debug)]
 pub(super) struct Compiled {
@@ -45,13 +83,60 @@ impl Compiled {
         env.add_test("iterable", |v: Value| {
             v.kind() != ValueKind::None && v.try_iter().is_ok()
         });
+        env.add_test("none", |v: Value| is_none(&v));
         env.set_formatter(python_formatter);
         // Jinja's `map` is a generator: iterable once, no length, refused by `tojson`.
+        // Jinja's map/select/reject/selectattr/rejectattr yield nothing for a falsy value
+        // (`None` included) instead of failing.
         env.add_filter(
             "map",
             |state: &State<'_, '_>, value: Value, args: Rest<Value>| -> Result<Value, Error> {
-                let items = minijinja::filters::map(state, value, args)?;
+                let items = minijinja::filters::map(state, falsy_empty(value), args)?;
                 Ok(Value::make_one_shot_iterator(items.into_iter()))
+            },
+        );
+        env.add_filter(
+            "select",
+            |state: &State<'_, '_>, value: Value, test: Option<String>, args: Rest<Value>| {
+                minijinja::filters::select(state, falsy_empty(value), test.map(Into::into), args)
+            },
+        );
+        env.add_filter(
+            "reject",
+            |state: &State<'_, '_>, value: Value, test: Option<String>, args: Rest<Value>| {
+                minijinja::filters::reject(state, falsy_empty(value), test.map(Into::into), args)
+            },
+        );
+        env.add_filter(
+            "selectattr",
+            |state: &State<'_, '_>,
+             value: Value,
+             attr: String,
+             test: Option<String>,
+             args: Rest<Value>| {
+                minijinja::filters::selectattr(
+                    state,
+                    falsy_empty(value),
+                    attr.into(),
+                    test.map(Into::into),
+                    args,
+                )
+            },
+        );
+        env.add_filter(
+            "rejectattr",
+            |state: &State<'_, '_>,
+             value: Value,
+             attr: String,
+             test: Option<String>,
+             args: Rest<Value>| {
+                minijinja::filters::rejectattr(
+                    state,
+                    falsy_empty(value),
+                    attr.into(),
+                    test.map(Into::into),
+                    args,
+                )
             },
         );
         // Jinja's `string` filter is Python's `str()`.
@@ -82,13 +167,10 @@ impl Compiled {
         let tmpl = self.env.get_template("chat").map_err(convert)?;
         let mut ctx: Vec<(String, Value)> = vec![
             ("messages".into(), messages),
-            (
-                "tools".into(),
-                opts.tools.clone().unwrap_or(Value::from(())),
-            ),
+            ("tools".into(), opts.tools.clone().unwrap_or_else(py_none)),
             (
                 "documents".into(),
-                opts.documents.clone().unwrap_or(Value::from(())),
+                opts.documents.clone().unwrap_or_else(py_none),
             ),
             (
                 "add_generation_prompt".into(),
@@ -175,6 +257,10 @@ fn python_formatter(
 
 /// Python's `repr` of a JSON-like value.
 fn py_repr(v: &Value, out: &mut String) -> Result<(), Error> {
+    if is_none(v) {
+        out.push_str("None");
+        return Ok(());
+    }
     match v.kind() {
         ValueKind::None | ValueKind::Undefined => out.push_str("None"),
         ValueKind::Bool => out.push_str(if v.is_true() { "True" } else { "False" }),
@@ -477,6 +563,10 @@ fn newline(style: &JsonStyle, level: usize, out: &mut String) {
 }
 
 fn dump(v: &Value, style: &JsonStyle, level: usize, out: &mut String) -> Result<(), Error> {
+    if is_none(v) {
+        out.push_str("null");
+        return Ok(());
+    }
     match v.kind() {
         ValueKind::None => out.push_str("null"),
         ValueKind::Bool => out.push_str(if v.is_true() { "true" } else { "false" }),
