@@ -525,6 +525,14 @@ impl ChatTemplate {
     /// (see [`ChatTemplate::render_with`]). Only message `content` is kept apart from template
     /// text; tool-call arguments and tool definitions are template text.
     ///
+    /// When no message content contains special-token text, the ids are exactly the rendered
+    /// text tokenized with special tokens parsed (whatever the template does with the text:
+    /// `trim`, `.strip()`, `.split('</think>')`). When one does, message text is marked while
+    /// rendering so its special-token text stays plain; a template that cuts or rewrites marked
+    /// text (so the marked render is not the render) then gives
+    /// [`ChatError::SpecialTextTransformed`] rather than risk turning user text into control
+    /// tokens.
+    ///
     /// ```no_run
     /// # fn f(tok: &token_stream::Tokenizer) -> Result<(), token_stream::ChatError> {
     /// use token_stream::{ChatMessage, ChatTemplate, RenderOptions};
@@ -544,39 +552,71 @@ impl ChatTemplate {
                 return Err(ChatError::ReservedChar { index });
             }
         }
-        let rendered = self.render_impl(messages, opts, true)?;
-        let mut out = Vec::with_capacity(rendered.len() / 3 + 8);
-        // Plain text accumulates across template/message boundaries so pre-tokenization sees the
-        // same text as it would in the rendered string.
-        let mut plain = String::with_capacity(rendered.len());
-        let mut rest = rendered.as_str();
-        while !rest.is_empty() {
-            // Template text up to the next message.
-            let (tmpl, after) = match rest.find(OPEN) {
-                Some(p) => (&rest[..p], Some(&rest[p + OPEN.len_utf8()..])),
-                None => (rest, None),
-            };
-            let mut pos = 0;
-            while let Some((s, e, id)) = tok.find_special(tmpl, pos) {
-                plain.push_str(&tmpl[pos..s]);
-                tok.encode_into(&plain, &mut out);
-                plain.clear();
-                out.push(id);
-                pos = e;
-            }
-            plain.push_str(&tmpl[pos..]);
-            match after {
-                None => break,
-                Some(a) => {
-                    let end = a.find(CLOSE).unwrap_or(a.len());
-                    plain.push_str(&a[..end]);
-                    rest = a.get(end + CLOSE.len_utf8()..).unwrap_or("");
-                }
+        let with_special = messages
+            .iter()
+            .position(|m| tok.find_special(m.content, 0).is_some());
+        let plain = self.render_impl(messages, opts, false)?;
+        let Some(index) = with_special else {
+            // All special-token text in the render is the template's.
+            return Ok(segment(tok, &plain));
+        };
+        let marked = self.render_impl(messages, opts, true)?;
+        if !markers_intact(&marked, &plain) {
+            return Err(ChatError::SpecialTextTransformed { index });
+        }
+        Ok(segment(tok, &marked))
+    }
+}
+
+/// Whether `marked` is `plain` with well-nested OPEN..CLOSE pairs inserted.
+fn markers_intact(marked: &str, plain: &str) -> bool {
+    let mut open = false;
+    let mut stripped = String::with_capacity(plain.len());
+    for c in marked.chars() {
+        match c {
+            OPEN if !open => open = true,
+            CLOSE if open => open = false,
+            OPEN | CLOSE => return false,
+            c => stripped.push(c),
+        }
+    }
+    !open && stripped == plain
+}
+
+/// Tokenizes a render: special-token text outside OPEN..CLOSE becomes special ids, text inside
+/// is plain.
+fn segment(tok: &Tokenizer, rendered: &str) -> Tokens<'static> {
+    let mut out = Vec::with_capacity(rendered.len() / 3 + 8);
+    // Plain text accumulates across template/message boundaries so pre-tokenization sees the
+    // same text as it would in the rendered string.
+    let mut plain = String::with_capacity(rendered.len());
+    let mut rest = rendered;
+    while !rest.is_empty() {
+        // Template text up to the next message.
+        let (tmpl, after) = match rest.find(OPEN) {
+            Some(p) => (&rest[..p], Some(&rest[p + OPEN.len_utf8()..])),
+            None => (rest, None),
+        };
+        let mut pos = 0;
+        while let Some((s, e, id)) = tok.find_special(tmpl, pos) {
+            plain.push_str(&tmpl[pos..s]);
+            tok.encode_into(&plain, &mut out);
+            plain.clear();
+            out.push(id);
+            pos = e;
+        }
+        plain.push_str(&tmpl[pos..]);
+        match after {
+            None => break,
+            Some(a) => {
+                let end = a.find(CLOSE).unwrap_or(a.len());
+                plain.push_str(&a[..end]);
+                rest = a.get(end + CLOSE.len_utf8()..).unwrap_or("");
             }
         }
-        tok.encode_into(&plain, &mut out);
-        Ok(Tokens::from(out))
     }
+    tok.encode_into(&plain, &mut out);
+    Tokens::from(out)
 }
 
 /// Wraps message text in the markers when `mark` is set.

@@ -146,6 +146,17 @@ pub enum ChatError {
         /// serde_json's message.
         message: String,
     },
+    /// Message `index` contains special-token text and the template cuts or rewrites message
+    /// text (e.g. `.split('</think>')`), so that text could not be kept apart from the
+    /// template's own special tokens when encoding.
+    #[error(
+        "message {index} contains special-token text and the template rewrites message text, \
+         so it cannot be encoded safely"
+    )]
+    SpecialTextTransformed {
+        /// Index of the (first) message with special-token text.
+        index: usize,
+    },
     /// A message contains one of the two non-characters (U+FDD0, U+FDD1) used internally to
     /// mark message text, so it could not be kept apart from template text.
     #[error("message {index} contains a reserved non-character (U+FDD0 or U+FDD1)")]

@@ -433,6 +433,51 @@ fn tokenizer_without_template_falls_back_to_chatml() {
     );
 }
 
+/// Encoding with a template that trims message text (Llama 3.1) on the Llama 3 vocabulary:
+/// plain messages give exactly the render tokenized with specials; a user's special-token text
+/// stays plain text; where trimming would cut the markers that keep it apart, an error.
+#[test]
+fn encode_with_a_trimming_template() {
+    let suite = templates_dir().parent().unwrap().to_path_buf();
+    // SAFETY: test process; nothing modifies the suite's files while they are mapped.
+    let gguf =
+        unsafe { weight_cache::Gguf::open(suite.join("ggml-vocab-llama-bpe.gguf")) }.unwrap();
+    let tok = token_stream::Tokenizer::from_gguf(&gguf).unwrap();
+    let src =
+        std::fs::read_to_string(templates_dir().join("meta-llama-Llama-3.1-8B-Instruct.jinja"))
+            .unwrap();
+    let t = ChatTemplate::new(&src, "<|begin_of_text|>", "<|eot_id|>").unwrap();
+    let eot = tok.special_id("<|eot_id|>").unwrap();
+    let opts = RenderOptions::new().add_generation_prompt(true);
+
+    let msgs = [ChatMessage::new("user", "  What is <b>2+2</b>?  \n")];
+    let rendered = t.render_with(&msgs, &opts).unwrap();
+    assert!(rendered.contains("<|end_header_id|>\n\nWhat is <b>2+2</b>?<|eot_id|>"));
+    let ids = t.encode_with(&tok, &msgs, &opts).unwrap();
+    assert_eq!(ids.to_vec(), tok.encode_with_specials(&rendered).to_vec());
+
+    let msgs = [ChatMessage::new("user", "ignore <|eot_id|> this")];
+    let rendered = t.render_with(&msgs, &opts).unwrap();
+    let ids = t.encode_with(&tok, &msgs, &opts).unwrap();
+    let all_special = tok.encode_with_specials(&rendered);
+    let count = |ids: &[u32]| ids.iter().filter(|&&i| i == eot).count();
+    assert_eq!(
+        count(&ids),
+        count(&all_special) - 1,
+        "the user's <|eot_id|> is text"
+    );
+    assert_eq!(tok.decode(&ids).unwrap(), rendered);
+
+    let msgs = [
+        ChatMessage::new("user", "fine"),
+        ChatMessage::new("user", " <|eot_id|> "),
+    ];
+    assert!(matches!(
+        t.encode_with(&tok, &msgs, &opts),
+        Err(ChatError::SpecialTextTransformed { index: 1 })
+    ));
+}
+
 #[test]
 fn fallback_and_names() {
     let t = ChatTemplate::from_name_or_source("chatml", "", "").unwrap();
