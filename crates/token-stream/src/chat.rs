@@ -171,7 +171,8 @@ impl<'a> ChatMessage<'a> {
 /// Map key order matters to templates that print JSON (`tools | tojson`): a
 /// `serde_json::Value` keeps its keys in the order `serde_json` keeps them (sorted, unless the
 /// application enables serde_json's `preserve_order`); [`RenderOptions::tools_json`] and
-/// [`RenderOptions::kwargs_json`] keep the order of the JSON text.
+/// [`RenderOptions::documents_json`] and [`RenderOptions::kwargs_json`] keep the order of the
+/// JSON text.
 ///
 /// ```
 /// use token_stream::RenderOptions;
@@ -244,6 +245,17 @@ impl RenderOptions {
     pub fn documents(mut self, documents: &serde_json::Value) -> Self {
         self.documents = Some(Value::from_serialize(documents));
         self
+    }
+
+    /// The documents from JSON text, keeping the text's key order.
+    ///
+    /// ```
+    /// let o = token_stream::RenderOptions::new().documents_json(r#"[{"title": "a", "text": "b"}]"#)?;
+    /// # Ok::<(), token_stream::ChatError>(())
+    /// ```
+    pub fn documents_json(mut self, json: &str) -> Result<Self, ChatError> {
+        self.documents = Some(parse_json("documents", json)?);
+        Ok(self)
     }
 
     /// One extra keyword (`enable_thinking`, `reasoning_effort`, `date_string`, ...).

@@ -138,10 +138,11 @@ pub enum ChatError {
         /// The name given.
         name: String,
     },
-    /// JSON text given for tools or keywords did not parse (or, for keywords, is not an object).
+    /// JSON text given for tools, documents or keywords did not parse (or, for keywords, is not
+    /// an object).
     #[error("invalid JSON for {what}: {message}")]
     InvalidJson {
-        /// `tools` or `kwargs`.
+        /// `tools`, `documents` or `kwargs`.
         what: &'static str,
         /// serde_json's message.
         message: String,

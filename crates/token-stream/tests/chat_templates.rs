@@ -55,6 +55,7 @@ struct OwnedMsg {
     calls: Vec<(Option<String>, String, Json)>,
     tool_call_id: Option<String>,
     name: Option<String>,
+    reasoning: Option<String>,
 }
 
 fn owned(messages: &Json) -> Vec<OwnedMsg> {
@@ -84,6 +85,7 @@ fn owned(messages: &Json) -> Vec<OwnedMsg> {
                 .unwrap_or_default(),
             tool_call_id: s(m, "tool_call_id"),
             name: s(m, "name"),
+            reasoning: s(m, "reasoning_content"),
         })
         .collect()
 }
@@ -115,6 +117,9 @@ fn with_messages<R>(messages: &Json, f: impl FnOnce(&[ChatMessage<'_>]) -> R) ->
             }
             if let Some(n) = &m.name {
                 cm = cm.with_name(n);
+            }
+            if let Some(r) = &m.reasoning {
+                cm = cm.with_reasoning(r);
             }
             cm
         })
@@ -150,6 +155,7 @@ fn real_world_templates_render_as_transformers() {
     let eos = fx["eos_token"].as_str().unwrap();
     let now = fx["now_unix"].as_i64().unwrap();
     let tools_json = fx["tools_json"].as_str().unwrap();
+    let documents_json = fx["documents_json"].as_str().unwrap();
     let conversations = &fx["conversations"];
     let templates = fx["templates"].as_array().unwrap();
     assert!(templates.len() >= 70, "fixture covers every template");
@@ -174,6 +180,9 @@ fn real_world_templates_render_as_transformers() {
             let mut opts = RenderOptions::new().add_generation_prompt(agp).now(now);
             if case["tools"].as_bool().unwrap() {
                 opts = opts.tools_json(tools_json).unwrap();
+            }
+            if case["documents"].as_bool().unwrap() {
+                opts = opts.documents_json(documents_json).unwrap();
             }
             opts = opts
                 .kwargs_json(&case["kwargs"].to_string())
