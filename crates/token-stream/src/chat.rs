@@ -281,19 +281,17 @@ impl RenderOptions {
     /// ```
     pub fn kwargs_json(mut self, json: &str) -> Result<Self, ChatError> {
         let v = parse_json("kwargs", json)?;
-        let Ok(iter) = v.try_iter() else {
+        let keys = match v.kind() {
+            minijinja::value::ValueKind::Map => v.try_iter().ok(),
+            _ => None,
+        };
+        let Some(keys) = keys else {
             return Err(ChatError::InvalidJson {
                 what: "kwargs",
                 message: "not a JSON object".into(),
             });
         };
-        if v.kind() != minijinja::value::ValueKind::Map {
-            return Err(ChatError::InvalidJson {
-                what: "kwargs",
-                message: "not a JSON object".into(),
-            });
-        }
-        for k in iter {
+        for k in keys {
             let val = v.get_item(&k).unwrap_or_default();
             let name = k.as_str().unwrap_or_default().to_owned();
             self.kwargs.retain(|(n, _)| *n != name);

@@ -488,6 +488,29 @@ fn encode_with_a_trimming_template() {
 }
 
 #[test]
+fn bad_json_options_are_typed_errors() {
+    assert!(matches!(
+        RenderOptions::new().kwargs_json("[1]"),
+        Err(ChatError::InvalidJson { what: "kwargs", .. })
+    ));
+    assert!(matches!(
+        RenderOptions::new().tools_json("[{"),
+        Err(ChatError::InvalidJson { what: "tools", .. })
+    ));
+    // Keywords keep their JSON order and types; a later one replaces an earlier one.
+    let t = ChatTemplate::new("{{ a }}|{{ b | tojson }}|{{ enable_thinking }}", "", "").unwrap();
+    let opts = RenderOptions::new()
+        .kwargs_json(r#"{"a": 1, "b": {"y": null, "x": [true]}}"#)
+        .unwrap()
+        .kwarg("enable_thinking", false)
+        .kwarg("a", "two");
+    assert_eq!(
+        t.render_with(&[], &opts).unwrap(),
+        r#"two|{"y": null, "x": [true]}|False"#
+    );
+}
+
+#[test]
 fn fallback_and_names() {
     let t = ChatTemplate::from_name_or_source("chatml", "", "").unwrap();
     assert_eq!(t.builtin_template(), Some(BuiltinTemplate::Chatml));
