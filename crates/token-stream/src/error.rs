@@ -112,16 +112,52 @@ pub enum TokensFromBytesError {
     },
 }
 
-/// Rendering or encoding a chat failed.
+/// Compiling, rendering or encoding a chat failed.
 #[non_exhaustive]
 #[derive(Debug, thiserror::Error)]
 pub enum ChatError {
-    /// The tokenizer has no chat template.
-    #[error("the model has no chat template")]
-    NoTemplate,
-    /// The template failed to compile or render.
+    /// The template failed to compile (syntax error) or to render (unknown filter or method,
+    /// undefined attribute, type error, recursion limit, ...); minijinja's message and the
+    /// template line are in the error.
     #[error("chat template error: {0}")]
     Template(#[from] minijinja::Error),
+    /// The template called `raise_exception(message)`: it refuses this conversation
+    /// (e.g. "System role not supported").
+    #[error("the chat template raised: {message}")]
+    Raised {
+        /// The template's message.
+        message: String,
+    },
+    /// Rendering spent its fuel ([`crate::ChatTemplate::FUEL`] minijinja instructions): the
+    /// template loops too long to be rendered.
+    #[error("the chat template ran out of fuel (too many steps)")]
+    Exhausted,
+    /// A name that is not one of llama.cpp's built-in chat templates.
+    #[error("no built-in chat template is named {name:?}")]
+    UnknownBuiltin {
+        /// The name given.
+        name: String,
+    },
+    /// JSON text given for tools, documents or keywords did not parse (or, for keywords, is not
+    /// an object).
+    #[error("invalid JSON for {what}: {message}")]
+    InvalidJson {
+        /// `tools`, `documents` or `kwargs`.
+        what: &'static str,
+        /// serde_json's message.
+        message: String,
+    },
+    /// Message `index` contains special-token text and the template cuts or rewrites message
+    /// text (e.g. `.split('</think>')`), so that text could not be kept apart from the
+    /// template's own special tokens when encoding.
+    #[error(
+        "message {index} contains special-token text and the template rewrites message text, \
+         so it cannot be encoded safely"
+    )]
+    SpecialTextTransformed {
+        /// Index of the (first) message with special-token text.
+        index: usize,
+    },
     /// A message contains one of the two non-characters (U+FDD0, U+FDD1) used internally to
     /// mark message text, so it could not be kept apart from template text.
     #[error("message {index} contains a reserved non-character (U+FDD0 or U+FDD1)")]

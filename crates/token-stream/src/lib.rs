@@ -43,7 +43,7 @@ mod tokenizer;
 mod tokens;
 mod unicode;
 
-pub use chat::{ChatMessage, ChatTemplate};
+pub use chat::{BuiltinTemplate, ChatMessage, ChatTemplate, RenderOptions, ToolCall};
 pub use error::{ChatError, DecodeError, LoadError, TokensFromBytesError};
 pub use load::{CL100K_SPECIALS, GgufVocab, O200K_SPECIALS, base64_encode};
 pub use pretok::{Pieces, Pretokenizer};

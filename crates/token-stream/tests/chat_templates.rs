@@ -1,0 +1,520 @@
+//! Chat templates against independent references (fixture written by
+//! `scripts/fixtures/token-stream-chat-templates.py`):
+//!
+//! - every `.jinja` template of llama.cpp's `models/templates` (fetched by
+//!   `scripts/fetch-vocab-suite`) rendered by HF transformers' `render_jinja_template` on a
+//!   fixed set of conversations (plain, multi-turn, tool definitions, tool call and tool result,
+//!   extra keywords), with and without the generation prompt: our render equals transformers'
+//!   where transformers succeeds, and is an error where transformers raises;
+//! - every llama.cpp built-in template rendered by llama.cpp's own `llama_chat_apply_template`;
+//! - llama.cpp's detection of a built-in from each template's source.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use serde_json::Value as Json;
+use sha2::{Digest, Sha256};
+use token_stream::{
+    BuiltinTemplate, ChatError, ChatMessage, ChatTemplate, RenderOptions, ToolCall,
+};
+
+const FIXTURE: &str = include_str!("fixtures/chat_templates.json");
+
+/// Templates whose render differs from transformers', with the reason (kept exact: a template
+/// that starts matching must be taken off this list).
+const KNOWN_DIFFERENT: &[(&str, &str)] = &[(
+    "meetkai-functionary-medium-v3.1.jinja",
+    "`'..'|safe + t | tojson`: Jinja's Markup concatenation HTML-escapes the JSON \
+         (`&#34;`), minijinja does not escape",
+)];
+
+fn templates_dir() -> PathBuf {
+    let dir = std::env::var_os("ZEROLAYER_VOCAB_SUITE").map_or_else(
+        || {
+            let home = std::env::var_os("HOME").expect("HOME is set");
+            Path::new(&home).join(".cache/zerolayer/llama-vocab-suite-0.3.36")
+        },
+        PathBuf::from,
+    );
+    assert!(
+        dir.join(".complete").exists(),
+        "llama.cpp's vocabulary suite is not at {}: run scripts/fetch-vocab-suite",
+        dir.display()
+    );
+    dir.join("templates")
+}
+
+fn fixture() -> Json {
+    serde_json::from_str(FIXTURE).expect("fixture parses")
+}
+
+/// The owned parts a `ChatMessage` borrows.
+struct OwnedMsg {
+    role: String,
+    content: String,
+    calls: Vec<(Option<String>, String, Json)>,
+    tool_call_id: Option<String>,
+    name: Option<String>,
+    reasoning: Option<String>,
+}
+
+fn owned(messages: &Json) -> Vec<OwnedMsg> {
+    let s = |v: &Json, k: &str| v.get(k).and_then(Json::as_str).map(str::to_owned);
+    messages
+        .as_array()
+        .expect("messages")
+        .iter()
+        .map(|m| OwnedMsg {
+            role: s(m, "role").expect("role"),
+            content: s(m, "content").unwrap_or_default(),
+            calls: m
+                .get("tool_calls")
+                .and_then(Json::as_array)
+                .map(|calls| {
+                    calls
+                        .iter()
+                        .map(|c| {
+                            (
+                                s(c, "id"),
+                                s(&c["function"], "name").expect("name"),
+                                c["function"]["arguments"].clone(),
+                            )
+                        })
+                        .collect()
+                })
+                .unwrap_or_default(),
+            tool_call_id: s(m, "tool_call_id"),
+            name: s(m, "name"),
+            reasoning: s(m, "reasoning_content"),
+        })
+        .collect()
+}
+
+fn with_messages<R>(messages: &Json, f: impl FnOnce(&[ChatMessage<'_>]) -> R) -> R {
+    let owned = owned(messages);
+    let calls: Vec<Vec<ToolCall<'_>>> = owned
+        .iter()
+        .map(|m| {
+            m.calls
+                .iter()
+                .map(|(id, name, args)| {
+                    let c = ToolCall::new(name, args);
+                    match id {
+                        Some(id) => c.with_id(id),
+                        None => c,
+                    }
+                })
+                .collect()
+        })
+        .collect();
+    let msgs: Vec<ChatMessage<'_>> = owned
+        .iter()
+        .zip(&calls)
+        .map(|(m, calls)| {
+            let mut cm = ChatMessage::new(&m.role, &m.content).with_tool_calls(calls);
+            if let Some(id) = &m.tool_call_id {
+                cm = cm.with_tool_call_id(id);
+            }
+            if let Some(n) = &m.name {
+                cm = cm.with_name(n);
+            }
+            if let Some(r) = &m.reasoning {
+                cm = cm.with_reasoning(r);
+            }
+            cm
+        })
+        .collect();
+    f(&msgs)
+}
+
+/// Up to 40 bytes either side of `at`, on character boundaries.
+fn around(s: &str, at: usize) -> &str {
+    let mut lo = at.saturating_sub(40).min(s.len());
+    while !s.is_char_boundary(lo) {
+        lo -= 1;
+    }
+    let mut hi = (at + 40).min(s.len());
+    while !s.is_char_boundary(hi) {
+        hi += 1;
+    }
+    &s[lo..hi]
+}
+
+fn sha256_hex(bytes: &[u8]) -> String {
+    Sha256::digest(bytes)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+#[test]
+fn real_world_templates_render_as_transformers() {
+    let fx = fixture();
+    let dir = templates_dir();
+    let bos = fx["bos_token"].as_str().unwrap();
+    let eos = fx["eos_token"].as_str().unwrap();
+    let now = fx["now_unix"].as_i64().unwrap();
+    let tools_json = fx["tools_json"].as_str().unwrap();
+    let documents_json = fx["documents_json"].as_str().unwrap();
+    let conversations = &fx["conversations"];
+    let templates = fx["templates"].as_array().unwrap();
+    assert!(templates.len() >= 70, "fixture covers every template");
+
+    let mut failures: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    let mut matched_cases = 0;
+    for t in templates {
+        let file = t["file"].as_str().unwrap();
+        let raw = std::fs::read(dir.join(file))
+            .unwrap_or_else(|e| panic!("{file}: {e}: run scripts/fetch-vocab-suite"));
+        assert_eq!(
+            sha256_hex(&raw),
+            t["sha256"].as_str().unwrap(),
+            "{file} is not the template the fixture was made from: rerun scripts/fixtures/token-stream-chat-templates.py"
+        );
+        let src = String::from_utf8(raw).unwrap();
+        let compiled = ChatTemplate::new(&src, bos, eos);
+        for case in t["cases"].as_array().unwrap() {
+            let conv = case["conversation"].as_str().unwrap();
+            let agp = case["add_generation_prompt"].as_bool().unwrap();
+            let label = format!("{conv} agp={agp}");
+            let mut opts = RenderOptions::new().add_generation_prompt(agp).now(now);
+            if case["tools"].as_bool().unwrap() {
+                opts = opts.tools_json(tools_json).unwrap();
+            }
+            if case["documents"].as_bool().unwrap() {
+                opts = opts.documents_json(documents_json).unwrap();
+            }
+            opts = opts
+                .kwargs_json(&case["kwargs"].to_string())
+                .expect("kwargs object");
+            let ours = match &compiled {
+                Ok(c) => with_messages(&conversations[conv], |m| c.render_with(m, &opts))
+                    .map_err(|e| e.to_string()),
+                Err(e) => Err(format!("compiling: {e}")),
+            };
+            match (case.get("rendered").and_then(Json::as_str), ours) {
+                (Some(want), Ok(got)) if want == got => matched_cases += 1,
+                (Some(want), Ok(got)) => {
+                    let at = want
+                        .char_indices()
+                        .zip(got.chars())
+                        .find(|((_, a), b)| a != b)
+                        .map_or(want.len().min(got.len()), |((i, _), _)| i);
+                    failures.entry(file.into()).or_default().push(format!(
+                        "{label}: differs at byte {at}: want {:?} got {:?}",
+                        around(want, at),
+                        around(&got, at)
+                    ));
+                }
+                (Some(_), Err(e)) => failures
+                    .entry(file.into())
+                    .or_default()
+                    .push(format!("{label}: we fail: {e}")),
+                (None, Ok(got)) => failures.entry(file.into()).or_default().push(format!(
+                    "{label}: transformers raised {} but we rendered {} bytes",
+                    case["error"],
+                    got.len()
+                )),
+                (None, Err(_)) => matched_cases += 1,
+            }
+        }
+    }
+    let report: Vec<String> = failures
+        .iter()
+        .map(|(f, v)| format!("{f}:\n  {}", v.join("\n  ")))
+        .collect();
+    eprintln!("{}", report.join("\n"));
+    eprintln!(
+        "{} of {} templates match transformers on every case ({matched_cases} cases)",
+        templates.len() - failures.len(),
+        templates.len()
+    );
+    let unexpected: Vec<&String> = failures
+        .keys()
+        .filter(|f| !KNOWN_DIFFERENT.iter().any(|(k, _)| k == f))
+        .collect();
+    let stale: Vec<&str> = KNOWN_DIFFERENT
+        .iter()
+        .map(|(k, _)| *k)
+        .filter(|k| !failures.contains_key(*k))
+        .collect();
+    assert!(
+        unexpected.is_empty() && stale.is_empty(),
+        "unexpected differences: {unexpected:?}\nknown differences that now match: {stale:?}\n{}",
+        report.join("\n")
+    );
+}
+
+fn plain(messages: &Json) -> Vec<(String, String)> {
+    messages
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| {
+            (
+                m["role"].as_str().unwrap().to_owned(),
+                m["content"].as_str().unwrap().to_owned(),
+            )
+        })
+        .collect()
+}
+
+fn render_plain(t: BuiltinTemplate, msgs: &[(String, String)], agp: bool) -> String {
+    let m: Vec<ChatMessage<'_>> = msgs.iter().map(|(r, c)| ChatMessage::new(r, c)).collect();
+    ChatTemplate::builtin(t).render(&m, agp).unwrap()
+}
+
+#[test]
+fn builtins_render_as_llama_cpp() {
+    let fx = fixture();
+    let builtins = fx["builtins"].as_array().unwrap();
+    // Every name llama.cpp lists is one of ours, and we list no name llama.cpp lacks.
+    let names: Vec<&str> = builtins
+        .iter()
+        .map(|b| b["name"].as_str().unwrap())
+        .collect();
+    let ours: Vec<&str> = BuiltinTemplate::ALL.iter().map(|b| b.name()).collect();
+    assert_eq!(names, ours);
+    let mut checked = 0;
+    for b in builtins {
+        let name = b["name"].as_str().unwrap();
+        let t: BuiltinTemplate = name.parse().unwrap();
+        assert_eq!(t.name(), name);
+        for case in b["cases"].as_array().unwrap() {
+            let conv = case["conversation"].as_str().unwrap();
+            let agp = case["add_generation_prompt"].as_bool().unwrap();
+            let want = case["rendered"]
+                .as_str()
+                .expect("llama.cpp renders every built-in");
+            let got = render_plain(t, &plain(&fx["plain"][conv]), agp);
+            assert_eq!(got, want, "{name} on {conv} (add_ass={agp})");
+            checked += 1;
+        }
+    }
+    assert!(checked >= 54 * 8);
+    assert!("dots1".parse::<BuiltinTemplate>().is_err());
+    assert!(matches!(
+        "no-such".parse::<BuiltinTemplate>(),
+        Err(ChatError::UnknownBuiltin { name }) if name == "no-such"
+    ));
+}
+
+#[test]
+fn detection_agrees_with_llama_cpp() {
+    let fx = fixture();
+    let dir = templates_dir();
+    let mut detected = 0;
+    for d in fx["detect"].as_array().unwrap() {
+        let file = d["file"].as_str().unwrap();
+        let src = std::fs::read_to_string(dir.join(file)).unwrap();
+        let ours = BuiltinTemplate::detect(&src);
+        for (conv, want) in d["rendered"].as_object().unwrap() {
+            match (want.as_str(), ours) {
+                (None, None) => {}
+                (None, Some(b)) => panic!("{file}: llama.cpp detects nothing, we detect {b}"),
+                (Some(_), None) => panic!("{file}: llama.cpp detects a built-in, we detect none"),
+                // llama.cpp does not say which built-in it detected; what it renders with the
+                // template source must be what our detected built-in renders.
+                (Some(want), Some(b)) => assert_eq!(
+                    render_plain(b, &plain(&fx["plain"][conv]), true),
+                    want,
+                    "{file}: we detect {b}, llama.cpp renders otherwise on {conv}"
+                ),
+            }
+        }
+        detected += usize::from(ours.is_some());
+    }
+    assert!(
+        detected > 40,
+        "most real templates map to a built-in ({detected})"
+    );
+}
+
+#[test]
+fn hostile_template_runs_out_of_fuel() {
+    let t = ChatTemplate::new(
+        "{% for a in range(100000) %}{% for b in range(100000) %}{{ a }}{% endfor %}{% endfor %}",
+        "",
+        "",
+    )
+    .unwrap();
+    let start = std::time::Instant::now();
+    let e = t.render(&[], false).unwrap_err();
+    assert!(matches!(e, ChatError::Exhausted), "{e}");
+    assert!(start.elapsed() < std::time::Duration::from_secs(30));
+    // Unbounded recursion is an error, not a stack overflow.
+    let t = ChatTemplate::new(
+        "{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}",
+        "",
+        "",
+    )
+    .unwrap();
+    assert!(matches!(t.render(&[], false), Err(ChatError::Template(_))));
+}
+
+#[test]
+fn raise_exception_is_typed_with_the_message() {
+    let t = ChatTemplate::new(
+        "{% if messages[0].role == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}ok",
+        "",
+        "",
+    )
+    .unwrap();
+    let e = t
+        .render(&[ChatMessage::new("system", "x")], false)
+        .unwrap_err();
+    assert!(
+        matches!(&e, ChatError::Raised { message } if message == "System role not supported"),
+        "{e:?}"
+    );
+    assert_eq!(
+        t.render(&[ChatMessage::new("user", "x")], false).unwrap(),
+        "ok"
+    );
+    // A syntax error is an error, not a panic.
+    assert!(matches!(
+        ChatTemplate::new("{% for %}", "", ""),
+        Err(ChatError::Template(_))
+    ));
+}
+
+#[test]
+fn tojson_as_python_json_dumps() {
+    let t = ChatTemplate::new(
+        "{{ tools | tojson }}|{{ tools | tojson(indent=2) }}|{{ tools[0] | tojson(separators=(',', ':'), sort_keys=true) }}",
+        "",
+        "",
+    )
+    .unwrap();
+    let opts = RenderOptions::new()
+        .tools_json(r#"[{"z": 1.0, "a": "é\"\n<", "n": null, "l": [1, 2.5e-7, true], "e": {}}]"#)
+        .unwrap();
+    let got = t.render_with(&[], &opts).unwrap();
+    // What Python prints for json.dumps(x, ensure_ascii=False) with these options.
+    let want = concat!(
+        r#"[{"z": 1.0, "a": "é\"\n<", "n": null, "l": [1, 2.5e-07, true], "e": {}}]|"#,
+        "[\n  {\n    \"z\": 1.0,\n    \"a\": \"é\\\"\\n<\",\n    \"n\": null,\n    \"l\": [\n      1,\n      2.5e-07,\n      true\n    ],\n    \"e\": {}\n  }\n]|",
+        r#"{"a":"é\"\n<","e":{},"l":[1,2.5e-07,true],"n":null,"z":1.0}"#
+    );
+    assert_eq!(got, want);
+}
+
+/// A GGUF without `tokenizer.chat_template` gets llama.cpp's fallback, chatml; one with a
+/// template gets its own.
+#[test]
+fn tokenizer_without_template_falls_back_to_chatml() {
+    let dir = templates_dir().parent().unwrap().to_path_buf();
+    let (mut without, mut with) = (0, 0);
+    for entry in std::fs::read_dir(&dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().is_none_or(|e| e != "gguf") {
+            continue;
+        }
+        // SAFETY: test process; nothing modifies the suite's files while they are mapped.
+        let Ok(gguf) = (unsafe { weight_cache::Gguf::open(&path) }) else {
+            continue;
+        };
+        let Ok(tok) = token_stream::Tokenizer::from_gguf(&gguf) else {
+            continue;
+        };
+        let t = ChatTemplate::from_tokenizer(&tok).unwrap();
+        if tok.chat_template().is_some() {
+            assert_eq!(t.builtin_template(), None, "{}", path.display());
+            with += 1;
+        } else {
+            assert_eq!(
+                t.builtin_template(),
+                Some(BuiltinTemplate::Chatml),
+                "{}",
+                path.display()
+            );
+            assert_eq!(
+                t.render(&[ChatMessage::new("user", "hi")], true).unwrap(),
+                "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+            );
+            without += 1;
+        }
+    }
+    eprintln!("{without} vocabularies without a template, {with} with one");
+    assert!(
+        without > 0,
+        "the suite has vocabularies without a chat template"
+    );
+}
+
+/// Encoding with a template that trims message text (Llama 3.1) on the Llama 3 vocabulary:
+/// plain messages give exactly the render tokenized with specials; a user's special-token text
+/// stays plain text; where trimming would cut the markers that keep it apart, an error.
+#[test]
+fn encode_with_a_trimming_template() {
+    let suite = templates_dir().parent().unwrap().to_path_buf();
+    // SAFETY: test process; nothing modifies the suite's files while they are mapped.
+    let gguf =
+        unsafe { weight_cache::Gguf::open(suite.join("ggml-vocab-llama-bpe.gguf")) }.unwrap();
+    let tok = token_stream::Tokenizer::from_gguf(&gguf).unwrap();
+    let src =
+        std::fs::read_to_string(templates_dir().join("meta-llama-Llama-3.1-8B-Instruct.jinja"))
+            .unwrap();
+    let t = ChatTemplate::new(&src, "<|begin_of_text|>", "<|eot_id|>").unwrap();
+    let eot = tok.special_id("<|eot_id|>").unwrap();
+    let opts = RenderOptions::new().add_generation_prompt(true);
+
+    let msgs = [ChatMessage::new("user", "  What is <b>2+2</b>?  \n")];
+    let rendered = t.render_with(&msgs, &opts).unwrap();
+    assert!(rendered.contains("<|end_header_id|>\n\nWhat is <b>2+2</b>?<|eot_id|>"));
+    let ids = t.encode_with(&tok, &msgs, &opts).unwrap();
+    assert_eq!(ids.to_vec(), tok.encode_with_specials(&rendered).to_vec());
+
+    let msgs = [ChatMessage::new("user", "ignore <|eot_id|> this")];
+    let rendered = t.render_with(&msgs, &opts).unwrap();
+    let ids = t.encode_with(&tok, &msgs, &opts).unwrap();
+    let all_special = tok.encode_with_specials(&rendered);
+    let count = |ids: &[u32]| ids.iter().filter(|&&i| i == eot).count();
+    assert_eq!(
+        count(&ids),
+        count(&all_special) - 1,
+        "the user's <|eot_id|> is text"
+    );
+    assert_eq!(tok.decode(&ids).unwrap(), rendered);
+
+    let msgs = [
+        ChatMessage::new("user", "fine"),
+        ChatMessage::new("user", " <|eot_id|> "),
+    ];
+    assert!(matches!(
+        t.encode_with(&tok, &msgs, &opts),
+        Err(ChatError::SpecialTextTransformed { index: 1 })
+    ));
+}
+
+#[test]
+fn bad_json_options_are_typed_errors() {
+    assert!(matches!(
+        RenderOptions::new().kwargs_json("[1]"),
+        Err(ChatError::InvalidJson { what: "kwargs", .. })
+    ));
+    assert!(matches!(
+        RenderOptions::new().tools_json("[{"),
+        Err(ChatError::InvalidJson { what: "tools", .. })
+    ));
+    // Keywords keep their JSON order and types; a later one replaces an earlier one.
+    let t = ChatTemplate::new("{{ a }}|{{ b | tojson }}|{{ enable_thinking }}", "", "").unwrap();
+    let opts = RenderOptions::new()
+        .kwargs_json(r#"{"a": 1, "b": {"y": null, "x": [true]}}"#)
+        .unwrap()
+        .kwarg("enable_thinking", false)
+        .kwarg("a", "two");
+    assert_eq!(
+        t.render_with(&[], &opts).unwrap(),
+        r#"two|{"y": null, "x": [true]}|False"#
+    );
+}
+
+#[test]
+fn fallback_and_names() {
+    let t = ChatTemplate::from_name_or_source("chatml", "", "").unwrap();
+    assert_eq!(t.builtin_template(), Some(BuiltinTemplate::Chatml));
+    let t = ChatTemplate::from_name_or_source("{{ 'x' }}", "", "").unwrap();
+    assert_eq!(t.builtin_template(), None);
+    assert_eq!(t.render(&[], false).unwrap(), "x");
+}
