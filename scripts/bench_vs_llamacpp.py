@@ -88,6 +88,16 @@ def llama(a, pp_ids, chat_ids):
             "rss_mib": rss}, {"all": o}
 
 
+def decode_bytes(model):
+    """Weight bytes a decode step reads: every tensor, except the embedding table when the model
+    has a separate output head (only one row of it is read per token)."""
+    import gguf
+    r = gguf.GGUFReader(model)
+    names = {t.name for t in r.tensors}
+    return sum(int(t.n_bytes) for t in r.tensors
+               if not (t.name == "token_embd.weight" and "output.weight" in names))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
@@ -95,6 +105,7 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--gen", type=int, default=128)
     ap.add_argument("--busy-pid", type=int, default=0)
+    ap.add_argument("--bandwidth", default="", help="examples/bandwidth's JSON line")
     a = ap.parse_args()
     fx = json.loads((ROOT / "crates/gpu-pipeline/tests/fixtures/model-ppl.json").read_text())
     pp_ids = fx["ci_ids"][:512]
@@ -108,6 +119,14 @@ def main():
     for k, name, better in [("pp_tok_s", "prompt 512 tok/s", "hi"), ("gen_tok_s", "generation 128 tok/s", "hi"),
                             ("ttft_ms", "time to first token (ms)", "lo"), ("rss_mib", "peak RSS (MiB)", "lo")]:
         print(f"{name:<28}{o[k]:>12.1f}{l[k]:>12.1f}{o[k] / l[k]:>8.2f}")
+    if a.bandwidth:
+        bw = json.loads(a.bandwidth)["best_gbs"]
+        per_token = decode_bytes(a.model)
+        print(f"decode reads {per_token / 1e6:.1f} MB of weights per token; machine read bandwidth "
+              f"{bw:.1f} GB/s -> ceiling {bw * 1e9 / per_token:.0f} tok/s")
+        for side, r in [("zerolayer", o), ("llama.cpp", l)]:
+            gbs = r["gen_tok_s"] * per_token / 1e9
+            print(f"{side} generation: {gbs:.1f} GB/s of weights = {100 * gbs / bw:.0f}% of the read bandwidth")
     for side, oth in [("zerolayer", o_oth), ("llama.cpp", l_oth)]:
         for phase, cpu in oth.items():
             flag = "" if a.busy_pid else (" CONTAMINATED" if cpu > 1.0 else "")

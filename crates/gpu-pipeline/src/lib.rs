@@ -3,6 +3,7 @@
 //! The CPU backend (the default) runs SIMD kernels directly over the GGUF blocks in the mapping,
 //! on a persistent thread pool.
 
+mod bandwidth;
 pub mod engine;
 mod generate;
 pub mod kernels;
@@ -10,6 +11,7 @@ mod model;
 mod sampling;
 mod threadpool;
 
+pub use bandwidth::{Bandwidth, read_bandwidth};
 pub use engine::{
     Engine, EngineConfig, EngineEvent, GenerationRequest, RequestHandle, SubmitError,
 };

@@ -1,0 +1,107 @@
+//! The machine's read bandwidth, measured the way every decode figure is judged: a read-only sum
+//! (STREAM-style) over arrays far larger than the last-level cache, split across the threads of
+//! a [`ThreadPool`], best of N passes.
+
+use std::time::Instant;
+
+use crate::ThreadPool;
+
+/// What [`read_bandwidth`] measured.
+#[derive(Clone, Copy, Debug, PartialEq)]
+#[non_exhaustive]
+pub struct Bandwidth {
+    /// Best pass, bytes read per second / 1e9.
+    pub best_gbs: f64,
+    /// Median pass, GB/s.
+    pub median_gbs: f64,
+    /// Threads that read.
+    pub threads: usize,
+    /// Bytes read per pass.
+    pub bytes_per_pass: usize,
+}
+
+/// Reads `arrays` arrays of `bytes_per_array` bytes each (`passes` times, every thread summing
+/// its contiguous share of every array) and reports the best and median pass.
+///
+/// Use arrays much larger than the last-level cache (the benches use 3 x 1 GiB) so the figure is
+/// DRAM bandwidth: the ceiling of a decode step, which reads every weight once.
+///
+/// ```
+/// use gpu_pipeline::{ThreadPool, read_bandwidth};
+/// let pool = ThreadPool::new(2);
+/// let bw = read_bandwidth(&pool, 1 << 20, 2, 3); // small: cache bandwidth, just a demo
+/// assert!(bw.best_gbs > 0.0 && bw.best_gbs >= bw.median_gbs);
+/// ```
+pub fn read_bandwidth(
+    pool: &ThreadPool,
+    bytes_per_array: usize,
+    arrays: usize,
+    passes: usize,
+) -> Bandwidth {
+    let words = (bytes_per_array / 8).max(8);
+    let data: Vec<Vec<u64>> = (0..arrays.max(1))
+        .map(|a| (0..words as u64).map(|i| i ^ a as u64).collect())
+        .collect();
+    let threads = pool.n_threads();
+    let share = words.div_ceil(threads);
+    let mut rates = Vec::with_capacity(passes.max(1));
+    let sink = std::sync::atomic::AtomicU64::new(0);
+    for _ in 0..passes.max(1) {
+        let start = Instant::now();
+        pool.run(threads, &|task, _| {
+            let lo = (task * share).min(words);
+            let hi = ((task + 1) * share).min(words);
+            let mut total = 0u64;
+            for array in &data {
+                total = total.wrapping_add(sum_words(&array[lo..hi]));
+            }
+            sink.fetch_add(total, std::sync::atomic::Ordering::Relaxed);
+        });
+        let secs = start.elapsed().as_secs_f64();
+        rates.push((words * 8 * data.len()) as f64 / secs / 1e9);
+    }
+    std::hint::black_box(sink.into_inner());
+    rates.sort_by(f64::total_cmp);
+    Bandwidth {
+        best_gbs: rates[rates.len() - 1],
+        median_gbs: rates[rates.len() / 2],
+        threads,
+        bytes_per_pass: words * 8 * data.len(),
+    }
+}
+
+/// Eight independent accumulators so the loads, not an add chain, set the pace.
+fn sum_words(words: &[u64]) -> u64 {
+    let mut acc = [0u64; 8];
+    let mut chunks = words.chunks_exact(8);
+    for chunk in &mut chunks {
+        for (a, &w) in acc.iter_mut().zip(chunk) {
+            *a = a.wrapping_add(w);
+        }
+    }
+    let tail = chunks
+        .remainder()
+        .iter()
+        .fold(0u64, |s, &w| s.wrapping_add(w));
+    acc.iter().fold(tail, |s, &a| s.wrapping_add(a))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sum_words_adds_every_word_including_the_tail() {
+        let words: Vec<u64> = (1..=21).collect();
+        assert_eq!(sum_words(&words), 231);
+    }
+
+    #[test]
+    fn reports_the_bytes_of_every_array_and_best_not_below_median() {
+        let pool = ThreadPool::new(2);
+        let bw = read_bandwidth(&pool, 64 << 10, 3, 3);
+        assert_eq!(bw.bytes_per_pass, 3 * (64 << 10));
+        assert_eq!(bw.threads, 2);
+        assert!(bw.best_gbs >= bw.median_gbs && bw.median_gbs > 0.0);
+    }
+}
