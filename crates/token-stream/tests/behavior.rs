@@ -238,7 +238,7 @@ fn loaders_reject_bad_input_with_typed_errors() {
         Tokenizer::from_gguf_vocab(&v),
         Err(LoadError::UnsupportedModel { .. })
     ));
-    let v = GgufVocab::new("gpt2", "qwen2", vec!["a"], vec![], vec![]);
+    let v = GgufVocab::new("gpt2", "no-such-pre", vec!["a"], vec![], vec![]);
     assert!(matches!(
         Tokenizer::from_gguf_vocab(&v),
         Err(LoadError::UnsupportedPretokenizer { .. })
