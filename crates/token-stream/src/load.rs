@@ -253,12 +253,17 @@ impl Tokenizer {
         let mut tokens = Vec::with_capacity(v.tokens.len());
         let mut specials = Vec::new();
         let mut byte_tokens = Vec::new();
+        let mut user_defined = Vec::new();
+        let mut unreachable = Vec::new();
         let mut ids: FxHashMap<&str, u32> = FxHashMap::default();
         ids.reserve(v.tokens.len());
         for (id, &t) in v.tokens.iter().enumerate() {
             let ty = v.token_types.get(id).copied().unwrap_or(1);
             if ty == 3 || ty == 4 {
                 specials.push((t.to_owned(), id as u32));
+                if ty == 4 {
+                    user_defined.push((t.to_owned(), id as u32));
+                }
                 tokens.push(Some(t.as_bytes().to_vec()));
             } else if !entry.byte_encode {
                 match byte_token(t).filter(|_| ty == 6) {
@@ -269,9 +274,12 @@ impl Tokenizer {
                     None => tokens.push(Some(t.as_bytes().to_vec())),
                 }
             } else {
-                tokens.push(Some(
-                    byte_level_decode(t, &inv).unwrap_or_else(|| t.as_bytes().to_vec()),
-                ));
+                // A token that is not a byte-level string can never be a piece's spelling
+                // (llama.cpp looks pieces up byte-level encoded); it only decodes.
+                tokens.push(Some(byte_level_decode(t, &inv).unwrap_or_else(|| {
+                    unreachable.push(id as u32);
+                    t.as_bytes().to_vec()
+                })));
             }
             ids.entry(t).or_insert(id as u32);
         }
@@ -309,6 +317,8 @@ impl Tokenizer {
             eos,
             chat_template: v.chat_template.map(str::to_owned),
             byte_tokens,
+            user_defined,
+            unreachable,
         });
         tok.set_pretokenizer_fallback(fallback);
         Ok(tok)
@@ -382,6 +392,8 @@ impl Tokenizer {
                 .map(|&(_, id)| id),
             chat_template: None,
             byte_tokens: Vec::new(),
+            user_defined: Vec::new(),
+            unreachable: Vec::new(),
         }))
     }
 
@@ -508,6 +520,8 @@ impl Tokenizer {
             eos: None,
             chat_template: None,
             byte_tokens: Vec::new(),
+            user_defined: Vec::new(),
+            unreachable: Vec::new(),
         }))
     }
 

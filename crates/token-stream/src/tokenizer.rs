@@ -40,6 +40,12 @@ pub(crate) struct Spec {
     /// Byte-fallback tokens (`<0xXX>`, GGUF type 6) of raw-UTF-8 vocabularies: (byte, id).
     /// Their bytes in `tokens` are the byte; they are used only for characters without a token.
     pub(crate) byte_tokens: Vec<(u8, u32)>,
+    /// User-defined tokens (GGUF type 4): llama.cpp cuts them out of plain text too (before
+    /// pre-tokenizing), unlike control tokens. Also listed in `specials`.
+    pub(crate) user_defined: Vec<(String, u32)>,
+    /// Tokens that decode but that no piece can spell (a GGUF byte-level vocabulary's entries
+    /// that are not byte-level strings).
+    pub(crate) unreachable: Vec<u32>,
 }
 
 /// Special tokens matched in text (leftmost-longest), only when the caller allows it.
@@ -136,6 +142,8 @@ pub struct Tokenizer {
     /// Pieces that encode to exactly one token, looked up before merging.
     whole: FxHashMap<Box<[u8]>, u32>,
     specials: Specials,
+    /// Special tokens that plain text matches too (llama.cpp's user-defined tokens).
+    user_defined: Specials,
     unk: Option<u32>,
     fuse_unk: bool,
     bos: Option<u32>,
@@ -185,6 +193,9 @@ impl Tokenizer {
         // Regular token bytes -> id (first id wins for duplicates, as in HF's vocab map).
         let mut is_byte_token = vec![false; n];
         for &(_, id) in &spec.byte_tokens {
+            is_byte_token[id as usize] = true;
+        }
+        for &id in &spec.unreachable {
             is_byte_token[id as usize] = true;
         }
         let mut by_bytes: FxHashMap<Box<[u8]>, u32> = FxHashMap::default();
@@ -266,6 +277,7 @@ impl Tokenizer {
             merges,
             whole: FxHashMap::default(),
             specials: Specials::new(spec.specials),
+            user_defined: Specials::new(spec.user_defined),
             unk: spec.unk,
             fuse_unk: spec.fuse_unk,
             bos: spec.bos,
@@ -475,6 +487,22 @@ impl Tokenizer {
     }
 
     fn encode_plain(
+        &self,
+        text: &str,
+        out: &mut Vec<u32>,
+        scratch: &mut Vec<u32>,
+        work: &mut Work,
+    ) {
+        let mut pos = 0;
+        while let Some((s, e, id)) = self.user_defined.find(text, pos) {
+            self.encode_segment(&text[pos..s], out, scratch, work);
+            out.push(id);
+            pos = e;
+        }
+        self.encode_segment(&text[pos..], out, scratch, work);
+    }
+
+    fn encode_segment(
         &self,
         text: &str,
         out: &mut Vec<u32>,
