@@ -174,8 +174,7 @@ impl<'a> GgufVocab<'a> {
 }
 
 /// What [`Tokenizer::pretokenizer_fallback`] reports when `tokenizer.ggml.pre` is missing.
-pub(crate) const MISSING_PRE_FALLBACK: &str =
-    "tokenizer.ggml.pre is missing: using llama.cpp's `default` pre-tokenizer, as llama.cpp does \
+pub(crate) const MISSING_PRE_FALLBACK: &str = "tokenizer.ggml.pre is missing: using llama.cpp's `default` pre-tokenizer, as llama.cpp does \
      (it warns that generation quality will be degraded)";
 
 /// The pre-tokenizer llama.cpp uses for `tokenizer.ggml.pre` value `name` (empty: missing), and

@@ -317,7 +317,14 @@ fn contraction(
         b'r' | b'v' if at(2) == b'e' => Some(3),
         b'l' if at(2) == b'l' => Some(3),
         // U+017F LATIN SMALL LETTER LONG S case-folds to 's'.
-        0xC5 if case_insensitive && long_s && i + 2 < end && s[i + 1] == 0xC5 && s[i + 2] == 0xBF => Some(3),
+        0xC5 if case_insensitive
+            && long_s
+            && i + 2 < end
+            && s[i + 1] == 0xC5
+            && s[i + 2] == 0xBF =>
+        {
+            Some(3)
+        }
         _ => None,
     }
 }

@@ -206,7 +206,12 @@ mod tests {
     fn every_table_regex_compiles() {
         for e in &LLAMA_PRES {
             for (r, s) in e.regexes.iter().zip(e.stages()) {
-                assert!(s.regex.is_some(), "{:?}: {r} -> {:?}", e.names, translate(r));
+                assert!(
+                    s.regex.is_some(),
+                    "{:?}: {r} -> {:?}",
+                    e.names,
+                    translate(r)
+                );
             }
         }
     }
