@@ -13,17 +13,34 @@ use rustc_hash::FxHashMap;
 /// Sentinel for "no merge" / "no token".
 pub(crate) const NONE: u32 = u32::MAX;
 
-/// Pieces with at most this many initial symbols use the array merge.
+/// Pieces with at most this many initial symbols use the array merge on the stack.
 const SMALL: usize = 48;
+/// Pieces with at most this many initial symbols use the array merge in reused buffers (a
+/// vectorized minimum scan per merge beats the heap up to a few hundred symbols, which is
+/// where long CJK pieces of o200k and Qwen land).
+const MEDIUM: usize = 256;
 
 /// The merge table: `(left id, right id) -> (rank, merged id)`.
 #[derive(Debug, Default, Clone)]
 pub(crate) struct Merges {
     map: FxHashMap<u64, (u32, u32)>,
+    /// The pairs of two ids below 256 (the byte tokens of tiktoken and GPT-2 vocabularies),
+    /// as a dense 256 x 256 table: every piece starts with byte pairs, and this keeps their
+    /// lookups in cache. Empty when no such pair merges.
+    low: Vec<(u32, u32)>,
 }
 
 impl Merges {
     pub(crate) fn insert(&mut self, a: u32, b: u32, rank: u32, merged: u32) {
+        if (a | b) < 256 {
+            if self.low.is_empty() {
+                self.low = vec![(NONE, NONE); 1 << 16];
+            }
+            let slot = &mut self.low[((a << 8) | b) as usize];
+            if slot.0 == NONE {
+                *slot = (rank, merged);
+            }
+        }
         // Keep the first (lowest-rank) entry if a pair is listed twice, as HF does.
         self.map
             .entry((u64::from(a) << 32) | u64::from(b))
@@ -32,6 +49,11 @@ impl Merges {
 
     #[inline(always)]
     pub(crate) fn get(&self, a: u32, b: u32) -> (u32, u32) {
+        if (a | b) < 256 {
+            if let Some(&v) = self.low.get(((a << 8) | b) as usize) {
+                return v;
+            }
+        }
         match self.map.get(&((u64::from(a) << 32) | u64::from(b))) {
             Some(&v) => v,
             None => (NONE, NONE),
@@ -43,9 +65,10 @@ impl Merges {
     }
 }
 
-/// Counts the elementary steps of the merge loops (for the near-linear-time tests).
-#[derive(Debug, Default, Clone, Copy)]
-pub(crate) struct Work(pub(crate) u64);
+/// Counts the elementary steps of the merge loops (for the near-linear-time tests), and holds
+/// the rank/id buffers of the medium-size array merge (reused from piece to piece).
+#[derive(Debug, Default, Clone)]
+pub(crate) struct Work(pub(crate) u64, Vec<u32>, Vec<u32>);
 
 /// Merges `symbols` (initial per-byte ids, already filtered) in place, leaving the final ids.
 pub(crate) fn merge(symbols: &mut Vec<u32>, merges: &Merges, work: &mut Work) {
@@ -53,35 +76,42 @@ pub(crate) fn merge(symbols: &mut Vec<u32>, merges: &Merges, work: &mut Work) {
         return;
     }
     if symbols.len() <= SMALL {
-        merge_small(symbols, merges, work);
+        let mut ranks = [NONE; SMALL];
+        let mut ids = [NONE; SMALL];
+        merge_scan(symbols, merges, &mut ranks, &mut ids, &mut work.0);
+    } else if symbols.len() <= MEDIUM {
+        let Work(count, ranks, ids) = work;
+        ranks.resize(MEDIUM, NONE);
+        ids.resize(MEDIUM, NONE);
+        merge_scan(symbols, merges, ranks, ids, count);
     } else {
         merge_large(symbols, merges, work);
     }
 }
 
-fn merge_small(symbols: &mut Vec<u32>, merges: &Merges, work: &mut Work) {
+/// The array merge: `ranks[i]`/`ids[i]` describe the pair (`symbols[i]`, `symbols[i + 1]`);
+/// each step finds the leftmost lowest rank with a vectorizable scan.
+fn merge_scan(
+    symbols: &mut Vec<u32>,
+    merges: &Merges,
+    ranks: &mut [u32],
+    ids: &mut [u32],
+    count: &mut u64,
+) {
     let n = symbols.len();
-    // ranks[i]/ids[i] describe the pair (symbols[i], symbols[i + 1]).
-    let mut ranks = [NONE; SMALL];
-    let mut ids = [NONE; SMALL];
     for i in 0..n - 1 {
         (ranks[i], ids[i]) = merges.get(symbols[i], symbols[i + 1]);
     }
     let mut len = n;
     loop {
         let pairs = len - 1;
-        let mut best = 0;
-        let mut best_rank = NONE;
-        for (i, &r) in ranks[..pairs].iter().enumerate() {
-            if r < best_rank {
-                best_rank = r;
-                best = i;
-            }
-        }
-        work.0 += pairs as u64 + 1;
+        let live = &ranks[..pairs];
+        let best_rank = live.iter().copied().min().unwrap_or(NONE);
+        *count += pairs as u64 + 1;
         if best_rank == NONE {
             break;
         }
+        let best = live.iter().position(|&r| r == best_rank).unwrap_or(0);
         symbols[best] = ids[best];
         symbols.remove(best + 1);
         if best + 1 < pairs {
@@ -203,7 +233,7 @@ mod tests {
     fn small_and_large_agree_with_reference() {
         let m = table();
         let mut seed = 12345u64;
-        for len in [2usize, 3, 5, 17, 47, 48, 49, 100, 333] {
+        for len in [2usize, 3, 5, 17, 47, 48, 49, 100, 255, 256, 257, 333] {
             for _ in 0..20 {
                 let s: Vec<u32> = (0..len)
                     .map(|_| {
@@ -214,6 +244,10 @@ mod tests {
                 let want = reference(s.clone(), &m);
                 let mut got = s.clone();
                 merge(&mut got, &m, &mut Work::default());
+                let mut got_scan = s.clone();
+                let (mut ranks, mut ids) = (vec![NONE; len], vec![NONE; len]);
+                merge_scan(&mut got_scan, &m, &mut ranks, &mut ids, &mut 0);
+                assert_eq!(got_scan, want, "{s:?}");
                 assert_eq!(got, want, "{s:?}");
                 let mut got_large = s.clone();
                 merge_large(&mut got_large, &m, &mut Work::default());

@@ -42,8 +42,10 @@ pub enum LoadError {
         kind: String,
     },
     /// A merge rule is not two known tokens separated by one space.
-    #[error("merge rule {index} `{rule}` is malformed or names an unknown token")]
+    #[error("{key}[{index}] `{rule}` is malformed or names an unknown token")]
     BadMerge {
+        /// Where the merges come from (`tokenizer.ggml.merges`, `model.merges`).
+        key: &'static str,
         /// Position in the merge list.
         index: usize,
         /// The rule text.

@@ -5,7 +5,10 @@
 //! detokenizer ([`StreamDecoder`]).
 //!
 //! - Vocabularies: GPT-2-style, SmolLM2 (`tokenizer.ggml.pre = smollm`), Llama 3, OpenAI's
-//!   cl100k_base and o200k_base. Loaded from GGUF metadata ([`Tokenizer::from_gguf`], feature
+//!   cl100k_base and o200k_base, and every BPE pre-tokenizer of llama.cpp's vocabulary code
+//!   ([`LLAMA_PRES`]: one table entry per `tokenizer.ggml.pre` group, split exactly as
+//!   llama.cpp splits, ids equal to llama.cpp's on its own vocabulary suite, see
+//!   `tests/vocab_suite.rs`), plus the `gemma4` BPE model. Loaded from GGUF metadata ([`Tokenizer::from_gguf`], feature
 //!   `gguf`), a HF `tokenizer.json` ([`Tokenizer::from_tokenizer_json`]) or a tiktoken rank file
 //!   ([`Tokenizer::from_tiktoken`]).
 //! - Exact: ids equal HF `tokenizers` and `tiktoken` on the parity corpus (see `tests/parity.rs`).
@@ -38,6 +41,8 @@ mod chat;
 mod error;
 mod load;
 mod pretok;
+mod pretok_regex;
+mod pretok_table;
 mod stream;
 mod tokenizer;
 mod tokens;
@@ -46,7 +51,8 @@ mod unicode;
 pub use chat::{BuiltinTemplate, ChatMessage, ChatTemplate, RenderOptions, ToolCall};
 pub use error::{ChatError, DecodeError, LoadError, TokensFromBytesError};
 pub use load::{CL100K_SPECIALS, GgufVocab, O200K_SPECIALS, base64_encode};
-pub use pretok::{Pieces, Pretokenizer};
+pub use pretok::{LlamaPre, Pieces, Pretokenizer};
+pub use pretok_table::{LLAMA_PRES, LlamaPreEntry, N_LLAMA_PRES, UNIMPLEMENTED_LLAMA_PRES};
 pub use stream::{StreamDecoder, StreamStep};
 pub use tokenizer::Tokenizer;
 pub use tokens::Tokens;

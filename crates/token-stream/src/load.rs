@@ -6,7 +6,8 @@ use rustc_hash::FxHashMap;
 use serde_json::Value;
 
 use crate::error::LoadError;
-use crate::pretok::Pretokenizer;
+use crate::pretok::{LlamaPre, Pretokenizer};
+use crate::pretok_table::UNIMPLEMENTED_LLAMA_PRES;
 use crate::tokenizer::{MergeSpec, Spec, Tokenizer};
 
 /// Largest id accepted from a file (bounds every allocation by the real vocabulary size).
@@ -134,11 +135,11 @@ fn put(tokens: &mut Vec<Option<Vec<u8>>>, id: u64, bytes: Vec<u8>) -> Result<(),
 #[non_exhaustive]
 #[derive(Debug, Clone, Default)]
 pub struct GgufVocab<'a> {
-    /// `tokenizer.ggml.model` (only `gpt2`, byte-level BPE, is supported).
+    /// `tokenizer.ggml.model` (the BPE ones: `gpt2` and `gemma4`).
     pub model: &'a str,
-    /// `tokenizer.ggml.pre`.
+    /// `tokenizer.ggml.pre` (empty when the file has none).
     pub pre: &'a str,
-    /// `tokenizer.ggml.tokens`, byte-level encoded.
+    /// `tokenizer.ggml.tokens` (byte-level encoded, or raw UTF-8 for SentencePiece-style BPE).
     pub tokens: Vec<&'a str>,
     /// `tokenizer.ggml.token_type` (1 normal, 3 control, 4 user-defined, ...); empty = all normal.
     pub token_types: Vec<i32>,
@@ -172,34 +173,67 @@ impl<'a> GgufVocab<'a> {
     }
 }
 
-/// Maps llama.cpp's `tokenizer.ggml.pre` names to scanners.
-fn pretok_from_gguf_name(name: &str) -> Option<Pretokenizer> {
-    Some(match name {
-        "smollm" => Pretokenizer::SmolLm,
-        "gpt2" | "gpt-2" => Pretokenizer::Gpt2,
-        "llama3" | "llama-bpe" | "llama-v3" | "cl100k" => Pretokenizer::Cl100k,
-        "gpt-4o" | "o200k" => Pretokenizer::O200k,
-        _ => return None,
-    })
+/// What [`Tokenizer::pretokenizer_fallback`] reports when `tokenizer.ggml.pre` is missing.
+pub(crate) const MISSING_PRE_FALLBACK: &str = "tokenizer.ggml.pre is missing: using llama.cpp's `default` pre-tokenizer, as llama.cpp does \
+     (it warns that generation quality will be degraded)";
+
+/// The pre-tokenizer llama.cpp uses for `tokenizer.ggml.pre` value `name` (empty: missing), and
+/// the fallback note when it is llama.cpp's choice for a missing value. An unknown name is an
+/// error, as in llama.cpp (`unknown pre-tokenizer type`).
+fn pretok_from_gguf_name(name: &str) -> Result<(LlamaPre, Option<&'static str>), LoadError> {
+    if name.is_empty() {
+        tracing::warn!("{MISSING_PRE_FALLBACK}");
+        return Ok((LlamaPre::llama_default(), Some(MISSING_PRE_FALLBACK)));
+    }
+    LlamaPre::from_name(name)
+        .map(|p| (p, None))
+        .ok_or_else(|| LoadError::UnsupportedPretokenizer {
+            name: if UNIMPLEMENTED_LLAMA_PRES.contains(&name) {
+                format!("{name} (llama.cpp splits it with custom code not reproduced here)")
+            } else {
+                name.to_owned()
+            },
+        })
+}
+
+/// `<0xXX>`: the byte a byte-fallback token stands for.
+fn byte_token(text: &str) -> Option<u8> {
+    let hex = text.strip_prefix("<0x")?.strip_suffix('>')?;
+    if hex.len() != 2 {
+        return None;
+    }
+    u8::from_str_radix(hex, 16).ok()
 }
 
 impl Tokenizer {
-    /// Builds a tokenizer from GGUF `tokenizer.ggml.*` metadata.
+    /// Builds a tokenizer from GGUF `tokenizer.ggml.*` metadata, as llama.cpp does for its BPE
+    /// models (`tokenizer.ggml.model` `gpt2`, and `gemma4`, whose pre-tokenizer is always
+    /// `gemma4`).
+    ///
+    /// `tokenizer.ggml.pre` selects the llama.cpp pre-tokenizer ([`LLAMA_PRES`](crate::LLAMA_PRES)) and its flags;
+    /// a missing (empty) value uses llama.cpp's `default`, reported by
+    /// [`Tokenizer::pretokenizer_fallback`] and a `tracing` warning; an unknown value is
+    /// [`LoadError::UnsupportedPretokenizer`].
     ///
     /// Control (type 3) and user-defined (type 4) tokens become special tokens, matched in text
     /// only by [`Tokenizer::encode_with_specials`]. Bytes with no token in the vocabulary
     /// (SmolLM2 lacks 21 of them, such as 0x04 and the lead bytes 0xF1/0xF2) are dropped, exactly
-    /// as HF `tokenizers` does for a BPE model without `unk_token`.
+    /// as llama.cpp and HF `tokenizers` (for a BPE model without `unk_token`) do. Vocabularies of
+    /// raw UTF-8 tokens (Gemma 4) merge whole characters and spell a character without a token
+    /// with its bytes' `<0xXX>` tokens (type 6).
     pub fn from_gguf_vocab(v: &GgufVocab<'_>) -> Result<Self, LoadError> {
-        if v.model != "gpt2" {
-            return Err(LoadError::UnsupportedModel {
-                model: v.model.to_owned(),
-            });
-        }
-        let pretok =
-            pretok_from_gguf_name(v.pre).ok_or_else(|| LoadError::UnsupportedPretokenizer {
-                name: v.pre.to_owned(),
-            })?;
+        let pre_name = match v.model {
+            "gpt2" => v.pre,
+            // llama.cpp overrides the pre-tokenizer of this model.
+            "gemma4" => "gemma4",
+            _ => {
+                return Err(LoadError::UnsupportedModel {
+                    model: v.model.to_owned(),
+                });
+            }
+        };
+        let (pre, fallback) = pretok_from_gguf_name(pre_name)?;
+        let entry = pre.entry();
         if v.tokens.is_empty() {
             return Err(LoadError::EmptyVocabulary);
         }
@@ -217,45 +251,76 @@ impl Tokenizer {
         let inv = char_to_byte();
         let mut tokens = Vec::with_capacity(v.tokens.len());
         let mut specials = Vec::new();
+        let mut byte_tokens = Vec::new();
+        let mut user_defined = Vec::new();
+        let mut unreachable = Vec::new();
         let mut ids: FxHashMap<&str, u32> = FxHashMap::default();
         ids.reserve(v.tokens.len());
         for (id, &t) in v.tokens.iter().enumerate() {
             let ty = v.token_types.get(id).copied().unwrap_or(1);
             if ty == 3 || ty == 4 {
                 specials.push((t.to_owned(), id as u32));
+                if ty == 4 {
+                    user_defined.push((t.to_owned(), id as u32));
+                }
                 tokens.push(Some(t.as_bytes().to_vec()));
+            } else if !entry.byte_encode {
+                match byte_token(t).filter(|_| ty == 6) {
+                    Some(b) => {
+                        byte_tokens.push((b, id as u32));
+                        tokens.push(Some(vec![b]));
+                    }
+                    None => tokens.push(Some(t.as_bytes().to_vec())),
+                }
             } else {
-                tokens.push(Some(
-                    byte_level_decode(t, &inv).unwrap_or_else(|| t.as_bytes().to_vec()),
-                ));
+                // A token that is not a byte-level string can never be a piece's spelling
+                // (llama.cpp looks pieces up byte-level encoded); it only decodes.
+                tokens.push(Some(byte_level_decode(t, &inv).unwrap_or_else(|| {
+                    unreachable.push(id as u32);
+                    t.as_bytes().to_vec()
+                })));
             }
             ids.entry(t).or_insert(id as u32);
         }
         let mut pairs = Vec::with_capacity(v.merges.len());
         for (index, rule) in v.merges.iter().enumerate() {
             let bad = || LoadError::BadMerge {
+                key: "tokenizer.ggml.merges",
                 index,
                 rule: (*rule).to_owned(),
             };
-            let (a, b) = rule.split_once(' ').ok_or_else(bad)?;
+            // llama.cpp splits at the first space after the first byte.
+            let cut = rule
+                .as_bytes()
+                .iter()
+                .skip(1)
+                .position(|&b| b == b' ')
+                .ok_or_else(bad)?
+                + 1;
+            let (a, b) = (&rule[..cut], &rule[cut + 1..]);
             let (&a, &b) = ids.get(a).zip(ids.get(b)).ok_or_else(bad)?;
             pairs.push((a, b));
         }
         let check = |id: Option<u32>| id.filter(|&i| (i as usize) < tokens.len());
         let (bos, eos) = (check(v.bos), check(v.eos));
-        Ok(Self::from_spec(Spec {
-            pretok,
+        let mut tok = Self::from_spec(Spec {
+            pretok: Pretokenizer::Llama(pre),
             tokens,
             merges: MergeSpec::Pairs(pairs),
             specials,
-            ignore_merges: false,
+            ignore_merges: entry.ignore_merges,
             byte_fallback: false,
             unk: None,
             fuse_unk: false,
             bos,
             eos,
             chat_template: v.chat_template.map(str::to_owned),
-        }))
+            byte_tokens,
+            user_defined,
+            unreachable,
+        });
+        tok.set_pretokenizer_fallback(fallback);
+        Ok(tok)
     }
 
     /// Loads the tokenizer of a GGUF model (its `tokenizer.ggml.*` and `tokenizer.chat_template`
@@ -267,7 +332,7 @@ impl Tokenizer {
             model: gguf
                 .get_str("tokenizer.ggml.model")
                 .ok_or_else(|| field("tokenizer.ggml.model"))?,
-            pre: gguf.get_str("tokenizer.ggml.pre").unwrap_or("gpt2"),
+            pre: gguf.get_str("tokenizer.ggml.pre").unwrap_or(""),
             tokens: gguf
                 .get_str_array("tokenizer.ggml.tokens")
                 .ok_or_else(|| field("tokenizer.ggml.tokens"))?,
@@ -325,6 +390,9 @@ impl Tokenizer {
                 .find(|(s, _)| *s == "<|endoftext|>")
                 .map(|&(_, id)| id),
             chat_template: None,
+            byte_tokens: Vec::new(),
+            user_defined: Vec::new(),
+            unreachable: Vec::new(),
         }))
     }
 
@@ -418,6 +486,7 @@ impl Tokenizer {
         let mut pairs = Vec::with_capacity(merges.len());
         for (index, m) in merges.iter().enumerate() {
             let bad = || LoadError::BadMerge {
+                key: "model.merges",
                 index,
                 rule: m.to_string(),
             };
@@ -449,6 +518,9 @@ impl Tokenizer {
             bos: None,
             eos: None,
             chat_template: None,
+            byte_tokens: Vec::new(),
+            user_defined: Vec::new(),
+            unreachable: Vec::new(),
         }))
     }
 

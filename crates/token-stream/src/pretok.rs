@@ -4,7 +4,11 @@
 //! Equality with the regexes is checked by the parity corpus and by proptests against
 //! `fancy-regex` (see `tests/pretok_regex.rs`).
 
-use crate::unicode::{ClassTable, LETTER, LOWERISH, NUMBER, SPACE, UPPERISH, decode_at, table};
+use crate::pretok_regex::split_general;
+use crate::pretok_table::{self, LlamaPreEntry, Scan};
+use crate::unicode::{
+    ClassTable, LETTER, LOWERISH, MARK, NUMBER, SPACE, UPPERISH, decode_at, table,
+};
 
 /// How text is cut into pieces before byte-pair merging.
 #[non_exhaustive]
@@ -22,6 +26,51 @@ pub enum Pretokenizer {
     Cl100k,
     /// o200k_base (see [`Pretokenizer::pattern`]).
     O200k,
+    /// A llama.cpp pre-tokenizer (`tokenizer.ggml.pre`), split exactly as llama.cpp splits it.
+    Llama(LlamaPre),
+}
+
+/// A llama.cpp BPE pre-tokenizer: a handle on its [`LlamaPreEntry`] in
+/// [`LLAMA_PRES`](crate::LLAMA_PRES).
+#[derive(Clone, Copy)]
+pub struct LlamaPre(&'static LlamaPreEntry);
+
+impl LlamaPre {
+    /// The pre-tokenizer llama.cpp uses for `tokenizer.ggml.pre` value `name`, if it knows it
+    /// and this crate implements it (see [`UNIMPLEMENTED_LLAMA_PRES`](crate::UNIMPLEMENTED_LLAMA_PRES)).
+    pub fn from_name(name: &str) -> Option<Self> {
+        pretok_table::find(name).map(Self)
+    }
+
+    /// llama.cpp's `default` pre-tokenizer (also its choice when `tokenizer.ggml.pre` is missing).
+    pub fn llama_default() -> Self {
+        Self(pretok_table::default_entry())
+    }
+
+    /// The table entry: names, regexes and flags.
+    pub fn entry(self) -> &'static LlamaPreEntry {
+        self.0
+    }
+}
+
+impl PartialEq for LlamaPre {
+    fn eq(&self, other: &Self) -> bool {
+        std::ptr::eq(self.0, other.0)
+    }
+}
+
+impl Eq for LlamaPre {}
+
+impl std::hash::Hash for LlamaPre {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        self.0.name().hash(state);
+    }
+}
+
+impl std::fmt::Debug for LlamaPre {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "LlamaPre({:?})", self.0.name())
+    }
 }
 
 const GPT2_PATTERN: &str =
@@ -39,12 +88,49 @@ const O200K_PATTERN: &str = concat!(
 
 impl Pretokenizer {
     /// The reference regex this scanner implements (for [`Pretokenizer::SmolLm`], the GPT-2
-    /// pattern that runs after the numeric split).
+    /// pattern that runs after the numeric split; for [`Pretokenizer::Llama`], the last of the
+    /// entry's regexes, see [`LlamaPreEntry::regexes`] for all of them).
     pub fn pattern(self) -> &'static str {
         match self {
             Self::Gpt2 | Self::SmolLm => GPT2_PATTERN,
             Self::Cl100k => CL100K_PATTERN,
             Self::O200k => O200K_PATTERN,
+            Self::Llama(p) => p.0.regexes.last().copied().unwrap_or(""),
+        }
+    }
+
+    /// The pre-tokenizer llama.cpp uses for `tokenizer.ggml.pre` value `name`.
+    pub fn from_llama_name(name: &str) -> Option<Self> {
+        LlamaPre::from_name(name).map(Self::Llama)
+    }
+
+    /// The llama.cpp table entry, for [`Pretokenizer::Llama`].
+    pub fn llama_entry(self) -> Option<&'static LlamaPreEntry> {
+        match self {
+            Self::Llama(p) => Some(p.0),
+            _ => None,
+        }
+    }
+
+    /// Whether `' '` is replaced by `'▁'` (U+2581) before splitting (llama.cpp's
+    /// `escape_whitespaces`, Gemma 4).
+    pub fn escapes_whitespace(self) -> bool {
+        self.llama_entry().is_some_and(|e| e.escape_whitespace)
+    }
+
+    /// Whether tokens are GPT-2 byte-level strings (`false`: raw UTF-8, merged per character).
+    pub fn byte_encoded(self) -> bool {
+        self.llama_entry().is_none_or(|e| e.byte_encode)
+    }
+
+    /// The hand-written scanner for this pre-tokenizer, if it has one.
+    pub(crate) fn scan(self) -> Option<Scan> {
+        match self {
+            Self::Gpt2 => Some(Scan::Gpt2),
+            Self::SmolLm => Some(Scan::SmolLm),
+            Self::Cl100k => Some(Scan::Cl100k),
+            Self::O200k => Some(Scan::O200k),
+            Self::Llama(p) => p.0.fast,
         }
     }
 
@@ -56,31 +142,63 @@ impl Pretokenizer {
     /// assert_eq!(pieces, ["I", "'ve", " ", "4", "2", " cats"]);
     /// ```
     pub fn split(self, text: &str) -> Pieces<'_> {
-        Pieces {
-            kind: self,
+        let mut pieces = Pieces {
+            scan: self.scan(),
             text,
             pos: 0,
             seg_end: 0,
             table: table(),
+            ends: Vec::new(),
+            next_end: 0,
+        };
+        if let (None, Self::Llama(p)) = (pieces.scan, self) {
+            let mut scratch = Vec::new();
+            let mut buf = String::new();
+            split_general(p.0, text, &mut pieces.ends, &mut scratch, &mut buf);
         }
+        pieces
+    }
+
+    /// Splits `text` through the general regex path even when a hand-written scanner exists
+    /// (for [`Pretokenizer::Llama`]; the others split as [`Pretokenizer::split`]). The two
+    /// agree; this is the reference the scanners are tested against.
+    #[doc(hidden)]
+    pub fn split_reference(self, text: &str) -> Vec<&str> {
+        let Self::Llama(p) = self else {
+            return self.split(text).collect();
+        };
+        let (mut ends, mut scratch, mut buf) = (Vec::new(), Vec::new(), String::new());
+        split_general(p.0, text, &mut ends, &mut scratch, &mut buf);
+        let mut start = 0;
+        ends.iter()
+            .map(|&end| {
+                let piece = &text[start..end];
+                start = end;
+                piece
+            })
+            .collect()
     }
 }
 
 /// Iterator over the pieces of a text, from [`Pretokenizer::split`].
 #[derive(Clone)]
 pub struct Pieces<'a> {
-    kind: Pretokenizer,
+    /// The scanner, or `None` for the general path (pieces precomputed in `ends`).
+    scan: Option<Scan>,
     text: &'a str,
     pos: usize,
     /// SmolLm: end of the current numeric-free segment (valid while `pos < seg_end`).
     seg_end: usize,
     table: &'static ClassTable,
+    /// General path: the end offset of every piece.
+    ends: Vec<usize>,
+    next_end: usize,
 }
 
 impl std::fmt::Debug for Pieces<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Pieces")
-            .field("kind", &self.kind)
+            .field("scan", &self.scan)
             .field("pos", &self.pos)
             .finish_non_exhaustive()
     }
@@ -97,9 +215,15 @@ impl<'a> Iterator for Pieces<'a> {
             return None;
         }
         let t = self.table;
-        let end = match self.kind {
-            Pretokenizer::Gpt2 => gpt2_next(t, s, i, s.len()),
-            Pretokenizer::SmolLm => {
+        let Some(scan) = self.scan else {
+            let end = *self.ends.get(self.next_end)?;
+            self.next_end += 1;
+            self.pos = end;
+            return Some(&self.text[i..end]);
+        };
+        let end = match scan {
+            Scan::Gpt2 => gpt2_next(t, s, i, s.len()),
+            Scan::SmolLm => {
                 if i >= self.seg_end {
                     let (c, l) = decode_at(s, i);
                     if is_numeric(c) {
@@ -110,12 +234,27 @@ impl<'a> Iterator for Pieces<'a> {
                 }
                 gpt2_next(t, s, i, self.seg_end)
             }
-            Pretokenizer::Cl100k => cl100k_next(t, s, i),
-            Pretokenizer::O200k => o200k_next(t, s, i),
+            Scan::Cl100k => cl_next::<3, true, false>(t, s, i),
+            Scan::O200k => o200k_next(t, s, i),
+            Scan::Llama3 => cl_next::<3, false, false>(t, s, i),
+            Scan::Qwen2 => cl_next::<1, false, false>(t, s, i),
+            Scan::Qwen35 => cl_next::<1, false, true>(t, s, i),
+            Scan::Newlines => newline_run(s, i),
         };
         self.pos = end;
         Some(&self.text[i..end])
     }
+}
+
+/// `[^\n]+|[\n]+` from `i`.
+#[inline]
+fn newline_run(s: &[u8], i: usize) -> usize {
+    let newline = s[i] == b'\n';
+    let mut j = i + 1;
+    while j < s.len() && (s[j] == b'\n') == newline {
+        j += 1;
+    }
+    j
 }
 
 #[inline(always)]
@@ -147,9 +286,17 @@ fn next_numeric(s: &[u8], mut i: usize) -> usize {
     s.len()
 }
 
-/// Length of a contraction suffix (`s t re ve m ll d`) right after an apostrophe at `i`, if any.
+/// Length of a contraction suffix (`s t re ve m ll d`) right after an apostrophe at `i`, if any
+/// (`long_s`: with `case_insensitive`, `'ſ` counts too, as `(?i:'s)` matches it; llama.cpp's
+/// ASCII `'[sS]` does not).
 #[inline]
-fn contraction(s: &[u8], i: usize, end: usize, case_insensitive: bool) -> Option<usize> {
+fn contraction(
+    s: &[u8],
+    i: usize,
+    end: usize,
+    case_insensitive: bool,
+    long_s: bool,
+) -> Option<usize> {
     if i >= end || s[i] != b'\'' {
         return None;
     }
@@ -170,7 +317,14 @@ fn contraction(s: &[u8], i: usize, end: usize, case_insensitive: bool) -> Option
         b'r' | b'v' if at(2) == b'e' => Some(3),
         b'l' if at(2) == b'l' => Some(3),
         // U+017F LATIN SMALL LETTER LONG S case-folds to 's'.
-        0xC5 if case_insensitive && i + 2 < end && s[i + 1] == 0xC5 && s[i + 2] == 0xBF => Some(3),
+        0xC5 if case_insensitive
+            && long_s
+            && i + 2 < end
+            && s[i + 1] == 0xC5
+            && s[i + 2] == 0xBF =>
+        {
+            Some(3)
+        }
         _ => None,
     }
 }
@@ -191,6 +345,12 @@ fn run(t: &ClassTable, s: &[u8], mut i: usize, end: usize, f: impl Fn(u8) -> boo
 #[inline(always)]
 fn is_other(k: u8) -> bool {
     k & (LETTER | NUMBER | SPACE) == 0
+}
+
+/// `[^\s\p{L}\p{M}\p{N}]` (Qwen3.5's other class).
+#[inline(always)]
+fn is_other_or_mark(k: u8) -> bool {
+    k & (LETTER | MARK | NUMBER | SPACE) == 0
 }
 
 /// The `\s+(?!\S)|\s+` tail shared by all patterns, for a whitespace run `[i, j)` with its last
@@ -221,7 +381,7 @@ fn space_run(t: &ClassTable, s: &[u8], i: usize, end: usize) -> (usize, usize, O
 }
 
 fn gpt2_next(t: &ClassTable, s: &[u8], i: usize, end: usize) -> usize {
-    if let Some(n) = contraction(s, i, end, false) {
+    if let Some(n) = contraction(s, i, end, false, false) {
         return i + n;
     }
     let (c, l) = decode_at(s, i);
@@ -263,28 +423,36 @@ fn newlines(s: &[u8], mut i: usize, slash: bool) -> usize {
     i
 }
 
-fn cl100k_next(t: &ClassTable, s: &[u8], i: usize) -> usize {
+/// Llama 3 / cl100k's pattern (`DIGITS` = 3) and Qwen2's (`DIGITS` = 1); `LONG_S`: tiktoken's
+/// `(?i:...)` contractions (matching `'ſ`) rather than llama.cpp's ASCII ones; `MARKS`: letter
+/// runs take `\p{M}` too and the other class leaves it out (Qwen3.5).
+fn cl_next<const DIGITS: usize, const LONG_S: bool, const MARKS: bool>(
+    t: &ClassTable,
+    s: &[u8],
+    i: usize,
+) -> usize {
     let end = s.len();
-    if let Some(n) = contraction(s, i, end, true) {
+    let letterish = if MARKS { LETTER | MARK } else { LETTER };
+    if let Some(n) = contraction(s, i, end, true, LONG_S) {
         return i + n;
     }
     let (c, l) = decode_at(s, i);
     let k = t.of(c);
     // [^\r\n\p{L}\p{N}]?\p{L}+
-    if k & LETTER != 0 {
-        return run(t, s, i + l, end, |x| x & LETTER != 0);
+    if k & letterish != 0 {
+        return run(t, s, i + l, end, |x| x & letterish != 0);
     }
     let not_nl = c != u32::from(b'\r') && c != u32::from(b'\n');
     if not_nl && k & NUMBER == 0 && i + l < end {
         let (c2, l2) = decode_at(s, i + l);
-        if t.of(c2) & LETTER != 0 {
-            return run(t, s, i + l + l2, end, |x| x & LETTER != 0);
+        if t.of(c2) & letterish != 0 {
+            return run(t, s, i + l + l2, end, |x| x & letterish != 0);
         }
     }
-    // \p{N}{1,3}
+    // \p{N}{1,DIGITS}
     if k & NUMBER != 0 {
         let mut j = i + l;
-        for _ in 0..2 {
+        for _ in 1..DIGITS {
             if j >= end {
                 break;
             }
@@ -297,7 +465,12 @@ fn cl100k_next(t: &ClassTable, s: &[u8], i: usize) -> usize {
         return j;
     }
     //  ?[^\s\p{L}\p{N}]+[\r\n]*
-    if let Some(j) = space_then_other(t, s, i, c, l, k) {
+    let other = if MARKS {
+        space_then_other(t, s, i, c, l, k, is_other_or_mark)
+    } else {
+        space_then_other(t, s, i, c, l, k, is_other)
+    };
+    if let Some(j) = other {
         return newlines(s, j, false);
     }
     // \s*[\r\n]+|\s+(?!\S)|\s+
@@ -310,15 +483,23 @@ fn cl100k_next(t: &ClassTable, s: &[u8], i: usize) -> usize {
 
 /// ` ?[^\s\p{L}\p{N}]+`: end of the match at `i`, if it matches.
 #[inline(always)]
-fn space_then_other(t: &ClassTable, s: &[u8], i: usize, c: u32, l: usize, k: u8) -> Option<usize> {
+fn space_then_other(
+    t: &ClassTable,
+    s: &[u8],
+    i: usize,
+    c: u32,
+    l: usize,
+    k: u8,
+    other: impl Fn(u8) -> bool + Copy,
+) -> Option<usize> {
     let end = s.len();
-    if is_other(k) {
-        return Some(run(t, s, i + l, end, is_other));
+    if other(k) {
+        return Some(run(t, s, i + l, end, other));
     }
     if c == u32::from(b' ') && i + 1 < end {
         let (c2, l2) = decode_at(s, i + 1);
-        if is_other(t.of(c2)) {
-            return Some(run(t, s, i + 1 + l2, end, is_other));
+        if other(t.of(c2)) {
+            return Some(run(t, s, i + 1 + l2, end, other));
         }
     }
     None
@@ -351,7 +532,7 @@ fn o200k_alt1(t: &ClassTable, s: &[u8], p: usize) -> Option<usize> {
         // Backtrack [UP]* to just before its last LO char; [LO]+ then takes exactly that char.
         last_lo_end?
     };
-    Some(m + contraction(s, m, end, true).unwrap_or(0))
+    Some(m + contraction(s, m, end, true, true).unwrap_or(0))
 }
 
 /// o200k's second alternative without the prefix: `[UP]+[LO]*` then an optional contraction.
@@ -362,7 +543,7 @@ fn o200k_alt2(t: &ClassTable, s: &[u8], p: usize) -> Option<usize> {
         return None;
     }
     let m = run(t, s, j, end, |x| x & LOWERISH != 0);
-    Some(m + contraction(s, m, end, true).unwrap_or(0))
+    Some(m + contraction(s, m, end, true, true).unwrap_or(0))
 }
 
 fn o200k_next(t: &ClassTable, s: &[u8], i: usize) -> usize {
@@ -403,7 +584,7 @@ fn o200k_next(t: &ClassTable, s: &[u8], i: usize) -> usize {
         }
         return j;
     }
-    if let Some(j) = space_then_other(t, s, i, c, l, k) {
+    if let Some(j) = space_then_other(t, s, i, c, l, k, is_other) {
         return newlines(s, j, true);
     }
     let (j, last, nl) = space_run(t, s, i, end);

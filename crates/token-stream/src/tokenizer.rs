@@ -37,6 +37,15 @@ pub(crate) struct Spec {
     pub(crate) bos: Option<u32>,
     pub(crate) eos: Option<u32>,
     pub(crate) chat_template: Option<String>,
+    /// Byte-fallback tokens (`<0xXX>`, GGUF type 6) of raw-UTF-8 vocabularies: (byte, id).
+    /// Their bytes in `tokens` are the byte; they are used only for characters without a token.
+    pub(crate) byte_tokens: Vec<(u8, u32)>,
+    /// User-defined tokens (GGUF type 4): llama.cpp cuts them out of plain text too (before
+    /// pre-tokenizing), unlike control tokens. Also listed in `specials`.
+    pub(crate) user_defined: Vec<(String, u32)>,
+    /// Tokens that decode but that no piece can spell (a GGUF byte-level vocabulary's entries
+    /// that are not byte-level strings).
+    pub(crate) unreachable: Vec<u32>,
 }
 
 /// Special tokens matched in text (leftmost-longest), only when the caller allows it.
@@ -133,11 +142,18 @@ pub struct Tokenizer {
     /// Pieces that encode to exactly one token, looked up before merging.
     whole: FxHashMap<Box<[u8]>, u32>,
     specials: Specials,
+    /// Special tokens that plain text matches too (llama.cpp's user-defined tokens).
+    user_defined: Specials,
     unk: Option<u32>,
     fuse_unk: bool,
     bos: Option<u32>,
     eos: Option<u32>,
     chat_template: Option<String>,
+    /// Raw-UTF-8 vocabularies ([`Pretokenizer::byte_encoded`] false): the token of each
+    /// character that is one; merging starts from characters, not bytes.
+    char_ids: FxHashMap<u32, u32>,
+    /// Why the pre-tokenizer is not the one the source named, if it is not.
+    pretok_fallback: Option<&'static str>,
 }
 
 impl Tokenizer {
@@ -175,11 +191,18 @@ impl Tokenizer {
             is_special[id as usize] = true;
         }
         // Regular token bytes -> id (first id wins for duplicates, as in HF's vocab map).
+        let mut is_byte_token = vec![false; n];
+        for &(_, id) in &spec.byte_tokens {
+            is_byte_token[id as usize] = true;
+        }
+        for &id in &spec.unreachable {
+            is_byte_token[id as usize] = true;
+        }
         let mut by_bytes: FxHashMap<Box<[u8]>, u32> = FxHashMap::default();
         by_bytes.reserve(n);
         for (id, t) in spec.tokens.iter().enumerate() {
             if let Some(t) = t {
-                if !is_special[id] && !t.is_empty() {
+                if !is_special[id] && !is_byte_token[id] && !t.is_empty() {
                     by_bytes
                         .entry(t.clone().into_boxed_slice())
                         .or_insert(id as u32);
@@ -193,6 +216,24 @@ impl Tokenizer {
             } else if spec.byte_fallback {
                 if let Some(&id) = by_bytes.get(format!("<0x{b:02X}>").as_bytes()) {
                     *slot = id;
+                }
+            }
+        }
+        let char_level = !spec.pretok.byte_encoded();
+        let mut char_ids = FxHashMap::default();
+        if char_level {
+            // Symbols are characters; a character without a token is spelled with its bytes'
+            // `<0xXX>` tokens (dropped where there is none), as llama.cpp does.
+            byte_ids = [NONE; 256];
+            for &(b, id) in &spec.byte_tokens {
+                byte_ids[b as usize] = id;
+            }
+            for (t, &id) in &by_bytes {
+                if let Ok(text) = std::str::from_utf8(t) {
+                    let mut chars = text.chars();
+                    if let (Some(c), None) = (chars.next(), chars.next()) {
+                        char_ids.insert(c as u32, id);
+                    }
                 }
             }
         }
@@ -236,11 +277,14 @@ impl Tokenizer {
             merges,
             whole: FxHashMap::default(),
             specials: Specials::new(spec.specials),
+            user_defined: Specials::new(spec.user_defined),
             unk: spec.unk,
             fuse_unk: spec.fuse_unk,
             bos: spec.bos,
             eos: spec.eos,
             chat_template: spec.chat_template,
+            char_ids,
+            pretok_fallback: None,
         };
         // The whole-piece table: every token when merges are ignored (tiktoken), otherwise the
         // tokens that merging their own bytes reproduces (so the shortcut cannot change results).
@@ -251,7 +295,13 @@ impl Tokenizer {
             if t.len() < 2 {
                 continue;
             }
-            let keep = spec.ignore_merges || {
+            // llama.cpp's Gemma 4 rule: a piece of newlines that is a token is that token.
+            let newlines_whole = spec
+                .pretok
+                .llama_entry()
+                .is_some_and(|e| e.newline_pieces_whole)
+                && t.iter().all(|&b| b == b'\n');
+            let keep = spec.ignore_merges || newlines_whole || {
                 scratch.clear();
                 tok.bpe_piece(&t, &mut scratch, &mut Work::default());
                 scratch.len() == 1 && scratch[0] == id
@@ -273,6 +323,17 @@ impl Tokenizer {
         self.bos = bos;
         self.eos = eos;
         self.chat_template = chat_template;
+    }
+
+    pub(crate) fn set_pretokenizer_fallback(&mut self, note: Option<&'static str>) {
+        self.pretok_fallback = note;
+    }
+
+    /// Why the pre-tokenizer differs from the one the source named, when it does: for a GGUF
+    /// file without `tokenizer.ggml.pre`, llama.cpp's `default` is used (as llama.cpp does) and
+    /// this says so. `None` when the source named the pre-tokenizer in use.
+    pub fn pretokenizer_fallback(&self) -> Option<&str> {
+        self.pretok_fallback
     }
 
     /// Number of ids (the largest id + 1), holes included.
@@ -432,9 +493,39 @@ impl Tokenizer {
         scratch: &mut Vec<u32>,
         work: &mut Work,
     ) {
+        let mut pos = 0;
+        while let Some((s, e, id)) = self.user_defined.find(text, pos) {
+            self.encode_segment(&text[pos..s], out, scratch, work);
+            out.push(id);
+            pos = e;
+        }
+        self.encode_segment(&text[pos..], out, scratch, work);
+    }
+
+    fn encode_segment(
+        &self,
+        text: &str,
+        out: &mut Vec<u32>,
+        scratch: &mut Vec<u32>,
+        work: &mut Work,
+    ) {
+        if self.pretok.escapes_whitespace() && text.contains(' ') {
+            let escaped = text.replace(' ', "\u{2581}");
+            return self.encode_pieces(&escaped, out, scratch, work);
+        }
+        self.encode_pieces(text, out, scratch, work);
+    }
+
+    fn encode_pieces(
+        &self,
+        text: &str,
+        out: &mut Vec<u32>,
+        scratch: &mut Vec<u32>,
+        work: &mut Work,
+    ) {
         for piece in self.pretok.split(text) {
             let p = piece.as_bytes();
-            if p.len() == 1 {
+            if p.len() == 1 && self.char_ids.is_empty() {
                 let id = self.byte_ids[p[0] as usize];
                 if id != NONE {
                     out.push(id);
@@ -455,6 +546,12 @@ impl Tokenizer {
 
     /// Merges one piece's bytes into `out` (which must be empty).
     fn bpe_piece(&self, piece: &[u8], out: &mut Vec<u32>, work: &mut Work) {
+        if !self.char_ids.is_empty() {
+            self.char_symbols(piece, out);
+            work.0 += piece.len() as u64;
+            bpe::merge(out, &self.merges, work);
+            return;
+        }
         let mut last_unk = false;
         for &b in piece {
             let id = self.byte_ids[b as usize];
@@ -470,6 +567,25 @@ impl Tokenizer {
         }
         work.0 += piece.len() as u64;
         bpe::merge(out, &self.merges, work);
+    }
+
+    /// Initial symbols of a raw-UTF-8 piece: each character's token, or its bytes' `<0xXX>`
+    /// tokens when it has none.
+    fn char_symbols(&self, piece: &[u8], out: &mut Vec<u32>) {
+        let mut i = 0;
+        while i < piece.len() {
+            let (c, l) = crate::unicode::decode_at(piece, i);
+            match self.char_ids.get(&c) {
+                Some(&id) => out.push(id),
+                None => out.extend(
+                    piece[i..i + l]
+                        .iter()
+                        .map(|&b| self.byte_ids[b as usize])
+                        .filter(|&id| id != NONE),
+                ),
+            }
+            i += l;
+        }
     }
 
     /// Decodes ids to bytes (special tokens contribute their text).

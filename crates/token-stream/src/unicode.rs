@@ -18,6 +18,12 @@ pub(crate) const SPACE: u8 = 4;
 pub(crate) const UPPERISH: u8 = 8;
 /// `[\p{Ll}\p{Lm}\p{Lo}\p{M}]` (o200k's "lower-ish" class).
 pub(crate) const LOWERISH: u8 = 16;
+/// `\p{M}`: any mark.
+pub(crate) const MARK: u8 = 32;
+/// `\p{P}`: any punctuation.
+pub(crate) const PUNCT: u8 = 64;
+/// `\p{S}`: any symbol.
+pub(crate) const SYMBOL: u8 = 128;
 
 const BLOCK_BITS: u32 = 8;
 const BLOCK: usize = 1 << BLOCK_BITS;
@@ -44,12 +50,15 @@ impl ClassTable {
 
     fn build() -> Self {
         let mut flat = vec![0u8; 0x11_0000];
-        let classes: [(&str, u8); 5] = [
+        let classes: [(&str, u8); 8] = [
             (r"\p{L}", LETTER),
             (r"\p{N}", NUMBER),
             (r"\s", SPACE),
             (r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]", UPPERISH),
             (r"[\p{Ll}\p{Lm}\p{Lo}\p{M}]", LOWERISH),
+            (r"\p{M}", MARK),
+            (r"\p{P}", PUNCT),
+            (r"\p{S}", SYMBOL),
         ];
         for (pattern, bit) in classes {
             let hir = regex_syntax::parse(pattern).expect("built-in class pattern parses");

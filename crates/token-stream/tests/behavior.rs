@@ -238,7 +238,7 @@ fn loaders_reject_bad_input_with_typed_errors() {
         Tokenizer::from_gguf_vocab(&v),
         Err(LoadError::UnsupportedModel { .. })
     ));
-    let v = GgufVocab::new("gpt2", "qwen2", vec!["a"], vec![], vec![]);
+    let v = GgufVocab::new("gpt2", "no-such-pre", vec!["a"], vec![], vec![]);
     assert!(matches!(
         Tokenizer::from_gguf_vocab(&v),
         Err(LoadError::UnsupportedPretokenizer { .. })
@@ -281,4 +281,70 @@ fn decode_table_gives_every_tokens_bytes_short_and_long() {
     let err = t.decode_bytes_into(&[ids[300], u32::MAX, ids[301]], &mut part);
     assert!(err.is_err());
     assert_eq!(part, t.token_bytes(ids[300]).unwrap());
+}
+
+#[test]
+fn gguf_pre_names_follow_llama_cpp() {
+    use token_stream::{GgufVocab, LoadError, Pretokenizer};
+    let toks = || vec!["a", "b", "ab", "Ġ", "Ġa"];
+    let merges = || vec!["a b", "Ġ a"];
+    // No tokenizer.ggml.pre: llama.cpp's `default`, and the tokenizer says so.
+    let t =
+        Tokenizer::from_gguf_vocab(&GgufVocab::new("gpt2", "", toks(), vec![], merges())).unwrap();
+    assert_eq!(
+        t.pretokenizer(),
+        Pretokenizer::from_llama_name("default").unwrap()
+    );
+    assert!(t.pretokenizer_fallback().unwrap().contains("default"));
+    assert_eq!(t.encode("ab a").as_slice(), &[2, 4]);
+    // A named one: no fallback note.
+    let t = Tokenizer::from_gguf_vocab(&GgufVocab::new("gpt2", "qwen2", toks(), vec![], merges()))
+        .unwrap();
+    assert_eq!(t.pretokenizer_fallback(), None);
+    assert_eq!(t.pretokenizer().llama_entry().unwrap().name(), "qwen2");
+    assert!(!t.pretokenizer().llama_entry().unwrap().clean_spaces);
+    // llama.cpp's llama3 names set ignore_merges.
+    let p = Pretokenizer::from_llama_name("llama-bpe").unwrap();
+    assert!(p.llama_entry().unwrap().ignore_merges);
+    // llama.cpp knows these but splits them with custom code: an error that says so.
+    let err =
+        Tokenizer::from_gguf_vocab(&GgufVocab::new("gpt2", "kimi-k2", toks(), vec![], merges()))
+            .unwrap_err();
+    assert!(
+        matches!(&err, LoadError::UnsupportedPretokenizer { name } if name.contains("custom code")),
+        "{err}"
+    );
+    // The gemma4 model always uses the gemma4 pre-tokenizer (raw UTF-8, spaces as U+2581).
+    let t = Tokenizer::from_gguf_vocab(&GgufVocab::new(
+        "gemma4",
+        "gpt-2",
+        vec!["a", "\u{2581}", "\u{2581}a", "<0x62>"],
+        vec![1, 1, 1, 6],
+        vec!["\u{2581} a"],
+    ))
+    .unwrap();
+    assert_eq!(t.pretokenizer().llama_entry().unwrap().name(), "gemma4");
+    // " a" is "▁a"; "b" has no token and is spelled with its byte token.
+    assert_eq!(t.encode(" ab").as_slice(), &[2, 3]);
+    assert_eq!(t.decode(&[2, 3]).unwrap(), "\u{2581}ab");
+    // A merge naming an unknown token is a typed error naming the GGUF key.
+    let err = Tokenizer::from_gguf_vocab(&GgufVocab::new(
+        "gpt2",
+        "gpt-2",
+        toks(),
+        vec![],
+        vec!["a zz"],
+    ))
+    .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            LoadError::BadMerge {
+                key: "tokenizer.ggml.merges",
+                index: 0,
+                ..
+            }
+        ),
+        "{err}"
+    );
 }

@@ -120,3 +120,71 @@ fn scanners_equal_regexes_on_fixed_cases() {
         }
     }
 }
+
+/// Every llama.cpp table entry with a hand-written scanner splits as its general regex path
+/// (llama.cpp's regex semantics) does.
+fn check_llama_entries(text: &str) {
+    for entry in &token_stream::LLAMA_PRES {
+        let pre = Pretokenizer::from_llama_name(entry.name()).expect("the entry's own name");
+        let got: Vec<&str> = pre.split(text).collect();
+        let want = pre.split_reference(text);
+        assert_eq!(got, want, "{} on {text:?}", entry.name());
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 1000, ..ProptestConfig::default() })]
+
+    #[test]
+    fn llama_scanners_equal_llama_regexes(chars in prop::collection::vec(tricky_char(), 0..40)) {
+        let text: String = chars.into_iter().collect();
+        check_llama_entries(&text);
+    }
+
+    #[test]
+    fn llama_scanners_equal_llama_regexes_any_string(text in any::<String>()) {
+        check_llama_entries(&text);
+    }
+}
+
+#[test]
+fn llama_scanners_equal_llama_regexes_on_fixed_cases() {
+    for text in [
+        "Hello world",
+        "I'm here, aren't you? 'S 'LL 'ſ 'Ve",
+        "  \t\n\n  x\r\n\r\ny",
+        "a\u{301}\u{301}b \u{301}x \u{64b}",
+        "1234567 ٣٤٥ ²³ 3.14",
+        "😀😀 👍🏽 a😀\u{200d}",
+        "中文，测试。 日本語のテキスト",
+        "\n\n\nabc\n \n",
+        "",
+    ] {
+        check_llama_entries(text);
+    }
+}
+
+/// Pieces the general path gives for a few llama.cpp pre-tokenizers, checked by hand against
+/// llama.cpp's rules (so a broken general path cannot agree with itself).
+#[test]
+fn llama_general_path_examples() {
+    let split = |name: &str, text: &'static str| {
+        Pretokenizer::from_llama_name(name)
+            .unwrap()
+            .split_reference(text)
+    };
+    // default: punctuation runs, GPT-2's pattern, number runs, then threes of ASCII digits.
+    assert_eq!(
+        split("default", "Hi, you!! 12345"),
+        ["Hi", ",", " you", "!!", " ", "123", "45"]
+    );
+    // falcon: like default without the `\p{N}+` stage, so threes of digits split off after
+    // the space stays its own piece.
+    assert_eq!(split("falcon", "x 12345"), ["x", " ", "123", "45"]);
+    // Llama 3 with llama.cpp's ASCII contractions: 'ſ is not one.
+    assert_eq!(split("llama-bpe", "a'ſ a's"), ["a", "'ſ", " a", "'s"]);
+    // gpt-4o in llama.cpp: any non-ASCII letter counts as both cases, marks are not letters.
+    assert_eq!(split("gpt-4o", "ÉCOLEx"), ["ÉCOLEx"]);
+    // Gemma 4: runs of newlines and runs of the rest.
+    assert_eq!(split("gemma4", "a b\n\nc"), ["a b", "\n\n", "c"]);
+}
