@@ -315,10 +315,7 @@ pub fn is_integer_quant(dtype: crate::GgmlType) -> bool {
 
 /// A block of type `B` from its bytes (borrowed when aligned, else copied).
 #[inline(always)]
-fn block<B: Pod>(bytes: &[u8]) -> std::borrow::Cow<'_, B>
-where
-    B: Clone,
-{
+fn block<B: Pod>(bytes: &[u8]) -> std::borrow::Cow<'_, B> {
     match bytemuck::try_from_bytes::<B>(&bytes[..size_of::<B>()]) {
         Ok(b) => std::borrow::Cow::Borrowed(b),
         Err(_) => std::borrow::Cow::Owned(bytemuck::pod_read_unaligned(&bytes[..size_of::<B>()])),
