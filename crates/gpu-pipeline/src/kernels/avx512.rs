@@ -21,14 +21,62 @@ use std::arch::x86_64::*;
 use std::ops::Range;
 
 use super::act::{ActBlock, ActQuad, block_scale, quads_per_token};
-use super::format::{Fmt, f16_at, q4k_scale_min};
+use super::format::{Fmt, decode_sub, f16_at, subs_per_block};
 use super::{RowsOut, WeightMatrix};
+use weight_cache::quant::scale_min_k4;
 
 pub(crate) const F_Q4_0: u8 = 0;
 pub(crate) const F_Q4_1: u8 = 1;
 pub(crate) const F_Q8_0: u8 = 2;
 const F_Q4K: u8 = 3;
 const F_Q6K: u8 = 4;
+const F_Q5_0: u8 = 5;
+const F_Q5_1: u8 = 6;
+const F_Q2K: u8 = 7;
+const F_Q3K: u8 = 8;
+const F_Q5K: u8 = 9;
+const F_IQ4NL: u8 = 10;
+const F_IQ4XS: u8 = 11;
+
+/// The format of kernel tag `f`.
+const fn fmt_of(f: u8) -> Fmt {
+    match f {
+        F_Q4_0 => Fmt::Q4_0,
+        F_Q4_1 => Fmt::Q4_1,
+        F_Q8_0 => Fmt::Q8_0,
+        F_Q4K => Fmt::Q4K,
+        F_Q6K => Fmt::Q6K,
+        F_Q5_0 => Fmt::Q5_0,
+        F_Q5_1 => Fmt::Q5_1,
+        F_Q2K => Fmt::Q2K,
+        F_Q3K => Fmt::Q3K,
+        F_Q5K => Fmt::Q5K,
+        F_IQ4NL => Fmt::IQ4NL,
+        _ => Fmt::IQ4XS,
+    }
+}
+
+/// Whether the two 16-element halves of a block have their own scales (and mins).
+const fn is_split(f: u8) -> bool {
+    matches!(f, F_Q6K | F_Q3K | F_Q2K)
+}
+
+/// Whether the format adds a per-block (split: per-half) minimum.
+const fn has_min(f: u8) -> bool {
+    matches!(f, F_Q4_1 | F_Q4K | F_Q5_1 | F_Q5K | F_Q2K)
+}
+
+/// `log2` of the offset subtracted from the unsigned quants (0: no offset, not an offset of 1).
+const fn offset_shift(f: u8) -> i32 {
+    match f {
+        F_Q3K => 2,
+        F_Q4_0 => 3,
+        F_Q5_0 => 4,
+        F_Q6K => 5,
+        F_Q8_0 | F_IQ4NL | F_IQ4XS => 7,
+        _ => 0,
+    }
+}
 
 /// Byte gather of the 16 quant bytes of 4 blocks of `bs` bytes with `hdr` header bytes.
 const fn qs_index(bs: usize, hdr: usize) -> [u8; 64] {
@@ -88,8 +136,10 @@ struct WQuad {
     w1: [__m512i; 4],
     /// Weight scale per lane `4L + k` (Q6_K: of elements 0..16).
     d: __m512,
-    /// Q4_1/Q4_K: additive term per lane; Q6_K: scale of elements 16..32.
+    /// Formats with a minimum: additive term per lane; split formats: scale of elements 16..32.
     m: __m512,
+    /// Q2_K: the minimums of elements 0..16 and 16..32.
+    mins: [__m512; 2],
 }
 
 #[inline]
@@ -114,7 +164,13 @@ unsafe fn decode<const F: u8>(rowp: &[*const u8; 4], q: usize, nvalid: usize) ->
         w1: [z; 4],
         d: _mm512_setzero_ps(),
         m: _mm512_setzero_ps(),
+        mins: [_mm512_setzero_ps(); 2],
     };
+    if !matches!(F, F_Q4_0 | F_Q4_1 | F_Q8_0 | F_Q4K | F_Q6K) {
+        // SAFETY: forwarded from the caller.
+        unsafe { decode_generic::<F>(rowp, q, nvalid, &mut out) };
+        return out;
+    }
     let lo4 = _mm512_set1_epi8(0x0F);
     // SAFETY (whole body): all loads stay inside the quad's bytes of each row (full quads), or
     // are masked to the `nvalid` blocks inside the row (masked-off bytes are not accessed).
@@ -219,7 +275,8 @@ unsafe fn decode<const F: u8>(rowp: &[*const u8; 4], q: usize, nvalid: usize) ->
                     let head = std::slice::from_raw_parts(p, 16);
                     let (d, dmin) = (f16_at(head, 0), f16_at(head, 2));
                     for l in 0..4 {
-                        let (sc, m) = q4k_scale_min(4 * h + l, &head[4..16]);
+                        let scales: &[u8; 12] = head[4..16].try_into().unwrap_or(&[0; 12]);
+                        let (sc, m) = scale_min_k4(4 * h + l, scales);
                         dv[4 * l + k] = d * f32::from(sc);
                         mv[4 * l + k] = -(dmin * f32::from(m));
                     }
@@ -264,6 +321,64 @@ unsafe fn decode<const F: u8>(rowp: &[*const u8; 4], q: usize, nvalid: usize) ->
     out
 }
 
+/// Decodes quad `q` of the 4 rows at `rowp` through weight-cache's scalar block decoder (the
+/// formats without a vectorized unpacking here), into the same lane layout as [`decode`].
+///
+/// # Safety
+/// As for [`decode`].
+#[inline]
+#[allow(clippy::needless_range_loop)] // `k` indexes rows and lanes alike
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,avx2,fma,f16c")]
+unsafe fn decode_generic<const F: u8>(
+    rowp: &[*const u8; 4],
+    q: usize,
+    nvalid: usize,
+    out: &mut WQuad,
+) {
+    let fmt = fmt_of(F);
+    let spb = subs_per_block(fmt);
+    let block_bytes = fmt.block_bytes();
+    let mut low = [[0u8; 64]; 4];
+    let mut high = [[0u8; 64]; 4];
+    let mut lanes = [[0.0f32; 16]; 4]; // d, m, mins[0], mins[1]
+    let mut quants = [0u8; 32];
+    for k in 0..4 {
+        for l in 0..nvalid {
+            let b = 4 * q + l;
+            // SAFETY: block `b / spb` lies inside the row (`b` is a valid 32-block of it).
+            let bytes = unsafe {
+                std::slice::from_raw_parts(rowp[k].add(b / spb * block_bytes), block_bytes)
+            };
+            let sub = decode_sub(fmt, bytes, b % spb, &mut quants);
+            low[k][16 * l..16 * l + 16].copy_from_slice(&quants[..16]);
+            high[k][16 * l..16 * l + 16].copy_from_slice(&quants[16..]);
+            lanes[0][4 * l + k] = sub.scale[0];
+            if is_split(F) {
+                lanes[1][4 * l + k] = sub.scale[1];
+                if let Some(min) = sub.min {
+                    lanes[2][4 * l + k] = min[0];
+                    lanes[3][4 * l + k] = min[1];
+                }
+            } else if let Some(min) = sub.min {
+                lanes[1][4 * l + k] = min[0];
+            }
+        }
+    }
+    // SAFETY: the arrays are 64 bytes / 16 floats each.
+    unsafe {
+        for k in 0..4 {
+            out.w0[k] = _mm512_loadu_si512(low[k].as_ptr().cast());
+            out.w1[k] = _mm512_loadu_si512(high[k].as_ptr().cast());
+        }
+        out.d = _mm512_loadu_ps(lanes[0].as_ptr());
+        out.m = _mm512_loadu_ps(lanes[1].as_ptr());
+        out.mins = [
+            _mm512_loadu_ps(lanes[2].as_ptr()),
+            _mm512_loadu_ps(lanes[3].as_ptr()),
+        ];
+    }
+}
+
 /// Lane `4L + k` = sum of the 4 dwords of 128-bit lane `L` of `p[k]`.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,avx2,fma,f16c")]
@@ -292,26 +407,33 @@ fn accumulate<const F: u8>(w: &WQuad, a: &ActQuad, acc: __m512) -> __m512 {
     let x1 = ld(a.x1.as_ptr().cast());
     let dx = _mm512_castsi512_ps(ld(a.dx.as_ptr().cast()));
     let z = _mm512_setzero_si512();
-    if F == F_Q6K {
+    let shift = _mm_cvtsi32_si128(offset_shift(F));
+    if is_split(F) {
         let p0 = [0, 1, 2, 3].map(|k| _mm512_dpbusd_epi32(z, w.w0[k], x0));
         let p1 = [0, 1, 2, 3].map(|k| _mm512_dpbusd_epi32(z, w.w1[k], x1));
         let sq0 = ld(a.sq0.as_ptr().cast());
         let sq1 = ld(a.sq1.as_ptr().cast());
-        let i0 = _mm512_sub_epi32(reduce4(p0), _mm512_slli_epi32(sq0, 5));
-        let i1 = _mm512_sub_epi32(reduce4(p1), _mm512_slli_epi32(sq1, 5));
+        let (mut i0, mut i1) = (reduce4(p0), reduce4(p1));
+        if offset_shift(F) != 0 {
+            i0 = _mm512_sub_epi32(i0, _mm512_sll_epi32(sq0, shift));
+            i1 = _mm512_sub_epi32(i1, _mm512_sll_epi32(sq1, shift));
+        }
         let acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i0), _mm512_mul_ps(w.d, dx), acc);
-        return _mm512_fmadd_ps(_mm512_cvtepi32_ps(i1), _mm512_mul_ps(w.m, dx), acc);
+        let acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i1), _mm512_mul_ps(w.m, dx), acc);
+        if has_min(F) {
+            let acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sq0), _mm512_mul_ps(w.mins[0], dx), acc);
+            return _mm512_fmadd_ps(_mm512_cvtepi32_ps(sq1), _mm512_mul_ps(w.mins[1], dx), acc);
+        }
+        return acc;
     }
     let p =
         [0, 1, 2, 3].map(|k| _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(z, w.w0[k], x0), w.w1[k], x1));
     let mut r = reduce4(p);
-    match F {
-        F_Q4_0 => r = _mm512_sub_epi32(r, _mm512_slli_epi32(ld(a.sq.as_ptr().cast()), 3)),
-        F_Q8_0 => r = _mm512_sub_epi32(r, _mm512_slli_epi32(ld(a.sq.as_ptr().cast()), 7)),
-        _ => {}
+    if offset_shift(F) != 0 {
+        r = _mm512_sub_epi32(r, _mm512_sll_epi32(ld(a.sq.as_ptr().cast()), shift));
     }
     let acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(r), _mm512_mul_ps(w.d, dx), acc);
-    if F == F_Q4_1 || F == F_Q4K {
+    if has_min(F) {
         let sx = _mm512_castsi512_ps(ld(a.sx.as_ptr().cast()));
         return _mm512_fmadd_ps(w.m, sx, acc);
     }
@@ -385,6 +507,13 @@ pub(crate) unsafe fn quant_rows(
         Fmt::Q8_0 => rows_impl::<F_Q8_0>(fmt, w, acts, n, rows, out),
         Fmt::Q4K => rows_impl::<F_Q4K>(fmt, w, acts, n, rows, out),
         Fmt::Q6K => rows_impl::<F_Q6K>(fmt, w, acts, n, rows, out),
+        Fmt::Q5_0 => rows_impl::<F_Q5_0>(fmt, w, acts, n, rows, out),
+        Fmt::Q5_1 => rows_impl::<F_Q5_1>(fmt, w, acts, n, rows, out),
+        Fmt::Q2K => rows_impl::<F_Q2K>(fmt, w, acts, n, rows, out),
+        Fmt::Q3K => rows_impl::<F_Q3K>(fmt, w, acts, n, rows, out),
+        Fmt::Q5K => rows_impl::<F_Q5K>(fmt, w, acts, n, rows, out),
+        Fmt::IQ4NL => rows_impl::<F_IQ4NL>(fmt, w, acts, n, rows, out),
+        Fmt::IQ4XS => rows_impl::<F_IQ4XS>(fmt, w, acts, n, rows, out),
         Fmt::F32 | Fmt::F16 | Fmt::BF16 => unreachable!("float formats use float_rows"),
     }
 }
