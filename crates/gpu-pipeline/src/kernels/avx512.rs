@@ -103,6 +103,10 @@ const fn hdr16_index(stride: usize) -> [u16; 32] {
 static IDX_Q4_0: [u8; 64] = qs_index(18, 2);
 static IDX_Q4_1: [u8; 64] = qs_index(20, 4);
 static IDX_Q8_0: [u8; 64] = qs_index(34, 2);
+static IDX_Q5_0: [u8; 64] = qs_index(22, 6);
+static IDX_Q5_1: [u8; 64] = qs_index(24, 8);
+static IDX16_Q5_0: [u16; 32] = hdr16_index(11);
+static IDX32_Q5_1: [u32; 16] = [0, 0, 0, 0, 6, 6, 6, 6, 12, 12, 12, 12, 18, 18, 18, 18];
 static IDX16_Q4_0: [u16; 32] = hdr16_index(9);
 static IDX16_Q8_0: [u16; 32] = hdr16_index(17);
 static IDX32_Q4_1: [u32; 16] = [0, 0, 0, 0, 5, 5, 5, 5, 10, 10, 10, 10, 15, 15, 15, 15];
@@ -166,7 +170,10 @@ unsafe fn decode<const F: u8>(rowp: &[*const u8; 4], q: usize, nvalid: usize) ->
         m: _mm512_setzero_ps(),
         mins: [_mm512_setzero_ps(); 2],
     };
-    if !matches!(F, F_Q4_0 | F_Q4_1 | F_Q8_0 | F_Q4K | F_Q6K) {
+    if !matches!(
+        F,
+        F_Q4_0 | F_Q4_1 | F_Q8_0 | F_Q4K | F_Q6K | F_Q5_0 | F_Q5_1
+    ) {
         // SAFETY: forwarded from the caller.
         unsafe { decode_generic::<F>(rowp, q, nvalid, &mut out) };
         return out;
@@ -226,6 +233,51 @@ unsafe fn decode<const F: u8>(rowp: &[*const u8; 4], q: usize, nvalid: usize) ->
                     hdr = _mm512_mask_permutexvar_epi16(hdr, 0x0101_0101u32 << (2 * k), hidx, a);
                 }
                 out.d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(hdr));
+            }
+            F_Q5_0 | F_Q5_1 => {
+                // Block: f16 d [, f16 m], u32 qh (5th bits), 16 bytes of nibbles.
+                let (bs, qh_at) = if F == F_Q5_0 { (22, 2) } else { (24, 4) };
+                let idx = load_idx(if F == F_Q5_0 { &IDX_Q5_0 } else { &IDX_Q5_1 });
+                let hidx = if F == F_Q5_0 {
+                    _mm512_loadu_si512(IDX16_Q5_0.as_ptr().cast())
+                } else {
+                    _mm512_loadu_si512(IDX32_Q5_1.as_ptr().cast())
+                };
+                let fifth = _mm512_set1_epi8(0x10);
+                let mut hdr = z;
+                for k in 0..4 {
+                    let p = rowp[k].add(q * 4 * bs);
+                    let nb = (nvalid * bs) as isize;
+                    let (a, b) = (
+                        _mm512_maskz_loadu_epi8(bmask(nb), p.cast()),
+                        _mm512_maskz_loadu_epi8(bmask(nb - 64), p.add(64).cast()),
+                    );
+                    let qs = _mm512_permutex2var_epi8(a, idx, b);
+                    // Bit `e` of block `L`'s qh is the 5th bit of element `e`: byte `16L + e` of
+                    // W0 for e < 16, of W1 for the rest.
+                    let (mut high0, mut high1) = (0u64, 0u64);
+                    for l in 0..nvalid {
+                        let qh = std::ptr::read_unaligned(p.add(l * bs + qh_at).cast::<u32>());
+                        let qh = u32::from_le(qh);
+                        high0 |= u64::from(qh & 0xFFFF) << (16 * l);
+                        high1 |= u64::from(qh >> 16) << (16 * l);
+                    }
+                    let w0 = _mm512_and_si512(qs, lo4);
+                    let w1 = _mm512_and_si512(_mm512_srli_epi16(qs, 4), lo4);
+                    out.w0[k] = _mm512_mask_add_epi8(w0, high0, w0, fifth);
+                    out.w1[k] = _mm512_mask_add_epi8(w1, high1, w1, fifth);
+                    if F == F_Q5_0 {
+                        let h = _mm512_permutex2var_epi16(a, hidx, b);
+                        hdr = _mm512_mask_mov_epi16(hdr, 0x0101_0101u32 << (2 * k), h);
+                    } else {
+                        let h = _mm512_permutex2var_epi32(a, hidx, b);
+                        hdr = _mm512_mask_mov_epi32(hdr, 0x1111 << k, h);
+                    }
+                }
+                out.d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(hdr));
+                if F == F_Q5_1 {
+                    out.m = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(hdr, 16)));
+                }
             }
             F_Q8_0 => {
                 let idx = load_idx(&IDX_Q8_0);
