@@ -516,3 +516,43 @@ fn non_finite_scales_do_not_panic() {
         }
     }
 }
+
+/// Deterministic sweep behind the property test: every integer format, odd row counts, 1-3
+/// blocks (or super-blocks) per row and token counts on both sides of the panel threshold; every
+/// backend gives the scalar bits, and each token of a batch the bits it gets alone.
+#[test]
+fn every_format_sweep_bit_identical() {
+    let pool = ThreadPool::new(2);
+    let mut rng = Rng(0xC0FFEE);
+    for dtype in QUANT_DTYPES {
+        for units in [1usize, 2, 5, 9] {
+            let cols = cols_for(dtype, units);
+            for rows in [1usize, 7, 33] {
+                let data = random_weights(dtype, rows, cols, &mut rng);
+                let w = WeightMatrix::new(dtype, rows, cols, &data).unwrap();
+                for n in [1usize, 3, 17] {
+                    let x = random_acts(n, cols, &mut rng);
+                    let mut want = vec![0.0f32; n * rows];
+                    matmul_with(Backend::Scalar, w, &x, n, &mut want, &pool).unwrap();
+                    check_against_reference(dtype, rows, cols, &data, &x, &want, "Scalar");
+                    for backend in Backend::available() {
+                        let mut y = vec![f32::NAN; n * rows];
+                        matmul_with(backend, w, &x, n, &mut y, &pool).unwrap();
+                        let same = y.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits());
+                        assert!(same, "{backend:?} {} {rows}x{cols} n {n}", dtype.name());
+                        for t in 0..n {
+                            let mut yv = vec![0.0f32; rows];
+                            let xt = &x[t * cols..(t + 1) * cols];
+                            matmul_with(backend, w, xt, 1, &mut yv, &pool).unwrap();
+                            let same = yv
+                                .iter()
+                                .zip(&y[t * rows..(t + 1) * rows])
+                                .all(|(a, b)| a.to_bits() == b.to_bits());
+                            assert!(same, "{backend:?} {} n {n} token {t}", dtype.name());
+                        }
+                    }
+                }
+            }
+        }
+    }
+}

@@ -242,11 +242,12 @@ pub fn scale_k3(i: usize, q: &[u8; K_SCALE_SIZE]) -> i8 {
     (low | (high << 4)) as i8 - 32
 }
 
-/// Scale of sub-block `i` (0..8) of an IQ4_XS super-block as the signed value `ls - 32`.
+/// Scale of sub-block `i` (0..8) of an IQ4_XS super-block (fields `scales_h`, `scales_l`) as
+/// the signed value `ls - 32`.
 #[inline]
-pub fn scale_iq4xs(i: usize, b: &BlockIQ4XS) -> i8 {
-    let low = (b.scales_l[i / 2] >> (4 * (i % 2))) & 0xF;
-    let high = ((b.scales_h >> (2 * i)) & 3) as u8;
+pub fn scale_iq4xs(i: usize, scales_h: u16, scales_l: &[u8; QK_K / 64]) -> i8 {
+    let low = (scales_l[i / 2] >> (4 * (i % 2))) & 0xF;
+    let high = ((scales_h >> (2 * i)) & 3) as u8;
     (low | (high << 4)) as i8 - 32
 }
 
@@ -398,7 +399,11 @@ pub fn decode_sub_block(
             for v in q.iter_mut() {
                 *v = (KVALUES_IQ4NL[usize::from(*v)] as u8) ^ 0x80;
             }
-            single(b.d.to_f32() * f32::from(scale_iq4xs(sub, &b)), 128, None)
+            single(
+                b.d.to_f32() * f32::from(scale_iq4xs(sub, b.scales_h, &b.scales_l)),
+                128,
+                None,
+            )
         }
         T::Q4_K | T::Q5_K => {
             let (d, dmin, scales, low, high) = if dtype == T::Q4_K {

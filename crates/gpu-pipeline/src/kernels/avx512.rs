@@ -23,7 +23,7 @@ use std::ops::Range;
 use super::act::{ActBlock, ActQuad, block_scale, quads_per_token};
 use super::format::{Fmt, decode_sub, f16_at, subs_per_block};
 use super::{RowsOut, WeightMatrix};
-use weight_cache::quant::scale_min_k4;
+use weight_cache::quant::{KVALUES_IQ4NL, scale_iq4xs, scale_min_k4};
 
 pub(crate) const F_Q4_0: u8 = 0;
 pub(crate) const F_Q4_1: u8 = 1;
@@ -108,6 +108,26 @@ static IDX_Q5_1: [u8; 64] = qs_index(24, 8);
 static IDX16_Q5_0: [u16; 32] = hdr16_index(11);
 static IDX32_Q5_1: [u32; 16] = [0, 0, 0, 0, 6, 6, 6, 6, 12, 12, 12, 12, 18, 18, 18, 18];
 static IDX16_Q4_0: [u16; 32] = hdr16_index(9);
+/// Q5_K: byte lane `16L + e` selects bit `4h + L` of a high-bit byte, for quad half `h`.
+static Q5K_BIT: [[u8; 64]; 2] = {
+    let mut t = [[0u8; 64]; 2];
+    let mut i = 0;
+    while i < 128 {
+        t[i / 64][i % 64] = 1 << (4 * (i / 64) + (i % 64) / 16);
+        i += 1;
+    }
+    t
+};
+/// The IQ4 code book as unsigned bytes (`value + 128`), repeated in each 128-bit lane.
+static IQ4_TABLE: [u8; 64] = {
+    let mut t = [0u8; 64];
+    let mut i = 0;
+    while i < 64 {
+        t[i] = (KVALUES_IQ4NL[i % 16] as u8) ^ 0x80;
+        i += 1;
+    }
+    t
+};
 static IDX16_Q8_0: [u16; 32] = hdr16_index(17);
 static IDX32_Q4_1: [u32; 16] = [0, 0, 0, 0, 5, 5, 5, 5, 10, 10, 10, 10, 15, 15, 15, 15];
 static QIDX_W0_KQ4: [u64; 8] = [0, 1, 8, 9, 4, 5, 12, 13];
@@ -170,10 +190,7 @@ unsafe fn decode<const F: u8>(rowp: &[*const u8; 4], q: usize, nvalid: usize) ->
         m: _mm512_setzero_ps(),
         mins: [_mm512_setzero_ps(); 2],
     };
-    if !matches!(
-        F,
-        F_Q4_0 | F_Q4_1 | F_Q8_0 | F_Q4K | F_Q6K | F_Q5_0 | F_Q5_1
-    ) {
+    if matches!(F, F_Q2K | F_Q3K) {
         // SAFETY: forwarded from the caller.
         unsafe { decode_generic::<F>(rowp, q, nvalid, &mut out) };
         return out;
@@ -209,7 +226,8 @@ unsafe fn decode<const F: u8>(rowp: &[*const u8; 4], q: usize, nvalid: usize) ->
                 out.d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(hdr));
                 out.m = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(hdr, 16)));
             }
-            F_Q4_0 => {
+            F_Q4_0 | F_IQ4NL => {
+                let table = _mm512_loadu_si512(IQ4_TABLE.as_ptr().cast());
                 let idx = load_idx(&IDX_Q4_0);
                 let hidx = _mm512_loadu_si512(IDX16_Q4_0.as_ptr().cast());
                 let mut hdr = z;
@@ -230,6 +248,11 @@ unsafe fn decode<const F: u8>(rowp: &[*const u8; 4], q: usize, nvalid: usize) ->
                     let qs = _mm512_permutex2var_epi8(a, idx, b);
                     out.w0[k] = _mm512_and_si512(qs, lo4);
                     out.w1[k] = _mm512_and_si512(_mm512_srli_epi16(qs, 4), lo4);
+                    if F == F_IQ4NL {
+                        // Table indices to code book values (+ 128).
+                        out.w0[k] = _mm512_shuffle_epi8(table, out.w0[k]);
+                        out.w1[k] = _mm512_shuffle_epi8(table, out.w1[k]);
+                    }
                     hdr = _mm512_mask_permutexvar_epi16(hdr, 0x0101_0101u32 << (2 * k), hidx, a);
                 }
                 out.d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(hdr));
@@ -279,6 +302,29 @@ unsafe fn decode<const F: u8>(rowp: &[*const u8; 4], q: usize, nvalid: usize) ->
                     out.m = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(hdr, 16)));
                 }
             }
+            F_IQ4XS => {
+                let (blk, h) = (q / 2, q % 2);
+                let table = _mm512_loadu_si512(IQ4_TABLE.as_ptr().cast());
+                let mut dv = [0.0f32; 16];
+                for k in 0..4 {
+                    let p = rowp[k].add(blk * 136);
+                    // Sub-block `4h + L`'s 16 bytes are 128-bit lane `L`.
+                    let v = _mm512_loadu_si512(p.add(8 + 64 * h).cast());
+                    let lo = _mm512_and_si512(v, lo4);
+                    let hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo4);
+                    out.w0[k] = _mm512_shuffle_epi8(table, lo);
+                    out.w1[k] = _mm512_shuffle_epi8(table, hi);
+                    let head = std::slice::from_raw_parts(p, 8);
+                    let d = f16_at(head, 0);
+                    let scales_h = u16::from_le_bytes([head[2], head[3]]);
+                    let scales_l = [head[4], head[5], head[6], head[7]];
+                    for l in 0..4 {
+                        let ls = scale_iq4xs(4 * h + l, scales_h, &scales_l);
+                        dv[4 * l + k] = d * f32::from(ls);
+                    }
+                }
+                out.d = _mm512_loadu_ps(dv.as_ptr());
+            }
             F_Q8_0 => {
                 let idx = load_idx(&IDX_Q8_0);
                 let hidx = _mm512_loadu_si512(IDX16_Q8_0.as_ptr().cast());
@@ -311,19 +357,31 @@ unsafe fn decode<const F: u8>(rowp: &[*const u8; 4], q: usize, nvalid: usize) ->
                 }
                 out.d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(hdr));
             }
-            F_Q4K => {
+            F_Q4K | F_Q5K => {
                 let (blk, h) = (q / 2, q % 2);
                 let i0 = _mm512_loadu_si512(QIDX_W0_KQ4.as_ptr().cast());
                 let i1 = _mm512_loadu_si512(QIDX_W1_KQ4.as_ptr().cast());
+                let (block_bytes, qs_at) = if F == F_Q4K { (144, 16) } else { (176, 48) };
+                let bit = _mm512_loadu_si512(Q5K_BIT[h].as_ptr().cast());
+                let fifth = _mm512_set1_epi8(0x10);
                 let mut dv = [0.0f32; 16];
                 let mut mv = [0.0f32; 16];
                 for k in 0..4 {
-                    let p = rowp[k].add(blk * 144);
-                    let v = _mm512_loadu_si512(p.add(16 + 64 * h).cast());
+                    let p = rowp[k].add(blk * block_bytes);
+                    let v = _mm512_loadu_si512(p.add(qs_at + 64 * h).cast());
                     let lo = _mm512_and_si512(v, lo4);
                     let hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo4);
                     out.w0[k] = _mm512_permutex2var_epi64(lo, i0, hi);
                     out.w1[k] = _mm512_permutex2var_epi64(lo, i1, hi);
+                    if F == F_Q5K {
+                        // Bit `4h + L` of high-bit byte `e` (elements 0..16) / `16 + e`.
+                        let qh0 = _mm512_broadcast_i32x4(_mm_loadu_si128(p.add(16).cast()));
+                        let qh1 = _mm512_broadcast_i32x4(_mm_loadu_si128(p.add(32).cast()));
+                        let k0 = _mm512_test_epi8_mask(qh0, bit);
+                        let k1 = _mm512_test_epi8_mask(qh1, bit);
+                        out.w0[k] = _mm512_mask_add_epi8(out.w0[k], k0, out.w0[k], fifth);
+                        out.w1[k] = _mm512_mask_add_epi8(out.w1[k], k1, out.w1[k], fifth);
+                    }
                     let head = std::slice::from_raw_parts(p, 16);
                     let (d, dmin) = (f16_at(head, 0), f16_at(head, 2));
                     for l in 0..4 {
