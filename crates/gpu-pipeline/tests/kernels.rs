@@ -322,7 +322,14 @@ fn real_model_tensors() {
 fn large_batches_are_batch_invariant() {
     let mut rng = Rng(0x5EED);
     let pool = ThreadPool::new(2);
-    for dtype in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0] {
+    for dtype in [
+        GgmlType::Q4_0,
+        GgmlType::Q4_1,
+        GgmlType::Q8_0,
+        GgmlType::Q5_0,
+        GgmlType::Q5_1,
+        GgmlType::IQ4_NL,
+    ] {
         let (rows, cols) = (37, 96);
         let data = random_weights(dtype, rows, cols, &mut rng);
         let w = WeightMatrix::new(dtype, rows, cols, &data).unwrap();

@@ -30,12 +30,12 @@ pub(crate) const F_Q4_1: u8 = 1;
 pub(crate) const F_Q8_0: u8 = 2;
 const F_Q4K: u8 = 3;
 const F_Q6K: u8 = 4;
-const F_Q5_0: u8 = 5;
-const F_Q5_1: u8 = 6;
+pub(crate) const F_Q5_0: u8 = 5;
+pub(crate) const F_Q5_1: u8 = 6;
 const F_Q2K: u8 = 7;
 const F_Q3K: u8 = 8;
 const F_Q5K: u8 = 9;
-const F_IQ4NL: u8 = 10;
+pub(crate) const F_IQ4NL: u8 = 10;
 const F_IQ4XS: u8 = 11;
 
 /// The format of kernel tag `f`.
@@ -62,12 +62,12 @@ const fn is_split(f: u8) -> bool {
 }
 
 /// Whether the format adds a per-block (split: per-half) minimum.
-const fn has_min(f: u8) -> bool {
+pub(crate) const fn has_min(f: u8) -> bool {
     matches!(f, F_Q4_1 | F_Q4K | F_Q5_1 | F_Q5K | F_Q2K)
 }
 
 /// `log2` of the offset subtracted from the unsigned quants (0: no offset, not an offset of 1).
-const fn offset_shift(f: u8) -> i32 {
+pub(crate) const fn offset_shift(f: u8) -> i32 {
     match f {
         F_Q3K => 2,
         F_Q4_0 => 3,
@@ -119,7 +119,7 @@ static Q5K_BIT: [[u8; 64]; 2] = {
     t
 };
 /// The IQ4 code book as unsigned bytes (`value + 128`), repeated in each 128-bit lane.
-static IQ4_TABLE: [u8; 64] = {
+pub(crate) static IQ4_TABLE: [u8; 64] = {
     let mut t = [0u8; 64];
     let mut i = 0;
     while i < 64 {
