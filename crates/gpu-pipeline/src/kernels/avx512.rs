@@ -4,7 +4,10 @@
 //! - per row, the quad's quants are gathered with one or two `vpermt2b` into two u8 vectors
 //!   `W0` (lane `L` = elements 0..16 of block `L`) and `W1` (elements 16..32), the layout of the
 //!   prepared activations ([`ActQuad`]);
-//! - `vpdpbusd` multiplies them with the q8 activations, giving 4 partial sums per block;
+//!   (5th / 3rd bits are merged with byte-masked adds, IQ4 code book values looked up with
+//!   `vpshufb`, the 2-bit K-quant planes shifted per 128-bit lane);
+//! - `vpdpbusd` multiplies them with the q8 activations, giving 4 partial sums per block (two per
+//!   block, of 16 elements each, for Q2_K, Q3_K and Q6_K, whose halves have their own scales);
 //! - a 4x4 transpose-and-add turns the 4 rows' partial sums into one vector whose lane `4L + k`
 //!   is the exact integer dot product of block `L` of row `k`;
 //! - the block scales (weights' and activations') are applied in f32 with one FMA per 16 block
@@ -21,9 +24,9 @@ use std::arch::x86_64::*;
 use std::ops::Range;
 
 use super::act::{ActBlock, ActQuad, block_scale, quads_per_token};
-use super::format::{Fmt, decode_sub, f16_at, subs_per_block};
+use super::format::{Fmt, f16_at};
 use super::{RowsOut, WeightMatrix};
-use weight_cache::quant::{KVALUES_IQ4NL, scale_iq4xs, scale_min_k4};
+use weight_cache::quant::{KVALUES_IQ4NL, scale_iq4xs, scale_k3, scale_min_k4};
 
 pub(crate) const F_Q4_0: u8 = 0;
 pub(crate) const F_Q4_1: u8 = 1;
@@ -37,24 +40,6 @@ const F_Q3K: u8 = 8;
 const F_Q5K: u8 = 9;
 pub(crate) const F_IQ4NL: u8 = 10;
 const F_IQ4XS: u8 = 11;
-
-/// The format of kernel tag `f`.
-const fn fmt_of(f: u8) -> Fmt {
-    match f {
-        F_Q4_0 => Fmt::Q4_0,
-        F_Q4_1 => Fmt::Q4_1,
-        F_Q8_0 => Fmt::Q8_0,
-        F_Q4K => Fmt::Q4K,
-        F_Q6K => Fmt::Q6K,
-        F_Q5_0 => Fmt::Q5_0,
-        F_Q5_1 => Fmt::Q5_1,
-        F_Q2K => Fmt::Q2K,
-        F_Q3K => Fmt::Q3K,
-        F_Q5K => Fmt::Q5K,
-        F_IQ4NL => Fmt::IQ4NL,
-        _ => Fmt::IQ4XS,
-    }
-}
 
 /// Whether the two 16-element halves of a block have their own scales (and mins).
 const fn is_split(f: u8) -> bool {
@@ -108,7 +93,12 @@ static IDX_Q5_1: [u8; 64] = qs_index(24, 8);
 static IDX16_Q5_0: [u16; 32] = hdr16_index(11);
 static IDX32_Q5_1: [u32; 16] = [0, 0, 0, 0, 6, 6, 6, 6, 12, 12, 12, 12, 18, 18, 18, 18];
 static IDX16_Q4_0: [u16; 32] = hdr16_index(9);
-/// Q5_K: byte lane `16L + e` selects bit `4h + L` of a high-bit byte, for quad half `h`.
+/// Q2_K/Q3_K: 128-bit lane `L` shifts its (16-bit) words right by `2L`, to the 2 bits of
+/// sub-block `4h + L`.
+static K23_SHR: [u16; 32] = [
+    0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2, 4, 4, 4, 4, 4, 4, 4, 4, 6, 6, 6, 6, 6, 6, 6, 6,
+];
+/// Q5_K/Q3_K: byte lane `16L + e` selects bit `4h + L` of a high-bit byte, for quad half `h`.
 static Q5K_BIT: [[u8; 64]; 2] = {
     let mut t = [[0u8; 64]; 2];
     let mut i = 0;
@@ -190,11 +180,6 @@ unsafe fn decode<const F: u8>(rowp: &[*const u8; 4], q: usize, nvalid: usize) ->
         m: _mm512_setzero_ps(),
         mins: [_mm512_setzero_ps(); 2],
     };
-    if matches!(F, F_Q2K | F_Q3K) {
-        // SAFETY: forwarded from the caller.
-        unsafe { decode_generic::<F>(rowp, q, nvalid, &mut out) };
-        return out;
-    }
     let lo4 = _mm512_set1_epi8(0x0F);
     // SAFETY (whole body): all loads stay inside the quad's bytes of each row (full quads), or
     // are masked to the `nvalid` blocks inside the row (masked-off bytes are not accessed).
@@ -301,6 +286,57 @@ unsafe fn decode<const F: u8>(rowp: &[*const u8; 4], q: usize, nvalid: usize) ->
                 if F == F_Q5_1 {
                     out.m = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(hdr, 16)));
                 }
+            }
+            F_Q2K | F_Q3K => {
+                // 2-bit quants of sub-block `4h + L`: bits `2L..2L + 2` of qs bytes
+                // `32h..32h + 32`; Q3_K adds bit `4h + L` of hmask byte `l` as the third bit.
+                let (blk, h) = (q / 2, q % 2);
+                let (block_bytes, qs_at) = if F == F_Q2K { (84, 16) } else { (110, 32) };
+                let shr = _mm512_loadu_si512(K23_SHR.as_ptr().cast());
+                let bit = _mm512_loadu_si512(Q5K_BIT[h].as_ptr().cast());
+                let two = _mm512_set1_epi8(3);
+                let third = _mm512_set1_epi8(4);
+                let mut lanes = [[0.0f32; 16]; 4];
+                for k in 0..4 {
+                    let p = rowp[k].add(blk * block_bytes);
+                    let qs = p.add(qs_at + 32 * h);
+                    let v0 = _mm512_broadcast_i32x4(_mm_loadu_si128(qs.cast()));
+                    let v1 = _mm512_broadcast_i32x4(_mm_loadu_si128(qs.add(16).cast()));
+                    let mut w0 = _mm512_and_si512(_mm512_srlv_epi16(v0, shr), two);
+                    let mut w1 = _mm512_and_si512(_mm512_srlv_epi16(v1, shr), two);
+                    let head = std::slice::from_raw_parts(p, block_bytes);
+                    if F == F_Q3K {
+                        let h0 = _mm512_broadcast_i32x4(_mm_loadu_si128(p.cast()));
+                        let h1 = _mm512_broadcast_i32x4(_mm_loadu_si128(p.add(16).cast()));
+                        w0 = _mm512_mask_add_epi8(w0, _mm512_test_epi8_mask(h0, bit), w0, third);
+                        w1 = _mm512_mask_add_epi8(w1, _mm512_test_epi8_mask(h1, bit), w1, third);
+                        let d = f16_at(head, 108);
+                        let scales: &[u8; 12] = head[96..108].try_into().unwrap_or(&[0; 12]);
+                        for l in 0..4 {
+                            let sb = 4 * h + l;
+                            lanes[0][4 * l + k] = d * f32::from(scale_k3(2 * sb, scales));
+                            lanes[1][4 * l + k] = d * f32::from(scale_k3(2 * sb + 1, scales));
+                        }
+                    } else {
+                        let (d, dmin) = (f16_at(head, 80), f16_at(head, 82));
+                        for l in 0..4 {
+                            let sb = 4 * h + l;
+                            for half in 0..2 {
+                                let sc = head[2 * sb + half];
+                                lanes[half][4 * l + k] = d * f32::from(sc & 0xF);
+                                lanes[2 + half][4 * l + k] = -(dmin * f32::from(sc >> 4));
+                            }
+                        }
+                    }
+                    out.w0[k] = w0;
+                    out.w1[k] = w1;
+                }
+                out.d = _mm512_loadu_ps(lanes[0].as_ptr());
+                out.m = _mm512_loadu_ps(lanes[1].as_ptr());
+                out.mins = [
+                    _mm512_loadu_ps(lanes[2].as_ptr()),
+                    _mm512_loadu_ps(lanes[3].as_ptr()),
+                ];
             }
             F_IQ4XS => {
                 let (blk, h) = (q / 2, q % 2);
@@ -429,64 +465,6 @@ unsafe fn decode<const F: u8>(rowp: &[*const u8; 4], q: usize, nvalid: usize) ->
         }
     }
     out
-}
-
-/// Decodes quad `q` of the 4 rows at `rowp` through weight-cache's scalar block decoder (the
-/// formats without a vectorized unpacking here), into the same lane layout as [`decode`].
-///
-/// # Safety
-/// As for [`decode`].
-#[inline]
-#[allow(clippy::needless_range_loop)] // `k` indexes rows and lanes alike
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,avx2,fma,f16c")]
-unsafe fn decode_generic<const F: u8>(
-    rowp: &[*const u8; 4],
-    q: usize,
-    nvalid: usize,
-    out: &mut WQuad,
-) {
-    let fmt = fmt_of(F);
-    let spb = subs_per_block(fmt);
-    let block_bytes = fmt.block_bytes();
-    let mut low = [[0u8; 64]; 4];
-    let mut high = [[0u8; 64]; 4];
-    let mut lanes = [[0.0f32; 16]; 4]; // d, m, mins[0], mins[1]
-    let mut quants = [0u8; 32];
-    for k in 0..4 {
-        for l in 0..nvalid {
-            let b = 4 * q + l;
-            // SAFETY: block `b / spb` lies inside the row (`b` is a valid 32-block of it).
-            let bytes = unsafe {
-                std::slice::from_raw_parts(rowp[k].add(b / spb * block_bytes), block_bytes)
-            };
-            let sub = decode_sub(fmt, bytes, b % spb, &mut quants);
-            low[k][16 * l..16 * l + 16].copy_from_slice(&quants[..16]);
-            high[k][16 * l..16 * l + 16].copy_from_slice(&quants[16..]);
-            lanes[0][4 * l + k] = sub.scale[0];
-            if is_split(F) {
-                lanes[1][4 * l + k] = sub.scale[1];
-                if let Some(min) = sub.min {
-                    lanes[2][4 * l + k] = min[0];
-                    lanes[3][4 * l + k] = min[1];
-                }
-            } else if let Some(min) = sub.min {
-                lanes[1][4 * l + k] = min[0];
-            }
-        }
-    }
-    // SAFETY: the arrays are 64 bytes / 16 floats each.
-    unsafe {
-        for k in 0..4 {
-            out.w0[k] = _mm512_loadu_si512(low[k].as_ptr().cast());
-            out.w1[k] = _mm512_loadu_si512(high[k].as_ptr().cast());
-        }
-        out.d = _mm512_loadu_ps(lanes[0].as_ptr());
-        out.m = _mm512_loadu_ps(lanes[1].as_ptr());
-        out.mins = [
-            _mm512_loadu_ps(lanes[2].as_ptr()),
-            _mm512_loadu_ps(lanes[3].as_ptr()),
-        ];
-    }
 }
 
 /// Lane `4L + k` = sum of the 4 dwords of 128-bit lane `L` of `p[k]`.
