@@ -18,6 +18,7 @@ const TILE: usize = 8;
 /// multiply-add `sum(q_x half) * (min_w half * d_x)` per half). Blocks go into four chains by
 /// block index modulo 4, in increasing order, and the chains are summed as
 /// `(c0 + c2) + (c1 + c3)`.
+#[inline(always)]
 pub(crate) fn quant_rows(
     fmt: Fmt,
     w: WeightMatrix<'_>,
