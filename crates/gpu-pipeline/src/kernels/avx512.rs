@@ -26,7 +26,11 @@ use std::ops::Range;
 use super::act::{ActBlock, ActQuad, block_scale, quads_per_token};
 use super::format::{Fmt, f16_at};
 use super::{RowsOut, WeightMatrix};
-use weight_cache::quant::{KVALUES_IQ4NL, scale_iq4xs, scale_k3, scale_min_k4};
+use std::mem::offset_of;
+use weight_cache::quant::{
+    BlockIQ4XS, BlockQ2K, BlockQ3K, BlockQ4K, BlockQ5_0, BlockQ5_1, BlockQ5K, KVALUES_IQ4NL,
+    scale_iq4xs, scale_k3, scale_min_k4,
+};
 
 pub(crate) const F_Q4_0: u8 = 0;
 pub(crate) const F_Q4_1: u8 = 1;
@@ -244,7 +248,11 @@ unsafe fn decode<const F: u8>(rowp: &[*const u8; 4], q: usize, nvalid: usize) ->
             }
             F_Q5_0 | F_Q5_1 => {
                 // Block: f16 d [, f16 m], u32 qh (5th bits), 16 bytes of nibbles.
-                let (bs, qh_at) = if F == F_Q5_0 { (22, 2) } else { (24, 4) };
+                let (bs, qh_at) = if F == F_Q5_0 {
+                    (size_of::<BlockQ5_0>(), offset_of!(BlockQ5_0, qh))
+                } else {
+                    (size_of::<BlockQ5_1>(), offset_of!(BlockQ5_1, qh))
+                };
                 let idx = load_idx(if F == F_Q5_0 { &IDX_Q5_0 } else { &IDX_Q5_1 });
                 let hidx = if F == F_Q5_0 {
                     _mm512_loadu_si512(IDX16_Q5_0.as_ptr().cast())
@@ -291,7 +299,11 @@ unsafe fn decode<const F: u8>(rowp: &[*const u8; 4], q: usize, nvalid: usize) ->
                 // 2-bit quants of sub-block `4h + L`: bits `2L..2L + 2` of qs bytes
                 // `32h..32h + 32`; Q3_K adds bit `4h + L` of hmask byte `l` as the third bit.
                 let (blk, h) = (q / 2, q % 2);
-                let (block_bytes, qs_at) = if F == F_Q2K { (84, 16) } else { (110, 32) };
+                let (block_bytes, qs_at) = if F == F_Q2K {
+                    (size_of::<BlockQ2K>(), offset_of!(BlockQ2K, qs))
+                } else {
+                    (size_of::<BlockQ3K>(), offset_of!(BlockQ3K, qs))
+                };
                 let shr = _mm512_loadu_si512(K23_SHR.as_ptr().cast());
                 let bit = _mm512_loadu_si512(Q5K_BIT[h].as_ptr().cast());
                 let two = _mm512_set1_epi8(3);
@@ -310,15 +322,17 @@ unsafe fn decode<const F: u8>(rowp: &[*const u8; 4], q: usize, nvalid: usize) ->
                         let h1 = _mm512_broadcast_i32x4(_mm_loadu_si128(p.add(16).cast()));
                         w0 = _mm512_mask_add_epi8(w0, _mm512_test_epi8_mask(h0, bit), w0, third);
                         w1 = _mm512_mask_add_epi8(w1, _mm512_test_epi8_mask(h1, bit), w1, third);
-                        let d = f16_at(head, 108);
-                        let scales: &[u8; 12] = head[96..108].try_into().unwrap_or(&[0; 12]);
+                        let d = f16_at(head, offset_of!(BlockQ3K, d));
+                        let at = offset_of!(BlockQ3K, scales);
+                        let scales: &[u8; 12] = head[at..at + 12].try_into().unwrap_or(&[0; 12]);
                         for l in 0..4 {
                             let sb = 4 * h + l;
                             lanes[0][4 * l + k] = d * f32::from(scale_k3(2 * sb, scales));
                             lanes[1][4 * l + k] = d * f32::from(scale_k3(2 * sb + 1, scales));
                         }
                     } else {
-                        let (d, dmin) = (f16_at(head, 80), f16_at(head, 82));
+                        let d = f16_at(head, offset_of!(BlockQ2K, d));
+                        let dmin = f16_at(head, offset_of!(BlockQ2K, dmin));
                         for l in 0..4 {
                             let sb = 4 * h + l;
                             for half in 0..2 {
@@ -343,17 +357,19 @@ unsafe fn decode<const F: u8>(rowp: &[*const u8; 4], q: usize, nvalid: usize) ->
                 let table = _mm512_loadu_si512(IQ4_TABLE.as_ptr().cast());
                 let mut dv = [0.0f32; 16];
                 for k in 0..4 {
-                    let p = rowp[k].add(blk * 136);
+                    let p = rowp[k].add(blk * size_of::<BlockIQ4XS>());
                     // Sub-block `4h + L`'s 16 bytes are 128-bit lane `L`.
-                    let v = _mm512_loadu_si512(p.add(8 + 64 * h).cast());
+                    let v = _mm512_loadu_si512(p.add(offset_of!(BlockIQ4XS, qs) + 64 * h).cast());
                     let lo = _mm512_and_si512(v, lo4);
                     let hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo4);
                     out.w0[k] = _mm512_shuffle_epi8(table, lo);
                     out.w1[k] = _mm512_shuffle_epi8(table, hi);
-                    let head = std::slice::from_raw_parts(p, 8);
-                    let d = f16_at(head, 0);
-                    let scales_h = u16::from_le_bytes([head[2], head[3]]);
-                    let scales_l = [head[4], head[5], head[6], head[7]];
+                    let head = std::slice::from_raw_parts(p, offset_of!(BlockIQ4XS, qs));
+                    let d = f16_at(head, offset_of!(BlockIQ4XS, d));
+                    let at = offset_of!(BlockIQ4XS, scales_h);
+                    let scales_h = u16::from_le_bytes([head[at], head[at + 1]]);
+                    let at = offset_of!(BlockIQ4XS, scales_l);
+                    let scales_l = [head[at], head[at + 1], head[at + 2], head[at + 3]];
                     for l in 0..4 {
                         let ls = scale_iq4xs(4 * h + l, scales_h, &scales_l);
                         dv[4 * l + k] = d * f32::from(ls);
@@ -397,7 +413,11 @@ unsafe fn decode<const F: u8>(rowp: &[*const u8; 4], q: usize, nvalid: usize) ->
                 let (blk, h) = (q / 2, q % 2);
                 let i0 = _mm512_loadu_si512(QIDX_W0_KQ4.as_ptr().cast());
                 let i1 = _mm512_loadu_si512(QIDX_W1_KQ4.as_ptr().cast());
-                let (block_bytes, qs_at) = if F == F_Q4K { (144, 16) } else { (176, 48) };
+                let (block_bytes, qs_at) = if F == F_Q4K {
+                    (size_of::<BlockQ4K>(), offset_of!(BlockQ4K, qs))
+                } else {
+                    (size_of::<BlockQ5K>(), offset_of!(BlockQ5K, qs))
+                };
                 let bit = _mm512_loadu_si512(Q5K_BIT[h].as_ptr().cast());
                 let fifth = _mm512_set1_epi8(0x10);
                 let mut dv = [0.0f32; 16];

@@ -23,6 +23,7 @@
 
 use std::arch::x86_64::*;
 use std::cell::RefCell;
+use std::mem::offset_of;
 use std::ops::Range;
 
 use super::act::ActBlock;
@@ -31,6 +32,7 @@ use super::avx512::{
 };
 use super::format::Fmt;
 use super::{RowsOut, WeightMatrix};
+use weight_cache::quant::{BlockQ5_0, BlockQ5_1};
 
 /// Rows per panel (one per 32-bit lane of a 512-bit vector).
 pub(crate) const PANEL_ROWS: usize = 16;
@@ -206,8 +208,8 @@ unsafe fn pack<const F: u8>(
     let bs = rb / panel.len().max(1);
     let (hdr, qh_at) = match F {
         F_Q4_1 => (4, 0),
-        F_Q5_0 => (6, 2),
-        F_Q5_1 => (8, 4),
+        F_Q5_0 => (offset_of!(BlockQ5_0, qs), offset_of!(BlockQ5_0, qh)),
+        F_Q5_1 => (offset_of!(BlockQ5_1, qs), offset_of!(BlockQ5_1, qh)),
         _ => (2, 0),
     };
     // SAFETY: the table is 64 readable bytes.
