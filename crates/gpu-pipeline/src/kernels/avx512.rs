@@ -21,6 +21,7 @@
 #![allow(clippy::incompatible_msrv)]
 
 use std::arch::x86_64::*;
+use std::cell::RefCell;
 use std::ops::Range;
 
 use super::act::{ActBlock, ActQuad, block_scale, quads_per_token};
@@ -596,6 +597,33 @@ unsafe fn tile<const F: u8, const T: usize>(
     acc.map(|a| row_sums(a))
 }
 
+thread_local! {
+    /// The decoded quads of one 4-row group (many-token products), reused per thread.
+    static DECODED: RefCell<Vec<WQuad>> = const { RefCell::new(Vec::new()) };
+}
+
+/// [`tile`] over already decoded quads: the same accumulation, in the same order, per token.
+///
+/// # Safety
+/// `acts` is valid for `T * nq` quads; `decoded` holds the group's `nq` quads.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,avx2,fma,f16c")]
+unsafe fn tile_decoded<const F: u8, const T: usize>(
+    decoded: &[WQuad],
+    acts: *const ActQuad,
+    nq: usize,
+) -> [[f32; 4]; T] {
+    let mut acc = [_mm512_setzero_ps(); T];
+    for (q, w) in decoded.iter().enumerate().take(nq) {
+        for (t, a) in acc.iter_mut().enumerate() {
+            // SAFETY: `t * nq + q < T * nq`.
+            let aq = unsafe { &*acts.add(t * nq + q) };
+            *a = accumulate::<F>(w, aq, *a);
+        }
+    }
+    acc.map(|a| row_sums(a))
+}
+
 /// Rows `rows` x all `n` tokens of an integer-quantized matrix.
 ///
 /// # Safety
@@ -639,6 +667,59 @@ fn rows_impl<const F: u8>(
     let nq = quads_per_token(w.cols);
     let nblocks = w.cols / 32;
     assert!(acts.len() >= n * nq && rows.end <= w.rows && w.data.len() >= w.rows * rb);
+    if n > 8 {
+        // Many tokens: each 4-row group is decoded once and its quads reused by every tile.
+        return DECODED.with(|cell| {
+            let mut decoded = cell.borrow_mut();
+            decoded.clear();
+            decoded.reserve(nq);
+            for g in rows.clone().step_by(4) {
+                let rowp = [0, 1, 2, 3].map(|k| {
+                    let r = (g + k).min(rows.end - 1);
+                    // SAFETY: `r < w.rows`, so the row lies inside `w.data` (asserted above).
+                    unsafe { w.data.as_ptr().add(r * rb) }
+                });
+                decoded.clear();
+                for q in 0..nq {
+                    let nvalid = (nblocks - 4 * q).min(4);
+                    // SAFETY: the rows are whole encoded rows of `w.cols` columns.
+                    decoded.push(unsafe { decode::<F>(&rowp, q, nvalid) });
+                }
+                let live = (rows.end - g).min(4);
+                let mut t0 = 0;
+                while t0 < n {
+                    let ap = acts[t0 * nq..].as_ptr();
+                    let mut emit = |t: usize, s: [f32; 4]| out.set_run(t0 + t, g, &s[..live]);
+                    // SAFETY: `ap` has at least the tile's tokens, `nq` quads each.
+                    let tn = unsafe {
+                        match n - t0 {
+                            8.. => {
+                                let sums = tile_decoded::<F, 8>(&decoded, ap, nq);
+                                sums.into_iter().enumerate().for_each(|(t, s)| emit(t, s));
+                                8
+                            }
+                            4..=7 => {
+                                let sums = tile_decoded::<F, 4>(&decoded, ap, nq);
+                                sums.into_iter().enumerate().for_each(|(t, s)| emit(t, s));
+                                4
+                            }
+                            2..=3 => {
+                                let sums = tile_decoded::<F, 2>(&decoded, ap, nq);
+                                sums.into_iter().enumerate().for_each(|(t, s)| emit(t, s));
+                                2
+                            }
+                            _ => {
+                                let sums = tile_decoded::<F, 1>(&decoded, ap, nq);
+                                sums.into_iter().enumerate().for_each(|(t, s)| emit(t, s));
+                                1
+                            }
+                        }
+                    };
+                    t0 += tn;
+                }
+            }
+        });
+    }
     let mut t0 = 0;
     while t0 < n {
         let tn = match n - t0 {
