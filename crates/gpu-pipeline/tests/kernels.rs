@@ -351,6 +351,37 @@ fn large_batches_are_batch_invariant() {
     }
 }
 
+/// Many-token products of the 256-element formats over long rows (several token chunks of the
+/// 4-row kernel's decoded path, ragged last chunk) give each token the bits it gets alone, on
+/// every backend.
+#[test]
+fn long_rows_many_tokens_are_batch_invariant() {
+    let mut rng = Rng(0x10C);
+    let pool = ThreadPool::new(2);
+    for dtype in [GgmlType::Q4_K, GgmlType::Q2_K, GgmlType::IQ4_XS] {
+        let (rows, cols, n) = (7, 8192, 21);
+        let data = random_weights(dtype, rows, cols, &mut rng);
+        let w = WeightMatrix::new(dtype, rows, cols, &data).unwrap();
+        let x = random_acts(n, cols, &mut rng);
+        for backend in Backend::available() {
+            let mut y = vec![0.0f32; n * rows];
+            matmul_with(backend, w, &x, n, &mut y, &pool).unwrap();
+            for t in 0..n {
+                let mut yv = vec![0.0f32; rows];
+                matmul_with(backend, w, &x[t * cols..(t + 1) * cols], 1, &mut yv, &pool).unwrap();
+                let same = yv
+                    .iter()
+                    .zip(&y[t * rows..(t + 1) * rows])
+                    .all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(same, "{backend:?} {} token {t}", dtype.name());
+            }
+            if backend == Backend::Scalar {
+                check_against_reference(dtype, rows, cols, &data, &x, &y, "Scalar");
+            }
+        }
+    }
+}
+
 #[test]
 fn rejects_bad_shapes() {
     let pool = ThreadPool::new(1);

@@ -597,6 +597,10 @@ unsafe fn tile<const F: u8, const T: usize>(
     acc.map(|a| row_sums(a))
 }
 
+/// Activation bytes per token chunk of the many-token path (stays in a 1 MiB L2 with room for
+/// the decoded quads).
+const DECODED_CHUNK_BYTES: usize = 256 << 10;
+
 thread_local! {
     /// The decoded quads of one 4-row group (many-token products), reused per thread.
     static DECODED: RefCell<Vec<WQuad>> = const { RefCell::new(Vec::new()) };
@@ -668,12 +672,18 @@ fn rows_impl<const F: u8>(
     let nblocks = w.cols / 32;
     assert!(acts.len() >= n * nq && rows.end <= w.rows && w.data.len() >= w.rows * rb);
     if n > 8 {
-        // Many tokens: each 4-row group is decoded once and its quads reused by every tile.
+        // Many tokens: in chunks of tokens whose activations stay in L2, each 4-row group is
+        // decoded once per chunk and its quads reused by every tile of the chunk.
+        let chunk = (DECODED_CHUNK_BYTES / (nq * size_of::<ActQuad>())).max(8) / 8 * 8;
         return DECODED.with(|cell| {
             let mut decoded = cell.borrow_mut();
             decoded.clear();
             decoded.reserve(nq);
-            for g in rows.clone().step_by(4) {
+            for (tc, g) in (0..n)
+                .step_by(chunk)
+                .flat_map(|tc| rows.clone().step_by(4).map(move |g| (tc, g)))
+            {
+                let t_end = (tc + chunk).min(n);
                 let rowp = [0, 1, 2, 3].map(|k| {
                     let r = (g + k).min(rows.end - 1);
                     // SAFETY: `r < w.rows`, so the row lies inside `w.data` (asserted above).
@@ -686,13 +696,13 @@ fn rows_impl<const F: u8>(
                     decoded.push(unsafe { decode::<F>(&rowp, q, nvalid) });
                 }
                 let live = (rows.end - g).min(4);
-                let mut t0 = 0;
-                while t0 < n {
+                let mut t0 = tc;
+                while t0 < t_end {
                     let ap = acts[t0 * nq..].as_ptr();
                     let mut emit = |t: usize, s: [f32; 4]| out.set_run(t0 + t, g, &s[..live]);
                     // SAFETY: `ap` has at least the tile's tokens, `nq` quads each.
                     let tn = unsafe {
-                        match n - t0 {
+                        match t_end - t0 {
                             8.. => {
                                 let sums = tile_decoded::<F, 8>(&decoded, ap, nq);
                                 sums.into_iter().enumerate().for_each(|(t, s)| emit(t, s));
