@@ -2,7 +2,8 @@
 //! GFLOP/s for n = 8, 64, 512, with 1 and 2 threads, plus all matvecs of one decode step over the
 //! real default model (when present).
 //!
-//! Run: `cargo bench -p gpu-pipeline --bench kernels`. A summary table (medians, effective
+//! Run: `cargo bench -p gpu-pipeline --bench kernels [-- FILTER]`; a filter (e.g. `q5_0` or
+//! `q5_0|q2_K`) also restricts the summary to the dtypes it names. A summary table (medians, effective
 //! bandwidth as a fraction of ~40 GB/s, ratios to the scalar backend) is printed first; criterion
 //! groups follow. Matvec inputs cycle over enough copies of the weights (>= 256 MiB) that they
 //! come from DRAM, as in decoding, not from the 100+ MiB L3 cache.
@@ -17,17 +18,54 @@ use gpu_pipeline::ThreadPool;
 use gpu_pipeline::kernels::{Backend, GgmlType, WeightMatrix, matmul_with};
 
 const PEAK_GBS: f64 = 40.0;
-const SHAPES: [(usize, usize); 4] = [(576, 576), (1536, 576), (576, 1536), (49152, 576)];
-const DTYPES: [GgmlType; 8] = [
+/// The default model's shapes, plus two larger than L3 (the last one for the 256-element
+/// block formats, which need rows of a multiple of 256).
+const SHAPES: [(usize, usize); 5] = [
+    (576, 576),
+    (1536, 576),
+    (576, 1536),
+    (49152, 576),
+    (16384, 1536),
+];
+const DTYPES: [GgmlType; 15] = [
     GgmlType::Q4_1,
     GgmlType::Q8_0,
     GgmlType::Q4_0,
     GgmlType::Q4_K,
     GgmlType::Q6_K,
+    GgmlType::Q5_0,
+    GgmlType::Q5_1,
+    GgmlType::Q2_K,
+    GgmlType::Q3_K,
+    GgmlType::Q5_K,
+    GgmlType::IQ4_NL,
+    GgmlType::IQ4_XS,
     GgmlType::F16,
     GgmlType::BF16,
     GgmlType::F32,
 ];
+
+/// Whether the command line's filter (the first non-flag argument, `|`- or `,`-separated
+/// dtype names) selects `dtype`; no filter selects all.
+fn selected(dtype: GgmlType) -> bool {
+    let Some(filter) = std::env::args().skip(1).find(|a| !a.starts_with('-')) else {
+        return true;
+    };
+    filter
+        .split(['|', ','])
+        .any(|part| part.eq_ignore_ascii_case(dtype.name()) || dtype.name().contains(part))
+}
+
+/// Byte offsets of the f16 scale fields of a block (for random blocks with sane scales).
+fn scale_offsets(dtype: GgmlType) -> &'static [usize] {
+    match dtype {
+        GgmlType::Q6_K => &[208],
+        GgmlType::Q2_K => &[80, 82],
+        GgmlType::Q3_K => &[108],
+        GgmlType::Q4_1 | GgmlType::Q5_1 | GgmlType::Q4_K | GgmlType::Q5_K => &[0, 2],
+        _ => &[0],
+    }
+}
 
 fn weights(dtype: GgmlType, rows: usize, cols: usize, seed: u64) -> Vec<u8> {
     let mut s = seed | 1;
@@ -48,11 +86,9 @@ fn weights(dtype: GgmlType, rows: usize, cols: usize, seed: u64) -> Vec<u8> {
                 .map(|i| (i as u64).wrapping_mul(0x9E37_79B9) as u8 >> 1)
                 .collect();
             let bs = dtype.type_size();
-            let off = if dtype == GgmlType::Q6_K { 208 } else { 0 };
             for blk in b.chunks_exact_mut(bs) {
-                blk[off..off + 2].copy_from_slice(&half::f16::from_f32(0.01).to_le_bytes());
-                if dtype == GgmlType::Q4_K {
-                    blk[2..4].copy_from_slice(&half::f16::from_f32(0.01).to_le_bytes());
+                for &off in scale_offsets(dtype) {
+                    blk[off..off + 2].copy_from_slice(&half::f16::from_f32(0.01).to_le_bytes());
                 }
             }
             b
@@ -88,7 +124,7 @@ fn summary() {
             "{:<6} {:>12} {:>9} {:>7} {:>11} {:>13}",
             "dtype", "shape", "GB/s", "of40", "vs scalar", "cached GB/s"
         );
-        for dtype in DTYPES {
+        for dtype in DTYPES.into_iter().filter(|&d| selected(d)) {
             for (rows, cols) in SHAPES {
                 if dtype.row_bytes(cols).is_none() {
                     continue;
@@ -135,13 +171,7 @@ fn summary() {
             "{:<6} {:>12} {:>5} {:>9} {:>11}",
             "dtype", "shape", "n", "GFLOP/s", "ms"
         );
-        for dtype in [
-            GgmlType::Q4_1,
-            GgmlType::Q8_0,
-            GgmlType::Q4_K,
-            GgmlType::Q6_K,
-            GgmlType::F16,
-        ] {
+        for dtype in DTYPES.into_iter().filter(|&d| selected(d)) {
             for (rows, cols) in [(576usize, 576usize), (1536, 576), (576, 1536)] {
                 if dtype.row_bytes(cols).is_none() {
                     continue;
@@ -166,7 +196,9 @@ fn summary() {
                 }
             }
         }
-        model_step(&pool, threads);
+        if std::env::args().skip(1).all(|a| a.starts_with('-')) {
+            model_step(&pool, threads);
+        }
     }
 }
 
@@ -235,8 +267,11 @@ fn bench(c: &mut Criterion) {
         g.measurement_time(Duration::from_secs(2))
             .warm_up_time(Duration::from_millis(500))
             .sample_size(20);
-        for dtype in [GgmlType::Q4_1, GgmlType::Q8_0] {
+        for dtype in DTYPES.into_iter().filter(|&d| selected(d)) {
             for (rows, cols) in SHAPES {
+                if dtype.row_bytes(cols).is_none() {
+                    continue;
+                }
                 let data = weights(dtype, rows, cols, 3);
                 let w = WeightMatrix::new(dtype, rows, cols, &data).unwrap();
                 let x: Vec<f32> = (0..cols).map(|i| (i as f32).cos()).collect();

@@ -14,7 +14,7 @@ use gpu_pipeline::kernels::{
 use half::f16;
 use proptest::prelude::*;
 
-const DTYPES: [GgmlType; 8] = [
+const DTYPES: [GgmlType; 15] = [
     GgmlType::F32,
     GgmlType::F16,
     GgmlType::BF16,
@@ -23,7 +23,43 @@ const DTYPES: [GgmlType; 8] = [
     GgmlType::Q8_0,
     GgmlType::Q4_K,
     GgmlType::Q6_K,
+    GgmlType::Q5_0,
+    GgmlType::Q5_1,
+    GgmlType::Q2_K,
+    GgmlType::Q3_K,
+    GgmlType::Q5_K,
+    GgmlType::IQ4_NL,
+    GgmlType::IQ4_XS,
 ];
+
+/// The integer-quantized formats.
+const QUANT_DTYPES: [GgmlType; 12] = [
+    GgmlType::Q4_0,
+    GgmlType::Q4_1,
+    GgmlType::Q8_0,
+    GgmlType::Q4_K,
+    GgmlType::Q6_K,
+    GgmlType::Q5_0,
+    GgmlType::Q5_1,
+    GgmlType::Q2_K,
+    GgmlType::Q3_K,
+    GgmlType::Q5_K,
+    GgmlType::IQ4_NL,
+    GgmlType::IQ4_XS,
+];
+
+/// Byte offsets of a block's f16 scale fields (ggml-common.h layouts).
+fn scale_offsets(dtype: GgmlType) -> &'static [usize] {
+    match dtype {
+        GgmlType::Q4_0 | GgmlType::Q8_0 | GgmlType::Q5_0 | GgmlType::IQ4_NL => &[0],
+        GgmlType::IQ4_XS => &[0],
+        GgmlType::Q4_1 | GgmlType::Q5_1 | GgmlType::Q4_K | GgmlType::Q5_K => &[0, 2],
+        GgmlType::Q6_K => &[208],
+        GgmlType::Q2_K => &[80, 82],
+        GgmlType::Q3_K => &[108],
+        _ => unreachable!(),
+    }
+}
 
 struct Rng(u64);
 
@@ -56,14 +92,14 @@ fn random_weights(dtype: GgmlType, rows: usize, cols: usize, rng: &mut Rng) -> V
             let mut data: Vec<u8> = (0..rows * rb).map(|_| rng.next() as u8).collect();
             let bs = dtype.type_size();
             for blk in data.chunks_exact_mut(bs) {
-                match dtype {
-                    GgmlType::Q4_0 | GgmlType::Q8_0 => put_f16(blk, 0, rng.unit() * 0.05),
-                    GgmlType::Q4_1 | GgmlType::Q4_K => {
-                        put_f16(blk, 0, rng.unit() * 0.05);
-                        put_f16(blk, 2, rng.unit() * 0.1);
-                    }
-                    GgmlType::Q6_K => put_f16(blk, 208, rng.unit() * 0.01),
-                    _ => unreachable!(),
+                for (i, &off) in scale_offsets(dtype).iter().enumerate() {
+                    // Scale, then minimum (or the k-quants' dmin).
+                    let range = match (dtype, i) {
+                        (GgmlType::Q6_K | GgmlType::Q3_K | GgmlType::IQ4_XS, _) => 0.01,
+                        (_, 0) => 0.05,
+                        _ => 0.1,
+                    };
+                    put_f16(blk, off, rng.unit() * range);
                 }
             }
             data
@@ -133,7 +169,12 @@ fn check_against_reference(
 fn cols_for(dtype: GgmlType, units: usize) -> usize {
     match dtype {
         GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => units * 7 + 1,
-        GgmlType::Q4_K | GgmlType::Q6_K => 256 * (1 + units % 3),
+        GgmlType::Q4_K
+        | GgmlType::Q6_K
+        | GgmlType::Q2_K
+        | GgmlType::Q3_K
+        | GgmlType::Q5_K
+        | GgmlType::IQ4_XS => 256 * (1 + units % 3),
         _ => 32 * units,
     }
 }
@@ -144,7 +185,7 @@ proptest! {
     /// Every backend, every dtype, odd sizes: matches the f64 reference within the bound.
     #[test]
     fn matmul_matches_f64_reference(
-        dt in 0usize..8, rows in 1usize..40, units in 1usize..11, n in 1usize..40, seed in any::<u64>(),
+        dt in 0usize..15, rows in 1usize..40, units in 1usize..11, n in 1usize..40, seed in any::<u64>(),
     ) {
         let dtype = DTYPES[dt];
         let cols = cols_for(dtype, units);
@@ -163,7 +204,7 @@ proptest! {
     /// Row i of matmul equals matvec of token i bit for bit, for any n and thread count.
     #[test]
     fn matmul_is_batch_invariant(
-        dt in 0usize..8, rows in 1usize..70, units in 1usize..8, n in 1usize..40, seed in any::<u64>(),
+        dt in 0usize..15, rows in 1usize..70, units in 1usize..8, n in 1usize..40, seed in any::<u64>(),
     ) {
         let dtype = DTYPES[dt];
         let cols = cols_for(dtype, units);
@@ -199,7 +240,7 @@ proptest! {
 
     /// `dequantize_row` equals weight-cache's reference dequantization bit for bit.
     #[test]
-    fn dequantize_row_matches_reference(dt in 0usize..8, rows in 1usize..5, units in 1usize..6, seed in any::<u64>()) {
+    fn dequantize_row_matches_reference(dt in 0usize..15, rows in 1usize..5, units in 1usize..6, seed in any::<u64>()) {
         let dtype = DTYPES[dt];
         let cols = cols_for(dtype, units);
         let mut rng = Rng(seed | 1);
@@ -281,7 +322,14 @@ fn real_model_tensors() {
 fn large_batches_are_batch_invariant() {
     let mut rng = Rng(0x5EED);
     let pool = ThreadPool::new(2);
-    for dtype in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0] {
+    for dtype in [
+        GgmlType::Q4_0,
+        GgmlType::Q4_1,
+        GgmlType::Q8_0,
+        GgmlType::Q5_0,
+        GgmlType::Q5_1,
+        GgmlType::IQ4_NL,
+    ] {
         let (rows, cols) = (37, 96);
         let data = random_weights(dtype, rows, cols, &mut rng);
         let w = WeightMatrix::new(dtype, rows, cols, &data).unwrap();
@@ -298,6 +346,37 @@ fn large_batches_are_batch_invariant() {
                     .collect();
                 let want: Vec<u32> = yv.iter().map(|v| v.to_bits()).collect();
                 assert_eq!(got, want, "{} n {n} token {t}", dtype.name());
+            }
+        }
+    }
+}
+
+/// Many-token products of the 256-element formats over long rows (several token chunks of the
+/// 4-row kernel's decoded path, ragged last chunk) give each token the bits it gets alone, on
+/// every backend.
+#[test]
+fn long_rows_many_tokens_are_batch_invariant() {
+    let mut rng = Rng(0x10C);
+    let pool = ThreadPool::new(2);
+    for dtype in [GgmlType::Q4_K, GgmlType::Q2_K, GgmlType::IQ4_XS] {
+        let (rows, cols, n) = (7, 8192, 21);
+        let data = random_weights(dtype, rows, cols, &mut rng);
+        let w = WeightMatrix::new(dtype, rows, cols, &data).unwrap();
+        let x = random_acts(n, cols, &mut rng);
+        for backend in Backend::available() {
+            let mut y = vec![0.0f32; n * rows];
+            matmul_with(backend, w, &x, n, &mut y, &pool).unwrap();
+            for t in 0..n {
+                let mut yv = vec![0.0f32; rows];
+                matmul_with(backend, w, &x[t * cols..(t + 1) * cols], 1, &mut yv, &pool).unwrap();
+                let same = yv
+                    .iter()
+                    .zip(&y[t * rows..(t + 1) * rows])
+                    .all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(same, "{backend:?} {} token {t}", dtype.name());
+            }
+            if backend == Backend::Scalar {
+                check_against_reference(dtype, rows, cols, &data, &x, &y, "Scalar");
             }
         }
     }
@@ -324,9 +403,9 @@ fn rejects_bad_shapes() {
         })
     ));
     assert!(matches!(
-        WeightMatrix::new(GgmlType::Q5_K, 1, 256, &[0u8; 176]),
+        WeightMatrix::new(GgmlType::IQ2_XXS, 1, 256, &[0u8; 66]),
         Err(KernelError::UnsupportedDtype {
-            dtype: GgmlType::Q5_K
+            dtype: GgmlType::IQ2_XXS
         })
     ));
     let w = WeightMatrix::new(GgmlType::Q4_1, 2, 64, &data).unwrap();
@@ -413,4 +492,105 @@ fn matmul_many_equals_separate_products() {
             outputs: 1
         })
     ));
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+
+    /// Every SIMD backend gives the scalar reference's bits, for every integer-quantized format,
+    /// odd row counts, several column counts and batch sizes on both sides of the panel kernel's
+    /// threshold.
+    #[test]
+    fn simd_backends_equal_scalar_bit_for_bit(
+        dt in 0usize..12, rows in 1usize..40, units in 1usize..11, n in 1usize..24, seed in any::<u64>(),
+    ) {
+        let dtype = QUANT_DTYPES[dt];
+        let cols = cols_for(dtype, units);
+        let mut rng = Rng(seed | 1);
+        let data = random_weights(dtype, rows, cols, &mut rng);
+        let x = random_acts(n, cols, &mut rng);
+        let w = WeightMatrix::new(dtype, rows, cols, &data).unwrap();
+        let pool = ThreadPool::new(2);
+        let mut want = vec![0.0f32; n * rows];
+        matmul_with(Backend::Scalar, w, &x, n, &mut want, &pool).unwrap();
+        for backend in Backend::available() {
+            let mut y = vec![f32::NAN; n * rows];
+            matmul_with(backend, w, &x, n, &mut y, &pool).unwrap();
+            for (i, (g, r)) in y.iter().zip(&want).enumerate() {
+                prop_assert_eq!(g.to_bits(), r.to_bits(), "{:?} {} {}x{} n {} output {}: {} vs scalar {}",
+                    backend, dtype.name(), rows, cols, n, i, g, r);
+            }
+        }
+    }
+}
+
+/// A block with a NaN or infinite scale (or minimum) neither panics nor hangs, on any backend, in
+/// products, batched products and row dequantization (the outputs may be NaN).
+#[test]
+fn non_finite_scales_do_not_panic() {
+    let pool = ThreadPool::new(2);
+    let mut rng = Rng(0xBAD);
+    for dtype in QUANT_DTYPES {
+        let (rows, cols) = (9, cols_for(dtype, 4));
+        for bits in [0x7E00u16, 0x7C00, 0xFC00] {
+            let mut data = random_weights(dtype, rows, cols, &mut rng);
+            for (b, blk) in data.chunks_exact_mut(dtype.type_size()).enumerate() {
+                let offs = scale_offsets(dtype);
+                let off = offs[b % offs.len()];
+                if b % 3 == 0 {
+                    blk[off..off + 2].copy_from_slice(&bits.to_le_bytes());
+                }
+            }
+            let w = WeightMatrix::new(dtype, rows, cols, &data).unwrap();
+            for n in [1usize, 20] {
+                let x = random_acts(n, cols, &mut rng);
+                for backend in Backend::available() {
+                    let mut y = vec![0.0f32; n * rows];
+                    matmul_with(backend, w, &x, n, &mut y, &pool).unwrap();
+                }
+            }
+            let mut row = vec![0.0f32; cols];
+            dequantize_row(w, 0, &mut row).unwrap();
+        }
+    }
+}
+
+/// Deterministic sweep behind the property test: every integer format, odd row counts, 1-3
+/// blocks (or super-blocks) per row and token counts on both sides of the panel threshold; every
+/// backend gives the scalar bits, and each token of a batch the bits it gets alone.
+#[test]
+fn every_format_sweep_bit_identical() {
+    let pool = ThreadPool::new(2);
+    let mut rng = Rng(0xC0FFEE);
+    for dtype in QUANT_DTYPES {
+        for units in [1usize, 2, 5, 9] {
+            let cols = cols_for(dtype, units);
+            for rows in [1usize, 7, 33] {
+                let data = random_weights(dtype, rows, cols, &mut rng);
+                let w = WeightMatrix::new(dtype, rows, cols, &data).unwrap();
+                for n in [1usize, 3, 17] {
+                    let x = random_acts(n, cols, &mut rng);
+                    let mut want = vec![0.0f32; n * rows];
+                    matmul_with(Backend::Scalar, w, &x, n, &mut want, &pool).unwrap();
+                    check_against_reference(dtype, rows, cols, &data, &x, &want, "Scalar");
+                    for backend in Backend::available() {
+                        let mut y = vec![f32::NAN; n * rows];
+                        matmul_with(backend, w, &x, n, &mut y, &pool).unwrap();
+                        let same = y.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits());
+                        assert!(same, "{backend:?} {} {rows}x{cols} n {n}", dtype.name());
+                        for t in 0..n {
+                            let mut yv = vec![0.0f32; rows];
+                            let xt = &x[t * cols..(t + 1) * cols];
+                            matmul_with(backend, w, xt, 1, &mut yv, &pool).unwrap();
+                            let same = yv
+                                .iter()
+                                .zip(&y[t * rows..(t + 1) * rows])
+                                .all(|(a, b)| a.to_bits() == b.to_bits());
+                            assert!(same, "{backend:?} {} n {n} token {t}", dtype.name());
+                        }
+                    }
+                }
+            }
+        }
+    }
 }

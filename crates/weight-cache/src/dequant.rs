@@ -3,13 +3,11 @@
 //!
 //! These are the format truth, written for clarity; fast kernels live in `gpu-pipeline`.
 
-use bytemuck::Pod;
 use half::{bf16, f16};
 
 use crate::GgmlType;
 use crate::quant::{
-    BlockQ4_0, BlockQ4_1, BlockQ4K, BlockQ5_0, BlockQ5_1, BlockQ5K, BlockQ6K, BlockQ8_0, QK, QK_K,
-    scale_min_k4,
+    BlockQ4_0, BlockQ4_1, BlockQ5_0, BlockQ5_1, BlockQ8_0, QK, decode_sub_block, is_integer_quant,
 };
 
 /// Error of [`dequantize`].
@@ -68,15 +66,11 @@ pub enum QuantizeError {
     },
 }
 
-fn blocks<T: Pod>(src: &[u8]) -> impl Iterator<Item = T> + '_ {
-    src.chunks_exact(size_of::<T>())
-        .map(bytemuck::pod_read_unaligned::<T>)
-}
-
 /// Dequantize `dst.len()` values of type `dtype` from `src` (exactly
 /// `dtype.row_bytes(dst.len())` bytes) into `dst`, with ggml's reference semantics.
 ///
-/// Supported: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K.
+/// Supported: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL,
+/// IQ4_XS.
 ///
 /// ```
 /// use weight_cache::{GgmlType, dequantize, quantize};
@@ -122,121 +116,18 @@ pub fn dequantize(dtype: GgmlType, src: &[u8], dst: &mut [f32]) -> Result<(), De
                 *y = bf16::from_le_bytes([c[0], c[1]]).to_f32();
             }
         }
-        GgmlType::Q4_0 => {
-            for (b, y) in blocks::<BlockQ4_0>(src).zip(dst.chunks_exact_mut(QK)) {
-                let d = b.d.to_f32();
-                for j in 0..QK / 2 {
-                    let x0 = i32::from(b.qs[j] & 0x0F) - 8;
-                    let x1 = i32::from(b.qs[j] >> 4) - 8;
-                    y[j] = x0 as f32 * d;
-                    y[j + QK / 2] = x1 as f32 * d;
-                }
-            }
-        }
-        GgmlType::Q4_1 => {
-            for (b, y) in blocks::<BlockQ4_1>(src).zip(dst.chunks_exact_mut(QK)) {
-                let d = b.d.to_f32();
-                let m = b.m.to_f32();
-                for j in 0..QK / 2 {
-                    let x0 = b.qs[j] & 0x0F;
-                    let x1 = b.qs[j] >> 4;
-                    y[j] = f32::from(x0) * d + m;
-                    y[j + QK / 2] = f32::from(x1) * d + m;
-                }
-            }
-        }
-        GgmlType::Q5_0 => {
-            for (b, y) in blocks::<BlockQ5_0>(src).zip(dst.chunks_exact_mut(QK)) {
-                let d = b.d.to_f32();
-                let qh = u32::from_le_bytes(b.qh);
-                for j in 0..QK / 2 {
-                    let xh0 = ((qh >> j) << 4) & 0x10;
-                    let xh1 = (qh >> (j + 12)) & 0x10;
-                    let x0 = (u32::from(b.qs[j] & 0x0F) | xh0) as i32 - 16;
-                    let x1 = (u32::from(b.qs[j] >> 4) | xh1) as i32 - 16;
-                    y[j] = x0 as f32 * d;
-                    y[j + QK / 2] = x1 as f32 * d;
-                }
-            }
-        }
-        GgmlType::Q5_1 => {
-            for (b, y) in blocks::<BlockQ5_1>(src).zip(dst.chunks_exact_mut(QK)) {
-                let d = b.d.to_f32();
-                let m = b.m.to_f32();
-                let qh = u32::from_le_bytes(b.qh);
-                for j in 0..QK / 2 {
-                    let xh0 = ((qh >> j) << 4) & 0x10;
-                    let xh1 = (qh >> (j + 12)) & 0x10;
-                    let x0 = u32::from(b.qs[j] & 0x0F) | xh0;
-                    let x1 = u32::from(b.qs[j] >> 4) | xh1;
-                    y[j] = x0 as f32 * d + m;
-                    y[j + QK / 2] = x1 as f32 * d + m;
-                }
-            }
-        }
-        GgmlType::Q8_0 => {
-            for (b, y) in blocks::<BlockQ8_0>(src).zip(dst.chunks_exact_mut(QK)) {
-                let d = b.d.to_f32();
-                for (y, &q) in y.iter_mut().zip(&b.qs) {
-                    *y = f32::from(q) * d;
-                }
-            }
-        }
-        GgmlType::Q4_K => {
-            for (b, y) in blocks::<BlockQ4K>(src).zip(dst.chunks_exact_mut(QK_K)) {
-                let d = b.d.to_f32();
-                let min = b.dmin.to_f32();
-                for (g, y) in y.chunks_exact_mut(64).enumerate() {
-                    let q = &b.qs[g * 32..g * 32 + 32];
-                    let (sc1, m1) = scale_min_k4(2 * g, &b.scales);
-                    let (sc2, m2) = scale_min_k4(2 * g + 1, &b.scales);
-                    let (d1, m1) = (d * f32::from(sc1), min * f32::from(m1));
-                    let (d2, m2) = (d * f32::from(sc2), min * f32::from(m2));
-                    for l in 0..32 {
-                        y[l] = d1 * f32::from(q[l] & 0xF) - m1;
-                        y[l + 32] = d2 * f32::from(q[l] >> 4) - m2;
-                    }
-                }
-            }
-        }
-        GgmlType::Q5_K => {
-            for (b, y) in blocks::<BlockQ5K>(src).zip(dst.chunks_exact_mut(QK_K)) {
-                let d = b.d.to_f32();
-                let min = b.dmin.to_f32();
-                for (g, y) in y.chunks_exact_mut(64).enumerate() {
-                    let ql = &b.qs[g * 32..g * 32 + 32];
-                    let u1 = 1u8 << (2 * g);
-                    let u2 = 2u8 << (2 * g);
-                    let (sc1, m1) = scale_min_k4(2 * g, &b.scales);
-                    let (sc2, m2) = scale_min_k4(2 * g + 1, &b.scales);
-                    let (d1, m1) = (d * f32::from(sc1), min * f32::from(m1));
-                    let (d2, m2) = (d * f32::from(sc2), min * f32::from(m2));
-                    for l in 0..32 {
-                        let h1 = if b.qh[l] & u1 != 0 { 16 } else { 0 };
-                        let h2 = if b.qh[l] & u2 != 0 { 16 } else { 0 };
-                        y[l] = d1 * f32::from((ql[l] & 0xF) + h1) - m1;
-                        y[l + 32] = d2 * f32::from((ql[l] >> 4) + h2) - m2;
-                    }
-                }
-            }
-        }
-        GgmlType::Q6_K => {
-            for (b, y) in blocks::<BlockQ6K>(src).zip(dst.chunks_exact_mut(QK_K)) {
-                let d = b.d.to_f32();
-                for (h, y) in y.chunks_exact_mut(128).enumerate() {
-                    let ql = &b.ql[h * 64..h * 64 + 64];
-                    let qh = &b.qh[h * 32..h * 32 + 32];
-                    let sc = &b.scales[h * 8..h * 8 + 8];
-                    for l in 0..32 {
-                        let is = l / 16;
-                        let q1 = ((ql[l] & 0xF) | ((qh[l] & 3) << 4)) as i8 - 32;
-                        let q2 = ((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) as i8 - 32;
-                        let q3 = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) as i8 - 32;
-                        let q4 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) as i8 - 32;
-                        y[l] = d * f32::from(sc[is]) * f32::from(q1);
-                        y[l + 32] = d * f32::from(sc[is + 2]) * f32::from(q2);
-                        y[l + 64] = d * f32::from(sc[is + 4]) * f32::from(q3);
-                        y[l + 96] = d * f32::from(sc[is + 6]) * f32::from(q4);
+        _ if is_integer_quant(dtype) => {
+            // One decoder per format, shared with the kernels (`quant::decode_sub_block`).
+            let bytes = dtype.type_size();
+            let mut q = [0u8; QK];
+            for (b, y) in src
+                .chunks_exact(bytes)
+                .zip(dst.chunks_exact_mut(block_size))
+            {
+                for (sub, y) in y.chunks_exact_mut(QK).enumerate() {
+                    let map = decode_sub_block(dtype, b, sub, &mut q);
+                    for (e, y) in y.iter_mut().enumerate() {
+                        *y = map.weight(&q, e);
                     }
                 }
             }

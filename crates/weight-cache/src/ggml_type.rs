@@ -337,9 +337,13 @@ impl GgmlType {
                 | Self::Q5_0
                 | Self::Q5_1
                 | Self::Q8_0
+                | Self::Q2_K
+                | Self::Q3_K
                 | Self::Q4_K
                 | Self::Q5_K
                 | Self::Q6_K
+                | Self::IQ4_NL
+                | Self::IQ4_XS
         )
     }
 }

@@ -168,3 +168,316 @@ pub fn scale_min_k4(j: usize, q: &[u8; K_SCALE_SIZE]) -> (u8, u8) {
         )
     }
 }
+
+/// Q2_K super-block: 16 sub-blocks of 16 weights, `w = d * (sc & 15) * q - dmin * (sc >> 4)`,
+/// q in 0..4.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Pod, Zeroable)]
+pub struct BlockQ2K {
+    /// Per 16 weights: 4-bit scale (low nibble) and 4-bit min (high nibble).
+    pub scales: [u8; QK_K / 16],
+    /// 2-bit quants: weight `128 n + 32 j + l` is bits `2j..2j + 2` of `qs[32 n + l]`.
+    pub qs: [u8; QK_K / 4],
+    /// Super-block scale for the scales.
+    pub d: f16,
+    /// Super-block scale for the mins.
+    pub dmin: f16,
+}
+
+/// Q3_K super-block: 16 sub-blocks of 16 weights, `w = d * (sc - 32) * (q - 4)` with 6-bit `sc`
+/// (see [`scale_k3`]), q in 0..8.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Pod, Zeroable)]
+pub struct BlockQ3K {
+    /// High (third) bits: bit `s` of `hmask[l]` belongs to weight `32 s + l`.
+    pub hmask: [u8; QK_K / 8],
+    /// Low 2 bits, in the order of [`BlockQ2K::qs`].
+    pub qs: [u8; QK_K / 4],
+    /// Packed 6-bit scales.
+    pub scales: [u8; K_SCALE_SIZE],
+    /// Super-block scale.
+    pub d: f16,
+}
+
+/// IQ4_NL: `w = d * KVALUES_IQ4NL[q]`, nibble order as Q4_0.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Pod, Zeroable)]
+pub struct BlockIQ4NL {
+    /// Scale.
+    pub d: f16,
+    /// 4-bit table indices.
+    pub qs: [u8; QK / 2],
+}
+
+/// IQ4_XS super-block: 8 sub-blocks of 32 weights, `w = d * (ls - 32) * KVALUES_IQ4NL[q]` with
+/// 6-bit `ls` (see [`scale_iq4xs`]).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Pod, Zeroable)]
+pub struct BlockIQ4XS {
+    /// Super-block scale.
+    pub d: f16,
+    /// High 2 bits of the sub-block scales (bits `2i..2i + 2` for sub-block `i`).
+    pub scales_h: u16,
+    /// Low 4 bits of the sub-block scales (nibble `i % 2` of byte `i / 2`).
+    pub scales_l: [u8; QK_K / 64],
+    /// 4-bit table indices: sub-block `i` is bytes `16 i..16 i + 16`, nibble order as Q4_0.
+    pub qs: [u8; QK_K / 2],
+}
+
+const _: () = assert!(size_of::<BlockQ2K>() == 84);
+const _: () = assert!(size_of::<BlockQ3K>() == 110);
+const _: () = assert!(size_of::<BlockIQ4NL>() == 18);
+const _: () = assert!(size_of::<BlockIQ4XS>() == 136);
+
+/// The non-linear 4-bit code book of IQ4_NL and IQ4_XS (ggml's `kvalues_iq4nl`).
+pub const KVALUES_IQ4NL: [i8; 16] = [
+    -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113,
+];
+
+/// Scale `i` (0..16) of a Q3_K super-block as the signed value `sc - 32` (-32..32).
+#[inline]
+pub fn scale_k3(i: usize, q: &[u8; K_SCALE_SIZE]) -> i8 {
+    let low = if i < 8 { q[i] & 0xF } else { q[i - 8] >> 4 };
+    let high = (q[8 + i % 4] >> (2 * (i / 4))) & 3;
+    (low | (high << 4)) as i8 - 32
+}
+
+/// Scale of sub-block `i` (0..8) of an IQ4_XS super-block (fields `scales_h`, `scales_l`) as
+/// the signed value `ls - 32`.
+#[inline]
+pub fn scale_iq4xs(i: usize, scales_h: u16, scales_l: &[u8; QK_K / 64]) -> i8 {
+    let low = (scales_l[i / 2] >> (4 * (i % 2))) & 0xF;
+    let high = ((scales_h >> (2 * i)) & 3) as u8;
+    (low | (high << 4)) as i8 - 32
+}
+
+/// The affine map of one decoded 32-weight sub-block, shared by [`crate::dequantize`] and the
+/// integer kernels of other crates: weight `e` is `scale[e / 16] * (q[e] - offset)`, plus
+/// `min[e / 16]` when `min` is present, where `q` are the unsigned quants written by
+/// [`decode_sub_block`].
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct SubBlock {
+    /// Scale of weights 0..16 and 16..32 (equal for formats with one scale per 32 weights).
+    pub scale: [f32; 2],
+    /// Subtracted from every unsigned quant.
+    pub offset: i32,
+    /// Additive term of weights 0..16 and 16..32, for the formats that have one.
+    pub min: Option<[f32; 2]>,
+}
+
+impl SubBlock {
+    /// Whether the two halves have different scales or mins (Q2_K, Q3_K, Q6_K).
+    pub fn split(dtype: crate::GgmlType) -> bool {
+        use crate::GgmlType as T;
+        matches!(dtype, T::Q2_K | T::Q3_K | T::Q6_K)
+    }
+
+    /// Weight `e` (0..32) of the sub-block whose quants are `q`, with ggml's dequantization
+    /// arithmetic (`scale * (q - offset) [+ min]` in f32, unfused).
+    #[inline(always)]
+    pub fn weight(&self, q: &[u8; 32], e: usize) -> f32 {
+        let v = (i32::from(q[e]) - self.offset) as f32;
+        let y = self.scale[e / 16] * v;
+        match self.min {
+            Some(m) => y + m[e / 16],
+            None => y,
+        }
+    }
+}
+
+/// Number of 32-weight sub-blocks per block of `dtype` (0 for types without integer quants).
+pub fn sub_blocks_per_block(dtype: crate::GgmlType) -> usize {
+    if is_integer_quant(dtype) {
+        dtype.block_size() / QK
+    } else {
+        0
+    }
+}
+
+/// Whether [`decode_sub_block`] decodes `dtype`.
+pub fn is_integer_quant(dtype: crate::GgmlType) -> bool {
+    use crate::GgmlType as T;
+    matches!(
+        dtype,
+        T::Q4_0
+            | T::Q4_1
+            | T::Q5_0
+            | T::Q5_1
+            | T::Q8_0
+            | T::Q2_K
+            | T::Q3_K
+            | T::Q4_K
+            | T::Q5_K
+            | T::Q6_K
+            | T::IQ4_NL
+            | T::IQ4_XS
+    )
+}
+
+/// A block of type `B` from its bytes (borrowed when aligned, else copied).
+#[inline(always)]
+fn block<B: Pod>(bytes: &[u8]) -> std::borrow::Cow<'_, B> {
+    match bytemuck::try_from_bytes::<B>(&bytes[..size_of::<B>()]) {
+        Ok(b) => std::borrow::Cow::Borrowed(b),
+        Err(_) => std::borrow::Cow::Owned(bytemuck::pod_read_unaligned(&bytes[..size_of::<B>()])),
+    }
+}
+
+/// The 16 + 16 nibbles of `qs` (byte `j`: weight `j` low, `j + 16` high) into `q`.
+#[inline(always)]
+fn split_nibbles(qs: &[u8], q: &mut [u8; 32]) {
+    for j in 0..16 {
+        q[j] = qs[j] & 0xF;
+        q[j + 16] = qs[j] >> 4;
+    }
+}
+
+/// Decodes sub-block `sub` (0..[`sub_blocks_per_block`]) of the block `bytes` (at least one
+/// block of `dtype`): writes its unsigned quants in weight order into `q` and returns their
+/// affine map. Q8_0 quants are stored as `q + 128`, IQ4 table values as `value + 128`.
+///
+/// # Panics
+/// If `dtype` is not an integer-quantized type ([`is_integer_quant`]) or `bytes` is shorter than
+/// a block.
+#[inline]
+pub fn decode_sub_block(
+    dtype: crate::GgmlType,
+    bytes: &[u8],
+    sub: usize,
+    q: &mut [u8; 32],
+) -> SubBlock {
+    use crate::GgmlType as T;
+    let single = |scale: f32, offset: i32, min: Option<f32>| SubBlock {
+        scale: [scale; 2],
+        offset,
+        min: min.map(|m| [m; 2]),
+    };
+    match dtype {
+        T::Q4_0 => {
+            let b = block::<BlockQ4_0>(bytes);
+            split_nibbles(&b.qs, q);
+            single(b.d.to_f32(), 8, None)
+        }
+        T::Q4_1 => {
+            let b = block::<BlockQ4_1>(bytes);
+            split_nibbles(&b.qs, q);
+            single(b.d.to_f32(), 0, Some(b.m.to_f32()))
+        }
+        T::Q5_0 | T::Q5_1 => {
+            let (d, m, qh, qs) = if dtype == T::Q5_0 {
+                let b = block::<BlockQ5_0>(bytes);
+                (b.d.to_f32(), None, u32::from_le_bytes(b.qh), b.qs)
+            } else {
+                let b = block::<BlockQ5_1>(bytes);
+                let m = Some(b.m.to_f32());
+                (b.d.to_f32(), m, u32::from_le_bytes(b.qh), b.qs)
+            };
+            split_nibbles(&qs, q);
+            for (e, v) in q.iter_mut().enumerate() {
+                *v |= (((qh >> e) & 1) << 4) as u8;
+            }
+            single(d, if m.is_some() { 0 } else { 16 }, m)
+        }
+        T::Q8_0 => {
+            let b = block::<BlockQ8_0>(bytes);
+            for (v, &s) in q.iter_mut().zip(&b.qs) {
+                *v = (s as u8) ^ 0x80;
+            }
+            single(b.d.to_f32(), 128, None)
+        }
+        T::IQ4_NL => {
+            let b = block::<BlockIQ4NL>(bytes);
+            split_nibbles(&b.qs, q);
+            for v in q.iter_mut() {
+                *v = (KVALUES_IQ4NL[usize::from(*v)] as u8) ^ 0x80;
+            }
+            single(b.d.to_f32(), 128, None)
+        }
+        T::IQ4_XS => {
+            let b = block::<BlockIQ4XS>(bytes);
+            split_nibbles(&b.qs[16 * sub..16 * sub + 16], q);
+            for v in q.iter_mut() {
+                *v = (KVALUES_IQ4NL[usize::from(*v)] as u8) ^ 0x80;
+            }
+            single(
+                b.d.to_f32() * f32::from(scale_iq4xs(sub, b.scales_h, &b.scales_l)),
+                128,
+                None,
+            )
+        }
+        T::Q4_K | T::Q5_K => {
+            let (d, dmin, scales, low, high) = if dtype == T::Q4_K {
+                let b = block::<BlockQ4K>(bytes);
+                let low: [u8; 32] = b.qs[32 * (sub / 2)..32 * (sub / 2) + 32]
+                    .try_into()
+                    .unwrap();
+                (b.d, b.dmin, b.scales, low, None)
+            } else {
+                let b = block::<BlockQ5K>(bytes);
+                let low: [u8; 32] = b.qs[32 * (sub / 2)..32 * (sub / 2) + 32]
+                    .try_into()
+                    .unwrap();
+                (b.d, b.dmin, b.scales, low, Some(b.qh))
+            };
+            let shift = 4 * (sub % 2);
+            for (l, v) in q.iter_mut().enumerate() {
+                *v = (low[l] >> shift) & 0xF;
+                if let Some(qh) = high {
+                    *v |= ((qh[l] >> sub) & 1) << 4;
+                }
+            }
+            let (sc, m) = scale_min_k4(sub, &scales);
+            single(
+                d.to_f32() * f32::from(sc),
+                0,
+                Some(-(dmin.to_f32() * f32::from(m))),
+            )
+        }
+        T::Q2_K => {
+            let b = block::<BlockQ2K>(bytes);
+            let (half, shift) = (sub / 4, 2 * (sub % 4));
+            for (l, v) in q.iter_mut().enumerate() {
+                *v = (b.qs[32 * half + l] >> shift) & 3;
+            }
+            let (d, dmin) = (b.d.to_f32(), b.dmin.to_f32());
+            let sc = [b.scales[2 * sub], b.scales[2 * sub + 1]];
+            SubBlock {
+                scale: sc.map(|s| d * f32::from(s & 0xF)),
+                offset: 0,
+                min: Some(sc.map(|s| -(dmin * f32::from(s >> 4)))),
+            }
+        }
+        T::Q3_K => {
+            let b = block::<BlockQ3K>(bytes);
+            let (half, shift) = (sub / 4, 2 * (sub % 4));
+            for (l, v) in q.iter_mut().enumerate() {
+                *v = ((b.qs[32 * half + l] >> shift) & 3) | (((b.hmask[l] >> sub) & 1) << 2);
+            }
+            let d = b.d.to_f32();
+            SubBlock {
+                scale: [2 * sub, 2 * sub + 1].map(|i| d * f32::from(scale_k3(i, &b.scales))),
+                offset: 4,
+                min: None,
+            }
+        }
+        T::Q6_K => {
+            let b = block::<BlockQ6K>(bytes);
+            let (half, j) = (sub / 4, sub % 4);
+            let ql = &b.ql[64 * half..64 * half + 64];
+            let qh = &b.qh[32 * half..32 * half + 32];
+            for (l, v) in q.iter_mut().enumerate() {
+                let lo = ql[l + 32 * (j % 2)];
+                let lo = if j < 2 { lo & 0xF } else { lo >> 4 };
+                *v = lo | (((qh[l] >> (2 * j)) & 3) << 4);
+            }
+            let d = b.d.to_f32();
+            let sc = |g: usize| d * f32::from(b.scales[g]);
+            SubBlock {
+                scale: [sc(8 * half + 2 * j), sc(8 * half + 2 * j + 1)],
+                offset: 32,
+                min: None,
+            }
+        }
+        _ => panic!("{dtype} has no integer quants"),
+    }
+}

@@ -305,3 +305,81 @@ fn errors() {
         Err(QuantizeError::NotBlockMultiple { .. })
     ));
 }
+
+/// Hex string to bytes.
+fn unhex(hex: &str) -> Vec<u8> {
+    (0..hex.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(&hex[i..i + 2], 16).unwrap())
+        .collect()
+}
+
+/// Q5_0, Q5_1, Q2_K, Q3_K, Q5_K, IQ4_NL and IQ4_XS blocks decode to exactly the f32 bits of the
+/// `gguf` PyPI package's numpy dequantizers (fixture: `scripts/fixtures/weight-cache-quant-reference.py`).
+#[test]
+fn new_formats_match_gguf_package_bit_for_bit() {
+    let fx: serde_json::Value =
+        serde_json::from_str(include_str!("fixtures/quant-reference.json")).unwrap();
+    let mut seen = Vec::new();
+    for b in fx["blocks"].as_array().unwrap() {
+        let name = b["dtype"].as_str().unwrap();
+        let t = *GgmlType::ALL
+            .iter()
+            .find(|t| t.name().eq_ignore_ascii_case(name))
+            .unwrap();
+        let bytes = unhex(b["hex"].as_str().unwrap());
+        let want: Vec<u32> = unhex(b["f32_bits_hex"].as_str().unwrap())
+            .chunks_exact(4)
+            .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect();
+        assert_eq!(want.len() * t.type_size(), bytes.len() * t.block_size());
+        let mut got = vec![f32::NAN; want.len()];
+        dequantize(t, &bytes, &mut got).unwrap();
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert_eq!(
+                g.to_bits(),
+                *w,
+                "{t} value {i}: {g} vs gguf {}",
+                f32::from_bits(*w)
+            );
+        }
+        // Unaligned source bytes decode the same.
+        let mut shifted = vec![0u8; bytes.len() + 1];
+        shifted[1..].copy_from_slice(&bytes);
+        let mut again = vec![f32::NAN; want.len()];
+        dequantize(t, &shifted[1..], &mut again).unwrap();
+        assert!(
+            got.iter()
+                .zip(&again)
+                .all(|(a, b)| a.to_bits() == b.to_bits())
+        );
+        seen.push(t);
+    }
+    for t in [
+        GgmlType::Q5_0,
+        GgmlType::Q5_1,
+        GgmlType::Q2_K,
+        GgmlType::Q3_K,
+        GgmlType::Q5_K,
+        GgmlType::IQ4_NL,
+        GgmlType::IQ4_XS,
+    ] {
+        assert!(seen.contains(&t), "fixture lacks {t}");
+    }
+}
+
+/// A block whose f16 scale is NaN or infinite decodes (to NaN/Inf values) without panicking.
+#[test]
+fn non_finite_scales_do_not_panic() {
+    for t in GgmlType::ALL.iter().copied().filter(|t| t.can_dequantize()) {
+        for bits in [0x7E00u16, 0x7C00, 0xFC00] {
+            let mut block = vec![0x5Au8; t.type_size()];
+            // Every even offset as a scale: the f16 fields of any layout get the value.
+            for c in block.chunks_exact_mut(2) {
+                c.copy_from_slice(&bits.to_le_bytes());
+            }
+            let mut out = vec![0.0f32; t.block_size()];
+            dequantize(t, &block, &mut out).unwrap();
+        }
+    }
+}

@@ -1,4 +1,5 @@
-//! AVX2 + FMA + F16C kernels for float weights (F32, F16, BF16) with f32 activations.
+//! AVX2 + FMA + F16C kernels for float weights (F32, F16, BF16) with f32 activations, and the
+//! integer-quantized formats through the scalar reference compiled for AVX2 + FMA.
 //!
 //! Per (row, token): two 8-lane FMA accumulators over 16-column chunks, a fixed horizontal sum,
 //! then the `cols % 16` tail added in column order. The same sequence runs for any number of
@@ -33,6 +34,25 @@ pub(crate) unsafe fn float_rows(
         Fmt::BF16 => rows_impl::<F_BF16>(w, x, n, rows, out),
         _ => unreachable!("quantized formats use quant_rows"),
     }
+}
+
+/// Rows `rows` x all `n` tokens of an integer-quantized matrix: [`super::scalar::quant_rows`]
+/// compiled with AVX2 + FMA enabled (the compiler vectorizes its integer block dot products and
+/// its fused multiply-adds become single instructions). Same source, same operations, so the
+/// same bits as the scalar and AVX-512 backends.
+///
+/// # Safety
+/// The CPU supports AVX2, FMA and F16C.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn quant_rows(
+    fmt: Fmt,
+    w: WeightMatrix<'_>,
+    acts: &[super::act::ActQuad],
+    n: usize,
+    rows: Range<usize>,
+    out: &mut RowsOut<'_>,
+) {
+    super::scalar::quant_rows(fmt, w, acts, n, rows, out);
 }
 
 /// 8 weights of row `p` starting at column `c` as f32.

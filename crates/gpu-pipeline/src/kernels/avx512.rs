@@ -4,7 +4,10 @@
 //! - per row, the quad's quants are gathered with one or two `vpermt2b` into two u8 vectors
 //!   `W0` (lane `L` = elements 0..16 of block `L`) and `W1` (elements 16..32), the layout of the
 //!   prepared activations ([`ActQuad`]);
-//! - `vpdpbusd` multiplies them with the q8 activations, giving 4 partial sums per block;
+//!   (5th / 3rd bits are merged with byte-masked adds, IQ4 code book values looked up with
+//!   `vpshufb`, the 2-bit K-quant planes shifted per 128-bit lane);
+//! - `vpdpbusd` multiplies them with the q8 activations, giving 4 partial sums per block (two per
+//!   block, of 16 elements each, for Q2_K, Q3_K and Q6_K, whose halves have their own scales);
 //! - a 4x4 transpose-and-add turns the 4 rows' partial sums into one vector whose lane `4L + k`
 //!   is the exact integer dot product of block `L` of row `k`;
 //! - the block scales (weights' and activations') are applied in f32 with one FMA per 16 block
@@ -18,17 +21,52 @@
 #![allow(clippy::incompatible_msrv)]
 
 use std::arch::x86_64::*;
+use std::cell::RefCell;
 use std::ops::Range;
 
 use super::act::{ActBlock, ActQuad, block_scale, quads_per_token};
-use super::format::{Fmt, f16_at, q4k_scale_min};
+use super::format::{Fmt, f16_at};
 use super::{RowsOut, WeightMatrix};
+use std::mem::offset_of;
+use weight_cache::quant::{
+    BlockIQ4XS, BlockQ2K, BlockQ3K, BlockQ4K, BlockQ5_0, BlockQ5_1, BlockQ5K, KVALUES_IQ4NL,
+    scale_iq4xs, scale_k3, scale_min_k4,
+};
 
 pub(crate) const F_Q4_0: u8 = 0;
 pub(crate) const F_Q4_1: u8 = 1;
 pub(crate) const F_Q8_0: u8 = 2;
 const F_Q4K: u8 = 3;
 const F_Q6K: u8 = 4;
+pub(crate) const F_Q5_0: u8 = 5;
+pub(crate) const F_Q5_1: u8 = 6;
+const F_Q2K: u8 = 7;
+const F_Q3K: u8 = 8;
+const F_Q5K: u8 = 9;
+pub(crate) const F_IQ4NL: u8 = 10;
+const F_IQ4XS: u8 = 11;
+
+/// Whether the two 16-element halves of a block have their own scales (and mins).
+const fn is_split(f: u8) -> bool {
+    matches!(f, F_Q6K | F_Q3K | F_Q2K)
+}
+
+/// Whether the format adds a per-block (split: per-half) minimum.
+pub(crate) const fn has_min(f: u8) -> bool {
+    matches!(f, F_Q4_1 | F_Q4K | F_Q5_1 | F_Q5K | F_Q2K)
+}
+
+/// `log2` of the offset subtracted from the unsigned quants (0: no offset, not an offset of 1).
+pub(crate) const fn offset_shift(f: u8) -> i32 {
+    match f {
+        F_Q3K => 2,
+        F_Q4_0 => 3,
+        F_Q5_0 => 4,
+        F_Q6K => 5,
+        F_Q8_0 | F_IQ4NL | F_IQ4XS => 7,
+        _ => 0,
+    }
+}
 
 /// Byte gather of the 16 quant bytes of 4 blocks of `bs` bytes with `hdr` header bytes.
 const fn qs_index(bs: usize, hdr: usize) -> [u8; 64] {
@@ -55,7 +93,36 @@ const fn hdr16_index(stride: usize) -> [u16; 32] {
 static IDX_Q4_0: [u8; 64] = qs_index(18, 2);
 static IDX_Q4_1: [u8; 64] = qs_index(20, 4);
 static IDX_Q8_0: [u8; 64] = qs_index(34, 2);
+static IDX_Q5_0: [u8; 64] = qs_index(22, 6);
+static IDX_Q5_1: [u8; 64] = qs_index(24, 8);
+static IDX16_Q5_0: [u16; 32] = hdr16_index(11);
+static IDX32_Q5_1: [u32; 16] = [0, 0, 0, 0, 6, 6, 6, 6, 12, 12, 12, 12, 18, 18, 18, 18];
 static IDX16_Q4_0: [u16; 32] = hdr16_index(9);
+/// Q2_K/Q3_K: 128-bit lane `L` shifts its (16-bit) words right by `2L`, to the 2 bits of
+/// sub-block `4h + L`.
+static K23_SHR: [u16; 32] = [
+    0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2, 4, 4, 4, 4, 4, 4, 4, 4, 6, 6, 6, 6, 6, 6, 6, 6,
+];
+/// Q5_K/Q3_K: byte lane `16L + e` selects bit `4h + L` of a high-bit byte, for quad half `h`.
+static Q5K_BIT: [[u8; 64]; 2] = {
+    let mut t = [[0u8; 64]; 2];
+    let mut i = 0;
+    while i < 128 {
+        t[i / 64][i % 64] = 1 << (4 * (i / 64) + (i % 64) / 16);
+        i += 1;
+    }
+    t
+};
+/// The IQ4 code book as unsigned bytes (`value + 128`), repeated in each 128-bit lane.
+pub(crate) static IQ4_TABLE: [u8; 64] = {
+    let mut t = [0u8; 64];
+    let mut i = 0;
+    while i < 64 {
+        t[i] = (KVALUES_IQ4NL[i % 16] as u8) ^ 0x80;
+        i += 1;
+    }
+    t
+};
 static IDX16_Q8_0: [u16; 32] = hdr16_index(17);
 static IDX32_Q4_1: [u32; 16] = [0, 0, 0, 0, 5, 5, 5, 5, 10, 10, 10, 10, 15, 15, 15, 15];
 static QIDX_W0_KQ4: [u64; 8] = [0, 1, 8, 9, 4, 5, 12, 13];
@@ -88,8 +155,10 @@ struct WQuad {
     w1: [__m512i; 4],
     /// Weight scale per lane `4L + k` (Q6_K: of elements 0..16).
     d: __m512,
-    /// Q4_1/Q4_K: additive term per lane; Q6_K: scale of elements 16..32.
+    /// Formats with a minimum: additive term per lane; split formats: scale of elements 16..32.
     m: __m512,
+    /// Q2_K: the minimums of elements 0..16 and 16..32.
+    mins: [__m512; 2],
 }
 
 #[inline]
@@ -114,6 +183,7 @@ unsafe fn decode<const F: u8>(rowp: &[*const u8; 4], q: usize, nvalid: usize) ->
         w1: [z; 4],
         d: _mm512_setzero_ps(),
         m: _mm512_setzero_ps(),
+        mins: [_mm512_setzero_ps(); 2],
     };
     let lo4 = _mm512_set1_epi8(0x0F);
     // SAFETY (whole body): all loads stay inside the quad's bytes of each row (full quads), or
@@ -146,7 +216,8 @@ unsafe fn decode<const F: u8>(rowp: &[*const u8; 4], q: usize, nvalid: usize) ->
                 out.d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(hdr));
                 out.m = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(hdr, 16)));
             }
-            F_Q4_0 => {
+            F_Q4_0 | F_IQ4NL => {
+                let table = _mm512_loadu_si512(IQ4_TABLE.as_ptr().cast());
                 let idx = load_idx(&IDX_Q4_0);
                 let hidx = _mm512_loadu_si512(IDX16_Q4_0.as_ptr().cast());
                 let mut hdr = z;
@@ -167,9 +238,145 @@ unsafe fn decode<const F: u8>(rowp: &[*const u8; 4], q: usize, nvalid: usize) ->
                     let qs = _mm512_permutex2var_epi8(a, idx, b);
                     out.w0[k] = _mm512_and_si512(qs, lo4);
                     out.w1[k] = _mm512_and_si512(_mm512_srli_epi16(qs, 4), lo4);
+                    if F == F_IQ4NL {
+                        // Table indices to code book values (+ 128).
+                        out.w0[k] = _mm512_shuffle_epi8(table, out.w0[k]);
+                        out.w1[k] = _mm512_shuffle_epi8(table, out.w1[k]);
+                    }
                     hdr = _mm512_mask_permutexvar_epi16(hdr, 0x0101_0101u32 << (2 * k), hidx, a);
                 }
                 out.d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(hdr));
+            }
+            F_Q5_0 | F_Q5_1 => {
+                // Block: f16 d [, f16 m], u32 qh (5th bits), 16 bytes of nibbles.
+                let (bs, qh_at) = if F == F_Q5_0 {
+                    (size_of::<BlockQ5_0>(), offset_of!(BlockQ5_0, qh))
+                } else {
+                    (size_of::<BlockQ5_1>(), offset_of!(BlockQ5_1, qh))
+                };
+                let idx = load_idx(if F == F_Q5_0 { &IDX_Q5_0 } else { &IDX_Q5_1 });
+                let hidx = if F == F_Q5_0 {
+                    _mm512_loadu_si512(IDX16_Q5_0.as_ptr().cast())
+                } else {
+                    _mm512_loadu_si512(IDX32_Q5_1.as_ptr().cast())
+                };
+                let fifth = _mm512_set1_epi8(0x10);
+                let mut hdr = z;
+                for k in 0..4 {
+                    let p = rowp[k].add(q * 4 * bs);
+                    let nb = (nvalid * bs) as isize;
+                    let (a, b) = (
+                        _mm512_maskz_loadu_epi8(bmask(nb), p.cast()),
+                        _mm512_maskz_loadu_epi8(bmask(nb - 64), p.add(64).cast()),
+                    );
+                    let qs = _mm512_permutex2var_epi8(a, idx, b);
+                    // Bit `e` of block `L`'s qh is the 5th bit of element `e`: byte `16L + e` of
+                    // W0 for e < 16, of W1 for the rest.
+                    let (mut high0, mut high1) = (0u64, 0u64);
+                    for l in 0..nvalid {
+                        let qh = std::ptr::read_unaligned(p.add(l * bs + qh_at).cast::<u32>());
+                        let qh = u32::from_le(qh);
+                        high0 |= u64::from(qh & 0xFFFF) << (16 * l);
+                        high1 |= u64::from(qh >> 16) << (16 * l);
+                    }
+                    let w0 = _mm512_and_si512(qs, lo4);
+                    let w1 = _mm512_and_si512(_mm512_srli_epi16(qs, 4), lo4);
+                    out.w0[k] = _mm512_mask_add_epi8(w0, high0, w0, fifth);
+                    out.w1[k] = _mm512_mask_add_epi8(w1, high1, w1, fifth);
+                    if F == F_Q5_0 {
+                        let h = _mm512_permutex2var_epi16(a, hidx, b);
+                        hdr = _mm512_mask_mov_epi16(hdr, 0x0101_0101u32 << (2 * k), h);
+                    } else {
+                        let h = _mm512_permutex2var_epi32(a, hidx, b);
+                        hdr = _mm512_mask_mov_epi32(hdr, 0x1111 << k, h);
+                    }
+                }
+                out.d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(hdr));
+                if F == F_Q5_1 {
+                    out.m = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(hdr, 16)));
+                }
+            }
+            F_Q2K | F_Q3K => {
+                // 2-bit quants of sub-block `4h + L`: bits `2L..2L + 2` of qs bytes
+                // `32h..32h + 32`; Q3_K adds bit `4h + L` of hmask byte `l` as the third bit.
+                let (blk, h) = (q / 2, q % 2);
+                let (block_bytes, qs_at) = if F == F_Q2K {
+                    (size_of::<BlockQ2K>(), offset_of!(BlockQ2K, qs))
+                } else {
+                    (size_of::<BlockQ3K>(), offset_of!(BlockQ3K, qs))
+                };
+                let shr = _mm512_loadu_si512(K23_SHR.as_ptr().cast());
+                let bit = _mm512_loadu_si512(Q5K_BIT[h].as_ptr().cast());
+                let two = _mm512_set1_epi8(3);
+                let third = _mm512_set1_epi8(4);
+                let mut lanes = [[0.0f32; 16]; 4];
+                for k in 0..4 {
+                    let p = rowp[k].add(blk * block_bytes);
+                    let qs = p.add(qs_at + 32 * h);
+                    let v0 = _mm512_broadcast_i32x4(_mm_loadu_si128(qs.cast()));
+                    let v1 = _mm512_broadcast_i32x4(_mm_loadu_si128(qs.add(16).cast()));
+                    let mut w0 = _mm512_and_si512(_mm512_srlv_epi16(v0, shr), two);
+                    let mut w1 = _mm512_and_si512(_mm512_srlv_epi16(v1, shr), two);
+                    let head = std::slice::from_raw_parts(p, block_bytes);
+                    if F == F_Q3K {
+                        let h0 = _mm512_broadcast_i32x4(_mm_loadu_si128(p.cast()));
+                        let h1 = _mm512_broadcast_i32x4(_mm_loadu_si128(p.add(16).cast()));
+                        w0 = _mm512_mask_add_epi8(w0, _mm512_test_epi8_mask(h0, bit), w0, third);
+                        w1 = _mm512_mask_add_epi8(w1, _mm512_test_epi8_mask(h1, bit), w1, third);
+                        let d = f16_at(head, offset_of!(BlockQ3K, d));
+                        let at = offset_of!(BlockQ3K, scales);
+                        let scales: &[u8; 12] = head[at..at + 12].try_into().unwrap_or(&[0; 12]);
+                        for l in 0..4 {
+                            let sb = 4 * h + l;
+                            lanes[0][4 * l + k] = d * f32::from(scale_k3(2 * sb, scales));
+                            lanes[1][4 * l + k] = d * f32::from(scale_k3(2 * sb + 1, scales));
+                        }
+                    } else {
+                        let d = f16_at(head, offset_of!(BlockQ2K, d));
+                        let dmin = f16_at(head, offset_of!(BlockQ2K, dmin));
+                        for l in 0..4 {
+                            let sb = 4 * h + l;
+                            for half in 0..2 {
+                                let sc = head[2 * sb + half];
+                                lanes[half][4 * l + k] = d * f32::from(sc & 0xF);
+                                lanes[2 + half][4 * l + k] = -(dmin * f32::from(sc >> 4));
+                            }
+                        }
+                    }
+                    out.w0[k] = w0;
+                    out.w1[k] = w1;
+                }
+                out.d = _mm512_loadu_ps(lanes[0].as_ptr());
+                out.m = _mm512_loadu_ps(lanes[1].as_ptr());
+                out.mins = [
+                    _mm512_loadu_ps(lanes[2].as_ptr()),
+                    _mm512_loadu_ps(lanes[3].as_ptr()),
+                ];
+            }
+            F_IQ4XS => {
+                let (blk, h) = (q / 2, q % 2);
+                let table = _mm512_loadu_si512(IQ4_TABLE.as_ptr().cast());
+                let mut dv = [0.0f32; 16];
+                for k in 0..4 {
+                    let p = rowp[k].add(blk * size_of::<BlockIQ4XS>());
+                    // Sub-block `4h + L`'s 16 bytes are 128-bit lane `L`.
+                    let v = _mm512_loadu_si512(p.add(offset_of!(BlockIQ4XS, qs) + 64 * h).cast());
+                    let lo = _mm512_and_si512(v, lo4);
+                    let hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo4);
+                    out.w0[k] = _mm512_shuffle_epi8(table, lo);
+                    out.w1[k] = _mm512_shuffle_epi8(table, hi);
+                    let head = std::slice::from_raw_parts(p, offset_of!(BlockIQ4XS, qs));
+                    let d = f16_at(head, offset_of!(BlockIQ4XS, d));
+                    let at = offset_of!(BlockIQ4XS, scales_h);
+                    let scales_h = u16::from_le_bytes([head[at], head[at + 1]]);
+                    let at = offset_of!(BlockIQ4XS, scales_l);
+                    let scales_l = [head[at], head[at + 1], head[at + 2], head[at + 3]];
+                    for l in 0..4 {
+                        let ls = scale_iq4xs(4 * h + l, scales_h, &scales_l);
+                        dv[4 * l + k] = d * f32::from(ls);
+                    }
+                }
+                out.d = _mm512_loadu_ps(dv.as_ptr());
             }
             F_Q8_0 => {
                 let idx = load_idx(&IDX_Q8_0);
@@ -203,23 +410,40 @@ unsafe fn decode<const F: u8>(rowp: &[*const u8; 4], q: usize, nvalid: usize) ->
                 }
                 out.d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(hdr));
             }
-            F_Q4K => {
+            F_Q4K | F_Q5K => {
                 let (blk, h) = (q / 2, q % 2);
                 let i0 = _mm512_loadu_si512(QIDX_W0_KQ4.as_ptr().cast());
                 let i1 = _mm512_loadu_si512(QIDX_W1_KQ4.as_ptr().cast());
+                let (block_bytes, qs_at) = if F == F_Q4K {
+                    (size_of::<BlockQ4K>(), offset_of!(BlockQ4K, qs))
+                } else {
+                    (size_of::<BlockQ5K>(), offset_of!(BlockQ5K, qs))
+                };
+                let bit = _mm512_loadu_si512(Q5K_BIT[h].as_ptr().cast());
+                let fifth = _mm512_set1_epi8(0x10);
                 let mut dv = [0.0f32; 16];
                 let mut mv = [0.0f32; 16];
                 for k in 0..4 {
-                    let p = rowp[k].add(blk * 144);
-                    let v = _mm512_loadu_si512(p.add(16 + 64 * h).cast());
+                    let p = rowp[k].add(blk * block_bytes);
+                    let v = _mm512_loadu_si512(p.add(qs_at + 64 * h).cast());
                     let lo = _mm512_and_si512(v, lo4);
                     let hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo4);
                     out.w0[k] = _mm512_permutex2var_epi64(lo, i0, hi);
                     out.w1[k] = _mm512_permutex2var_epi64(lo, i1, hi);
+                    if F == F_Q5K {
+                        // Bit `4h + L` of high-bit byte `e` (elements 0..16) / `16 + e`.
+                        let qh0 = _mm512_broadcast_i32x4(_mm_loadu_si128(p.add(16).cast()));
+                        let qh1 = _mm512_broadcast_i32x4(_mm_loadu_si128(p.add(32).cast()));
+                        let k0 = _mm512_test_epi8_mask(qh0, bit);
+                        let k1 = _mm512_test_epi8_mask(qh1, bit);
+                        out.w0[k] = _mm512_mask_add_epi8(out.w0[k], k0, out.w0[k], fifth);
+                        out.w1[k] = _mm512_mask_add_epi8(out.w1[k], k1, out.w1[k], fifth);
+                    }
                     let head = std::slice::from_raw_parts(p, 16);
                     let (d, dmin) = (f16_at(head, 0), f16_at(head, 2));
                     for l in 0..4 {
-                        let (sc, m) = q4k_scale_min(4 * h + l, &head[4..16]);
+                        let scales: &[u8; 12] = head[4..16].try_into().unwrap_or(&[0; 12]);
+                        let (sc, m) = scale_min_k4(4 * h + l, scales);
                         dv[4 * l + k] = d * f32::from(sc);
                         mv[4 * l + k] = -(dmin * f32::from(m));
                     }
@@ -292,26 +516,33 @@ fn accumulate<const F: u8>(w: &WQuad, a: &ActQuad, acc: __m512) -> __m512 {
     let x1 = ld(a.x1.as_ptr().cast());
     let dx = _mm512_castsi512_ps(ld(a.dx.as_ptr().cast()));
     let z = _mm512_setzero_si512();
-    if F == F_Q6K {
+    let shift = _mm_cvtsi32_si128(offset_shift(F));
+    if is_split(F) {
         let p0 = [0, 1, 2, 3].map(|k| _mm512_dpbusd_epi32(z, w.w0[k], x0));
         let p1 = [0, 1, 2, 3].map(|k| _mm512_dpbusd_epi32(z, w.w1[k], x1));
         let sq0 = ld(a.sq0.as_ptr().cast());
         let sq1 = ld(a.sq1.as_ptr().cast());
-        let i0 = _mm512_sub_epi32(reduce4(p0), _mm512_slli_epi32(sq0, 5));
-        let i1 = _mm512_sub_epi32(reduce4(p1), _mm512_slli_epi32(sq1, 5));
+        let (mut i0, mut i1) = (reduce4(p0), reduce4(p1));
+        if offset_shift(F) != 0 {
+            i0 = _mm512_sub_epi32(i0, _mm512_sll_epi32(sq0, shift));
+            i1 = _mm512_sub_epi32(i1, _mm512_sll_epi32(sq1, shift));
+        }
         let acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i0), _mm512_mul_ps(w.d, dx), acc);
-        return _mm512_fmadd_ps(_mm512_cvtepi32_ps(i1), _mm512_mul_ps(w.m, dx), acc);
+        let acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i1), _mm512_mul_ps(w.m, dx), acc);
+        if has_min(F) {
+            let acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sq0), _mm512_mul_ps(w.mins[0], dx), acc);
+            return _mm512_fmadd_ps(_mm512_cvtepi32_ps(sq1), _mm512_mul_ps(w.mins[1], dx), acc);
+        }
+        return acc;
     }
     let p =
         [0, 1, 2, 3].map(|k| _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(z, w.w0[k], x0), w.w1[k], x1));
     let mut r = reduce4(p);
-    match F {
-        F_Q4_0 => r = _mm512_sub_epi32(r, _mm512_slli_epi32(ld(a.sq.as_ptr().cast()), 3)),
-        F_Q8_0 => r = _mm512_sub_epi32(r, _mm512_slli_epi32(ld(a.sq.as_ptr().cast()), 7)),
-        _ => {}
+    if offset_shift(F) != 0 {
+        r = _mm512_sub_epi32(r, _mm512_sll_epi32(ld(a.sq.as_ptr().cast()), shift));
     }
     let acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(r), _mm512_mul_ps(w.d, dx), acc);
-    if F == F_Q4_1 || F == F_Q4K {
+    if has_min(F) {
         let sx = _mm512_castsi512_ps(ld(a.sx.as_ptr().cast()));
         return _mm512_fmadd_ps(w.m, sx, acc);
     }
@@ -366,6 +597,37 @@ unsafe fn tile<const F: u8, const T: usize>(
     acc.map(|a| row_sums(a))
 }
 
+/// Activation bytes per token chunk of the many-token path (stays in a 1 MiB L2 with room for
+/// the decoded quads).
+const DECODED_CHUNK_BYTES: usize = 256 << 10;
+
+thread_local! {
+    /// The decoded quads of one 4-row group (many-token products), reused per thread.
+    static DECODED: RefCell<Vec<WQuad>> = const { RefCell::new(Vec::new()) };
+}
+
+/// [`tile`] over already decoded quads: the same accumulation, in the same order, per token.
+///
+/// # Safety
+/// `acts` is valid for `T * nq` quads; `decoded` holds the group's `nq` quads.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,avx2,fma,f16c")]
+unsafe fn tile_decoded<const F: u8, const T: usize>(
+    decoded: &[WQuad],
+    acts: *const ActQuad,
+    nq: usize,
+) -> [[f32; 4]; T] {
+    let mut acc = [_mm512_setzero_ps(); T];
+    for (q, w) in decoded.iter().enumerate().take(nq) {
+        for (t, a) in acc.iter_mut().enumerate() {
+            // SAFETY: `t * nq + q < T * nq`.
+            let aq = unsafe { &*acts.add(t * nq + q) };
+            *a = accumulate::<F>(w, aq, *a);
+        }
+    }
+    acc.map(|a| row_sums(a))
+}
+
 /// Rows `rows` x all `n` tokens of an integer-quantized matrix.
 ///
 /// # Safety
@@ -385,6 +647,13 @@ pub(crate) unsafe fn quant_rows(
         Fmt::Q8_0 => rows_impl::<F_Q8_0>(fmt, w, acts, n, rows, out),
         Fmt::Q4K => rows_impl::<F_Q4K>(fmt, w, acts, n, rows, out),
         Fmt::Q6K => rows_impl::<F_Q6K>(fmt, w, acts, n, rows, out),
+        Fmt::Q5_0 => rows_impl::<F_Q5_0>(fmt, w, acts, n, rows, out),
+        Fmt::Q5_1 => rows_impl::<F_Q5_1>(fmt, w, acts, n, rows, out),
+        Fmt::Q2K => rows_impl::<F_Q2K>(fmt, w, acts, n, rows, out),
+        Fmt::Q3K => rows_impl::<F_Q3K>(fmt, w, acts, n, rows, out),
+        Fmt::Q5K => rows_impl::<F_Q5K>(fmt, w, acts, n, rows, out),
+        Fmt::IQ4NL => rows_impl::<F_IQ4NL>(fmt, w, acts, n, rows, out),
+        Fmt::IQ4XS => rows_impl::<F_IQ4XS>(fmt, w, acts, n, rows, out),
         Fmt::F32 | Fmt::F16 | Fmt::BF16 => unreachable!("float formats use float_rows"),
     }
 }
@@ -402,6 +671,65 @@ fn rows_impl<const F: u8>(
     let nq = quads_per_token(w.cols);
     let nblocks = w.cols / 32;
     assert!(acts.len() >= n * nq && rows.end <= w.rows && w.data.len() >= w.rows * rb);
+    if n > 8 {
+        // Many tokens: in chunks of tokens whose activations stay in L2, each 4-row group is
+        // decoded once per chunk and its quads reused by every tile of the chunk.
+        let chunk = (DECODED_CHUNK_BYTES / (nq * size_of::<ActQuad>())).max(8) / 8 * 8;
+        return DECODED.with(|cell| {
+            let mut decoded = cell.borrow_mut();
+            decoded.clear();
+            decoded.reserve(nq);
+            for (tc, g) in (0..n)
+                .step_by(chunk)
+                .flat_map(|tc| rows.clone().step_by(4).map(move |g| (tc, g)))
+            {
+                let t_end = (tc + chunk).min(n);
+                let rowp = [0, 1, 2, 3].map(|k| {
+                    let r = (g + k).min(rows.end - 1);
+                    // SAFETY: `r < w.rows`, so the row lies inside `w.data` (asserted above).
+                    unsafe { w.data.as_ptr().add(r * rb) }
+                });
+                decoded.clear();
+                for q in 0..nq {
+                    let nvalid = (nblocks - 4 * q).min(4);
+                    // SAFETY: the rows are whole encoded rows of `w.cols` columns.
+                    decoded.push(unsafe { decode::<F>(&rowp, q, nvalid) });
+                }
+                let live = (rows.end - g).min(4);
+                let mut t0 = tc;
+                while t0 < t_end {
+                    let ap = acts[t0 * nq..].as_ptr();
+                    let mut emit = |t: usize, s: [f32; 4]| out.set_run(t0 + t, g, &s[..live]);
+                    // SAFETY: `ap` has at least the tile's tokens, `nq` quads each.
+                    let tn = unsafe {
+                        match t_end - t0 {
+                            8.. => {
+                                let sums = tile_decoded::<F, 8>(&decoded, ap, nq);
+                                sums.into_iter().enumerate().for_each(|(t, s)| emit(t, s));
+                                8
+                            }
+                            4..=7 => {
+                                let sums = tile_decoded::<F, 4>(&decoded, ap, nq);
+                                sums.into_iter().enumerate().for_each(|(t, s)| emit(t, s));
+                                4
+                            }
+                            2..=3 => {
+                                let sums = tile_decoded::<F, 2>(&decoded, ap, nq);
+                                sums.into_iter().enumerate().for_each(|(t, s)| emit(t, s));
+                                2
+                            }
+                            _ => {
+                                let sums = tile_decoded::<F, 1>(&decoded, ap, nq);
+                                sums.into_iter().enumerate().for_each(|(t, s)| emit(t, s));
+                                1
+                            }
+                        }
+                    };
+                    t0 += tn;
+                }
+            }
+        });
+    }
     let mut t0 = 0;
     while t0 < n {
         let tn = match n - t0 {

@@ -1,15 +1,19 @@
 //! CPU kernels over quantized weights in place (matrix-vector and matrix-matrix products).
 //!
 //! The weights stay in the GGUF mapping, in their ggml block layout; nothing is dequantized to a
-//! copy. For the integer-quantized types (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K) the f32 activations are
+//! copy. For the integer-quantized types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K,
+//! Q6_K, IQ4_NL, IQ4_XS) the f32 activations are
 //! quantized on the fly to 8 bits per 32-element block (one f32 scale per block, as llama.cpp's
 //! q8 formats do) and the products run as integer dot products (AVX-512 VNNI `vpdpbusd` where the
 //! CPU has it), with the block scales applied in f32. Float weights (F32, F16, BF16) are multiplied
 //! with the f32 activations directly.
 //!
 //! Backends are picked at run time ([`Backend::detect`]): AVX-512 (F, BW, VL, VNNI, VBMI), AVX2 +
-//! FMA (float weights; quantized weights use the scalar code there), and a portable scalar backend
-//! that computes the same quantities (it is also the reference the SIMD code is tested against).
+//! FMA (float weights; quantized weights run the scalar code compiled for AVX2 + FMA), and a
+//! portable scalar backend that computes the same quantities with the same operations in the
+//! same order (it is the reference the SIMD code is tested against, bit for bit). Block layouts
+//! and their scalar decoding are weight-cache's ([`weight_cache::quant`]), shared with its
+//! dequantization.
 //!
 //! **Batch invariance.** Row `i` of [`matmul`] over `n` tokens equals [`matvec`] on token `i`
 //! bit for bit, for every `n`, thread count and partitioning: each output element is reduced in
@@ -234,7 +238,8 @@ pub enum KernelError {
 pub enum Backend {
     /// Portable Rust; same quantities as the SIMD backends.
     Scalar,
-    /// x86-64 AVX2 + FMA + F16C (float weights; quantized weights fall back to scalar).
+    /// x86-64 AVX2 + FMA + F16C (float kernels; quantized weights run the scalar reference
+    /// compiled for these features).
     Avx2,
     /// x86-64 AVX-512 F/BW/VL/DQ + VNNI + VBMI.
     Avx512,
@@ -736,6 +741,11 @@ fn quant_rows(
         Backend::Avx512 => {
             // SAFETY: `backend.is_available()` was checked by the caller.
             unsafe { avx512::quant_rows(fmt, w, acts, n, rows, out) }
+        }
+        #[cfg(target_arch = "x86_64")]
+        Backend::Avx2 => {
+            // SAFETY: `backend.is_available()` was checked by the caller.
+            unsafe { avx2::quant_rows(fmt, w, acts, n, rows, out) }
         }
         _ => scalar::quant_rows(fmt, w, acts, n, rows, out),
     }

@@ -1,5 +1,5 @@
-//! AVX-512 VNNI matrix-matrix kernel for many tokens (prefill, batched decode) over Q4_0, Q4_1 and
-//! Q8_0 weights.
+//! AVX-512 VNNI matrix-matrix kernel for many tokens (prefill, batched decode) over the 32-element
+//! block formats: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and IQ4_NL.
 //!
 //! A task packs 16 rows at a time ("a panel") into a thread-local buffer: per 32-element block,
 //! eight u8 vectors whose lane `r` holds 4 consecutive quants of row `r` (block element `4j..4j+4`
@@ -13,7 +13,7 @@
 //!
 //! **Same arithmetic as the 4-row kernel.** Each output element is accumulated exactly as in
 //! [`super::avx512`]: the exact integer block dot product, converted to f32 and added with one
-//! FMA by `d_w * d_x` (then `m_w * d_x * sum(q_x)` for Q4_1), into one of four f32 chains by block
+//! FMA by `d_w * d_x` (then `m_w * d_x * sum(q_x)` for Q4_1 and Q5_1), into one of four f32 chains by block
 //! index modulo 4 (in increasing block order), and the chains summed as `(c0 + c2) + (c1 + c3)`.
 //! So a token's outputs are bit-identical whichever kernel ran it, which keeps `matmul`
 //! batch-invariant when the batch size picks this kernel.
@@ -23,12 +23,16 @@
 
 use std::arch::x86_64::*;
 use std::cell::RefCell;
+use std::mem::offset_of;
 use std::ops::Range;
 
 use super::act::ActBlock;
-use super::avx512::{F_Q4_0, F_Q4_1, F_Q8_0};
+use super::avx512::{
+    F_IQ4NL, F_Q4_0, F_Q4_1, F_Q5_0, F_Q5_1, F_Q8_0, IQ4_TABLE, has_min, offset_shift,
+};
 use super::format::Fmt;
 use super::{RowsOut, WeightMatrix};
+use weight_cache::quant::{BlockQ5_0, BlockQ5_1};
 
 /// Rows per panel (one per 32-bit lane of a 512-bit vector).
 pub(crate) const PANEL_ROWS: usize = 16;
@@ -46,11 +50,12 @@ const TOKEN_CHUNK: usize = 128;
 #[repr(C, align(64))]
 #[derive(Clone, Copy)]
 struct PackedBlock {
-    /// `w[j]` lane `r`: the u8 quants of elements `4j..4j + 4` of row `r` (Q8_0: offset by 128).
+    /// `w[j]` lane `r`: the u8 quants of elements `4j..4j + 4` of row `r` (Q8_0 and IQ4_NL:
+    /// offset by 128).
     w: [[u8; 64]; 8],
     /// Row scales.
     d: [f32; 16],
-    /// Q4_1: row minimums.
+    /// Q4_1, Q5_1: row minimums.
     m: [f32; 16],
 }
 
@@ -66,14 +71,18 @@ thread_local! {
 
 /// Whether this kernel handles `fmt` at `n` tokens.
 pub(crate) fn applies(fmt: Fmt, n: usize) -> bool {
-    n >= PANEL_MIN_TOKENS && matches!(fmt, Fmt::Q4_0 | Fmt::Q4_1 | Fmt::Q8_0)
+    n >= PANEL_MIN_TOKENS
+        && matches!(
+            fmt,
+            Fmt::Q4_0 | Fmt::Q4_1 | Fmt::Q5_0 | Fmt::Q5_1 | Fmt::Q8_0 | Fmt::IQ4NL
+        )
 }
 
 /// Rows `rows` x all `n` tokens.
 ///
 /// # Safety
 /// The CPU supports the features enabled here; `acts` holds `n` tokens quantized for `w.cols`;
-/// `fmt` is Q4_0, Q4_1 or Q8_0 and is `w`'s format.
+/// `fmt` is one of [`applies`]'s formats and is `w`'s format.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
 pub(crate) unsafe fn quant_rows(
     fmt: Fmt,
@@ -87,6 +96,9 @@ pub(crate) unsafe fn quant_rows(
         Fmt::Q4_0 => panel_rows::<F_Q4_0>(fmt, w, acts, n, rows, out),
         Fmt::Q4_1 => panel_rows::<F_Q4_1>(fmt, w, acts, n, rows, out),
         Fmt::Q8_0 => panel_rows::<F_Q8_0>(fmt, w, acts, n, rows, out),
+        Fmt::Q5_0 => panel_rows::<F_Q5_0>(fmt, w, acts, n, rows, out),
+        Fmt::Q5_1 => panel_rows::<F_Q5_1>(fmt, w, acts, n, rows, out),
+        Fmt::IQ4NL => panel_rows::<F_IQ4NL>(fmt, w, acts, n, rows, out),
         _ => unreachable!("panel kernel formats are checked by `applies`"),
     }
 }
@@ -191,9 +203,18 @@ unsafe fn pack<const F: u8>(
     let vidx = unsafe { _mm512_loadu_si512(offs.as_ptr().cast()) };
     let lo4 = _mm512_set1_epi8(0x0F);
     let flip = _mm512_set1_epi8(-128);
-    // Block bytes, and header bytes before the quants (f16 scale; Q4_1 also an f16 minimum).
+    // Block bytes, and header bytes before the quants (f16 scale; Q4_1/Q5_1 also an f16
+    // minimum; Q5_0/Q5_1 then the u32 of 5th bits).
     let bs = rb / panel.len().max(1);
-    let hdr = if F == F_Q4_1 { 4 } else { 2 };
+    let (hdr, qh_at) = match F {
+        F_Q4_1 => (4, 0),
+        F_Q5_0 => (offset_of!(BlockQ5_0, qs), offset_of!(BlockQ5_0, qh)),
+        F_Q5_1 => (offset_of!(BlockQ5_1, qs), offset_of!(BlockQ5_1, qh)),
+        _ => (2, 0),
+    };
+    // SAFETY: the table is 64 readable bytes.
+    let table = unsafe { _mm512_loadu_si512(IQ4_TABLE.as_ptr().cast()) };
+    let fifth = _mm512_set1_epi8(0x10);
     let next_len = next.1.min(PANEL_ROWS) * rb;
     // Spread the next panel's lines over the blocks: `per` lines per block.
     let per = next_len.div_ceil(64).div_ceil(panel.len().max(1));
@@ -211,7 +232,7 @@ unsafe fn pack<const F: u8>(
             let p = base.add(b * bs);
             let h = _mm512_i32gather_epi32::<1>(vidx, p.cast());
             _mm512_store_ps(pb.d.as_mut_ptr(), _mm512_cvtph_ps(_mm512_cvtepi32_epi16(h)));
-            if F == F_Q4_1 {
+            if has_min(F) {
                 let m = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(h, 16)));
                 _mm512_store_ps(pb.m.as_mut_ptr(), m);
             }
@@ -227,15 +248,43 @@ unsafe fn pack<const F: u8>(
                     );
                 }
             } else {
+                let qh = if F == F_Q5_0 || F == F_Q5_1 {
+                    _mm512_i32gather_epi32::<1>(vidx, p.add(qh_at).cast())
+                } else {
+                    _mm512_setzero_si512()
+                };
                 let v = transpose16(q, &offs);
                 for (j, vj) in v.into_iter().enumerate() {
-                    _mm512_store_si512(pb.w[j].as_mut_ptr().cast(), _mm512_and_si512(vj, lo4));
-                    let hi = _mm512_and_si512(_mm512_srli_epi16(vj, 4), lo4);
+                    let mut lo = _mm512_and_si512(vj, lo4);
+                    let mut hi = _mm512_and_si512(_mm512_srli_epi16(vj, 4), lo4);
+                    if F == F_Q5_0 || F == F_Q5_1 {
+                        lo = _mm512_mask_add_epi8(lo, fifth_bits(qh, 4 * j as i32), lo, fifth);
+                        hi = _mm512_mask_add_epi8(hi, fifth_bits(qh, 16 + 4 * j as i32), hi, fifth);
+                    }
+                    if F == F_IQ4NL {
+                        lo = _mm512_shuffle_epi8(table, lo);
+                        hi = _mm512_shuffle_epi8(table, hi);
+                    }
+                    _mm512_store_si512(pb.w[j].as_mut_ptr().cast(), lo);
                     _mm512_store_si512(pb.w[j + 4].as_mut_ptr().cast(), hi);
                 }
             }
         }
     }
+}
+
+/// Byte mask of the 5th bits: byte `4r + i` is set when bit `first + i` of lane `r` of `qh` is
+/// (the layout of a packed vector `w[j]`, whose lane `r` holds 4 consecutive elements of row `r`).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+fn fifth_bits(qh: __m512i, first: i32) -> u64 {
+    let nibble = _mm512_and_si512(
+        _mm512_srl_epi32(qh, _mm_cvtsi32_si128(first)),
+        _mm512_set1_epi32(0xF),
+    );
+    // The nibble in each of the lane's 4 bytes; byte `i` tests bit `i`.
+    let spread = _mm512_mullo_epi32(nibble, _mm512_set1_epi32(0x0101_0101));
+    _mm512_test_epi8_mask(spread, _mm512_set1_epi32(0x0804_0201))
 }
 
 /// Loads 16 bytes at `p + offs[r]` for the 16 rows and transposes them by dwords: vector `j`
@@ -339,14 +388,14 @@ unsafe fn chain<const F: u8, const T: usize>(
         for (t, c) in acc.iter_mut().enumerate() {
             let a = act(t, b);
             let mut r = isum[t];
-            match F {
-                F_Q4_0 => r = _mm512_sub_epi32(r, _mm512_slli_epi32(_mm512_set1_epi32(a.sq), 3)),
-                F_Q8_0 => r = _mm512_sub_epi32(r, _mm512_slli_epi32(_mm512_set1_epi32(a.sq), 7)),
-                _ => {}
+            if offset_shift(F) != 0 {
+                let offset = _mm512_set1_epi32(a.sq);
+                let shift = _mm_cvtsi32_si128(offset_shift(F));
+                r = _mm512_sub_epi32(r, _mm512_sll_epi32(offset, shift));
             }
             let s = _mm512_mul_ps(d, _mm512_set1_ps(a.d));
             *c = _mm512_fmadd_ps(_mm512_cvtepi32_ps(r), s, *c);
-            if F == F_Q4_1 {
+            if has_min(F) {
                 *c = _mm512_fmadd_ps(m, _mm512_set1_ps(a.sx), *c);
             }
         }
