@@ -38,6 +38,7 @@ mod chat;
 mod error;
 mod load;
 mod pretok;
+mod spm;
 mod stream;
 mod tokenizer;
 mod tokens;

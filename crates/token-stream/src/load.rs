@@ -10,7 +10,7 @@ use crate::pretok::Pretokenizer;
 use crate::tokenizer::{MergeSpec, Spec, Tokenizer};
 
 /// Largest id accepted from a file (bounds every allocation by the real vocabulary size).
-const MAX_ID: u64 = 1 << 24;
+pub(crate) const MAX_ID: u64 = 1 << 24;
 
 /// GPT-2's byte-to-character map: the character that stands for each byte in byte-level vocabularies.
 fn byte_to_char() -> [char; 256] {
@@ -150,6 +150,22 @@ pub struct GgufVocab<'a> {
     pub eos: Option<u32>,
     /// `tokenizer.chat_template`.
     pub chat_template: Option<&'a str>,
+    /// `tokenizer.ggml.scores` (SPM: merge priority, higher first); one per token.
+    pub scores: Vec<f32>,
+    /// `tokenizer.ggml.add_space_prefix` (`None`: the model's default, true for SPM).
+    pub add_space_prefix: Option<bool>,
+    /// `tokenizer.ggml.add_bos_token` (`None`: the model's default, true for SPM).
+    pub add_bos: Option<bool>,
+    /// `tokenizer.ggml.add_eos_token` (`None`: false).
+    pub add_eos: Option<bool>,
+    /// `tokenizer.ggml.unknown_token_id` (`None`: the model's default, 0 for SPM).
+    pub unknown: Option<u32>,
+    /// `tokenizer.ggml.eot_token_id` (end of turn; ends generation).
+    pub eot: Option<u32>,
+    /// `tokenizer.ggml.eom_token_id` (end of message; ends generation).
+    pub eom: Option<u32>,
+    /// `tokenizer.ggml.padding_token_id`.
+    pub padding: Option<u32>,
 }
 
 impl<'a> GgufVocab<'a> {
@@ -191,6 +207,9 @@ impl Tokenizer {
     /// (SmolLM2 lacks 21 of them, such as 0x04 and the lead bytes 0xF1/0xF2) are dropped, exactly
     /// as HF `tokenizers` does for a BPE model without `unk_token`.
     pub fn from_gguf_vocab(v: &GgufVocab<'_>) -> Result<Self, LoadError> {
+        if v.model == "llama" {
+            return crate::spm::from_gguf_vocab(v);
+        }
         if v.model != "gpt2" {
             return Err(LoadError::UnsupportedModel {
                 model: v.model.to_owned(),
@@ -263,25 +282,57 @@ impl Tokenizer {
     #[cfg(feature = "gguf")]
     pub fn from_gguf(gguf: &weight_cache::Gguf) -> Result<Self, LoadError> {
         let field = |field: &'static str| LoadError::MissingField { field };
+        let model = gguf
+            .get_str("tokenizer.ggml.model")
+            .ok_or_else(|| field("tokenizer.ggml.model"))?;
+        // Only BPE needs merges; a key that is there must have the right type.
+        let merges = match gguf.metadata("tokenizer.ggml.merges") {
+            None if model != "gpt2" => Vec::new(),
+            _ => gguf
+                .get_str_array("tokenizer.ggml.merges")
+                .ok_or_else(|| field("tokenizer.ggml.merges"))?,
+        };
+        let optional_f32s = |key: &'static str| match gguf.metadata(key) {
+            None => Ok(Vec::new()),
+            Some(_) => gguf.get_f32_array(key).ok_or_else(|| field(key)),
+        };
+        let optional_bool = |key: &'static str| match gguf.metadata(key) {
+            None => Ok(None),
+            Some(_) => gguf.get_bool(key).map(Some).ok_or_else(|| field(key)),
+        };
+        let optional_id = |key: &'static str| match gguf.metadata(key) {
+            None => Ok(None),
+            Some(_) => gguf.get_u32(key).map(Some).ok_or_else(|| field(key)),
+        };
+        let token_types = match gguf.metadata("tokenizer.ggml.token_type") {
+            None => Vec::new(),
+            Some(_) => gguf
+                .get_i32_array("tokenizer.ggml.token_type")
+                .ok_or_else(|| field("tokenizer.ggml.token_type"))?,
+        };
         let v = GgufVocab {
-            model: gguf
-                .get_str("tokenizer.ggml.model")
-                .ok_or_else(|| field("tokenizer.ggml.model"))?,
+            model,
             pre: gguf.get_str("tokenizer.ggml.pre").unwrap_or("gpt2"),
             tokens: gguf
                 .get_str_array("tokenizer.ggml.tokens")
                 .ok_or_else(|| field("tokenizer.ggml.tokens"))?,
-            token_types: gguf
-                .get_i32_array("tokenizer.ggml.token_type")
-                .unwrap_or_default(),
-            merges: gguf
-                .get_str_array("tokenizer.ggml.merges")
-                .ok_or_else(|| field("tokenizer.ggml.merges"))?,
-            bos: gguf.get_u32("tokenizer.ggml.bos_token_id"),
-            eos: gguf.get_u32("tokenizer.ggml.eos_token_id"),
+            token_types,
+            merges,
+            bos: optional_id("tokenizer.ggml.bos_token_id")?,
+            eos: optional_id("tokenizer.ggml.eos_token_id")?,
             chat_template: gguf.get_str("tokenizer.chat_template"),
+            scores: optional_f32s("tokenizer.ggml.scores")?,
+            add_space_prefix: optional_bool("tokenizer.ggml.add_space_prefix")?,
+            add_bos: optional_bool("tokenizer.ggml.add_bos_token")?,
+            add_eos: optional_bool("tokenizer.ggml.add_eos_token")?,
+            unknown: optional_id("tokenizer.ggml.unknown_token_id")?,
+            eot: optional_id("tokenizer.ggml.eot_token_id")?,
+            eom: optional_id("tokenizer.ggml.eom_token_id")?,
+            padding: optional_id("tokenizer.ggml.padding_token_id")?,
         };
-        Self::from_gguf_vocab(&v)
+        let mut tok = Self::from_gguf_vocab(&v)?;
+        tok.extend_eog([v.eot, v.eom]);
+        Ok(tok)
     }
 
     /// Parses a tiktoken rank file (`<base64 token> <rank>` per line) with the given split
