@@ -24,8 +24,10 @@ pub enum LoadError {
         field: &'static str,
     },
     /// The tokenizer model is not one this crate implements (byte-level BPE, and llama.cpp's
-    /// SentencePiece-style `llama` model from GGUF).
-    #[error("unsupported tokenizer model `{model}` (supported: byte-level BPE, GGUF `llama`)")]
+    /// SentencePiece-style `llama` and WordPiece `bert` models from GGUF).
+    #[error(
+        "unsupported tokenizer model `{model}` (supported: byte-level BPE; GGUF `llama` and `bert`)"
+    )]
     UnsupportedModel {
         /// The model name found (`tokenizer.ggml.model`, or `model.type`).
         model: String,

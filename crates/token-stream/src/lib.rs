@@ -43,6 +43,7 @@ mod stream;
 mod tokenizer;
 mod tokens;
 mod unicode;
+mod wpm;
 
 pub use chat::{ChatMessage, ChatTemplate};
 pub use error::{ChatError, DecodeError, LoadError, TokensFromBytesError};

@@ -166,6 +166,8 @@ pub struct GgufVocab<'a> {
     pub eom: Option<u32>,
     /// `tokenizer.ggml.padding_token_id`.
     pub padding: Option<u32>,
+    /// `tokenizer.ggml.seperator_token_id` (llama.cpp's spelling; WordPiece's `[SEP]`).
+    pub separator: Option<u32>,
 }
 
 impl<'a> GgufVocab<'a> {
@@ -207,8 +209,10 @@ impl Tokenizer {
     /// (SmolLM2 lacks 21 of them, such as 0x04 and the lead bytes 0xF1/0xF2) are dropped, exactly
     /// as HF `tokenizers` does for a BPE model without `unk_token`.
     pub fn from_gguf_vocab(v: &GgufVocab<'_>) -> Result<Self, LoadError> {
-        if v.model == "llama" {
-            return crate::spm::from_gguf_vocab(v);
+        match v.model {
+            "llama" => return crate::spm::from_gguf_vocab(v),
+            "bert" => return crate::wpm::from_gguf_vocab(v),
+            _ => {}
         }
         if v.model != "gpt2" {
             return Err(LoadError::UnsupportedModel {
@@ -329,6 +333,7 @@ impl Tokenizer {
             eot: optional_id("tokenizer.ggml.eot_token_id")?,
             eom: optional_id("tokenizer.ggml.eom_token_id")?,
             padding: optional_id("tokenizer.ggml.padding_token_id")?,
+            separator: optional_id("tokenizer.ggml.seperator_token_id")?,
         };
         let mut tok = Self::from_gguf_vocab(&v)?;
         tok.extend_eog([v.eot, v.eom]);

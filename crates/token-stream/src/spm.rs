@@ -103,6 +103,7 @@ pub(crate) fn from_gguf_vocab(v: &GgufVocab<'_>) -> Result<Tokenizer, LoadError>
         always_split,
         add_bos: v.add_bos.unwrap_or(true),
         add_eos: v.add_eos.unwrap_or(false),
+        end_token: eos,
         strip_leading_space: add_space_prefix,
     });
     tok.extend_eog([eot, eom]);

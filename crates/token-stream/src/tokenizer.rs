@@ -7,6 +7,7 @@ use crate::error::DecodeError;
 use crate::pretok::Pretokenizer;
 use crate::spm::{SpmModel, SpmScratch};
 use crate::tokens::Tokens;
+use crate::wpm::WpmModel;
 
 /// The tokenization algorithm; everything else (token bytes, decode table, specials) is common.
 #[derive(Debug)]
@@ -15,6 +16,8 @@ pub(crate) enum Algo {
     Bpe,
     /// llama.cpp's SentencePiece-style merges (`tokenizer.ggml.model = llama`).
     Spm(SpmModel),
+    /// llama.cpp's WordPiece (`tokenizer.ggml.model = bert`).
+    Wpm(WpmModel),
 }
 
 /// llama.cpp's end-of-generation token names (`llama_vocab::impl::load`): a token with one of
@@ -184,6 +187,8 @@ pub struct Tokenizer {
     eog: Vec<u32>,
     add_bos: bool,
     add_eos: bool,
+    /// Appended by [`Tokenizer::encode_for_model`] when `add_eos` (EOS unless the model says).
+    end_token: Option<u32>,
     /// Decoding drops one leading space of the first token (SPM with `add_space_prefix`).
     strip_leading_space: bool,
 }
@@ -196,6 +201,8 @@ pub(crate) struct ModelParts {
     pub(crate) always_split: Vec<(String, u32)>,
     pub(crate) add_bos: bool,
     pub(crate) add_eos: bool,
+    /// What [`Tokenizer::encode_for_model`] appends when `add_eos` (EOS; WordPiece: `[SEP]`).
+    pub(crate) end_token: Option<u32>,
     pub(crate) strip_leading_space: bool,
 }
 
@@ -207,6 +214,7 @@ impl Tokenizer {
         self.always_split = Specials::new(parts.always_split);
         self.add_bos = parts.add_bos;
         self.add_eos = parts.add_eos;
+        self.end_token = parts.end_token;
         self.strip_leading_space = parts.strip_leading_space;
         self.whole = FxHashMap::default();
         self
@@ -328,6 +336,7 @@ impl Tokenizer {
             eog: Vec::new(),
             add_bos: false,
             add_eos: false,
+            end_token: spec.eos,
             strip_leading_space: false,
         };
         let named = spec
@@ -418,10 +427,11 @@ impl Tokenizer {
         self.add_bos && self.bos.is_some()
     }
 
-    /// Whether the model expects EOS after a prompt (`tokenizer.ggml.add_eos_token`, default
-    /// false; WordPiece: its separator). Used by [`Tokenizer::encode_for_model`].
+    /// Whether the model expects a token after a prompt: EOS when `tokenizer.ggml.add_eos_token`
+    /// (default false); WordPiece (BERT) always ends with its separator `[SEP]`. Used by
+    /// [`Tokenizer::encode_for_model`].
     pub fn add_eos(&self) -> bool {
-        self.add_eos && self.eos.is_some()
+        self.add_eos && self.end_token.is_some()
     }
 
     /// Encodes a prompt as the model expects it: BOS first when [`Tokenizer::add_bos`], EOS last
@@ -435,7 +445,7 @@ impl Tokenizer {
         }
         self.encode_into(text, &mut out);
         if self.add_eos() {
-            out.extend(self.eos);
+            out.extend(self.end_token);
         }
         Tokens::from(out)
     }
@@ -588,6 +598,7 @@ impl Tokenizer {
                 match &self.algo {
                     Algo::Bpe => {}
                     Algo::Spm(m) => m.encode(raw, m.add_space_prefix, out, &mut spm_scratch),
+                    Algo::Wpm(m) => m.encode(raw, out),
                 }
             }
             match next {
