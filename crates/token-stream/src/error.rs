@@ -24,9 +24,9 @@ pub enum LoadError {
         field: &'static str,
     },
     /// The tokenizer model is not one this crate implements (byte-level BPE, and llama.cpp's
-    /// SentencePiece-style `llama` and WordPiece `bert` models from GGUF).
+    /// SentencePiece-style `llama`, WordPiece `bert` and Unigram `t5` models from GGUF).
     #[error(
-        "unsupported tokenizer model `{model}` (supported: byte-level BPE; GGUF `llama` and `bert`)"
+        "unsupported tokenizer model `{model}` (supported: byte-level BPE; GGUF `llama`, `bert`, `t5`)"
     )]
     UnsupportedModel {
         /// The model name found (`tokenizer.ggml.model`, or `model.type`).

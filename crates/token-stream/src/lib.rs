@@ -42,6 +42,7 @@ mod spm;
 mod stream;
 mod tokenizer;
 mod tokens;
+mod ugm;
 mod unicode;
 mod wpm;
 

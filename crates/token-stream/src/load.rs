@@ -168,6 +168,10 @@ pub struct GgufVocab<'a> {
     pub padding: Option<u32>,
     /// `tokenizer.ggml.seperator_token_id` (llama.cpp's spelling; WordPiece's `[SEP]`).
     pub separator: Option<u32>,
+    /// `tokenizer.ggml.remove_extra_whitespaces` (Unigram; `None`: false).
+    pub remove_extra_whitespaces: Option<bool>,
+    /// `tokenizer.ggml.precompiled_charsmap` (Unigram's normalization map).
+    pub precompiled_charsmap: Option<&'a [u8]>,
 }
 
 impl<'a> GgufVocab<'a> {
@@ -212,6 +216,7 @@ impl Tokenizer {
         match v.model {
             "llama" => return crate::spm::from_gguf_vocab(v),
             "bert" => return crate::wpm::from_gguf_vocab(v),
+            "t5" => return crate::ugm::from_gguf_vocab(v),
             _ => {}
         }
         if v.model != "gpt2" {
@@ -314,6 +319,16 @@ impl Tokenizer {
                 .get_i32_array("tokenizer.ggml.token_type")
                 .ok_or_else(|| field("tokenizer.ggml.token_type"))?,
         };
+        let charsmap: Option<Vec<u8>> = match gguf.get_array("tokenizer.ggml.precompiled_charsmap")
+        {
+            None => None,
+            Some(a) => Some(
+                a.iter()
+                    .map(|x| x.as_int().and_then(|i| u8::try_from(i & 0xff).ok()))
+                    .collect::<Option<Vec<u8>>>()
+                    .ok_or_else(|| field("tokenizer.ggml.precompiled_charsmap"))?,
+            ),
+        };
         let v = GgufVocab {
             model,
             pre: gguf.get_str("tokenizer.ggml.pre").unwrap_or("gpt2"),
@@ -334,6 +349,8 @@ impl Tokenizer {
             eom: optional_id("tokenizer.ggml.eom_token_id")?,
             padding: optional_id("tokenizer.ggml.padding_token_id")?,
             separator: optional_id("tokenizer.ggml.seperator_token_id")?,
+            remove_extra_whitespaces: optional_bool("tokenizer.ggml.remove_extra_whitespaces")?,
+            precompiled_charsmap: charsmap.as_deref(),
         };
         let mut tok = Self::from_gguf_vocab(&v)?;
         tok.extend_eog([v.eot, v.eom]);

@@ -7,6 +7,7 @@ use crate::error::DecodeError;
 use crate::pretok::Pretokenizer;
 use crate::spm::{SpmModel, SpmScratch};
 use crate::tokens::Tokens;
+use crate::ugm::UgmModel;
 use crate::wpm::WpmModel;
 
 /// The tokenization algorithm; everything else (token bytes, decode table, specials) is common.
@@ -18,6 +19,8 @@ pub(crate) enum Algo {
     Spm(SpmModel),
     /// llama.cpp's WordPiece (`tokenizer.ggml.model = bert`).
     Wpm(WpmModel),
+    /// llama.cpp's Unigram (`tokenizer.ggml.model = t5`).
+    Ugm(Box<UgmModel>),
 }
 
 /// llama.cpp's end-of-generation token names (`llama_vocab::impl::load`): a token with one of
@@ -599,6 +602,7 @@ impl Tokenizer {
                     Algo::Bpe => {}
                     Algo::Spm(m) => m.encode(raw, m.add_space_prefix, out, &mut spm_scratch),
                     Algo::Wpm(m) => m.encode(raw, out),
+                    Algo::Ugm(m) => m.encode(raw, out),
                 }
             }
             match next {

@@ -190,7 +190,7 @@ fn malformed_spm_metadata_is_a_typed_error() {
         LoadError::EmptyVocabulary
     ));
     // Unknown and not implemented models.
-    for model in ["rwkv", "t5", "no-such-model"] {
+    for model in ["rwkv", "plamo2", "no-such-model"] {
         let mut v = tiny(toks.clone(), vec![0.0; 4]);
         v.model = model;
         let err = Tokenizer::from_gguf_vocab(&v).unwrap_err();
