@@ -94,12 +94,12 @@ pub(crate) fn from_gguf_vocab(v: &GgufVocab<'_>) -> Result<Tokenizer, LoadError>
         chat_template: v.chat_template.map(str::to_owned),
     });
     let mut tok = tok.with_algo(ModelParts {
-        algo: Algo::Spm(SpmModel::new(
+        algo: Algo::Spm(Box::new(SpmModel::new(
             &v.tokens,
             v.scores.clone(),
             unk,
             add_space_prefix,
-        )),
+        ))),
         always_split,
         add_bos: v.add_bos.unwrap_or(true),
         add_eos: v.add_eos.unwrap_or(false),

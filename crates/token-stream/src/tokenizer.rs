@@ -16,7 +16,7 @@ pub(crate) enum Algo {
     /// Byte-level BPE with a pre-tokenizer (GPT-2, Llama 3, tiktoken, ...).
     Bpe,
     /// llama.cpp's SentencePiece-style merges (`tokenizer.ggml.model = llama`).
-    Spm(SpmModel),
+    Spm(Box<SpmModel>),
     /// llama.cpp's WordPiece (`tokenizer.ggml.model = bert`).
     Wpm(WpmModel),
     /// llama.cpp's Unigram (`tokenizer.ggml.model = t5`).
