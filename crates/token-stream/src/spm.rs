@@ -130,6 +130,13 @@ pub(crate) struct SpmModel {
     unk: Option<u32>,
     /// Whether a space is put before the text (and after a special token).
     pub(crate) add_space_prefix: bool,
+    /// No token has a `▁` right after another character, so no merge can cross the start of a
+    /// `▁` run that follows a character: the text is merged in independent words, which gives
+    /// the same result as merging it whole (merges in different words never interact, and the
+    /// order within a word is the same).
+    split_words: bool,
+    /// Words that merge into exactly one token (checked at load), looked up before merging.
+    whole: FxHashMap<Box<[u8]>, u32>,
 }
 
 /// A symbol: a byte range of the escaped text, linked to its neighbours.
@@ -200,13 +207,36 @@ impl SpmModel {
                 *slot = id;
             }
         }
-        Self {
+        let split_words = !texts.iter().any(|t| {
+            let t = t.as_bytes();
+            (1..t.len()).any(|i| t[i..].starts_with(SPACE_MARK) && !t[..i].ends_with(SPACE_MARK))
+        });
+        let mut model = Self {
             ids,
             scores,
             byte_tokens,
             unk,
             add_space_prefix,
+            split_words,
+            whole: FxHashMap::default(),
+        };
+        if split_words {
+            let mut whole = FxHashMap::default();
+            let mut scratch = SpmScratch::default();
+            let mut out = Vec::new();
+            for (text, &id) in &model.ids {
+                if text.len() < 2 {
+                    continue;
+                }
+                out.clear();
+                model.merge_word(text, &mut out, &mut scratch);
+                if out.len() == 1 && out[0] == id {
+                    whole.insert(text.clone(), id);
+                }
+            }
+            model.whole = whole;
         }
+        model
     }
 
     /// The token whose text is `text`.
@@ -235,7 +265,37 @@ impl SpmModel {
                 s.text.push(b);
             }
         }
-        let text = &s.text[..];
+        let text = std::mem::take(&mut s.text);
+        if !self.split_words {
+            self.merge_word(&text, out, s);
+        } else {
+            // Words: cut before each `▁` that follows another character.
+            let mut start = 0;
+            let mut i = 0;
+            while i < text.len() {
+                if i > start
+                    && text[i..].starts_with(SPACE_MARK)
+                    && !text[..i].ends_with(SPACE_MARK)
+                {
+                    self.encode_word(&text[start..i], out, s);
+                    start = i;
+                }
+                i += 1;
+            }
+            self.encode_word(&text[start..], out, s);
+        }
+        s.text = text;
+    }
+
+    fn encode_word(&self, word: &[u8], out: &mut Vec<u32>, s: &mut SpmScratch) {
+        match self.whole.get(word) {
+            Some(&id) => out.push(id),
+            None => self.merge_word(word, out, s),
+        }
+    }
+
+    /// Merges `text` (already escaped) and appends its tokens to `out`.
+    fn merge_word(&self, text: &[u8], out: &mut Vec<u32>, s: &mut SpmScratch) {
         if text.is_empty() {
             return;
         }
@@ -419,6 +479,19 @@ mod tests {
         assert_eq!(encode(&m, "a b"), vec![1, 7, 2]);
         // 'z' has no token and no byte token: unk.
         assert_eq!(encode(&m, "z"), vec![0]);
+    }
+
+    #[test]
+    fn words_are_merged_apart_only_when_no_token_spans_a_word_start() {
+        // No token has ▁ after a character: words are independent, the whole-word table is used.
+        let m = tiny();
+        assert!(m.split_words);
+        assert_eq!(encode(&m, "abc abc"), vec![6, 7, 6]);
+        // "c▁" is a token: merging must see the whole text, and does.
+        let texts = ["a", "c", "\u{2581}", "c\u{2581}"];
+        let m = SpmModel::new(&texts, vec![-1.0, -1.0, -1.0, -0.5], None, false);
+        assert!(!m.split_words);
+        assert_eq!(encode(&m, "c a"), vec![3, 0]);
     }
 
     #[test]

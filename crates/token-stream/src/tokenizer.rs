@@ -136,7 +136,13 @@ const ABSENT_ENTRY: [u8; 16] = {
     e
 };
 
-/// An exact byte-level BPE tokenizer (GPT-2, SmolLM2, Llama 3, cl100k_base, o200k_base).
+/// An exact tokenizer: byte-level BPE (GPT-2, SmolLM2, Llama 3, cl100k_base, o200k_base), or
+/// from GGUF one of llama.cpp's SPM (`llama`), WordPiece (`bert`) and Unigram (`t5`) models.
+///
+/// For the non-BPE models, [`Tokenizer::token_bytes`] and decoding give a token's text as
+/// llama.cpp's `token_to_piece` does (`▁` as a space, `<0xXX>` as its byte), and user-defined
+/// tokens (GGUF token type 4) are split out of text even by [`Tokenizer::encode`], as llama.cpp
+/// does with `parse_special = false`.
 ///
 /// `Send + Sync`; share it behind an `Arc`. Encoding never fails and never panics: every
 /// string has an encoding. Text is never turned into special tokens by [`Tokenizer::encode`];
@@ -396,7 +402,7 @@ impl Tokenizer {
         self.merges.len()
     }
 
-    /// The pre-tokenizer in use.
+    /// The pre-tokenizer in use (BPE; meaningless for the non-BPE models, which split no text).
     pub fn pretokenizer(&self) -> Pretokenizer {
         self.pretok
     }
@@ -580,6 +586,11 @@ impl Tokenizer {
     #[doc(hidden)]
     pub fn encode_counting_work(&self, text: &str) -> (Vec<u32>, u64) {
         let mut out = Vec::new();
+        if !matches!(self.algo, Algo::Bpe) {
+            // Only BPE counts its steps.
+            self.encode_into(text, &mut out);
+            return (out, 0);
+        }
         let mut scratch = Vec::new();
         let mut work = Work::default();
         self.encode_plain(text, &mut out, &mut scratch, &mut work);
