@@ -183,7 +183,12 @@ pub(crate) struct SpmScratch {
     text: Vec<u8>,
     symbols: Vec<Symbol>,
     heap: BinaryHeap<Bigram>,
+    short_syms: Vec<(u32, u32)>,
+    short_scores: Vec<Option<f32>>,
 }
+
+/// Words up to this many bytes are merged by [`SpmModel::merge_short`].
+const SHORT_WORD: usize = 48;
 
 impl SpmModel {
     /// Builds the model from the vocabulary's token texts (as stored) and scores.
@@ -290,7 +295,74 @@ impl SpmModel {
     fn encode_word(&self, word: &[u8], out: &mut Vec<u32>, s: &mut SpmScratch) {
         match self.whole.get(word) {
             Some(&id) => out.push(id),
+            None if word.len() <= SHORT_WORD => self.merge_short(word, out, s),
             None => self.merge_word(word, out, s),
+        }
+    }
+
+    /// [`SpmModel::merge_word`] for short words without the queue: the pair scores live in an
+    /// array and each step merges the first pair with the highest score, which is the pair the
+    /// queue would pop (highest score, then leftmost).
+    fn merge_short(&self, text: &[u8], out: &mut Vec<u32>, s: &mut SpmScratch) {
+        // (start, len) of each symbol, in order.
+        let syms = &mut s.short_syms;
+        syms.clear();
+        let mut pos = 0;
+        while pos < text.len() {
+            let len = utf8_len(text[pos]).min(text.len() - pos);
+            syms.push((pos as u32, len as u32));
+            pos += len;
+        }
+        let pair = |syms: &[(u32, u32)], i: usize| -> Option<f32> {
+            let (a, b) = (syms[i], syms[i + 1]);
+            let cat = &text[a.0 as usize..(a.0 + a.1 + b.1) as usize];
+            self.token(cat)
+                .map(|id| self.scores.get(id as usize).copied().unwrap_or(0.0))
+        };
+        let scores = &mut s.short_scores;
+        scores.clear();
+        for i in 0..syms.len().saturating_sub(1) {
+            scores.push(pair(syms, i));
+        }
+        loop {
+            let mut best: Option<(usize, f32)> = None;
+            for (i, sc) in scores.iter().enumerate() {
+                if let Some(sc) = *sc {
+                    if best.is_none_or(|(_, b)| sc.total_cmp(&b) == Ordering::Greater) {
+                        best = Some((i, sc));
+                    }
+                }
+            }
+            let Some((i, _)) = best else { break };
+            syms[i].1 += syms[i + 1].1;
+            syms.remove(i + 1);
+            scores.remove(i);
+            if i + 1 < syms.len() {
+                scores[i] = pair(syms, i);
+            }
+            if i > 0 {
+                scores[i - 1] = pair(syms, i - 1);
+            }
+        }
+        for &(start, len) in syms.iter() {
+            self.emit(&text[start as usize..(start + len) as usize], out);
+        }
+    }
+
+    /// Appends the token for a final symbol, or its bytes' tokens.
+    fn emit(&self, piece: &[u8], out: &mut Vec<u32>) {
+        match self.token(piece) {
+            Some(id) => out.push(id),
+            None => {
+                for &b in piece {
+                    let id = self.byte_tokens[b as usize];
+                    if id != NO_ID {
+                        out.push(id);
+                    } else if let Some(u) = self.unk {
+                        out.push(u);
+                    }
+                }
+            }
         }
     }
 
@@ -492,6 +564,40 @@ mod tests {
         let m = SpmModel::new(&texts, vec![-1.0, -1.0, -1.0, -0.5], None, false);
         assert!(!m.split_words);
         assert_eq!(encode(&m, "c a"), vec![3, 0]);
+    }
+
+    #[test]
+    fn short_word_merge_equals_the_queue() {
+        let texts = [
+            "a",
+            "b",
+            "\u{2581}",
+            "ab",
+            "ba",
+            "aa",
+            "aba",
+            "\u{2581}a",
+            "bab",
+            "abab",
+        ];
+        let scores = vec![0.0, 0.0, 0.0, -2.0, -2.0, -3.0, -1.0, -2.0, -1.5, -4.0];
+        let m = SpmModel::new(&texts, scores, None, false);
+        let mut s = SpmScratch::default();
+        // Every string of up to 7 symbols over a, b, ▁.
+        let mut words = vec![String::new()];
+        for _ in 0..7 {
+            let next: Vec<String> = words
+                .iter()
+                .flat_map(|w| ["a", "b", "\u{2581}"].map(|c| format!("{w}{c}")))
+                .collect();
+            for w in &next {
+                let (mut short, mut queue) = (Vec::new(), Vec::new());
+                m.merge_short(w.as_bytes(), &mut short, &mut s);
+                m.merge_word(w.as_bytes(), &mut queue, &mut s);
+                assert_eq!(short, queue, "{w}");
+            }
+            words = next;
+        }
     }
 
     #[test]
