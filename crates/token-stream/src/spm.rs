@@ -135,6 +135,9 @@ pub(crate) struct SpmModel {
     /// the same result as merging it whole (merges in different words never interact, and the
     /// order within a word is the same).
     split_words: bool,
+    /// ASCII bytes no token of two or more bytes contains (llama-spm: `\n`, `\t`, ...): no merge
+    /// can take them in, so they are words of their own (with `split_words`).
+    barrier: [bool; 128],
     /// Words that merge into exactly one token (checked at load), looked up before merging.
     whole: FxHashMap<Box<[u8]>, u32>,
 }
@@ -216,7 +219,18 @@ impl SpmModel {
             let t = t.as_bytes();
             (1..t.len()).any(|i| t[i..].starts_with(SPACE_MARK) && !t[..i].ends_with(SPACE_MARK))
         });
+        let mut barrier = [true; 128];
+        for t in texts {
+            if t.len() >= 2 {
+                for &b in t.as_bytes() {
+                    if b < 128 {
+                        barrier[b as usize] = false;
+                    }
+                }
+            }
+        }
         let mut model = Self {
+            barrier,
             ids,
             scores,
             byte_tokens,
@@ -278,7 +292,14 @@ impl SpmModel {
             let mut start = 0;
             let mut i = 0;
             while i < text.len() {
-                if i > start
+                let b = text[i];
+                if b < 128 && self.barrier[b as usize] {
+                    if i > start {
+                        self.encode_word(&text[start..i], out, s);
+                    }
+                    self.emit(&text[i..i + 1], out);
+                    start = i + 1;
+                } else if i > start
                     && text[i..].starts_with(SPACE_MARK)
                     && !text[..i].ends_with(SPACE_MARK)
                 {
