@@ -228,3 +228,26 @@ fn tiny_spm_vocabulary_from_metadata() {
     // 'c' has no token and no byte token: the unknown token.
     assert_eq!(t.encode("c").as_slice(), &[0]);
 }
+
+#[test]
+fn wordpiece_and_unigram_add_what_llama_cpp_adds() {
+    // bert-bge: [CLS] text [SEP]; lowercased, accents stripped.
+    let t = load("bert-bge");
+    let ids = t.encode_for_model("Héllo");
+    assert_eq!(ids.as_slice().first(), Some(&101));
+    assert_eq!(ids.as_slice().last(), Some(&102));
+    assert_eq!(
+        &ids.as_slice()[1..ids.len() - 1],
+        t.encode("hello").as_slice()
+    );
+    // nomic-bert-moe (t5 / Unigram): add_bos_token and add_eos_token are both set.
+    let t = load("nomic-bert-moe");
+    let ids = t.encode_for_model("Hello");
+    assert_eq!(ids.as_slice().first(), Some(&0));
+    assert_eq!(ids.as_slice().last(), Some(&2));
+    assert_eq!(
+        &ids.as_slice()[1..ids.len() - 1],
+        t.encode("Hello").as_slice()
+    );
+    assert_eq!(t.decode(&t.encode("Hello  world")).unwrap(), "Hello world");
+}
