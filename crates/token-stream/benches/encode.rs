@@ -6,6 +6,12 @@
 //! Chinese docs + fortunes-zh), found in `$ZEROLAYER_CORPUS` or `~/.cache/zerolayer/corpus`;
 //! without it the committed parity corpus is used (and a message says so).
 //! `ZEROLAYER_BENCH_MB` (default 2) sets how many MB of each corpus part one pass encodes.
+//!
+//! SPM rows: the `llama-spm` vocabulary of llama.cpp's suite (`scripts/fetch-vocab-suite`)
+//! against HF `tokenizers` loading the same vocabulary as HF's Llama `tokenizer.json` does (BPE
+//! with byte fallback, merges derived from the scores, `▁` normalizer), after checking that both
+//! give the same ids on the corpus. `ZEROLAYER_BENCH_ONLY=spm` stops after the SPM rows
+//! (`scripts/bench-tokenizers-llamacpp` uses that to compare with llama.cpp).
 #![allow(missing_docs)] // criterion_group! generates an undocumented function
 
 use std::hint::black_box;
@@ -112,6 +118,77 @@ fn smollm() -> (Tokenizer, tokenizers::Tokenizer) {
     (ours, hf)
 }
 
+/// llama.cpp's `llama-spm` vocabulary (ours) and the same vocabulary as an HF Llama-style
+/// `tokenizer.json` (BPE, byte fallback, merges from the scores).
+fn llama_spm() -> Option<(Tokenizer, tokenizers::Tokenizer)> {
+    let dir = std::env::var_os("ZEROLAYER_VOCAB_SUITE").map_or_else(
+        || {
+            PathBuf::from(std::env::var_os("HOME").unwrap_or_default())
+                .join(".cache/zerolayer/llama-vocab-suite-0.3.36")
+        },
+        PathBuf::from,
+    );
+    let path = dir.join("ggml-vocab-llama-spm.gguf");
+    if !path.exists() {
+        eprintln!(
+            "NOTE: no {} (run scripts/fetch-vocab-suite); no SPM rows",
+            path.display()
+        );
+        return None;
+    }
+    // SAFETY: nothing modifies the vocabulary file during the bench.
+    let g = unsafe { weight_cache::Gguf::open(&path) }.unwrap();
+    let ours = Tokenizer::from_gguf(&g).unwrap();
+    let tokens = g.get_str_array("tokenizer.ggml.tokens").unwrap();
+    let scores = g.get_f32_array("tokenizer.ggml.scores").unwrap();
+    let types = g.get_i32_array("tokenizer.ggml.token_type").unwrap();
+    let ids: std::collections::HashMap<&str, usize> =
+        tokens.iter().enumerate().map(|(i, t)| (*t, i)).collect();
+    // Merges as HF's SentencePiece converter derives them: every split of a normal token into
+    // two tokens, ordered by the merged token's score (highest first).
+    let mut merges = Vec::new();
+    for (id, t) in tokens.iter().enumerate() {
+        if types[id] != 1 {
+            continue;
+        }
+        for (k, _) in t.char_indices().skip(1) {
+            if let (Some(&a), Some(&b)) = (ids.get(&t[..k]), ids.get(&t[k..])) {
+                merges.push((scores[id], id, a, b));
+            }
+        }
+    }
+    merges.sort_by(|x, y| y.0.total_cmp(&x.0).then((x.2, x.3).cmp(&(y.2, y.3))));
+    let vocab: serde_json::Map<String, serde_json::Value> = tokens
+        .iter()
+        .enumerate()
+        .map(|(i, t)| ((*t).to_owned(), i.into()))
+        .collect();
+    let added: Vec<_> = tokens
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| types[*i] == 2 || types[*i] == 3)
+        .map(|(i, t)| {
+            serde_json::json!({"id": i, "content": t, "single_word": false, "lstrip": false,
+                "rstrip": false, "normalized": false, "special": true})
+        })
+        .collect();
+    let json = serde_json::json!({
+        "version": "1.0", "truncation": null, "padding": null,
+        "added_tokens": added,
+        "normalizer": {"type": "Sequence", "normalizers": [
+            {"type": "Prepend", "prepend": "\u{2581}"},
+            {"type": "Replace", "pattern": {"String": " "}, "content": "\u{2581}"}]},
+        "pre_tokenizer": null, "post_processor": null, "decoder": null,
+        "model": {"type": "BPE", "dropout": null, "unk_token": "<unk>",
+            "continuing_subword_prefix": null, "end_of_word_suffix": null,
+            "fuse_unk": true, "byte_fallback": true, "ignore_merges": false,
+            "vocab": vocab,
+            "merges": merges.iter().map(|m| [tokens[m.2], tokens[m.3]]).collect::<Vec<_>>()},
+    });
+    let hf: tokenizers::Tokenizer = json.to_string().parse().unwrap();
+    Some((ours, hf))
+}
+
 fn openai(bpe: &bpe_openai::Tokenizer, o200k: bool) -> Tokenizer {
     let mut s = String::new();
     for id in 0..bpe.bpe.num_tokens() {
@@ -144,6 +221,36 @@ fn mbps(docs: &[String], runs: usize, mut f: impl FnMut(&str) -> usize) -> f64 {
 
 fn bench(c: &mut Criterion) {
     let parts = corpus();
+    if let Some((ours, hf)) = llama_spm() {
+        println!("\nSPM (llama-spm), single-threaded encode, MB/s (median of 3 passes)");
+        println!("| corpus | MB | vocab | token-stream | peer | peer MB/s | ratio |");
+        println!("|---|---|---|---|---|---|---|");
+        for (name, docs) in &parts {
+            let differ = docs
+                .iter()
+                .filter(|d| {
+                    ours.encode(d).as_slice() != hf.encode(d.as_str(), false).unwrap().get_ids()
+                })
+                .count();
+            if differ > 0 {
+                println!(
+                    "NOTE: {name}: {differ} of {} documents differ between token-stream and HF (SPM)",
+                    docs.len()
+                );
+            }
+            let mb = docs.iter().map(String::len).sum::<usize>() as f64 / 1e6;
+            let ours_mbps = mbps(docs, 3, |d| ours.encode(d).len());
+            let peer = mbps(docs, 3, |d| hf.encode(d, false).unwrap().len());
+            println!(
+                "| {name} | {mb:.1} | llama-spm | {ours_mbps:.1} | HF tokenizers | {peer:.1} | {:.1}x |",
+                ours_mbps / peer
+            );
+            println!("spm-token-stream-mbps {name} {ours_mbps:.2}");
+        }
+    }
+    if std::env::var("ZEROLAYER_BENCH_ONLY").as_deref() == Ok("spm") {
+        return;
+    }
     let (ours_smol, hf) = smollm();
     let ours_cl = openai(bpe_openai::cl100k_base(), false);
     let ours_o2 = openai(bpe_openai::o200k_base(), true);

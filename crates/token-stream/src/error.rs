@@ -23,8 +23,11 @@ pub enum LoadError {
         /// The field (a GGUF key or a JSON path).
         field: &'static str,
     },
-    /// The tokenizer model is not byte-level BPE.
-    #[error("unsupported tokenizer model `{model}` (only byte-level BPE is supported)")]
+    /// The tokenizer model is not one this crate implements (byte-level BPE, and llama.cpp's
+    /// SentencePiece-style `llama`, WordPiece `bert` and Unigram `t5` models from GGUF).
+    #[error(
+        "unsupported tokenizer model `{model}` (supported: byte-level BPE; GGUF `llama`, `bert`, `t5`)"
+    )]
     UnsupportedModel {
         /// The model name found (`tokenizer.ggml.model`, or `model.type`).
         model: String,
@@ -76,6 +79,26 @@ pub enum LoadError {
     BadRankLine {
         /// 1-based line number.
         line: usize,
+    },
+    /// A per-token metadata array (scores, token types) does not have one entry per token.
+    #[error("`{field}` has {found} entries for {tokens} tokens")]
+    ArrayLength {
+        /// The GGUF key.
+        field: &'static str,
+        /// Number of tokens.
+        tokens: usize,
+        /// Number of entries found.
+        found: usize,
+    },
+    /// A special token id given in the metadata is not in the vocabulary.
+    #[error("`{field}` = {id} is not below the vocabulary size {vocab_size}")]
+    SpecialIdOutOfRange {
+        /// The GGUF key.
+        field: &'static str,
+        /// The id.
+        id: u32,
+        /// The vocabulary size.
+        vocab_size: usize,
     },
     /// The vocabulary has no tokens.
     #[error("vocabulary is empty")]

@@ -1,9 +1,14 @@
 //! # token-stream
 //!
-//! Exact, fast byte-level BPE: text becomes a plain `u32` token stream ([`Tokens`]) that flows to
+//! Exact, fast tokenizers: text becomes a plain `u32` token stream ([`Tokens`]) that flows to
 //! the model and onto the wire without copies, and back into text with a streaming
 //! detokenizer ([`StreamDecoder`]).
 //!
+//! - Algorithms: byte-level BPE, and from GGUF the non-BPE models of llama.cpp with its exact
+//!   results: SentencePiece-style merges (`tokenizer.ggml.model = llama`: Llama 2, Phi-3,
+//!   Baichuan), WordPiece (`bert`) and Unigram (`t5`), checked against llama.cpp's own
+//!   vocabulary suite (`tests/vocab_suite.rs`). End-of-generation ids ([`Tokenizer::eog_ids`])
+//!   and BOS/EOS adding ([`Tokenizer::encode_for_model`]) follow llama.cpp.
 //! - Vocabularies: GPT-2-style, SmolLM2 (`tokenizer.ggml.pre = smollm`), Llama 3, OpenAI's
 //!   cl100k_base and o200k_base, and every BPE pre-tokenizer of llama.cpp's vocabulary code
 //!   ([`LLAMA_PRES`]: one table entry per `tokenizer.ggml.pre` group, split exactly as
@@ -43,10 +48,13 @@ mod load;
 mod pretok;
 mod pretok_regex;
 mod pretok_table;
+mod spm;
 mod stream;
 mod tokenizer;
 mod tokens;
+mod ugm;
 mod unicode;
+mod wpm;
 
 pub use chat::{BuiltinTemplate, ChatMessage, ChatTemplate, RenderOptions, ToolCall};
 pub use error::{ChatError, DecodeError, LoadError, TokensFromBytesError};

@@ -11,7 +11,7 @@ use crate::pretok_table::UNIMPLEMENTED_LLAMA_PRES;
 use crate::tokenizer::{MergeSpec, Spec, Tokenizer};
 
 /// Largest id accepted from a file (bounds every allocation by the real vocabulary size).
-const MAX_ID: u64 = 1 << 24;
+pub(crate) const MAX_ID: u64 = 1 << 24;
 
 /// GPT-2's byte-to-character map: the character that stands for each byte in byte-level vocabularies.
 fn byte_to_char() -> [char; 256] {
@@ -151,6 +151,28 @@ pub struct GgufVocab<'a> {
     pub eos: Option<u32>,
     /// `tokenizer.chat_template`.
     pub chat_template: Option<&'a str>,
+    /// `tokenizer.ggml.scores` (SPM: merge priority, higher first); one per token.
+    pub scores: Vec<f32>,
+    /// `tokenizer.ggml.add_space_prefix` (`None`: the model's default, true for SPM).
+    pub add_space_prefix: Option<bool>,
+    /// `tokenizer.ggml.add_bos_token` (`None`: the model's default, true for SPM).
+    pub add_bos: Option<bool>,
+    /// `tokenizer.ggml.add_eos_token` (`None`: false).
+    pub add_eos: Option<bool>,
+    /// `tokenizer.ggml.unknown_token_id` (`None`: the model's default, 0 for SPM).
+    pub unknown: Option<u32>,
+    /// `tokenizer.ggml.eot_token_id` (end of turn; ends generation).
+    pub eot: Option<u32>,
+    /// `tokenizer.ggml.eom_token_id` (end of message; ends generation).
+    pub eom: Option<u32>,
+    /// `tokenizer.ggml.padding_token_id`.
+    pub padding: Option<u32>,
+    /// `tokenizer.ggml.seperator_token_id` (llama.cpp's spelling; WordPiece's `[SEP]`).
+    pub separator: Option<u32>,
+    /// `tokenizer.ggml.remove_extra_whitespaces` (Unigram; `None`: false).
+    pub remove_extra_whitespaces: Option<bool>,
+    /// `tokenizer.ggml.precompiled_charsmap` (Unigram's normalization map).
+    pub precompiled_charsmap: Option<&'a [u8]>,
 }
 
 impl<'a> GgufVocab<'a> {
@@ -223,6 +245,9 @@ impl Tokenizer {
     /// with its bytes' `<0xXX>` tokens (type 6).
     pub fn from_gguf_vocab(v: &GgufVocab<'_>) -> Result<Self, LoadError> {
         let pre_name = match v.model {
+            "llama" => return crate::spm::from_gguf_vocab(v),
+            "bert" => return crate::wpm::from_gguf_vocab(v),
+            "t5" => return crate::ugm::from_gguf_vocab(v),
             "gpt2" => v.pre,
             // llama.cpp overrides the pre-tokenizer of this model.
             "gemma4" => "gemma4",
@@ -328,25 +353,70 @@ impl Tokenizer {
     #[cfg(feature = "gguf")]
     pub fn from_gguf(gguf: &weight_cache::Gguf) -> Result<Self, LoadError> {
         let field = |field: &'static str| LoadError::MissingField { field };
+        let model = gguf
+            .get_str("tokenizer.ggml.model")
+            .ok_or_else(|| field("tokenizer.ggml.model"))?;
+        // Only BPE needs merges; a key that is there must have the right type.
+        let merges = match gguf.metadata("tokenizer.ggml.merges") {
+            None if model != "gpt2" => Vec::new(),
+            _ => gguf
+                .get_str_array("tokenizer.ggml.merges")
+                .ok_or_else(|| field("tokenizer.ggml.merges"))?,
+        };
+        let optional_f32s = |key: &'static str| match gguf.metadata(key) {
+            None => Ok(Vec::new()),
+            Some(_) => gguf.get_f32_array(key).ok_or_else(|| field(key)),
+        };
+        let optional_bool = |key: &'static str| match gguf.metadata(key) {
+            None => Ok(None),
+            Some(_) => gguf.get_bool(key).map(Some).ok_or_else(|| field(key)),
+        };
+        let optional_id = |key: &'static str| match gguf.metadata(key) {
+            None => Ok(None),
+            Some(_) => gguf.get_u32(key).map(Some).ok_or_else(|| field(key)),
+        };
+        let token_types = match gguf.metadata("tokenizer.ggml.token_type") {
+            None => Vec::new(),
+            Some(_) => gguf
+                .get_i32_array("tokenizer.ggml.token_type")
+                .ok_or_else(|| field("tokenizer.ggml.token_type"))?,
+        };
+        let charsmap: Option<Vec<u8>> = match gguf.get_array("tokenizer.ggml.precompiled_charsmap")
+        {
+            None => None,
+            Some(a) => Some(
+                a.iter()
+                    .map(|x| x.as_int().and_then(|i| u8::try_from(i & 0xff).ok()))
+                    .collect::<Option<Vec<u8>>>()
+                    .ok_or_else(|| field("tokenizer.ggml.precompiled_charsmap"))?,
+            ),
+        };
         let v = GgufVocab {
-            model: gguf
-                .get_str("tokenizer.ggml.model")
-                .ok_or_else(|| field("tokenizer.ggml.model"))?,
+            model,
             pre: gguf.get_str("tokenizer.ggml.pre").unwrap_or(""),
             tokens: gguf
                 .get_str_array("tokenizer.ggml.tokens")
                 .ok_or_else(|| field("tokenizer.ggml.tokens"))?,
-            token_types: gguf
-                .get_i32_array("tokenizer.ggml.token_type")
-                .unwrap_or_default(),
-            merges: gguf
-                .get_str_array("tokenizer.ggml.merges")
-                .ok_or_else(|| field("tokenizer.ggml.merges"))?,
-            bos: gguf.get_u32("tokenizer.ggml.bos_token_id"),
-            eos: gguf.get_u32("tokenizer.ggml.eos_token_id"),
+            token_types,
+            merges,
+            bos: optional_id("tokenizer.ggml.bos_token_id")?,
+            eos: optional_id("tokenizer.ggml.eos_token_id")?,
             chat_template: gguf.get_str("tokenizer.chat_template"),
+            scores: optional_f32s("tokenizer.ggml.scores")?,
+            add_space_prefix: optional_bool("tokenizer.ggml.add_space_prefix")?,
+            add_bos: optional_bool("tokenizer.ggml.add_bos_token")?,
+            add_eos: optional_bool("tokenizer.ggml.add_eos_token")?,
+            unknown: optional_id("tokenizer.ggml.unknown_token_id")?,
+            eot: optional_id("tokenizer.ggml.eot_token_id")?,
+            eom: optional_id("tokenizer.ggml.eom_token_id")?,
+            padding: optional_id("tokenizer.ggml.padding_token_id")?,
+            separator: optional_id("tokenizer.ggml.seperator_token_id")?,
+            remove_extra_whitespaces: optional_bool("tokenizer.ggml.remove_extra_whitespaces")?,
+            precompiled_charsmap: charsmap.as_deref(),
         };
-        Self::from_gguf_vocab(&v)
+        let mut tok = Self::from_gguf_vocab(&v)?;
+        tok.extend_eog([v.eot, v.eom]);
+        Ok(tok)
     }
 
     /// Parses a tiktoken rank file (`<base64 token> <rank>` per line) with the given split

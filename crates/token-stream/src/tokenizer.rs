@@ -5,7 +5,50 @@ use rustc_hash::FxHashMap;
 use crate::bpe::{self, Merges, NONE, Work};
 use crate::error::DecodeError;
 use crate::pretok::Pretokenizer;
+use crate::spm::{SpmModel, SpmScratch};
 use crate::tokens::Tokens;
+use crate::ugm::UgmModel;
+use crate::wpm::WpmModel;
+
+/// The tokenization algorithm; everything else (token bytes, decode table, specials) is common.
+#[derive(Debug)]
+pub(crate) enum Algo {
+    /// Byte-level BPE with a pre-tokenizer (GPT-2, Llama 3, tiktoken, ...).
+    Bpe,
+    /// llama.cpp's SentencePiece-style merges (`tokenizer.ggml.model = llama`).
+    Spm(Box<SpmModel>),
+    /// llama.cpp's WordPiece (`tokenizer.ggml.model = bert`).
+    Wpm(WpmModel),
+    /// llama.cpp's Unigram (`tokenizer.ggml.model = t5`).
+    Ugm(Box<UgmModel>),
+}
+
+/// llama.cpp's end-of-generation token names (`llama_vocab::impl::load`): a token with one of
+/// these texts ends generation, besides EOS, EOT and EOM.
+const EOG_NAMES: &[&str] = &[
+    "<|eot_id|>",
+    "<|im_end|>",
+    "<|end|>",
+    "<|return|>",
+    "<|call|>",
+    "<|flush|>",
+    "<|calls|>",
+    "<end_of_turn>",
+    "<|endoftext|>",
+    "</s>",
+    "<|eom_id|>",
+    "<EOT>",
+    "_<EOT>",
+    "[EOT]",
+    "[EOS]",
+    "<|end_of_text|>",
+    "<end_of_utterance>",
+    "<eos>",
+    "<turn|>",
+    "<|tool_response>",
+    "<\u{ff5c}end\u{2581}of\u{2581}sentence\u{ff5c}>",
+    "[e~[",
+];
 
 /// How merges are ranked.
 #[derive(Debug)]
@@ -102,7 +145,13 @@ const ABSENT_ENTRY: [u8; 16] = {
     e
 };
 
-/// An exact byte-level BPE tokenizer (GPT-2, SmolLM2, Llama 3, cl100k_base, o200k_base).
+/// An exact tokenizer: byte-level BPE (GPT-2, SmolLM2, Llama 3, cl100k_base, o200k_base), or
+/// from GGUF one of llama.cpp's SPM (`llama`), WordPiece (`bert`) and Unigram (`t5`) models.
+///
+/// For the non-BPE models, [`Tokenizer::token_bytes`] and decoding give a token's text as
+/// llama.cpp's `token_to_piece` does (`▁` as a space, `<0xXX>` as its byte), and user-defined
+/// tokens (GGUF token type 4) are split out of text even by [`Tokenizer::encode`], as llama.cpp
+/// does with `parse_special = false`.
 ///
 /// `Send + Sync`; share it behind an `Arc`. Encoding never fails and never panics: every
 /// string has an encoding. Text is never turned into special tokens by [`Tokenizer::encode`];
@@ -154,9 +203,56 @@ pub struct Tokenizer {
     char_ids: FxHashMap<u32, u32>,
     /// Why the pre-tokenizer is not the one the source named, if it is not.
     pretok_fallback: Option<&'static str>,
+    /// The algorithm (BPE unless a non-BPE loader set another).
+    algo: Algo,
+    /// End-of-generation ids, sorted.
+    eog: Vec<u32>,
+    add_bos: bool,
+    add_eos: bool,
+    /// Appended by [`Tokenizer::encode_for_model`] when `add_eos` (EOS unless the model says).
+    end_token: Option<u32>,
+    /// Decoding drops one leading space of the first token (SPM with `add_space_prefix`).
+    strip_leading_space: bool,
+}
+
+/// The non-BPE parts a loader passes to [`Tokenizer::with_algo`].
+#[derive(Debug)]
+pub(crate) struct ModelParts {
+    pub(crate) algo: Algo,
+    /// Tokens split out of plain text too (user-defined tokens).
+    pub(crate) user_defined: Vec<(String, u32)>,
+    pub(crate) add_bos: bool,
+    pub(crate) add_eos: bool,
+    /// What [`Tokenizer::encode_for_model`] appends when `add_eos` (EOS; WordPiece: `[SEP]`).
+    pub(crate) end_token: Option<u32>,
+    pub(crate) strip_leading_space: bool,
 }
 
 impl Tokenizer {
+    /// Replaces the algorithm of a tokenizer built by [`Tokenizer::from_spec`] (its tables are
+    /// the common part: token bytes = decoded pieces, specials, BOS/EOS).
+    pub(crate) fn with_algo(mut self, parts: ModelParts) -> Self {
+        self.algo = parts.algo;
+        self.user_defined = Specials::new(parts.user_defined);
+        self.add_bos = parts.add_bos;
+        self.add_eos = parts.add_eos;
+        self.end_token = parts.end_token;
+        self.strip_leading_space = parts.strip_leading_space;
+        self.whole = FxHashMap::default();
+        self
+    }
+
+    /// Adds ids to the end-of-generation set (EOT, EOM, ...); ids outside the vocabulary are
+    /// ignored.
+    pub(crate) fn extend_eog(&mut self, ids: impl IntoIterator<Item = Option<u32>>) {
+        for id in ids.into_iter().flatten() {
+            if (id as usize) < self.vocab_size() && !self.eog.contains(&id) {
+                self.eog.push(id);
+            }
+        }
+        self.eog.sort_unstable();
+    }
+
     pub(crate) fn from_spec(spec: Spec) -> Self {
         let n = spec.tokens.len();
         let mut bytes = Vec::new();
@@ -285,7 +381,24 @@ impl Tokenizer {
             chat_template: spec.chat_template,
             char_ids,
             pretok_fallback: None,
+            algo: Algo::Bpe,
+            eog: Vec::new(),
+            add_bos: false,
+            add_eos: false,
+            end_token: spec.eos,
+            strip_leading_space: false,
         };
+        let named = spec
+            .tokens
+            .iter()
+            .enumerate()
+            .filter(|(_, t)| {
+                t.as_deref()
+                    .is_some_and(|t| EOG_NAMES.iter().any(|n| n.as_bytes() == t))
+            })
+            .map(|(id, _)| Some(id as u32));
+        let named: Vec<_> = named.collect();
+        tok.extend_eog(std::iter::once(spec.eos).chain(named));
         // The whole-piece table: every token when merges are ignored (tiktoken), otherwise the
         // tokens that merging their own bytes reproduces (so the shortcut cannot change results).
         let mut whole = FxHashMap::default();
@@ -346,7 +459,7 @@ impl Tokenizer {
         self.merges.len()
     }
 
-    /// The pre-tokenizer in use.
+    /// The pre-tokenizer in use (BPE; meaningless for the non-BPE models, which split no text).
     pub fn pretokenizer(&self) -> Pretokenizer {
         self.pretok
     }
@@ -359,6 +472,48 @@ impl Tokenizer {
     /// End-of-sequence token, if the vocabulary declares one.
     pub fn eos_id(&self) -> Option<u32> {
         self.eos
+    }
+
+    /// End-of-generation ids, sorted: EOS, EOT, EOM and the tokens llama.cpp treats as ending
+    /// generation by name (`<|eot_id|>`, `<|im_end|>`, `<end_of_turn>`, `<|endoftext|>`,
+    /// `</s>`, ...).
+    pub fn eog_ids(&self) -> &[u32] {
+        &self.eog
+    }
+
+    /// Whether generating `id` ends generation (see [`Tokenizer::eog_ids`]).
+    pub fn is_eog(&self, id: u32) -> bool {
+        self.eog.binary_search(&id).is_ok()
+    }
+
+    /// Whether the model expects BOS before a prompt (`tokenizer.ggml.add_bos_token`; for
+    /// GGUF vocabularies without the key, llama.cpp's default for the model: true for SPM and
+    /// WordPiece, false for BPE). Used by [`Tokenizer::encode_for_model`].
+    pub fn add_bos(&self) -> bool {
+        self.add_bos && self.bos.is_some()
+    }
+
+    /// Whether the model expects a token after a prompt: EOS when `tokenizer.ggml.add_eos_token`
+    /// (default false); WordPiece (BERT) always ends with its separator `[SEP]`. Used by
+    /// [`Tokenizer::encode_for_model`].
+    pub fn add_eos(&self) -> bool {
+        self.add_eos && self.end_token.is_some()
+    }
+
+    /// Encodes a prompt as the model expects it: BOS first when [`Tokenizer::add_bos`], EOS last
+    /// when [`Tokenizer::add_eos`], the text in between as plain text ([`Tokenizer::encode`];
+    /// no special-token parsing). This is llama.cpp's `tokenize(text, add_special = true,
+    /// parse_special = false)`.
+    pub fn encode_for_model(&self, text: &str) -> Tokens<'static> {
+        let mut out = Vec::with_capacity(text.len() / 3 + 2);
+        if self.add_bos() {
+            out.extend(self.bos);
+        }
+        self.encode_into(text, &mut out);
+        if self.add_eos() {
+            out.extend(self.end_token);
+        }
+        Tokens::from(out)
     }
 
     /// The model's Jinja chat template, if the source had one.
@@ -400,6 +555,10 @@ impl Tokenizer {
 
     /// Appends the encoding of plain `text` to `out` (no special-token parsing).
     pub fn encode_into(&self, text: &str, out: &mut Vec<u32>) {
+        if !matches!(self.algo, Algo::Bpe) {
+            self.encode_model(text, &self.user_defined, out);
+            return;
+        }
         let mut scratch = Vec::new();
         let mut work = Work::default();
         self.encode_plain(text, out, &mut scratch, &mut work);
@@ -415,6 +574,10 @@ impl Tokenizer {
 
     /// Appends the encoding of `text` with special-token parsing to `out`.
     pub fn encode_with_specials_into(&self, text: &str, out: &mut Vec<u32>) {
+        if !matches!(self.algo, Algo::Bpe) {
+            self.encode_model(text, &self.specials, out);
+            return;
+        }
         let mut scratch = Vec::new();
         let mut work = Work::default();
         let mut pos = 0;
@@ -480,10 +643,44 @@ impl Tokenizer {
     #[doc(hidden)]
     pub fn encode_counting_work(&self, text: &str) -> (Vec<u32>, u64) {
         let mut out = Vec::new();
+        if !matches!(self.algo, Algo::Bpe) {
+            // Only BPE counts its steps.
+            self.encode_into(text, &mut out);
+            return (out, 0);
+        }
         let mut scratch = Vec::new();
         let mut work = Work::default();
         self.encode_plain(text, &mut out, &mut scratch, &mut work);
         (out, work.0)
+    }
+
+    /// Non-BPE encoding, as llama.cpp's `tokenize`: `split` tokens are cut out of the text
+    /// first; each raw fragment is tokenized by the algorithm (SPM puts a space before a
+    /// fragment (each starts the text or follows a special token) when `add_space_prefix` is set).
+    fn encode_model(&self, text: &str, split: &Specials, out: &mut Vec<u32>) {
+        let mut spm_scratch = SpmScratch::default();
+        let mut pos = 0;
+        loop {
+            let next = split.find(text, pos);
+            let end = next.map_or(text.len(), |(s, _, _)| s);
+            // A raw fragment always starts the text or follows a special token.
+            if end > pos {
+                let raw = &text[pos..end];
+                match &self.algo {
+                    Algo::Bpe => {}
+                    Algo::Spm(m) => m.encode(raw, m.add_space_prefix, out, &mut spm_scratch),
+                    Algo::Wpm(m) => m.encode(raw, out),
+                    Algo::Ugm(m) => m.encode(raw, out),
+                }
+            }
+            match next {
+                Some((_, e, id)) => {
+                    out.push(id);
+                    pos = e;
+                }
+                None => break,
+            }
+        }
     }
 
     fn encode_plain(
@@ -589,7 +786,25 @@ impl Tokenizer {
     }
 
     /// Decodes ids to bytes (special tokens contribute their text).
+    ///
+    /// SPM vocabularies with `add_space_prefix`: one leading space of the first token's text is
+    /// dropped, as llama.cpp's detokenizer does, so `decode(encode(s)) == s`.
     pub fn decode_bytes_into(&self, ids: &[u32], out: &mut Vec<u8>) -> Result<(), DecodeError> {
+        let start = out.len();
+        self.decode_table(ids, out)?;
+        if self.strip_leading_space
+            && out.get(start) == Some(&b' ')
+            && ids
+                .first()
+                .and_then(|&id| self.token_bytes(id))
+                .is_some_and(|t| t.first() == Some(&b' '))
+        {
+            out.remove(start);
+        }
+        Ok(())
+    }
+
+    fn decode_table(&self, ids: &[u32], out: &mut Vec<u8>) -> Result<(), DecodeError> {
         // Every short token is one fixed 16-byte copy into room made up front; `pos` then moves
         // by the token's real length. Invariant before token k: out.len() >= pos + 16 * (n - k).
         let mut pos = out.len();

@@ -89,7 +89,7 @@ impl ClassTable {
     }
 }
 
-fn class_ranges(hir: &Hir) -> Vec<(u32, u32)> {
+pub(crate) fn class_ranges(hir: &Hir) -> Vec<(u32, u32)> {
     match hir.kind() {
         HirKind::Class(Class::Unicode(c)) => c
             .ranges()

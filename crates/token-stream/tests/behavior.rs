@@ -233,7 +233,15 @@ fn loaders_reject_bad_input_with_typed_errors() {
         Tokenizer::from_gguf_vocab(&v),
         Err(LoadError::BadMerge { index: 0, .. })
     ));
+    // SPM is supported, but needs its scores.
     let v = GgufVocab::new("llama", "default", vec!["a"], vec![], vec![]);
+    assert!(matches!(
+        Tokenizer::from_gguf_vocab(&v),
+        Err(LoadError::MissingField {
+            field: "tokenizer.ggml.scores"
+        })
+    ));
+    let v = GgufVocab::new("rwkv", "default", vec!["a"], vec![], vec![]);
     assert!(matches!(
         Tokenizer::from_gguf_vocab(&v),
         Err(LoadError::UnsupportedModel { .. })
