@@ -54,6 +54,7 @@ mod tokenizer;
 mod tokens;
 mod ugm;
 mod unicode;
+mod vocab;
 mod wpm;
 
 pub use chat::{BuiltinTemplate, ChatMessage, ChatTemplate, RenderOptions, ToolCall};

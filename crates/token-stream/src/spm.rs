@@ -9,108 +9,34 @@ use std::collections::BinaryHeap;
 use rustc_hash::FxHashMap;
 
 use crate::error::LoadError;
-use crate::load::{GgufVocab, MAX_ID};
-use crate::pretok::Pretokenizer;
-use crate::tokenizer::{Algo, MergeSpec, ModelParts, Spec, Tokenizer};
-
-/// llama.cpp token types.
-const TYPE_NORMAL: i32 = 1;
-const TYPE_UNKNOWN: i32 = 2;
-const TYPE_CONTROL: i32 = 3;
-const TYPE_USER_DEFINED: i32 = 4;
-const TYPE_BYTE: i32 = 6;
+use crate::load::GgufVocab;
+use crate::tokenizer::{Algo, ModelParts, Tokenizer};
+use crate::vocab::{Checked, TYPE_BYTE, TYPE_NORMAL};
 
 /// Builds an SPM tokenizer from GGUF metadata (`tokenizer.ggml.model = llama`), with
 /// llama.cpp's defaults: BOS 1, EOS 2, unknown 0, `add_space_prefix` and `add_bos_token` true.
 pub(crate) fn from_gguf_vocab(v: &GgufVocab<'_>) -> Result<Tokenizer, LoadError> {
-    let n = v.tokens.len();
-    if n == 0 {
-        return Err(LoadError::EmptyVocabulary);
-    }
-    if n as u64 > MAX_ID {
-        return Err(LoadError::IdOutOfRange { id: n as u64 });
-    }
-    if v.scores.is_empty() {
-        return Err(LoadError::MissingField {
-            field: "tokenizer.ggml.scores",
-        });
-    }
-    if v.scores.len() != n {
-        return Err(LoadError::ArrayLength {
-            field: "tokenizer.ggml.scores",
-            tokens: n,
-            found: v.scores.len(),
-        });
-    }
-    if !v.token_types.is_empty() && v.token_types.len() != n {
-        return Err(LoadError::ArrayLength {
-            field: "tokenizer.ggml.token_type",
-            tokens: n,
-            found: v.token_types.len(),
-        });
-    }
-    // An id given in the file must be a token; a default that is not is dropped.
-    let check = |field: &'static str, given: Option<u32>, default: Option<u32>| match given {
-        Some(id) if id as usize >= n => Err(LoadError::SpecialIdOutOfRange {
-            field,
-            id,
-            vocab_size: n,
-        }),
-        Some(id) => Ok(Some(id)),
-        None => Ok(default.filter(|&d| (d as usize) < n)),
-    };
-    let bos = check("tokenizer.ggml.bos_token_id", v.bos, Some(1))?;
-    let eos = check("tokenizer.ggml.eos_token_id", v.eos, Some(2))?;
-    let unk = check("tokenizer.ggml.unknown_token_id", v.unknown, Some(0))?;
-    let eot = check("tokenizer.ggml.eot_token_id", v.eot, None)?;
-    let eom = check("tokenizer.ggml.eom_token_id", v.eom, None)?;
-    check("tokenizer.ggml.padding_token_id", v.padding, None)?;
-    let mut tokens = Vec::with_capacity(n);
-    let mut specials = Vec::new();
-    let mut user_defined = Vec::new();
-    for (id, &text) in v.tokens.iter().enumerate() {
-        let ty = v.token_types.get(id).copied().unwrap_or(TYPE_NORMAL);
-        tokens.push(Some(piece(text, ty)));
-        if matches!(ty, TYPE_UNKNOWN | TYPE_CONTROL | TYPE_USER_DEFINED) && !text.is_empty() {
-            specials.push((text.to_owned(), id as u32));
-        }
-        if ty == TYPE_USER_DEFINED && !text.is_empty() {
-            user_defined.push((text.to_owned(), id as u32));
-        }
-    }
+    let vocab = Checked::new(v, true)?;
+    let bos = vocab.id("tokenizer.ggml.bos_token_id", v.bos, Some(1))?;
+    let eos = vocab.id("tokenizer.ggml.eos_token_id", v.eos, Some(2))?;
+    let unk = vocab.id("tokenizer.ggml.unknown_token_id", v.unknown, Some(0))?;
+    let eog = vocab.eot_eom()?;
     let add_space_prefix = v.add_space_prefix.unwrap_or(true);
-    let tok = Tokenizer::from_spec(Spec {
-        // Unused by SPM; the spec needs one.
-        pretok: Pretokenizer::Gpt2,
-        tokens,
-        merges: MergeSpec::Pairs(Vec::new()),
-        specials,
-        ignore_merges: false,
-        byte_fallback: false,
-        unk: None,
-        fuse_unk: false,
-        bos,
-        eos,
-        chat_template: v.chat_template.map(str::to_owned),
-        // Set by `with_algo` (non-BPE loaders keep their own byte handling).
-        byte_tokens: Vec::new(),
-        user_defined: Vec::new(),
-        unreachable: Vec::new(),
-    });
-    let mut tok = tok.with_algo(ModelParts {
+    let parts = ModelParts {
         algo: Algo::Spm(Box::new(SpmModel::new(
             &v.tokens,
             v.scores.clone(),
             unk,
             add_space_prefix,
         ))),
-        user_defined,
+        user_defined: Vec::new(),
         add_bos: v.add_bos.unwrap_or(true),
         add_eos: v.add_eos.unwrap_or(false),
         end_token: eos,
         strip_leading_space: add_space_prefix,
-    });
-    tok.extend_eog([eot, eom]);
+    };
+    let mut tok = vocab.build(bos, eos, parts);
+    tok.extend_eog(eog);
     Ok(tok)
 }
 

@@ -8,14 +8,10 @@
 use rustc_hash::FxHashMap;
 
 use crate::error::LoadError;
-use crate::load::{GgufVocab, MAX_ID};
-use crate::pretok::Pretokenizer;
-use crate::spm::{SPACE_MARK, piece};
-use crate::tokenizer::{Algo, MergeSpec, ModelParts, Spec, Tokenizer};
-
-const TYPE_NORMAL: i32 = 1;
-const TYPE_USER_DEFINED: i32 = 4;
-const TYPE_UNUSED: i32 = 5;
+use crate::load::GgufVocab;
+use crate::spm::SPACE_MARK;
+use crate::tokenizer::{Algo, ModelParts, Tokenizer};
+use crate::vocab::{Checked, TYPE_NORMAL, TYPE_UNUSED, TYPE_USER_DEFINED};
 
 /// The precompiled character map: the double array and the replacement strings.
 #[derive(Debug, Default)]
@@ -217,72 +213,29 @@ fn utf8_char_len(s: &[u8]) -> usize {
 /// defaults: EOS 1, unknown 2, no BOS added, EOS added, `add_space_prefix` and
 /// `remove_extra_whitespaces` false unless the metadata says otherwise.
 pub(crate) fn from_gguf_vocab(v: &GgufVocab<'_>) -> Result<Tokenizer, LoadError> {
-    let n = v.tokens.len();
-    if n == 0 {
-        return Err(LoadError::EmptyVocabulary);
-    }
-    if n as u64 > MAX_ID {
-        return Err(LoadError::IdOutOfRange { id: n as u64 });
-    }
-    if v.scores.is_empty() {
-        return Err(LoadError::MissingField {
-            field: "tokenizer.ggml.scores",
-        });
-    }
-    if v.scores.len() != n {
-        return Err(LoadError::ArrayLength {
-            field: "tokenizer.ggml.scores",
-            tokens: n,
-            found: v.scores.len(),
-        });
-    }
-    if !v.token_types.is_empty() && v.token_types.len() != n {
-        return Err(LoadError::ArrayLength {
-            field: "tokenizer.ggml.token_type",
-            tokens: n,
-            found: v.token_types.len(),
-        });
-    }
-    let check = |field: &'static str, given: Option<u32>, default: Option<u32>| match given {
-        Some(id) if id as usize >= n => Err(LoadError::SpecialIdOutOfRange {
-            field,
-            id,
-            vocab_size: n,
-        }),
-        Some(id) => Ok(Some(id)),
-        None => Ok(default.filter(|&d| (d as usize) < n)),
-    };
-    let bos = check("tokenizer.ggml.bos_token_id", v.bos, None)?;
-    let eos = check("tokenizer.ggml.eos_token_id", v.eos, Some(1))?;
-    let unk = check("tokenizer.ggml.unknown_token_id", v.unknown, Some(2))?.ok_or(
-        LoadError::MissingField {
+    let vocab = Checked::new(v, true)?;
+    let bos = vocab.id("tokenizer.ggml.bos_token_id", v.bos, None)?;
+    let eos = vocab.id("tokenizer.ggml.eos_token_id", v.eos, Some(1))?;
+    let unk = vocab
+        .id("tokenizer.ggml.unknown_token_id", v.unknown, Some(2))?
+        .ok_or(LoadError::MissingField {
             field: "tokenizer.ggml.unknown_token_id",
-        },
-    )?;
-    let eot = check("tokenizer.ggml.eot_token_id", v.eot, None)?;
-    let eom = check("tokenizer.ggml.eom_token_id", v.eom, None)?;
-    check("tokenizer.ggml.padding_token_id", v.padding, None)?;
+        })?;
+    let eog = vocab.eot_eom()?;
     let charsmap = match v.precompiled_charsmap {
         None | Some([]) => CharsMap::default(),
         Some(blob) => CharsMap::parse(blob).ok_or(LoadError::MissingField {
             field: "tokenizer.ggml.precompiled_charsmap",
         })?,
     };
-    let mut tokens = Vec::with_capacity(n);
-    let mut specials = Vec::new();
-    let mut always_split = Vec::new();
+    let n = vocab.n;
     let mut ids: FxHashMap<Box<[u8]>, u32> = FxHashMap::default();
     let mut scores = Vec::with_capacity(n);
     let mut user_defined: Vec<Box<[u8]>> = Vec::new();
     let (mut min_score, mut max_len) = (f32::MAX, 0);
     for (id, &text) in v.tokens.iter().enumerate() {
-        let ty = v.token_types.get(id).copied().unwrap_or(TYPE_NORMAL);
-        tokens.push(Some(piece(text, ty)));
-        if matches!(ty, 2..=4) && !text.is_empty() {
-            specials.push((text.to_owned(), id as u32));
-        }
+        let ty = vocab.token_type(id);
         if ty == TYPE_USER_DEFINED && !text.is_empty() {
-            always_split.push((text.to_owned(), id as u32));
             user_defined.push(text.as_bytes().into());
         }
         if ty == TYPE_NORMAL {
@@ -311,32 +264,15 @@ pub(crate) fn from_gguf_vocab(v: &GgufVocab<'_>) -> Result<Tokenizer, LoadError>
         add_space_prefix,
         remove_extra_whitespaces: v.remove_extra_whitespaces.unwrap_or(false),
     };
-    let tok = Tokenizer::from_spec(Spec {
-        // Unused by Unigram; the spec needs one.
-        pretok: Pretokenizer::Gpt2,
-        tokens,
-        merges: MergeSpec::Pairs(Vec::new()),
-        specials,
-        ignore_merges: false,
-        byte_fallback: false,
-        unk: None,
-        fuse_unk: false,
-        bos,
-        eos,
-        chat_template: v.chat_template.map(str::to_owned),
-        // Set by `with_algo` (non-BPE loaders keep their own byte handling).
-        byte_tokens: Vec::new(),
-        user_defined: Vec::new(),
-        unreachable: Vec::new(),
-    });
-    let mut tok = tok.with_algo(ModelParts {
+    let parts = ModelParts {
         algo: Algo::Ugm(Box::new(model)),
-        user_defined: always_split,
+        user_defined: Vec::new(),
         add_bos: v.add_bos.unwrap_or(false),
         add_eos: v.add_eos.unwrap_or(true),
         end_token: eos,
         strip_leading_space: add_space_prefix,
-    });
-    tok.extend_eog([eot, eom]);
+    };
+    let mut tok = vocab.build(bos, eos, parts);
+    tok.extend_eog(eog);
     Ok(tok)
 }

@@ -12,11 +12,11 @@ use rustc_hash::FxHashMap;
 use unicode_normalization::char::decompose_canonical;
 
 use crate::error::LoadError;
-use crate::load::{GgufVocab, MAX_ID};
-use crate::pretok::Pretokenizer;
-use crate::spm::{SPACE_MARK, piece};
-use crate::tokenizer::{Algo, MergeSpec, ModelParts, Spec, Tokenizer};
+use crate::load::GgufVocab;
+use crate::spm::SPACE_MARK;
+use crate::tokenizer::{Algo, ModelParts, Tokenizer};
 use crate::unicode::class_ranges;
+use crate::vocab::Checked;
 
 /// The WordPiece model: token text lookup.
 #[derive(Debug)]
@@ -170,75 +170,21 @@ fn first_nfd(c: char) -> char {
 /// llama.cpp's defaults: BOS (`[CLS]`) 101, unknown 100, separator 102; the model adds
 /// `[CLS]` before and `[SEP]` after a prompt ([`Tokenizer::encode_for_model`]).
 pub(crate) fn from_gguf_vocab(v: &GgufVocab<'_>) -> Result<Tokenizer, LoadError> {
-    let n = v.tokens.len();
-    if n == 0 {
-        return Err(LoadError::EmptyVocabulary);
-    }
-    if n as u64 > MAX_ID {
-        return Err(LoadError::IdOutOfRange { id: n as u64 });
-    }
-    if !v.token_types.is_empty() && v.token_types.len() != n {
-        return Err(LoadError::ArrayLength {
-            field: "tokenizer.ggml.token_type",
-            tokens: n,
-            found: v.token_types.len(),
-        });
-    }
-    let check = |field: &'static str, given: Option<u32>, default: Option<u32>| match given {
-        Some(id) if id as usize >= n => Err(LoadError::SpecialIdOutOfRange {
-            field,
-            id,
-            vocab_size: n,
-        }),
-        Some(id) => Ok(Some(id)),
-        None => Ok(default.filter(|&d| (d as usize) < n)),
-    };
-    let bos = check("tokenizer.ggml.bos_token_id", v.bos, Some(101))?;
-    let eos = check("tokenizer.ggml.eos_token_id", v.eos, None)?;
-    let unk = check("tokenizer.ggml.unknown_token_id", v.unknown, Some(100))?;
-    let sep = check("tokenizer.ggml.seperator_token_id", v.separator, Some(102))?;
-    let eot = check("tokenizer.ggml.eot_token_id", v.eot, None)?;
-    let eom = check("tokenizer.ggml.eom_token_id", v.eom, None)?;
-    check("tokenizer.ggml.padding_token_id", v.padding, None)?;
-    let mut tokens = Vec::with_capacity(n);
-    let mut specials = Vec::new();
-    let mut user_defined = Vec::new();
-    for (id, &text) in v.tokens.iter().enumerate() {
-        let ty = v.token_types.get(id).copied().unwrap_or(1);
-        tokens.push(Some(piece(text, ty)));
-        if matches!(ty, 2..=4) && !text.is_empty() {
-            specials.push((text.to_owned(), id as u32));
-        }
-        if ty == 4 && !text.is_empty() {
-            user_defined.push((text.to_owned(), id as u32));
-        }
-    }
-    let tok = Tokenizer::from_spec(Spec {
-        // Unused by WordPiece; the spec needs one.
-        pretok: Pretokenizer::Gpt2,
-        tokens,
-        merges: MergeSpec::Pairs(Vec::new()),
-        specials,
-        ignore_merges: false,
-        byte_fallback: false,
-        unk: None,
-        fuse_unk: false,
-        bos,
-        eos,
-        chat_template: v.chat_template.map(str::to_owned),
-        // Set by `with_algo` (non-BPE loaders keep their own byte handling).
-        byte_tokens: Vec::new(),
-        user_defined: Vec::new(),
-        unreachable: Vec::new(),
-    });
-    let mut tok = tok.with_algo(ModelParts {
+    let vocab = Checked::new(v, false)?;
+    let bos = vocab.id("tokenizer.ggml.bos_token_id", v.bos, Some(101))?;
+    let eos = vocab.id("tokenizer.ggml.eos_token_id", v.eos, None)?;
+    let unk = vocab.id("tokenizer.ggml.unknown_token_id", v.unknown, Some(100))?;
+    let sep = vocab.id("tokenizer.ggml.seperator_token_id", v.separator, Some(102))?;
+    let eog = vocab.eot_eom()?;
+    let parts = ModelParts {
         algo: Algo::Wpm(WpmModel::new(&v.tokens, unk)),
-        user_defined,
+        user_defined: Vec::new(),
         add_bos: true,
         add_eos: sep.is_some(),
         end_token: sep,
         strip_leading_space: false,
-    });
-    tok.extend_eog([eot, eom]);
+    };
+    let mut tok = vocab.build(bos, eos, parts);
+    tok.extend_eog(eog);
     Ok(tok)
 }
