@@ -4,10 +4,14 @@
 //! (llama-cpp-python and the numpy fp32 reference `scripts/fixtures/gpu-pipeline-fp32ref.py`).
 //! Needs the default model (`scripts/fetch-model`).
 
+mod common;
+
 use std::sync::{Arc, OnceLock};
 
+use common::{argmax, ids_of};
+
 use gpu_pipeline::{LogitsWanted, Model, ModelOptions, SeqStep};
-use kv_ring::{KvDtype, KvPool, KvRing, RingMode};
+use kv_ring::{KvDtype, KvRing};
 use serde_json::Value;
 
 fn model() -> &'static Model {
@@ -21,10 +25,7 @@ fn model() -> &'static Model {
 }
 
 fn ring(cap: usize) -> KvRing {
-    let m = model();
-    let shape = m.kv_shape(KvDtype::F32);
-    let pool = KvPool::new(shape, cap * shape.bytes_per_token()).unwrap();
-    pool.alloc(cap, RingMode::Strict).unwrap()
+    common::ring(model(), KvDtype::F32, cap)
 }
 
 fn fixture(name: &str) -> Value {
@@ -32,35 +33,9 @@ fn fixture(name: &str) -> Value {
     serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap()
 }
 
-fn ids_of(v: &Value) -> Vec<u32> {
-    v.as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x.as_u64().unwrap() as u32)
-        .collect()
-}
-
 /// Logits of every position of `ids` (one sequence, fresh cache).
 fn all_logits(ids: &[u32]) -> Vec<f32> {
-    let mut kv = ring(ids.len());
-    let mut out = Vec::new();
-    model()
-        .forward(
-            &mut [SeqStep {
-                tokens: ids,
-                kv: &mut kv,
-                logits: LogitsWanted::All,
-            }],
-            &mut out,
-        )
-        .unwrap();
-    out
-}
-
-fn argmax(xs: &[f32]) -> usize {
-    xs.iter()
-        .enumerate()
-        .fold(0, |b, (i, &v)| if v > xs[b] { i } else { b })
+    common::all_logits(model(), KvDtype::F32, ids)
 }
 
 #[test]
@@ -132,19 +107,9 @@ fn perplexity_within_one_percent_of_llama_cpp_and_fp32() {
     let (mut ours, mut llama, mut fp32, mut count) = (0f64, 0f64, 0f64, 0usize);
     for w in 0..n_win {
         let chunk = &ids[w * ctx..(w + 1) * ctx];
-        let logits = all_logits(chunk);
-        for j in ctx / 2..ctx - 1 {
-            let row = &logits[j * vocab..(j + 1) * vocab];
-            let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            let lse = row
-                .iter()
-                .map(|&l| f64::from(l - max).exp())
-                .sum::<f64>()
-                .ln()
-                + f64::from(max);
-            ours += lse - f64::from(row[chunk[j + 1] as usize]);
-            count += 1;
-        }
+        let (nll, scored) = common::nll_second_half(&all_logits(chunk), chunk, vocab);
+        ours += nll;
+        count += scored;
         llama += wins[w]["llama_nll"].as_f64().unwrap();
         fp32 += wins[w]["fp32_nll"].as_f64().unwrap();
         assert_eq!(wins[w]["count"].as_u64().unwrap() as usize * (w + 1), count);

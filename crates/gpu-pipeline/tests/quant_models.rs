@@ -17,11 +17,14 @@
 //! llama.cpp itself is further than that from the reference (smollm2.Q6_K: llama.cpp 11.12,
 //! reference 10.97), where it must be at least as close to the reference as llama.cpp.
 
+mod common;
+
 use std::path::PathBuf;
 use std::sync::{Arc, OnceLock};
 
-use gpu_pipeline::{LogitsWanted, Model, ModelOptions, SeqStep};
-use kv_ring::{KvDtype, KvPool, RingMode};
+use common::{all_logits, argmax, ids_of, nll_second_half};
+use gpu_pipeline::{Model, ModelOptions};
+use kv_ring::KvDtype;
 use serde_json::Value;
 use sha2::{Digest, Sha256};
 
@@ -48,39 +51,6 @@ fn models_dir() -> PathBuf {
 
 /// llama.cpp keeps K and V in f16 by default; so do we here.
 const KV_DTYPE: KvDtype = KvDtype::F16;
-
-fn ids_of(v: &Value) -> Vec<u32> {
-    v.as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x.as_u64().unwrap() as u32)
-        .collect()
-}
-
-/// Logits of every position of `ids` (one sequence, fresh cache).
-fn all_logits(model: &Model, ids: &[u32]) -> Vec<f32> {
-    let shape = model.kv_shape(KV_DTYPE);
-    let pool = KvPool::new(shape, ids.len() * shape.bytes_per_token()).unwrap();
-    let mut kv = pool.alloc(ids.len(), RingMode::Strict).unwrap();
-    let mut out = Vec::new();
-    model
-        .forward(
-            &mut [SeqStep {
-                tokens: ids,
-                kv: &mut kv,
-                logits: LogitsWanted::All,
-            }],
-            &mut out,
-        )
-        .unwrap();
-    out
-}
-
-fn argmax(xs: &[f32]) -> usize {
-    xs.iter()
-        .enumerate()
-        .fold(0, |b, (i, &v)| if v > xs[b] { i } else { b })
-}
 
 fn check_model(name: &str) {
     let fx = fixture();
@@ -120,7 +90,7 @@ fn check_model(name: &str) {
         .zip(entry["fp32_gaps"].as_array().unwrap())
     {
         let ids = ids_of(seq);
-        let logits = all_logits(&model, &ids);
+        let logits = all_logits(&model, KV_DTYPE, &ids);
         for (i, top) in positions.as_array().unwrap().iter().enumerate() {
             let row = &logits[i * vocab..(i + 1) * vocab];
             let top = top.as_array().unwrap();
@@ -181,19 +151,10 @@ fn check_model(name: &str) {
         let ids = ids_of(&fx["ppl_ids"]);
         let (mut nll, mut count) = (0f64, 0usize);
         for chunk in ids.chunks_exact(ctx) {
-            let logits = all_logits(&model, chunk);
-            for j in ctx / 2..ctx - 1 {
-                let row = &logits[j * vocab..(j + 1) * vocab];
-                let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                let lse = row
-                    .iter()
-                    .map(|&l| f64::from(l - max).exp())
-                    .sum::<f64>()
-                    .ln()
-                    + f64::from(max);
-                nll += lse - f64::from(row[chunk[j + 1] as usize]);
-                count += 1;
-            }
+            let logits = all_logits(&model, KV_DTYPE, chunk);
+            let (window_nll, scored) = nll_second_half(&logits, chunk, vocab);
+            nll += window_nll;
+            count += scored;
         }
         assert_eq!(count as u64, entry["ppl_count"].as_u64().unwrap());
         let ppl = (nll / count as f64).exp();

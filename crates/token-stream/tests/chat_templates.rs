@@ -9,8 +9,10 @@
 //! - every llama.cpp built-in template rendered by llama.cpp's own `llama_chat_apply_template`;
 //! - llama.cpp's detection of a built-in from each template's source.
 
+mod common;
+
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use serde_json::Value as Json;
 use sha2::{Digest, Sha256};
@@ -29,19 +31,7 @@ const KNOWN_DIFFERENT: &[(&str, &str)] = &[(
 )];
 
 fn templates_dir() -> PathBuf {
-    let dir = std::env::var_os("ZEROLAYER_VOCAB_SUITE").map_or_else(
-        || {
-            let home = std::env::var_os("HOME").expect("HOME is set");
-            Path::new(&home).join(".cache/zerolayer/llama-vocab-suite-0.3.36")
-        },
-        PathBuf::from,
-    );
-    assert!(
-        dir.join(".complete").exists(),
-        "llama.cpp's vocabulary suite is not at {}: run scripts/fetch-vocab-suite",
-        dir.display()
-    );
-    dir.join("templates")
+    common::vocab_suite_dir().join("templates")
 }
 
 fn fixture() -> Json {

@@ -7,6 +7,8 @@
 //! The cases are tokenized as llama.cpp's `test-tokenizer-0` does: no BOS/EOS added, special
 //! tokens not parsed (our [`Tokenizer::encode`]).
 
+mod common;
+
 use std::path::{Path, PathBuf};
 
 use token_stream::Tokenizer;
@@ -16,19 +18,7 @@ const SEP: &str = "\n__ggml_vocab_test__\n";
 const FIXTURES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/vocab-suite");
 
 fn suite_dir() -> PathBuf {
-    let dir = std::env::var_os("ZEROLAYER_VOCAB_SUITE").map_or_else(
-        || {
-            let home = std::env::var_os("HOME").expect("HOME is set");
-            Path::new(&home).join(".cache/zerolayer/llama-vocab-suite-0.3.36")
-        },
-        PathBuf::from,
-    );
-    assert!(
-        dir.join(".complete").exists(),
-        "llama.cpp's vocabulary suite is not at {}: run scripts/fetch-vocab-suite",
-        dir.display()
-    );
-    dir
+    common::vocab_suite_dir()
 }
 
 /// The `.inp` format: cases separated by `SEP` (as `test-tokenizer-0.cpp` reads it).

@@ -162,3 +162,21 @@ pub fn pathological(size: usize) -> Vec<String> {
     ];
     units.iter().map(|u| u.repeat(size / u.len())).collect()
 }
+
+/// llama.cpp's vocabulary suite and chat templates, as `scripts/fetch-vocab-suite` leaves them
+/// (`$ZEROLAYER_VOCAB_SUITE` or `~/.cache/zerolayer/llama-vocab-suite-0.3.36`).
+pub fn vocab_suite_dir() -> std::path::PathBuf {
+    let dir = std::env::var_os("ZEROLAYER_VOCAB_SUITE").map_or_else(
+        || {
+            let home = std::env::var_os("HOME").expect("HOME is set");
+            std::path::Path::new(&home).join(".cache/zerolayer/llama-vocab-suite-0.3.36")
+        },
+        std::path::PathBuf::from,
+    );
+    assert!(
+        dir.join(".complete").exists(),
+        "llama.cpp's vocabulary suite is not at {}: run scripts/fetch-vocab-suite",
+        dir.display()
+    );
+    dir
+}
