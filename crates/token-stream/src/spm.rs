@@ -367,20 +367,10 @@ impl SpmModel {
         let mut i = 0u32;
         while i != NO_ID {
             let sym = s.symbols[i as usize];
-            let piece = &text[sym.start as usize..(sym.start + sym.len) as usize];
-            match self.token(piece) {
-                Some(id) => out.push(id),
-                None => {
-                    for &b in piece {
-                        let id = self.byte_tokens[b as usize];
-                        if id != NO_ID {
-                            out.push(id);
-                        } else if let Some(u) = self.unk {
-                            out.push(u);
-                        }
-                    }
-                }
-            }
+            self.emit(
+                &text[sym.start as usize..(sym.start + sym.len) as usize],
+                out,
+            );
             i = sym.next;
         }
     }

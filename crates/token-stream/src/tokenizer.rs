@@ -99,6 +99,14 @@ struct Specials {
     first_byte: [bool; 256],
 }
 
+/// A piece of text cut by [`Specials::split_each`].
+enum Segment<'a> {
+    /// Text between tokens of the set.
+    Text(&'a str),
+    /// A token of the set.
+    Token(u32),
+}
+
 impl Specials {
     fn new(mut list: Vec<(String, u32)>) -> Self {
         list.sort_by(|a, b| b.0.len().cmp(&a.0.len()).then(a.1.cmp(&b.1)));
@@ -113,6 +121,22 @@ impl Specials {
         Self {
             entries,
             first_byte,
+        }
+    }
+
+    /// Cuts `text` at this set's tokens: `each` gets the non-empty text between them and the
+    /// tokens' ids, in order.
+    fn split_each(&self, text: &str, mut each: impl FnMut(Segment<'_>)) {
+        let mut pos = 0;
+        while let Some((start, end, id)) = self.find(text, pos) {
+            if start > pos {
+                each(Segment::Text(&text[pos..start]));
+            }
+            each(Segment::Token(id));
+            pos = end;
+        }
+        if pos < text.len() {
+            each(Segment::Text(&text[pos..]));
         }
     }
 
@@ -580,13 +604,10 @@ impl Tokenizer {
         }
         let mut scratch = Vec::new();
         let mut work = Work::default();
-        let mut pos = 0;
-        while let Some((s, e, id)) = self.specials.find(text, pos) {
-            self.encode_plain(&text[pos..s], out, &mut scratch, &mut work);
-            out.push(id);
-            pos = e;
-        }
-        self.encode_plain(&text[pos..], out, &mut scratch, &mut work);
+        self.specials.split_each(text, |segment| match segment {
+            Segment::Text(plain) => self.encode_plain(plain, out, &mut scratch, &mut work),
+            Segment::Token(id) => out.push(id),
+        });
     }
 
     /// Finds special tokens in `text` from byte `from`: `(start, end, id)` of the first one.
@@ -659,28 +680,16 @@ impl Tokenizer {
     /// fragment (each starts the text or follows a special token) when `add_space_prefix` is set).
     fn encode_model(&self, text: &str, split: &Specials, out: &mut Vec<u32>) {
         let mut spm_scratch = SpmScratch::default();
-        let mut pos = 0;
-        loop {
-            let next = split.find(text, pos);
-            let end = next.map_or(text.len(), |(s, _, _)| s);
-            // A raw fragment always starts the text or follows a special token.
-            if end > pos {
-                let raw = &text[pos..end];
-                match &self.algo {
-                    Algo::Bpe => {}
-                    Algo::Spm(m) => m.encode(raw, m.add_space_prefix, out, &mut spm_scratch),
-                    Algo::Wpm(m) => m.encode(raw, out),
-                    Algo::Ugm(m) => m.encode(raw, out),
-                }
-            }
-            match next {
-                Some((_, e, id)) => {
-                    out.push(id);
-                    pos = e;
-                }
-                None => break,
-            }
-        }
+        // A raw fragment always starts the text or follows a special token.
+        split.split_each(text, |segment| match segment {
+            Segment::Text(raw) => match &self.algo {
+                Algo::Bpe => {}
+                Algo::Spm(m) => m.encode(raw, m.add_space_prefix, out, &mut spm_scratch),
+                Algo::Wpm(m) => m.encode(raw, out),
+                Algo::Ugm(m) => m.encode(raw, out),
+            },
+            Segment::Token(id) => out.push(id),
+        });
     }
 
     fn encode_plain(
@@ -690,13 +699,10 @@ impl Tokenizer {
         scratch: &mut Vec<u32>,
         work: &mut Work,
     ) {
-        let mut pos = 0;
-        while let Some((s, e, id)) = self.user_defined.find(text, pos) {
-            self.encode_segment(&text[pos..s], out, scratch, work);
-            out.push(id);
-            pos = e;
-        }
-        self.encode_segment(&text[pos..], out, scratch, work);
+        self.user_defined.split_each(text, |segment| match segment {
+            Segment::Text(raw) => self.encode_segment(raw, out, scratch, work),
+            Segment::Token(id) => out.push(id),
+        });
     }
 
     fn encode_segment(
