@@ -21,5 +21,6 @@ pub use model::{
     ActivationSplit, ForwardError, LogitsWanted, Model, ModelConfig, ModelError, ModelOptions,
     RopeConfig, RopeLayout, RopeScaling, SeqStep,
 };
+pub use model::{GgufSource, SourceTensor, WeightSource};
 pub use sampling::{Sampler, SamplingParams, StopMatcher, StopReason};
 pub use threadpool::ThreadPool;

@@ -3,6 +3,7 @@
 pub(crate) mod attention;
 mod config;
 mod ops;
+mod source;
 
 use std::ops::Range;
 use std::sync::{Arc, Mutex, OnceLock};
@@ -14,6 +15,7 @@ use crate::ThreadPool;
 use crate::kernels::{self, KernelError, WeightMatrix};
 
 pub use config::{ModelConfig, RopeConfig, RopeLayout, RopeScaling};
+pub use source::{GgufSource, SourceTensor, WeightSource};
 
 /// Options of [`Model::load`].
 ///

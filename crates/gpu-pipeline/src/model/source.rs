@@ -1,0 +1,144 @@
+//! Where a model's hyperparameters and weights come from: a GGUF file, or a Hugging Face model
+//! directory translated to the same names.
+//!
+//! Everything above this module (the [`ModelConfig`](super::ModelConfig) reader, the loader, the
+//! forward pass) speaks llama.cpp's vocabulary: GGUF metadata keys (`llama.block_count`,
+//! `gemma2.attn_logit_softcapping`, ...) and GGUF tensor names (`blk.3.attn_q.weight`, shapes in
+//! ggml order). A [`WeightSource`] answers in that vocabulary, so a new container format is a
+//! translation, not a second graph.
+
+use std::fmt::Debug;
+
+use weight_cache::{GgmlType, Gguf};
+
+/// A tensor of a [`WeightSource`], under its llama.cpp name.
+#[derive(Clone, Debug)]
+pub struct SourceTensor<'a> {
+    /// Element type (a safetensors F32/F16/BF16 tensor reports `F32`/`F16`/`BF16`).
+    pub dtype: GgmlType,
+    /// Shape in ggml order: `shape[0]` is the row length (a PyTorch `[out, in]` weight is
+    /// `[in, out]` here; the bytes are the same).
+    pub shape: Vec<u64>,
+    /// The data: a sub-slice of [`WeightSource::file_bytes`]`(file)`.
+    pub data: &'a [u8],
+    /// Which of the source's files holds the data.
+    pub file: usize,
+    /// Index of the tensor in a GGUF file's tensor list (for weight-cache profiling); `None` for
+    /// other sources.
+    pub gguf_index: Option<usize>,
+}
+
+impl SourceTensor<'_> {
+    /// Number of elements.
+    pub fn n_elements(&self) -> u64 {
+        self.shape.iter().product()
+    }
+
+    /// Number of rows (product of `shape[1..]`).
+    pub fn rows(&self) -> usize {
+        self.shape.iter().skip(1).product::<u64>() as usize
+    }
+
+    /// The values as f32 (reference dequantizer).
+    pub fn to_f32(&self) -> Result<Vec<f32>, weight_cache::DequantError> {
+        let mut out = vec![0.0; self.n_elements() as usize];
+        weight_cache::dequantize(self.dtype, self.data, &mut out)?;
+        Ok(out)
+    }
+}
+
+/// Metadata and weights of a model under llama.cpp's GGUF key and tensor names.
+///
+/// Besides llama.cpp's keys, a translating source may set these (a GGUF file never does):
+/// - `zerolayer.rope.layout` (string `"norm"` / `"neox"`): overrides the architecture's RoPE
+///   pairing (Hugging Face Llama checkpoints rotate halves; llama.cpp's converter permutes Q/K
+///   to adjacent pairs instead).
+/// - `zerolayer.norm.weight_offset` (f32): added to every RMSNorm weight as it is read (Gemma
+///   checkpoints store `w - 1`; llama.cpp's converter adds the 1).
+///
+/// ```
+/// use gpu_pipeline::WeightSource;
+/// # fn f(src: &dyn WeightSource) {
+/// let layers = src.get_u32("llama.block_count");
+/// let q = src.tensor("blk.0.attn_q.weight");
+/// # }
+/// ```
+pub trait WeightSource: Send + Sync + Debug {
+    /// A string value.
+    fn get_str(&self, key: &str) -> Option<&str>;
+    /// An unsigned integer value (any integer type that fits).
+    fn get_u32(&self, key: &str) -> Option<u32>;
+    /// A float value.
+    fn get_f32(&self, key: &str) -> Option<f32>;
+    /// A boolean value.
+    fn get_bool(&self, key: &str) -> Option<bool>;
+    /// An array of booleans (e.g. `{arch}.attention.sliding_window_pattern` per layer).
+    fn get_bool_array(&self, key: &str) -> Option<Vec<bool>>;
+    /// The tensor named `name` (llama.cpp's name), if present.
+    fn tensor(&self, name: &str) -> Option<SourceTensor<'_>>;
+    /// The bytes of file `file` (tensor data are sub-slices of these).
+    fn file_bytes(&self, file: usize) -> &[u8];
+    /// The GGUF file, when the source is one (weight-cache profiling, file watching).
+    fn gguf(&self) -> Option<&std::sync::Arc<Gguf>> {
+        None
+    }
+    /// A name for the model: `general.name`, else the file or directory name.
+    fn model_name(&self) -> Option<String> {
+        self.get_str("general.name").map(str::to_string)
+    }
+}
+
+/// A GGUF file as a [`WeightSource`] (one file, its own names).
+#[derive(Debug, Clone)]
+pub struct GgufSource(pub std::sync::Arc<Gguf>);
+
+impl WeightSource for GgufSource {
+    fn get_str(&self, key: &str) -> Option<&str> {
+        self.0.get_str(key)
+    }
+    fn get_u32(&self, key: &str) -> Option<u32> {
+        self.0.get_u32(key)
+    }
+    fn get_f32(&self, key: &str) -> Option<f32> {
+        self.0.get_f32(key)
+    }
+    fn get_bool(&self, key: &str) -> Option<bool> {
+        self.0.get_bool(key)
+    }
+    fn get_bool_array(&self, key: &str) -> Option<Vec<bool>> {
+        let a = self.0.get_array(key)?;
+        a.iter()
+            .map(|v| match v {
+                weight_cache::MetaValue::Bool(b) => Some(b),
+                other => other.as_int().map(|i| i != 0),
+            })
+            .collect()
+    }
+    fn tensor(&self, name: &str) -> Option<SourceTensor<'_>> {
+        let t = self.0.tensor(name)?;
+        Some(SourceTensor {
+            dtype: t.dtype,
+            shape: t.shape.to_vec(),
+            data: t.data,
+            file: 0,
+            gguf_index: Some(t.index),
+        })
+    }
+    fn file_bytes(&self, _file: usize) -> &[u8] {
+        self.0.bytes()
+    }
+    fn gguf(&self) -> Option<&std::sync::Arc<Gguf>> {
+        Some(&self.0)
+    }
+    fn model_name(&self) -> Option<String> {
+        if let Some(n) = self
+            .0
+            .get_str("general.name")
+            .filter(|n| !n.trim().is_empty())
+        {
+            return Some(n.trim().to_string());
+        }
+        let p = self.0.path()?;
+        Some(p.file_stem()?.to_string_lossy().into_owned())
+    }
+}
