@@ -160,10 +160,9 @@ fn build_service(args: &Args) -> anyhow::Result<(Arc<EngineService>, PathBuf)> {
     let svc = unsafe { EngineService::load(&model, "smollm2", options, engine_cfg) }
         .with_context(|| format!("loading {}", model.display()))?;
     let budget = args.weight_budget.map(usize::try_from).transpose()?;
-    let cache = WeightCache::new(
-        svc.engine().model().gguf().clone(),
-        CacheConfig::default().budget_bytes(budget),
-    )?;
+    let gguf = (svc.engine().model().gguf().cloned())
+        .context("the weight cache needs a GGUF model file")?;
+    let cache = WeightCache::new(gguf, CacheConfig::default().budget_bytes(budget))?;
     if let Some(b) = budget.filter(|&b| b < cache.tensor_data_bytes()) {
         tracing::warn!(
             budget = b,

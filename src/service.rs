@@ -42,6 +42,9 @@ pub enum LoadServiceError {
     /// A thread of the prompt (tokenizer) pool could not be started.
     #[error("starting the prompt tokenizer threads: {0}")]
     PromptPool(std::io::Error),
+    /// The engine has no tokenizer and its model is not a GGUF file to read one from.
+    #[error("the engine has no tokenizer and the model source carries none")]
+    NoTokenizer,
 }
 
 /// An [`InferenceService`] over one model served by an [`Engine`].
@@ -63,8 +66,9 @@ pub struct EngineService {
     chat: Option<Arc<ChatTemplate>>,
     info: ModelInfo,
     weights: Option<Weights>,
-    /// Whether the served file changed on disk since it was mapped (checked once a second).
-    file_watch: Arc<FileWatch>,
+    /// Whether the served file changed on disk since it was mapped (checked once a second;
+    /// GGUF files).
+    file_watch: Option<Arc<FileWatch>>,
     /// Tokenizes submitted prompts off the caller's (async) thread.
     prompts: PromptPool,
 }
@@ -108,22 +112,29 @@ impl EngineService {
     pub fn new(engine: Engine, model_id: &str) -> Result<Self, LoadServiceError> {
         let tokenizer = match engine.tokenizer() {
             Some(t) => t.clone(),
-            None => Arc::new(Tokenizer::from_gguf(engine.model().gguf())?),
+            None => match engine.model().gguf() {
+                Some(g) => Arc::new(Tokenizer::from_gguf(g)?),
+                None => return Err(LoadServiceError::NoTokenizer),
+            },
         };
         let chat = ChatTemplate::from_tokenizer(&tokenizer).ok().map(Arc::new);
         let info = ModelInfo {
             id: model_id.to_string(),
             display_name: engine
                 .model()
-                .gguf()
-                .get_str("general.name")
-                .unwrap_or(model_id)
-                .to_string(),
+                .source()
+                .model_name()
+                .unwrap_or_else(|| model_id.to_string()),
             context_length: u32::try_from(engine.model().config().context_length)
                 .unwrap_or(u32::MAX),
         };
-        let file_watch = Arc::new(FileWatch::new(engine.model().gguf().clone()));
-        if let Err(e) = FileWatch::spawn_checker(&file_watch) {
+        let file_watch = engine
+            .model()
+            .gguf()
+            .map(|g| Arc::new(FileWatch::new(g.clone())));
+        if let Some(w) = &file_watch
+            && let Err(e) = FileWatch::spawn_checker(w)
+        {
             tracing::warn!("no model-file watch thread ({e}): ready() checks the file itself");
         }
         Ok(Self {
@@ -566,7 +577,9 @@ impl InferenceService for EngineService {
     /// second), so `/health` answers 503 and the process can be restarted before a read of a
     /// truncated page kills it.
     fn ready(&self) -> bool {
-        self.file_watch.check(std::time::Instant::now()).is_none()
+        self.file_watch
+            .as_ref()
+            .is_none_or(|w| w.check(std::time::Instant::now()).is_none())
             && self
                 .weights
                 .as_ref()
@@ -643,8 +656,8 @@ mod tests {
     #[test]
     fn chat_request_streams_text_and_usage_from_the_real_model() {
         let svc = load_default();
-        let cache = WeightCache::new(svc.engine().model().gguf().clone(), Default::default())
-            .expect("block table");
+        let gguf = svc.engine().model().gguf().expect("a GGUF model").clone();
+        let cache = WeightCache::new(gguf, Default::default()).expect("block table");
         let svc = svc.with_warmup(cache, WarmupStrategy::Full);
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
         while !svc.ready() {

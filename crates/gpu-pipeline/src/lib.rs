@@ -18,9 +18,12 @@ pub use engine::{
 pub use generate::{GenerateError, GenerateOptions, Generation};
 pub use model::attention::attend_rows;
 pub use model::{
+    Activation, GgufSource, LayerConfig, LayerRope, SUPPORTED_ARCHITECTURES, SourceTensor,
+    WeightSource,
+};
+pub use model::{
     ActivationSplit, ForwardError, LogitsWanted, Model, ModelConfig, ModelError, ModelOptions,
     RopeConfig, RopeLayout, RopeScaling, SeqStep,
 };
-pub use model::{GgufSource, SourceTensor, WeightSource};
 pub use sampling::{Sampler, SamplingParams, StopMatcher, StopReason};
 pub use threadpool::ThreadPool;

@@ -45,8 +45,8 @@ mod panel;
 #[cfg(target_arch = "x86_64")]
 pub(crate) use ops::has_avx2;
 pub(crate) use ops::{
-    EXP_C, EXP_MIN, LN2_HI, LN2_LO, LOG2E, add_rows, exp_f, multiversion, rmsnorm_rows,
-    silu_mul_rows,
+    EXP_C, EXP_MIN, LN2_HI, LN2_LO, LOG2E, add_rows, exp_f, gelu_tanh_mul_rows, multiversion,
+    rmsnorm_rows, silu_mul_rows, softcap_rows, tanh_f,
 };
 
 /// Whether the AVX-512 kernels run on this machine (detected, and not overridden by

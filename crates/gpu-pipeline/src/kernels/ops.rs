@@ -154,6 +154,37 @@ multiversion! {
     }
 }
 
+/// `tanh(x)` from `t = exp(-2|x|)`: `sign(x) (1 - t) / (1 + t)` (no overflow; relative error
+/// ~1e-7 away from 0, absolute ~1e-7 near it).
+#[inline(always)]
+pub(crate) fn tanh_f(x: f32) -> f32 {
+    let t = exp_f(-2.0 * x.abs());
+    ((1.0 - t) / (1.0 + t)).copysign(x)
+}
+
+multiversion! {
+    /// `gate = gelu(gate) * up` with the tanh approximation
+    /// `gelu(g) = g/2 (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3)))` (Gemma's GeGLU).
+    pub(crate) fn gelu_tanh_mul_rows(gate: &mut [f32], up: &[f32]) -> () {
+        const S2PI: f32 = 0.797_884_6;
+        for (g, &u) in gate.iter_mut().zip(up) {
+            let x = *g;
+            let t = tanh_f(S2PI * x * (1.0 + 0.044_715 * x * x));
+            *g = 0.5 * x * (1.0 + t) * u;
+        }
+    }
+}
+
+multiversion! {
+    /// `x = cap * tanh(x / cap)` (Gemma's logit soft-capping).
+    pub(crate) fn softcap_rows(x: &mut [f32], cap: f32) -> () {
+        let inv = 1.0 / cap;
+        for v in x.iter_mut() {
+            *v = cap * tanh_f(*v * inv);
+        }
+    }
+}
+
 multiversion! {
     /// `y += x` element by element (over the shorter length).
     pub(crate) fn add_rows(y: &mut [f32], x: &[f32]) -> () {

@@ -144,50 +144,99 @@ pub fn attend_rows(
         // SAFETY: the features were detected at run time; shapes are checked above.
         return unsafe { avx512::attend(q, n_keys, hd, view, scale, scratch, out) };
     }
-    portable(q, n_keys, hd, view, scale, scratch, out);
+    portable(q, n_keys, None, hd, view, scale, None, scratch, out);
 }
 
-/// The portable path (FMA instructions where the CPU has them; the same results either way).
-fn portable(
+/// [`attend_rows`] with two more features: row `r` sees only keys `first[r]..n_keys[r]` (a
+/// sliding window), and scores pass through `cap * tanh(s / cap)` before the softmax
+/// (Gemma 2's attention soft-capping). Without either it is `attend_rows`, bit for bit.
+///
+/// # Panics
+/// As [`attend_rows`], and when `first[r] >= n_keys[r]` or `first` is not one per row.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn attend_rows_ext(
     q: &[f32],
     n_keys: &[usize],
+    first: Option<&[usize]>,
     hd: usize,
     view: &KvView<'_>,
     scale: f32,
+    softcap: Option<f32>,
+    scratch: &mut Vec<f32>,
+    out: &mut [f32],
+) {
+    if first.is_none() && softcap.is_none() {
+        return attend_rows(q, n_keys, hd, view, scale, scratch, out);
+    }
+    let rows = n_keys.len();
+    assert!(
+        q.len() == rows * hd && out.len() == rows * hd,
+        "q and out need {rows} rows of {hd}"
+    );
+    assert!(
+        n_keys.iter().all(|&n| n >= 1 && n <= view.len),
+        "key counts must be in 1..={}",
+        view.len
+    );
+    if let Some(f) = first {
+        assert!(
+            f.len() == rows && f.iter().zip(n_keys).all(|(f, n)| f < n),
+            "first keys must be below the key counts"
+        );
+    }
+    portable(q, n_keys, first, hd, view, scale, softcap, scratch, out);
+}
+
+/// The portable path (FMA instructions where the CPU has them; the same results either way).
+#[allow(clippy::too_many_arguments)]
+fn portable(
+    q: &[f32],
+    n_keys: &[usize],
+    first: Option<&[usize]>,
+    hd: usize,
+    view: &KvView<'_>,
+    scale: f32,
+    softcap: Option<f32>,
     scratch: &mut Vec<f32>,
     out: &mut [f32],
 ) {
     #[cfg(target_arch = "x86_64")]
     if crate::kernels::has_avx2() {
         // SAFETY: AVX2 + FMA were detected at run time.
-        return unsafe { portable_fma(q, n_keys, hd, view, scale, scratch, out) };
+        return unsafe { portable_fma(q, n_keys, first, hd, view, scale, softcap, scratch, out) };
     }
-    portable_body(q, n_keys, hd, view, scale, scratch, out);
+    portable_body(q, n_keys, first, hd, view, scale, softcap, scratch, out);
 }
 
 /// # Safety
 /// The CPU supports AVX2 and FMA.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
+#[allow(clippy::too_many_arguments)]
 unsafe fn portable_fma(
     q: &[f32],
     n_keys: &[usize],
+    first: Option<&[usize]>,
     hd: usize,
     view: &KvView<'_>,
     scale: f32,
+    softcap: Option<f32>,
     scratch: &mut Vec<f32>,
     out: &mut [f32],
 ) {
-    portable_body(q, n_keys, hd, view, scale, scratch, out);
+    portable_body(q, n_keys, first, hd, view, scale, softcap, scratch, out);
 }
 
 #[inline(always)]
+#[allow(clippy::too_many_arguments)]
 fn portable_body(
     q: &[f32],
     n_keys: &[usize],
+    first: Option<&[usize]>,
     hd: usize,
     view: &KvView<'_>,
     scale: f32,
+    softcap: Option<f32>,
     scratch: &mut Vec<f32>,
     out: &mut [f32],
 ) {
@@ -197,14 +246,19 @@ fn portable_body(
         scratch.resize(nmax, 0.0);
     }
     for (r, &n) in n_keys.iter().enumerate() {
+        let f = first.map_or(0, |f| f[r]);
         let qr = &q[r * hd..][..hd];
-        let s = &mut scratch[..n];
-        for (j, sj) in s.iter_mut().enumerate() {
+        let s = &mut scratch[..n - f];
+        for (jj, sj) in s.iter_mut().enumerate() {
+            let j = f + jj;
             let mut a = [0.0f32; 16];
             for (i, &qv) in qr.iter().enumerate() {
                 a[i % 16] = qv.mul_add(keys.get(j, hd, i), a[i % 16]);
             }
             *sj = tree16(a) * scale;
+            if let Some(cap) = softcap {
+                *sj = cap * crate::kernels::tanh_f(*sj / cap);
+            }
         }
         let max = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
         let mut part = [0.0f32; 16];
@@ -215,9 +269,9 @@ fn portable_body(
         let inv = 1.0 / tree16(part);
         let o = &mut out[r * hd..][..hd];
         o.fill(0.0);
-        for (j, &p) in s.iter().enumerate() {
+        for (jj, &p) in s.iter().enumerate() {
             for (i, ov) in o.iter_mut().enumerate() {
-                *ov = p.mul_add(values.get(j, hd, i), *ov);
+                *ov = p.mul_add(values.get(f + jj, hd, i), *ov);
             }
         }
         o.iter_mut().for_each(|v| *v *= inv);
@@ -712,7 +766,7 @@ mod tests {
                 let mut all = vec![0.0; rows * hd];
                 attend_rows(&q, &nk, hd, &view, 0.125, &mut s, &mut all);
                 let mut port = vec![0.0; rows * hd];
-                portable(&q, &nk, hd, &view, 0.125, &mut s, &mut port);
+                portable(&q, &nk, None, hd, &view, 0.125, None, &mut s, &mut port);
                 assert_eq!(
                     bits(&all),
                     bits(&port),

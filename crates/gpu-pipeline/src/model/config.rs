@@ -1,16 +1,23 @@
-//! Model hyperparameters read from GGUF metadata.
+//! Model hyperparameters, read from metadata under llama.cpp's GGUF key names.
+//!
+//! A family is a mapping from its metadata to the features below (norm placement, activation,
+//! biases, RoPE per layer, window per layer, soft-caps, head and embedding scales); the forward
+//! pass is one graph over those features. The mapping follows llama.cpp's per-architecture
+//! loaders (`src/models/<arch>.cpp`), defaults included.
 
 use weight_cache::Gguf;
 
 use super::ModelError;
+use super::source::WeightSource;
 
 /// How RoPE pairs the dimensions of a head.
 #[non_exhaustive]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum RopeLayout {
-    /// Adjacent pairs `(x[2i], x[2i+1])` (llama.cpp `LLAMA_ROPE_TYPE_NORM`: llama, mistral).
+    /// Adjacent pairs `(x[2i], x[2i+1])` (llama.cpp `LLAMA_ROPE_TYPE_NORM`: llama, smollm3).
     Normal,
-    /// Halves `(x[i], x[i + n_rot/2])` (GPT-NeoX style, llama.cpp `LLAMA_ROPE_TYPE_NEOX`: qwen2).
+    /// Halves `(x[i], x[i + n_rot/2])` (GPT-NeoX style, llama.cpp `LLAMA_ROPE_TYPE_NEOX`: qwen2,
+    /// qwen3, gemma2, gemma3, phi3; Hugging Face checkpoints of every family).
     Neox,
 }
 
@@ -18,7 +25,8 @@ pub enum RopeLayout {
 #[non_exhaustive]
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum RopeScaling {
-    /// No scaling.
+    /// No scaling (Llama 3.1-style and LongRoPE factors are per-frequency
+    /// [`RopeConfig::freq_factors`] instead).
     None,
     /// Linear position interpolation: positions are multiplied by `1 / factor`.
     Linear {
@@ -27,24 +35,67 @@ pub enum RopeScaling {
     },
 }
 
-/// RoPE parameters.
+/// RoPE parameters of a group of layers.
 #[non_exhaustive]
 #[derive(Clone, Debug, PartialEq)]
 pub struct RopeConfig {
     /// Pairing layout (from the architecture).
     pub layout: RopeLayout,
-    /// Base frequency `{arch}.rope.freq_base` (10000 when absent).
+    /// Base frequency `{arch}.rope.freq_base` (10000 when absent; `rope.freq_base_swa` for
+    /// sliding-window layers that have their own).
     pub theta: f32,
     /// Rotated dimensions per head, `{arch}.rope.dimension_count` (head_dim when absent).
     pub n_rot: usize,
     /// Frequency scaling.
     pub scaling: RopeScaling,
-    /// Per-frequency divisors from a `rope_freqs.weight` tensor (Llama 3.1 style), if the file
-    /// has one: frequency `i` is divided by `freq_factors[i]`.
+    /// Per-frequency divisors: frequency `i` is divided by `freq_factors[i]`. From a
+    /// `rope_freqs.weight` tensor (Llama 3.1 files), computed from `rope.scaling.type = llama3`
+    /// metadata, or LongRoPE's short factors (`rope_factors_short.weight`).
     pub freq_factors: Option<Vec<f32>>,
+    /// LongRoPE's long factors (`rope_factors_long.weight`): used instead of `freq_factors`
+    /// when the served context exceeds [`original_context`](Self::original_context), as
+    /// llama.cpp chooses.
+    pub long_freq_factors: Option<Vec<f32>>,
+    /// `{arch}.rope.scaling.original_context_length` (the trained context when absent).
+    pub original_context: usize,
+    /// `{arch}.rope.scaling.attn_factor`: cos and sin are multiplied by it (1 when absent).
+    pub attn_factor: f32,
 }
 
-/// Hyperparameters of a Llama-family model, from GGUF metadata (nothing is hard-coded).
+/// The MLP's gated activation: `down(act(gate(x)) * up(x))`.
+#[non_exhaustive]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Activation {
+    /// SiLU (SwiGLU): Llama, Qwen, Phi-3, SmolLM3.
+    Silu,
+    /// GELU, tanh approximation (GeGLU): Gemma.
+    GeluTanh,
+}
+
+/// Which RoPE a layer applies.
+#[non_exhaustive]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LayerRope {
+    /// [`ModelConfig::rope`].
+    Global,
+    /// [`ModelConfig::rope_local`] (sliding-window layers with their own base).
+    Local,
+    /// None (SmolLM3's every fourth layer).
+    Off,
+}
+
+/// Per-layer attention features.
+#[non_exhaustive]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LayerConfig {
+    /// Sliding window: a query at position `p` sees keys at positions `> p - window`.
+    pub window: Option<usize>,
+    /// The layer's RoPE.
+    pub rope: LayerRope,
+}
+
+/// Hyperparameters of a decoder-only transformer, from metadata (nothing is hard-coded per
+/// file; per-family defaults are llama.cpp's).
 ///
 /// ```no_run
 /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -58,7 +109,8 @@ pub struct RopeConfig {
 #[non_exhaustive]
 #[derive(Clone, Debug, PartialEq)]
 pub struct ModelConfig {
-    /// `general.architecture` (`llama`, `mistral`, `qwen2`).
+    /// `general.architecture` (`llama`, `mistral`, `qwen2`, `qwen3`, `gemma2`, `gemma3`,
+    /// `phi3`, `smollm3`).
     pub arch: String,
     /// Transformer blocks.
     pub n_layers: usize,
@@ -78,8 +130,29 @@ pub struct ModelConfig {
     pub context_length: usize,
     /// RMSNorm epsilon.
     pub rms_eps: f32,
-    /// RoPE.
+    /// Added to every RMSNorm weight as it is loaded (Gemma checkpoints store `w - 1`).
+    pub norm_weight_offset: f32,
+    /// RoPE of the full-attention layers.
     pub rope: RopeConfig,
+    /// RoPE of sliding-window layers with their own base (Gemma 3's local layers).
+    pub rope_local: Option<RopeConfig>,
+    /// Per-layer window and RoPE, `n_layers` long.
+    pub layers: Vec<LayerConfig>,
+    /// MLP activation.
+    pub activation: Activation,
+    /// The token embedding is multiplied by this (Gemma: `sqrt(n_embd)`; else 1).
+    pub embedding_scale: f32,
+    /// Attention scores are `q·k * attention_scale` (`1/sqrt(head_dim)` unless the family or
+    /// `{arch}.attention.scale` says otherwise).
+    pub attention_scale: f32,
+    /// Attention scores pass through `cap * tanh(s / cap)` (Gemma 2).
+    pub attn_softcap: Option<f32>,
+    /// Logits pass through `cap * tanh(l / cap)` (Gemma 2; Gemma 3 when the file sets it).
+    pub final_softcap: Option<f32>,
+    /// RMSNorm of each head's query and key before RoPE (Qwen 3, Gemma 3).
+    pub qk_norm: bool,
+    /// RMSNorm of the attention and MLP outputs before their residual adds (Gemma 2 and 3).
+    pub post_norms: bool,
     /// End-of-sequence token (`tokenizer.ggml.eos_token_id`).
     pub eos_token_id: Option<u32>,
     /// End-of-turn token (`tokenizer.ggml.eot_token_id`), when the file names one.
@@ -88,98 +161,300 @@ pub struct ModelConfig {
     pub bos_token_id: Option<u32>,
 }
 
+/// The architectures [`ModelConfig`] reads.
+pub const SUPPORTED_ARCHITECTURES: &[&str] = &[
+    "llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "smollm3",
+];
+
 impl ModelConfig {
-    /// Reads the configuration. Errors name the architecture or the missing/invalid key.
+    /// Reads the configuration of a GGUF file. Errors name the architecture or the
+    /// missing/invalid key.
     pub fn from_gguf(g: &Gguf) -> Result<Self, ModelError> {
+        Self::from_source(g)
+    }
+
+    /// Reads the configuration from any [`WeightSource`].
+    pub fn from_source(g: &dyn WeightSource) -> Result<Self, ModelError> {
         let arch = g
             .get_str("general.architecture")
             .ok_or(ModelError::MissingMetadata {
                 key: "general.architecture".into(),
             })?
             .to_string();
-        let layout = match arch.as_str() {
-            "llama" | "mistral" => RopeLayout::Normal,
-            "qwen2" => RopeLayout::Neox,
+        let mut layout = match arch.as_str() {
+            "llama" | "mistral" | "smollm3" => RopeLayout::Normal,
+            "qwen2" | "qwen3" | "gemma2" | "gemma3" | "phi3" => RopeLayout::Neox,
             _ => return Err(ModelError::UnsupportedArchitecture { arch }),
         };
+        match g.get_str("zerolayer.rope.layout") {
+            None => {}
+            Some("norm") => layout = RopeLayout::Normal,
+            Some("neox") => layout = RopeLayout::Neox,
+            Some(other) => {
+                return Err(ModelError::InvalidMetadata {
+                    key: "zerolayer.rope.layout".into(),
+                    value: other.to_string(),
+                });
+            }
+        }
         let key = |k: &str| format!("{arch}.{k}");
+        let invalid = |k: String, v: String| ModelError::InvalidMetadata { key: k, value: v };
         let req = |k: &str| -> Result<usize, ModelError> {
             let full = key(k);
             match g.get_u32(&full) {
                 Some(v) if v > 0 => Ok(v as usize),
-                Some(v) => Err(ModelError::InvalidMetadata {
-                    key: full,
-                    value: v.to_string(),
-                }),
+                Some(v) => Err(invalid(full, v.to_string())),
                 None => Err(ModelError::MissingMetadata { key: full }),
+            }
+        };
+        let opt = |k: &str| -> Result<Option<usize>, ModelError> {
+            match g.get_u32(&key(k)) {
+                Some(_) => req(k).map(Some),
+                None => Ok(None),
             }
         };
         let n_layers = req("block_count")?;
         let n_embd = req("embedding_length")?;
         let n_heads = req("attention.head_count")?;
-        let n_kv_heads = match g.get_u32(&key("attention.head_count_kv")) {
-            Some(_) => req("attention.head_count_kv")?,
-            None => n_heads,
-        };
+        let n_kv_heads = opt("attention.head_count_kv")?.unwrap_or(n_heads);
         let n_ff = req("feed_forward_length")?;
         let context_length = req("context_length")?;
-        let head_dim = match g.get_u32(&key("attention.key_length")) {
-            Some(_) => req("attention.key_length")?,
-            None => n_embd / n_heads,
-        };
+        let head_dim = opt("attention.key_length")?.unwrap_or(n_embd / n_heads);
+        if let Some(v) = opt("attention.value_length")?
+            && v != head_dim
+        {
+            return Err(invalid(
+                key("attention.value_length"),
+                format!("{v} (key_length {head_dim}; different K and V head sizes)"),
+            ));
+        }
         if n_heads % n_kv_heads != 0 || head_dim == 0 || head_dim % 2 != 0 {
-            return Err(ModelError::InvalidMetadata {
-                key: key("attention.head_count_kv"),
-                value: format!("heads {n_heads}, kv heads {n_kv_heads}, head_dim {head_dim}"),
-            });
+            return Err(invalid(
+                key("attention.head_count_kv"),
+                format!("heads {n_heads}, kv heads {n_kv_heads}, head_dim {head_dim}"),
+            ));
         }
         let rms_eps = g
             .get_f32(&key("attention.layer_norm_rms_epsilon"))
             .unwrap_or(1e-5);
         if !(rms_eps > 0.0 && rms_eps < 1.0) {
-            return Err(ModelError::InvalidMetadata {
-                key: key("attention.layer_norm_rms_epsilon"),
-                value: rms_eps.to_string(),
-            });
+            return Err(invalid(
+                key("attention.layer_norm_rms_epsilon"),
+                rms_eps.to_string(),
+            ));
         }
+        let positive = |k: String, v: f32| -> Result<f32, ModelError> {
+            if v > 0.0 && v.is_finite() {
+                Ok(v)
+            } else {
+                Err(invalid(k, v.to_string()))
+            }
+        };
         let theta = g.get_f32(&key("rope.freq_base")).unwrap_or(10_000.0);
         if !(theta > 1.0 && theta.is_finite()) {
-            return Err(ModelError::InvalidMetadata {
-                key: key("rope.freq_base"),
-                value: theta.to_string(),
-            });
+            return Err(invalid(key("rope.freq_base"), theta.to_string()));
         }
-        let n_rot = match g.get_u32(&key("rope.dimension_count")) {
-            Some(_) => req("rope.dimension_count")?,
-            None => head_dim,
-        };
+        let n_rot = opt("rope.dimension_count")?.unwrap_or(head_dim);
         if n_rot > head_dim || n_rot % 2 != 0 {
-            return Err(ModelError::InvalidMetadata {
-                key: key("rope.dimension_count"),
-                value: n_rot.to_string(),
-            });
+            return Err(invalid(key("rope.dimension_count"), n_rot.to_string()));
         }
-        let scaling = match g.get_str(&key("rope.scaling.type")) {
-            None | Some("none") => RopeScaling::None,
-            Some("linear") => {
-                let factor = g.get_f32(&key("rope.scaling.factor")).unwrap_or(1.0);
-                if !(factor > 0.0 && factor.is_finite()) {
-                    return Err(ModelError::InvalidMetadata {
-                        key: key("rope.scaling.factor"),
-                        value: factor.to_string(),
+        let original_context =
+            opt("rope.scaling.original_context_length")?.unwrap_or(context_length);
+        let attn_factor = match g.get_f32(&key("rope.scaling.attn_factor")) {
+            Some(f) => positive(key("rope.scaling.attn_factor"), f)?,
+            None => 1.0,
+        };
+        let factor = match g.get_f32(&key("rope.scaling.factor")) {
+            Some(f) => positive(key("rope.scaling.factor"), f)?,
+            None => 1.0,
+        };
+        let half = n_rot / 2;
+        let factors = |tensor: &str, meta: &str| -> Result<Option<Vec<f32>>, ModelError> {
+            if let Some(t) = g.tensor(tensor) {
+                if t.n_elements() != half as u64 {
+                    return Err(ModelError::BadShape {
+                        tensor: tensor.into(),
+                        expected: vec![half as u64],
+                        actual: t.shape.clone(),
                     });
                 }
-                if factor == 1.0 {
-                    RopeScaling::None
-                } else {
-                    RopeScaling::Linear { factor }
+                let v = t.to_f32().map_err(|source| ModelError::Dequantize {
+                    tensor: tensor.into(),
+                    dtype: t.dtype,
+                    source,
+                })?;
+                return check_factors(tensor, v).map(Some);
+            }
+            match g.get_f32_array(meta) {
+                Some(v) if v.len() == half => check_factors(meta, v).map(Some),
+                Some(v) => Err(invalid(
+                    meta.into(),
+                    format!("{} values, need {half}", v.len()),
+                )),
+                None => Ok(None),
+            }
+        };
+        let mut freq_factors = factors("rope_freqs.weight", "zerolayer.rope.freq_factors")?;
+        let mut long_freq_factors = None;
+        let mut scaling = RopeScaling::None;
+        match g.get_str(&key("rope.scaling.type")) {
+            None | Some("none") => {}
+            Some("linear") => {
+                if factor != 1.0 {
+                    scaling = RopeScaling::Linear { factor };
                 }
             }
+            Some("llama3") => {
+                if freq_factors.is_none() {
+                    let low = g
+                        .get_f32("zerolayer.rope.llama3.low_freq_factor")
+                        .unwrap_or(1.0);
+                    let high = g
+                        .get_f32("zerolayer.rope.llama3.high_freq_factor")
+                        .unwrap_or(4.0);
+                    freq_factors = Some(llama3_factors(
+                        theta,
+                        n_rot,
+                        factor,
+                        low,
+                        high,
+                        original_context,
+                    ));
+                }
+            }
+            Some("longrope") => {}
             Some(other) => {
                 return Err(ModelError::UnsupportedRopeScaling {
                     kind: other.to_string(),
                 });
             }
+        }
+        if arch == "phi3" || g.tensor("rope_factors_short.weight").is_some() {
+            if let Some(short) =
+                factors("rope_factors_short.weight", "zerolayer.rope.factors_short")?
+            {
+                freq_factors = Some(short);
+            }
+            long_freq_factors = factors("rope_factors_long.weight", "zerolayer.rope.factors_long")?;
+        }
+        let rope = RopeConfig {
+            layout,
+            theta,
+            n_rot,
+            scaling,
+            freq_factors,
+            long_freq_factors,
+            original_context,
+            attn_factor,
+        };
+
+        // ---- per-family features (llama.cpp's src/models/<arch>.cpp)
+        let gemma = arch == "gemma2" || arch == "gemma3";
+        let window_key = key("attention.sliding_window");
+        let (window, default_pattern): (Option<usize>, usize) = match arch.as_str() {
+            "gemma2" => (Some(opt("attention.sliding_window")?.unwrap_or(4096)), 2),
+            "gemma3" => (opt("attention.sliding_window")?, 6),
+            // llama.cpp ignores Phi-3's window (converter bug, llama.cpp PR 13676); Qwen2 files
+            // carry none. A Llama/Mistral file that sets one gets it on every layer.
+            "llama" | "mistral" => (opt("attention.sliding_window")?, 1),
+            _ => (None, 1),
+        };
+        let window = match g.get_u32("zerolayer.attention.sliding_window") {
+            Some(0) => None,
+            Some(w) => Some(w as usize),
+            None => window,
+        };
+        let swa_layers: Vec<bool> = match window {
+            None => vec![false; n_layers],
+            Some(_) => match g.get_bool_array(&key("attention.sliding_window_pattern")) {
+                Some(v) if v.len() == n_layers => v,
+                Some(v) => {
+                    return Err(invalid(
+                        key("attention.sliding_window_pattern"),
+                        format!("{} entries for {n_layers} layers", v.len()),
+                    ));
+                }
+                None => {
+                    let n = g
+                        .get_u32(&key("attention.sliding_window_pattern"))
+                        .map_or(default_pattern, |p| p as usize);
+                    // llama.cpp's set_swa_pattern: layer il slides unless il % n == n - 1;
+                    // n == 0 or 1 means every layer slides.
+                    (0..n_layers).map(|il| n <= 1 || il % n < n - 1).collect()
+                }
+            },
+        };
+        // llama.cpp: Gemma 2's local layers default to the global base and scaling, Gemma 3's to
+        // base 10000 without scaling; `rope.freq_base_swa` sets the base.
+        let theta_swa = match g.get_f32(&key("rope.freq_base_swa")) {
+            Some(t) if t > 1.0 && t.is_finite() => Some(t),
+            Some(t) => return Err(invalid(key("rope.freq_base_swa"), t.to_string())),
+            None => None,
+        };
+        let rope_local = match arch.as_str() {
+            _ if window.is_none() => None,
+            "gemma2" => Some(RopeConfig {
+                theta: theta_swa.unwrap_or(theta),
+                ..rope.clone()
+            }),
+            "gemma3" => Some(RopeConfig {
+                theta: theta_swa.unwrap_or(10_000.0),
+                scaling: RopeScaling::None,
+                ..rope.clone()
+            }),
+            _ => None,
+        }
+        .filter(|l| *l != rope);
+        let rope_on: Vec<bool> = match g.get_bool_array("zerolayer.rope.layers") {
+            Some(v) if v.len() == n_layers => v,
+            Some(v) => {
+                return Err(invalid(
+                    "zerolayer.rope.layers".into(),
+                    format!("{} entries for {n_layers} layers", v.len()),
+                ));
+            }
+            None if arch == "smollm3" => (0..n_layers).map(|il| (il + 1) % 4 != 0).collect(),
+            None => vec![true; n_layers],
+        };
+        let layers = (0..n_layers)
+            .map(|il| LayerConfig {
+                window: window.filter(|_| swa_layers[il]),
+                rope: if !rope_on[il] {
+                    LayerRope::Off
+                } else if swa_layers[il] && rope_local.is_some() {
+                    LayerRope::Local
+                } else {
+                    LayerRope::Global
+                },
+            })
+            .collect();
+        if window == Some(0) {
+            return Err(invalid(window_key, "0".into()));
+        }
+        let attention_scale = match g.get_f32(&key("attention.scale")) {
+            Some(s) => positive(key("attention.scale"), s)?,
+            // llama.cpp: Gemma 27B models scale by n_embd / n_head (query_pre_attn_scalar).
+            None if (arch == "gemma2" && n_layers == 46)
+                || (arch == "gemma3" && n_layers == 62) =>
+            {
+                1.0 / ((n_embd / n_heads) as f32).sqrt()
+            }
+            None => 1.0 / (head_dim as f32).sqrt(),
+        };
+        let cap = |k: &str, default: Option<f32>| -> Result<Option<f32>, ModelError> {
+            match g.get_f32(&key(k)).or(default) {
+                Some(c) if c == 0.0 => Ok(None),
+                Some(c) => positive(key(k), c).map(Some),
+                None => Ok(None),
+            }
+        };
+        let (attn_softcap, final_softcap) = match arch.as_str() {
+            "gemma2" => (
+                cap("attn_logit_softcapping", Some(50.0))?,
+                cap("final_logit_softcapping", Some(30.0))?,
+            ),
+            "gemma3" => (None, cap("final_logit_softcapping", None)?),
+            _ => (None, None),
         };
         let vocab_size = match g.tensor("token_embd.weight") {
             Some(t) => t.rows(),
@@ -187,24 +462,6 @@ impl ModelConfig {
                 return Err(ModelError::MissingTensor {
                     name: "token_embd.weight".into(),
                 });
-            }
-        };
-        let freq_factors = match g.tensor("rope_freqs.weight") {
-            None => None,
-            Some(t) => {
-                if t.n_elements() != (n_rot / 2) as u64 {
-                    return Err(ModelError::BadShape {
-                        tensor: t.name.to_string(),
-                        expected: vec![(n_rot / 2) as u64],
-                        actual: t.shape.to_vec(),
-                    });
-                }
-                let v = t.to_f32().map_err(|source| ModelError::Dequantize {
-                    tensor: t.name.to_string(),
-                    dtype: t.dtype,
-                    source,
-                })?;
-                Some(v)
             }
         };
         Ok(Self {
@@ -217,13 +474,21 @@ impl ModelConfig {
             vocab_size,
             context_length,
             rms_eps,
-            rope: RopeConfig {
-                layout,
-                theta,
-                n_rot,
-                scaling,
-                freq_factors,
+            norm_weight_offset: g.get_f32("zerolayer.norm.weight_offset").unwrap_or(0.0),
+            rope,
+            rope_local,
+            layers,
+            activation: if gemma {
+                Activation::GeluTanh
+            } else {
+                Activation::Silu
             },
+            embedding_scale: if gemma { (n_embd as f32).sqrt() } else { 1.0 },
+            attention_scale,
+            attn_softcap,
+            final_softcap,
+            qk_norm: matches!(arch.as_str(), "qwen3" | "gemma3"),
+            post_norms: gemma,
             eos_token_id: g.get_u32("tokenizer.ggml.eos_token_id"),
             eot_token_id: g.get_u32("tokenizer.ggml.eot_token_id"),
             bos_token_id: g.get_u32("tokenizer.ggml.bos_token_id"),
@@ -234,5 +499,68 @@ impl ModelConfig {
     /// Query heads per key/value head.
     pub fn gqa_group(&self) -> usize {
         self.n_heads / self.n_kv_heads
+    }
+
+    /// The RoPE of layer `il` (`None`: the layer has none).
+    pub fn layer_rope(&self, il: usize) -> Option<&RopeConfig> {
+        match self.layers.get(il)?.rope {
+            LayerRope::Global => Some(&self.rope),
+            LayerRope::Local => self.rope_local.as_ref(),
+            LayerRope::Off => None,
+        }
+    }
+}
+
+fn check_factors(name: &str, v: Vec<f32>) -> Result<Vec<f32>, ModelError> {
+    match v.iter().find(|f| !(**f > 0.0 && f.is_finite())) {
+        Some(f) => Err(ModelError::InvalidMetadata {
+            key: name.into(),
+            value: format!("frequency factor {f}"),
+        }),
+        None => Ok(v),
+    }
+}
+
+/// Llama 3.1's per-frequency RoPE divisors (what llama.cpp's converter writes as
+/// `rope_freqs.weight`): wavelengths longer than `original / low` are divided by `factor`,
+/// shorter than `original / high` kept, and smoothly blended between.
+fn llama3_factors(
+    theta: f32,
+    n_rot: usize,
+    factor: f32,
+    low: f32,
+    high: f32,
+    original: usize,
+) -> Vec<f32> {
+    let (low_wl, high_wl) = (original as f64 / low as f64, original as f64 / high as f64);
+    (0..n_rot / 2)
+        .map(|i| {
+            let freq = 1.0 / f64::from(theta).powf(2.0 * i as f64 / n_rot as f64);
+            let wl = 2.0 * std::f64::consts::PI / freq;
+            if wl < high_wl {
+                1.0
+            } else if wl > low_wl {
+                factor
+            } else {
+                let smooth = (original as f64 / wl - low as f64) / (high as f64 - low as f64);
+                (1.0 / ((1.0 - smooth) / factor as f64 + smooth)) as f32
+            }
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn llama3_factors_follow_the_three_bands() {
+        // theta 500000, 128 dims, factor 8, original 8192 (Llama 3.1).
+        let f = llama3_factors(500_000.0, 128, 8.0, 1.0, 4.0, 8192);
+        assert_eq!(f.len(), 64);
+        assert_eq!(f[0], 1.0); // highest frequency: kept
+        assert_eq!(f[63], 8.0); // lowest: divided by the factor
+        assert!(f.windows(2).all(|w| w[0] <= w[1]), "monotone: {f:?}");
+        assert!(f.iter().any(|&x| x > 1.0 && x < 8.0), "a blended band");
     }
 }

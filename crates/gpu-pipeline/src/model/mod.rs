@@ -1,4 +1,5 @@
-//! The Llama-family model graph over a GGUF file, with a batched forward pass.
+//! The decoder-only transformer graph (Llama, Qwen 2/3, Gemma 2/3, Phi-3, SmolLM3 families) over
+//! a [`WeightSource`] (a GGUF file or a Hugging Face directory), with a batched forward pass.
 
 pub(crate) mod attention;
 mod config;
@@ -14,7 +15,10 @@ use weight_cache::{DequantError, GgmlType, Gguf, WeightCache};
 use crate::ThreadPool;
 use crate::kernels::{self, KernelError, WeightMatrix};
 
-pub use config::{ModelConfig, RopeConfig, RopeLayout, RopeScaling};
+pub use config::{
+    Activation, LayerConfig, LayerRope, ModelConfig, RopeConfig, RopeLayout, RopeScaling,
+    SUPPORTED_ARCHITECTURES,
+};
 pub use source::{GgufSource, SourceTensor, WeightSource};
 
 /// Options of [`Model::load`].
@@ -30,6 +34,10 @@ pub struct ModelOptions {
     pub threads: usize,
     /// Which products get the activation-splitting precision fix (default: `FfnDown`).
     pub activation_split: ActivationSplit,
+    /// The context the model will be served at (`0`, default: its trained context). Models
+    /// with LongRoPE factors (Phi-3) use the long factors when this exceeds their original
+    /// context, as llama.cpp does.
+    pub context: usize,
 }
 
 /// The kernels quantize activations to 8 bits per 32-element block before their integer dot
@@ -57,6 +65,11 @@ impl ModelOptions {
         self.threads = threads;
         self
     }
+    /// Sets [`context`](Self::context).
+    pub fn with_context(mut self, context: usize) -> Self {
+        self.context = context;
+        self
+    }
     /// Sets [`activation_split`](Self::activation_split).
     pub fn with_activation_split(mut self, split: ActivationSplit) -> Self {
         self.activation_split = split;
@@ -69,7 +82,9 @@ impl ModelOptions {
 #[derive(Debug, thiserror::Error)]
 pub enum ModelError {
     /// `general.architecture` names a model family this graph does not implement.
-    #[error("unsupported model architecture {arch:?} (supported: llama, mistral, qwen2)")]
+    #[error(
+        "unsupported model architecture {arch:?} (supported: llama, mistral, qwen2, qwen3, gemma2, gemma3, phi3, smollm3)"
+    )]
     UnsupportedArchitecture {
         /// The architecture string.
         arch: String,
@@ -89,7 +104,7 @@ pub enum ModelError {
         value: String,
     },
     /// `{arch}.rope.scaling.type` is a scaling this graph does not implement (e.g. `yarn`).
-    #[error("unsupported RoPE scaling {kind:?} (supported: none, linear)")]
+    #[error("unsupported RoPE scaling {kind:?} (supported: none, linear, llama3, longrope)")]
     UnsupportedRopeScaling {
         /// The scaling type string.
         kind: String,
@@ -224,15 +239,30 @@ pub struct SeqStep<'a> {
     pub logits: LogitsWanted,
 }
 
-/// A linear layer's weights: a byte range of the mapping plus its shape.
+/// A linear layer's weights: a byte range of one of the source's files plus its shape.
 #[derive(Clone, Debug)]
 struct Lin {
-    /// Index of the tensor in the GGUF file (for weight-cache touches).
+    /// Index of the tensor in the GGUF file (for weight-cache touches; `usize::MAX` when the
+    /// source is not a GGUF file).
     tensor: usize,
+    /// Which file of the source.
+    file: usize,
     dtype: GgmlType,
     rows: usize,
     cols: usize,
     bytes: Range<usize>,
+}
+
+impl Lin {
+    /// Rows `r` of this matrix (one part of a fused tensor such as `attn_qkv`).
+    fn slice_rows(&self, r: Range<usize>) -> Lin {
+        let rb = self.bytes.len() / self.rows.max(1);
+        Lin {
+            rows: r.len(),
+            bytes: self.bytes.start + r.start * rb..self.bytes.start + r.end * rb,
+            ..self.clone()
+        }
+    }
 }
 
 #[derive(Debug)]
@@ -245,14 +275,40 @@ struct Layer {
     bq: Option<Vec<f32>>,
     bk: Option<Vec<f32>>,
     bv: Option<Vec<f32>>,
+    bo: Option<Vec<f32>>,
+    /// Per-head RMSNorm weights of queries and keys (`head_dim` long).
+    q_norm: Option<Vec<f32>>,
+    k_norm: Option<Vec<f32>>,
+    attn_post_norm: Option<Vec<f32>>,
     ffn_norm: Vec<f32>,
     w_gate: Lin,
     w_up: Lin,
     w_down: Lin,
+    ffn_post_norm: Option<Vec<f32>>,
+    /// Index into [`Model::ropes`]; `None`: no RoPE in this layer.
+    rope: Option<usize>,
+    /// Sliding window (keys older than `window` positions are not seen).
+    window: Option<usize>,
 }
 
-/// A loaded Llama-family model: configuration, weight locations in the mapping (nothing is
-/// copied but the small norm vectors), preallocated scratch space and a thread pool.
+/// A precomputed RoPE: inverse frequencies, attention factor and pairing.
+#[derive(Debug)]
+struct RopeTable {
+    inv_freq: Vec<f64>,
+    mscale: f32,
+    layout: RopeLayout,
+}
+
+/// A weight-cache touch context: the cache and its current request.
+type Touch<'a> = Option<(&'a WeightCache, weight_cache::RequestId)>;
+
+/// A loaded decoder-only transformer: configuration, weight locations in the source's mappings
+/// (nothing is copied but the small norm vectors), preallocated scratch space and a thread pool.
+///
+/// The graph is one for every supported family; a family is a [`ModelConfig`] (norm placement,
+/// activation, biases, per-layer RoPE and window, soft-caps, scales). The forward pass runs in
+/// named stages: [`embed`](Self::embed), then per layer the attention block and the MLP block,
+/// then the output head.
 ///
 /// `Send + Sync`; [`forward`](Self::forward) calls are serialized internally (the scratch
 /// space is shared), so an engine drives one batched forward at a time.
@@ -275,14 +331,14 @@ struct Layer {
 /// # Ok(()) }
 /// ```
 pub struct Model {
-    gguf: Arc<Gguf>,
+    src: Arc<dyn WeightSource>,
     cfg: ModelConfig,
     layers: Vec<Layer>,
     embd: Lin,
     output: Lin,
     output_norm: Vec<f32>,
-    /// RoPE inverse frequencies (already divided by freq factors and linear scaling).
-    inv_freq: Vec<f64>,
+    /// RoPE tables: the global one first, then the local layers' one if any.
+    ropes: Vec<RopeTable>,
     pool: Option<ThreadPool>,
     split: ActivationSplit,
     scratch: Mutex<Scratch>,
@@ -313,7 +369,7 @@ struct Scratch {
     sel: Vec<f32>,
     hi: Vec<f32>,
     tmp2: Vec<f32>,
-    /// cos/sin per token and frequency, interleaved.
+    /// cos/sin per RoPE table, token and frequency, interleaved (table-major).
     rope: Vec<f32>,
     /// Per-thread attention buffers.
     attn: Vec<Mutex<AttnScratch>>,
@@ -325,13 +381,14 @@ struct Scratch {
     epoch: Option<(weight_cache::RequestId, u32)>,
 }
 
-/// Per-thread attention buffers: the block's query rows, outputs, key counts, and the kernel's
-/// scratch.
+/// Per-thread attention buffers: the block's query rows, outputs, key counts, first keys, and
+/// the kernel's scratch.
 #[derive(Debug, Default)]
 struct AttnScratch {
     q: Vec<f32>,
     o: Vec<f32>,
     n: Vec<usize>,
+    first: Vec<usize>,
     f: Vec<f32>,
 }
 
@@ -356,12 +413,27 @@ impl Model {
     /// Loads a model from a parsed GGUF file: reads the configuration, checks every tensor's
     /// presence, shape and dtype, and records where the weights are in the mapping.
     pub fn load(gguf: Arc<Gguf>, opts: ModelOptions) -> Result<Self, ModelError> {
-        let cfg = ModelConfig::from_gguf(&gguf)?;
-        let g = &*gguf;
+        Self::load_source(Arc::new(GgufSource(gguf)), opts)
+    }
+
+    /// Loads a model from any [`WeightSource`] (a GGUF file, a Hugging Face directory): the
+    /// configuration, every tensor's presence, shape and dtype are checked here, so a file
+    /// that cannot run fails now with the tensor or key named, not at the first request.
+    pub fn load_source(src: Arc<dyn WeightSource>, opts: ModelOptions) -> Result<Self, ModelError> {
+        let cfg = ModelConfig::from_source(&*src)?;
+        let g = &*src;
         let (d, hd) = (cfg.n_embd as u64, cfg.head_dim as u64);
         let q_dim = cfg.n_heads as u64 * hd;
         let kv_dim = cfg.n_kv_heads as u64 * hd;
         let ff = cfg.n_ff as u64;
+        let off = cfg.norm_weight_offset;
+        let norm = |name: &str, len: u64| -> Result<Vec<f32>, ModelError> {
+            let mut v = vector(g, name, len)?;
+            if off != 0.0 {
+                v.iter_mut().for_each(|w| *w += off);
+            }
+            Ok(v)
+        };
         let embd = lin(g, "token_embd.weight", [d, cfg.vocab_size as u64])?;
         if !embd.dtype.can_dequantize() {
             return Err(ModelError::UnsupportedDtype {
@@ -369,14 +441,31 @@ impl Model {
                 dtype: embd.dtype,
             });
         }
+        // Gemma 2 always ties the head to the embedding (llama.cpp does the same).
         let output = match g.tensor("output.weight") {
-            Some(_) => lin(g, "output.weight", [d, cfg.vocab_size as u64])?,
-            None => embd.clone(),
+            Some(_) if cfg.arch != "gemma2" => lin(g, "output.weight", [d, cfg.vocab_size as u64])?,
+            _ => embd.clone(),
         };
         check_kernel(g, &output, "output.weight (or tied token_embd.weight)")?;
-        let output_norm = vector(g, "output_norm.weight", d)?;
+        let output_norm = norm("output_norm.weight", d)?;
+        let mut ropes = Vec::new();
+        let served_ctx = if opts.context > 0 {
+            opts.context
+        } else {
+            cfg.context_length
+        };
+        let mut table = |r: &RopeConfig| {
+            ropes.push(RopeTable {
+                inv_freq: ops::rope_inv_freq(r, served_ctx > r.original_context),
+                mscale: r.attn_factor,
+                layout: r.layout,
+            });
+            ropes.len() - 1
+        };
+        let global = table(&cfg.rope);
+        let local = cfg.rope_local.as_ref().map(&mut table);
         let mut layers = Vec::with_capacity(cfg.n_layers);
-        for l in 0..cfg.n_layers {
+        for (l, lc) in cfg.layers.iter().enumerate() {
             let n = |s: &str| format!("blk.{l}.{s}");
             let opt_vec = |s: &str, len: u64| -> Result<Option<Vec<f32>>, ModelError> {
                 match g.tensor(&n(s)) {
@@ -384,31 +473,85 @@ impl Model {
                     None => Ok(None),
                 }
             };
+            let (qd, kvd) = (q_dim as usize, kv_dim as usize);
+            let (wq, wk, wv, bq, bk, bv) = match g.tensor(&n("attn_qkv.weight")) {
+                Some(_) => {
+                    let f = lin(g, &n("attn_qkv.weight"), [d, q_dim + 2 * kv_dim])?;
+                    let b = opt_vec("attn_qkv.bias", q_dim + 2 * kv_dim)?;
+                    let part = |r: Range<usize>| b.as_ref().map(|b| b[r].to_vec());
+                    (
+                        f.slice_rows(0..qd),
+                        f.slice_rows(qd..qd + kvd),
+                        f.slice_rows(qd + kvd..qd + 2 * kvd),
+                        part(0..qd),
+                        part(qd..qd + kvd),
+                        part(qd + kvd..qd + 2 * kvd),
+                    )
+                }
+                None => (
+                    lin(g, &n("attn_q.weight"), [d, q_dim])?,
+                    lin(g, &n("attn_k.weight"), [d, kv_dim])?,
+                    lin(g, &n("attn_v.weight"), [d, kv_dim])?,
+                    opt_vec("attn_q.bias", q_dim)?,
+                    opt_vec("attn_k.bias", kv_dim)?,
+                    opt_vec("attn_v.bias", kv_dim)?,
+                ),
+            };
+            // Phi-3 fuses gate and up into one `ffn_up` of 2 n_ff rows, gate first.
+            let (w_gate, w_up) = match g.tensor(&n("ffn_gate.weight")) {
+                Some(_) => (
+                    lin(g, &n("ffn_gate.weight"), [d, ff])?,
+                    lin(g, &n("ffn_up.weight"), [d, ff])?,
+                ),
+                None => {
+                    let f = lin(g, &n("ffn_up.weight"), [d, 2 * ff])?;
+                    let ff = ff as usize;
+                    (f.slice_rows(0..ff), f.slice_rows(ff..2 * ff))
+                }
+            };
+            let req_norm =
+                |want: bool, s: &str, len: u64| -> Result<Option<Vec<f32>>, ModelError> {
+                    if want {
+                        norm(&n(s), len).map(Some)
+                    } else {
+                        Ok(None)
+                    }
+                };
             layers.push(Layer {
-                attn_norm: vector(g, &n("attn_norm.weight"), d)?,
-                wq: lin(g, &n("attn_q.weight"), [d, q_dim])?,
-                wk: lin(g, &n("attn_k.weight"), [d, kv_dim])?,
-                wv: lin(g, &n("attn_v.weight"), [d, kv_dim])?,
+                attn_norm: norm(&n("attn_norm.weight"), d)?,
+                wq,
+                wk,
+                wv,
                 wo: lin(g, &n("attn_output.weight"), [q_dim, d])?,
-                bq: opt_vec("attn_q.bias", q_dim)?,
-                bk: opt_vec("attn_k.bias", kv_dim)?,
-                bv: opt_vec("attn_v.bias", kv_dim)?,
-                ffn_norm: vector(g, &n("ffn_norm.weight"), d)?,
-                w_gate: lin(g, &n("ffn_gate.weight"), [d, ff])?,
-                w_up: lin(g, &n("ffn_up.weight"), [d, ff])?,
+                bq,
+                bk,
+                bv,
+                bo: opt_vec("attn_output.bias", d)?,
+                q_norm: req_norm(cfg.qk_norm, "attn_q_norm.weight", hd)?,
+                k_norm: req_norm(cfg.qk_norm, "attn_k_norm.weight", hd)?,
+                attn_post_norm: req_norm(cfg.post_norms, "post_attention_norm.weight", d)?,
+                ffn_norm: norm(&n("ffn_norm.weight"), d)?,
+                w_gate,
+                w_up,
                 w_down: lin(g, &n("ffn_down.weight"), [ff, d])?,
+                ffn_post_norm: req_norm(cfg.post_norms, "post_ffw_norm.weight", d)?,
+                rope: match lc.rope {
+                    LayerRope::Global => Some(global),
+                    LayerRope::Local => local.or(Some(global)),
+                    _ => None,
+                },
+                window: lc.window,
             });
         }
-        let inv_freq = ops::rope_inv_freq(&cfg.rope);
         let pool = (opts.threads > 0).then(|| ThreadPool::new(opts.threads));
         Ok(Self {
-            gguf,
+            src,
             cfg,
             layers,
             embd,
             output,
             output_norm,
-            inv_freq,
+            ropes,
             pool,
             split: opts.activation_split,
             scratch: Mutex::new(Scratch::default()),
@@ -421,9 +564,14 @@ impl Model {
         &self.cfg
     }
 
-    /// The GGUF file the weights live in.
-    pub fn gguf(&self) -> &Arc<Gguf> {
-        &self.gguf
+    /// Where the weights come from.
+    pub fn source(&self) -> &Arc<dyn WeightSource> {
+        &self.src
+    }
+
+    /// The GGUF file the weights live in, when they come from one.
+    pub fn gguf(&self) -> Option<&Arc<Gguf>> {
+        self.src.gguf()
     }
 
     /// Records every weight tensor each [`forward`](Self::forward) reads in `cache` (one
@@ -431,8 +579,8 @@ impl Model {
     /// [`end_token`](WeightCache::end_token) per call), so its access profile, warm-up plans and
     /// mincore hit rates follow real inference. Every 64 forward calls (batched steps) count as
     /// one request of the cache, so the first touches that ask the kernel for residency stay
-    /// rare. Fails, giving `cache` back, when a cache is already attached
-    /// or `cache` is over another file.
+    /// rare. Fails, giving `cache` back, when a cache is already attached, the model does not
+    /// come from a GGUF file, or `cache` is over another file.
     ///
     /// ```no_run
     /// use std::sync::Arc;
@@ -449,10 +597,10 @@ impl Model {
     /// # Ok(()) }
     /// ```
     pub fn attach_weight_cache(&self, cache: WeightCache) -> Result<(), WeightCache> {
-        if !Arc::ptr_eq(cache.gguf(), &self.gguf) {
-            return Err(cache);
+        match self.src.gguf() {
+            Some(g) if Arc::ptr_eq(cache.gguf(), g) => self.cache.set(cache),
+            _ => Err(cache),
         }
-        self.cache.set(cache)
     }
 
     /// The weight cache given to [`attach_weight_cache`](Self::attach_weight_cache).
@@ -488,7 +636,12 @@ impl Model {
     }
 
     fn w(&self, l: &Lin) -> Result<WeightMatrix<'_>, KernelError> {
-        WeightMatrix::new(l.dtype, l.rows, l.cols, &self.gguf.bytes()[l.bytes.clone()])
+        let bytes = self
+            .src
+            .file_bytes(l.file)
+            .get(l.bytes.clone())
+            .unwrap_or(&[]);
+        WeightMatrix::new(l.dtype, l.rows, l.cols, bytes)
     }
 
     fn matmul(&self, l: &Lin, x: &[f32], n: usize, y: &mut [f32]) -> Result<(), KernelError> {
@@ -527,6 +680,20 @@ impl Model {
                 ops::add_rows(x, &a[r.start * d..r.end * d]);
             }
             ops::rmsnorm_rows(x, w, eps, h);
+        });
+    }
+
+    /// `y = rmsnorm(y) * w` in place (`buf` is scratch of the same size): the post-norms of
+    /// Gemma's attention and MLP outputs.
+    fn norm_in_place(&self, y: &mut [f32], w: &[f32], buf: &mut [f32]) {
+        let d = w.len();
+        let (ys, bs) = (ops::SharedRows::new(y, d), ops::SharedRows::new(buf, d));
+        let eps = self.cfg.rms_eps;
+        self.par_rows(ys.len(), &|r| {
+            // SAFETY: tasks get disjoint token ranges.
+            let (y, b) = unsafe { (ys.rows(r.clone()), bs.rows(r)) };
+            ops::rmsnorm_rows(y, w, eps, b);
+            y.copy_from_slice(b);
         });
     }
 
@@ -571,6 +738,74 @@ impl Model {
         Ok(())
     }
 
+    /// Whether product `c` (one of `qkvogud`: q, k, v, output, gate, up, down) gets the
+    /// activation split.
+    fn split_for(&self, c: char) -> bool {
+        match self.split {
+            ActivationSplit::Off => false,
+            ActivationSplit::FfnDown => c == 'd',
+            ActivationSplit::All => true,
+        }
+    }
+
+    /// One product `y = x · wᵀ` over `n` rows, split for precision when configured.
+    #[allow(clippy::too_many_arguments)]
+    fn mm(
+        &self,
+        c: char,
+        w: &Lin,
+        x: &[f32],
+        n: usize,
+        y: &mut [f32],
+        hi: &mut Vec<f32>,
+        tmp2: &mut Vec<f32>,
+        touch: Touch<'_>,
+    ) -> Result<(), KernelError> {
+        if let Some((cache, r)) = touch {
+            cache.touch(w.tensor, r);
+        }
+        if self.split_for(c) {
+            self.matmul_split(w, x, n, y, hi, tmp2)
+        } else {
+            self.matmul(w, x, n, y)
+        }
+    }
+
+    /// Products sharing an input, run as one group (quantized once, one pool call) unless one
+    /// of them is split for precision.
+    #[allow(clippy::too_many_arguments)]
+    fn mm_group(
+        &self,
+        ws: &[(char, &Lin)],
+        x: &[f32],
+        n: usize,
+        ys: &mut [&mut [f32]],
+        hi: &mut Vec<f32>,
+        tmp2: &mut Vec<f32>,
+        touch: Touch<'_>,
+    ) -> Result<(), KernelError> {
+        if ws.iter().any(|&(c, _)| self.split_for(c)) {
+            for (&(c, w), y) in ws.iter().zip(ys.iter_mut()) {
+                self.mm(c, w, x, n, y, hi, tmp2, touch)?;
+            }
+            return Ok(());
+        }
+        if let Some((cache, r)) = touch {
+            ws.iter().for_each(|(_, w)| cache.touch(w.tensor, r));
+        }
+        let mats = ws
+            .iter()
+            .map(|(_, w)| self.w(w))
+            .collect::<Result<Vec<_>, _>>()?;
+        let x = &x[..n * mats[0].cols];
+        let mut outs: Vec<&mut [f32]> = ws
+            .iter()
+            .zip(ys.iter_mut())
+            .map(|((_, w), y)| &mut y[..n * w.rows])
+            .collect();
+        kernels::matmul_many(&mats, x, n, &mut outs, self.pool())
+    }
+
     /// Runs the model on a batch of sequence steps and appends their logits to `out` (cleared
     /// first): for each step in order, the rows its [`LogitsWanted`] asks for, each
     /// `vocab_size` long.
@@ -587,12 +822,35 @@ impl Model {
         steps: &mut [SeqStep<'_>],
         out: &mut Vec<f32>,
     ) -> Result<(), ForwardError> {
-        let cfg = &self.cfg;
         out.clear();
         if steps.is_empty() {
             return Ok(());
         }
-        // ---- validation, before any ring is touched
+        self.validate(steps)?;
+        let mut guard = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
+        let sc = &mut *guard;
+        let total: usize = steps.iter().map(|s| s.tokens.len()).sum();
+        self.reserve(sc, total);
+        let touch = self.cache.get().map(|c| {
+            let (req, calls) = sc.epoch.get_or_insert_with(|| (c.begin_request(), 0));
+            if *calls == PROFILE_EPOCH {
+                *req = c.begin_request();
+                *calls = 0;
+            }
+            *calls += 1;
+            (c, *req)
+        });
+        self.embed(steps, sc, touch)?;
+        for (li, layer) in self.layers.iter().enumerate() {
+            self.attention_block(li, layer, steps, sc, total, touch)?;
+            self.mlp_block(layer, sc, total, touch)?;
+        }
+        self.head(steps, sc, out, touch)
+    }
+
+    /// Checks every step before anything is computed or any ring changed.
+    fn validate(&self, steps: &[SeqStep<'_>]) -> Result<(), ForwardError> {
+        let cfg = &self.cfg;
         for (i, s) in steps.iter().enumerate() {
             let n = s.tokens.len();
             if n == 0 {
@@ -635,12 +893,17 @@ impl Model {
                 });
             }
         }
-        let mut guard = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
-        let sc = &mut *guard;
-        let total: usize = steps.iter().map(|s| s.tokens.len()).sum();
-        let (d, hd, nh, nkv) = (cfg.n_embd, cfg.head_dim, cfg.n_heads, cfg.n_kv_heads);
-        let (qd, kvd) = (nh * hd, nkv * hd);
-        let n_threads = self.pool().n_threads();
+        Ok(())
+    }
+
+    /// Grows the scratch buffers for `total` token rows.
+    fn reserve(&self, sc: &mut Scratch, total: usize) {
+        let cfg = &self.cfg;
+        let (d, qd, kvd) = (
+            cfg.n_embd,
+            cfg.n_heads * cfg.head_dim,
+            cfg.n_kv_heads * cfg.head_dim,
+        );
         grow(&mut sc.x, total * d);
         grow(&mut sc.h, total * d);
         grow(&mut sc.q, total * qd);
@@ -650,50 +913,57 @@ impl Model {
         grow(&mut sc.tmp, total * d);
         grow(&mut sc.gate, total * cfg.n_ff);
         grow(&mut sc.up, total * cfg.n_ff);
-        grow(&mut sc.rope, total * cfg.rope.n_rot);
-        while sc.attn.len() < n_threads {
+        grow(&mut sc.rope, self.ropes.len() * total * cfg.rope.n_rot);
+        while sc.attn.len() < self.pool().n_threads() {
             sc.attn.push(Mutex::new(AttnScratch::default()));
         }
-        sc.steps.clear();
+    }
 
-        let touch = self.cache.get().map(|c| {
-            let (req, calls) = sc.epoch.get_or_insert_with(|| (c.begin_request(), 0));
-            if *calls == PROFILE_EPOCH {
-                *req = c.begin_request();
-                *calls = 0;
-            }
-            *calls += 1;
-            (c, *req)
-        });
+    /// Stage 1: begins each step's chunk on its ring, looks up (dequantizes) and scales the
+    /// token embeddings into `x`, and fills the RoPE tables for the tokens' positions.
+    fn embed(
+        &self,
+        steps: &mut [SeqStep<'_>],
+        sc: &mut Scratch,
+        touch: Touch<'_>,
+    ) -> Result<(), ForwardError> {
+        let (d, n_rot) = (self.cfg.n_embd, self.cfg.rope.n_rot);
+        let total: usize = steps.iter().map(|s| s.tokens.len()).sum();
         if let Some((c, r)) = touch {
             c.touch(self.embd.tensor, r);
         }
-
-        // ---- begin the chunks (validated above, so these cannot fail for room)
+        let bytes = self.src.file_bytes(self.embd.file);
+        let rb = self.embd.bytes.len() / self.embd.rows;
+        let scale = self.cfg.embedding_scale;
+        sc.steps.clear();
         let mut row = 0usize;
         for (i, s) in steps.iter_mut().enumerate() {
             let n = s.tokens.len();
+            // Validated before: these cannot fail for room.
             s.kv.begin(n)
                 .map_err(|source| ForwardError::Kv { step: i, source })?;
             let len_before = s.kv.len();
             let pos0 = s.kv.next_pos();
             sc.steps.push((row, len_before));
             for (j, &t) in s.tokens.iter().enumerate() {
-                // embedding row, dequantized on lookup
-                let r = t as usize;
-                let rb = self.embd.bytes.len() / self.embd.rows;
-                let src = &self.gguf.bytes()[self.embd.bytes.start + r * rb..][..rb];
+                let src = &bytes[self.embd.bytes.start + t as usize * rb..][..rb];
                 let dst = &mut sc.x[(row + j) * d..][..d];
                 weight_cache::dequantize(self.embd.dtype, src, dst).map_err(|_| {
                     KernelError::UnsupportedDtype {
                         dtype: self.embd.dtype,
                     }
                 })?;
-                ops::rope_cos_sin(
-                    &self.inv_freq,
-                    pos0 + j as u64,
-                    &mut sc.rope[(row + j) * cfg.rope.n_rot..][..cfg.rope.n_rot],
-                );
+                if scale != 1.0 {
+                    dst.iter_mut().for_each(|v| *v *= scale);
+                }
+                for (ti, table) in self.ropes.iter().enumerate() {
+                    ops::rope_cos_sin(
+                        &table.inv_freq,
+                        pos0 + j as u64,
+                        table.mscale,
+                        &mut sc.rope[(ti * total + row + j) * n_rot..][..n_rot],
+                    );
+                }
             }
             row += n;
         }
@@ -709,170 +979,270 @@ impl Model {
         let lens = &sc.steps;
         sc.att_blocks
             .sort_by_key(|&(i, j0, tq)| std::cmp::Reverse(lens[i as usize].1 + (j0 + tq) as usize));
-        let scale = 1.0 / (hd as f32).sqrt();
-        for (li, layer) in self.layers.iter().enumerate() {
-            // attention block (after the previous layer's MLP residual, still in `tmp`)
-            let add = (li > 0).then_some(&sc.tmp[..total * d]);
-            self.residual_norm(
-                &mut sc.x[..total * d],
-                add,
-                &layer.attn_norm,
-                &mut sc.h[..total * d],
-            );
-            let sp = match self.split {
-                ActivationSplit::Off => "",
-                ActivationSplit::FfnDown => "d",
-                ActivationSplit::All => "qkvogud",
-            };
-            macro_rules! mm {
-                ($c:expr, $w:expr, $x:ident, $y:ident) => {
-                    if let Some((c, r)) = touch {
-                        c.touch($w.tensor, r);
-                    }
-                    if sp.contains($c) {
-                        self.matmul_split($w, &sc.$x, total, &mut sc.$y, &mut sc.hi, &mut sc.tmp2)?
-                    } else {
-                        self.matmul($w, &sc.$x, total, &mut sc.$y)?
-                    }
-                };
-            }
-            // Products sharing an input run as one group (quantized once, one pool call),
-            // unless split for precision.
-            macro_rules! mm_group {
-                ($x:ident, [$(($c:expr, $w:expr, $y:ident)),+]) => {
-                    if $(sp.contains($c))||+ {
-                        $(mm!($c, $w, $x, $y);)+
-                    } else {
-                        if let Some((c, r)) = touch {
-                            $(c.touch($w.tensor, r);)+
-                        }
-                        let ws = [$(self.w($w)?),+];
-                        let x = &sc.$x[..total * ws[0].cols];
-                        let mut ys = [$(&mut sc.$y[..total * $w.rows]),+];
-                        kernels::matmul_many(&ws, x, total, &mut ys, self.pool())?;
-                    }
-                };
-            }
-            mm_group!(
-                h,
-                [
-                    ('q', &layer.wq, q),
-                    ('k', &layer.wk, k),
-                    ('v', &layer.wv, v)
-                ]
-            );
-            for (b, buf, width) in [
-                (&layer.bq, &mut sc.q, qd),
-                (&layer.bk, &mut sc.k, kvd),
-                (&layer.bv, &mut sc.v, kvd),
-            ] {
-                if let Some(b) = b {
-                    for r in buf[..total * width].chunks_exact_mut(width) {
-                        r.iter_mut().zip(b).for_each(|(x, b)| *x += b);
-                    }
+        Ok(())
+    }
+
+    /// Stage 2 (per layer): the pending residual (previous MLP output) is added to `x`, then
+    /// RMSNorm, Q/K/V (+ biases, per-head Q/K norms, RoPE), K/V appended to each ring,
+    /// attention per sequence (window and soft-cap per the layer), the output projection into
+    /// `tmp` (post-normed when the family has post-norms).
+    fn attention_block(
+        &self,
+        li: usize,
+        layer: &Layer,
+        steps: &mut [SeqStep<'_>],
+        sc: &mut Scratch,
+        total: usize,
+        touch: Touch<'_>,
+    ) -> Result<(), ForwardError> {
+        let cfg = &self.cfg;
+        let (d, hd, nh, nkv) = (cfg.n_embd, cfg.head_dim, cfg.n_heads, cfg.n_kv_heads);
+        let (qd, kvd) = (nh * hd, nkv * hd);
+        let add = (li > 0).then_some(&sc.tmp[..total * d]);
+        self.residual_norm(
+            &mut sc.x[..total * d],
+            add,
+            &layer.attn_norm,
+            &mut sc.h[..total * d],
+        );
+        self.mm_group(
+            &[('q', &layer.wq), ('k', &layer.wk), ('v', &layer.wv)],
+            &sc.h,
+            total,
+            &mut [&mut sc.q[..], &mut sc.k[..], &mut sc.v[..]],
+            &mut sc.hi,
+            &mut sc.tmp2,
+            touch,
+        )?;
+        for (b, buf, width) in [
+            (&layer.bq, &mut sc.q, qd),
+            (&layer.bk, &mut sc.k, kvd),
+            (&layer.bv, &mut sc.v, kvd),
+        ] {
+            if let Some(b) = b {
+                for r in buf[..total * width].chunks_exact_mut(width) {
+                    ops::add_rows(r, b);
                 }
             }
-            {
-                let qs = ops::SharedRows::new(&mut sc.q[..total * qd], qd);
-                let ks = ops::SharedRows::new(&mut sc.k[..total * kvd], kvd);
-                let rope = &sc.rope;
-                self.par_rows(total, &|r| {
-                    for t in r {
-                        let cs = &rope[t * cfg.rope.n_rot..][..cfg.rope.n_rot];
-                        // SAFETY: tasks get disjoint token ranges.
-                        let (q, k) = unsafe { (qs.row(t), ks.row(t)) };
-                        for h in q.chunks_exact_mut(hd).chain(k.chunks_exact_mut(hd)) {
-                            ops::rope_apply(cfg.rope.layout, cs, h);
-                        }
-                    }
-                });
-            }
-            for (i, s) in steps.iter_mut().enumerate() {
-                let (r0, _) = sc.steps[i];
-                let n = s.tokens.len();
-                s.kv.write_layer(
-                    li,
-                    &sc.k[r0 * kvd..(r0 + n) * kvd],
-                    &sc.v[r0 * kvd..(r0 + n) * kvd],
+        }
+        {
+            let qs = ops::SharedRows::new(&mut sc.q[..total * qd], qd);
+            let ks = ops::SharedRows::new(&mut sc.k[..total * kvd], kvd);
+            let n_rot = cfg.rope.n_rot;
+            let rope = layer.rope.map(|t| {
+                (
+                    &self.ropes[t],
+                    &sc.rope[t * total * n_rot..(t + 1) * total * n_rot],
                 )
-                .map_err(|source| ForwardError::Kv { step: i, source })?;
-            }
-            let att_out = ops::SharedRows::new(&mut sc.att[..total * qd], hd);
-            let q = &sc.q;
-            let blocks = &sc.att_blocks;
-            let step_info = &sc.steps;
-            let scratch = &sc.attn;
-            let steps_ref: &[SeqStep<'_>] = steps;
-            let group = cfg.gqa_group();
-            let err: Mutex<Option<ForwardError>> = Mutex::new(None);
-            // One task per (query block, KV head): the group's query heads of up to
-            // ATT_BLOCK tokens of one step, against that step's ring.
-            self.pool().run(blocks.len() * nkv, &|task, thread| {
-                let (b, g) = (task / nkv, task % nkv);
-                let (si, j0, tq) = blocks[b];
-                let (r0, len_before) = step_info[si as usize];
-                let ring = &*steps_ref[si as usize].kv;
-                let view = match ring.view(li, g) {
-                    Ok(v) => v,
-                    Err(source) => {
-                        *err.lock().unwrap_or_else(|e| e.into_inner()) = Some(ForwardError::Kv {
-                            step: si as usize,
-                            source,
-                        });
-                        return;
+            });
+            let eps = cfg.rms_eps;
+            let (qn, kn) = (layer.q_norm.as_deref(), layer.k_norm.as_deref());
+            self.par_rows(total, &|r| {
+                let mut buf = vec![0.0f32; if qn.is_some() || kn.is_some() { hd } else { 0 }];
+                for t in r {
+                    // SAFETY: tasks get disjoint token ranges.
+                    let (q, k) = unsafe { (qs.row(t), ks.row(t)) };
+                    for (heads, w) in [(&mut *q, qn), (&mut *k, kn)] {
+                        if let Some(w) = w {
+                            for h in heads.chunks_exact_mut(hd) {
+                                ops::rmsnorm_rows(h, w, eps, &mut buf);
+                                h.copy_from_slice(&buf);
+                            }
+                        }
                     }
-                };
-                let mut guard = scratch[thread].lock().unwrap_or_else(|e| e.into_inner());
-                let AttnScratch {
-                    q: qb,
-                    o: ob,
-                    n: nb,
-                    f,
-                } = &mut *guard;
-                let rows = tq as usize * group;
-                qb.clear();
-                nb.clear();
-                for j in j0 as usize..(j0 + tq) as usize {
-                    let t = r0 + j;
-                    for h in g * group..(g + 1) * group {
-                        qb.extend_from_slice(&q[t * qd + h * hd..][..hd]);
-                        nb.push(len_before + j + 1);
+                    if let Some((table, cs)) = rope {
+                        let cs = &cs[t * n_rot..][..n_rot];
+                        for h in q.chunks_exact_mut(hd).chain(k.chunks_exact_mut(hd)) {
+                            ops::rope_apply(table.layout, cs, h);
+                        }
                     }
-                }
-                ob.resize(rows * hd, 0.0);
-                attention::attend_rows(qb, nb, hd, &view, scale, f, &mut ob[..rows * hd]);
-                for (i, o) in ob[..rows * hd].chunks_exact(hd).enumerate() {
-                    let (j, h) = (j0 as usize + i / group, g * group + i % group);
-                    // SAFETY: row (token, head) belongs to this task's block and KV head only.
-                    unsafe { att_out.row((r0 + j) * nh + h) }.copy_from_slice(o);
                 }
             });
-            if let Some(e) = err.into_inner().unwrap_or_else(|e| e.into_inner()) {
-                return Err(e);
-            }
-            mm!('o', &layer.wo, att, tmp);
-            // MLP block
-            let add = Some(&sc.tmp[..total * d]);
-            self.residual_norm(
-                &mut sc.x[..total * d],
-                add,
-                &layer.ffn_norm,
-                &mut sc.h[..total * d],
-            );
-            mm_group!(h, [('g', &layer.w_gate, gate), ('u', &layer.w_up, up)]);
-            {
-                let nff = cfg.n_ff;
-                let gs = ops::SharedRows::new(&mut sc.gate[..total * nff], nff);
-                let up = &sc.up;
-                self.par_rows(total, &|r| {
-                    // SAFETY: tasks get disjoint token ranges.
-                    let g = unsafe { gs.rows(r.clone()) };
-                    ops::silu_mul_rows(g, &up[r.start * nff..r.end * nff]);
-                });
-            }
-            mm!('d', &layer.w_down, gate, tmp);
         }
-        // ---- output head on the wanted rows only
+        for (i, s) in steps.iter_mut().enumerate() {
+            let (r0, _) = sc.steps[i];
+            let n = s.tokens.len();
+            s.kv.write_layer(
+                li,
+                &sc.k[r0 * kvd..(r0 + n) * kvd],
+                &sc.v[r0 * kvd..(r0 + n) * kvd],
+            )
+            .map_err(|source| ForwardError::Kv { step: i, source })?;
+        }
+        self.attend(li, layer, steps, sc, total)?;
+        self.mm(
+            'o',
+            &layer.wo,
+            &sc.att,
+            total,
+            &mut sc.tmp,
+            &mut sc.hi,
+            &mut sc.tmp2,
+            touch,
+        )?;
+        if let Some(b) = &layer.bo {
+            for r in sc.tmp[..total * d].chunks_exact_mut(d) {
+                ops::add_rows(r, b);
+            }
+        }
+        if let Some(w) = &layer.attn_post_norm {
+            self.norm_in_place(&mut sc.tmp[..total * d], w, &mut sc.h[..total * d]);
+        }
+        Ok(())
+    }
+
+    /// Attention of every step's new tokens against its ring (layer `li`), into `att`: one
+    /// pool task per (query block, KV head).
+    fn attend(
+        &self,
+        li: usize,
+        layer: &Layer,
+        steps: &[SeqStep<'_>],
+        sc: &mut Scratch,
+        total: usize,
+    ) -> Result<(), ForwardError> {
+        let cfg = &self.cfg;
+        let (hd, nh, nkv) = (cfg.head_dim, cfg.n_heads, cfg.n_kv_heads);
+        let qd = nh * hd;
+        let att_out = ops::SharedRows::new(&mut sc.att[..total * qd], hd);
+        let q = &sc.q;
+        let blocks = &sc.att_blocks;
+        let step_info = &sc.steps;
+        let scratch = &sc.attn;
+        let group = cfg.gqa_group();
+        let (scale, softcap, window) = (cfg.attention_scale, cfg.attn_softcap, layer.window);
+        let err: Mutex<Option<ForwardError>> = Mutex::new(None);
+        // One task per (query block, KV head): the group's query heads of up to ATT_BLOCK
+        // tokens of one step, against that step's ring.
+        self.pool().run(blocks.len() * nkv, &|task, thread| {
+            let (b, g) = (task / nkv, task % nkv);
+            let (si, j0, tq) = blocks[b];
+            let (r0, len_before) = step_info[si as usize];
+            let ring = &*steps[si as usize].kv;
+            let view = match ring.view(li, g) {
+                Ok(v) => v,
+                Err(source) => {
+                    *err.lock().unwrap_or_else(|e| e.into_inner()) = Some(ForwardError::Kv {
+                        step: si as usize,
+                        source,
+                    });
+                    return;
+                }
+            };
+            let mut guard = scratch[thread].lock().unwrap_or_else(|e| e.into_inner());
+            let AttnScratch {
+                q: qb,
+                o: ob,
+                n: nb,
+                first: fb,
+                f,
+            } = &mut *guard;
+            let rows = tq as usize * group;
+            qb.clear();
+            nb.clear();
+            fb.clear();
+            for j in j0 as usize..(j0 + tq) as usize {
+                let t = r0 + j;
+                for h in g * group..(g + 1) * group {
+                    qb.extend_from_slice(&q[t * qd + h * hd..][..hd]);
+                    let n = len_before + j + 1;
+                    nb.push(n);
+                    fb.push(window.map_or(0, |w| n.saturating_sub(w)));
+                }
+            }
+            ob.resize(rows * hd, 0.0);
+            let first = window.is_some().then_some(&fb[..]);
+            attention::attend_rows_ext(
+                qb,
+                nb,
+                first,
+                hd,
+                &view,
+                scale,
+                softcap,
+                f,
+                &mut ob[..rows * hd],
+            );
+            for (i, o) in ob[..rows * hd].chunks_exact(hd).enumerate() {
+                let (j, h) = (j0 as usize + i / group, g * group + i % group);
+                // SAFETY: row (token, head) belongs to this task's block and KV head only.
+                unsafe { att_out.row((r0 + j) * nh + h) }.copy_from_slice(o);
+            }
+        });
+        match err.into_inner().unwrap_or_else(|e| e.into_inner()) {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    /// Stage 3 (per layer): the attention output is added to `x`, then RMSNorm, the gated MLP
+    /// (SwiGLU or GeGLU) and the down projection into `tmp` (post-normed when the family has
+    /// post-norms); `tmp` is added to `x` by the next stage that reads `x`.
+    fn mlp_block(
+        &self,
+        layer: &Layer,
+        sc: &mut Scratch,
+        total: usize,
+        touch: Touch<'_>,
+    ) -> Result<(), ForwardError> {
+        let d = self.cfg.n_embd;
+        self.residual_norm(
+            &mut sc.x[..total * d],
+            Some(&sc.tmp[..total * d]),
+            &layer.ffn_norm,
+            &mut sc.h[..total * d],
+        );
+        self.mm_group(
+            &[('g', &layer.w_gate), ('u', &layer.w_up)],
+            &sc.h,
+            total,
+            &mut [&mut sc.gate[..], &mut sc.up[..]],
+            &mut sc.hi,
+            &mut sc.tmp2,
+            touch,
+        )?;
+        {
+            let nff = self.cfg.n_ff;
+            let gs = ops::SharedRows::new(&mut sc.gate[..total * nff], nff);
+            let up = &sc.up;
+            let act = self.cfg.activation;
+            self.par_rows(total, &|r| {
+                // SAFETY: tasks get disjoint token ranges.
+                let g = unsafe { gs.rows(r.clone()) };
+                let u = &up[r.start * nff..r.end * nff];
+                match act {
+                    Activation::Silu => ops::silu_mul_rows(g, u),
+                    Activation::GeluTanh => ops::gelu_tanh_mul_rows(g, u),
+                }
+            });
+        }
+        self.mm(
+            'd',
+            &layer.w_down,
+            &sc.gate,
+            total,
+            &mut sc.tmp,
+            &mut sc.hi,
+            &mut sc.tmp2,
+            touch,
+        )?;
+        if let Some(w) = &layer.ffn_post_norm {
+            self.norm_in_place(&mut sc.tmp[..total * d], w, &mut sc.h[..total * d]);
+        }
+        Ok(())
+    }
+
+    /// Stage 4: on the rows whose logits are wanted only, the last residual add, the final
+    /// RMSNorm and the output head (then the final soft-cap); commits every step's ring.
+    fn head(
+        &self,
+        steps: &mut [SeqStep<'_>],
+        sc: &mut Scratch,
+        out: &mut Vec<f32>,
+        touch: Touch<'_>,
+    ) -> Result<(), ForwardError> {
+        let cfg = &self.cfg;
+        let d = cfg.n_embd;
         let n_out: usize = steps.iter().map(|s| s.logits.rows(s.tokens.len())).sum();
         grow(&mut sc.sel, n_out * d);
         let mut o = 0;
@@ -913,12 +1283,20 @@ impl Model {
             } else {
                 self.matmul(&self.output, &sc.sel, n_out, out)?;
             }
+            if let Some(cap) = cfg.final_softcap {
+                let v = cfg.vocab_size;
+                let os = ops::SharedRows::new(&mut out[..], v);
+                self.par_rows(n_out, &|r| {
+                    // SAFETY: tasks get disjoint rows.
+                    ops::softcap_rows(unsafe { os.rows(r) }, cap);
+                });
+            }
         }
         Ok(())
     }
 }
 
-fn lin(g: &Gguf, name: &str, shape: [u64; 2]) -> Result<Lin, ModelError> {
+fn lin(g: &dyn WeightSource, name: &str, shape: [u64; 2]) -> Result<Lin, ModelError> {
     let t = g
         .tensor(name)
         .ok_or_else(|| ModelError::MissingTensor { name: name.into() })?;
@@ -929,10 +1307,11 @@ fn lin(g: &Gguf, name: &str, shape: [u64; 2]) -> Result<Lin, ModelError> {
             actual: t.shape.to_vec(),
         });
     }
-    let base = g.bytes().as_ptr() as usize;
+    let base = g.file_bytes(t.file).as_ptr() as usize;
     let start = (t.data.as_ptr() as usize).wrapping_sub(base);
     let l = Lin {
-        tensor: g.tensor_index(name).unwrap_or(usize::MAX),
+        tensor: t.gguf_index.unwrap_or(usize::MAX),
+        file: t.file,
         dtype: t.dtype,
         rows: shape[1] as usize,
         cols: shape[0] as usize,
@@ -945,8 +1324,8 @@ fn lin(g: &Gguf, name: &str, shape: [u64; 2]) -> Result<Lin, ModelError> {
 }
 
 /// Checks that the kernels accept this matrix (dtype supported, length consistent).
-fn check_kernel(g: &Gguf, l: &Lin, name: &str) -> Result<(), ModelError> {
-    let data = g.bytes().get(l.bytes.clone()).unwrap_or(&[]);
+fn check_kernel(g: &dyn WeightSource, l: &Lin, name: &str) -> Result<(), ModelError> {
+    let data = g.file_bytes(l.file).get(l.bytes.clone()).unwrap_or(&[]);
     match WeightMatrix::new(l.dtype, l.rows, l.cols, data) {
         Ok(_) => Ok(()),
         Err(_) => Err(ModelError::UnsupportedDtype {
@@ -956,7 +1335,7 @@ fn check_kernel(g: &Gguf, l: &Lin, name: &str) -> Result<(), ModelError> {
     }
 }
 
-fn vector(g: &Gguf, name: &str, len: u64) -> Result<Vec<f32>, ModelError> {
+fn vector(g: &dyn WeightSource, name: &str, len: u64) -> Result<Vec<f32>, ModelError> {
     let t = g
         .tensor(name)
         .ok_or_else(|| ModelError::MissingTensor { name: name.into() })?;

@@ -7,13 +7,18 @@ use std::marker::PhantomData;
 
 use super::{RopeConfig, RopeLayout, RopeScaling};
 
-/// Inverse RoPE frequencies `theta^(-2i/n_rot) / freq_factor[i] / linear_factor`, in f64.
-pub(super) fn rope_inv_freq(rope: &RopeConfig) -> Vec<f64> {
+/// Inverse RoPE frequencies `theta^(-2i/n_rot) / freq_factor[i] / linear_factor`, in f64; with
+/// `long`, LongRoPE's long factors where the config has them.
+pub(super) fn rope_inv_freq(rope: &RopeConfig, long: bool) -> Vec<f64> {
     let half = rope.n_rot / 2;
+    let factors = match (&rope.long_freq_factors, long) {
+        (Some(l), true) => Some(l),
+        _ => rope.freq_factors.as_ref(),
+    };
     (0..half)
         .map(|i| {
             let mut f = f64::from(rope.theta).powf(-2.0 * i as f64 / rope.n_rot as f64);
-            if let Some(ff) = &rope.freq_factors {
+            if let Some(ff) = factors {
                 f /= f64::from(ff[i]);
             }
             if let RopeScaling::Linear { factor } = rope.scaling {
@@ -24,12 +29,13 @@ pub(super) fn rope_inv_freq(rope: &RopeConfig) -> Vec<f64> {
         .collect()
 }
 
-/// `out[2i] = cos(pos * inv[i])`, `out[2i+1] = sin(pos * inv[i])` (angles in f64).
-pub(super) fn rope_cos_sin(inv: &[f64], pos: u64, out: &mut [f32]) {
+/// `out[2i] = m cos(pos * inv[i])`, `out[2i+1] = m sin(pos * inv[i])` (angles in f64; `m` is
+/// RoPE's attention factor, 1 for most models).
+pub(super) fn rope_cos_sin(inv: &[f64], pos: u64, m: f32, out: &mut [f32]) {
     for (i, f) in inv.iter().enumerate() {
         let a = pos as f64 * f;
-        out[2 * i] = a.cos() as f32;
-        out[2 * i + 1] = a.sin() as f32;
+        out[2 * i] = a.cos() as f32 * m;
+        out[2 * i + 1] = a.sin() as f32 * m;
     }
 }
 
@@ -57,7 +63,9 @@ pub(super) fn rope_apply(layout: RopeLayout, cs: &[f32], head: &mut [f32]) {
 }
 
 use crate::kernels::multiversion;
-pub(super) use crate::kernels::{add_rows, rmsnorm_rows, silu_mul_rows};
+pub(super) use crate::kernels::{
+    add_rows, gelu_tanh_mul_rows, rmsnorm_rows, silu_mul_rows, softcap_rows,
+};
 
 multiversion! {
     /// Splits `x` into `hi + lo` per 32-element block: `hi` is exactly representable with 8-bit
@@ -179,8 +187,12 @@ mod tests {
             n_rot: 4,
             scaling: RopeScaling::Linear { factor: 2.0 },
             freq_factors: Some(vec![1.0, 4.0]),
+            long_freq_factors: Some(vec![2.0, 2.0]),
+            original_context: 64,
+            attn_factor: 1.0,
         };
-        let f = rope_inv_freq(&cfg);
+        assert!((rope_inv_freq(&cfg, true)[0] - 0.25).abs() < 1e-12);
+        let f = rope_inv_freq(&cfg, false);
         assert!((f[0] - 0.5).abs() < 1e-12);
         assert!((f[1] - 0.01 / 8.0).abs() < 1e-12);
     }

@@ -74,6 +74,8 @@ pub trait WeightSource: Send + Sync + Debug {
     fn get_bool(&self, key: &str) -> Option<bool>;
     /// An array of booleans (e.g. `{arch}.attention.sliding_window_pattern` per layer).
     fn get_bool_array(&self, key: &str) -> Option<Vec<bool>>;
+    /// An array of floats.
+    fn get_f32_array(&self, key: &str) -> Option<Vec<f32>>;
     /// The tensor named `name` (llama.cpp's name), if present.
     fn tensor(&self, name: &str) -> Option<SourceTensor<'_>>;
     /// The bytes of file `file` (tensor data are sub-slices of these).
@@ -88,7 +90,66 @@ pub trait WeightSource: Send + Sync + Debug {
     }
 }
 
-/// A GGUF file as a [`WeightSource`] (one file, its own names).
+impl WeightSource for Gguf {
+    fn get_str(&self, key: &str) -> Option<&str> {
+        Gguf::get_str(self, key)
+    }
+    fn get_u32(&self, key: &str) -> Option<u32> {
+        Gguf::get_u32(self, key)
+    }
+    fn get_f32(&self, key: &str) -> Option<f32> {
+        Gguf::get_f32(self, key)
+    }
+    fn get_bool(&self, key: &str) -> Option<bool> {
+        Gguf::get_bool(self, key)
+    }
+    fn get_bool_array(&self, key: &str) -> Option<Vec<bool>> {
+        let a = self.get_array(key)?;
+        a.iter()
+            .map(|v| match v {
+                weight_cache::MetaValue::Bool(b) => Some(b),
+                other => other.as_int().map(|i| i != 0),
+            })
+            .collect()
+    }
+    fn get_f32_array(&self, key: &str) -> Option<Vec<f32>> {
+        Gguf::get_f32_array(self, key)
+    }
+    fn tensor(&self, name: &str) -> Option<SourceTensor<'_>> {
+        let t = Gguf::tensor(self, name)?;
+        Some(SourceTensor {
+            dtype: t.dtype,
+            shape: t.shape.to_vec(),
+            data: t.data,
+            file: 0,
+            gguf_index: Some(t.index),
+        })
+    }
+    fn file_bytes(&self, _file: usize) -> &[u8] {
+        self.bytes()
+    }
+    fn model_name(&self) -> Option<String> {
+        if let Some(n) = Gguf::get_str(self, "general.name").filter(|n| !n.trim().is_empty()) {
+            return Some(n.trim().to_string());
+        }
+        let p = self.path()?;
+        Some(p.file_stem()?.to_string_lossy().into_owned())
+    }
+}
+
+/// A shared GGUF file as a [`WeightSource`] that also hands out the file itself
+/// ([`WeightSource::gguf`]) for weight-cache profiling and file watching.
+///
+/// ```no_run
+/// use std::sync::Arc;
+/// use gpu_pipeline::{GgufSource, WeightSource};
+/// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// // SAFETY: the model file is not modified while mapped.
+/// let gguf = Arc::new(unsafe { weight_cache::Gguf::open(weight_cache::locate_default_model()?)? });
+/// let src = GgufSource(gguf);
+/// assert_eq!(src.get_str("general.architecture"), Some("llama"));
+/// # Ok(()) }
+/// ```
 #[derive(Debug, Clone)]
 pub struct GgufSource(pub std::sync::Arc<Gguf>);
 
@@ -106,23 +167,13 @@ impl WeightSource for GgufSource {
         self.0.get_bool(key)
     }
     fn get_bool_array(&self, key: &str) -> Option<Vec<bool>> {
-        let a = self.0.get_array(key)?;
-        a.iter()
-            .map(|v| match v {
-                weight_cache::MetaValue::Bool(b) => Some(b),
-                other => other.as_int().map(|i| i != 0),
-            })
-            .collect()
+        WeightSource::get_bool_array(&*self.0, key)
+    }
+    fn get_f32_array(&self, key: &str) -> Option<Vec<f32>> {
+        self.0.get_f32_array(key)
     }
     fn tensor(&self, name: &str) -> Option<SourceTensor<'_>> {
-        let t = self.0.tensor(name)?;
-        Some(SourceTensor {
-            dtype: t.dtype,
-            shape: t.shape.to_vec(),
-            data: t.data,
-            file: 0,
-            gguf_index: Some(t.index),
-        })
+        WeightSource::tensor(&*self.0, name)
     }
     fn file_bytes(&self, _file: usize) -> &[u8] {
         self.0.bytes()
@@ -131,14 +182,6 @@ impl WeightSource for GgufSource {
         Some(&self.0)
     }
     fn model_name(&self) -> Option<String> {
-        if let Some(n) = self
-            .0
-            .get_str("general.name")
-            .filter(|n| !n.trim().is_empty())
-        {
-            return Some(n.trim().to_string());
-        }
-        let p = self.0.path()?;
-        Some(p.file_stem()?.to_string_lossy().into_owned())
+        WeightSource::model_name(&*self.0)
     }
 }
