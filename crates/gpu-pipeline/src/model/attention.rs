@@ -142,7 +142,7 @@ pub fn attend_rows(
     #[cfg(target_arch = "x86_64")]
     if hd % 16 == 0 && hd <= avx512::MAX_HD && crate::kernels::has_avx512() {
         // SAFETY: the features were detected at run time; shapes are checked above.
-        return unsafe { avx512::attend(q, n_keys, hd, view, scale, scratch, out) };
+        return unsafe { avx512::attend(q, n_keys, None, hd, view, scale, None, scratch, out) };
     }
     portable(q, n_keys, None, hd, view, scale, None, scratch, out);
 }
@@ -183,6 +183,11 @@ pub(crate) fn attend_rows_ext(
             f.len() == rows && f.iter().zip(n_keys).all(|(f, n)| f < n),
             "first keys must be below the key counts"
         );
+    }
+    #[cfg(target_arch = "x86_64")]
+    if hd % 16 == 0 && hd <= avx512::MAX_HD && crate::kernels::has_avx512() {
+        // SAFETY: the features were detected at run time; shapes are checked above.
+        return unsafe { avx512::attend(q, n_keys, first, hd, view, scale, softcap, scratch, out) };
     }
     portable(q, n_keys, first, hd, view, scale, softcap, scratch, out);
 }
@@ -262,9 +267,11 @@ fn portable_body(
         }
         let max = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
         let mut part = [0.0f32; 16];
-        for (j, sj) in s.iter_mut().enumerate() {
+        for (jj, sj) in s.iter_mut().enumerate() {
             *sj = exp_f(*sj - max);
-            part[j % 16] += *sj;
+            // Keys j ≡ l (mod 16) in partial sum l, whatever the first key: the result does not
+            // depend on how rows with different windows are blocked together.
+            part[(f + jj) % 16] += *sj;
         }
         let inv = 1.0 / tree16(part);
         let o = &mut out[r * hd..][..hd];
@@ -377,6 +384,26 @@ mod avx512 {
         _mm512_maskz_mov_ps(ok, _mm512_scalef_ps(p, n))
     }
 
+    /// `cap * tanh(s / cap)` lane by lane with the operations of the scalar
+    /// [`tanh_f`](crate::kernels::tanh_f) path; `s` unchanged when `cap` is 0.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512dq,fma")]
+    fn softcap_v(s: __m512, cap: f32) -> __m512 {
+        if cap == 0.0 {
+            return s;
+        }
+        let x = _mm512_div_ps(s, _mm512_set1_ps(cap));
+        let sign = _mm512_set1_ps(-0.0);
+        let t = exp_v(_mm512_mul_ps(
+            _mm512_set1_ps(-2.0),
+            _mm512_andnot_ps(sign, x),
+        ));
+        let one = _mm512_set1_ps(1.0);
+        let r = _mm512_div_ps(_mm512_sub_ps(one, t), _mm512_add_ps(one, t));
+        // r >= 0: copysign is an OR of x's sign bit.
+        _mm512_mul_ps(_mm512_set1_ps(cap), _mm512_or_ps(r, _mm512_and_ps(x, sign)))
+    }
+
     /// Tree sums of 16 vectors: lane `j` of the result is [`super::tree16`] of vector `j`.
     #[inline]
     #[target_feature(enable = "avx512f,avx512dq")]
@@ -428,12 +455,15 @@ mod avx512 {
     /// The CPU supports AVX-512F/DQ and FMA; `hd % 16 == 0`, `hd <= MAX_HD`; shapes as checked by
     /// [`super::attend_rows`].
     #[target_feature(enable = "avx512f,avx512dq,fma,f16c")]
+    #[allow(clippy::too_many_arguments)]
     pub(super) unsafe fn attend(
         q: &[f32],
         n_keys: &[usize],
+        first: Option<&[usize]>,
         hd: usize,
         view: &KvView<'_>,
         scale: f32,
+        softcap: Option<f32>,
         scratch: &mut Vec<f32>,
         out: &mut [f32],
     ) {
@@ -447,12 +477,24 @@ mod avx512 {
                 &n_keys[r0..r0 + nr],
                 &mut out[r0 * hd..(r0 + nr) * hd],
             );
+            let mut fb = [0usize; LANES];
+            if let Some(f) = first {
+                fb[..nr].copy_from_slice(&f[r0..r0 + nr]);
+            }
+            let fb = &fb[..nr];
+            let cap = softcap.unwrap_or(0.0);
             // SAFETY: forwarded; the block's rows are inside the checked shapes.
             unsafe {
                 if nr >= 6 {
-                    by_width!(hd, rows_block(qb, nb, keys, values, scale, scratch, ob));
+                    by_width!(
+                        hd,
+                        rows_block(qb, nb, fb, keys, values, scale, cap, scratch, ob)
+                    );
                 } else {
-                    by_width!(hd, keys_block(qb, nb, keys, values, scale, scratch, ob));
+                    by_width!(
+                        hd,
+                        keys_block(qb, nb, fb, keys, values, scale, cap, scratch, ob)
+                    );
                 }
             }
             r0 += nr;
@@ -472,18 +514,23 @@ mod avx512 {
     /// # Safety
     /// As for [`attend`]; `1 <= nb.len() <= 16`.
     #[target_feature(enable = "avx512f,avx512dq,fma,f16c")]
+    #[allow(clippy::too_many_arguments)]
     unsafe fn rows_block<const NC: usize>(
         q: &[f32],
         nb: &[usize],
+        fb: &[usize],
         keys: RowPtrs,
         values: RowPtrs,
         scale: f32,
+        cap: f32,
         scratch: &mut Vec<f32>,
         out: &mut [f32],
     ) {
         let hd = 16 * NC;
         let nr = nb.len();
         let nmax = nb.iter().copied().max().unwrap_or(0);
+        // Keys below every row's first key are skipped (their probabilities would be 0).
+        let jmin = fb.iter().copied().min().unwrap_or(0);
         // scratch: qt [hd][16] | kbuf [hd] | st [nmax][16]
         let base = reserve(scratch, hd * LANES + hd + nmax * LANES);
         // SAFETY (whole body): every pointer below stays inside `scratch` (sized above), `q`,
@@ -497,15 +544,17 @@ mod avx512 {
                     *qt.add(i * LANES + l) = if l < nr { q[l * hd + i] } else { 0.0 };
                 }
             }
-            let mut nv = [0i32; LANES];
-            for (l, &n) in nb.iter().enumerate() {
+            let (mut nv, mut fv) = ([0i32; LANES], [0i32; LANES]);
+            for (l, (&n, &f)) in nb.iter().zip(fb).enumerate() {
                 nv[l] = n as i32;
+                fv[l] = f as i32;
             }
             let nvec = _mm512_loadu_si512(nv.as_ptr().cast());
+            let fvec = _mm512_loadu_si512(fv.as_ptr().cast());
             let scv = _mm512_set1_ps(scale);
             let ninf = _mm512_set1_ps(f32::NEG_INFINITY);
             let mut mx = ninf;
-            for j in 0..nmax {
+            for j in jmin..nmax {
                 for c in 0..NC {
                     _mm512_storeu_ps(kbuf.add(16 * c), keys.load(j, c));
                 }
@@ -525,14 +574,15 @@ mod avx512 {
                         a[l] = _mm512_add_ps(a[l], a[l + step]);
                     }
                 }
-                let s = _mm512_mul_ps(_mm512_add_ps(a[0], a[1]), scv);
-                let live = _mm512_cmpgt_epi32_mask(nvec, _mm512_set1_epi32(j as i32));
+                let s = softcap_v(_mm512_mul_ps(_mm512_add_ps(a[0], a[1]), scv), cap);
+                let jv = _mm512_set1_epi32(j as i32);
+                let live = _mm512_cmpgt_epi32_mask(nvec, jv) & _mm512_cmple_epi32_mask(fvec, jv);
                 let s = _mm512_mask_mov_ps(ninf, live, s);
                 mx = _mm512_max_ps(mx, s);
                 _mm512_storeu_ps(st.add(j * LANES), s);
             }
             let mut part = [_mm512_setzero_ps(); 16];
-            for j in 0..nmax {
+            for j in jmin..nmax {
                 let p = exp_v(_mm512_sub_ps(_mm512_loadu_ps(st.add(j * LANES)), mx));
                 part[j % 16] = _mm512_add_ps(part[j % 16], p);
                 _mm512_storeu_ps(st.add(j * LANES), p);
@@ -551,6 +601,7 @@ mod avx512 {
                 pv(
                     values,
                     hd,
+                    jmin,
                     kmax,
                     st.add(g),
                     1,
@@ -570,12 +621,15 @@ mod avx512 {
     /// # Safety
     /// As for [`attend`]; `1 <= nb.len() <= 16`.
     #[target_feature(enable = "avx512f,avx512dq,fma,f16c")]
+    #[allow(clippy::too_many_arguments)]
     unsafe fn keys_block<const NC: usize>(
         q: &[f32],
         nb: &[usize],
+        fb: &[usize],
         keys: RowPtrs,
         values: RowPtrs,
         scale: f32,
+        cap: f32,
         scratch: &mut Vec<f32>,
         out: &mut [f32],
     ) {
@@ -595,6 +649,9 @@ mod avx512 {
             for g in (0..nr).step_by(4) {
                 let gn = (nr - g).min(4);
                 let gmax = nb[g..g + gn].iter().copied().max().unwrap_or(0);
+                // From the 16-key block holding the group's first visible key: keys j ≡ l
+                // (mod 16) still land in lane l.
+                let kb0 = fb[g..g + gn].iter().copied().min().unwrap_or(0) / 16 * 16;
                 let mut mx = [ninf; 4];
                 // The group's query rows (zero past `gn`), loaded once.
                 let qv: [[__m512; NC]; 4] = std::array::from_fn(|r| {
@@ -606,7 +663,7 @@ mod avx512 {
                         }
                     })
                 });
-                let mut kb = 0;
+                let mut kb = kb0;
                 while kb < gmax {
                     let mut acc = [[_mm512_setzero_ps(); 16]; 4];
                     for jj in 0..16.min(gmax - kb) {
@@ -621,10 +678,13 @@ mod avx512 {
                         }
                     }
                     for r in 0..gn {
-                        let s = _mm512_mul_ps(tree16_t(&acc[r]), scv);
+                        let s = softcap_v(_mm512_mul_ps(tree16_t(&acc[r]), scv), cap);
                         let live = _mm512_cmpgt_epi32_mask(
                             _mm512_set1_epi32(nb[g + r] as i32 - kb as i32),
                             lane,
+                        ) & _mm512_cmpge_epi32_mask(
+                            lane,
+                            _mm512_set1_epi32(fb[g + r] as i32 - kb as i32),
                         );
                         let s = _mm512_mask_mov_ps(ninf, live, s);
                         mx[r] = _mm512_max_ps(mx[r], s);
@@ -636,7 +696,7 @@ mod avx512 {
                     let m = _mm512_set1_ps(_mm512_reduce_max_ps(mx[r]));
                     let row = sp.add((g + r) * npad);
                     let mut part = _mm512_setzero_ps();
-                    for kb in (0..gmax).step_by(16) {
+                    for kb in (kb0..gmax).step_by(16) {
                         let p = exp_v(_mm512_sub_ps(_mm512_loadu_ps(row.add(kb)), m));
                         part = _mm512_add_ps(part, p);
                         _mm512_storeu_ps(row.add(kb), p);
@@ -646,6 +706,7 @@ mod avx512 {
                 pv(
                     values,
                     hd,
+                    kb0,
                     gmax,
                     sp.add(g * npad),
                     npad,
@@ -658,8 +719,9 @@ mod avx512 {
         }
     }
 
-    /// `out[r] = (Σ_j p(r, j) · v[j]) · (1 / sums[r])` for `nr <= 4` rows, keys `0..nk` in order,
-    /// `p(r, j) = *p.add(r * rs + j * ks)` (0 where row `r` has fewer keys).
+    /// `out[r] = (Σ_j p(r, j) · v[j]) · (1 / sums[r])` for `nr <= 4` rows, keys `j0..nk` in order,
+    /// `p(r, j) = *p.add(r * rs + j * ks)` (0 where row `r` does not see key `j`; keys below
+    /// `j0` have p = 0 for every row, and skipping a `fma(0, v, o)` leaves `o` unchanged).
     ///
     /// # Safety
     /// `p` covers all `(r, j)` used; `out` has `nr` rows of `hd`; rows `0..nk` exist in `values`.
@@ -669,6 +731,7 @@ mod avx512 {
     unsafe fn pv(
         values: RowPtrs,
         hd: usize,
+        j0: usize,
         nk: usize,
         p: *const f32,
         rs: usize,
@@ -682,7 +745,7 @@ mod avx512 {
             for c0 in (0..hd / 16).step_by(4) {
                 let cn = (hd / 16 - c0).min(4);
                 let mut acc = [[_mm512_setzero_ps(); 4]; 4];
-                for j in 0..nk {
+                for j in j0..nk {
                     let mut v = [_mm512_setzero_ps(); 4];
                     for (c, vc) in v.iter_mut().enumerate().take(cn) {
                         *vc = values.load(j, c0 + c);
@@ -824,6 +887,88 @@ mod tests {
                         / z;
                     let got = f64::from(out[r * hd + i]);
                     assert!((got - want).abs() < 2e-5, "row {r} i {i}: {got} vs {want}");
+                }
+            }
+        }
+    }
+
+    /// Windows and soft-capping: every path gives the same bits, each row's result does not
+    /// depend on its block, and the result is softmax attention over the row's window of
+    /// capped scores (f64 reference).
+    #[test]
+    fn windows_and_softcap_are_exact_and_batch_invariant() {
+        for (hd, n) in [(64usize, 70usize), (256, 45), (48, 40)] {
+            for dtype in [KvDtype::F16, KvDtype::F32] {
+                let (_pool, kv) = ring(hd, n, dtype);
+                let view = kv.view(0, 0).unwrap();
+                let (keys, values) = (Rows::new(&view.keys), Rows::new(&view.values));
+                let len = view.len;
+                let rows = 37;
+                let q = queries(rows, hd, 3 * hd + n);
+                let nk: Vec<usize> = (0..rows).map(|r| 1 + (r * 7 + r / 3) % len).collect();
+                for (window, cap) in [
+                    (Some(5usize), None),
+                    (None, Some(2.5f32)),
+                    (Some(17), Some(4.0)),
+                ] {
+                    let first: Vec<usize> = nk
+                        .iter()
+                        .map(|&k| window.map_or(0, |w| k.saturating_sub(w)))
+                        .collect();
+                    let fo = window.is_some().then_some(&first[..]);
+                    let mut s = Vec::new();
+                    let mut all = vec![0.0; rows * hd];
+                    attend_rows_ext(&q, &nk, fo, hd, &view, 0.3, cap, &mut s, &mut all);
+                    let mut port = vec![0.0; rows * hd];
+                    portable(&q, &nk, fo, hd, &view, 0.3, cap, &mut s, &mut port);
+                    let what = format!("hd {hd} {dtype:?} window {window:?} cap {cap:?}");
+                    assert_eq!(bits(&all), bits(&port), "{what}: fast vs portable");
+                    for chunk in [1usize, 4, 16] {
+                        let mut got = vec![0.0; rows * hd];
+                        for r0 in (0..rows).step_by(chunk) {
+                            let r1 = (r0 + chunk).min(rows);
+                            attend_rows_ext(
+                                &q[r0 * hd..r1 * hd],
+                                &nk[r0..r1],
+                                fo.map(|f| &f[r0..r1]),
+                                hd,
+                                &view,
+                                0.3,
+                                cap,
+                                &mut s,
+                                &mut got[r0 * hd..r1 * hd],
+                            );
+                        }
+                        assert_eq!(bits(&all), bits(&got), "{what}: chunk {chunk}");
+                    }
+                    for r in 0..rows {
+                        let (f, k) = (first[r], nk[r]);
+                        let sc: Vec<f64> = (f..k)
+                            .map(|j| {
+                                let x = (0..hd)
+                                    .map(|i| {
+                                        f64::from(q[r * hd + i]) * f64::from(keys.get(j, hd, i))
+                                    })
+                                    .sum::<f64>()
+                                    * 0.3;
+                                cap.map_or(x, |c| f64::from(c) * (x / f64::from(c)).tanh())
+                            })
+                            .collect();
+                        let m = sc.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                        let e: Vec<f64> = sc.iter().map(|x| (x - m).exp()).collect();
+                        let z: f64 = e.iter().sum();
+                        for i in 0..hd {
+                            let want: f64 = (f..k)
+                                .map(|j| e[j - f] * f64::from(values.get(j, hd, i)))
+                                .sum::<f64>()
+                                / z;
+                            let got = f64::from(all[r * hd + i]);
+                            assert!(
+                                (got - want).abs() < 3e-5,
+                                "{what} row {r} i {i}: {got} vs {want}"
+                            );
+                        }
+                    }
                 }
             }
         }

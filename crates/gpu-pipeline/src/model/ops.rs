@@ -213,6 +213,32 @@ mod tests {
     }
 
     #[test]
+    fn gelu_tanh_and_softcap_match_formulas() {
+        let g: Vec<f32> = (-300..=300).map(|i| i as f32 * 0.05).collect();
+        let up: Vec<f32> = (0..g.len()).map(|i| 0.5 + i as f32 * 0.01).collect();
+        let mut out = g.clone();
+        gelu_tanh_mul_rows(&mut out, &up);
+        let mut capped = g.clone();
+        softcap_rows(&mut capped, 3.0);
+        for (i, (&x, &u)) in g.iter().zip(&up).enumerate() {
+            let x64 = f64::from(x);
+            let c = (2.0 / std::f64::consts::PI).sqrt();
+            let want =
+                0.5 * x64 * (1.0 + (c * (x64 + 0.044715 * x64.powi(3))).tanh()) * f64::from(u);
+            assert!(
+                (f64::from(out[i]) - want).abs() <= 2e-6 * want.abs().max(1.0),
+                "{x}"
+            );
+            let want = 3.0 * (x64 / 3.0).tanh();
+            assert!(
+                (f64::from(capped[i]) - want).abs() <= 1e-6,
+                "{x}: {} vs {want}",
+                capped[i]
+            );
+        }
+    }
+
+    #[test]
     fn split_q8_block_max_ignores_nan_like_a_float_fold() {
         let mut x = vec![0.5f32; 32];
         x[3] = -2.0;
