@@ -356,8 +356,8 @@ impl ModelConfig {
             "gemma3" => (opt("attention.sliding_window")?, 6),
             // llama.cpp ignores Phi-3's window (converter bug, llama.cpp PR 13676); Qwen2 files
             // carry none. A Llama/Mistral file that sets one gets it on every layer.
-            "llama" | "mistral" => (opt("attention.sliding_window")?, 1),
-            _ => (None, 1),
+            "llama" | "mistral" => (opt("attention.sliding_window")?, 0),
+            _ => (None, 0),
         };
         let window = match g.get_u32("zerolayer.attention.sliding_window") {
             Some(0) => None,
@@ -378,9 +378,9 @@ impl ModelConfig {
                     let n = g
                         .get_u32(&key("attention.sliding_window_pattern"))
                         .map_or(default_pattern, |p| p as usize);
-                    // llama.cpp's set_swa_pattern: layer il slides unless il % n == n - 1;
-                    // n == 0 or 1 means every layer slides.
-                    (0..n_layers).map(|il| n <= 1 || il % n < n - 1).collect()
+                    // llama.cpp's set_swa_pattern: layer il slides when il % n < n - 1 (the
+                    // last of every n is global); n == 0: every layer slides.
+                    (0..n_layers).map(|il| n == 0 || il % n < n - 1).collect()
                 }
             },
         };

@@ -1,0 +1,266 @@
+//! Random-weight GGUF images of every supported architecture, written in memory with
+//! `weight_cache::GgufBuilder` (llama.cpp's tensor names and metadata keys; Q8_0 matrices),
+//! for the family bench (`benches/families.rs`) and the loader's error tests
+//! (`tests/model_families.rs`). Not reference models: the llama.cpp-checked ones are written by
+//! `scripts/make_arch_models.py`.
+
+#![allow(dead_code)]
+
+use weight_cache::{GgmlType, GgufBuilder};
+
+/// Shape of a synthetic model.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Dims {
+    pub(crate) n_embd: usize,
+    pub(crate) n_ff: usize,
+    pub(crate) n_layers: usize,
+    pub(crate) n_heads: usize,
+    pub(crate) n_kv_heads: usize,
+    pub(crate) head_dim: usize,
+    pub(crate) vocab: usize,
+    pub(crate) ctx: usize,
+}
+
+/// Every architecture `build` writes.
+pub(crate) const ARCHES: &[&str] = &[
+    "llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "smollm3",
+];
+
+/// A small deterministic generator (xorshift).
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+    /// Uniform in [-1, 1).
+    fn unit(&mut self) -> f32 {
+        (self.next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+    }
+}
+
+/// `rows x cols` random Q8_0 matrix with values about `scale`.
+fn q8_0(rng: &mut Rng, rows: usize, cols: usize, scale: f32) -> Vec<u8> {
+    assert!(cols % 32 == 0);
+    let mut out = Vec::with_capacity(rows * cols / 32 * 34);
+    for _ in 0..rows * cols / 32 {
+        let d = half::f16::from_f32(scale / 127.0);
+        out.extend_from_slice(&d.to_le_bytes());
+        for _ in 0..32 {
+            out.push((rng.next() % 255) as u8 ^ 0x80);
+        }
+    }
+    out
+}
+
+fn f32s(v: &[f32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+fn around_one(rng: &mut Rng, n: usize) -> Vec<u8> {
+    f32s(&(0..n).map(|_| 1.0 + 0.1 * rng.unit()).collect::<Vec<_>>())
+}
+
+/// A metadata value (for [`build_with`]'s overrides).
+#[derive(Clone, Debug)]
+pub(crate) enum Meta {
+    U32(u32),
+    F32(f32),
+    Str(String),
+}
+
+/// The architecture's synthetic model.
+pub(crate) fn build(arch: &str, d: Dims, seed: u64) -> GgufBuilder {
+    build_with(arch, d, seed, &[], &[])
+}
+
+/// [`build`] without the tensors named in `skip`.
+pub(crate) fn build_without(arch: &str, d: Dims, seed: u64, skip: &[&str]) -> GgufBuilder {
+    build_with(arch, d, seed, skip, &[])
+}
+
+/// [`build`] without the tensors in `skip`, with the metadata in `set` added or replaced.
+pub(crate) fn build_with(
+    arch: &str,
+    d: Dims,
+    seed: u64,
+    skip: &[&str],
+    set: &[(&str, Meta)],
+) -> GgufBuilder {
+    let mut rng = Rng(0x9E37_79B9_7F4A_7C15 ^ seed);
+    let k = |s: &str| format!("{arch}.{s}");
+    let mut meta: Vec<(String, Meta)> = vec![
+        ("general.architecture".into(), Meta::Str(arch.into())),
+        (
+            "general.name".into(),
+            Meta::Str(format!("synthetic-{arch}")),
+        ),
+        (k("block_count"), Meta::U32(d.n_layers as u32)),
+        (k("embedding_length"), Meta::U32(d.n_embd as u32)),
+        (k("feed_forward_length"), Meta::U32(d.n_ff as u32)),
+        (k("attention.head_count"), Meta::U32(d.n_heads as u32)),
+        (k("attention.head_count_kv"), Meta::U32(d.n_kv_heads as u32)),
+        (k("attention.key_length"), Meta::U32(d.head_dim as u32)),
+        (k("attention.value_length"), Meta::U32(d.head_dim as u32)),
+        (k("context_length"), Meta::U32(d.ctx as u32)),
+        (k("attention.layer_norm_rms_epsilon"), Meta::F32(1e-6)),
+        (k("rope.freq_base"), Meta::F32(10_000.0)),
+    ];
+    match arch {
+        "gemma2" => meta.extend([
+            (k("attention.sliding_window"), Meta::U32(64)),
+            (k("attn_logit_softcapping"), Meta::F32(50.0)),
+            (k("final_logit_softcapping"), Meta::F32(30.0)),
+        ]),
+        "gemma3" => meta.extend([
+            (k("attention.sliding_window"), Meta::U32(64)),
+            (k("rope.freq_base_swa"), Meta::F32(10_000.0)),
+            (k("rope.freq_base"), Meta::F32(1_000_000.0)),
+        ]),
+        "phi3" => meta.extend([
+            (
+                k("rope.scaling.original_context_length"),
+                Meta::U32((d.ctx / 4) as u32),
+            ),
+            (k("rope.scaling.attn_factor"), Meta::F32(1.19)),
+        ]),
+        _ => {}
+    }
+    for (key, v) in set {
+        meta.push((key.to_string(), v.clone()));
+    }
+    let mut b = GgufBuilder::new();
+    for (i, (key, v)) in meta.iter().enumerate() {
+        if meta[i + 1..].iter().any(|(k2, _)| k2 == key) {
+            continue; // a later entry replaces it
+        }
+        b = match v {
+            Meta::U32(x) => b.kv_u32(key, *x),
+            Meta::F32(x) => b.kv_f32(key, *x),
+            Meta::Str(x) => b.kv_str(key, x),
+        };
+    }
+    let (de, hd) = (d.n_embd as u64, d.head_dim as u64);
+    let (qd, kvd, ff) = (
+        d.n_heads as u64 * hd,
+        d.n_kv_heads as u64 * hd,
+        d.n_ff as u64,
+    );
+    let t = |b: GgufBuilder, name: String, dtype: GgmlType, shape: &[u64], data: Vec<u8>| {
+        if skip.contains(&name.as_str()) {
+            b
+        } else {
+            b.tensor(&name, dtype, shape, data)
+        }
+    };
+    let emb = q8_0(&mut rng, d.vocab, d.n_embd, 1.0);
+    b = t(
+        b,
+        "token_embd.weight".into(),
+        GgmlType::Q8_0,
+        &[de, d.vocab as u64],
+        emb,
+    );
+    let on = around_one(&mut rng, d.n_embd);
+    b = t(b, "output_norm.weight".into(), GgmlType::F32, &[de], on);
+    if arch != "gemma2" && arch != "qwen2" {
+        let out = q8_0(&mut rng, d.vocab, d.n_embd, 0.5);
+        b = t(
+            b,
+            "output.weight".into(),
+            GgmlType::Q8_0,
+            &[de, d.vocab as u64],
+            out,
+        );
+    }
+    if arch == "phi3" {
+        let half = hd / 2;
+        let s: Vec<f32> = (0..half).map(|i| 1.0 + i as f32 * 0.01).collect();
+        let l: Vec<f32> = (0..half).map(|i| 1.0 + i as f32 * 0.3).collect();
+        b = t(
+            b,
+            "rope_factors_short.weight".into(),
+            GgmlType::F32,
+            &[half],
+            f32s(&s),
+        );
+        b = t(
+            b,
+            "rope_factors_long.weight".into(),
+            GgmlType::F32,
+            &[half],
+            f32s(&l),
+        );
+    }
+    let ws = 1.0 / (d.n_embd as f32).sqrt() * 2.0;
+    for l in 0..d.n_layers {
+        let n = |s: &str| format!("blk.{l}.{s}");
+        let an = around_one(&mut rng, d.n_embd);
+        b = t(b, n("attn_norm.weight"), GgmlType::F32, &[de], an);
+        if arch == "phi3" {
+            let w = q8_0(&mut rng, (qd + 2 * kvd) as usize, d.n_embd, ws);
+            b = t(
+                b,
+                n("attn_qkv.weight"),
+                GgmlType::Q8_0,
+                &[de, qd + 2 * kvd],
+                w,
+            );
+        } else {
+            for (name, rows) in [
+                ("attn_q.weight", qd),
+                ("attn_k.weight", kvd),
+                ("attn_v.weight", kvd),
+            ] {
+                let w = q8_0(&mut rng, rows as usize, d.n_embd, ws);
+                b = t(b, n(name), GgmlType::Q8_0, &[de, rows], w);
+            }
+        }
+        if arch == "qwen2" {
+            for (name, len) in [
+                ("attn_q.bias", qd),
+                ("attn_k.bias", kvd),
+                ("attn_v.bias", kvd),
+            ] {
+                let v: Vec<f32> = (0..len).map(|_| 0.1 * rng.unit()).collect();
+                b = t(b, n(name), GgmlType::F32, &[len], f32s(&v));
+            }
+        }
+        if arch == "qwen3" || arch == "gemma3" {
+            for name in ["attn_q_norm.weight", "attn_k_norm.weight"] {
+                let v = around_one(&mut rng, d.head_dim);
+                b = t(b, n(name), GgmlType::F32, &[hd], v);
+            }
+        }
+        let wo = q8_0(&mut rng, d.n_embd, qd as usize, ws);
+        b = t(b, n("attn_output.weight"), GgmlType::Q8_0, &[qd, de], wo);
+        let fnorm = around_one(&mut rng, d.n_embd);
+        b = t(b, n("ffn_norm.weight"), GgmlType::F32, &[de], fnorm);
+        if arch == "gemma2" || arch == "gemma3" {
+            for name in ["post_attention_norm.weight", "post_ffw_norm.weight"] {
+                let v = around_one(&mut rng, d.n_embd);
+                b = t(b, n(name), GgmlType::F32, &[de], v);
+            }
+        }
+        if arch == "phi3" {
+            let w = q8_0(&mut rng, 2 * d.n_ff, d.n_embd, ws);
+            b = t(b, n("ffn_up.weight"), GgmlType::Q8_0, &[de, 2 * ff], w);
+        } else {
+            for name in ["ffn_gate.weight", "ffn_up.weight"] {
+                let w = q8_0(&mut rng, d.n_ff, d.n_embd, ws);
+                b = t(b, n(name), GgmlType::Q8_0, &[de, ff], w);
+            }
+        }
+        let w = q8_0(
+            &mut rng,
+            d.n_embd,
+            d.n_ff,
+            1.0 / (d.n_ff as f32).sqrt() * 2.0,
+        );
+        b = t(b, n("ffn_down.weight"), GgmlType::Q8_0, &[ff, de], w);
+    }
+    b
+}

@@ -1,0 +1,210 @@
+//! The loader and graph features of every supported family on synthetic random-weight models
+//! (`benches/support/synthetic.rs`): each loads and runs with chunking-independent results,
+//! the features do what they claim (sliding windows cut the receptive field, soft-caps bound
+//! the logits), and files that contradict themselves fail at load with the key or tensor named.
+//! Agreement with llama.cpp is `tests/arch_models.rs`'s job.
+
+#[path = "../benches/support/synthetic.rs"]
+mod synthetic;
+
+use std::sync::Arc;
+
+use gpu_pipeline::{LayerRope, LogitsWanted, Model, ModelError, ModelOptions, SeqStep};
+use kv_ring::{KvDtype, KvPool, RingMode};
+use synthetic::{ARCHES, Dims, Meta, build, build_with, build_without};
+use weight_cache::Gguf;
+
+const DIMS: Dims = Dims {
+    n_embd: 128,
+    n_ff: 256,
+    n_layers: 6,
+    n_heads: 4,
+    n_kv_heads: 2,
+    head_dim: 32,
+    vocab: 96,
+    ctx: 512,
+};
+
+fn load(bytes: Vec<u8>) -> Result<Model, ModelError> {
+    let g = Gguf::from_bytes(bytes).expect("valid GGUF image");
+    Model::load(Arc::new(g), ModelOptions::default().with_threads(2))
+}
+
+/// Teacher-forced logits of `tokens`, fed in chunks of `chunk`.
+fn logits(model: &Model, tokens: &[u32], chunk: usize) -> Vec<f32> {
+    let pool = KvPool::new(model.kv_shape(KvDtype::F32), 64 << 20).unwrap();
+    let mut kv = pool.alloc(tokens.len(), RingMode::Strict).unwrap();
+    let mut all = Vec::new();
+    let mut out = Vec::new();
+    for c in tokens.chunks(chunk) {
+        model
+            .forward(
+                &mut [SeqStep {
+                    tokens: c,
+                    kv: &mut kv,
+                    logits: LogitsWanted::All,
+                }],
+                &mut out,
+            )
+            .unwrap();
+        all.extend_from_slice(&out);
+    }
+    all
+}
+
+fn tokens(n: usize, seed: u32) -> Vec<u32> {
+    (0..n as u32)
+        .map(|i| (i.wrapping_mul(2_654_435_761).wrapping_add(seed) >> 7) % DIMS.vocab as u32)
+        .collect()
+}
+
+#[test]
+fn every_family_loads_runs_and_is_chunking_invariant() {
+    for arch in ARCHES {
+        let model = load(build(arch, DIMS, 1).build()).unwrap_or_else(|e| panic!("{arch}: {e}"));
+        let t = tokens(150, 3);
+        let whole = logits(&model, &t, t.len());
+        assert!(
+            whole.iter().all(|v| v.is_finite()),
+            "{arch}: non-finite logits"
+        );
+        for chunk in [1usize, 7, 64] {
+            let got = logits(&model, &t, chunk);
+            assert!(
+                whole
+                    .iter()
+                    .zip(&got)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{arch}: chunks of {chunk} differ from one step"
+            );
+        }
+    }
+}
+
+#[test]
+fn family_configs_follow_llama_cpp() {
+    let cfg = |arch: &str| load(build(arch, DIMS, 1).build()).unwrap().config().clone();
+    let g2 = cfg("gemma2");
+    // Gemma 2: every other layer slides (pattern 2), soft-caps 50 / 30, embedding * sqrt(d).
+    let w: Vec<_> = g2.layers.iter().map(|l| l.window).collect();
+    assert_eq!(w, [Some(64), None, Some(64), None, Some(64), None]);
+    assert_eq!(
+        (g2.attn_softcap, g2.final_softcap),
+        (Some(50.0), Some(30.0))
+    );
+    assert_eq!(g2.embedding_scale, (128f32).sqrt());
+    assert!(g2.post_norms && !g2.qk_norm);
+    // Gemma 3: 5 local : 1 global, local layers on their own RoPE base.
+    let g3 = cfg("gemma3");
+    let r: Vec<_> = g3.layers.iter().map(|l| l.rope).collect();
+    assert_eq!(r[..5], [LayerRope::Local; 5]);
+    assert_eq!(r[5], LayerRope::Global);
+    assert_eq!(g3.layers[5].window, None);
+    assert_eq!(g3.rope_local.as_ref().map(|r| r.theta), Some(10_000.0));
+    assert_eq!(g3.rope.theta, 1_000_000.0);
+    assert!(g3.qk_norm && g3.post_norms && g3.attn_softcap.is_none());
+    // SmolLM3: every fourth layer without RoPE.
+    let s3 = cfg("smollm3");
+    let r: Vec<_> = s3.layers.iter().map(|l| l.rope).collect();
+    assert_eq!(r[3], LayerRope::Off);
+    assert_eq!(r.iter().filter(|&&r| r == LayerRope::Off).count(), 1);
+    // Phi-3: LongRoPE factors and attention factor.
+    let p3 = cfg("phi3");
+    assert!(p3.rope.long_freq_factors.is_some() && p3.rope.freq_factors.is_some());
+    assert_eq!((p3.rope.original_context, p3.rope.attn_factor), (128, 1.19));
+}
+
+#[test]
+fn sliding_windows_cut_the_receptive_field() {
+    // All 6 layers slide over 8 keys: position p sees tokens >= p - 6 * 7 only.
+    let set = [
+        ("gemma2.attention.sliding_window", Meta::U32(8)),
+        ("gemma2.attention.sliding_window_pattern", Meta::U32(0)),
+    ];
+    let img = build_with("gemma2", DIMS, 2, &[], &set).build();
+    let model = load(img).unwrap();
+    assert!(model.config().layers.iter().all(|l| l.window == Some(8)));
+    let a = tokens(60, 5);
+    let mut b = a.clone();
+    b[0] = (b[0] + 1) % DIMS.vocab as u32;
+    let (la, lb) = (logits(&model, &a, 9), logits(&model, &b, 9));
+    let v = DIMS.vocab;
+    let row = |l: &[f32], p: usize| l[p * v..(p + 1) * v].to_vec();
+    assert_ne!(
+        row(&la, 42),
+        row(&lb, 42),
+        "token 0 is inside position 42's field"
+    );
+    for p in 43..60 {
+        assert_eq!(row(&la, p), row(&lb, p), "position {p} saw token 0");
+    }
+}
+
+#[test]
+fn final_softcap_bounds_the_logits() {
+    let model = load(
+        build_with(
+            "gemma2",
+            DIMS,
+            3,
+            &[],
+            &[("gemma2.final_logit_softcapping", Meta::F32(2.0))],
+        )
+        .build(),
+    )
+    .unwrap();
+    let l = logits(&model, &tokens(20, 1), 20);
+    assert!(l.iter().all(|v| v.abs() <= 2.0), "a logit beyond the cap");
+    assert!(
+        l.iter().any(|v| v.abs() > 1.5),
+        "the cap is not reached: weak test"
+    );
+}
+
+#[test]
+fn contradictions_fail_at_load_naming_the_culprit() {
+    let err = |b: weight_cache::GgufBuilder| load(b.build()).err().map(|e| e.to_string());
+    let with = |arch: &str, key: &str, v: Meta| build_with(arch, DIMS, 1, &[], &[(key, v)]);
+    let unknown = with("llama", "general.architecture", Meta::Str("mamba".into()));
+    assert!(err(unknown).unwrap().contains("\"mamba\""));
+    for (arch, missing, named) in [
+        (
+            "gemma2",
+            "blk.2.post_ffw_norm.weight",
+            "blk.2.post_ffw_norm.weight",
+        ),
+        (
+            "gemma3",
+            "blk.0.attn_k_norm.weight",
+            "blk.0.attn_k_norm.weight",
+        ),
+        (
+            "qwen3",
+            "blk.5.attn_q_norm.weight",
+            "blk.5.attn_q_norm.weight",
+        ),
+        ("llama", "blk.1.ffn_down.weight", "blk.1.ffn_down.weight"),
+        // Without the fused tensor the loader looks for separate Q/K/V.
+        ("phi3", "blk.0.attn_qkv.weight", "blk.0.attn_q.weight"),
+    ] {
+        let e = err(build_without(arch, DIMS, 1, &[missing])).unwrap();
+        assert!(e.contains(&format!("{named:?}")), "{arch}: {e}");
+    }
+    // Metadata saying a wider MLP than the tensors have.
+    let e = err(with("qwen2", "qwen2.feed_forward_length", Meta::U32(512))).unwrap();
+    assert!(e.contains("ffn_gate") && e.contains("512"), "{e}");
+    let e = err(with(
+        "gemma3",
+        "gemma3.attention.head_count_kv",
+        Meta::U32(3),
+    ))
+    .unwrap();
+    assert!(e.contains("head_count_kv"), "{e}");
+    let e = err(with(
+        "llama",
+        "llama.rope.scaling.type",
+        Meta::Str("yarn".into()),
+    ))
+    .unwrap();
+    assert!(e.contains("yarn"), "{e}");
+}
