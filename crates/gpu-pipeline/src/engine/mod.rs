@@ -193,7 +193,8 @@ pub struct GenerationRequest {
     pub max_new_tokens: usize,
     /// Sampling.
     pub sampling: SamplingParams,
-    /// Tokens that end the generation (not emitted); `None` means the model's EOS/EOT.
+    /// Tokens that end the generation (not emitted); `None` means the model's EOS/EOT plus the
+    /// engine tokenizer's end-of-generation tokens (`Tokenizer::eog_ids`).
     pub stop_tokens: Option<Vec<u32>>,
     /// Strings that end the generation (need the engine's tokenizer); the text stops before.
     pub stop_sequences: Vec<String>,
@@ -995,11 +996,17 @@ impl Worker {
                 .skip_special_tokens(true)
                 .with_stop_sequences(p.req.stop_sequences.iter().cloned())
         });
-        let stop_tokens = p
-            .req
-            .stop_tokens
-            .clone()
-            .unwrap_or_else(|| self.model.stop_tokens());
+        // Default: the model's EOS/EOT and every end-of-generation token the tokenizer knows
+        // (Gemma's `<end_of_turn>`, ChatML's `<|im_end|>`, ... as llama.cpp stops on them).
+        let stop_tokens = p.req.stop_tokens.clone().unwrap_or_else(|| {
+            let mut v = self.model.stop_tokens();
+            if let Some(t) = tok {
+                v.extend_from_slice(t.eog_ids());
+            }
+            v.sort_unstable();
+            v.dedup();
+            v
+        });
         let mut history = Vec::with_capacity(p.req.prompt.len() + p.req.max_new_tokens);
         history.extend_from_slice(&p.req.prompt);
         Ok(Active {
