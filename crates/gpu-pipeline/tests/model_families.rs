@@ -208,3 +208,97 @@ fn contradictions_fail_at_load_naming_the_culprit() {
     .unwrap();
     assert!(e.contains("yarn"), "{e}");
 }
+
+mod fuzz {
+    //! Loading never panics on metadata or bytes a file may hold, and what loads runs.
+
+    use super::*;
+    use proptest::prelude::*;
+
+    const SMALL: Dims = Dims {
+        n_embd: 64,
+        n_ff: 128,
+        n_layers: 2,
+        n_heads: 2,
+        n_kv_heads: 1,
+        head_dim: 32,
+        vocab: 40,
+        ctx: 64,
+    };
+
+    const KEYS: &[&str] = &[
+        "block_count",
+        "embedding_length",
+        "feed_forward_length",
+        "attention.head_count",
+        "attention.head_count_kv",
+        "attention.key_length",
+        "attention.value_length",
+        "context_length",
+        "rope.dimension_count",
+        "attention.sliding_window",
+        "attention.sliding_window_pattern",
+        "rope.scaling.original_context_length",
+    ];
+    const FLOAT_KEYS: &[&str] = &[
+        "attention.layer_norm_rms_epsilon",
+        "rope.freq_base",
+        "rope.freq_base_swa",
+        "attn_logit_softcapping",
+        "final_logit_softcapping",
+        "attention.scale",
+        "rope.scaling.factor",
+        "rope.scaling.attn_factor",
+    ];
+
+    fn run(bytes: Vec<u8>) {
+        let Ok(g) = Gguf::from_bytes(bytes) else {
+            return;
+        };
+        let Ok(model) = Model::load(Arc::new(g), ModelOptions::default().with_threads(1)) else {
+            return;
+        };
+        let pool = KvPool::new(model.kv_shape(KvDtype::F32), 16 << 20).unwrap();
+        let mut kv = pool.alloc(8, RingMode::Strict).unwrap();
+        let mut out = Vec::new();
+        let t = [0u32, 1, 2];
+        model
+            .forward(
+                &mut [SeqStep {
+                    tokens: &t,
+                    kv: &mut kv,
+                    logits: LogitsWanted::All,
+                }],
+                &mut out,
+            )
+            .expect("a model that loads runs");
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(256))]
+
+        #[test]
+        fn any_integer_metadata(arch in 0..ARCHES.len(), key in 0..KEYS.len(), v in prop_oneof![0u32..4, 0u32..300, any::<u32>()]) {
+            let arch = ARCHES[arch];
+            let set = [(format!("{arch}.{}", KEYS[key]), Meta::U32(v))];
+            let set: Vec<(&str, Meta)> = set.iter().map(|(k, v)| (k.as_str(), v.clone())).collect();
+            run(build_with(arch, SMALL, 1, &[], &set).build());
+        }
+
+        #[test]
+        fn any_float_metadata(arch in 0..ARCHES.len(), key in 0..FLOAT_KEYS.len(), v in prop_oneof![Just(0.0f32), Just(-1.0), Just(f32::NAN), Just(f32::INFINITY), -10.0f32..1e7]) {
+            let arch = ARCHES[arch];
+            let set = [(format!("{arch}.{}", FLOAT_KEYS[key]), Meta::F32(v))];
+            let set: Vec<(&str, Meta)> = set.iter().map(|(k, v)| (k.as_str(), v.clone())).collect();
+            run(build_with(arch, SMALL, 1, &[], &set).build());
+        }
+
+        #[test]
+        fn any_corrupted_header_byte(arch in 0..ARCHES.len(), at in 0usize..4096, v in any::<u8>()) {
+            let mut bytes = build(ARCHES[arch], SMALL, 1).build();
+            let i = at % bytes.len().min(4096);
+            bytes[i] = v;
+            run(bytes);
+        }
+    }
+}

@@ -214,6 +214,12 @@ impl ModelConfig {
             }
         };
         let n_layers = req("block_count")?;
+        // Before anything is sized by it: the last block must exist (a corrupt count could
+        // otherwise ask for gigabytes of per-layer tables).
+        let last = format!("blk.{}.attn_norm.weight", n_layers - 1);
+        if g.tensor(&last).is_none() {
+            return Err(ModelError::MissingTensor { name: last });
+        }
         let n_embd = req("embedding_length")?;
         let n_heads = req("attention.head_count")?;
         let n_kv_heads = opt("attention.head_count_kv")?.unwrap_or(n_heads);
@@ -443,7 +449,7 @@ impl ModelConfig {
         };
         let cap = |k: &str, default: Option<f32>| -> Result<Option<f32>, ModelError> {
             match g.get_f32(&key(k)).or(default) {
-                Some(c) if c == 0.0 => Ok(None),
+                Some(0.0) => Ok(None),
                 Some(c) => positive(key(k), c).map(Some),
                 None => Ok(None),
             }

@@ -255,9 +255,9 @@ struct Lin {
 
 impl Lin {
     /// Rows `r` of this matrix (one part of a fused tensor such as `attn_qkv`).
-    fn slice_rows(&self, r: Range<usize>) -> Lin {
+    fn slice_rows(&self, r: Range<usize>) -> Self {
         let rb = self.bytes.len() / self.rows.max(1);
-        Lin {
+        Self {
             rows: r.len(),
             bytes: self.bytes.start + r.start * rb..self.bytes.start + r.end * rb,
             ..self.clone()

@@ -92,16 +92,16 @@ pub trait WeightSource: Send + Sync + Debug {
 
 impl WeightSource for Gguf {
     fn get_str(&self, key: &str) -> Option<&str> {
-        Gguf::get_str(self, key)
+        Self::get_str(self, key)
     }
     fn get_u32(&self, key: &str) -> Option<u32> {
-        Gguf::get_u32(self, key)
+        Self::get_u32(self, key)
     }
     fn get_f32(&self, key: &str) -> Option<f32> {
-        Gguf::get_f32(self, key)
+        Self::get_f32(self, key)
     }
     fn get_bool(&self, key: &str) -> Option<bool> {
-        Gguf::get_bool(self, key)
+        Self::get_bool(self, key)
     }
     fn get_bool_array(&self, key: &str) -> Option<Vec<bool>> {
         let a = self.get_array(key)?;
@@ -113,10 +113,10 @@ impl WeightSource for Gguf {
             .collect()
     }
     fn get_f32_array(&self, key: &str) -> Option<Vec<f32>> {
-        Gguf::get_f32_array(self, key)
+        Self::get_f32_array(self, key)
     }
     fn tensor(&self, name: &str) -> Option<SourceTensor<'_>> {
-        let t = Gguf::tensor(self, name)?;
+        let t = Self::tensor(self, name)?;
         Some(SourceTensor {
             dtype: t.dtype,
             shape: t.shape.to_vec(),
@@ -129,7 +129,7 @@ impl WeightSource for Gguf {
         self.bytes()
     }
     fn model_name(&self) -> Option<String> {
-        if let Some(n) = Gguf::get_str(self, "general.name").filter(|n| !n.trim().is_empty()) {
+        if let Some(n) = Self::get_str(self, "general.name").filter(|n| !n.trim().is_empty()) {
             return Some(n.trim().to_string());
         }
         let p = self.path()?;
