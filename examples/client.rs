@@ -4,6 +4,8 @@
 //! cargo run --release --example server            # prints the certificate fingerprint
 //! cargo run --release --example client -- --fingerprint AB:CD:... "Why is the sky blue?"
 //! ```
+//!
+//! Without `--model` it asks the server's HTTP port (`--http`) which model it serves.
 
 use std::io::Write as _;
 use std::net::SocketAddr;
@@ -11,6 +13,9 @@ use std::path::PathBuf;
 
 use anyhow::Context as _;
 use clap::Parser;
+
+#[path = "common/served_model.rs"]
+mod served_model;
 use zerolayer::claudelink_proto::futures::StreamExt as _;
 use zerolayer::claudelink_proto::{
     CertFingerprint, ChatMessage, ChatRole, Client, ClientConfig, InferenceEvent, InferenceRequest,
@@ -35,9 +40,13 @@ struct Args {
     /// TLS server name.
     #[arg(long, default_value = "localhost")]
     server_name: String,
-    /// Model id (the server refuses models it does not serve with `not_found`).
-    #[arg(long, default_value = "smollm2")]
-    model: String,
+    /// Model id (the server refuses models it does not serve with `not_found`; default: the one
+    /// the server's `GET /v1/models` on `--http` lists).
+    #[arg(long)]
+    model: Option<String>,
+    /// The server's HTTP (TCP) address, asked for the served model when `--model` is not given.
+    #[arg(long, default_value = "127.0.0.1:8080")]
+    http: SocketAddr,
     /// System prompt.
     #[arg(long)]
     system: Option<String>,
@@ -64,6 +73,10 @@ async fn main() -> anyhow::Result<()> {
     if let Some(key) = &args.api_key {
         config = config.api_key(key.as_str());
     }
+    let model = match args.model {
+        Some(m) => m,
+        None => served_model::served_model(args.http, args.api_key.as_deref()).await?,
+    };
     let client = Client::new(config)?;
     let conn = client
         .connect(args.server)
@@ -81,7 +94,7 @@ async fn main() -> anyhow::Result<()> {
         role: ChatRole::User,
         content: args.prompt,
     });
-    let mut request = InferenceRequest::new(args.model, Prompt::Chat(turns), args.max_tokens);
+    let mut request = InferenceRequest::new(model, Prompt::Chat(turns), args.max_tokens);
     let mut sampling = SamplingParams::default();
     sampling.temperature = args.temperature;
     request.sampling = sampling;

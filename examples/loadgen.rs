@@ -9,6 +9,9 @@
 //!   --concurrency 100 --duration 30 --prompt-file q.txt --max-tokens 32 --records r.jsonl
 //! ```
 //!
+//! Without `--model`, it sends the model the server's `GET /v1/models` lists (asked on `--addr`
+//! for http1, on `--models-addr` for the QUIC transports).
+//!
 //! Per request it records time to first token (first non-empty text), total latency, output
 //! tokens and the error kind; at the end it prints one JSON summary on stdout (times in ms,
 //! percentiles over successful requests). Loopback use only: bounded in clients and time.
@@ -22,6 +25,9 @@ use std::time::{Duration, Instant};
 use anyhow::Context as _;
 use bytes::{Buf as _, Bytes};
 use clap::{Parser, ValueEnum};
+
+#[path = "common/served_model.rs"]
+mod served_model;
 use http_body_util::{BodyExt as _, Full};
 use serde_json::{Value, json};
 use tokio::sync::{Mutex, Semaphore};
@@ -81,9 +87,13 @@ struct Args {
     /// `max_tokens` of each request.
     #[arg(long, default_value_t = 32)]
     max_tokens: u32,
-    /// Model name sent.
-    #[arg(long, default_value = "smollm2")]
-    model: String,
+    /// Model name sent (default: the first of the server's `GET /v1/models`).
+    #[arg(long)]
+    model: Option<String>,
+    /// HTTP (TCP) address asked for `GET /v1/models` when `--model` is not given (default:
+    /// `--addr` with http1; needed with claudelink and h3).
+    #[arg(long)]
+    models_addr: Option<SocketAddr>,
     /// API key (sent as `x-api-key` and `Authorization: Bearer`; on claudelink, in AUTH).
     #[arg(long)]
     api_key: Option<String>,
@@ -120,7 +130,16 @@ enum Backend {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    let args = Arc::new(Args::parse());
+    let mut args = Args::parse();
+    if args.model.is_none() {
+        let addr = match (args.models_addr, args.transport) {
+            (Some(a), _) => a,
+            (None, Transport::Http1) => args.addr,
+            (None, _) => anyhow::bail!("pass --model, or --models-addr (the server's TCP address)"),
+        };
+        args.model = Some(served_model::served_model(addr, args.api_key.as_deref()).await?);
+    }
+    let args = Arc::new(args);
     anyhow::ensure!(
         (1..=10_000).contains(&args.concurrency),
         "--concurrency must be 1..=10000"
@@ -139,7 +158,7 @@ async fn main() -> anyhow::Result<()> {
             content: prompt.clone(),
         };
         InferenceRequest::new(
-            args.model.clone(),
+            args.model.clone().unwrap_or_default(),
             Prompt::Chat(vec![turn]),
             args.max_tokens,
         )

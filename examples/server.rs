@@ -2,12 +2,17 @@
 //! (HTTP/1.1 and HTTP/2) and, on one UDP port, claudelink plus HTTP/3 (told apart by ALPN).
 //!
 //! ```text
-//! cargo run --release --example server -- --api-key sk-local
+//! cargo run --release --example server -- --api-key sk-local --model-id smollm2
 //! curl -N http://127.0.0.1:8080/v1/messages -H 'x-api-key: sk-local' \
 //!   -H 'anthropic-version: 2023-06-01' -H 'content-type: application/json' \
 //!   -d '{"model":"smollm2","max_tokens":64,"stream":true,
 //!        "messages":[{"role":"user","content":"Hello!"}]}'
 //! ```
+//!
+//! The model is served under the id `--model-id`, else its own name: the file's `general.name`
+//! (trimmed; `Smollm2 135M 8k Lc100K Mix1 Ep2` for the default model), else the file name
+//! without `.gguf`. `GET /v1/models` lists it; a request naming another model gets 404
+//! `not_found_error`.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -44,6 +49,11 @@ struct Args {
     /// GGUF model file (default: the model fetched by scripts/fetch-model).
     #[arg(long)]
     model: Option<PathBuf>,
+    /// Id the model is served as, which requests name in `model` (default: the file's
+    /// `general.name`, else the file name without extension). Leading and trailing spaces are
+    /// dropped.
+    #[arg(long, value_parser = parse_model_id)]
+    model_id: Option<String>,
     /// TCP address for HTTP/1.1 and HTTP/2.
     #[arg(long, default_value = "127.0.0.1:8080")]
     http_listen: SocketAddr,
@@ -157,8 +167,11 @@ fn build_service(args: &Args) -> anyhow::Result<(Arc<EngineService>, PathBuf)> {
     }
     // SAFETY: the model file is not modified while the server runs (if it is, /health turns
     // 503 within a second, and a read past a truncation dies of SIGBUS naming the file).
-    let svc = unsafe { EngineService::load(&model, "smollm2", options, engine_cfg) }
+    let mut svc = unsafe { EngineService::load(&model, options, engine_cfg) }
         .with_context(|| format!("loading {}", model.display()))?;
+    if let Some(id) = &args.model_id {
+        svc = svc.with_model_id(id.as_str());
+    }
     let budget = args.weight_budget.map(usize::try_from).transpose()?;
     let gguf = (svc.engine().model().gguf().cloned())
         .context("the weight cache needs a GGUF model file")?;
@@ -186,7 +199,7 @@ fn build_service(args: &Args) -> anyhow::Result<(Arc<EngineService>, PathBuf)> {
             interval: Duration::from_secs(10),
         },
     };
-    tracing::info!(model = %model.display(), load_ms = t0.elapsed().as_millis() as u64,
+    tracing::info!(model = %model.display(), model_id = svc.model_id(), load_ms = t0.elapsed().as_millis() as u64,
         threads = ?args.threads, warmup = ?args.warmup, "model mapped, engine started");
     Ok((Arc::new(svc.with_warmup(cache, strategy)), profile))
 }
@@ -321,6 +334,15 @@ async fn main() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// `--model-id`: trimmed, not empty.
+fn parse_model_id(s: &str) -> Result<String, String> {
+    let id = s.trim();
+    if id.is_empty() {
+        return Err("the model id must not be empty".into());
+    }
+    Ok(id.to_string())
+}
+
 /// `--max-connections`, lowered to leave [`RESERVED_FDS`] of the open-file limit free.
 fn max_connections(wanted: usize, nofile: Option<u64>) -> usize {
     let fit = nofile.map_or(u64::MAX, |n| n.saturating_sub(RESERVED_FDS).max(16));
@@ -347,4 +369,31 @@ async fn shutdown_signal() {
     }
     #[cfg(not(unix))]
     let _ = tokio::signal::ctrl_c().await;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn model_id_defaults_to_none_so_the_file_names_the_model() {
+        let args = Args::try_parse_from(["server"]).unwrap();
+        assert_eq!(args.model_id, None);
+    }
+
+    #[test]
+    fn model_id_is_taken_trimmed_with_inner_spaces() {
+        let args = Args::try_parse_from(["server", "--model-id", " My Model 7B "]).unwrap();
+        assert_eq!(args.model_id.as_deref(), Some("My Model 7B"));
+        let args = Args::try_parse_from(["server", "--model-id=smollm2"]).unwrap();
+        assert_eq!(args.model_id.as_deref(), Some("smollm2"));
+    }
+
+    #[test]
+    fn a_blank_model_id_is_refused() {
+        for blank in ["", "   "] {
+            let e = Args::try_parse_from(["server", "--model-id", blank]).unwrap_err();
+            assert!(e.to_string().contains("must not be empty"), "{e}");
+        }
+    }
 }

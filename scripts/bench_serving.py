@@ -289,7 +289,9 @@ class OurServer(ServerProc):
     def __init__(self, a, tag):
         self.log = a.out / "logs" / f"server-{tag}.log"
         http_port, quic_port = free_port("tcp"), free_port("udp")
-        self.cmd = [a.server_bin, "--model", a.model, "--http-listen", f"127.0.0.1:{http_port}",
+        # Served under the same id as llama.cpp's --model_alias, so one request body fits both.
+        self.cmd = [a.server_bin, "--model", a.model, "--model-id", MODEL_ID,
+                    "--http-listen", f"127.0.0.1:{http_port}",
                     "--quic-listen", f"127.0.0.1:{quic_port}", "--threads", str(a.threads),
                     "--max-streams", "1024", "--drain-secs", "2"]
         env = dict(os.environ)

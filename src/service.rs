@@ -16,7 +16,7 @@ use claudelink_proto::{
 use gpu_pipeline::engine::{
     Engine, EngineConfig, EngineEvent, GenerationRequest, RequestHandle, SubmitError,
 };
-use gpu_pipeline::{Model, ModelOptions, SamplingParams};
+use gpu_pipeline::{Model, ModelOptions, SamplingParams, WeightSource};
 use token_stream::{ChatMessage, ChatTemplate, Tokenizer};
 use weight_cache::{FileWatch, WarmupHandle, WarmupStrategy, WeightCache};
 
@@ -55,8 +55,11 @@ pub enum LoadServiceError {
 /// let path = zerolayer::weight_cache::locate_default_model()?;
 /// // SAFETY: the model file is not modified while mapped.
 /// let svc = unsafe {
-///     EngineService::load(&path, "smollm2", Default::default(), Default::default())
+///     EngineService::load(&path, Default::default(), Default::default())
 /// }?;
+/// // Served under the file's `general.name` unless renamed with `with_model_id`.
+/// let id = svc.model_id().to_owned();
+/// assert!(!id.is_empty());
 /// assert!(svc.count_tokens(&Prompt::Text("Hello".into()))? > 0);
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
@@ -90,13 +93,13 @@ impl std::fmt::Debug for EngineService {
 }
 
 impl EngineService {
-    /// Maps the GGUF file at `path` and starts an engine on it, served as `model_id`.
+    /// Maps the GGUF file at `path` and starts an engine on it, served under the model's own
+    /// name (see [`new`](Self::new); [`with_model_id`](Self::with_model_id) renames it).
     ///
     /// # Safety
     /// The file must not be modified or truncated while mapped (see `weight_cache::Gguf::open`).
     pub unsafe fn load(
         path: &Path,
-        model_id: &str,
         options: ModelOptions,
         cfg: EngineConfig,
     ) -> Result<Self, LoadServiceError> {
@@ -105,11 +108,17 @@ impl EngineService {
         let tokenizer = Arc::new(Tokenizer::from_gguf(&gguf)?);
         let model = Arc::new(Model::load(gguf, options)?);
         let engine = Engine::new(model, Some(tokenizer.clone()), cfg)?;
-        Self::new(engine, model_id)
+        Self::new(engine)
     }
 
-    /// Serves `engine` as `model_id`, with the engine's tokenizer or else the one in the file.
-    pub fn new(engine: Engine, model_id: &str) -> Result<Self, LoadServiceError> {
+    /// Serves `engine` with the engine's tokenizer or else the one in the file.
+    ///
+    /// The served model id (what requests name in `model` and `/v1/models` lists) is the
+    /// model's own name: the file's `general.name`, trimmed, when it is not blank, else the
+    /// file (or directory) name without its extension ([`WeightSource::model_name`]), else
+    /// `"model"`.
+    /// [`with_model_id`](Self::with_model_id) overrides it.
+    pub fn new(engine: Engine) -> Result<Self, LoadServiceError> {
         let tokenizer = match engine.tokenizer() {
             Some(t) => t.clone(),
             None => match engine.model().gguf() {
@@ -118,13 +127,17 @@ impl EngineService {
             },
         };
         let chat = ChatTemplate::from_tokenizer(&tokenizer).ok().map(Arc::new);
+        let model_id = served_model_id(engine.model().source().as_ref());
         let info = ModelInfo {
-            id: model_id.to_string(),
             display_name: engine
                 .model()
                 .source()
-                .model_name()
-                .unwrap_or_else(|| model_id.to_string()),
+                .get_str("general.name")
+                .map(str::trim)
+                .filter(|n| !n.is_empty())
+                .unwrap_or(&model_id)
+                .to_string(),
+            id: model_id,
             context_length: u32::try_from(engine.model().config().context_length)
                 .unwrap_or(u32::MAX),
         };
@@ -146,6 +159,25 @@ impl EngineService {
             file_watch,
             prompts: PromptPool::start()?,
         })
+    }
+
+    /// Serves the model as `id` instead of its own name (the display name stays the file's
+    /// `general.name`).
+    ///
+    /// ```no_run
+    /// # fn f(svc: zerolayer::EngineService) {
+    /// let svc = svc.with_model_id("smollm2");
+    /// assert_eq!(svc.model_id(), "smollm2");
+    /// # }
+    /// ```
+    pub fn with_model_id(mut self, id: impl Into<String>) -> Self {
+        self.info.id = id.into();
+        self
+    }
+
+    /// The id the model is served as (the only entry of [`models`](InferenceService::models)).
+    pub fn model_id(&self) -> &str {
+        &self.info.id
     }
 
     /// Starts a warm-up of the served file's weights in the background (serving goes on) and
@@ -395,6 +427,17 @@ impl PromptPool {
     }
 }
 
+/// The id a model is served as when none is given: the source's own name
+/// ([`WeightSource::model_name`]: `general.name` trimmed, else the file or directory name),
+/// else `"model"` (a source with neither).
+fn served_model_id(source: &dyn WeightSource) -> String {
+    source
+        .model_name()
+        .map(|n| n.trim().to_string())
+        .filter(|n| !n.is_empty())
+        .unwrap_or_else(|| "model".to_string())
+}
+
 fn sampling(p: &claudelink_proto::SamplingParams) -> Result<SamplingParams, ServiceError> {
     let mut s = SamplingParams::default();
     if let Some(t) = p.temperature {
@@ -592,20 +635,71 @@ mod tests {
     use super::*;
     use claudelink_proto::ChatMessage as Msg;
     use futures::StreamExt;
+    use gpu_pipeline::GgufSource;
 
-    /// The default model, served as `smollm2` with default options.
+    /// The default model, served under its own name with default options.
     fn load_default() -> EngineService {
         let path = weight_cache::locate_default_model().unwrap_or_else(|e| panic!("{e}"));
         // SAFETY: the model file is not modified while the test runs.
-        unsafe {
-            EngineService::load(
-                &path,
-                "smollm2",
-                ModelOptions::default(),
-                EngineConfig::default(),
-            )
+        unsafe { EngineService::load(&path, ModelOptions::default(), EngineConfig::default()) }
+            .expect("load")
+    }
+
+    /// The `general.name` of the default model (SmolLM2-135M-Instruct.Q4_1.gguf).
+    const DEFAULT_MODEL_NAME: &str = "Smollm2 135M 8k Lc100K Mix1 Ep2";
+
+    /// A metadata-only GGUF with `general.name` set to `name` (absent for `None`).
+    fn gguf_named(name: Option<&str>) -> Vec<u8> {
+        let b = weight_cache::GgufBuilder::new().kv_str("general.architecture", "llama");
+        match name {
+            Some(n) => b.kv_str("general.name", n),
+            None => b,
         }
-        .expect("load")
+        .build()
+    }
+
+    #[test]
+    fn model_id_is_the_trimmed_general_name_spaces_inside_kept() {
+        let gguf = weight_cache::Gguf::from_bytes(gguf_named(Some("  My Model 7B\n"))).unwrap();
+        assert_eq!(served_model_id(&GgufSource(Arc::new(gguf))), "My Model 7B");
+    }
+
+    #[test]
+    fn model_id_falls_back_to_the_file_name_without_extension_when_the_name_is_blank() {
+        for name in [None, Some(""), Some("  \t ")] {
+            let path = std::env::temp_dir().join(format!(
+                "zerolayer-model-id-{}-{}.Q4_0.gguf",
+                std::process::id(),
+                name.map_or(0, str::len)
+            ));
+            std::fs::write(&path, gguf_named(name)).unwrap();
+            // SAFETY: the file is this test's own and is not changed while mapped.
+            let gguf = unsafe { weight_cache::Gguf::open(&path) }.unwrap();
+            let id = served_model_id(&GgufSource(Arc::new(gguf)));
+            let _ = std::fs::remove_file(&path);
+            let stem = path.file_stem().unwrap().to_str().unwrap();
+            assert_eq!(id, stem, "general.name {name:?}");
+            assert!(id.ends_with(".Q4_0"), "{id}");
+        }
+    }
+
+    #[test]
+    fn model_id_is_model_for_an_unnamed_in_memory_file() {
+        let gguf = weight_cache::Gguf::from_bytes(gguf_named(None)).unwrap();
+        assert_eq!(served_model_id(&GgufSource(Arc::new(gguf))), "model");
+    }
+
+    #[test]
+    fn the_default_model_is_served_under_its_general_name_unless_renamed() {
+        let svc = load_default();
+        assert_eq!(svc.model_id(), DEFAULT_MODEL_NAME);
+        assert_eq!(svc.models().len(), 1);
+        assert_eq!(svc.models()[0].id, DEFAULT_MODEL_NAME);
+        assert_eq!(svc.models()[0].display_name, DEFAULT_MODEL_NAME);
+        let svc = svc.with_model_id("smollm2");
+        assert_eq!(svc.model_id(), "smollm2");
+        assert_eq!(svc.models()[0].id, "smollm2");
+        assert_eq!(svc.models()[0].display_name, DEFAULT_MODEL_NAME);
     }
 
     #[test]
@@ -614,7 +708,7 @@ mod tests {
         let context = svc.models()[0].context_length as usize;
         let too_long = Prompt::Text("hello ".repeat(context + 16));
         let stream = svc
-            .submit(InferenceRequest::new("smollm2", too_long, 8))
+            .submit(InferenceRequest::new(svc.model_id(), too_long, 8))
             .expect("submit does not tokenize: the context error comes as an event");
         let events: Vec<InferenceEvent> = futures::executor::block_on(stream.collect());
         assert!(
@@ -629,7 +723,7 @@ mod tests {
         );
         let bad_id = Prompt::TokenIds(vec![u32::MAX]);
         let events: Vec<InferenceEvent> = futures::executor::block_on(
-            svc.submit(InferenceRequest::new("smollm2", bad_id, 8))
+            svc.submit(InferenceRequest::new(svc.model_id(), bad_id, 8))
                 .unwrap()
                 .collect(),
         );
@@ -646,7 +740,7 @@ mod tests {
         // A valid prompt still starts (Started first) after its tokenization.
         let ok = Prompt::Text("Hello".into());
         let mut stream = svc
-            .submit(InferenceRequest::new("smollm2", ok.clone(), 2))
+            .submit(InferenceRequest::new(svc.model_id(), ok.clone(), 2))
             .unwrap();
         let first = futures::executor::block_on(stream.next());
         let n = svc.count_tokens(&ok).unwrap();
@@ -676,7 +770,7 @@ mod tests {
         }]);
         let n = svc.count_tokens(&prompt).unwrap();
         let events: Vec<InferenceEvent> = futures::executor::block_on(
-            svc.submit(InferenceRequest::new("smollm2", prompt.clone(), 8))
+            svc.submit(InferenceRequest::new(svc.model_id(), prompt.clone(), 8))
                 .unwrap()
                 .collect(),
         );
@@ -725,9 +819,8 @@ mod tests {
         assert!(stats.touches >= 30 * 8, "{stats:?}");
         assert_eq!(stats.hit_rate, Some(1.0), "{stats:?}");
         assert_eq!(svc.metrics().weight_cache_hit_rate, 1.0);
-        assert_eq!(svc.models()[0].id, "smollm2");
         let err = svc.submit(InferenceRequest::new(
-            "smollm2",
+            svc.model_id(),
             Prompt::Text("x".into()),
             0,
         ));

@@ -25,9 +25,8 @@ fn ready_turns_false_when_the_model_file_is_modified_while_mapped() {
     std::fs::copy(&model, &copy.0).unwrap();
     // SAFETY: the copy's bytes are never changed: the test only moves its modification time,
     // which is what the watch notices.
-    let svc =
-        unsafe { EngineService::load(&copy.0, "smollm2", Default::default(), Default::default()) }
-            .expect("load");
+    let svc = unsafe { EngineService::load(&copy.0, Default::default(), Default::default()) }
+        .expect("load");
     assert!(svc.ready(), "no warm-up and an unchanged file: ready");
 
     let file = std::fs::OpenOptions::new()

@@ -26,8 +26,8 @@ pub struct GenerateOptions {
     pub sampling: SamplingParams,
     /// Text that ends the generation; the returned text stops before it. Needs a tokenizer.
     pub stop_sequences: Vec<String>,
-    /// Token ids that end the generation (`None`: the model's EOS/EOT, [`Model::stop_tokens`], plus the
-    /// tokenizer's end-of-generation tokens when one is given).
+    /// Token ids that end the generation (`None`: the model's EOS/EOT and the tokenizer's
+    /// end-of-generation ids, [`Model::stop_tokens_with`]).
     pub stop_tokens: Option<Vec<u32>>,
     /// The prompt is prefilled in chunks of at most this many tokens. Default 512.
     pub prefill_chunk: usize,
@@ -134,16 +134,10 @@ impl Model {
         if !stops.is_empty() && tokenizer.is_none() {
             return Err(GenerateError::StopSequencesNeedTokenizer);
         }
-        // Default: EOS/EOT and the tokenizer's other end-of-generation tokens (as the engine).
-        let stop_tokens = opts.stop_tokens.clone().unwrap_or_else(|| {
-            let mut v = self.stop_tokens();
-            if let Some(t) = tokenizer {
-                v.extend_from_slice(t.eog_ids());
-            }
-            v.sort_unstable();
-            v.dedup();
-            v
-        });
+        let stop_tokens = opts
+            .stop_tokens
+            .clone()
+            .unwrap_or_else(|| self.stop_tokens_with(tokenizer));
         let t0 = Instant::now();
         let mut res = Generation {
             prompt_tokens: prompt.len(),

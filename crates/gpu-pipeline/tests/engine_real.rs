@@ -336,3 +336,23 @@ fn stop_sequence_ends_the_stream_and_text_stops_before_it() {
     assert!(!stopped.text.contains("Paris"));
     assert!(free.text.starts_with(&stopped.text));
 }
+
+#[test]
+fn default_stop_tokens_are_eos_eot_and_the_tokenizers_end_of_generation_ids() {
+    let f = fixture();
+    let with_tok = engine(EngineConfig::default());
+    let stops = with_tok.stop_tokens();
+    for id in f.model.stop_tokens().iter().chain(f.tok.eog_ids()) {
+        assert!(stops.contains(id), "{id} missing from {stops:?}");
+    }
+    let im_end = f.tok.special_id("<|im_end|>").unwrap();
+    let endoftext = f.tok.special_id("<|endoftext|>").unwrap();
+    assert!(
+        stops.contains(&im_end) && stops.contains(&endoftext),
+        "{stops:?}"
+    );
+    assert!(stops.is_sorted(), "{stops:?}");
+    // Without a tokenizer, only the file's EOS/EOT.
+    let bare = Engine::new(f.model.clone(), None, EngineConfig::default()).unwrap();
+    assert_eq!(bare.stop_tokens(), f.model.stop_tokens());
+}

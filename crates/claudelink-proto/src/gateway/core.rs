@@ -20,7 +20,7 @@ use super::error::{ApiError, ApiErrorKind};
 use super::ids::new_id;
 use super::metrics::{Endpoint, GatewayMetrics, Outcome, Protocol};
 use super::sse::{Flavor, StreamFormat};
-use super::validate::{GenRequest, Limits, parse_chat, parse_messages};
+use super::validate::{GenRequest, Limits, parse_chat, parse_messages, percent_decode};
 use crate::auth::ApiKeys;
 use crate::service::{
     ErrorCode, EventStream, InferenceEvent, InferenceRequest, InferenceService, StopReason, Usage,
@@ -539,7 +539,11 @@ impl Gateway {
             })
         };
         let models = self.inner.service.models();
-        if let Some(id) = path.strip_prefix("/v1/models/") {
+        if let Some(raw) = path.strip_prefix("/v1/models/") {
+            // Ids may hold spaces (a file's `general.name`): the path carries them escaped.
+            let id = percent_decode(raw).ok_or_else(|| {
+                ApiError::invalid(format!("model id `{raw}`: malformed percent-encoding"))
+            })?;
             return match models.iter().find(|m| m.id == id) {
                 Some(m) => Ok(Reply::json(StatusCode::OK, &item(m))),
                 None => Err(ApiError::new(

@@ -403,6 +403,29 @@ pub(crate) fn parse_chat(body: &Value, limits: Limits) -> Result<GenRequest, Api
     })
 }
 
+/// Decodes the `%XX` escapes of a URL path segment (RFC 3986; `+` stays `+`), as the id in
+/// `/v1/models/{id}` needs for ids with spaces (`My%20Model`). `None` for a malformed escape or
+/// bytes that are not UTF-8.
+pub(crate) fn percent_decode(segment: &str) -> Option<String> {
+    let bytes = segment.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] == b'%' {
+            let hex = std::str::from_utf8(bytes.get(i + 1..i + 3)?).ok()?;
+            if !hex.bytes().all(|b| b.is_ascii_hexdigit()) {
+                return None;
+            }
+            out.push(u8::from_str_radix(hex, 16).ok()?);
+            i += 3;
+        } else {
+            out.push(bytes[i]);
+            i += 1;
+        }
+    }
+    String::from_utf8(out).ok()
+}
+
 #[cfg(test)]
 mod tests {
     use serde_json::json;
@@ -556,5 +579,21 @@ mod tests {
         assert!(e.message.starts_with("n:"));
         let e = parse_chat(&json!({"model": "m", "messages": [{"role": "user", "content": "x"}], "stop": ["a", "b", "c", "d", "e"]}), LIMITS).unwrap_err();
         assert!(e.message.starts_with("stop:"));
+    }
+
+    #[test]
+    fn percent_decode_decodes_escapes_and_refuses_malformed_ones() {
+        assert_eq!(percent_decode("plain-id").as_deref(), Some("plain-id"));
+        assert_eq!(
+            percent_decode("Smollm2%20135M%208k").as_deref(),
+            Some("Smollm2 135M 8k")
+        );
+        assert_eq!(percent_decode("a%2Fb%2fc+d").as_deref(), Some("a/b/c+d"));
+        assert_eq!(percent_decode("caf%C3%A9").as_deref(), Some("caf\u{e9}"));
+        assert_eq!(percent_decode("100%"), None);
+        assert_eq!(percent_decode("%4"), None);
+        assert_eq!(percent_decode("%zz"), None);
+        assert_eq!(percent_decode("%+1"), None);
+        assert_eq!(percent_decode("%FF"), None, "not UTF-8");
     }
 }

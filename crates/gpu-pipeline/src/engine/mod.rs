@@ -193,8 +193,7 @@ pub struct GenerationRequest {
     pub max_new_tokens: usize,
     /// Sampling.
     pub sampling: SamplingParams,
-    /// Tokens that end the generation (not emitted); `None` means the model's EOS/EOT plus the
-    /// engine tokenizer's end-of-generation tokens (`Tokenizer::eog_ids`).
+    /// Tokens that end the generation (not emitted); `None` means [`Engine::stop_tokens`].
     pub stop_tokens: Option<Vec<u32>>,
     /// Strings that end the generation (need the engine's tokenizer); the text stops before.
     pub stop_sequences: Vec<String>,
@@ -489,6 +488,13 @@ impl Engine {
     /// The tokenizer given at construction.
     pub fn tokenizer(&self) -> Option<&Arc<Tokenizer>> {
         self.tokenizer.as_ref()
+    }
+
+    /// The tokens that end a request without its own [`stop_tokens`](GenerationRequest::stop_tokens):
+    /// the model's EOS/EOT and the tokenizer's end-of-generation ids
+    /// ([`Model::stop_tokens_with`]).
+    pub fn stop_tokens(&self) -> Vec<u32> {
+        self.model.stop_tokens_with(self.tokenizer.as_deref())
     }
 
     /// The KV pool.
@@ -996,17 +1002,11 @@ impl Worker {
                 .skip_special_tokens(true)
                 .with_stop_sequences(p.req.stop_sequences.iter().cloned())
         });
-        // Default: the model's EOS/EOT and every end-of-generation token the tokenizer knows
-        // (Gemma's `<end_of_turn>`, ChatML's `<|im_end|>`, ... as llama.cpp stops on them).
-        let stop_tokens = p.req.stop_tokens.clone().unwrap_or_else(|| {
-            let mut v = self.model.stop_tokens();
-            if let Some(t) = tok {
-                v.extend_from_slice(t.eog_ids());
-            }
-            v.sort_unstable();
-            v.dedup();
-            v
-        });
+        let stop_tokens = p
+            .req
+            .stop_tokens
+            .clone()
+            .unwrap_or_else(|| self.model.stop_tokens_with(tok));
         let mut history = Vec::with_capacity(p.req.prompt.len() + p.req.max_new_tokens);
         history.extend_from_slice(&p.req.prompt);
         Ok(Active {

@@ -10,6 +10,7 @@ use std::ops::Range;
 use std::sync::{Arc, Mutex, OnceLock};
 
 use kv_ring::{KvDtype, KvError, KvRing, KvShape, RingMode};
+use token_stream::Tokenizer;
 use weight_cache::{DequantError, GgmlType, Gguf, WeightCache};
 
 use crate::ThreadPool;
@@ -631,6 +632,18 @@ impl Model {
             .into_iter()
             .chain(self.cfg.eot_token_id)
             .collect();
+        v.dedup();
+        v
+    }
+
+    /// The token ids that end a generation with `tokenizer`: [`stop_tokens`](Self::stop_tokens)
+    /// and the tokenizer's end-of-generation ids ([`Tokenizer::eog_ids`]: EOT, EOM and the tokens
+    /// llama.cpp ends generation on by name, such as `<|im_end|>` when the file's EOS is
+    /// `<|endoftext|>`, as Qwen's is), sorted.
+    pub fn stop_tokens_with(&self, tokenizer: Option<&Tokenizer>) -> Vec<u32> {
+        let mut v = self.stop_tokens();
+        v.extend(tokenizer.map_or(&[][..], Tokenizer::eog_ids));
+        v.sort_unstable();
         v.dedup();
         v
     }
