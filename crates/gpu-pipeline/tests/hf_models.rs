@@ -1,0 +1,220 @@
+//! Hugging Face model directories, end to end against transformers.
+//!
+//! Fixtures: `tests/fixtures/hf/<name>/` (tiny random models of every served family, F32, some
+//! BF16/F16 copies, one sharded) and `tests/fixtures/hf-logits.json` (transformers' fp32
+//! teacher-forced logits), made by `scripts/fixtures/gpu-pipeline-hf-fixtures.py`.
+//!
+//! F32 directories: at every position, max |logit - transformers| is below 1e-3 of that
+//! position's max |logit|, with the sequence run whole and in chunks of 5 tokens. BF16/F16
+//! directories: top-1 equals transformers' (the rounded weights computed in fp32) wherever its
+//! top-2 gap exceeds 1e-3 of the position's scale.
+
+mod common;
+
+use std::path::PathBuf;
+use std::sync::{Arc, OnceLock};
+
+use common::{argmax, ids_of, ring};
+use gpu_pipeline::{HfModel, LogitsWanted, Model, ModelOptions, SeqStep, WeightSource};
+use kv_ring::KvDtype;
+use serde_json::Value;
+
+fn fixture() -> &'static Value {
+    static F: OnceLock<Value> = OnceLock::new();
+    F.get_or_init(|| {
+        let p = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/hf-logits.json");
+        serde_json::from_str(&std::fs::read_to_string(p).unwrap()).unwrap()
+    })
+}
+
+fn dir(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/hf")
+        .join(name)
+}
+
+fn load(name: &str) -> Model {
+    // SAFETY: the fixtures are not modified while the tests run.
+    let src = unsafe { HfModel::open(dir(name)) }
+        .unwrap_or_else(|e| panic!("{name}: does not open: {e}"));
+    let entry = &fixture()["models"][name];
+    let mut opts = ModelOptions::default();
+    if let Some(ctx) = entry["context"].as_u64() {
+        opts = opts.with_context(ctx as usize);
+    }
+    Model::load_source(Arc::new(src), opts).unwrap_or_else(|e| panic!("{name}: does not load: {e}"))
+}
+
+/// Teacher-forced logits of every position, feeding `chunk` tokens per forward call.
+fn logits(model: &Model, ids: &[u32], chunk: usize) -> Vec<f32> {
+    let mut kv = ring(model, KvDtype::F32, ids.len());
+    let mut all = Vec::with_capacity(ids.len() * model.config().vocab_size);
+    let mut out = Vec::new();
+    for part in ids.chunks(chunk) {
+        model
+            .forward(
+                &mut [SeqStep {
+                    tokens: part,
+                    kv: &mut kv,
+                    logits: LogitsWanted::All,
+                }],
+                &mut out,
+            )
+            .unwrap();
+        all.extend_from_slice(&out);
+    }
+    all
+}
+
+fn check_f32(name: &str) {
+    let model = load(name);
+    let vocab = model.config().vocab_size;
+    let entry = &fixture()["models"][name];
+    assert_eq!(entry["dtype"], "F32");
+    let mut worst = 0f64;
+    for (seq, want) in fixture()["sequences"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .zip(entry["logits"].as_array().unwrap())
+    {
+        let ids = ids_of(seq);
+        let want = want.as_array().unwrap();
+        for chunk in [ids.len(), 5] {
+            let got = logits(&model, &ids, chunk);
+            for (p, row) in want.iter().enumerate() {
+                let row: Vec<f64> = row
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|x| x.as_f64().unwrap())
+                    .collect();
+                assert_eq!(row.len(), vocab, "{name}: vocabulary size");
+                let scale = row.iter().fold(0f64, |m, x| m.max(x.abs()));
+                let ours = &got[p * vocab..(p + 1) * vocab];
+                let (mut err, mut at) = (0f64, 0);
+                for (i, (&o, &w)) in ours.iter().zip(&row).enumerate() {
+                    let e = (f64::from(o) - w).abs();
+                    if e > err {
+                        (err, at) = (e, i);
+                    }
+                }
+                let rel = err / scale;
+                worst = worst.max(rel);
+                assert!(
+                    rel < 1e-3,
+                    "{name}: sequence of {} tokens, chunks of {chunk}: position {p}: \
+                     |logit - transformers| {err:.5} at token {at} ({} vs {}), scale {scale:.3}",
+                    ids.len(),
+                    ours[at],
+                    row[at]
+                );
+            }
+        }
+    }
+    eprintln!("{name}: max |logit - transformers| / scale = {worst:.2e}");
+}
+
+fn check_low_precision(name: &str) {
+    let model = load(name);
+    let vocab = model.config().vocab_size;
+    let entry = &fixture()["models"][name];
+    let (mut decisive, mut agree) = (0, 0);
+    for (seq, want) in fixture()["sequences"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .zip(entry["top1"].as_array().unwrap())
+    {
+        let ids = ids_of(seq);
+        let got = logits(&model, &ids, ids.len());
+        for (p, w) in want.as_array().unwrap().iter().enumerate() {
+            let (top, gap, scale) = (
+                w[0].as_u64().unwrap() as usize,
+                w[1].as_f64().unwrap(),
+                w[2].as_f64().unwrap(),
+            );
+            if gap <= 1e-3 * scale {
+                continue;
+            }
+            decisive += 1;
+            let ours = argmax(&got[p * vocab..(p + 1) * vocab]);
+            assert_eq!(
+                ours,
+                top,
+                "{name}: sequence of {} tokens: position {p}: top-1 {ours}, transformers {top} \
+                 (gap {gap:.4}, scale {scale:.3})",
+                ids.len()
+            );
+            agree += 1;
+        }
+    }
+    assert!(
+        decisive > 20,
+        "{name}: too few decisive positions ({decisive})"
+    );
+    eprintln!("{name}: top-1 {agree}/{decisive}");
+}
+
+macro_rules! hf_tests {
+    ($($test:ident => $check:ident($name:literal),)*) => {
+        $(
+            #[test]
+            fn $test() {
+                $check($name);
+            }
+        )*
+
+        /// Every model of the fixture has a test above.
+        #[test]
+        fn every_fixture_model_is_tested() {
+            let tested = [$($name),*];
+            for name in fixture()["models"].as_object().unwrap().keys() {
+                assert!(tested.contains(&name.as_str()), "{name} has no test");
+            }
+        }
+    };
+}
+
+hf_tests! {
+    llama3_rope_scaling_matches_transformers => check_f32("llama"),
+    mistral_sliding_window_matches_transformers => check_f32("mistral"),
+    qwen2_sharded_with_biases_matches_transformers => check_f32("qwen2"),
+    qwen3_qk_norm_matches_transformers => check_f32("qwen3"),
+    gemma2_softcaps_and_windows_match_transformers => check_f32("gemma2"),
+    gemma3_local_global_layers_match_transformers => check_f32("gemma3"),
+    phi3_fused_longrope_matches_transformers => check_f32("phi3"),
+    smollm3_no_rope_layers_match_transformers => check_f32("smollm3"),
+    llama_bf16_top1_matches_transformers => check_low_precision("llama-bf16"),
+    qwen3_bf16_top1_matches_transformers => check_low_precision("qwen3-bf16"),
+    gemma2_bf16_top1_matches_transformers => check_low_precision("gemma2-bf16"),
+    mistral_f16_top1_matches_transformers => check_low_precision("mistral-f16"),
+}
+
+#[test]
+fn tokenizer_and_chat_template_load_from_every_directory() {
+    for name in fixture()["models"].as_object().unwrap().keys() {
+        // SAFETY: the fixtures are not modified while the tests run.
+        let src = unsafe { HfModel::open(dir(name)) }.unwrap();
+        let tok = token_stream::Tokenizer::from_tokenizer_json_file(src.tokenizer_json_path())
+            .unwrap_or_else(|e| panic!("{name}: tokenizer.json: {e}"));
+        assert!(
+            !tok.encode("The quick brown fox").is_empty(),
+            "{name}: encodes"
+        );
+        let template = src.chat_template().expect("chat_template");
+        let chat = token_stream::ChatTemplate::new(&template, "<s>", "</s>")
+            .unwrap_or_else(|e| panic!("{name}: chat template: {e}"));
+        let text = chat
+            .render(&[token_stream::ChatMessage::new("user", "hi")], true)
+            .unwrap();
+        assert_eq!(
+            text,
+            "<s><|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+        );
+        assert!(!tok.encode_with_specials(&text).is_empty(), "{name}");
+        assert_eq!(src.eos_token_ids(), [1], "{name}");
+        assert_eq!(src.model_name().as_deref(), Some(name.as_str()));
+        assert_eq!(src.get_u32("tokenizer.ggml.bos_token_id"), Some(0));
+    }
+}
