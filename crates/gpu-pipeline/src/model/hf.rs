@@ -888,3 +888,473 @@ fn translate_config(
         eos_token_ids,
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use serde_json::json;
+
+    use super::*;
+
+    /// A fresh empty directory under the system temp dir.
+    fn temp_dir() -> PathBuf {
+        static N: AtomicUsize = AtomicUsize::new(0);
+        let d = std::env::temp_dir().join(format!(
+            "zerolayer-hf-{}-{}",
+            std::process::id(),
+            N.fetch_add(1, Ordering::Relaxed)
+        ));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).unwrap();
+        d
+    }
+
+    /// A safetensors image of `(name, dtype, shape)` tensors, each filled with `0..n` as bytes.
+    fn safetensors(tensors: &[(&str, &str, &[u64])]) -> Vec<u8> {
+        let mut header = Map::new();
+        let mut data = Vec::new();
+        for (name, dtype, shape) in tensors {
+            let size =
+                StDtype::parse(dtype).unwrap().size() * shape.iter().product::<u64>() as usize;
+            let start = data.len();
+            data.extend((0..size).map(|i| i as u8));
+            header.insert(
+                (*name).into(),
+                json!({"dtype": dtype, "shape": shape, "data_offsets": [start, start + size]}),
+            );
+        }
+        let mut h = Value::Object(header).to_string().into_bytes();
+        while h.len() % 8 != 0 {
+            h.push(b' ');
+        }
+        let mut out = (h.len() as u64).to_le_bytes().to_vec();
+        out.extend(h);
+        out.extend(data);
+        out
+    }
+
+    fn llama_config() -> Value {
+        json!({
+            "architectures": ["LlamaForCausalLM"],
+            "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 1,
+            "num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 64,
+            "rms_norm_eps": 1e-5, "bos_token_id": 1, "eos_token_id": [2, 3],
+            "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 16},
+        })
+    }
+
+    fn write(dir: &Path, file: &str, v: &Value) {
+        std::fs::write(dir.join(file), v.to_string()).unwrap();
+    }
+
+    fn translate(cfg: Value) -> Result<Translated, HfError> {
+        translate_config(Path::new("config.json"), &cfg, None)
+    }
+
+    fn meta(t: &Translated, key: &str) -> Meta {
+        t.meta
+            .get(key)
+            .cloned()
+            .unwrap_or_else(|| panic!("{key} is not set"))
+    }
+
+    #[test]
+    fn llama_config_translates_to_llama_cpp_keys() {
+        let t = translate(llama_config()).unwrap();
+        assert_eq!(t.arch, "llama");
+        for (key, want) in [
+            ("general.architecture", Meta::Str("llama".into())),
+            ("zerolayer.rope.layout", Meta::Str("neox".into())),
+            ("llama.block_count", Meta::U32(1)),
+            ("llama.embedding_length", Meta::U32(8)),
+            ("llama.feed_forward_length", Meta::U32(16)),
+            ("llama.attention.head_count", Meta::U32(2)),
+            ("llama.attention.head_count_kv", Meta::U32(1)),
+            ("llama.attention.key_length", Meta::U32(4)),
+            ("llama.context_length", Meta::U32(64)),
+            ("llama.attention.layer_norm_rms_epsilon", Meta::F32(1e-5)),
+            ("llama.rope.freq_base", Meta::F32(500000.0)),
+            ("llama.rope.scaling.type", Meta::Str("llama3".into())),
+            ("llama.rope.scaling.factor", Meta::F32(8.0)),
+            ("llama.rope.scaling.original_context_length", Meta::U32(16)),
+            ("zerolayer.rope.llama3.low_freq_factor", Meta::F32(1.0)),
+            ("zerolayer.rope.llama3.high_freq_factor", Meta::F32(4.0)),
+            ("zerolayer.attention.sliding_window", Meta::U32(0)),
+            ("tokenizer.ggml.bos_token_id", Meta::U32(1)),
+            ("tokenizer.ggml.eos_token_id", Meta::U32(2)),
+        ] {
+            assert_eq!(meta(&t, key), want, "{key}");
+        }
+        assert_eq!(t.eos_token_ids, [2, 3]);
+    }
+
+    #[test]
+    fn older_rope_theta_and_rope_scaling_keys_are_read() {
+        let mut cfg = llama_config();
+        let obj = cfg.as_object_mut().unwrap();
+        obj.remove("rope_parameters");
+        obj.insert("rope_theta".into(), json!(1000.0));
+        obj.insert(
+            "rope_scaling".into(),
+            json!({"type": "linear", "factor": 2.0}),
+        );
+        let t = translate(cfg).unwrap();
+        assert_eq!(meta(&t, "llama.rope.freq_base"), Meta::F32(1000.0));
+        assert_eq!(
+            meta(&t, "llama.rope.scaling.type"),
+            Meta::Str("linear".into())
+        );
+        assert_eq!(meta(&t, "llama.rope.scaling.factor"), Meta::F32(2.0));
+    }
+
+    #[test]
+    fn gemma2_gets_norm_offset_caps_scale_and_alternating_windows() {
+        let t = translate(json!({
+            "architectures": ["Gemma2ForCausalLM"],
+            "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 4,
+            "num_attention_heads": 2, "head_dim": 8, "max_position_embeddings": 64,
+            "sliding_window": 4, "query_pre_attn_scalar": 16,
+            "attn_logit_softcapping": 50.0, "final_logit_softcapping": null,
+        }))
+        .unwrap();
+        assert_eq!(meta(&t, "zerolayer.norm.weight_offset"), Meta::F32(1.0));
+        assert_eq!(meta(&t, "gemma2.attention.key_length"), Meta::U32(8));
+        assert_eq!(meta(&t, "gemma2.attn_logit_softcapping"), Meta::F32(50.0));
+        // null: no cap (not llama.cpp's default of 30).
+        assert_eq!(meta(&t, "gemma2.final_logit_softcapping"), Meta::F32(0.0));
+        assert_eq!(meta(&t, "gemma2.attention.scale"), Meta::F32(0.25));
+        assert_eq!(meta(&t, "zerolayer.attention.sliding_window"), Meta::U32(4));
+        assert_eq!(
+            meta(&t, "gemma2.attention.sliding_window_pattern"),
+            Meta::Bools(vec![true, false, true, false])
+        );
+    }
+
+    #[test]
+    fn gemma3_layer_types_and_local_base_are_read_in_both_forms() {
+        let base = json!({
+            "architectures": ["Gemma3ForCausalLM"],
+            "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 3,
+            "num_attention_heads": 2, "max_position_embeddings": 64, "sliding_window": 4,
+            "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+        });
+        let mut new = base.clone();
+        new["rope_parameters"] = json!({
+            "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        });
+        let mut old = base;
+        old["rope_theta"] = json!(1000000.0);
+        old["rope_local_base_freq"] = json!(10000.0);
+        for cfg in [new, old] {
+            let t = translate(cfg).unwrap();
+            assert_eq!(meta(&t, "gemma3.rope.freq_base"), Meta::F32(1e6));
+            assert_eq!(meta(&t, "gemma3.rope.freq_base_swa"), Meta::F32(1e4));
+            assert_eq!(
+                meta(&t, "gemma3.attention.sliding_window_pattern"),
+                Meta::Bools(vec![true, false, true])
+            );
+        }
+    }
+
+    #[test]
+    fn phi3_longrope_factors_and_attention_factor() {
+        let t = translate(json!({
+            "architectures": ["Phi3ForCausalLM"],
+            "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 1,
+            "num_attention_heads": 2, "max_position_embeddings": 256,
+            "original_max_position_embeddings": 64, "sliding_window": 32,
+            "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0,
+                "short_factor": [1.0, 1.5], "long_factor": [2.0, 3.0]},
+        }))
+        .unwrap();
+        assert_eq!(
+            meta(&t, "phi3.rope.scaling.original_context_length"),
+            Meta::U32(64)
+        );
+        assert_eq!(
+            meta(&t, "zerolayer.rope.factors_short"),
+            Meta::F32s(vec![1.0, 1.5])
+        );
+        assert_eq!(
+            meta(&t, "zerolayer.rope.factors_long"),
+            Meta::F32s(vec![2.0, 3.0])
+        );
+        let want = (1.0 + 4f64.ln() / 64f64.ln()).sqrt() as f32;
+        assert_eq!(meta(&t, "phi3.rope.scaling.attn_factor"), Meta::F32(want));
+        assert_eq!(
+            meta(&t, "zerolayer.attention.sliding_window"),
+            Meta::U32(32)
+        );
+    }
+
+    #[test]
+    fn smollm3_no_rope_layers_and_qwen2_windows_above_max_window_layers() {
+        let t = translate(json!({
+            "architectures": ["SmolLM3ForCausalLM"],
+            "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 4,
+            "num_attention_heads": 2, "max_position_embeddings": 64,
+            "no_rope_layers": [1, 1, 1, 0],
+        }))
+        .unwrap();
+        assert_eq!(
+            meta(&t, "zerolayer.rope.layers"),
+            Meta::Bools(vec![true, true, true, false])
+        );
+        let t = translate(json!({
+            "architectures": ["Qwen2ForCausalLM"],
+            "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 3,
+            "num_attention_heads": 2, "max_position_embeddings": 64,
+            "use_sliding_window": true, "sliding_window": 4, "max_window_layers": 1,
+        }))
+        .unwrap();
+        assert_eq!(
+            meta(&t, "qwen2.attention.sliding_window_pattern"),
+            Meta::Bools(vec![false, true, true])
+        );
+    }
+
+    #[test]
+    fn tensor_names_follow_llama_cpp() {
+        for (arch, hf, want) in [
+            (
+                "llama",
+                "model.embed_tokens.weight",
+                Some("token_embd.weight"),
+            ),
+            ("llama", "lm_head.weight", Some("output.weight")),
+            ("llama", "model.norm.weight", Some("output_norm.weight")),
+            (
+                "llama",
+                "model.layers.3.input_layernorm.weight",
+                Some("blk.3.attn_norm.weight"),
+            ),
+            (
+                "qwen2",
+                "model.layers.0.self_attn.q_proj.bias",
+                Some("blk.0.attn_q.bias"),
+            ),
+            (
+                "llama",
+                "model.layers.0.self_attn.o_proj.weight",
+                Some("blk.0.attn_output.weight"),
+            ),
+            (
+                "phi3",
+                "model.layers.1.self_attn.qkv_proj.weight",
+                Some("blk.1.attn_qkv.weight"),
+            ),
+            (
+                "phi3",
+                "model.layers.1.mlp.gate_up_proj.weight",
+                Some("blk.1.ffn_up.weight"),
+            ),
+            (
+                "qwen3",
+                "model.layers.0.self_attn.k_norm.weight",
+                Some("blk.0.attn_k_norm.weight"),
+            ),
+            (
+                "llama",
+                "model.layers.0.post_attention_layernorm.weight",
+                Some("blk.0.ffn_norm.weight"),
+            ),
+            (
+                "gemma2",
+                "model.layers.0.post_attention_layernorm.weight",
+                Some("blk.0.post_attention_norm.weight"),
+            ),
+            (
+                "gemma3",
+                "model.layers.0.pre_feedforward_layernorm.weight",
+                Some("blk.0.ffn_norm.weight"),
+            ),
+            (
+                "gemma3",
+                "model.layers.0.post_feedforward_layernorm.weight",
+                Some("blk.0.post_ffw_norm.weight"),
+            ),
+            (
+                "llama",
+                "model.layers.0.mlp.down_proj.weight",
+                Some("blk.0.ffn_down.weight"),
+            ),
+            (
+                "llama",
+                "model.layers.0.self_attn.rotary_emb.inv_freq",
+                None,
+            ),
+        ] {
+            assert_eq!(gguf_tensor_name(arch, hf).as_deref(), want, "{arch} {hf}");
+        }
+    }
+
+    #[test]
+    fn opens_shards_with_one_file_index_each_and_reversed_shapes() {
+        let d = temp_dir();
+        write(&d, "config.json", &llama_config());
+        write(
+            &d,
+            "generation_config.json",
+            &json!({"eos_token_id": [7, 8]}),
+        );
+        write(
+            &d,
+            "tokenizer_config.json",
+            &json!({"chat_template": [{"name": "tool_use", "template": "T"},
+                                      {"name": "default", "template": "D"}]}),
+        );
+        let a = safetensors(&[("model.embed_tokens.weight", "F32", &[5, 8])]);
+        let b = safetensors(&[
+            ("model.layers.0.self_attn.k_proj.weight", "BF16", &[4, 8]),
+            ("model.layers.0.self_attn.rotary_emb.inv_freq", "I64", &[2]),
+        ]);
+        std::fs::write(d.join("a.safetensors"), &a).unwrap();
+        std::fs::write(d.join("b.safetensors"), &b).unwrap();
+        write(
+            &d,
+            "model.safetensors.index.json",
+            &json!({"weight_map": {"model.embed_tokens.weight": "a.safetensors",
+                                   "model.layers.0.self_attn.k_proj.weight": "b.safetensors"}}),
+        );
+        // SAFETY: the test's files are not modified while mapped.
+        let m = unsafe { open(&d) }.unwrap();
+        let e = m.tensor("token_embd.weight").unwrap();
+        assert_eq!(
+            (e.dtype, e.shape.clone(), e.file),
+            (GgmlType::F32, vec![8, 5], 0)
+        );
+        let k = m.tensor("blk.0.attn_k.weight").unwrap();
+        assert_eq!(
+            (k.dtype, k.shape.clone(), k.file),
+            (GgmlType::BF16, vec![8, 4], 1)
+        );
+        assert_eq!(k.data.len(), 64);
+        assert_eq!(k.data[..4], [0, 1, 2, 3]);
+        assert!(m.file_bytes(1).as_ptr_range().contains(&k.data.as_ptr()));
+        assert_eq!(
+            m.hf_tensor_name("blk.0.attn_k.weight"),
+            Some("model.layers.0.self_attn.k_proj.weight")
+        );
+        // generation_config.json's eos list wins over config.json's.
+        assert_eq!(m.eos_token_ids(), [7, 8]);
+        assert_eq!(m.get_u32("tokenizer.ggml.eos_token_id"), Some(7));
+        assert_eq!(m.chat_template().as_deref(), Some("D"));
+        assert_eq!(m.get_str("general.name"), d.file_name().unwrap().to_str());
+        assert_eq!(m.tokenizer_json_path(), d.join("tokenizer.json"));
+        let _ = std::fs::remove_dir_all(&d);
+    }
+
+    /// Opens a directory with `config` and one `model.safetensors` of `tensors`.
+    fn open_with(config: Option<&str>, tensors: &[(&str, &str, &[u64])]) -> HfError {
+        let d = temp_dir();
+        if let Some(c) = config {
+            std::fs::write(d.join("config.json"), c).unwrap();
+        }
+        std::fs::write(d.join("model.safetensors"), safetensors(tensors)).unwrap();
+        // SAFETY: the test's files are not modified while mapped.
+        let e = unsafe { open(&d) }.unwrap_err();
+        let _ = std::fs::remove_dir_all(&d);
+        e
+    }
+
+    #[test]
+    fn each_error_names_the_file_and_key() {
+        let llama = llama_config().to_string();
+        let embd: &[(&str, &str, &[u64])] = &[("model.embed_tokens.weight", "F32", &[2, 8])];
+        match open_with(None, embd) {
+            HfError::MissingFile { path } => assert!(path.ends_with("config.json")),
+            e => panic!("{e}"),
+        }
+        match open_with(Some("{not json"), embd) {
+            HfError::BadJson { path, .. } => assert!(path.ends_with("config.json")),
+            e => panic!("{e}"),
+        }
+        let gpt2 = r#"{"architectures": ["GPT2LMHeadModel"]}"#;
+        let e = open_with(Some(gpt2), embd);
+        assert!(e.to_string().contains("GPT2LMHeadModel"), "{e}");
+        assert!(
+            e.to_string().contains("Gemma3ForCausalLM"),
+            "lists the supported: {e}"
+        );
+        assert!(matches!(e, HfError::UnsupportedArchitecture { .. }));
+        let mut no_hidden = llama_config();
+        no_hidden.as_object_mut().unwrap().remove("hidden_size");
+        match open_with(Some(&no_hidden.to_string()), embd) {
+            HfError::MissingKey { key, .. } => assert_eq!(key, "hidden_size"),
+            e => panic!("{e}"),
+        }
+        let mut bad = llama_config();
+        bad["num_hidden_layers"] = json!("two");
+        match open_with(Some(&bad.to_string()), embd) {
+            HfError::BadValue { key, value, .. } => {
+                assert_eq!(
+                    (key.as_str(), value.as_str()),
+                    ("num_hidden_layers", "\"two\"")
+                );
+            }
+            e => panic!("{e}"),
+        }
+        let mut yarn = llama_config();
+        yarn["rope_parameters"] = json!({"rope_type": "yarn", "factor": 4.0});
+        match open_with(Some(&yarn.to_string()), embd) {
+            HfError::UnsupportedRopeScaling { kind, .. } => assert_eq!(kind, "yarn"),
+            e => panic!("{e}"),
+        }
+        match open_with(
+            Some(&llama),
+            &[("model.embed_tokens.weight", "I32", &[2, 8])],
+        ) {
+            HfError::UnsupportedDtype { tensor, dtype, .. } => {
+                assert_eq!(
+                    (tensor.as_str(), dtype),
+                    ("model.embed_tokens.weight", StDtype::I32)
+                );
+            }
+            e => panic!("{e}"),
+        }
+    }
+
+    #[test]
+    fn missing_weights_shards_and_tensors_are_named() {
+        let d = temp_dir();
+        write(&d, "config.json", &llama_config());
+        // SAFETY: the test's files are not modified while mapped.
+        match unsafe { open(&d) }.unwrap_err() {
+            HfError::MissingFile { path } => assert!(path.ends_with("model.safetensors")),
+            e => panic!("{e}"),
+        }
+        write(
+            &d,
+            "model.safetensors.index.json",
+            &json!({"weight_map": {"model.embed_tokens.weight": "model-1.safetensors",
+                                   "lm_head.weight": "model-2.safetensors"}}),
+        );
+        let one = safetensors(&[("model.embed_tokens.weight", "F32", &[2, 8])]);
+        std::fs::write(d.join("model-1.safetensors"), &one).unwrap();
+        // SAFETY: as above.
+        match unsafe { open(&d) }.unwrap_err() {
+            HfError::MissingFile { path } => assert!(path.ends_with("model-2.safetensors")),
+            e => panic!("{e}"),
+        }
+        std::fs::write(d.join("model-2.safetensors"), &one).unwrap();
+        // SAFETY: as above.
+        match unsafe { open(&d) }.unwrap_err() {
+            HfError::TensorMissingFromShard { tensor, shard } => {
+                assert_eq!(tensor, "lm_head.weight");
+                assert!(shard.ends_with("model-2.safetensors"));
+            }
+            e => panic!("{e}"),
+        }
+        std::fs::write(d.join("model-2.safetensors"), b"short").unwrap();
+        // SAFETY: as above.
+        match unsafe { open(&d) }.unwrap_err() {
+            HfError::Safetensors { path, .. } => assert!(path.ends_with("model-2.safetensors")),
+            e => panic!("{e}"),
+        }
+        let _ = std::fs::remove_dir_all(&d);
+    }
+}
