@@ -96,6 +96,19 @@ pub enum HfError {
         /// `rope_type`.
         kind: String,
     },
+    /// `config.json` asks for something the forward pass does not compute (an MLP bias, an
+    /// activation other than the family's, Gemma 3 attention soft-capping, ...).
+    #[error("{path}: `{key}` = {value} is not supported: {reason}")]
+    UnsupportedFeature {
+        /// `config.json`.
+        path: PathBuf,
+        /// The key.
+        key: String,
+        /// Its value, as JSON.
+        value: String,
+        /// What the forward pass does instead.
+        reason: &'static str,
+    },
     /// A safetensors file could not be parsed.
     #[error("{path}: {source}")]
     Safetensors {
@@ -156,9 +169,14 @@ struct TensorRef {
 /// use gpu_pipeline::{HfModel, Model, ModelOptions};
 /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
 /// // SAFETY: the model files are not modified while mapped.
-/// let src = unsafe { gpu_pipeline::hf::open("models/SmolLM3-3B")? };
+/// let src = unsafe { HfModel::open("models/SmolLM3-3B")? };
 /// let tokenizer = token_stream::Tokenizer::from_tokenizer_json_file(src.tokenizer_json_path())?;
+/// let template = match src.chat_template() {
+///     Some(t) => Some(token_stream::ChatTemplate::new(&t, "", "<|im_end|>")?),
+///     None => None,
+/// };
 /// let model = Model::load_source(Arc::new(src), ModelOptions::default())?;
+/// # let _ = (tokenizer, template, model);
 /// # Ok(()) }
 /// ```
 #[derive(Debug)]
@@ -607,6 +625,59 @@ fn rope_parameters<'a>(cfg: &Reader<'a>, layer_type: &str) -> Result<Option<Read
     }
 }
 
+/// Refuses settings the forward pass would silently ignore.
+fn check_features(cfg: &Reader<'_>, arch: &str) -> Result<(), HfError> {
+    let gemma = arch == "gemma2" || arch == "gemma3";
+    let unsupported = |key: &str, v: &Value, reason| HfError::UnsupportedFeature {
+        path: cfg.path.to_path_buf(),
+        key: key.into(),
+        value: v.to_string(),
+        reason,
+    };
+    let (act_key, act_ok, reason): (&str, &[&str], _) = if gemma {
+        (
+            "hidden_activation",
+            &["gelu_pytorch_tanh", "gelu_tanh"],
+            "Gemma's MLP is GeGLU with tanh-approximated GELU",
+        )
+    } else {
+        ("hidden_act", &["silu", "swish"], "the MLP is SwiGLU (SiLU)")
+    };
+    if let Some(v) = cfg.get(act_key)
+        && !v.as_str().is_some_and(|a| act_ok.contains(&a))
+    {
+        return Err(unsupported(act_key, v, reason));
+    }
+    if let Some(v) = cfg.get("mlp_bias")
+        && v.as_bool() != Some(false)
+    {
+        return Err(unsupported("mlp_bias", v, "the MLP has no biases"));
+    }
+    if arch == "gemma3"
+        && let Some(v) = cfg.get("attn_logit_softcapping")
+    {
+        return Err(unsupported(
+            "attn_logit_softcapping",
+            v,
+            "Gemma 3 attention scores are not soft-capped",
+        ));
+    }
+    if arch == "gemma3"
+        && let Some(kind) = cfg
+            .get("rope_parameters")
+            .and_then(|r| r.get("sliding_attention"))
+            .and_then(|r| r.get("rope_type"))
+            .filter(|t| t.as_str() != Some("default"))
+    {
+        return Err(unsupported(
+            "rope_parameters.sliding_attention.rope_type",
+            kind,
+            "Gemma 3's local layers rotate without scaling",
+        ));
+    }
+    Ok(())
+}
+
 fn translate_config(
     path: &Path,
     config: &Value,
@@ -652,6 +723,7 @@ fn translate_config(
         put("zerolayer.norm.weight_offset".into(), Meta::F32(1.0));
     }
 
+    check_features(&cfg, &arch)?;
     let n_layers = cfg.u32_req("num_hidden_layers")?;
     let n_embd = cfg.u32_req("hidden_size")?;
     let n_heads = cfg.u32_req("num_attention_heads")?;
