@@ -191,28 +191,43 @@ hf_tests! {
     mistral_f16_top1_matches_transformers => check_low_precision("mistral-f16"),
 }
 
+/// The tokenizer and chat template of every directory load and agree with the `tokenizers`
+/// library's ids and transformers' `apply_chat_template` rendering.
 #[test]
-fn tokenizer_and_chat_template_load_from_every_directory() {
+fn tokenizer_and_chat_template_match_transformers_in_every_directory() {
+    let reference = &fixture()["tokenizer"];
+    let text = reference["text"].as_str().unwrap();
+    let chat_text = reference["chat"].as_str().unwrap();
+    let messages: Vec<token_stream::ChatMessage<'_>> = reference["messages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| {
+            token_stream::ChatMessage::new(
+                m["role"].as_str().unwrap(),
+                m["content"].as_str().unwrap(),
+            )
+        })
+        .collect();
     for name in fixture()["models"].as_object().unwrap().keys() {
         // SAFETY: the fixtures are not modified while the tests run.
         let src = unsafe { HfModel::open(dir(name)) }.unwrap();
         let tok = token_stream::Tokenizer::from_tokenizer_json_file(src.tokenizer_json_path())
             .unwrap_or_else(|e| panic!("{name}: tokenizer.json: {e}"));
-        assert!(
-            !tok.encode("The quick brown fox").is_empty(),
-            "{name}: encodes"
+        assert_eq!(
+            tok.encode(text).to_vec(),
+            ids_of(&reference["ids"]),
+            "{name}: ids of {text:?}"
         );
         let template = src.chat_template().expect("chat_template");
         let chat = token_stream::ChatTemplate::new(&template, "<s>", "</s>")
             .unwrap_or_else(|e| panic!("{name}: chat template: {e}"));
-        let text = chat
-            .render(&[token_stream::ChatMessage::new("user", "hi")], true)
-            .unwrap();
+        assert_eq!(chat.render(&messages, true).unwrap(), chat_text, "{name}");
         assert_eq!(
-            text,
-            "<s><|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+            tok.encode_with_specials(chat_text).to_vec(),
+            ids_of(&reference["chat_ids"]),
+            "{name}: ids of the chat"
         );
-        assert!(!tok.encode_with_specials(&text).is_empty(), "{name}");
         assert_eq!(src.eos_token_ids(), [1], "{name}");
         assert_eq!(src.model_name().as_deref(), Some(name.as_str()));
         assert_eq!(src.get_u32("tokenizer.ggml.bos_token_id"), Some(0));
