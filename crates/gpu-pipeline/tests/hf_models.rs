@@ -33,13 +33,17 @@ fn dir(name: &str) -> PathBuf {
         .join(name)
 }
 
+/// The model of directory `name`, serving the fixture's `context` when it names one.
 fn load(name: &str) -> Model {
+    load_with(name, fixture()["models"][name]["context"].as_u64())
+}
+
+fn load_with(name: &str, context: Option<u64>) -> Model {
     // SAFETY: the fixtures are not modified while the tests run.
     let src = unsafe { HfModel::open(dir(name)) }
         .unwrap_or_else(|e| panic!("{name}: does not open: {e}"));
-    let entry = &fixture()["models"][name];
     let mut opts = ModelOptions::default();
-    if let Some(ctx) = entry["context"].as_u64() {
+    if let Some(ctx) = context {
         opts = opts.with_context(ctx as usize);
     }
     Model::load_source(Arc::new(src), opts).unwrap_or_else(|e| panic!("{name}: does not load: {e}"))
@@ -66,6 +70,53 @@ fn logits(model: &Model, ids: &[u32], chunk: usize) -> Vec<f32> {
     all
 }
 
+/// Max |ours - want| / max |want| over one row, and where.
+fn row_error(ours: &[f32], want: &Value) -> (f64, usize, f64) {
+    let want: Vec<f64> = want
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_f64().unwrap())
+        .collect();
+    assert_eq!(ours.len(), want.len(), "vocabulary size");
+    let scale = want.iter().fold(0f64, |m, x| m.max(x.abs()));
+    let (mut err, mut at) = (0f64, 0);
+    for (i, (&o, &w)) in ours.iter().zip(&want).enumerate() {
+        let e = (f64::from(o) - w).abs();
+        if e > err {
+            (err, at) = (e, i);
+        }
+    }
+    (err / scale, at, want[at])
+}
+
+/// Phi-3 past `original_max_position_embeddings`, served with the default context (its
+/// `max_position_embeddings`): the long LongRoPE factors, as transformers uses them for a
+/// sequence that long.
+#[test]
+fn phi3_long_sequence_uses_the_long_rope_factors_as_transformers() {
+    let long = &fixture()["models"]["phi3"]["long"];
+    let model = load_with("phi3", None);
+    let vocab = model.config().vocab_size;
+    let ids = ids_of(&long["ids"]);
+    let got = logits(&model, &ids, ids.len());
+    for (p, want) in long["positions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .zip(long["logits"].as_array().unwrap())
+    {
+        let p = p.as_u64().unwrap() as usize;
+        let ours = &got[p * vocab..(p + 1) * vocab];
+        let (rel, at, w) = row_error(ours, want);
+        assert!(
+            rel < 1e-3,
+            "phi3 (long): position {p}: relative error {rel:.2e} at token {at} ({} vs {w})",
+            ours[at]
+        );
+    }
+}
+
 fn check_f32(name: &str) {
     let model = load(name);
     let vocab = model.config().vocab_size;
@@ -83,31 +134,16 @@ fn check_f32(name: &str) {
         for chunk in [ids.len(), 5] {
             let got = logits(&model, &ids, chunk);
             for (p, row) in want.iter().enumerate() {
-                let row: Vec<f64> = row
-                    .as_array()
-                    .unwrap()
-                    .iter()
-                    .map(|x| x.as_f64().unwrap())
-                    .collect();
-                assert_eq!(row.len(), vocab, "{name}: vocabulary size");
-                let scale = row.iter().fold(0f64, |m, x| m.max(x.abs()));
                 let ours = &got[p * vocab..(p + 1) * vocab];
-                let (mut err, mut at) = (0f64, 0);
-                for (i, (&o, &w)) in ours.iter().zip(&row).enumerate() {
-                    let e = (f64::from(o) - w).abs();
-                    if e > err {
-                        (err, at) = (e, i);
-                    }
-                }
-                let rel = err / scale;
+                let (rel, at, w) = row_error(ours, row);
                 worst = worst.max(rel);
                 assert!(
                     rel < 1e-3,
                     "{name}: sequence of {} tokens, chunks of {chunk}: position {p}: \
-                     |logit - transformers| {err:.5} at token {at} ({} vs {}), scale {scale:.3}",
+                     |logit - transformers| / max |logit| = {rel:.2e} at token {at} \
+                     ({} vs {w})",
                     ids.len(),
                     ours[at],
-                    row[at]
                 );
             }
         }
