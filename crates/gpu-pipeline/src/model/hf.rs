@@ -8,6 +8,11 @@
 //! [`WeightSource`] documents: Hugging Face checkpoints rotate halves of each head (llama.cpp's
 //! converter permutes Llama's Q/K instead), Gemma stores RMSNorm weights as `w - 1`, and the
 //! per-layer features (sliding windows, SmolLM3's layers without RoPE) come as arrays.
+//!
+//! One difference from transformers is llama.cpp's on purpose: LongRoPE (Phi-3) picks its short
+//! or long factors by the served context ([`ModelOptions::with_context`](super::ModelOptions)),
+//! once, where transformers picks them by the length of each sequence. Serve at most
+//! `original_max_position_embeddings` to get transformers' results on shorter sequences.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
