@@ -3,6 +3,7 @@
 
 pub(crate) mod attention;
 mod config;
+pub mod hf;
 mod ops;
 mod source;
 
@@ -20,6 +21,7 @@ pub use config::{
     Activation, LayerConfig, LayerRope, ModelConfig, RopeConfig, RopeLayout, RopeScaling,
     SUPPORTED_ARCHITECTURES,
 };
+pub use hf::{HfError, HfModel};
 pub use source::{GgufSource, SourceTensor, WeightSource};
 
 /// Options of [`Model::load`].
