@@ -310,7 +310,7 @@ type Touch<'a> = Option<(&'a WeightCache, weight_cache::RequestId)>;
 ///
 /// The graph is one for every supported family; a family is a [`ModelConfig`] (norm placement,
 /// activation, biases, per-layer RoPE and window, soft-caps, scales). The forward pass runs in
-/// named stages: [`embed`](Self::embed), then per layer the attention block and the MLP block,
+/// named stages: embed, then per layer the attention block and the MLP block,
 /// then the output head.
 ///
 /// `Send + Sync`; [`forward`](Self::forward) calls are serialized internally (the scratch
