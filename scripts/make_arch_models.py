@@ -25,8 +25,8 @@ Token embeddings (and llama3/phi3's output head) are Q8_0 for the 128k-152k voca
 for the 32k ones (quantized with the `gguf` package's reference Q8_0); norms, biases and rope
 factors F32; other matrices F32 (llama.cpp then computes them without rounding the activations).
 Then QUANTIZED: variants written by llama.cpp's own quantizer (`llama_cpp.llama_model_quantize`).
-The set is ~180 MB, most of it the four 128k/152k-vocabulary models (Q8_0 embedding ~17-21 MB,
-tokenizer 6-8 MB each); EMBD_LARGE = Q4_0 would bring it to ~135 MB.
+The set is ~190 MB, most of it the four 128k/152k-vocabulary models (Q8_0 embedding 17-21 MB,
+llama3's Q8_0 head another 17 MB, tokenizer 6-8 MB each); EMBD_LARGE = Q4_0 would save ~44 MB.
 
 Output: $ZEROLAYER_TEST_MODELS or ~/.cache/zerolayer/test-models/arch-<name>.gguf, merged into the
 manifest (`manifest.json`: file name -> sha256) that scripts/make_test_models.py writes.
@@ -150,7 +150,7 @@ def embd_dtype(vocab):
     return EMBD_LARGE if vocab > 65536 else F16
 
 
-def llama_block(b, i, d, n_ff, q_dim, kv_dim, bias=False, qk_norm=None):
+def llama_block(b, i, d, n_ff, q_dim, kv_dim, bias=False, qk_norm=None, out_scale=0.5):
     p = f"blk.{i}."
     b.add(p + "attn_norm.weight", b.vec(d))
     b.add(p + "attn_q.weight", b.mat(q_dim, d))
@@ -164,12 +164,20 @@ def llama_block(b, i, d, n_ff, q_dim, kv_dim, bias=False, qk_norm=None):
     if qk_norm is not None:
         b.add(p + "attn_q_norm.weight", b.vec(qk_norm, 1.0, 0.3))
         b.add(p + "attn_k_norm.weight", b.vec(qk_norm, 1.0, 0.3))
-    b.add(p + "attn_output.weight", b.mat(d, q_dim, 0.5))
+    b.add(p + "attn_output.weight", b.mat(d, q_dim, out_scale))
     b.add(p + "ffn_norm.weight", b.vec(d))
     b.add(p + "ffn_gate.weight", b.mat(n_ff, d))
     b.add(p + "ffn_up.weight", b.mat(n_ff, d))
-    b.add(p + "ffn_down.weight", b.mat(d, n_ff, 0.5))
+    b.add(p + "ffn_down.weight", b.mat(d, n_ff, out_scale))
 
+
+# Tied heads: the residual stream carries the input token's embedding, whose logit through the
+# same matrix is |e|^2/rms(state) (~16/rms); unless the blocks' outputs outweigh it (rms ~2-4
+# against the embedding's 0.35 per entry), the top-1 is the input token itself and says nothing
+# about the layers. Hence TIED_OUT_SCALE for the attention output and FFN down projections of
+# the tied Llama-like models, and post norms of ~6-7 for Gemma (whose input is also scaled by
+# sqrt(n_embd)).
+TIED_OUT_SCALE = 2.0
 
 # Embedding entries of std 0.35: a tied head on a normalized state of rms ~1 then gives logits
 # of std ~0.35*sqrt(n_embd) ~4 (n_embd 128), so top-2 gaps above 0.5 are common even over 150k
@@ -220,7 +228,7 @@ def write_qwen2(path):
     b.common(512, d, ff, nl, nh, nkv, 1e-6, 1000000.0)
     embedding(b, d)
     for i in range(nl):
-        llama_block(b, i, d, ff, d, hd * nkv, bias=True)
+        llama_block(b, i, d, ff, d, hd * nkv, bias=True, out_scale=TIED_OUT_SCALE)
     b.add("output_norm.weight", b.vec(d))
     b.finish()
 
@@ -231,7 +239,7 @@ def write_qwen3(path):
     b.common(512, d, ff, nl, nh, nkv, 1e-6, 1000000.0, head_dim=hd)
     embedding(b, d)
     for i in range(nl):
-        llama_block(b, i, d, ff, nh * hd, nkv * hd, qk_norm=hd)
+        llama_block(b, i, d, ff, nh * hd, nkv * hd, qk_norm=hd, out_scale=TIED_OUT_SCALE)
     b.add("output_norm.weight", b.vec(d))
     b.finish()
 
@@ -248,12 +256,12 @@ def gemma_block(b, i, d, ff, nh, nkv, hd, qk_scale, post_norm, qk_norm):
         b.add(p + "attn_k_norm.weight", b.vec(hd, 1.5, 0.3))
     b.add(p + "attn_output.weight", b.mat(d, nh * hd, 0.5))
     # Gemma's GGUF norms already include the +1 of the checkpoints (the converter adds it).
-    b.add(p + "post_attention_norm.weight", b.vec(d, post_norm, 0.2))
+    b.add(p + "post_attention_norm.weight", b.vec(d, post_norm, 0.1 * post_norm))
     b.add(p + "ffn_norm.weight", b.vec(d))
     b.add(p + "ffn_gate.weight", b.mat(ff, d))
     b.add(p + "ffn_up.weight", b.mat(ff, d))
     b.add(p + "ffn_down.weight", b.mat(d, ff, 0.5))
-    b.add(p + "post_ffw_norm.weight", b.vec(d, post_norm, 0.2))
+    b.add(p + "post_ffw_norm.weight", b.vec(d, post_norm, 0.1 * post_norm))
 
 
 def write_gemma2(path):
@@ -262,12 +270,13 @@ def write_gemma2(path):
     b.common(512, d, ff, nl, nh, nkv, 1e-6, 10000.0, head_dim=hd)
     # Q/K of std 2.5 each: scores q.k/sqrt(64) of std ~6, max ~15-20 before the cap of 10.
     b.hp("attn_logit_softcapping", 10.0)
-    # Logits of std ~4 (max ~18) against a cap of 15: tanh visibly bends the top of the list.
-    b.hp("final_logit_softcapping", 15.0)
+    # Logits of std ~4 (max ~18-20) against a cap of 20: tanh halves the gaps at the top of the
+    # list (a cap of 15 compressed them so much that few positions were decisive).
+    b.hp("final_logit_softcapping", 20.0)
     b.hp("attention.sliding_window", 16)
     embedding(b, d)
     for i in range(nl):
-        gemma_block(b, i, d, ff, nh, nkv, hd, 2.5, post_norm=2.0, qk_norm=False)
+        gemma_block(b, i, d, ff, nh, nkv, hd, 2.5, post_norm=7.0, qk_norm=False)
     b.add("output_norm.weight", b.vec(d))
     b.finish()
 
@@ -280,7 +289,7 @@ def write_gemma3(path):
     b.hp("attention.sliding_window", 16)
     embedding(b, d)
     for i in range(nl):
-        gemma_block(b, i, d, ff, nh, nkv, hd, 1.0, post_norm=2.0, qk_norm=True)
+        gemma_block(b, i, d, ff, nh, nkv, hd, 1.0, post_norm=6.0, qk_norm=True)
     b.add("output_norm.weight", b.vec(d))
     b.finish()
 
@@ -325,7 +334,7 @@ def write_smollm3(path):
     b.common(512, d, ff, nl, nh, nkv, 1e-6, 2000000.0)
     embedding(b, d)
     for i in range(nl):
-        llama_block(b, i, d, ff, d, hd * nkv)
+        llama_block(b, i, d, ff, d, hd * nkv, out_scale=TIED_OUT_SCALE)
     b.add("output_norm.weight", b.vec(d))
     b.finish()
 

@@ -20,6 +20,11 @@
 //! - on the longest sequence's last position, over the whole vocabulary: the mean |difference|
 //!   is within the same bound, and the largest within 2x llama.cpp's largest flash on/off
 //!   difference on that row (a maximum over 32k-152k tokens is a noisier statistic than a mean).
+//!
+//! The rings here hold just the sequence (37-200 tokens), but llama.cpp ran with a context of
+//! 512 (the fixture's `n_ctx`, the files' `context_length`): phi3's RoPE factors must follow the
+//! model's context (512 > `phi3.rope.scaling.original_context_length` 64: the long factors, as
+//! llama.cpp's `get_rope_factors` picks them), not a ring's capacity.
 
 mod common;
 
