@@ -64,3 +64,62 @@ pub fn nll_second_half(logits: &[f32], chunk: &[u32], vocab: usize) -> (f64, usi
     }
     (nll, count)
 }
+
+/// Logits of every position of `ids` fed in steps of `chunk` tokens through one KV ring (the
+/// incremental path: each step attends to the cached K/V of the steps before it).
+pub fn chunked_logits(model: &Model, dtype: KvDtype, ids: &[u32], chunk: usize) -> Vec<f32> {
+    let mut kv = ring(model, dtype, ids.len());
+    let (mut all, mut out) = (Vec::new(), Vec::new());
+    for step in ids.chunks(chunk) {
+        model
+            .forward(
+                &mut [SeqStep {
+                    tokens: step,
+                    kv: &mut kv,
+                    logits: LogitsWanted::All,
+                }],
+                &mut out,
+            )
+            .unwrap();
+        all.extend_from_slice(&out);
+    }
+    all
+}
+
+/// The test models' directory: `$ZEROLAYER_TEST_MODELS`, else `~/.cache/zerolayer/test-models`
+/// (where `scripts/make-test-models` writes them).
+pub fn test_models_dir() -> std::path::PathBuf {
+    std::env::var_os("ZEROLAYER_TEST_MODELS").map_or_else(
+        || {
+            let home = std::env::var_os("HOME").expect("HOME is set");
+            std::path::PathBuf::from(home).join(".cache/zerolayer/test-models")
+        },
+        std::path::PathBuf::from,
+    )
+}
+
+/// Standard base64 (RFC 4648, with padding) to bytes.
+pub fn base64_decode(text: &str) -> Vec<u8> {
+    fn value(c: u8) -> u32 {
+        match c {
+            b'A'..=b'Z' => u32::from(c - b'A'),
+            b'a'..=b'z' => u32::from(c - b'a') + 26,
+            b'0'..=b'9' => u32::from(c - b'0') + 52,
+            b'+' => 62,
+            b'/' => 63,
+            _ => panic!("not base64: {:?}", c as char),
+        }
+    }
+    let text = text.as_bytes();
+    assert_eq!(text.len() % 4, 0, "base64 length {}", text.len());
+    let mut out = Vec::with_capacity(text.len() / 4 * 3);
+    for quad in text.chunks_exact(4) {
+        let pad = quad.iter().rev().take_while(|&&c| c == b'=').count();
+        let bits = quad[..4 - pad]
+            .iter()
+            .enumerate()
+            .fold(0u32, |acc, (i, &c)| acc | value(c) << (18 - 6 * i));
+        out.extend_from_slice(&bits.to_be_bytes()[1..4 - pad]);
+    }
+    out
+}

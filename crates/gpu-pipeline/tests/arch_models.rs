@@ -1,0 +1,254 @@
+//! Every supported model family, end to end against llama.cpp: llama3 (`rope_freqs`), qwen2
+//! (Q/K/V biases), qwen3 (Q/K RMSNorm, head_dim != n_embd/n_head), gemma2 (post norms, logit
+//! soft-capping, sliding window), gemma3 (Q/K norms, 5:1 sliding/global layers with their own
+//! RoPE bases), phi3 (fused QKV and gate/up, LongRoPE factors), smollm3 (no RoPE on every fourth
+//! layer), and two of them quantized by llama.cpp's quantizer.
+//!
+//! Models: `scripts/make-test-models` (`scripts/make_arch_models.py`: small random-weight models
+//! with llama.cpp's tensor names, metadata and real tokenizers; kept in
+//! `~/.cache/zerolayer/test-models` or `$ZEROLAYER_TEST_MODELS`). Fixture:
+//! `tests/fixtures/arch-models.json`, llama.cpp's teacher-forced logits with flash attention off,
+//! and its flash on/off difference, made by `scripts/fixtures/gpu-pipeline-arch-fixtures.py`.
+//!
+//! For each file and each of its three token sequences (the longest, 200 tokens, runs past the
+//! sliding windows of 16 and the original RoPE contexts of 64), run twice: the whole sequence as
+//! one step, and in steps of 7 tokens through one KV ring (the cached path across the window):
+//! - top-1 equals llama.cpp's wherever llama.cpp's top-2 gap exceeds 0.5;
+//! - the mean |logit - llama.cpp| over llama.cpp's top-8 ids and all positions is at most 1.5x
+//!   llama.cpp's own flash-attention on/off difference on that file (mean over positions and the
+//!   whole vocabulary);
+//! - on the longest sequence's last position, over the whole vocabulary: the mean |difference|
+//!   is within the same bound, and the largest within 2x llama.cpp's largest flash on/off
+//!   difference on that row (a maximum over 32k-152k tokens is a noisier statistic than a mean).
+//!
+//! The rings here hold just the sequence (37-200 tokens), but llama.cpp ran with a context of
+//! 512 (the fixture's `n_ctx`, the files' `context_length`): phi3's RoPE factors must follow the
+//! model's context (512 > `phi3.rope.scaling.original_context_length` 64: the long factors, as
+//! llama.cpp's `get_rope_factors` picks them), not a ring's capacity.
+
+mod common;
+
+use std::sync::{Arc, OnceLock};
+
+use common::{all_logits, argmax, base64_decode, chunked_logits, ids_of, test_models_dir};
+use gpu_pipeline::{Model, ModelOptions};
+use kv_ring::KvDtype;
+use serde_json::Value;
+use sha2::{Digest, Sha256};
+
+fn fixture() -> &'static Value {
+    static F: OnceLock<Value> = OnceLock::new();
+    F.get_or_init(|| {
+        let p = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/tests/fixtures/arch-models.json"
+        );
+        serde_json::from_str(&std::fs::read_to_string(p).unwrap()).unwrap()
+    })
+}
+
+/// llama.cpp keeps K and V in f16 by default; so do we here.
+const KV_DTYPE: KvDtype = KvDtype::F16;
+
+/// Steps of the incremental run: not a divisor of the window (16) or of the sequence lengths, so
+/// steps straddle the window's edge.
+const CHUNK: usize = 7;
+
+/// Positions where llama.cpp's top-2 gap exceeds this must have the same top-1.
+const DECISIVE_GAP: f64 = 0.5;
+
+/// The last position's full-vocabulary logits of the fixture, decoded.
+fn last_row(seq: &Value) -> Option<Vec<f32>> {
+    let packed = seq.get("last_logits")?;
+    let offset = packed["offset"].as_f64().unwrap();
+    let step = packed["step"].as_f64().unwrap();
+    let bytes = base64_decode(packed["i16_le_base64"].as_str().unwrap());
+    Some(
+        bytes
+            .chunks_exact(2)
+            .map(|b| (offset + step * f64::from(i16::from_le_bytes([b[0], b[1]]))) as f32)
+            .collect(),
+    )
+}
+
+/// What one run (one step, or steps of CHUNK) of one sequence got wrong.
+#[derive(Default)]
+struct Score {
+    decisive: usize,
+    top1_misses: Vec<String>,
+    abs_err: f64,
+    compared: usize,
+}
+
+fn score_run(label: &str, logits: &[f32], vocab: usize, seq: &Value, score: &mut Score) {
+    let top_ids = seq["top_ids"].as_array().unwrap();
+    let top_logits = seq["top_logits"].as_array().unwrap();
+    let gaps = seq["gaps"].as_array().unwrap();
+    assert_eq!(logits.len(), top_ids.len() * vocab, "{label}: logits rows");
+    for (pos, ((ids, want), gap)) in top_ids.iter().zip(top_logits).zip(gaps).enumerate() {
+        let row = &logits[pos * vocab..(pos + 1) * vocab];
+        let ids = ids_of(ids);
+        let gap = gap.as_f64().unwrap();
+        if gap > DECISIVE_GAP {
+            score.decisive += 1;
+            let got = argmax(row);
+            if got != ids[0] as usize {
+                score.top1_misses.push(format!(
+                    "{label} position {pos}: top-1 {got} (logit {:.3}), llama.cpp {} (gap {gap:.3}, \
+                     our logit for it {:.3})",
+                    row[got], ids[0], row[ids[0] as usize]
+                ));
+            }
+        }
+        for (&id, want) in ids.iter().zip(want.as_array().unwrap()) {
+            score.abs_err += (f64::from(row[id as usize]) - want.as_f64().unwrap()).abs();
+            score.compared += 1;
+        }
+    }
+}
+
+/// Full-vocabulary check of the last position: mean and largest |difference|.
+fn check_last_row(label: &str, logits: &[f32], vocab: usize, seq: &Value, mean_bound: f64) {
+    let Some(want) = last_row(seq) else { return };
+    assert_eq!(want.len(), vocab, "{label}: fixture row length");
+    let ours = &logits[logits.len() - vocab..];
+    let step = seq["last_logits"]["step"].as_f64().unwrap();
+    let (mut sum, mut worst, mut worst_id) = (0f64, 0f64, 0usize);
+    for (id, (&a, &b)) in ours.iter().zip(&want).enumerate() {
+        let d = (f64::from(a) - f64::from(b)).abs();
+        sum += d;
+        if d > worst {
+            (worst, worst_id) = (d, id);
+        }
+    }
+    let mean = sum / vocab as f64;
+    // The stored row is rounded to `step`: half a step on top of each bound.
+    let max_bound = 2.0 * seq["last_flash_on_off_max_abs"].as_f64().unwrap() + step / 2.0;
+    eprintln!(
+        "{label} last position, whole vocabulary: mean |diff| {mean:.4} (bound {:.4}), max \
+         {worst:.4} at token {worst_id} (bound {max_bound:.4})",
+        mean_bound + step / 2.0
+    );
+    assert!(
+        mean <= mean_bound + step / 2.0,
+        "{label} last position: mean |logit - llama.cpp| over the vocabulary {mean:.4} > {:.4}",
+        mean_bound + step / 2.0
+    );
+    assert!(
+        worst <= max_bound,
+        "{label} last position: |logit - llama.cpp| {worst:.4} at token {worst_id} > {max_bound:.4} \
+         (2x llama.cpp's largest flash on/off difference on that row)"
+    );
+}
+
+fn check_model(name: &str) {
+    let entry = &fixture()["models"][name];
+    assert!(entry.is_object(), "{name} is not in the fixture");
+    let path = test_models_dir().join(entry["file"].as_str().unwrap());
+    let bytes = std::fs::read(&path).unwrap_or_else(|e| {
+        panic!(
+            "{}: {e}: run scripts/make-test-models to write the test models",
+            path.display()
+        )
+    });
+    let sha: String = Sha256::digest(&bytes)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    drop(bytes);
+    assert_eq!(
+        sha,
+        entry["sha256"].as_str().unwrap(),
+        "{name}: not the file the fixture was made from (another gguf or llama.cpp build?); \
+         rerun scripts/make-test-models, or regenerate the fixture"
+    );
+    // SAFETY: the test models are not modified while the tests run.
+    let gguf = Arc::new(unsafe { weight_cache::Gguf::open(&path) }.expect("open"));
+    let model = Model::load(gguf, ModelOptions::default())
+        .unwrap_or_else(|e| panic!("{name} does not load: {e}"));
+    let vocab = model.config().vocab_size;
+
+    // llama.cpp's flash on/off difference: f16 rounding of K/V and of the softmax's partial sums
+    // in one of the two paths; about 2-3 f16 steps of these logits (|logit| ~4-20), so no floor.
+    let noise = entry["flash_on_off_mean_abs"].as_f64().unwrap();
+    let bound = 1.5 * noise;
+    for (run, chunk) in [("one step", usize::MAX), ("steps of 7", CHUNK)] {
+        let mut score = Score::default();
+        for (s, seq) in entry["sequences"].as_array().unwrap().iter().enumerate() {
+            let ids = ids_of(&seq["ids"]);
+            let logits = if chunk == usize::MAX {
+                all_logits(&model, KV_DTYPE, &ids)
+            } else {
+                chunked_logits(&model, KV_DTYPE, &ids, chunk)
+            };
+            let label = format!("{name}: sequence {s} ({} tokens, {run})", ids.len());
+            score_run(&label, &logits, vocab, seq, &mut score);
+            check_last_row(&label, &logits, vocab, seq, bound);
+        }
+        let err = score.abs_err / score.compared as f64;
+        eprintln!(
+            "{name} ({run}): top-1 {}/{} decisive positions; mean |logit - llama.cpp| over its \
+             top-8 {err:.4} (llama.cpp flash on/off {noise:.4})",
+            score.decisive - score.top1_misses.len(),
+            score.decisive
+        );
+        assert!(
+            score.decisive >= 40,
+            "{name}: too few decisive positions ({})",
+            score.decisive
+        );
+        assert!(
+            score.top1_misses.is_empty(),
+            "{name} ({run}): top-1 must equal llama.cpp's wherever its top-2 gap exceeds \
+             {DECISIVE_GAP}; {} misses:\n{}",
+            score.top1_misses.len(),
+            score.top1_misses.join("\n")
+        );
+        assert!(
+            err <= bound,
+            "{name} ({run}): mean |logit - llama.cpp| over its top-8 {err:.4} > 1.5 x llama.cpp's \
+             flash on/off difference {noise:.4}"
+        );
+    }
+}
+
+#[test]
+fn base64_decoder_reads_padded_and_unpadded_groups() {
+    assert_eq!(base64_decode("AQID"), [1, 2, 3]);
+    assert_eq!(base64_decode("AQIDBA=="), [1, 2, 3, 4]);
+    assert_eq!(base64_decode("AQIDBAU="), [1, 2, 3, 4, 5]);
+    assert_eq!(base64_decode("//79"), [0xff, 0xfe, 0xfd]);
+}
+
+macro_rules! arch_tests {
+    ($($(#[$attr:meta])* $test:ident => $name:literal,)*) => {
+        $(
+            #[test]
+            $(#[$attr])*
+            fn $test() {
+                check_model($name);
+            }
+        )*
+
+        /// Every model of the fixture has a test above.
+        #[test]
+        fn every_model_of_the_fixture_is_tested() {
+            let tested = [$($name),*];
+            for name in fixture()["models"].as_object().unwrap().keys() {
+                assert!(tested.contains(&name.as_str()), "{name} has no test");
+            }
+        }
+    };
+}
+
+arch_tests! {
+    llama3_rope_freqs_and_untied_head => "arch-llama3",
+    qwen2_qkv_bias => "arch-qwen2",
+    qwen3_qk_norm_and_wide_heads => "arch-qwen3",
+    gemma2_softcaps_post_norms_and_sliding_window => "arch-gemma2",
+    gemma3_qk_norm_and_local_global_layers => "arch-gemma3",
+    phi3_fused_qkv_gate_up_and_longrope => "arch-phi3",
+    smollm3_no_rope_every_fourth_layer => "arch-smollm3",
+    gemma2_q4_k_m => "arch-gemma2.Q4_K_M",
+    gemma3_q8_0 => "arch-gemma3.Q8_0",
+}

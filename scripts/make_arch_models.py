@@ -1,0 +1,387 @@
+#!/usr/bin/env python3
+"""Write the model-family test models of gpu-pipeline's `tests/arch_models.rs`.
+
+One small random-weight model per family the forward pass supports beyond plain Llama, each with
+llama.cpp's exact tensor names and metadata keys (as its converter, convert_hf_to_gguf.py, writes
+them) and a real tokenizer copied from llama.cpp's tokenizer test vocabularies
+(scripts/fetch-vocab-suite), so each file is a complete model a server can run:
+
+  arch-llama3   `llama`: untied output, GQA, rope base 500000, `rope_freqs.weight` from Llama 3.1's
+                formula (factor 8, low 1, high 4, original context 64); llama-bpe vocabulary.
+  arch-qwen2    `qwen2`: Q/K/V biases, tied output; qwen2 vocabulary.
+  arch-qwen3    `qwen3`: Q/K RMSNorm over head_dim 64 != n_embd/n_head (32), tied; qwen2 vocabulary.
+  arch-gemma2   `gemma2`: post norms (`post_attention_norm`, `post_ffw_norm`), attention and final logit soft-capping
+                that bite, sliding window 16 on even layers (llama.cpp's default pattern 2),
+                head_dim 64 != n_embd/n_head, tied; llama-spm vocabulary.
+  arch-gemma3   `gemma3`: Q/K norms, post norms, sliding window 16 on layers 0-4 (pattern 6),
+                rope base 10000 on the sliding layers and 1000000 on layer 5, head_dim 256, one KV
+                head, tied; llama-spm vocabulary.
+  arch-phi3     `phi3`: fused `attn_qkv`, `ffn_up` of 2*n_ff (gate then up), long/short rope factors
+                (original context 64, context 512, attn_factor as the converter computes it);
+                phi-3 vocabulary.
+  arch-smollm3  `smollm3`: no RoPE on layers with (il+1)%4==0, tied; llama-bpe vocabulary.
+
+Token embeddings (and llama3/phi3's output head) are Q8_0 for the 128k-152k vocabularies and F16
+for the 32k ones (quantized with the `gguf` package's reference Q8_0); norms, biases and rope
+factors F32; other matrices F32 (llama.cpp then computes them without rounding the activations).
+Then QUANTIZED: variants written by llama.cpp's own quantizer (`llama_cpp.llama_model_quantize`).
+The set is ~190 MB, most of it the four 128k/152k-vocabulary models (Q8_0 embedding 17-21 MB,
+llama3's Q8_0 head another 17 MB, tokenizer 6-8 MB each); EMBD_LARGE = Q4_0 would save ~44 MB.
+
+Output: $ZEROLAYER_TEST_MODELS or ~/.cache/zerolayer/test-models/arch-<name>.gguf, merged into the
+manifest (`manifest.json`: file name -> sha256) that scripts/make_test_models.py writes.
+Deterministic: fixed seeds (numpy default_rng), same gguf/llama.cpp release, same bytes.
+
+usage: make_arch_models.py [--only NAME...]   (NAME as in MODELS / QUANTIZED, e.g. arch-qwen3)
+"""
+import hashlib
+import json
+import math
+import os
+import pathlib
+import sys
+
+import numpy as np
+import gguf
+import llama_cpp.llama_cpp as llama_c
+
+OUT = pathlib.Path(os.environ.get("ZEROLAYER_TEST_MODELS",
+                                  os.path.expanduser("~/.cache/zerolayer/test-models")))
+VOCABS = pathlib.Path(os.environ.get(
+    "ZEROLAYER_VOCAB_SUITE",
+    os.path.expanduser("~/.cache/zerolayer/llama-vocab-suite-0.3.36")))
+SEED = 20261204
+Q8 = gguf.GGMLQuantizationType.Q8_0
+F16 = gguf.GGMLQuantizationType.F16
+# name -> (source, llama.cpp ftype); sources are the files of MODELS.
+# Small-vocabulary sources: a 152k-token Q4_K_M file would cost another 27 MB. gemma2's rows of
+# 256 (ffn_down, attn_output) take K-quants, its rows of 128 fall back (Q5_0/Q8_0): a mix.
+QUANTIZED = {"arch-gemma2.Q4_K_M": ("arch-gemma2", "Q4_K_M"),
+             "arch-gemma3.Q8_0": ("arch-gemma3", "Q8_0")}
+
+
+def sha256(path):
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for b in iter(lambda: f.read(1 << 20), b""):
+            h.update(b)
+    return h.hexdigest()
+
+
+class Builder:
+    """A GGUF writer with the random-weight helpers (one rng per model)."""
+
+    def __init__(self, path, arch, name, vocab, seed):
+        self.arch = arch
+        self.w = gguf.GGUFWriter(str(path), arch)
+        self.w.add_name(name)
+        self.w.add_file_type(gguf.LlamaFileType.ALL_F32)
+        self.rng = np.random.default_rng(seed)
+        self.vocab = copy_tokenizer(self.w, vocab)
+
+    def mat(self, rows, cols, scale=1.0):
+        """rows x cols (ggml ne = [cols, rows]) with entries of std scale/sqrt(cols): an output
+        of std ~scale for an RMS-normalized input."""
+        return (self.rng.standard_normal((rows, cols), dtype=np.float32)
+                * np.float32(scale / np.sqrt(cols)))
+
+    def vec(self, n, mean=1.0, std=0.1):
+        return (mean + std * self.rng.standard_normal(n)).astype(np.float32)
+
+    def add(self, name, data, dtype=None):
+        if dtype not in (None, F16):
+            self.w.add_tensor(name, gguf.quants.quantize(data, dtype), raw_dtype=dtype)
+        elif dtype == F16:
+            self.w.add_tensor(name, data.astype(np.float16))
+        else:
+            self.w.add_tensor(name, data)
+
+    def hp(self, key, value):
+        """`<arch>.<key>` with the writer's type inference (uint32 for int, float32 for float)."""
+        full = f"{self.arch}.{key}"
+        if isinstance(value, bool):
+            self.w.add_bool(full, value)
+        elif isinstance(value, int):
+            self.w.add_uint32(full, value)
+        else:
+            self.w.add_float32(full, float(value))
+
+    def common(self, n_ctx, d, n_ff, n_layer, n_head, n_head_kv, eps, rope_base,
+               head_dim=None, n_rot=None):
+        self.hp("context_length", n_ctx)
+        self.hp("embedding_length", d)
+        self.hp("feed_forward_length", n_ff)
+        self.hp("block_count", n_layer)
+        self.hp("attention.head_count", n_head)
+        self.hp("attention.head_count_kv", n_head_kv)
+        self.hp("attention.layer_norm_rms_epsilon", eps)
+        self.hp("rope.freq_base", rope_base)
+        if head_dim is not None:
+            self.hp("attention.key_length", head_dim)
+            self.hp("attention.value_length", head_dim)
+        self.hp("rope.dimension_count", n_rot if n_rot is not None else (head_dim or d // n_head))
+
+    def finish(self):
+        self.w.write_header_to_file()
+        self.w.write_kv_data_to_file()
+        self.w.write_tensors_to_file()
+        self.w.close()
+
+
+def copy_tokenizer(w, vocab):
+    """Every tokenizer.* key of the vocabulary file (tokens, types, merges or scores, special
+    ids, chat template); returns the vocabulary size."""
+    src = gguf.GGUFReader(str(VOCABS / f"ggml-vocab-{vocab}.gguf"))
+    for key, field in src.fields.items():
+        if not key.startswith("tokenizer."):
+            continue
+        value = field.contents()
+        if field.types[0] == gguf.GGUFValueType.ARRAY:
+            w.add_key_value(key, value, gguf.GGUFValueType.ARRAY, sub_type=field.types[-1])
+        else:
+            w.add_key_value(key, value, field.types[0])
+    return len(src.fields["tokenizer.ggml.tokens"].contents())
+
+
+EMBD_LARGE = Q8
+
+
+def embd_dtype(vocab):
+    return EMBD_LARGE if vocab > 65536 else F16
+
+
+def llama_block(b, i, d, n_ff, q_dim, kv_dim, bias=False, qk_norm=None, out_scale=0.5):
+    p = f"blk.{i}."
+    b.add(p + "attn_norm.weight", b.vec(d))
+    b.add(p + "attn_q.weight", b.mat(q_dim, d))
+    b.add(p + "attn_k.weight", b.mat(kv_dim, d))
+    b.add(p + "attn_v.weight", b.mat(kv_dim, d))
+    if bias:
+        # Biases of the size of the projections' outputs, so they move the scores visibly.
+        b.add(p + "attn_q.bias", b.vec(q_dim, 0.0, 0.7))
+        b.add(p + "attn_k.bias", b.vec(kv_dim, 0.0, 0.7))
+        b.add(p + "attn_v.bias", b.vec(kv_dim, 0.0, 0.7))
+    if qk_norm is not None:
+        b.add(p + "attn_q_norm.weight", b.vec(qk_norm, 1.0, 0.3))
+        b.add(p + "attn_k_norm.weight", b.vec(qk_norm, 1.0, 0.3))
+    b.add(p + "attn_output.weight", b.mat(d, q_dim, out_scale))
+    b.add(p + "ffn_norm.weight", b.vec(d))
+    b.add(p + "ffn_gate.weight", b.mat(n_ff, d))
+    b.add(p + "ffn_up.weight", b.mat(n_ff, d))
+    b.add(p + "ffn_down.weight", b.mat(d, n_ff, out_scale))
+
+
+# Tied heads: the residual stream carries the input token's embedding, whose logit through the
+# same matrix is |e|^2/rms(state) (~16/rms); unless the blocks' outputs outweigh it (rms ~2-4
+# against the embedding's 0.35 per entry), the top-1 is the input token itself and says nothing
+# about the layers. Hence TIED_OUT_SCALE for the attention output and FFN down projections of
+# the tied Llama-like models, and post norms of ~6-7 for Gemma (whose input is also scaled by
+# sqrt(n_embd)).
+TIED_OUT_SCALE = 2.0
+
+# Embedding entries of std 0.35: a tied head on a normalized state of rms ~1 then gives logits
+# of std ~0.35*sqrt(n_embd) ~4 (n_embd 128), so top-2 gaps above 0.5 are common even over 150k
+# tokens; untied heads use scale 4 for the same.
+EMBD_STD = 0.35
+
+
+def embedding(b, d):
+    b.add("token_embd.weight", b.mat(b.vocab, d, EMBD_STD * np.sqrt(d)), embd_dtype(b.vocab))
+
+
+def llama3_rope_freqs(base, head_dim, factor=8.0, low=1.0, high=4.0, old_ctx=64):
+    """convert_hf_to_gguf.py (conversion/llama.py generate_extra_tensors), rope_type llama3."""
+    freqs = 1.0 / (base ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
+    low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+    out = []
+    for f in freqs:
+        wavelen = 2 * math.pi / f
+        if wavelen < high_wavelen:
+            out.append(1.0)
+        elif wavelen > low_wavelen:
+            out.append(factor)
+        else:
+            smooth = (old_ctx / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
+
+
+def write_llama3(path):
+    d, ff, nl, nh, nkv = 128, 256, 2, 4, 2
+    hd = d // nh
+    b = Builder(path, "llama", "zerolayer-arch-llama3", "llama-bpe", SEED + 1)
+    b.common(512, d, ff, nl, nh, nkv, 1e-5, 500000.0)
+    b.hp("vocab_size", b.vocab)
+    embedding(b, d)
+    b.add("rope_freqs.weight", llama3_rope_freqs(500000.0, hd))
+    for i in range(nl):
+        llama_block(b, i, d, ff, d, hd * nkv)
+    b.add("output_norm.weight", b.vec(d))
+    b.add("output.weight", b.mat(b.vocab, d, 4.0), embd_dtype(b.vocab))
+    b.finish()
+
+
+def write_qwen2(path):
+    d, ff, nl, nh, nkv = 128, 256, 2, 4, 2
+    hd = d // nh
+    b = Builder(path, "qwen2", "zerolayer-arch-qwen2", "qwen2", SEED + 2)
+    b.common(512, d, ff, nl, nh, nkv, 1e-6, 1000000.0)
+    embedding(b, d)
+    for i in range(nl):
+        llama_block(b, i, d, ff, d, hd * nkv, bias=True, out_scale=TIED_OUT_SCALE)
+    b.add("output_norm.weight", b.vec(d))
+    b.finish()
+
+
+def write_qwen3(path):
+    d, ff, nl, nh, nkv, hd = 128, 512, 2, 4, 2, 64
+    b = Builder(path, "qwen3", "zerolayer-arch-qwen3", "qwen2", SEED + 3)
+    b.common(512, d, ff, nl, nh, nkv, 1e-6, 1000000.0, head_dim=hd)
+    embedding(b, d)
+    for i in range(nl):
+        llama_block(b, i, d, ff, nh * hd, nkv * hd, qk_norm=hd, out_scale=TIED_OUT_SCALE)
+    b.add("output_norm.weight", b.vec(d))
+    b.finish()
+
+
+def gemma_block(b, i, d, ff, nh, nkv, hd, qk_scale, post_norm, qk_norm):
+    p = f"blk.{i}."
+    b.add(p + "attn_norm.weight", b.vec(d))
+    b.add(p + "attn_q.weight", b.mat(nh * hd, d, qk_scale))
+    b.add(p + "attn_k.weight", b.mat(nkv * hd, d, qk_scale))
+    b.add(p + "attn_v.weight", b.mat(nkv * hd, d))
+    if qk_norm:
+        # Q and K are normalized before RoPE; the norm weights set the score scale instead.
+        b.add(p + "attn_q_norm.weight", b.vec(hd, 1.5, 0.3))
+        b.add(p + "attn_k_norm.weight", b.vec(hd, 1.5, 0.3))
+    b.add(p + "attn_output.weight", b.mat(d, nh * hd, 0.5))
+    # Gemma's GGUF norms already include the +1 of the checkpoints (the converter adds it).
+    b.add(p + "post_attention_norm.weight", b.vec(d, post_norm, 0.1 * post_norm))
+    b.add(p + "ffn_norm.weight", b.vec(d))
+    b.add(p + "ffn_gate.weight", b.mat(ff, d))
+    b.add(p + "ffn_up.weight", b.mat(ff, d))
+    b.add(p + "ffn_down.weight", b.mat(d, ff, 0.5))
+    b.add(p + "post_ffw_norm.weight", b.vec(d, post_norm, 0.1 * post_norm))
+
+
+def write_gemma2(path):
+    d, ff, nl, nh, nkv, hd = 128, 256, 4, 4, 2, 64
+    b = Builder(path, "gemma2", "zerolayer-arch-gemma2", "llama-spm", SEED + 4)
+    b.common(512, d, ff, nl, nh, nkv, 1e-6, 10000.0, head_dim=hd)
+    # Q/K of std 2.5 each: scores q.k/sqrt(64) of std ~6, max ~15-20 before the cap of 10.
+    b.hp("attn_logit_softcapping", 10.0)
+    # Logits of std ~4 (max ~18-20) against a cap of 20: tanh halves the gaps at the top of the
+    # list (a cap of 15 compressed them so much that few positions were decisive).
+    b.hp("final_logit_softcapping", 20.0)
+    b.hp("attention.sliding_window", 16)
+    embedding(b, d)
+    for i in range(nl):
+        gemma_block(b, i, d, ff, nh, nkv, hd, 2.5, post_norm=7.0, qk_norm=False)
+    b.add("output_norm.weight", b.vec(d))
+    b.finish()
+
+
+def write_gemma3(path):
+    d, ff, nl, nh, nkv, hd = 128, 256, 6, 4, 1, 256
+    b = Builder(path, "gemma3", "zerolayer-arch-gemma3", "llama-spm", SEED + 5)
+    b.common(512, d, ff, nl, nh, nkv, 1e-6, 1000000.0, head_dim=hd)
+    b.hp("rope.freq_base_swa", 10000.0)
+    b.hp("attention.sliding_window", 16)
+    embedding(b, d)
+    for i in range(nl):
+        gemma_block(b, i, d, ff, nh, nkv, hd, 1.0, post_norm=6.0, qk_norm=True)
+    b.add("output_norm.weight", b.vec(d))
+    b.finish()
+
+
+PHI3_ORIG_CTX, PHI3_CTX = 64, 512
+
+
+def write_phi3(path):
+    d, ff, nl, nh, nkv = 128, 256, 2, 4, 2
+    hd = d // nh
+    b = Builder(path, "phi3", "zerolayer-arch-phi3", "phi-3", SEED + 6)
+    b.common(PHI3_CTX, d, ff, nl, nh, nkv, 1e-5, 10000.0)
+    b.hp("rope.scaling.original_context_length", PHI3_ORIG_CTX)
+    # conversion/phi.py (LongRoPE, su/longrope): sqrt(1 + ln(scale)/ln(orig)), scale = ctx/orig.
+    scale = PHI3_CTX / PHI3_ORIG_CTX
+    b.hp("rope.scaling.attn_factor", math.sqrt(1 + math.log(scale) / math.log(PHI3_ORIG_CTX)))
+    embedding(b, d)
+    # Short factors near 1, long factors rising to ~16 for the slow dimensions (Phi-3's shape).
+    b.add("rope_factors_long.weight",
+          np.geomspace(1.0, 16.0, hd // 2).astype(np.float32))
+    b.add("rope_factors_short.weight",
+          (1.0 + 0.1 * np.linspace(0.0, 1.0, hd // 2) ** 2).astype(np.float32))
+    kv = hd * nkv
+    for i in range(nl):
+        p = f"blk.{i}."
+        b.add(p + "attn_norm.weight", b.vec(d))
+        b.add(p + "attn_qkv.weight", b.mat(d + 2 * kv, d))
+        b.add(p + "attn_output.weight", b.mat(d, d, 0.5))
+        b.add(p + "ffn_norm.weight", b.vec(d))
+        # llama.cpp's LLM_FFN_SWIGLU on one tensor: rows [0, n_ff) are the gate, [n_ff, 2n_ff) up.
+        b.add(p + "ffn_up.weight", b.mat(2 * ff, d))
+        b.add(p + "ffn_down.weight", b.mat(d, ff, 0.5))
+    b.add("output_norm.weight", b.vec(d))
+    b.add("output.weight", b.mat(b.vocab, d, 4.0), embd_dtype(b.vocab))
+    b.finish()
+
+
+def write_smollm3(path):
+    d, ff, nl, nh, nkv = 128, 256, 4, 4, 2
+    hd = d // nh
+    b = Builder(path, "smollm3", "zerolayer-arch-smollm3", "llama-bpe", SEED + 7)
+    b.common(512, d, ff, nl, nh, nkv, 1e-6, 2000000.0)
+    embedding(b, d)
+    for i in range(nl):
+        llama_block(b, i, d, ff, d, hd * nkv, out_scale=TIED_OUT_SCALE)
+    b.add("output_norm.weight", b.vec(d))
+    b.finish()
+
+
+MODELS = {"arch-llama3": write_llama3, "arch-qwen2": write_qwen2, "arch-qwen3": write_qwen3,
+          "arch-gemma2": write_gemma2, "arch-gemma3": write_gemma3, "arch-phi3": write_phi3,
+          "arch-smollm3": write_smollm3}
+
+
+def quantize(src, dst, ftype_name):
+    params = llama_c.llama_model_quantize_default_params()
+    params.nthread = 2
+    params.ftype = getattr(llama_c, "LLAMA_FTYPE_MOSTLY_" + ftype_name)
+    params.allow_requantize = False
+    rc = llama_c.llama_model_quantize(str(src).encode(), str(dst).encode(), params)
+    if rc != 0:
+        sys.exit(f"llama_model_quantize {src} -> {ftype_name} failed: {rc}")
+
+
+def main():
+    only = set(sys.argv[sys.argv.index("--only") + 1:]) if "--only" in sys.argv else None
+    OUT.mkdir(parents=True, exist_ok=True)
+    manifest_path = OUT / "manifest.json"
+    manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() else {}
+
+    def want(name):
+        return only is None or name in only
+
+    needed = {n for n in MODELS if want(n)}
+    needed |= {src for n, (src, _) in QUANTIZED.items() if want(n)}
+    for name, write in MODELS.items():
+        if name not in needed:
+            continue
+        path = OUT / f"{name}.gguf"
+        write(path)
+        manifest[path.name] = sha256(path)
+        print(f"make-arch-models: {path} ({path.stat().st_size >> 10} KiB)", file=sys.stderr)
+    for name, (src, ftype) in QUANTIZED.items():
+        if not want(name):
+            continue
+        dst = OUT / f"{name}.gguf"
+        quantize(OUT / f"{src}.gguf", dst, ftype)
+        manifest[dst.name] = sha256(dst)
+        print(f"make-arch-models: {dst} ({dst.stat().st_size >> 10} KiB)", file=sys.stderr)
+    manifest_path.write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+    print(OUT)
+
+
+if __name__ == "__main__":
+    main()
