@@ -42,11 +42,13 @@ enum Warmup {
     Adaptive,
 }
 
-/// Serve a GGUF model over the Anthropic Messages API (HTTP/1.1, HTTP/2, HTTP/3) and claudelink.
+/// Serve a GGUF model or a Hugging Face model directory over the Anthropic Messages API (HTTP/1.1,
+/// HTTP/2, HTTP/3) and claudelink.
 #[derive(Debug, Parser)]
 #[command(version, about)]
 struct Args {
-    /// GGUF model file (default: the model fetched by scripts/fetch-model).
+    /// GGUF model file, or a Hugging Face model directory (config.json, *.safetensors,
+    /// tokenizer.json; default: the model fetched by scripts/fetch-model).
     #[arg(long)]
     model: Option<PathBuf>,
     /// Id the model is served as, which requests name in `model` (default: the file's
@@ -173,8 +175,15 @@ fn build_service(args: &Args) -> anyhow::Result<(Arc<EngineService>, PathBuf)> {
         svc = svc.with_model_id(id.as_str());
     }
     let budget = args.weight_budget.map(usize::try_from).transpose()?;
-    let gguf = (svc.engine().model().gguf().cloned())
-        .context("the weight cache needs a GGUF model file")?;
+    // `--profile`, else beside the model file.
+    let profile = (args.profile.clone()).unwrap_or_else(|| model.with_extension("profile"));
+    // The weight cache (access profile, warm-up) works over GGUF files; a Hugging Face
+    // directory is served from its safetensors mappings without one.
+    let Some(gguf) = svc.engine().model().gguf().cloned() else {
+        tracing::info!(model = %model.display(), model_id = svc.model_id(), load_ms = t0.elapsed().as_millis() as u64,
+            "model mapped (safetensors: no weight cache or warm-up), engine started");
+        return Ok((Arc::new(svc), profile));
+    };
     let cache = WeightCache::new(gguf, CacheConfig::default().budget_bytes(budget))?;
     if let Some(b) = budget.filter(|&b| b < cache.tensor_data_bytes()) {
         tracing::warn!(
@@ -183,8 +192,6 @@ fn build_service(args: &Args) -> anyhow::Result<(Arc<EngineService>, PathBuf)> {
             "--weight-budget is below the weights every decode step reads: it holds when idle only"
         );
     }
-    // `--profile`, else beside the model file.
-    let profile = (args.profile.clone()).unwrap_or_else(|| model.with_extension("profile"));
     if profile.exists() {
         if let Err(e) = cache.load_profile(&profile) {
             tracing::warn!(profile = %profile.display(), "ignoring the access profile: {e}");

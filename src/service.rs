@@ -39,6 +39,9 @@ pub enum LoadServiceError {
     /// The weight cache's block table could not be built.
     #[error("building the weight cache: {0}")]
     WeightCache(#[from] weight_cache::BlockTableError),
+    /// A Hugging Face model directory could not be opened.
+    #[error("opening the model directory: {0}")]
+    Hf(#[from] gpu_pipeline::HfError),
     /// A thread of the prompt (tokenizer) pool could not be started.
     #[error("starting the prompt tokenizer threads: {0}")]
     PromptPool(std::io::Error),
@@ -93,21 +96,32 @@ impl std::fmt::Debug for EngineService {
 }
 
 impl EngineService {
-    /// Maps the GGUF file at `path` and starts an engine on it, served under the model's own
-    /// name (see [`new`](Self::new); [`with_model_id`](Self::with_model_id) renames it).
+    /// Maps the model at `path` and starts an engine on it, served under the model's own name
+    /// (see [`new`](Self::new); [`with_model_id`](Self::with_model_id) renames it). `path` is a
+    /// GGUF file, or a Hugging Face model directory (`config.json`, `*.safetensors`,
+    /// `tokenizer.json`, the chat template from `tokenizer_config.json`; see
+    /// [`gpu_pipeline::HfModel`]).
     ///
     /// # Safety
-    /// The file must not be modified or truncated while mapped (see `weight_cache::Gguf::open`).
+    /// The files must not be modified or truncated while mapped (see `weight_cache::Gguf::open`).
     pub unsafe fn load(
         path: &Path,
         options: ModelOptions,
         cfg: EngineConfig,
     ) -> Result<Self, LoadServiceError> {
-        // SAFETY: forwarded to our caller.
-        let gguf = Arc::new(unsafe { weight_cache::Gguf::open(path) }?);
-        let tokenizer = Arc::new(Tokenizer::from_gguf(&gguf)?);
-        let model = Arc::new(Model::load(gguf, options)?);
-        let engine = Engine::new(model, Some(tokenizer.clone()), cfg)?;
+        let (model, tokenizer) = if path.is_dir() {
+            // SAFETY: forwarded to our caller.
+            let hf = unsafe { gpu_pipeline::HfModel::open(path) }?;
+            let tokenizer = Tokenizer::from_tokenizer_json_file(hf.tokenizer_json_path())?;
+            (Model::load_source(Arc::new(hf), options)?, tokenizer)
+        } else {
+            // SAFETY: forwarded to our caller.
+            let gguf = Arc::new(unsafe { weight_cache::Gguf::open(path) }?);
+            let tokenizer = Tokenizer::from_gguf(&gguf)?;
+            (Model::load(gguf, options)?, tokenizer)
+        };
+        let tokenizer = Arc::new(tokenizer);
+        let engine = Engine::new(Arc::new(model), Some(tokenizer.clone()), cfg)?;
         Self::new(engine)
     }
 
@@ -126,7 +140,7 @@ impl EngineService {
                 None => return Err(LoadServiceError::NoTokenizer),
             },
         };
-        let chat = ChatTemplate::from_tokenizer(&tokenizer).ok().map(Arc::new);
+        let chat = chat_template(&tokenizer, engine.model().source().as_ref()).map(Arc::new);
         let model_id = served_model_id(engine.model().source().as_ref());
         let info = ModelInfo {
             display_name: engine
@@ -628,6 +642,31 @@ impl InferenceService for EngineService {
                 .as_ref()
                 .is_none_or(|w| !w.gate || w.warm.progress().is_finished())
     }
+}
+
+/// The model's chat template: the tokenizer's (GGUF), else the one the source ships (a Hugging
+/// Face directory's `tokenizer_config.json`) with the BOS/EOS text of the model's ids, else
+/// llama.cpp's fallback (ChatML).
+fn chat_template(tok: &Tokenizer, src: &dyn WeightSource) -> Option<ChatTemplate> {
+    if tok.chat_template().is_none()
+        && let Some(text) = src.chat_template()
+    {
+        let token = |key: &str| {
+            src.get_u32(key)
+                .and_then(|id| tok.token_bytes(id))
+                .map(|b| String::from_utf8_lossy(b).into_owned())
+                .unwrap_or_default()
+        };
+        let (bos, eos) = (
+            token("tokenizer.ggml.bos_token_id"),
+            token("tokenizer.ggml.eos_token_id"),
+        );
+        match ChatTemplate::new(&text, &bos, &eos) {
+            Ok(t) => return Some(t),
+            Err(e) => tracing::warn!("the model's chat template does not compile ({e}): ChatML"),
+        }
+    }
+    ChatTemplate::from_tokenizer(tok).ok()
 }
 
 #[cfg(test)]

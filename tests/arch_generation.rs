@@ -52,6 +52,13 @@ struct Family {
     end_of_turn: &'static str,
 }
 
+/// The ChatML template of gpu-pipeline's Hugging Face fixtures, after the BOS text.
+const HF_CHATML: Family = Family {
+    prefixes: &["<s><|im_start|>user\n"],
+    assistant_header: "<|im_start|>assistant\n",
+    end_of_turn: "<|im_end|>",
+};
+
 /// ChatML (SmolLM2, SmolLM3, Qwen): a system turn first when the template adds a default one.
 const CHATML: Family = Family {
     prefixes: &["<|im_start|>system\n", "<|im_start|>user\n"],
@@ -85,6 +92,9 @@ enum Location {
     TestModels(&'static str),
     /// The default model (`weight_cache::locate_default_model`).
     Default,
+    /// A Hugging Face model directory of gpu-pipeline's fixtures
+    /// (`crates/gpu-pipeline/tests/fixtures/hf/<name>`).
+    HfFixture(&'static str),
 }
 
 /// The test-model directory, as the gpu-pipeline tests find it.
@@ -111,6 +121,9 @@ fn path_of(location: &Location) -> PathBuf {
             p
         }
         Location::Default => weight_cache::locate_default_model().unwrap_or_else(|e| panic!("{e}")),
+        Location::HfFixture(name) => PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("crates/gpu-pipeline/tests/fixtures/hf")
+            .join(name),
     }
 }
 
@@ -355,9 +368,36 @@ async fn check_model_listing(s: &Server, id: &str) {
 /// Renders the prompt with token-stream directly; checks the service renders the same and that
 /// it has the family's shape and stop token. Returns the prompt ids.
 fn check_template_and_stop_tokens(svc: &EngineService, family: &Family, prompt: &str) -> Vec<u32> {
-    let gguf = svc.engine().model().gguf().expect("a GGUF model");
-    let tok = Tokenizer::from_gguf(gguf).expect("tokenizer");
-    let chat = ChatTemplate::from_tokenizer(&tok).expect("chat template");
+    // The tokenizer and template as the model's files give them, read here independently of
+    // the service: GGUF metadata, or a Hugging Face directory's tokenizer.json and
+    // tokenizer_config.json (template, BOS/EOS text).
+    let (tok, chat) = match svc.engine().model().gguf() {
+        Some(gguf) => {
+            let tok = Tokenizer::from_gguf(gguf).expect("tokenizer");
+            let chat = ChatTemplate::from_tokenizer(&tok).expect("chat template");
+            (tok, chat)
+        }
+        None => {
+            let src = svc.engine().model().source();
+            let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+                .join("crates/gpu-pipeline/tests/fixtures/hf")
+                .join(src.model_name().expect("a directory name"));
+            let tok = Tokenizer::from_tokenizer_json_file(dir.join("tokenizer.json"))
+                .expect("tokenizer.json");
+            let cfg: Value = serde_json::from_str(
+                &std::fs::read_to_string(dir.join("tokenizer_config.json")).unwrap(),
+            )
+            .unwrap();
+            let text = |k: &str| cfg[k].as_str().unwrap_or_default().to_string();
+            let chat = ChatTemplate::new(
+                &text("chat_template"),
+                &text("bos_token"),
+                &text("eos_token"),
+            )
+            .expect("the directory's chat template");
+            (tok, chat)
+        }
+    };
     let turn = [ChatMessage::new("user", prompt)];
     let rendered = chat.render(&turn, true).expect("render");
     let ids = chat.encode(&tok, &turn, true).expect("encode").to_vec();
@@ -572,4 +612,10 @@ arch_tests! {
         Location::TestModels("arch-phi3.gguf"), PHI3, None;
     greedy_generation_is_wired_end_to_end_for_smollm3 =>
         Location::TestModels("arch-smollm3.gguf"), CHATML, None;
+    greedy_generation_is_wired_end_to_end_for_hf_llama_directory =>
+        Location::HfFixture("llama"), HF_CHATML, None;
+    greedy_generation_is_wired_end_to_end_for_hf_gemma2_bf16_directory =>
+        Location::HfFixture("gemma2-bf16"), HF_CHATML, None;
+    greedy_generation_is_wired_end_to_end_for_hf_qwen2_sharded_directory =>
+        Location::HfFixture("qwen2"), HF_CHATML, None;
 }

@@ -412,6 +412,9 @@ impl WeightSource for HfModel {
     fn model_name(&self) -> Option<String> {
         Some(self.name.clone())
     }
+    fn chat_template(&self) -> Option<String> {
+        Self::chat_template(self)
+    }
 }
 
 fn ggml_dtype(d: StDtype) -> Option<GgmlType> {

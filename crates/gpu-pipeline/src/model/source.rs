@@ -88,6 +88,11 @@ pub trait WeightSource: Send + Sync + Debug {
     fn model_name(&self) -> Option<String> {
         self.get_str("general.name").map(str::to_string)
     }
+    /// The chat template the model ships (Jinja source): GGUF `tokenizer.chat_template`, a
+    /// Hugging Face directory's `tokenizer_config.json`.
+    fn chat_template(&self) -> Option<String> {
+        self.get_str("tokenizer.chat_template").map(str::to_string)
+    }
 }
 
 impl WeightSource for Gguf {
