@@ -71,13 +71,13 @@ def sha256(path):
 class Builder:
     """A GGUF writer with the random-weight helpers (one rng per model)."""
 
-    def __init__(self, path, arch, name, vocab, seed):
+    def __init__(self, path, arch, name, vocab, seed, template=None, extra=()):
         self.arch = arch
         self.w = gguf.GGUFWriter(str(path), arch)
         self.w.add_name(name)
         self.w.add_file_type(gguf.LlamaFileType.ALL_F32)
         self.rng = np.random.default_rng(seed)
-        self.vocab = copy_tokenizer(self.w, vocab)
+        self.vocab = copy_tokenizer(self.w, vocab, template, extra)
 
     def mat(self, rows, cols, scale=1.0):
         """rows x cols (ggml ne = [cols, rows]) with entries of std scale/sqrt(cols): an output
@@ -128,19 +128,31 @@ class Builder:
         self.w.close()
 
 
-def copy_tokenizer(w, vocab):
+def copy_tokenizer(w, vocab, template=None, extra=()):
     """Every tokenizer.* key of the vocabulary file (tokens, types, merges or scores, special
-    ids, chat template); returns the vocabulary size."""
+    ids, chat template); `extra` tokens are appended as control tokens, and `template` (a file of
+    the suite's templates/ directory: the family's real chat template) replaces the file's
+    `tokenizer.chat_template`. Returns the vocabulary size."""
     src = gguf.GGUFReader(str(VOCABS / f"ggml-vocab-{vocab}.gguf"))
+    n = len(src.fields["tokenizer.ggml.tokens"].contents())
     for key, field in src.fields.items():
-        if not key.startswith("tokenizer."):
+        if not key.startswith("tokenizer.") or (template and key == "tokenizer.chat_template"):
             continue
         value = field.contents()
         if field.types[0] == gguf.GGUFValueType.ARRAY:
+            if len(value) == n and key == "tokenizer.ggml.tokens":
+                value = list(value) + list(extra)
+            elif len(value) == n and key == "tokenizer.ggml.token_type":
+                value = list(value) + [3] * len(extra)  # CONTROL
+            elif len(value) == n and key == "tokenizer.ggml.scores":
+                value = list(value) + [0.0] * len(extra)
             w.add_key_value(key, value, gguf.GGUFValueType.ARRAY, sub_type=field.types[-1])
         else:
             w.add_key_value(key, value, field.types[0])
-    return len(src.fields["tokenizer.ggml.tokens"].contents())
+    if template:
+        text = (VOCABS / "templates" / template).read_text(encoding="utf-8")
+        w.add_key_value("tokenizer.chat_template", text, gguf.GGUFValueType.STRING)
+    return n + len(extra)
 
 
 EMBD_LARGE = Q8
@@ -209,7 +221,8 @@ def llama3_rope_freqs(base, head_dim, factor=8.0, low=1.0, high=4.0, old_ctx=64)
 def write_llama3(path):
     d, ff, nl, nh, nkv = 128, 256, 2, 4, 2
     hd = d // nh
-    b = Builder(path, "llama", "zerolayer-arch-llama3", "llama-bpe", SEED + 1)
+    b = Builder(path, "llama", "zerolayer-arch-llama3", "llama-bpe", SEED + 1,
+                template="meta-llama-Llama-3.1-8B-Instruct.jinja")
     b.common(512, d, ff, nl, nh, nkv, 1e-5, 500000.0)
     b.hp("vocab_size", b.vocab)
     embedding(b, d)
@@ -264,9 +277,14 @@ def gemma_block(b, i, d, ff, nh, nkv, hd, qk_scale, post_norm, qk_norm):
     b.add(p + "post_ffw_norm.weight", b.vec(d, post_norm, 0.1 * post_norm))
 
 
+# Gemma's turn markers (control tokens in Gemma's own vocabulary; llama-spm lacks them).
+GEMMA_TURNS = ("<start_of_turn>", "<end_of_turn>")
+
+
 def write_gemma2(path):
     d, ff, nl, nh, nkv, hd = 128, 256, 4, 4, 2, 64
-    b = Builder(path, "gemma2", "zerolayer-arch-gemma2", "llama-spm", SEED + 4)
+    b = Builder(path, "gemma2", "zerolayer-arch-gemma2", "llama-spm", SEED + 4,
+                template="google-gemma-2-2b-it.jinja", extra=GEMMA_TURNS)
     b.common(512, d, ff, nl, nh, nkv, 1e-6, 10000.0, head_dim=hd)
     # Q/K of std 2.5 each: scores q.k/sqrt(64) of std ~6, max ~15-20 before the cap of 10.
     b.hp("attn_logit_softcapping", 10.0)
@@ -283,7 +301,8 @@ def write_gemma2(path):
 
 def write_gemma3(path):
     d, ff, nl, nh, nkv, hd = 128, 256, 6, 4, 1, 256
-    b = Builder(path, "gemma3", "zerolayer-arch-gemma3", "llama-spm", SEED + 5)
+    b = Builder(path, "gemma3", "zerolayer-arch-gemma3", "llama-spm", SEED + 5,
+                template="google-gemma-2-2b-it.jinja", extra=GEMMA_TURNS)
     b.common(512, d, ff, nl, nh, nkv, 1e-6, 1000000.0, head_dim=hd)
     b.hp("rope.freq_base_swa", 10000.0)
     b.hp("attention.sliding_window", 16)
@@ -330,7 +349,8 @@ def write_phi3(path):
 def write_smollm3(path):
     d, ff, nl, nh, nkv = 128, 256, 4, 4, 2
     hd = d // nh
-    b = Builder(path, "smollm3", "zerolayer-arch-smollm3", "llama-bpe", SEED + 7)
+    b = Builder(path, "smollm3", "zerolayer-arch-smollm3", "llama-bpe", SEED + 7,
+                template="HuggingFaceTB-SmolLM3-3B.jinja", extra=("<|im_start|>", "<|im_end|>"))
     b.common(512, d, ff, nl, nh, nkv, 1e-6, 2000000.0)
     embedding(b, d)
     for i in range(nl):

@@ -71,7 +71,8 @@ const LLAMA3: Family = Family {
     end_of_turn: "<|eot_id|>",
 };
 const GEMMA: Family = Family {
-    prefixes: &["<bos><start_of_turn>user\n"],
+    // Gemma's own vocabulary has `<bos>`; the test models carry llama-spm's (`<s>`).
+    prefixes: &["<bos><start_of_turn>user\n", "<s><start_of_turn>user\n"],
     assistant_header: "<start_of_turn>model\n",
     end_of_turn: "<end_of_turn>",
 };

@@ -13,7 +13,8 @@
 //! For each file and each of its three token sequences (the longest, 200 tokens, runs past the
 //! sliding windows of 16 and the original RoPE contexts of 64), run twice: the whole sequence as
 //! one step, and in steps of 7 tokens through one KV ring (the cached path across the window):
-//! - top-1 equals llama.cpp's wherever llama.cpp's top-2 gap exceeds 0.5;
+//! - top-1 equals llama.cpp's wherever llama.cpp's top-2 gap exceeds 0.5 (on the two quantized
+//!   files, whose flash on/off noise is ~0.13, 6x that noise: see `check_model`);
 //! - the mean |logit - llama.cpp| over llama.cpp's top-8 ids and all positions is at most 1.5x
 //!   llama.cpp's own flash-attention on/off difference on that file (mean over positions and the
 //!   whole vocabulary);
@@ -54,7 +55,8 @@ const KV_DTYPE: KvDtype = KvDtype::F16;
 /// steps straddle the window's edge.
 const CHUNK: usize = 7;
 
-/// Positions where llama.cpp's top-2 gap exceeds this must have the same top-1.
+/// Positions where llama.cpp's top-2 gap exceeds this must have the same top-1 (more on noisy
+/// quantized files: see `check_model`).
 const DECISIVE_GAP: f64 = 0.5;
 
 /// The last position's full-vocabulary logits of the fixture, decoded.
@@ -80,7 +82,14 @@ struct Score {
     compared: usize,
 }
 
-fn score_run(label: &str, logits: &[f32], vocab: usize, seq: &Value, score: &mut Score) {
+fn score_run(
+    label: &str,
+    logits: &[f32],
+    vocab: usize,
+    seq: &Value,
+    decisive_gap: f64,
+    score: &mut Score,
+) {
     let top_ids = seq["top_ids"].as_array().unwrap();
     let top_logits = seq["top_logits"].as_array().unwrap();
     let gaps = seq["gaps"].as_array().unwrap();
@@ -89,7 +98,7 @@ fn score_run(label: &str, logits: &[f32], vocab: usize, seq: &Value, score: &mut
         let row = &logits[pos * vocab..(pos + 1) * vocab];
         let ids = ids_of(ids);
         let gap = gap.as_f64().unwrap();
-        if gap > DECISIVE_GAP {
+        if gap > decisive_gap {
             score.decisive += 1;
             let got = argmax(row);
             if got != ids[0] as usize {
@@ -172,6 +181,13 @@ fn check_model(name: &str) {
     // in one of the two paths; about 2-3 f16 steps of these logits (|logit| ~4-20), so no floor.
     let noise = entry["flash_on_off_mean_abs"].as_f64().unwrap();
     let bound = 1.5 * noise;
+    // Quantized files: llama.cpp rounds activations to 8 bits, and these random networks amplify
+    // a flipped rounding into logit changes of 0.1 on average and over 1 at some positions (its
+    // own flash on/off switch moves them that much). A top-2 gap is decisive only above 6x that
+    // mean noise there (0.78 at noise 0.13); on the unquantized files (noise < 0.01) it is 0.5.
+    // Measured: at the gaps of 0.5-0.7 this excludes, an ActivationSplit::All run (about fp32
+    // activations) and llama.cpp disagree as often as the default run does.
+    let decisive_gap = DECISIVE_GAP.max(6.0 * noise);
     for (run, chunk) in [("one step", usize::MAX), ("steps of 7", CHUNK)] {
         let mut score = Score::default();
         for (s, seq) in entry["sequences"].as_array().unwrap().iter().enumerate() {
@@ -182,8 +198,11 @@ fn check_model(name: &str) {
                 chunked_logits(&model, KV_DTYPE, &ids, chunk)
             };
             let label = format!("{name}: sequence {s} ({} tokens, {run})", ids.len());
-            score_run(&label, &logits, vocab, seq, &mut score);
-            check_last_row(&label, &logits, vocab, seq, bound);
+            score_run(&label, &logits, vocab, seq, decisive_gap, &mut score);
+            // That row's own flash on/off difference when larger than the file's mean: one
+            // position's noise varies around the mean (quantized files especially).
+            let row_noise = seq["last_flash_on_off_mean_abs"].as_f64().unwrap_or(0.0);
+            check_last_row(&label, &logits, vocab, seq, 1.5 * noise.max(row_noise));
         }
         let err = score.abs_err / score.compared as f64;
         eprintln!(
@@ -200,7 +219,7 @@ fn check_model(name: &str) {
         assert!(
             score.top1_misses.is_empty(),
             "{name} ({run}): top-1 must equal llama.cpp's wherever its top-2 gap exceeds \
-             {DECISIVE_GAP}; {} misses:\n{}",
+             {decisive_gap:.3}; {} misses:\n{}",
             score.top1_misses.len(),
             score.top1_misses.join("\n")
         );
