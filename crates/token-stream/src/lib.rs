@@ -44,6 +44,7 @@
 mod bpe;
 mod chat;
 mod error;
+mod hf_spm;
 mod load;
 mod pretok;
 mod pretok_regex;

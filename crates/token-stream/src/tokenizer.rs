@@ -4,6 +4,7 @@ use rustc_hash::FxHashMap;
 
 use crate::bpe::{self, Merges, NONE, Work};
 use crate::error::DecodeError;
+use crate::hf_spm::HfSpmModel;
 use crate::pretok::Pretokenizer;
 use crate::spm::{SpmModel, SpmScratch};
 use crate::tokens::Tokens;
@@ -17,6 +18,8 @@ pub(crate) enum Algo {
     Bpe,
     /// llama.cpp's SentencePiece-style merges (`tokenizer.ggml.model = llama`).
     Spm(Box<SpmModel>),
+    /// SentencePiece-style BPE from HF `tokenizer.json` (merge ranks, HF's prefix rules).
+    HfSpm(Box<HfSpmModel>),
     /// llama.cpp's WordPiece (`tokenizer.ggml.model = bert`).
     Wpm(WpmModel),
     /// llama.cpp's Unigram (`tokenizer.ggml.model = t5`).
@@ -680,11 +683,13 @@ impl Tokenizer {
     /// fragment (each starts the text or follows a special token) when `add_space_prefix` is set).
     fn encode_model(&self, text: &str, split: &Specials, out: &mut Vec<u32>) {
         let mut spm_scratch = SpmScratch::default();
+        let mut work = Work::default();
         // A raw fragment always starts the text or follows a special token.
         split.split_each(text, |segment| match segment {
             Segment::Text(raw) => match &self.algo {
                 Algo::Bpe => {}
                 Algo::Spm(m) => m.encode(raw, m.add_space_prefix, out, &mut spm_scratch),
+                Algo::HfSpm(m) => m.encode(raw, raw.as_ptr() == text.as_ptr(), out, &mut work),
                 Algo::Wpm(m) => m.encode(raw, out),
                 Algo::Ugm(m) => m.encode(raw, out),
             },

@@ -1,0 +1,101 @@
+//! SentencePiece-style `tokenizer.json` files (Llama 2, Mistral, Gemma, Phi-3 layouts) against HF
+//! `tokenizers`: for llama.cpp's `llama-spm` and `phi-3` vocabularies converted by transformers'
+//! `LlamaConverter`, in five layouts (Prepend+Replace normalizer, Gemma's Replace-only, and
+//! `Metaspace` with each prepend scheme), every text's ids and decode equal HF's. Fixtures from
+//! `scripts/fixtures/token-stream-hf-spm.py`.
+
+use std::io::Read;
+use std::path::PathBuf;
+
+use serde_json::Value;
+use token_stream::Tokenizer;
+
+fn fixture(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/hf-spm")
+        .join(name)
+}
+
+/// The converted `tokenizer.json` of `vocab` and HF's results for its layout variants.
+fn load(vocab: &str) -> (Value, Value) {
+    let gz = std::fs::read(fixture(&format!("{vocab}.tokenizer.json.gz"))).unwrap();
+    let mut json = String::new();
+    flate2::read::GzDecoder::new(&gz[..])
+        .read_to_string(&mut json)
+        .unwrap();
+    let expected = std::fs::read_to_string(fixture(&format!("{vocab}.expected.json"))).unwrap();
+    (
+        serde_json::from_str(&json).unwrap(),
+        serde_json::from_str(&expected).unwrap(),
+    )
+}
+
+/// The file of one layout variant: the converted file with the variant's keys replaced.
+fn variant(base: &Value, keys: &Value) -> String {
+    let mut doc = base.clone();
+    for (k, v) in keys.as_object().unwrap() {
+        doc[k] = v.clone();
+    }
+    doc.to_string()
+}
+
+fn check_vocab(vocab: &str) {
+    let (base, expected) = load(vocab);
+    let texts: Vec<&str> = expected["texts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_str().unwrap())
+        .collect();
+    let mut failures = Vec::new();
+    for (name, v) in expected["variants"].as_object().unwrap() {
+        let tok = Tokenizer::from_tokenizer_json(&variant(&base, &v["keys"]))
+            .unwrap_or_else(|e| panic!("{vocab}/{name}: {e}"));
+        let (ids, decoded) = (
+            v["ids"].as_array().unwrap(),
+            v["decoded"].as_array().unwrap(),
+        );
+        assert_eq!(ids.len(), texts.len());
+        let mut same = 0;
+        for (i, text) in texts.iter().enumerate() {
+            let want: Vec<u32> = ids[i]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|x| x.as_u64().unwrap() as u32)
+                .collect();
+            let got = tok.encode_with_specials(text);
+            let got_decoded = tok.decode(&want).unwrap();
+            if got.as_slice() != want.as_slice() {
+                failures.push(format!(
+                    "{vocab}/{name} ids of {text:?}:\n  ours {:?}\n  HF   {want:?}",
+                    got.as_slice()
+                ));
+            } else if got_decoded != decoded[i].as_str().unwrap() {
+                failures.push(format!(
+                    "{vocab}/{name} decode of {text:?}: ours {got_decoded:?}, HF {:?}",
+                    decoded[i]
+                ));
+            } else {
+                same += 1;
+            }
+        }
+        eprintln!("{vocab}/{name}: {same}/{} texts identical", texts.len());
+    }
+    assert!(
+        failures.is_empty(),
+        "{} differences:\n{}",
+        failures.len(),
+        failures[..failures.len().min(10)].join("\n")
+    );
+}
+
+#[test]
+fn llama_spm_vocabulary_encodes_and_decodes_as_hf_in_every_layout() {
+    check_vocab("llama-spm");
+}
+
+#[test]
+fn phi3_vocabulary_encodes_and_decodes_as_hf_in_every_layout() {
+    check_vocab("phi-3");
+}
