@@ -58,7 +58,7 @@ pub enum LoadError {
     UnsupportedAddedToken {
         /// The token's text.
         content: String,
-        /// The option (`lstrip`, `rstrip`, `single_word`, `normalized`).
+        /// The option (`single_word`, or `normalized` with a `Prepend` normalizer).
         option: &'static str,
     },
     /// A merge rule is not two known tokens separated by one space.

@@ -251,6 +251,10 @@ struct Added<'a> {
     id: u32,
     special: bool,
     normalized: bool,
+    /// Takes the whitespace before it into its match.
+    lstrip: bool,
+    /// Takes the whitespace after it into its match.
+    rstrip: bool,
 }
 
 fn read_added(v: &Value) -> Result<Vec<Added<'_>>, LoadError> {
@@ -274,19 +278,19 @@ fn read_added(v: &Value) -> Result<Vec<Added<'_>>, LoadError> {
             return Err(LoadError::IdOutOfRange { id });
         }
         let flag = |k: &str| t.get(k).and_then(Value::as_bool).unwrap_or(false);
-        for option in ["lstrip", "rstrip", "single_word"] {
-            if flag(option) {
-                return Err(LoadError::UnsupportedAddedToken {
-                    content: content.to_owned(),
-                    option,
-                });
-            }
+        if flag("single_word") {
+            return Err(LoadError::UnsupportedAddedToken {
+                content: content.to_owned(),
+                option: "single_word",
+            });
         }
         added.push(Added {
             content,
             id: id as u32,
             special: flag("special"),
             normalized: flag("normalized"),
+            lstrip: flag("lstrip"),
+            rstrip: flag("rstrip"),
         });
     }
     Ok(added)
@@ -539,7 +543,11 @@ pub(crate) fn from_json(v: &Value) -> Result<Tokenizer, LoadError> {
         end_token: eos_id,
         strip_leading_space,
     };
-    Ok(checked.build(bos_id, eos_id, parts))
+    let mut tok = checked.build(bos_id, eos_id, parts);
+    for a in &added {
+        tok.set_whitespace_strip(a.id, a.lstrip, a.rstrip);
+    }
+    Ok(tok)
 }
 
 #[cfg(test)]

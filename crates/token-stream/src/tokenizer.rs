@@ -100,6 +100,9 @@ struct Specials {
     /// Longest first, so the first hit at a position is the longest.
     entries: Vec<(Box<str>, u32)>,
     first_byte: [bool; 256],
+    /// Tokens that take the whitespace before (`.0`, HF `lstrip`) or after (`.1`, `rstrip`)
+    /// them into their match; empty for most vocabularies.
+    strip: FxHashMap<u32, (bool, bool)>,
 }
 
 /// A piece of text cut by [`Specials::split_each`].
@@ -124,6 +127,7 @@ impl Specials {
         Self {
             entries,
             first_byte,
+            strip: FxHashMap::default(),
         }
     }
 
@@ -131,7 +135,15 @@ impl Specials {
     /// tokens' ids, in order.
     fn split_each(&self, text: &str, mut each: impl FnMut(Segment<'_>)) {
         let mut pos = 0;
-        while let Some((start, end, id)) = self.find(text, pos) {
+        while let Some((mut start, mut end, id)) = self.find(text, pos) {
+            if let Some(&(left, right)) = self.strip.get(&id) {
+                if left {
+                    start = pos.max(text[..start].trim_end_matches(char::is_whitespace).len());
+                }
+                if right {
+                    end = text.len() - text[end..].trim_start_matches(char::is_whitespace).len();
+                }
+            }
             if start > pos {
                 each(Segment::Text(&text[pos..start]));
             }
@@ -267,6 +279,15 @@ impl Tokenizer {
         self.strip_leading_space = parts.strip_leading_space;
         self.whole = FxHashMap::default();
         self
+    }
+
+    /// Makes special (and user-defined) token `id` take the whitespace before it (`left`, HF's
+    /// `lstrip`) and after it (`right`, `rstrip`) into its match when cut out of text.
+    pub(crate) fn set_whitespace_strip(&mut self, id: u32, left: bool, right: bool) {
+        if left || right {
+            self.specials.strip.insert(id, (left, right));
+            self.user_defined.strip.insert(id, (left, right));
+        }
     }
 
     /// Adds ids to the end-of-generation set (EOT, EOM, ...); ids outside the vocabulary are

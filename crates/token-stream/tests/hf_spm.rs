@@ -8,7 +8,7 @@ use std::io::Read;
 use std::path::PathBuf;
 
 use serde_json::Value;
-use token_stream::Tokenizer;
+use token_stream::{LoadError, Tokenizer};
 
 fn fixture(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -98,4 +98,88 @@ fn llama_spm_vocabulary_encodes_and_decodes_as_hf_in_every_layout() {
 #[test]
 fn phi3_vocabulary_encodes_and_decodes_as_hf_in_every_layout() {
     check_vocab("phi-3");
+}
+
+/// The converted Llama 2 layout file of the `llama-spm` vocabulary.
+fn llama_json() -> Value {
+    load("llama-spm").0
+}
+
+#[test]
+fn template_post_processor_sets_bos_for_encode_for_model() {
+    let mut doc = llama_json();
+    doc["post_processor"] = serde_json::json!({
+        "type": "TemplateProcessing",
+        "single": [{"SpecialToken": {"id": "<s>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+        "pair": [],
+        "special_tokens": {"<s>": {"id": "<s>", "ids": [1], "tokens": ["<s>"]}},
+    });
+    let tok = Tokenizer::from_tokenizer_json(&doc.to_string()).unwrap();
+    assert!(tok.add_bos());
+    assert!(!tok.add_eos());
+    assert_eq!(tok.bos_id(), Some(1));
+    assert_eq!(
+        tok.encode_for_model("Hello world").as_slice(),
+        &[1, 15043, 3186]
+    );
+    assert_eq!(tok.decode(&[1, 15043, 3186]).unwrap(), "<s> Hello world");
+    // Without a post-processor nothing is added.
+    let plain = Tokenizer::from_tokenizer_json(&llama_json().to_string()).unwrap();
+    assert!(!plain.add_bos());
+    assert_eq!(
+        plain.encode_for_model("Hello world").as_slice(),
+        &[15043, 3186]
+    );
+}
+
+#[test]
+fn plain_encode_keeps_special_token_text_as_text() {
+    let tok = Tokenizer::from_tokenizer_json(&llama_json().to_string()).unwrap();
+    assert_eq!(tok.encode_with_specials("<s>").as_slice(), &[1]);
+    assert!(!tok.encode("<s>").as_slice().contains(&1));
+    assert_eq!(tok.decode(&tok.encode("a <s> b")).unwrap(), "a <s> b");
+}
+
+#[test]
+fn unsupported_layouts_are_typed_errors_naming_the_part() {
+    let err = |doc: &Value| Tokenizer::from_tokenizer_json(&doc.to_string()).unwrap_err();
+    let mut doc = llama_json();
+    doc["model"]["type"] = "Unigram".into();
+    assert!(matches!(err(&doc), LoadError::UnsupportedModel { model } if model == "Unigram"));
+
+    let mut doc = llama_json();
+    doc["normalizer"] = serde_json::json!({"type": "NFKC"});
+    assert!(
+        matches!(err(&doc), LoadError::UnsupportedNormalizer { kind } if kind.contains("NFKC"))
+    );
+
+    let mut doc = llama_json();
+    doc["normalizer"] = Value::Null;
+    doc["pre_tokenizer"] = serde_json::json!({"type": "Whitespace"});
+    assert!(
+        matches!(err(&doc), LoadError::UnsupportedPretokenizer { name } if name.contains("Whitespace"))
+    );
+
+    let mut doc = llama_json();
+    doc["decoder"] = serde_json::json!({"type": "Metaspace", "replacement": "\u{2581}"});
+    assert!(
+        matches!(err(&doc), LoadError::UnsupportedDecoder { kind } if kind.contains("Metaspace"))
+    );
+
+    let mut doc = llama_json();
+    doc["added_tokens"][0]["single_word"] = true.into();
+    assert!(matches!(
+        err(&doc),
+        LoadError::UnsupportedAddedToken {
+            option: "single_word",
+            ..
+        }
+    ));
+
+    let mut doc = llama_json();
+    doc["added_tokens"][0]["normalized"] = true.into();
+    assert!(matches!(
+        err(&doc),
+        LoadError::UnsupportedAddedToken { content, .. } if content == "<s>"
+    ));
 }
