@@ -393,14 +393,17 @@ pub(crate) fn from_json(v: &Value) -> Result<Tokenizer, LoadError> {
     };
     let strip_leading_space = read_decoder(v.get("decoder").unwrap_or(&Value::Null))?;
     let added = read_added(v)?;
-    if prepends {
-        // A normalized added token is matched after `Prepend`, which changes where pieces start.
-        if let Some(a) = added.iter().find(|a| a.normalized) {
-            return Err(LoadError::UnsupportedAddedToken {
-                content: a.content.to_owned(),
-                option: "normalized (with a Prepend normalizer)",
-            });
-        }
+    // HF matches a `normalized` added token in the normalized text. That is the raw text's match
+    // unless the normalizer prepends `▁` (which changes where the pieces after it start) or
+    // rewrites a space inside the token.
+    if let Some(a) = added
+        .iter()
+        .find(|a| a.normalized && (prepends || (escapes && a.content.contains(' '))))
+    {
+        return Err(LoadError::UnsupportedAddedToken {
+            content: a.content.to_owned(),
+            option: "normalized (with a normalizer that changes its match)",
+        });
     }
 
     // Token texts by id, and their GGUF-style types.
