@@ -1,8 +1,9 @@
 //! SentencePiece-style `tokenizer.json` files (Llama 2, Mistral, Gemma, Phi-3 layouts) against HF
 //! `tokenizers`: for llama.cpp's `llama-spm` and `phi-3` vocabularies converted by transformers'
-//! `LlamaConverter`, in five layouts (Prepend+Replace normalizer, Gemma's Replace-only, and
-//! `Metaspace` with each prepend scheme), every text's ids and decode equal HF's. Fixtures from
-//! `scripts/fixtures/token-stream-hf-spm.py`.
+//! `LlamaConverter`, in seven layouts (Prepend+Replace normalizer, with and without added tokens'
+//! `lstrip`/`rstrip`; Gemma's Replace-only; `Metaspace` with each prepend scheme, and the legacy
+//! `add_prefix_space` form that splits at every `▁`), every text's ids and decode equal HF's.
+//! Fixtures from `scripts/fixtures/token-stream-hf-spm.py`.
 
 use std::io::Read;
 use std::path::PathBuf;
