@@ -154,9 +154,22 @@ fn is_replace(v: &Value, from: &str, to: &str) -> bool {
 }
 
 /// Whether `tokenizer.json` has the SentencePiece-style layout this module loads (rather than
-/// byte-level BPE): a `BPE` model with byte fallback, a normalizer, or a `Metaspace`
-/// pre-tokenizer.
+/// byte-level BPE): no `ByteLevel` pre-tokenizer or decoder, and a `BPE` model with byte
+/// fallback, a normalizer, or a `Metaspace` pre-tokenizer.
 pub(crate) fn is_spm_layout(v: &Value) -> bool {
+    let byte_level = |key: &str| {
+        v.get(key).is_some_and(|p| {
+            kind(p) == "ByteLevel"
+                || ["pretokenizers", "decoders"].iter().any(|list| {
+                    p.get(list)
+                        .and_then(Value::as_array)
+                        .is_some_and(|a| a.iter().any(|x| kind(x) == "ByteLevel"))
+                })
+        })
+    };
+    if byte_level("pre_tokenizer") || byte_level("decoder") {
+        return false;
+    }
     let model = v.get("model").unwrap_or(&Value::Null);
     let byte_fallback = model.get("byte_fallback").and_then(Value::as_bool) == Some(true);
     let normalizer = v.get("normalizer").is_some_and(|n| !n.is_null());
@@ -433,6 +446,8 @@ pub(crate) fn from_json(v: &Value) -> Result<Tokenizer, LoadError> {
         texts[i] = Some(s);
         ids.insert(s, id as u32);
     }
+    // HF's BPE model sees only its own vocabulary (added tokens are cut out before it runs).
+    let model_ids = ids.clone();
     let mut types: Vec<i32> = texts
         .iter()
         .map(|t| match t {
@@ -479,8 +494,8 @@ pub(crate) fn from_json(v: &Value) -> Result<Tokenizer, LoadError> {
         joined.push_str(a);
         joined.push_str(b);
         // HF refuses a merge whose parts or result are not tokens.
-        let (&ia, &ib) = ids.get(a).zip(ids.get(b)).ok_or_else(bad)?;
-        let &merged = ids.get(joined.as_str()).ok_or_else(bad)?;
+        let (&ia, &ib) = model_ids.get(a).zip(model_ids.get(b)).ok_or_else(bad)?;
+        let &merged = model_ids.get(joined.as_str()).ok_or_else(bad)?;
         merges.insert(ia, ib, index as u32, merged);
     }
     let words_independent = !merge_list.iter().any(|m| {
@@ -496,7 +511,7 @@ pub(crate) fn from_json(v: &Value) -> Result<Tokenizer, LoadError> {
     });
 
     let mut char_ids = FxHashMap::default();
-    for (&s, &id) in &ids {
+    for (&s, &id) in &model_ids {
         let mut chars = s.chars();
         if let (Some(c), None) = (chars.next(), chars.next()) {
             char_ids.insert(c, id);
@@ -506,7 +521,7 @@ pub(crate) fn from_json(v: &Value) -> Result<Tokenizer, LoadError> {
     let mut byte_ids = [NONE; 256];
     if byte_fallback {
         for (b, slot) in byte_ids.iter_mut().enumerate() {
-            if let Some(&id) = ids.get(format!("<0x{b:02X}>").as_str()) {
+            if let Some(&id) = model_ids.get(format!("<0x{b:02X}>").as_str()) {
                 *slot = id;
             }
         }
@@ -514,7 +529,7 @@ pub(crate) fn from_json(v: &Value) -> Result<Tokenizer, LoadError> {
     let unk = model
         .get("unk_token")
         .and_then(Value::as_str)
-        .and_then(|u| ids.get(u).copied());
+        .and_then(|u| model_ids.get(u).copied());
     let fuse_unk = model.get("fuse_unk").and_then(Value::as_bool) == Some(true);
     let (bos, eos) = read_post_processor(v.get("post_processor").unwrap_or(&Value::Null));
     let hf = HfSpmModel {
@@ -536,8 +551,9 @@ pub(crate) fn from_json(v: &Value) -> Result<Tokenizer, LoadError> {
         ..GgufVocab::default()
     };
     let checked = Checked::new(&gguf, false)?;
-    let bos_id = bos.or_else(|| ids.get("<s>").copied());
-    let eos_id = eos.or_else(|| ids.get("</s>").copied());
+    let named = |names: [&str; 2]| names.iter().find_map(|n| ids.get(n).copied());
+    let bos_id = bos.or_else(|| named(["<s>", "<bos>"]));
+    let eos_id = eos.or_else(|| named(["</s>", "<eos>"]));
     let parts = ModelParts {
         algo: Algo::HfSpm(Box::new(hf)),
         user_defined: Vec::new(),
@@ -597,6 +613,21 @@ mod tests {
         let tok = llama();
         assert_eq!(tok.encode("!").as_slice(), &[3, 2]);
         assert_eq!(tok.encode("a??").as_slice(), &[6, 0]);
+    }
+
+    #[test]
+    fn byte_level_files_keep_the_byte_level_path() {
+        let byte_level = serde_json::json!({
+            "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": false},
+            "decoder": {"type": "ByteLevel"},
+            "model": {"type": "BPE", "byte_fallback": true},
+        });
+        assert!(!is_spm_layout(&byte_level));
+        let llama =
+            serde_json::json!({"normalizer": {"type": "Replace"}, "model": {"type": "BPE"}});
+        assert!(is_spm_layout(&llama));
+        let mistral = serde_json::json!({"pre_tokenizer": {"type": "Metaspace"}, "model": {}});
+        assert!(is_spm_layout(&mistral));
     }
 
     #[test]
