@@ -133,6 +133,38 @@ impl HfSpmModel {
     }
 }
 
+impl HfSpmModel {
+    /// HF's `ByteFallback` decoder for ids whose bytes are not UTF-8 (`ids` are known to exist):
+    /// each run of byte tokens that is not UTF-8 on its own becomes one U+FFFD per token; with
+    /// `strip`, one leading space of the whole text is dropped (`Strip(" ", 1, 0)` after `Fuse`).
+    pub(crate) fn decode_invalid(&self, tok: &Tokenizer, ids: &[u32], strip: bool) -> String {
+        let mut text = String::new();
+        let mut run = Vec::new();
+        let flush = |run: &mut Vec<u8>, text: &mut String| {
+            match std::str::from_utf8(run) {
+                Ok(s) => text.push_str(s),
+                Err(_) => text.extend(std::iter::repeat_n('\u{FFFD}', run.len())),
+            }
+            run.clear();
+        };
+        for &id in ids {
+            let bytes = tok.token_bytes(id).unwrap_or_default();
+            match bytes {
+                [b] if self.byte_ids[*b as usize] == id => run.push(*b),
+                _ => {
+                    flush(&mut run, &mut text);
+                    text.push_str(&String::from_utf8_lossy(bytes));
+                }
+            }
+        }
+        flush(&mut run, &mut text);
+        if strip && text.starts_with(' ') {
+            text.remove(0);
+        }
+        text
+    }
+}
+
 /// The type of a JSON object (`""` when it has none).
 fn kind(v: &Value) -> &str {
     v.get("type").and_then(Value::as_str).unwrap_or("")

@@ -882,6 +882,12 @@ impl Tokenizer {
         let b = self.decode_bytes(ids)?;
         Ok(match String::from_utf8(b) {
             Ok(s) => s,
+            Err(_) if matches!(self.algo, Algo::HfSpm(_)) => {
+                let Algo::HfSpm(m) = &self.algo else {
+                    unreachable!()
+                };
+                m.decode_invalid(self, ids, self.strip_leading_space)
+            }
             Err(e) => String::from_utf8_lossy(e.as_bytes()).into_owned(),
         })
     }

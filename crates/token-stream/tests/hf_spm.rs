@@ -82,6 +82,23 @@ fn check_vocab(vocab: &str) {
             }
         }
         eprintln!("{vocab}/{name}: {same}/{} texts identical", texts.len());
+        // Sequences no text encodes to: invalid UTF-8 from byte tokens decodes as HF's
+        // ByteFallback decoder does (one U+FFFD per byte token of an invalid run).
+        let odd = expected["odd_ids"].as_array().unwrap();
+        for (seq, want) in odd.iter().zip(v["odd_decoded"].as_array().unwrap()) {
+            let seq: Vec<u32> = seq
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|x| x.as_u64().unwrap() as u32)
+                .collect();
+            let got = tok.decode(&seq).unwrap();
+            if got != want.as_str().unwrap() {
+                failures.push(format!(
+                    "{vocab}/{name} decode of {seq:?}: ours {got:?}, HF {want}"
+                ));
+            }
+        }
     }
     assert!(
         failures.is_empty(),
