@@ -59,6 +59,10 @@ pub(crate) struct HfSpmModel {
     prefix: Prefix,
     /// `Metaspace` with `split`: every `▁` starts a new word (merges never cross it).
     split_at_marks: bool,
+    /// HF `ignore_merges`: a word that is a token is that token, without merging (the model's
+    /// vocabulary, filled only then).
+    whole_words: FxHashMap<Box<str>, u32>,
+    ignore_merges: bool,
     /// No merge result has a `▁` right after another character: cutting the text before each
     /// `▁` that follows another character cannot change the result (no merge crosses such a
     /// cut, and merges in different words are independent), so long texts merge word by word.
@@ -87,9 +91,11 @@ impl HfSpmModel {
         let mut symbols = Vec::new();
         let mut start = 0;
         for (i, c) in text.char_indices() {
+            // With `ignore_merges` a whole piece may be a token: only HF's own split applies.
+            let independent = self.words_independent && !self.ignore_merges;
             let cut = c == MARK
                 && i > start
-                && (self.split_at_marks || (self.words_independent && !text[..i].ends_with(MARK)));
+                && (self.split_at_marks || (independent && !text[..i].ends_with(MARK)));
             if cut {
                 self.encode_word(&text[start..i], out, &mut symbols, work);
                 start = i;
@@ -99,6 +105,12 @@ impl HfSpmModel {
     }
 
     fn encode_word(&self, word: &str, out: &mut Vec<u32>, symbols: &mut Vec<u32>, work: &mut Work) {
+        if self.ignore_merges {
+            if let Some(&id) = self.whole_words.get(word) {
+                out.push(id);
+                return;
+            }
+        }
         symbols.clear();
         // (unk id, pending) as HF's `merge_word`: unknown characters fuse when `fuse_unk`.
         let mut pending_unk = false;
@@ -564,7 +576,15 @@ pub(crate) fn from_json(v: &Value) -> Result<Tokenizer, LoadError> {
         .and_then(|u| model_ids.get(u).copied());
     let fuse_unk = model.get("fuse_unk").and_then(Value::as_bool) == Some(true);
     let (bos, eos) = read_post_processor(v.get("post_processor").unwrap_or(&Value::Null));
+    let ignore_merges = model.get("ignore_merges").and_then(Value::as_bool) == Some(true);
+    let whole_words = if ignore_merges {
+        model_ids.iter().map(|(&s, &id)| (s.into(), id)).collect()
+    } else {
+        FxHashMap::default()
+    };
     let hf = HfSpmModel {
+        whole_words,
+        ignore_merges,
         char_ids,
         byte_ids,
         unk,
@@ -645,6 +665,23 @@ mod tests {
         let tok = llama();
         assert_eq!(tok.encode("!").as_slice(), &[3, 2]);
         assert_eq!(tok.encode("a??").as_slice(), &[6, 0]);
+    }
+
+    #[test]
+    fn ignore_merges_emits_a_word_that_is_a_token_whole() {
+        let json = serde_json::json!({
+            "normalizer": {"type": "Replace", "pattern": {"String": " "}, "content": "\u{2581}"},
+            "decoder": {"type": "Sequence", "decoders": [
+                {"type": "Replace", "pattern": {"String": "\u{2581}"}, "content": " "},
+                {"type": "ByteFallback"}, {"type": "Fuse"}]},
+            "model": {"type": "BPE", "byte_fallback": true, "ignore_merges": true,
+                "vocab": {"a": 0, "b": 1, "c": 2, "ab": 3, "abc": 4},
+                "merges": [["a", "b"]]},
+        });
+        let tok = from_json(&json).unwrap();
+        // "abc" has no merge path to itself but is a token; "abca" is not one and merges.
+        assert_eq!(tok.encode("abc").as_slice(), &[4]);
+        assert_eq!(tok.encode("abca").as_slice(), &[3, 2, 0]);
     }
 
     #[test]

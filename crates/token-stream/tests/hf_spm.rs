@@ -1,7 +1,7 @@
 //! SentencePiece-style `tokenizer.json` files (Llama 2, Mistral, Gemma, Phi-3 layouts) against HF
 //! `tokenizers`: for llama.cpp's `llama-spm` and `phi-3` vocabularies converted by transformers'
-//! `LlamaConverter`, in seven layouts (Prepend+Replace normalizer, with and without added tokens'
-//! `lstrip`/`rstrip`; Gemma's Replace-only; `Metaspace` with each prepend scheme, and the legacy
+//! `LlamaConverter`, in eight layouts (Prepend+Replace normalizer, with and without added tokens'
+//! `lstrip`/`rstrip`, and with `ignore_merges`; Gemma's Replace-only; `Metaspace` with each prepend scheme, and the legacy
 //! `add_prefix_space` form that splits at every `▁`), every text's ids and decode equal HF's.
 //! Fixtures from `scripts/fixtures/token-stream-hf-spm.py`.
 
@@ -31,11 +31,16 @@ fn load(vocab: &str) -> (Value, Value) {
     )
 }
 
-/// The file of one layout variant: the converted file with the variant's keys replaced.
+/// The file of one layout variant: the converted file with the variant's keys replaced (`a.b`:
+/// field `b` of `a`).
 fn variant(base: &Value, keys: &Value) -> String {
     let mut doc = base.clone();
     for (k, v) in keys.as_object().unwrap() {
-        doc[k] = v.clone();
+        let mut target = &mut doc;
+        for part in k.split('.') {
+            target = &mut target[part];
+        }
+        *target = v.clone();
     }
     doc.to_string()
 }
