@@ -1,8 +1,9 @@
 //! SentencePiece-style `tokenizer.json` files (Llama 2, Mistral, Gemma, Phi-3 layouts) against HF
 //! `tokenizers`: for llama.cpp's `llama-spm` and `phi-3` vocabularies converted by transformers'
 //! `LlamaConverter`, in eight layouts (Prepend+Replace normalizer, with and without added tokens'
-//! `lstrip`/`rstrip`, and with `ignore_merges`; Gemma's Replace-only; `Metaspace` with each prepend scheme, and the legacy
-//! `add_prefix_space` form that splits at every `▁`), every text's ids and decode equal HF's.
+//! `lstrip`/`rstrip`; Gemma's Replace-only; `Metaspace` with each prepend scheme, and the legacy
+//! `add_prefix_space` form that splits at every `▁`, also with `ignore_merges`), every text's ids
+//! and decode equal HF's, and so does the decode of id sequences with invalid UTF-8.
 //! Fixtures from `scripts/fixtures/token-stream-hf-spm.py`.
 
 use std::io::Read;
