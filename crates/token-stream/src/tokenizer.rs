@@ -710,6 +710,7 @@ impl Tokenizer {
             Segment::Text(raw) => match &self.algo {
                 Algo::Bpe => {}
                 Algo::Spm(m) => m.encode(raw, m.add_space_prefix, out, &mut spm_scratch),
+                // `Metaspace` with prepend scheme `first` needs to know the fragment at offset 0.
                 Algo::HfSpm(m) => m.encode(raw, raw.as_ptr() == text.as_ptr(), out, &mut work),
                 Algo::Wpm(m) => m.encode(raw, out),
                 Algo::Ugm(m) => m.encode(raw, out),
@@ -877,18 +878,16 @@ impl Tokenizer {
     }
 
     /// Decodes ids to text; byte sequences that are not UTF-8 become U+FFFD (as HF's byte-level
-    /// decoder and tiktoken's `decode` with `errors="replace"` do).
+    /// decoder and tiktoken's `decode` with `errors="replace"` do; for a SentencePiece-style
+    /// `tokenizer.json`, one U+FFFD per byte token of an invalid run, as HF's `ByteFallback`).
     pub fn decode(&self, ids: &[u32]) -> Result<String, DecodeError> {
         let b = self.decode_bytes(ids)?;
         Ok(match String::from_utf8(b) {
             Ok(s) => s,
-            Err(_) if matches!(self.algo, Algo::HfSpm(_)) => {
-                let Algo::HfSpm(m) = &self.algo else {
-                    unreachable!()
-                };
-                m.decode_invalid(self, ids, self.strip_leading_space)
-            }
-            Err(e) => String::from_utf8_lossy(e.as_bytes()).into_owned(),
+            Err(e) => match &self.algo {
+                Algo::HfSpm(m) => m.decode_invalid(self, ids, self.strip_leading_space),
+                _ => String::from_utf8_lossy(e.as_bytes()).into_owned(),
+            },
         })
     }
 }
