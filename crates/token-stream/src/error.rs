@@ -38,11 +38,28 @@ pub enum LoadError {
         /// The pre-tokenizer (`tokenizer.ggml.pre`, or a description of the JSON one).
         name: String,
     },
-    /// `tokenizer.json` has a normalizer; byte-level BPE vocabularies here use none.
+    /// `tokenizer.json` has a normalizer this crate does not implement (supported: none, and for
+    /// SentencePiece-style BPE `Replace(" ", "▁")`, optionally after `Prepend("▁")`).
     #[error("unsupported normalizer in tokenizer.json: {kind}")]
     UnsupportedNormalizer {
-        /// The normalizer's `type`.
+        /// The normalizer (its JSON, shortened).
         kind: String,
+    },
+    /// The `tokenizer.json` decoder is not one this crate reproduces (for SentencePiece-style
+    /// files: `Sequence[Replace("▁", " "), ByteFallback, Fuse]`, optionally with
+    /// `Strip(" ", 1, 0)`).
+    #[error("unsupported decoder in tokenizer.json: {kind}")]
+    UnsupportedDecoder {
+        /// The decoder (its JSON, shortened).
+        kind: String,
+    },
+    /// An added token of `tokenizer.json` uses an option this crate does not implement.
+    #[error("added token `{content}`: unsupported option {option}")]
+    UnsupportedAddedToken {
+        /// The token's text.
+        content: String,
+        /// The option (`single_word`, or `normalized` with a `Prepend` normalizer).
+        option: &'static str,
     },
     /// A merge rule is not two known tokens separated by one space.
     #[error("{key}[{index}] `{rule}` is malformed or names an unknown token")]

@@ -14,8 +14,9 @@
 //!   ([`LLAMA_PRES`]: one table entry per `tokenizer.ggml.pre` group, split exactly as
 //!   llama.cpp splits, ids equal to llama.cpp's on its own vocabulary suite, see
 //!   `tests/vocab_suite.rs`), plus the `gemma4` BPE model. Loaded from GGUF metadata ([`Tokenizer::from_gguf`], feature
-//!   `gguf`), a HF `tokenizer.json` ([`Tokenizer::from_tokenizer_json`]) or a tiktoken rank file
-//!   ([`Tokenizer::from_tiktoken`]).
+//!   `gguf`), a HF `tokenizer.json` ([`Tokenizer::from_tokenizer_json`]: byte-level BPE, and the
+//!   SentencePiece-style BPE of Llama 2, Mistral, Gemma and Phi-3 with HF's exact ids, see
+//!   `tests/hf_spm.rs`) or a tiktoken rank file ([`Tokenizer::from_tiktoken`]).
 //! - Exact: ids equal HF `tokenizers` and `tiktoken` on the parity corpus (see `tests/parity.rs`).
 //!   The split regexes are hand-written scanners ([`Pretokenizer`]) proven equal to the regexes.
 //! - Safe by default: [`Tokenizer::encode`] never produces special tokens from text; only
@@ -44,6 +45,7 @@
 mod bpe;
 mod chat;
 mod error;
+mod hf_spm;
 mod load;
 mod pretok;
 mod pretok_regex;

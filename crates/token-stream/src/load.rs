@@ -490,9 +490,23 @@ impl Tokenizer {
         Self::from_tiktoken(ranks, Pretokenizer::O200k, O200K_SPECIALS)
     }
 
-    /// Parses a HF `tokenizer.json` holding a byte-level BPE model (GPT-2, SmolLM2, Llama 3 style).
+    /// Parses a HF `tokenizer.json`: a byte-level BPE model (GPT-2, SmolLM2, Llama 3, Qwen), or
+    /// a SentencePiece-style BPE model (Llama 2, Mistral, Gemma 2/3, Phi-3: `▁` for spaces,
+    /// `<0xXX>` byte fallback, spaces escaped by a `Prepend`/`Replace` normalizer or a
+    /// `Metaspace` pre-tokenizer), with HF `tokenizers`' ids.
+    ///
+    /// For the SentencePiece-style layout, decoding turns `▁` into spaces and drops the leading
+    /// space when the file's decoder has `Strip(" ", 1, 0)`; a `TemplateProcessing`
+    /// post-processor's `[<s>] $A [</s>]` sets [`Tokenizer::add_bos`] / [`Tokenizer::add_eos`].
+    /// Other layouts are refused with the part that is not supported
+    /// ([`LoadError::UnsupportedModel`] for `Unigram`/`WordPiece`,
+    /// [`LoadError::UnsupportedNormalizer`], [`LoadError::UnsupportedPretokenizer`],
+    /// [`LoadError::UnsupportedDecoder`], [`LoadError::UnsupportedAddedToken`]).
     pub fn from_tokenizer_json(json: &str) -> Result<Self, LoadError> {
         let v: Value = serde_json::from_str(json)?;
+        if crate::hf_spm::is_spm_layout(&v) {
+            return crate::hf_spm::from_json(&v);
+        }
         let field = |field: &'static str| LoadError::MissingField { field };
         if let Some(n) = v.get("normalizer").filter(|n| !n.is_null()) {
             return Err(LoadError::UnsupportedNormalizer {

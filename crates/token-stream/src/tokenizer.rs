@@ -4,6 +4,7 @@ use rustc_hash::FxHashMap;
 
 use crate::bpe::{self, Merges, NONE, Work};
 use crate::error::DecodeError;
+use crate::hf_spm::HfSpmModel;
 use crate::pretok::Pretokenizer;
 use crate::spm::{SpmModel, SpmScratch};
 use crate::tokens::Tokens;
@@ -17,6 +18,8 @@ pub(crate) enum Algo {
     Bpe,
     /// llama.cpp's SentencePiece-style merges (`tokenizer.ggml.model = llama`).
     Spm(Box<SpmModel>),
+    /// SentencePiece-style BPE from HF `tokenizer.json` (merge ranks, HF's prefix rules).
+    HfSpm(Box<HfSpmModel>),
     /// llama.cpp's WordPiece (`tokenizer.ggml.model = bert`).
     Wpm(WpmModel),
     /// llama.cpp's Unigram (`tokenizer.ggml.model = t5`).
@@ -97,6 +100,9 @@ struct Specials {
     /// Longest first, so the first hit at a position is the longest.
     entries: Vec<(Box<str>, u32)>,
     first_byte: [bool; 256],
+    /// Tokens that take the whitespace before (`.0`, HF `lstrip`) or after (`.1`, `rstrip`)
+    /// them into their match; empty for most vocabularies.
+    strip: FxHashMap<u32, (bool, bool)>,
 }
 
 /// A piece of text cut by [`Specials::split_each`].
@@ -121,6 +127,7 @@ impl Specials {
         Self {
             entries,
             first_byte,
+            strip: FxHashMap::default(),
         }
     }
 
@@ -128,7 +135,15 @@ impl Specials {
     /// tokens' ids, in order.
     fn split_each(&self, text: &str, mut each: impl FnMut(Segment<'_>)) {
         let mut pos = 0;
-        while let Some((start, end, id)) = self.find(text, pos) {
+        while let Some((mut start, mut end, id)) = self.find(text, pos) {
+            if let Some(&(left, right)) = self.strip.get(&id) {
+                if left {
+                    start = pos.max(text[..start].trim_end_matches(char::is_whitespace).len());
+                }
+                if right {
+                    end = text.len() - text[end..].trim_start_matches(char::is_whitespace).len();
+                }
+            }
             if start > pos {
                 each(Segment::Text(&text[pos..start]));
             }
@@ -264,6 +279,15 @@ impl Tokenizer {
         self.strip_leading_space = parts.strip_leading_space;
         self.whole = FxHashMap::default();
         self
+    }
+
+    /// Makes special (and user-defined) token `id` take the whitespace before it (`left`, HF's
+    /// `lstrip`) and after it (`right`, `rstrip`) into its match when cut out of text.
+    pub(crate) fn set_whitespace_strip(&mut self, id: u32, left: bool, right: bool) {
+        if left || right {
+            self.specials.strip.insert(id, (left, right));
+            self.user_defined.strip.insert(id, (left, right));
+        }
     }
 
     /// Adds ids to the end-of-generation set (EOT, EOM, ...); ids outside the vocabulary are
@@ -680,11 +704,14 @@ impl Tokenizer {
     /// fragment (each starts the text or follows a special token) when `add_space_prefix` is set).
     fn encode_model(&self, text: &str, split: &Specials, out: &mut Vec<u32>) {
         let mut spm_scratch = SpmScratch::default();
+        let mut work = Work::default();
         // A raw fragment always starts the text or follows a special token.
         split.split_each(text, |segment| match segment {
             Segment::Text(raw) => match &self.algo {
                 Algo::Bpe => {}
                 Algo::Spm(m) => m.encode(raw, m.add_space_prefix, out, &mut spm_scratch),
+                // `Metaspace` with prepend scheme `first` needs to know the fragment at offset 0.
+                Algo::HfSpm(m) => m.encode(raw, raw.as_ptr() == text.as_ptr(), out, &mut work),
                 Algo::Wpm(m) => m.encode(raw, out),
                 Algo::Ugm(m) => m.encode(raw, out),
             },
@@ -851,12 +878,16 @@ impl Tokenizer {
     }
 
     /// Decodes ids to text; byte sequences that are not UTF-8 become U+FFFD (as HF's byte-level
-    /// decoder and tiktoken's `decode` with `errors="replace"` do).
+    /// decoder and tiktoken's `decode` with `errors="replace"` do; for a SentencePiece-style
+    /// `tokenizer.json`, one U+FFFD per byte token of an invalid run, as HF's `ByteFallback`).
     pub fn decode(&self, ids: &[u32]) -> Result<String, DecodeError> {
         let b = self.decode_bytes(ids)?;
         Ok(match String::from_utf8(b) {
             Ok(s) => s,
-            Err(e) => String::from_utf8_lossy(e.as_bytes()).into_owned(),
+            Err(e) => match &self.algo {
+                Algo::HfSpm(m) => m.decode_invalid(self, ids, self.strip_leading_space),
+                _ => String::from_utf8_lossy(e.as_bytes()).into_owned(),
+            },
         })
     }
 }
