@@ -140,6 +140,103 @@ fn sliding_windows_cut_the_receptive_field() {
     }
 }
 
+/// Teacher-forced logits through a ring of a pool whose window layers keep only their last
+/// rows (`Model::kv_windows`, chunks of up to `max_chunk`), and that ring's size.
+fn windowed_logits(
+    model: &Model,
+    tokens: &[u32],
+    chunk: usize,
+    max_chunk: usize,
+) -> (Vec<f32>, usize) {
+    let pool = KvPool::with_layer_windows(
+        model.kv_shape(KvDtype::F32),
+        64 << 20,
+        model.kv_windows(),
+        max_chunk,
+    )
+    .unwrap();
+    let mut kv = pool.alloc(tokens.len(), RingMode::Strict).unwrap();
+    let mut all = Vec::new();
+    let mut out = Vec::new();
+    for c in tokens.chunks(chunk) {
+        model
+            .forward(
+                &mut [SeqStep {
+                    tokens: c,
+                    kv: &mut kv,
+                    logits: LogitsWanted::All,
+                }],
+                &mut out,
+            )
+            .unwrap();
+        all.extend_from_slice(&out);
+    }
+    assert!(
+        model
+            .kv_windows()
+            .iter()
+            .enumerate()
+            .any(|(l, w)| w.is_some() && kv.layer_len(l) < kv.len()),
+        "no window layer dropped a row: a weak test"
+    );
+    (all, kv.allocated_bytes())
+}
+
+#[test]
+fn window_layers_on_their_own_rows_give_the_full_caches_logits_in_less_memory() {
+    // Gemma 2 (every other layer over 64 positions), Gemma 3 (5 of 6 over 64), and an
+    // all-window Llama (Mistral-style, 32 positions): 150 tokens, past every window.
+    let mistral = [("llama.attention.sliding_window", Meta::U32(32))];
+    for (arch, set) in [
+        ("gemma2", &[][..]),
+        ("gemma3", &[][..]),
+        ("llama", &mistral[..]),
+    ] {
+        let model = load(build_with(arch, DIMS, 4, &[], set).build()).unwrap();
+        assert!(
+            model.kv_windows().iter().any(Option::is_some),
+            "{arch}: no window layer"
+        );
+        let t = tokens(150, 9);
+        let full = logits(&model, &t, t.len());
+        let plain_bytes = KvPool::new(model.kv_shape(KvDtype::F32), 1 << 30)
+            .unwrap()
+            .ring_bytes(t.len())
+            .unwrap();
+        for (chunk, max_chunk) in [(1usize, 1usize), (7, 7), (7, 16), (20, 20)] {
+            let (got, bytes) = windowed_logits(&model, &t, chunk, max_chunk);
+            assert!(
+                full.iter()
+                    .zip(&got)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{arch}: chunks of {chunk} (limit {max_chunk}) differ from the full cache"
+            );
+            assert!(bytes < plain_bytes, "{arch}: {bytes} >= {plain_bytes}");
+        }
+        // A chunk over the pool's limit is refused before anything changes.
+        let pool = KvPool::with_layer_windows(
+            model.kv_shape(KvDtype::F32),
+            1 << 26,
+            model.kv_windows(),
+            8,
+        )
+        .unwrap();
+        let mut kv = pool.alloc(64, RingMode::Strict).unwrap();
+        let e = model
+            .forward(
+                &mut [SeqStep {
+                    tokens: &t[..9],
+                    kv: &mut kv,
+                    logits: LogitsWanted::Last,
+                }],
+                &mut Vec::new(),
+            )
+            .unwrap_err();
+        assert!(e.to_string().contains("9"), "{e}");
+        assert_eq!(kv.len(), 0);
+    }
+}
+
 #[test]
 fn final_softcap_bounds_the_logits() {
     let model = load(

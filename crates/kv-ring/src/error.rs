@@ -85,6 +85,22 @@ pub enum KvError {
         /// Evictable slots: capacity - sinks.
         window: usize,
     },
+    /// [`KvPool::with_layer_windows`](crate::KvPool::with_layer_windows) got a window list
+    /// whose length is not the layer count, a window of 0, or a `max_chunk` of 0.
+    #[error(
+        "layer windows: {layers} entries for {n_layers} layers, max chunk {max_chunk} (windows must be non-zero, max chunk positive)"
+    )]
+    BadLayerWindows {
+        /// Entries given.
+        layers: usize,
+        /// Layers of the shape.
+        n_layers: usize,
+        /// The chunk limit given.
+        max_chunk: usize,
+    },
+    /// A pool with per-layer windows hands out strict rings only.
+    #[error("a pool with per-layer sliding windows hands out strict rings only")]
+    WindowedNotStrict,
     /// `begin` was called while a chunk is pending (call `commit` first).
     #[error("a chunk of {pending} tokens is pending; commit it first")]
     ChunkPending {

@@ -37,6 +37,8 @@ use crate::{KvError, KvShape, RingMode};
 pub struct KvPool {
     shape: KvShape,
     bytes_per_token: usize,
+    /// Per-layer sliding windows (see [`KvPool::with_layer_windows`]).
+    windows: Option<LayerWindows>,
     budget: usize,
     recycle: AtomicBool,
     state: Mutex<PoolState>,
@@ -45,6 +47,15 @@ pub struct KvPool {
     rejected_allocs: AtomicU64,
     frees: AtomicU64,
     grows: AtomicU64,
+}
+
+/// Sliding-window layers of a pool's rings.
+#[derive(Clone, Debug)]
+pub(crate) struct LayerWindows {
+    /// Per layer: the window (a query sees its own position and the `w - 1` before it).
+    pub(crate) windows: Vec<Option<usize>>,
+    /// Largest chunk `begin` accepts.
+    pub(crate) max_chunk: usize,
 }
 
 #[derive(Default)]
@@ -105,6 +116,7 @@ impl KvPool {
         Ok(Arc::new(Self {
             shape,
             bytes_per_token,
+            windows: None,
             budget: budget_bytes,
             recycle: AtomicBool::new(true),
             state: Mutex::new(PoolState::default()),
@@ -114,6 +126,79 @@ impl KvPool {
             frees: AtomicU64::new(0),
             grows: AtomicU64::new(0),
         }))
+    }
+
+    /// A pool whose rings keep, for each layer with a sliding window `w`, only the last
+    /// `w - 1 + max_chunk` positions (the most a chunk of up to `max_chunk` tokens can attend
+    /// to): a ring of capacity `c` holds `min(c, w - 1 + max_chunk)` rows for that layer and
+    /// `c` for the others, and costs that much of the budget. `windows` has one entry per
+    /// layer. Rings of such a pool are strict ([`RingMode::Strict`]), `begin` refuses chunks
+    /// over `max_chunk`, and a window layer's [`KvRing::view`] holds its last rows only
+    /// ([`KvRing::layer_len`] of them; position `next_pos() - layer_len(l) + i` at index `i`).
+    ///
+    /// ```
+    /// use kv_ring::{KvDtype, KvPool, KvShape, RingMode};
+    /// let shape = KvShape::new(2, 1, 4, KvDtype::F32);
+    /// // Layer 0 slides over 8 positions, layer 1 sees everything; chunks of up to 4.
+    /// let pool = KvPool::with_layer_windows(shape, 1 << 20, vec![Some(8), None], 4)?;
+    /// let ring = pool.alloc(1000, RingMode::Strict)?;
+    /// // (8 - 1 + 4) rows for layer 0, 1000 for layer 1, instead of 2 x 1000.
+    /// assert_eq!(ring.allocated_bytes(), (11 + 1000) * shape.bytes_per_token() / 2);
+    /// # Ok::<(), kv_ring::KvError>(())
+    /// ```
+    pub fn with_layer_windows(
+        shape: KvShape,
+        budget_bytes: usize,
+        windows: Vec<Option<usize>>,
+        max_chunk: usize,
+    ) -> Result<Arc<Self>, KvError> {
+        let pool = Self::new(shape, budget_bytes)?;
+        if windows.len() != shape.n_layers
+            || max_chunk == 0
+            || windows.contains(&Some(0))
+        {
+            return Err(KvError::BadLayerWindows {
+                layers: windows.len(),
+                n_layers: shape.n_layers,
+                max_chunk,
+            });
+        }
+        let mut pool = Arc::into_inner(pool).expect("a new pool has one owner");
+        if windows.iter().any(Option::is_some) {
+            pool.windows = Some(LayerWindows { windows, max_chunk });
+        }
+        Ok(Arc::new(pool))
+    }
+
+    /// The per-layer windows of [`with_layer_windows`](Self::with_layer_windows), if any layer
+    /// has one.
+    pub fn layer_windows(&self) -> Option<&[Option<usize>]> {
+        self.windows.as_ref().map(|w| &w.windows[..])
+    }
+
+    /// The largest chunk a ring of this pool accepts (`None`: no limit but its room).
+    pub fn max_chunk(&self) -> Option<usize> {
+        self.windows.as_ref().map(|w| w.max_chunk)
+    }
+
+    /// Rows each layer of a ring of `capacity` positions keeps (`None` on overflow).
+    pub(crate) fn layer_caps(&self, capacity: usize) -> Option<Vec<usize>> {
+        let n = self.shape.n_layers;
+        Some(match &self.windows {
+            None => vec![capacity; n],
+            Some(lw) => lw
+                .windows
+                .iter()
+                .map(|w| match w {
+                    Some(w) => (w - 1).checked_add(lw.max_chunk).map(|c| c.min(capacity)),
+                    None => Some(capacity),
+                })
+                .collect::<Option<Vec<_>>>()?,
+        })
+    }
+
+    pub(crate) fn windowed(&self) -> Option<&LayerWindows> {
+        self.windows.as_ref()
     }
 
     /// The shape every ring of this pool has.
@@ -128,7 +213,15 @@ impl KvPool {
 
     /// Bytes a ring of `capacity_tokens` takes from the budget, or `None` on overflow.
     pub fn ring_bytes(&self, capacity_tokens: usize) -> Option<usize> {
-        capacity_tokens.checked_mul(self.bytes_per_token)
+        match &self.windows {
+            None => capacity_tokens.checked_mul(self.bytes_per_token),
+            Some(_) => {
+                let per_layer = self.bytes_per_token / self.shape.n_layers;
+                self.layer_caps(capacity_tokens)?
+                    .iter()
+                    .try_fold(0usize, |a, &c| a.checked_add(c.checked_mul(per_layer)?))
+            }
+        }
     }
 
     /// The budget given to [`new`](Self::new).
@@ -194,6 +287,9 @@ impl KvPool {
     ) -> Result<KvRing, KvError> {
         if capacity_tokens == 0 {
             return Err(KvError::ZeroCapacity);
+        }
+        if self.windows.is_some() && mode != RingMode::Strict {
+            return Err(KvError::WindowedNotStrict);
         }
         if let RingMode::Sliding { sinks } = mode
             && sinks >= capacity_tokens

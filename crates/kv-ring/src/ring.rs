@@ -63,6 +63,40 @@ pub struct KvRing {
     pending: usize,
     written: Vec<bool>,
     n_written: usize,
+    /// Per-layer rows of a pool with sliding-window layers
+    /// ([`KvPool::with_layer_windows`]); `None`: every layer holds `len` rows from `start`.
+    win: Option<Box<Win>>,
+}
+
+/// Per-layer layout and state of a ring whose pool has sliding-window layers: layer `l` keeps
+/// `caps[l]` rows (its blocks start at element `offs[l]`), view index 0 in slot `start[l]`,
+/// `len[l]` committed rows (the last ones: positions `next_pos - len[l]..next_pos`).
+#[derive(Debug, Clone)]
+struct Win {
+    caps: Vec<usize>,
+    offs: Vec<usize>,
+    start: Vec<usize>,
+    len: Vec<usize>,
+    max_chunk: usize,
+}
+
+impl Win {
+    fn new(caps: Vec<usize>, heads: usize, hd: usize, max_chunk: usize) -> Self {
+        let mut offs = Vec::with_capacity(caps.len());
+        let mut o = 0;
+        for &c in &caps {
+            offs.push(o);
+            o += 2 * heads * c * hd;
+        }
+        let n = caps.len();
+        Self {
+            caps,
+            offs,
+            start: vec![0; n],
+            len: vec![0; n],
+            max_chunk,
+        }
+    }
 }
 
 impl std::fmt::Debug for KvRing {
@@ -86,11 +120,29 @@ impl KvRing {
     ) -> Self {
         let shape = pool.shape();
         let block = capacity * shape.head_dim;
+        let win = pool.windowed().map(|lw| {
+            let caps = pool
+                .layer_caps(capacity)
+                .expect("the pool sized this ring, so its caps do not overflow");
+            Box::new(Win::new(
+                caps,
+                shape.n_kv_heads,
+                shape.head_dim,
+                lw.max_chunk,
+            ))
+        });
         debug_assert_eq!(
             storage.elems(),
-            2 * shape.n_layers * shape.n_kv_heads * block
+            win.as_ref()
+                .map_or(2 * shape.n_layers * shape.n_kv_heads * block, |w| {
+                    w.caps
+                        .iter()
+                        .map(|c| 2 * shape.n_kv_heads * c * shape.head_dim)
+                        .sum()
+                })
         );
         Self {
+            win,
             storage,
             capacity,
             mode,
@@ -114,6 +166,17 @@ impl KvRing {
     /// the pending tokens).
     pub fn len(&self) -> usize {
         self.len
+    }
+
+    /// Committed rows layer `layer` holds: [`len`](Self::len), except for the sliding-window
+    /// layers of a [`KvPool::with_layer_windows`] pool, which keep only their last rows (view
+    /// index `i` is position `next_pos() - layer_len(layer) + i` there). 0 past the last layer.
+    pub fn layer_len(&self, layer: usize) -> usize {
+        match &self.win {
+            Some(w) => w.len.get(layer).copied().unwrap_or(0),
+            None if layer < self.n_layers => self.len,
+            None => 0,
+        }
     }
 
     /// `len() == 0`.
@@ -204,6 +267,25 @@ impl KvRing {
                 }
             }
         }
+        if let Some(w) = &mut self.win {
+            if n > w.max_chunk {
+                return Err(KvError::ChunkTooLarge {
+                    requested: n,
+                    len: self.len,
+                    capacity: self.capacity,
+                    window: w.max_chunk,
+                });
+            }
+            // Window layers drop their oldest rows to make room (a cap is at least the window
+            // minus one plus the largest chunk, so every query of the chunk keeps its window).
+            for l in 0..w.caps.len() {
+                if w.len[l] + n > w.caps[l] {
+                    let e = w.len[l] + n - w.caps[l];
+                    w.start[l] = (w.start[l] + e) % w.caps[l];
+                    w.len[l] -= e;
+                }
+            }
+        }
         self.in_chunk = true;
         self.pending = n;
         self.written.fill(false);
@@ -244,7 +326,18 @@ impl KvRing {
             KvTensor::K => 0,
             KvTensor::V => 1,
         };
-        ((layer * self.n_kv_heads + head) * 2 + kv) * self.block
+        match &self.win {
+            Some(w) => w.offs[layer] + (head * 2 + kv) * w.caps[layer] * self.head_dim,
+            None => ((layer * self.n_kv_heads + head) * 2 + kv) * self.block,
+        }
+    }
+
+    /// Layer `layer`'s (rows kept, slot of view index 0, committed rows).
+    fn layer_geometry(&self, layer: usize) -> (usize, usize, usize) {
+        match &self.win {
+            Some(w) => (w.caps[layer], w.start[layer], w.len[layer]),
+            None => (self.capacity, self.start, self.len),
+        }
     }
 
     /// Writes K and V of the pending tokens for one layer. `k` and `v` are
@@ -274,10 +367,11 @@ impl KvRing {
                 });
             }
         }
-        let (hd, cap, heads) = (self.head_dim, self.capacity, self.n_kv_heads);
-        let first = self.start + self.len;
+        let (hd, heads) = (self.head_dim, self.n_kv_heads);
+        let (cap, start, len) = self.layer_geometry(layer);
+        let first = start + len;
         let k_base = self.block_base(layer, 0, KvTensor::K);
-        let block = self.block;
+        let block = cap * hd;
         // Head h of tensor t (0 = K, 1 = V) starts at k_base + (2 * h + t) * block.
         let dst_of = move |t: usize, h: usize, i: usize| {
             k_base + (2 * h + t) * block + ((first + i) % cap) * hd
@@ -365,30 +459,32 @@ impl KvRing {
                 n_kv_heads: self.n_kv_heads,
             });
         }
-        let rows = self.len
+        let (cap, start, len) = self.layer_geometry(layer);
+        let rows = len
             + if self.in_chunk && self.written[layer] {
                 self.pending
             } else {
                 0
             };
-        debug_assert!(rows <= self.capacity && self.start < self.capacity);
+        debug_assert!(rows <= cap && start < cap);
         let hd = self.head_dim;
-        let first = rows.min(self.capacity - self.start);
-        let a = self.start * hd..(self.start + first) * hd;
+        let block = cap * hd;
+        let first = rows.min(cap - start);
+        let a = start * hd..(start + first) * hd;
         let b = 0..(rows - first) * hd;
         let kb = self.block_base(layer, head, KvTensor::K);
-        let vb = kb + self.block;
+        let vb = kb + block;
         let (keys, values) = match &self.storage {
             Storage::F32(s) => {
-                let (k, v) = (&s[kb..kb + self.block], &s[vb..vb + self.block]);
+                let (k, v) = (&s[kb..kb + block], &s[vb..vb + block]);
                 (
                     KvSlices::F32([&k[a.clone()], &k[b.clone()]]),
                     KvSlices::F32([&v[a], &v[b]]),
                 )
             }
             Storage::F16(s) => {
-                let k: &[f16] = bytemuck::cast_slice(&s[kb..kb + self.block]);
-                let v: &[f16] = bytemuck::cast_slice(&s[vb..vb + self.block]);
+                let k: &[f16] = bytemuck::cast_slice(&s[kb..kb + block]);
+                let v: &[f16] = bytemuck::cast_slice(&s[vb..vb + block]);
                 (
                     KvSlices::F16([&k[a.clone()], &k[b.clone()]]),
                     KvSlices::F16([&v[a], &v[b]]),
@@ -420,6 +516,9 @@ impl KvRing {
         }
         self.len += self.pending;
         self.next_pos += self.pending as u64;
+        if let Some(w) = &mut self.win {
+            w.len.iter_mut().for_each(|l| *l += self.pending);
+        }
         self.in_chunk = false;
         self.pending = 0;
         debug_assert!(self.len <= self.capacity);
@@ -429,6 +528,10 @@ impl KvRing {
     /// Empties the ring for a new stream (keeps its memory): `len`, `next_pos` back to 0, any
     /// pending chunk dropped.
     pub fn reset(&mut self) {
+        if let Some(w) = &mut self.win {
+            w.start.fill(0);
+            w.len.fill(0);
+        }
         self.start = 0;
         self.len = 0;
         self.next_pos = 0;
@@ -482,6 +585,9 @@ impl KvRing {
         let Some(new_bytes) = self.pool.ring_bytes(new_capacity) else {
             return Err(overflow);
         };
+        if self.win.is_some() {
+            return self.grow_windowed(new_capacity, new_bytes, overflow);
+        }
         let hd = self.head_dim;
         let blocks = 2 * self.n_layers * self.n_kv_heads;
         let new_block = new_capacity * hd;
@@ -551,6 +657,9 @@ impl KvRing {
                 capacity,
             });
         }
+        if self.win.is_some() {
+            return self.fork_windowed(n, capacity, mode);
+        }
         let mut out = self.pool.alloc(capacity, mode)?;
         let hd = self.head_dim;
         let first = n.min(self.capacity - self.start);
@@ -560,6 +669,86 @@ impl KvRing {
                 .copy_from(dst, &self.storage, src + self.start * hd, first * hd);
             out.storage
                 .copy_from(dst + first * hd, &self.storage, src, (n - first) * hd);
+        }
+        out.len = n;
+        out.next_pos = n as u64;
+        Ok(out)
+    }
+}
+
+impl KvRing {
+    /// [`grow`](Self::grow) of a ring with window layers: a new buffer with the new per-layer
+    /// caps, each layer's rows copied in view order (layers whose cap does not change are
+    /// copied too: grows happen once per chunk of positions, not per step).
+    fn grow_windowed(
+        &mut self,
+        new_capacity: usize,
+        new_bytes: usize,
+        overflow: KvError,
+    ) -> Result<(), KvError> {
+        let (hd, heads) = (self.head_dim, self.n_kv_heads);
+        let Some(caps) = self.pool.layer_caps(new_capacity) else {
+            return Err(overflow);
+        };
+        let old_bytes = self.storage.allocated_bytes();
+        self.pool
+            .reserve_growth(new_bytes.saturating_sub(old_bytes))?;
+        let w = self.win.as_ref().expect("windowed ring");
+        let nw = Win::new(caps, heads, hd, w.max_chunk);
+        let elems = new_bytes / self.pool.shape().dtype.elem_bytes();
+        let mut storage = Storage::zeroed(self.pool.shape().dtype, elems);
+        for l in 0..self.n_layers {
+            let (cap, start, len) = (w.caps[l], w.start[l], w.len[l]);
+            let first = len.min(cap - start);
+            for b in 0..2 * heads {
+                let (src, dst) = (w.offs[l] + b * cap * hd, nw.offs[l] + b * nw.caps[l] * hd);
+                storage.copy_from(dst, &self.storage, src + start * hd, first * hd);
+                storage.copy_from(dst + first * hd, &self.storage, src, (len - first) * hd);
+            }
+        }
+        let mut nw = nw;
+        nw.len.clone_from(&w.len);
+        let old = std::mem::replace(&mut self.storage, storage);
+        drop(old); // its bytes stay counted: `used` grew by the difference only
+        self.win = Some(Box::new(nw));
+        self.capacity = new_capacity;
+        self.block = new_capacity * hd;
+        Ok(())
+    }
+
+    /// [`fork_into`](Self::fork_into) of a ring with window layers: each window layer of the
+    /// new ring gets the last rows of the prefix it keeps, which this ring must still hold.
+    fn fork_windowed(&self, n: usize, capacity: usize, mode: RingMode) -> Result<Self, KvError> {
+        let mut out = self.pool.alloc(capacity, mode)?;
+        let (hd, heads) = (self.head_dim, self.n_kv_heads);
+        let w = self.win.as_ref().expect("windowed ring");
+        // Every layer first (no partial copy on error).
+        let mut plan = Vec::with_capacity(self.n_layers);
+        for l in 0..self.n_layers {
+            let oldest = self.len - w.len[l];
+            let k = n.min(out.win.as_ref().expect("same pool").caps[l]);
+            if n - k < oldest {
+                return Err(KvError::ForkEvicted {
+                    requested: n,
+                    sinks: 0,
+                    evicted: oldest as u64,
+                });
+            }
+            plan.push((n - k - oldest, k));
+        }
+        let ow = out.win.as_mut().expect("same pool");
+        for (l, &(i0, k)) in plan.iter().enumerate() {
+            let cap = w.caps[l];
+            let s0 = (w.start[l] + i0) % cap;
+            let first = k.min(cap - s0);
+            for b in 0..2 * heads {
+                let (src, dst) = (w.offs[l] + b * cap * hd, ow.offs[l] + b * ow.caps[l] * hd);
+                out.storage
+                    .copy_from(dst, &self.storage, src + s0 * hd, first * hd);
+                out.storage
+                    .copy_from(dst + first * hd, &self.storage, src, (k - first) * hd);
+            }
+            ow.len[l] = k;
         }
         out.len = n;
         out.next_pos = n as u64;

@@ -436,7 +436,14 @@ impl Engine {
         tokenizer: Option<Arc<Tokenizer>>,
         cfg: EngineConfig,
     ) -> Result<Self, EngineInitError> {
-        let pool = KvPool::new(model.kv_shape(cfg.kv_dtype), cfg.kv_budget_bytes)?;
+        // Window layers (Gemma, Mistral, ...) keep only the rows a chunk of up to
+        // `prefill_chunk` tokens can still attend to.
+        let pool = KvPool::with_layer_windows(
+            model.kv_shape(cfg.kv_dtype),
+            cfg.kv_budget_bytes,
+            model.kv_windows(),
+            cfg.prefill_chunk.max(1),
+        )?;
         let bpt = pool.bytes_per_token().max(1);
         let sched = Scheduler::new(SchedulerConfig {
             max_queue: cfg.max_queue,

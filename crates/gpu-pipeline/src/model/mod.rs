@@ -626,6 +626,22 @@ impl Model {
         )
     }
 
+    /// The sliding window of each layer (`None`: the layer attends to every cached position):
+    /// what [`KvPool::with_layer_windows`](kv_ring::KvPool::with_layer_windows) takes so that
+    /// window layers keep only the rows they can still attend to.
+    ///
+    /// ```no_run
+    /// # fn f(model: &gpu_pipeline::Model) -> Result<(), kv_ring::KvError> {
+    /// use kv_ring::{KvDtype, KvPool, RingMode};
+    /// // Chunks of up to 256 tokens per forward step.
+    /// let pool = KvPool::with_layer_windows(model.kv_shape(KvDtype::F16), 1 << 30, model.kv_windows(), 256)?;
+    /// let ring = pool.alloc(32_768, RingMode::Strict)?;
+    /// # Ok(()) }
+    /// ```
+    pub fn kv_windows(&self) -> Vec<Option<usize>> {
+        self.layers.iter().map(|l| l.window).collect()
+    }
+
     /// The token ids that end a generation: EOS and, when the file names one, EOT.
     pub fn stop_tokens(&self) -> Vec<u32> {
         let mut v: Vec<u32> = self
@@ -899,6 +915,20 @@ impl Model {
                 RingMode::Strict => s.kv.capacity() - s.kv.len(),
                 RingMode::Sliding { sinks } => s.kv.capacity().saturating_sub(sinks),
             };
+            // A pool whose window layers keep their last rows only takes chunks up to its limit.
+            if let Some(mc) = s.kv.pool().max_chunk() {
+                if n > mc {
+                    return Err(ForwardError::Kv {
+                        step: i,
+                        source: KvError::ChunkTooLarge {
+                            requested: n,
+                            len: s.kv.len(),
+                            capacity: s.kv.capacity(),
+                            window: mc,
+                        },
+                    });
+                }
+            }
             if n > room {
                 return Err(ForwardError::ContextFull {
                     step: i,
@@ -1132,8 +1162,11 @@ impl Model {
         self.pool().run(blocks.len() * nkv, &|task, thread| {
             let (b, g) = (task / nkv, task % nkv);
             let (si, j0, tq) = blocks[b];
-            let (r0, len_before) = step_info[si as usize];
+            let (r0, _) = step_info[si as usize];
             let ring = &*steps[si as usize].kv;
+            // Rows this layer holds before the chunk (a window layer of a windowed pool keeps
+            // only its last ones; view index = position - (next_pos - that)).
+            let len_before = ring.layer_len(li);
             let view = match ring.view(li, g) {
                 Ok(v) => v,
                 Err(source) => {
