@@ -7,6 +7,9 @@ use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
+#[path = "../benches/support/synthetic.rs"]
+mod synthetic;
+
 use gpu_pipeline::{LogitsWanted, Model, ModelOptions, SeqStep};
 use kv_ring::{KvDtype, KvPool, KvRing, RingMode};
 
@@ -36,10 +39,14 @@ unsafe impl GlobalAlloc for Counting {
 #[global_allocator]
 static GLOBAL: Counting = Counting;
 
+/// The counter is global: the tests of this binary run one at a time.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 /// Allocations made by `N` sequences' decode steps 4..8 (steps 1..3 grow the buffers).
 fn decode_allocations<const N: usize>(model: &Model, pool: &Arc<KvPool>) -> usize {
     let mut rings: [KvRing; N] = std::array::from_fn(|_| pool.alloc(64, RingMode::Strict).unwrap());
-    let toks: [[u32; 1]; N] = std::array::from_fn(|i| [(100 + 7 * i) as u32]);
+    let vocab = model.config().vocab_size;
+    let toks: [[u32; 1]; N] = std::array::from_fn(|i| [((100 + 7 * i) % vocab) as u32]);
     let mut logits = Vec::new();
     let mut before = 0;
     for i in 0..8 {
@@ -62,6 +69,9 @@ fn decode_allocations<const N: usize>(model: &Model, pool: &Arc<KvPool>) -> usiz
 
 #[test]
 fn decode_steps_make_no_heap_allocation() {
+    let _serial = SERIAL
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
     let path = weight_cache::locate_default_model().unwrap_or_else(|e| panic!("{e}"));
     // SAFETY: the model file is not modified while the test runs.
     let gguf = Arc::new(unsafe { weight_cache::Gguf::open(path) }.expect("open"));
@@ -74,4 +84,41 @@ fn decode_steps_make_no_heap_allocation() {
         (0, 0),
         "allocations in 5 decode steps of 1 and of 24 sequences"
     );
+}
+
+/// The family features on the decode path (Gemma 3: Q/K norms, post-norms, GeGLU, local and
+/// global RoPE, window layers on their own rows; Gemma 2: soft-caps) allocate nothing either.
+#[test]
+fn family_features_make_no_heap_allocation_when_decoding() {
+    let _serial = SERIAL
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    let dims = synthetic::Dims {
+        n_embd: 128,
+        n_ff: 256,
+        n_layers: 6,
+        n_heads: 4,
+        n_kv_heads: 2,
+        head_dim: 32,
+        vocab: 200,
+        ctx: 512,
+    };
+    for arch in ["gemma3", "gemma2", "qwen3", "phi3"] {
+        let g = weight_cache::Gguf::from_bytes(synthetic::build(arch, dims, 5).build()).unwrap();
+        let model = Model::load(Arc::new(g), ModelOptions::default().with_threads(2)).unwrap();
+        let pool = KvPool::with_layer_windows(
+            model.kv_shape(KvDtype::F16),
+            64 << 20,
+            model.kv_windows(),
+            16,
+        )
+        .unwrap();
+        let one = decode_allocations::<1>(&model, &pool);
+        let many = decode_allocations::<24>(&model, &pool);
+        assert_eq!(
+            (one, many),
+            (0, 0),
+            "{arch}: allocations in 5 decode steps of 1 and of 24"
+        );
+    }
 }

@@ -34,6 +34,11 @@ fn load(bytes: Vec<u8>) -> Result<Model, ModelError> {
 fn logits(model: &Model, tokens: &[u32], chunk: usize) -> Vec<f32> {
     let pool = KvPool::new(model.kv_shape(KvDtype::F32), 64 << 20).unwrap();
     let mut kv = pool.alloc(tokens.len(), RingMode::Strict).unwrap();
+    run(model, &mut kv, tokens, chunk)
+}
+
+/// Feeds `tokens` in chunks of `chunk` through `kv`; every position's logits.
+fn run(model: &Model, kv: &mut kv_ring::KvRing, tokens: &[u32], chunk: usize) -> Vec<f32> {
     let mut all = Vec::new();
     let mut out = Vec::new();
     for c in tokens.chunks(chunk) {
@@ -41,7 +46,7 @@ fn logits(model: &Model, tokens: &[u32], chunk: usize) -> Vec<f32> {
             .forward(
                 &mut [SeqStep {
                     tokens: c,
-                    kv: &mut kv,
+                    kv: &mut *kv,
                     logits: LogitsWanted::All,
                 }],
                 &mut out,
@@ -156,21 +161,7 @@ fn windowed_logits(
     )
     .unwrap();
     let mut kv = pool.alloc(tokens.len(), RingMode::Strict).unwrap();
-    let mut all = Vec::new();
-    let mut out = Vec::new();
-    for c in tokens.chunks(chunk) {
-        model
-            .forward(
-                &mut [SeqStep {
-                    tokens: c,
-                    kv: &mut kv,
-                    logits: LogitsWanted::All,
-                }],
-                &mut out,
-            )
-            .unwrap();
-        all.extend_from_slice(&out);
-    }
+    let all = run(model, &mut kv, tokens, chunk);
     assert!(
         model
             .kv_windows()

@@ -153,10 +153,7 @@ impl KvPool {
         max_chunk: usize,
     ) -> Result<Arc<Self>, KvError> {
         let pool = Self::new(shape, budget_bytes)?;
-        if windows.len() != shape.n_layers
-            || max_chunk == 0
-            || windows.contains(&Some(0))
-        {
+        if windows.len() != shape.n_layers || max_chunk == 0 || windows.contains(&Some(0)) {
             return Err(KvError::BadLayerWindows {
                 layers: windows.len(),
                 n_layers: shape.n_layers,

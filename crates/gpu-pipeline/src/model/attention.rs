@@ -117,39 +117,12 @@ pub fn attend_rows(
     scratch: &mut Vec<f32>,
     out: &mut [f32],
 ) {
-    let rows = n_keys.len();
-    assert!(
-        q.len() == rows * hd && out.len() == rows * hd,
-        "q and out need {rows} rows of {hd}"
-    );
-    assert!(
-        n_keys.iter().all(|&n| n >= 1 && n <= view.len),
-        "key counts must be in 1..={}",
-        view.len
-    );
-    for s in [&view.keys, &view.values] {
-        let parts = match s {
-            KvSlices::F32([a, b]) => [a.len(), b.len()],
-            KvSlices::F16([a, b]) => [a.len(), b.len()],
-            #[allow(unreachable_patterns)]
-            _ => unreachable!("kv-ring has only F32 and F16 storage"),
-        };
-        assert!(
-            hd > 0 && parts.iter().all(|p| p % hd == 0) && parts[0] + parts[1] == view.len * hd,
-            "the view's rows are not {hd} wide"
-        );
-    }
-    #[cfg(target_arch = "x86_64")]
-    if hd % 16 == 0 && hd <= avx512::MAX_HD && crate::kernels::has_avx512() {
-        // SAFETY: the features were detected at run time; shapes are checked above.
-        return unsafe { avx512::attend(q, n_keys, None, hd, view, scale, None, scratch, out) };
-    }
-    portable(q, n_keys, None, hd, view, scale, None, scratch, out);
+    attend_rows_ext(q, n_keys, None, hd, view, scale, None, scratch, out);
 }
 
 /// [`attend_rows`] with two more features: row `r` sees only keys `first[r]..n_keys[r]` (a
 /// sliding window), and scores pass through `cap * tanh(s / cap)` before the softmax
-/// (Gemma 2's attention soft-capping). Without either it is `attend_rows`, bit for bit.
+/// (Gemma 2's attention soft-capping). [`attend_rows`] is this without either.
 ///
 /// # Panics
 /// As [`attend_rows`], and when `first[r] >= n_keys[r]` or `first` is not one per row.
@@ -165,9 +138,6 @@ pub(crate) fn attend_rows_ext(
     scratch: &mut Vec<f32>,
     out: &mut [f32],
 ) {
-    if first.is_none() && softcap.is_none() {
-        return attend_rows(q, n_keys, hd, view, scale, scratch, out);
-    }
     let rows = n_keys.len();
     assert!(
         q.len() == rows * hd && out.len() == rows * hd,
@@ -182,6 +152,18 @@ pub(crate) fn attend_rows_ext(
         assert!(
             f.len() == rows && f.iter().zip(n_keys).all(|(f, n)| f < n),
             "first keys must be below the key counts"
+        );
+    }
+    for s in [&view.keys, &view.values] {
+        let parts = match s {
+            KvSlices::F32([a, b]) => [a.len(), b.len()],
+            KvSlices::F16([a, b]) => [a.len(), b.len()],
+            #[allow(unreachable_patterns)]
+            _ => unreachable!("kv-ring has only F32 and F16 storage"),
+        };
+        assert!(
+            hd > 0 && parts.iter().all(|p| p % hd == 0) && parts[0] + parts[1] == view.len * hd,
+            "the view's rows are not {hd} wide"
         );
     }
     #[cfg(target_arch = "x86_64")]

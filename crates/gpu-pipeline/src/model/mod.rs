@@ -803,20 +803,20 @@ impl Model {
     }
 
     /// Products sharing an input, run as one group (quantized once, one pool call) unless one
-    /// of them is split for precision.
+    /// of them is split for precision. Fixed-size arrays: the decode path makes no allocation.
     #[allow(clippy::too_many_arguments)]
-    fn mm_group(
+    fn mm_group<const N: usize>(
         &self,
-        ws: &[(char, &Lin)],
+        ws: [(char, &Lin); N],
         x: &[f32],
         n: usize,
-        ys: &mut [&mut [f32]],
+        ys: [&mut [f32]; N],
         hi: &mut Vec<f32>,
         tmp2: &mut Vec<f32>,
         touch: Touch<'_>,
     ) -> Result<(), KernelError> {
         if ws.iter().any(|&(c, _)| self.split_for(c)) {
-            for (&(c, w), y) in ws.iter().zip(ys.iter_mut()) {
+            for (&(c, w), y) in ws.iter().zip(ys) {
                 self.mm(c, w, x, n, y, hi, tmp2, touch)?;
             }
             return Ok(());
@@ -824,16 +824,17 @@ impl Model {
         if let Some((cache, r)) = touch {
             ws.iter().for_each(|(_, w)| cache.touch(w.tensor, r));
         }
-        let mats = ws
-            .iter()
-            .map(|(_, w)| self.w(w))
-            .collect::<Result<Vec<_>, _>>()?;
+        let mut mats = [self.w(ws[0].1)?; N];
+        for (m, (_, w)) in mats.iter_mut().zip(&ws).skip(1) {
+            *m = self.w(w)?;
+        }
         let x = &x[..n * mats[0].cols];
-        let mut outs: Vec<&mut [f32]> = ws
-            .iter()
-            .zip(ys.iter_mut())
-            .map(|((_, w), y)| &mut y[..n * w.rows])
-            .collect();
+        let mut i = 0;
+        let mut outs = ys.map(|y| {
+            let rows = ws[i].1.rows;
+            i += 1;
+            &mut y[..n * rows]
+        });
         kernels::matmul_many(&mats, x, n, &mut outs, self.pool())
     }
 
@@ -1051,10 +1052,10 @@ impl Model {
             &mut sc.h[..total * d],
         );
         self.mm_group(
-            &[('q', &layer.wq), ('k', &layer.wk), ('v', &layer.wv)],
+            [('q', &layer.wq), ('k', &layer.wk), ('v', &layer.wv)],
             &sc.h,
             total,
-            &mut [&mut sc.q[..], &mut sc.k[..], &mut sc.v[..]],
+            [&mut sc.q[..], &mut sc.k[..], &mut sc.v[..]],
             &mut sc.hi,
             &mut sc.tmp2,
             touch,
@@ -1083,15 +1084,22 @@ impl Model {
             let eps = cfg.rms_eps;
             let (qn, kn) = (layer.q_norm.as_deref(), layer.k_norm.as_deref());
             self.par_rows(total, &|r| {
-                let mut buf = vec![0.0f32; if qn.is_some() || kn.is_some() { hd } else { 0 }];
+                // Per-head norm output; on the stack for head dims up to 512 (no allocation).
+                let (mut stack, mut heap) = ([0f32; 512], Vec::new());
+                let buf: &mut [f32] = if hd <= stack.len() {
+                    &mut stack[..hd]
+                } else {
+                    heap.resize(hd, 0.0);
+                    &mut heap
+                };
                 for t in r {
                     // SAFETY: tasks get disjoint token ranges.
                     let (q, k) = unsafe { (qs.row(t), ks.row(t)) };
                     for (heads, w) in [(&mut *q, qn), (&mut *k, kn)] {
                         if let Some(w) = w {
                             for h in heads.chunks_exact_mut(hd) {
-                                ops::rmsnorm_rows(h, w, eps, &mut buf);
-                                h.copy_from_slice(&buf);
+                                ops::rmsnorm_rows(h, w, eps, buf);
+                                h.copy_from_slice(buf);
                             }
                         }
                     }
@@ -1241,10 +1249,10 @@ impl Model {
             &mut sc.h[..total * d],
         );
         self.mm_group(
-            &[('g', &layer.w_gate), ('u', &layer.w_up)],
+            [('g', &layer.w_gate), ('u', &layer.w_up)],
             &sc.h,
             total,
-            &mut [&mut sc.gate[..], &mut sc.up[..]],
+            [&mut sc.gate[..], &mut sc.up[..]],
             &mut sc.hi,
             &mut sc.tmp2,
             touch,
