@@ -93,14 +93,16 @@ fn family_features_make_no_heap_allocation_when_decoding() {
     let _serial = SERIAL
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner);
+    // Big enough that every product splits into tasks for both threads (as the default model's
+    // do): a worker's first task of a kind may set up thread-local state once.
     let dims = synthetic::Dims {
-        n_embd: 128,
-        n_ff: 256,
+        n_embd: 512,
+        n_ff: 1536,
         n_layers: 6,
-        n_heads: 4,
+        n_heads: 8,
         n_kv_heads: 2,
-        head_dim: 32,
-        vocab: 200,
+        head_dim: 64,
+        vocab: 2048,
         ctx: 512,
     };
     for arch in ["gemma3", "gemma2", "qwen3", "phi3"] {

@@ -406,6 +406,13 @@ const PROFILE_EPOCH: u32 = 64;
 /// Fewest token rows for which element-wise work is split over the pool.
 const PAR_MIN_ROWS: usize = 8;
 
+/// Makes room for `n` elements (amortized: the capacity at least doubles when it grows).
+fn reserve_to<T>(v: &mut Vec<T>, n: usize) {
+    if v.capacity() < n {
+        v.reserve(n.max(2 * v.capacity()) - v.len());
+    }
+}
+
 fn grow(v: &mut Vec<f32>, n: usize) {
     if v.len() < n {
         v.resize(n, 0.0);
@@ -862,7 +869,12 @@ impl Model {
         let mut guard = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
         let sc = &mut *guard;
         let total: usize = steps.iter().map(|s| s.tokens.len()).sum();
-        self.reserve(sc, total);
+        let max_keys = steps
+            .iter()
+            .map(|s| s.kv.len() + s.tokens.len())
+            .max()
+            .unwrap_or(0);
+        self.reserve(sc, total, max_keys);
         let touch = self.cache.get().map(|c| {
             let (req, calls) = sc.epoch.get_or_insert_with(|| (c.begin_request(), 0));
             if *calls == PROFILE_EPOCH {
@@ -943,7 +955,10 @@ impl Model {
     }
 
     /// Grows the scratch buffers for `total` token rows.
-    fn reserve(&self, sc: &mut Scratch, total: usize) {
+    /// Grows the scratch buffers for `total` token rows, and every thread's attention buffers
+    /// for up to `max_keys` keys (all threads now: which thread runs which attention task is
+    /// not fixed, and a thread must not allocate the first time it gets one mid-decode).
+    fn reserve(&self, sc: &mut Scratch, total: usize, max_keys: usize) {
         let cfg = &self.cfg;
         let (d, qd, kvd) = (
             cfg.n_embd,
@@ -962,6 +977,21 @@ impl Model {
         grow(&mut sc.rope, self.ropes.len() * total * cfg.rope.n_rot);
         while sc.attn.len() < self.pool().n_threads() {
             sc.attn.push(Mutex::new(AttnScratch::default()));
+        }
+        let hd = cfg.head_dim;
+        let rows = ATT_BLOCK * cfg.gqa_group();
+        // The kernels' scratch: per row block, transposed queries and a key row, then scores for
+        // up to 16 rows (or `rows`) of `max_keys` rounded up to 16.
+        let scores = max_keys.next_multiple_of(16) * rows.max(16);
+        let need = [rows * hd, rows * hd, rows, rows, hd * 17 + scores];
+        for a in &sc.attn {
+            let mut a = a.lock().unwrap_or_else(|e| e.into_inner());
+            let AttnScratch { q, o, n, first, f } = &mut *a;
+            reserve_to(q, need[0]);
+            reserve_to(o, need[1]);
+            reserve_to(n, need[2]);
+            reserve_to(first, need[3]);
+            reserve_to(f, need[4]);
         }
     }
 
