@@ -239,28 +239,7 @@ fn base64_decoder_reads_padded_and_unpadded_groups() {
     assert_eq!(base64_decode("//79"), [0xff, 0xfe, 0xfd]);
 }
 
-macro_rules! arch_tests {
-    ($($(#[$attr:meta])* $test:ident => $name:literal,)*) => {
-        $(
-            #[test]
-            $(#[$attr])*
-            fn $test() {
-                check_model($name);
-            }
-        )*
-
-        /// Every model of the fixture has a test above.
-        #[test]
-        fn every_model_of_the_fixture_is_tested() {
-            let tested = [$($name),*];
-            for name in fixture()["models"].as_object().unwrap().keys() {
-                assert!(tested.contains(&name.as_str()), "{name} has no test");
-            }
-        }
-    };
-}
-
-arch_tests! {
+common::fixture_tests! {
     llama3_rope_freqs_and_untied_head => "arch-llama3",
     qwen2_qkv_bias => "arch-qwen2",
     qwen3_qk_norm_and_wide_heads => "arch-qwen3",

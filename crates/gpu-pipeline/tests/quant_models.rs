@@ -19,7 +19,6 @@
 
 mod common;
 
-use std::path::PathBuf;
 use std::sync::{Arc, OnceLock};
 
 use common::{all_logits, argmax, ids_of, nll_second_half};
@@ -39,16 +38,6 @@ fn fixture() -> &'static Value {
     })
 }
 
-fn models_dir() -> PathBuf {
-    std::env::var_os("ZEROLAYER_TEST_MODELS").map_or_else(
-        || {
-            let home = std::env::var_os("HOME").expect("HOME is set");
-            PathBuf::from(home).join(".cache/zerolayer/test-models")
-        },
-        PathBuf::from,
-    )
-}
-
 /// llama.cpp keeps K and V in f16 by default; so do we here.
 const KV_DTYPE: KvDtype = KvDtype::F16;
 
@@ -56,7 +45,7 @@ fn check_model(name: &str) {
     let fx = fixture();
     let entry = &fx["models"][name];
     assert!(entry.is_object(), "{name} is not in the fixture");
-    let path = models_dir().join(format!("{name}.gguf"));
+    let path = common::test_models_dir().join(format!("{name}.gguf"));
     let bytes = std::fs::read(&path).unwrap_or_else(|e| {
         panic!(
             "{}: {e}: run scripts/make-test-models to write the quantized test models",
@@ -176,28 +165,7 @@ fn check_model(name: &str) {
     }
 }
 
-macro_rules! quant_tests {
-    ($($(#[$attr:meta])* $test:ident => $name:literal,)*) => {
-        $(
-            #[test]
-            $(#[$attr])*
-            fn $test() {
-                check_model($name);
-            }
-        )*
-
-        /// Every model of the fixture has a test above.
-        #[test]
-        fn every_model_of_the_fixture_is_tested() {
-            let tested = [$($name),*];
-            for name in fixture()["models"].as_object().unwrap().keys() {
-                assert!(tested.contains(&name.as_str()), "{name} has no test");
-            }
-        }
-    };
-}
-
-quant_tests! {
+common::fixture_tests! {
     tiny_untied_q4_0 => "tiny-untied.Q4_0",
     tiny_untied_q4_1 => "tiny-untied.Q4_1",
     tiny_untied_q5_0 => "tiny-untied.Q5_0",

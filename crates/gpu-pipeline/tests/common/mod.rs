@@ -123,3 +123,30 @@ pub fn base64_decode(text: &str) -> Vec<u8> {
     }
     out
 }
+
+/// One `#[test]` per fixture model (`$test => "name"` runs `check_model("name")`, attributes
+/// such as `#[ignore = ".."]` kept), plus a test that every model of the fixture (`fixture()`
+/// in the calling file) has one.
+#[allow(unused_macros)]
+macro_rules! fixture_tests {
+    ($($(#[$attr:meta])* $test:ident => $name:literal,)*) => {
+        $(
+            #[test]
+            $(#[$attr])*
+            fn $test() {
+                check_model($name);
+            }
+        )*
+
+        /// Every model of the fixture has a test above.
+        #[test]
+        fn every_model_of_the_fixture_is_tested() {
+            let tested = [$($name),*];
+            for name in fixture()["models"].as_object().unwrap().keys() {
+                assert!(tested.contains(&name.as_str()), "{name} has no test");
+            }
+        }
+    };
+}
+#[allow(unused_imports)]
+pub(crate) use fixture_tests;
