@@ -22,6 +22,10 @@ use weight_cache::{GgmlType, Safetensors, SafetensorsError, StDtype};
 
 use super::source::{SourceTensor, WeightSource};
 
+/// More layers than any released model has by far: a config saying more is refused before
+/// anything is sized by it.
+const MAX_LAYERS: u32 = 1 << 16;
+
 /// The `architectures[0]` values [`open`] accepts, with the llama.cpp architecture each maps to.
 pub const HF_ARCHITECTURES: &[(&str, &str)] = &[
     ("LlamaForCausalLM", "llama"),
@@ -733,6 +737,9 @@ fn translate_config(
 
     check_features(&cfg, &arch)?;
     let n_layers = cfg.u32_req("num_hidden_layers")?;
+    if n_layers == 0 || n_layers > MAX_LAYERS {
+        return Err(cfg.bad("num_hidden_layers", &Value::from(n_layers)));
+    }
     let n_embd = cfg.u32_req("hidden_size")?;
     let n_heads = cfg.u32_req("num_attention_heads")?;
     if n_heads == 0 {
@@ -920,9 +927,14 @@ fn translate_config(
             .ok_or_else(|| cfg.bad("no_rope_layers", v))?;
         put("zerolayer.rope.layers".into(), Meta::Bools(on));
     } else if arch == "smollm3" {
+        // transformers' default: every `no_rope_layer_interval`-th layer (4) without RoPE.
+        let every = cfg.u32_opt("no_rope_layer_interval")?.unwrap_or(4);
+        if every == 0 || n_layers > MAX_LAYERS {
+            return Err(cfg.bad("no_rope_layer_interval", &Value::from(every)));
+        }
         put(
             "zerolayer.rope.layers".into(),
-            Meta::Bools(vec![true; n_layers as usize]),
+            Meta::Bools((0..n_layers).map(|il| (il + 1) % every != 0).collect()),
         );
     }
     if gemma {
