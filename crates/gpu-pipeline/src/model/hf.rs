@@ -1449,4 +1449,72 @@ mod tests {
         }
         let _ = std::fs::remove_dir_all(&d);
     }
+
+    mod fuzz {
+        //! Translation never panics (or sizes anything by a wild value) on what a config.json
+        //! may hold: any value at any key of each family's config.
+
+        use super::*;
+        use proptest::prelude::*;
+
+        fn family(i: usize) -> Value {
+            let mut c = llama_config();
+            let (arch, extra) = [
+                ("LlamaForCausalLM", json!({})),
+                ("MistralForCausalLM", json!({"sliding_window": 4})),
+                ("Qwen2ForCausalLM", json!({"use_sliding_window": false})),
+                ("Qwen3ForCausalLM", json!({"head_dim": 4})),
+                ("Gemma2ForCausalLM", json!({"query_pre_attn_scalar": 4, "attn_logit_softcapping": 50.0,
+                    "final_logit_softcapping": 30.0, "sliding_window": 4,
+                    "hidden_activation": "gelu_pytorch_tanh"})),
+                ("Gemma3ForCausalLM", json!({"sliding_window": 4, "rope_local_base_freq": 10000.0,
+                    "hidden_activation": "gelu_pytorch_tanh", "layer_types": ["sliding_attention"]})),
+                ("Phi3ForCausalLM", json!({"original_max_position_embeddings": 16})),
+                ("SmolLM3ForCausalLM", json!({"no_rope_layers": [1]})),
+            ][i % 8]
+                .clone();
+            c["architectures"] = json!([arch]);
+            if i % 8 != 0 {
+                c.as_object_mut().unwrap().remove("rope_parameters");
+            }
+            for (k, v) in extra.as_object().unwrap() {
+                c[k] = v.clone();
+            }
+            c
+        }
+
+        fn wild() -> impl Strategy<Value = Value> {
+            prop_oneof![
+                Just(Value::Null),
+                any::<bool>().prop_map(Value::from),
+                any::<u32>().prop_map(Value::from),
+                any::<i64>().prop_map(Value::from),
+                prop_oneof![
+                    Just(0.0f64),
+                    Just(-1.0),
+                    Just(f64::MAX),
+                    Just(1e-30),
+                    -1e6f64..1e6
+                ]
+                .prop_map(|f| json!(f)),
+                "[a-z_]{0,8}".prop_map(Value::from),
+                Just(json!([])),
+                Just(json!([1, 2, 3])),
+                Just(json!({"rope_type": "yarn", "factor": 0})),
+                Just(json!({"rope_type": "longrope", "long_factor": [1.0], "short_factor": []})),
+            ]
+        }
+
+        proptest! {
+            #![proptest_config(ProptestConfig::with_cases(512))]
+            #[test]
+            fn any_value_at_any_key(i in 0usize..8, key in 0usize..20, v in wild()) {
+                let mut c = family(i);
+                let keys: Vec<String> = c.as_object().unwrap().keys().cloned().collect();
+                let k = keys[key % keys.len()].clone();
+                c[k.as_str()] = v;
+                let _ = translate(c);
+            }
+        }
+    }
 }
