@@ -43,7 +43,7 @@ fn env(name: &str, default: usize) -> usize {
 }
 
 /// (prefill tokens/s, median decode step seconds)
-fn measure(model: &Model, ctx: usize) -> (f64, f64) {
+fn measure(model: &Model, ctx: usize, decode: usize) -> (f64, f64) {
     let pool = KvPool::new(model.kv_shape(KvDtype::F16), 1 << 30).expect("pool");
     let mut kv = pool
         .alloc(ctx + DECODE + 1, RingMode::Strict)
@@ -64,8 +64,8 @@ fn measure(model: &Model, ctx: usize) -> (f64, f64) {
         )
         .expect("prefill");
     let prefill = ctx as f64 / t.elapsed().as_secs_f64();
-    let mut steps = Vec::with_capacity(DECODE);
-    for i in 0..DECODE {
+    let mut steps = Vec::with_capacity(decode);
+    for i in 0..decode {
         let tok = [(i as u32 * 31) % DIMS.vocab as u32];
         let t = Instant::now();
         model
@@ -85,11 +85,26 @@ fn measure(model: &Model, ctx: usize) -> (f64, f64) {
 }
 
 fn main() {
+    // `cargo test --all-targets` runs this without `--bench`: then a short smoke run.
+    let full = std::env::args().any(|a| a == "--bench");
     let threads = env("ZEROLAYER_BENCH_THREADS", 2);
-    let ctx = env("ZEROLAYER_BENCH_CTX", 512);
+    let ctx = env("ZEROLAYER_BENCH_CTX", if full { 512 } else { 32 });
+    let decode = if full { DECODE } else { 4 };
+    let rounds = if full {
+        env("ZEROLAYER_BENCH_ROUNDS", 5)
+    } else {
+        1
+    };
     println!(
-        "families: {threads} threads, prompt {ctx} tokens, {DECODE} decode steps (median), d {} ff {} layers {}",
-        DIMS.n_embd, DIMS.n_ff, DIMS.n_layers
+        "families: {threads} threads, prompt {ctx} tokens, {decode} decode steps (median), d {} ff {} layers {}{}",
+        DIMS.n_embd,
+        DIMS.n_ff,
+        DIMS.n_layers,
+        if full {
+            ""
+        } else {
+            " (test mode: a smoke run)"
+        }
     );
     println!(
         "{:<8} {:>12} {:>8} {:>14} {:>8}",
@@ -105,9 +120,9 @@ fn main() {
     // Rounds interleave the architectures (the machine is shared: drift hits all alike); the
     // best of the rounds per figure.
     let mut best = vec![(0.0f64, f64::MAX); models.len()];
-    for _ in 0..env("ZEROLAYER_BENCH_ROUNDS", 5) {
+    for _ in 0..rounds {
         for (m, b) in models.iter().zip(best.iter_mut()) {
-            let (p, d) = measure(m, ctx);
+            let (p, d) = measure(m, ctx, decode);
             *b = (b.0.max(p), b.1.min(d));
         }
     }
