@@ -27,7 +27,7 @@ use serde_json::Value;
 
 use crate::bpe::{self, Merges, NONE, Work};
 use crate::error::LoadError;
-use crate::load::{GgufVocab, MAX_ID};
+use crate::load::{GgufVocab, MAX_ID, read_added};
 use crate::spm::parse_byte_token;
 use crate::tokenizer::{Algo, ModelParts, Tokenizer};
 use crate::vocab::{Checked, TYPE_BYTE, TYPE_CONTROL, TYPE_NORMAL, TYPE_USER_DEFINED};
@@ -308,57 +308,6 @@ fn read_decoder(d: &Value) -> Result<bool, LoadError> {
     }
 }
 
-/// An added token of `tokenizer.json`.
-struct Added<'a> {
-    content: &'a str,
-    id: u32,
-    special: bool,
-    normalized: bool,
-    /// Takes the whitespace before it into its match.
-    lstrip: bool,
-    /// Takes the whitespace after it into its match.
-    rstrip: bool,
-}
-
-fn read_added(v: &Value) -> Result<Vec<Added<'_>>, LoadError> {
-    let field = |field: &'static str| LoadError::MissingField { field };
-    let mut added = Vec::new();
-    for t in v
-        .get("added_tokens")
-        .and_then(Value::as_array)
-        .map(Vec::as_slice)
-        .unwrap_or(&[])
-    {
-        let content = t
-            .get("content")
-            .and_then(Value::as_str)
-            .ok_or_else(|| field("added_tokens.content"))?;
-        let id = t
-            .get("id")
-            .and_then(Value::as_u64)
-            .ok_or_else(|| field("added_tokens.id"))?;
-        if id >= MAX_ID {
-            return Err(LoadError::IdOutOfRange { id });
-        }
-        let flag = |k: &str| t.get(k).and_then(Value::as_bool).unwrap_or(false);
-        if flag("single_word") {
-            return Err(LoadError::UnsupportedAddedToken {
-                content: content.to_owned(),
-                option: "single_word",
-            });
-        }
-        added.push(Added {
-            content,
-            id: id as u32,
-            special: flag("special"),
-            normalized: flag("normalized"),
-            lstrip: flag("lstrip"),
-            rstrip: flag("rstrip"),
-        });
-    }
-    Ok(added)
-}
-
 /// BOS/EOS that a `TemplateProcessing` post-processor puts around a single sequence
 /// (`[<s>] $A [</s>]`); other post-processors add nothing here.
 fn read_post_processor(p: &Value) -> (Option<u32>, Option<u32>) {
@@ -456,6 +405,12 @@ pub(crate) fn from_json(v: &Value) -> Result<Tokenizer, LoadError> {
     };
     let strip_leading_space = read_decoder(v.get("decoder").unwrap_or(&Value::Null))?;
     let added = read_added(v)?;
+    if let Some(a) = added.iter().find(|a| a.single_word) {
+        return Err(LoadError::UnsupportedAddedToken {
+            content: a.content.to_owned(),
+            option: "single_word",
+        });
+    }
     // HF matches a `normalized` added token in the normalized text. That is the raw text's match
     // unless the normalizer prepends `▁` (which changes where the pieces after it start) or
     // rewrites a space inside the token.

@@ -539,29 +539,13 @@ impl Tokenizer {
             ids.insert(s, id as u32);
         }
         let mut specials = Vec::new();
-        for t in v
-            .get("added_tokens")
-            .and_then(Value::as_array)
-            .map(Vec::as_slice)
-            .unwrap_or(&[])
-        {
-            let content = t
-                .get("content")
-                .and_then(Value::as_str)
-                .ok_or_else(|| field("added_tokens.content"))?;
-            let id = t
-                .get("id")
-                .and_then(Value::as_u64)
-                .ok_or_else(|| field("added_tokens.id"))?;
-            if id >= MAX_ID {
-                return Err(LoadError::IdOutOfRange { id });
-            }
-            let i = id as usize;
+        for a in read_added(&v)? {
+            let i = a.id as usize;
             if tokens.len() <= i {
                 tokens.resize(i + 1, None);
             }
-            tokens[i] = Some(content.as_bytes().to_vec());
-            specials.push((content.to_owned(), id as u32));
+            tokens[i] = Some(a.content.as_bytes().to_vec());
+            specials.push((a.content.to_owned(), a.id));
         }
         let merges = model
             .get("merges")
@@ -710,6 +694,55 @@ fn pretok_from_json(p: &Value) -> Result<Pretokenizer, LoadError> {
         }
     }
     Err(describe())
+}
+
+/// An added token of `tokenizer.json`.
+pub(crate) struct Added<'a> {
+    pub(crate) content: &'a str,
+    pub(crate) id: u32,
+    pub(crate) special: bool,
+    pub(crate) normalized: bool,
+    /// Matches whole words only.
+    pub(crate) single_word: bool,
+    /// Takes the whitespace before it into its match.
+    pub(crate) lstrip: bool,
+    /// Takes the whitespace after it into its match.
+    pub(crate) rstrip: bool,
+}
+
+/// The `added_tokens` of a `tokenizer.json`, checked (content, id in range).
+pub(crate) fn read_added(v: &Value) -> Result<Vec<Added<'_>>, LoadError> {
+    let field = |field: &'static str| LoadError::MissingField { field };
+    let mut added = Vec::new();
+    for t in v
+        .get("added_tokens")
+        .and_then(Value::as_array)
+        .map(Vec::as_slice)
+        .unwrap_or(&[])
+    {
+        let content = t
+            .get("content")
+            .and_then(Value::as_str)
+            .ok_or_else(|| field("added_tokens.content"))?;
+        let id = t
+            .get("id")
+            .and_then(Value::as_u64)
+            .ok_or_else(|| field("added_tokens.id"))?;
+        if id >= MAX_ID {
+            return Err(LoadError::IdOutOfRange { id });
+        }
+        let flag = |k: &str| t.get(k).and_then(Value::as_bool).unwrap_or(false);
+        added.push(Added {
+            content,
+            id: id as u32,
+            special: flag("special"),
+            normalized: flag("normalized"),
+            single_word: flag("single_word"),
+            lstrip: flag("lstrip"),
+            rstrip: flag("rstrip"),
+        });
+    }
+    Ok(added)
 }
 
 #[cfg(test)]
