@@ -223,14 +223,16 @@ impl<'a> Iterator for Pieces<'a> {
         };
         let end = match scan {
             Scan::Gpt2 => gpt2_next(t, s, i, s.len()),
-            Scan::SmolLm => {
+            Scan::SmolLm | Scan::Starcoder => {
+                // HF's Digits asks Rust's `char::is_numeric`; llama.cpp its own tables.
+                let table = scan == Scan::Starcoder;
                 if i >= self.seg_end {
                     let (c, l) = decode_at(s, i);
-                    if is_numeric(c) {
+                    if is_numeric(t, c, table) {
                         self.pos = i + l;
                         return Some(&self.text[i..i + l]);
                     }
-                    self.seg_end = next_numeric(s, i + l);
+                    self.seg_end = next_numeric(t, s, i + l, table);
                 }
                 gpt2_next(t, s, i, self.seg_end)
             }
@@ -258,16 +260,18 @@ fn newline_run(s: &[u8], i: usize) -> usize {
 }
 
 #[inline(always)]
-fn is_numeric(c: u32) -> bool {
+fn is_numeric(t: &ClassTable, c: u32, table: bool) -> bool {
     if c < 128 {
         (b'0' as u32..=b'9' as u32).contains(&c)
+    } else if table {
+        t.of(c) & NUMBER != 0
     } else {
         char::from_u32(c).is_some_and(char::is_numeric)
     }
 }
 
 /// Position of the first numeric character at or after `i` (or `s.len()`).
-fn next_numeric(s: &[u8], mut i: usize) -> usize {
+fn next_numeric(t: &ClassTable, s: &[u8], mut i: usize, table: bool) -> usize {
     while i < s.len() {
         let b = s[i];
         if b < 0x80 {
@@ -277,7 +281,7 @@ fn next_numeric(s: &[u8], mut i: usize) -> usize {
             i += 1;
         } else {
             let (c, l) = decode_at(s, i);
-            if is_numeric(c) {
+            if is_numeric(t, c, table) {
                 return i;
             }
             i += l;

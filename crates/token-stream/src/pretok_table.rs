@@ -18,8 +18,12 @@ use crate::pretok_regex::CompiledStage;
 pub(crate) enum Scan {
     /// GPT-2's pattern.
     Gpt2,
-    /// Each `\p{N}` character alone, then GPT-2's pattern between them.
+    /// Each numeric character alone (HF's `Digits`: Rust's `char::is_numeric`), then GPT-2's
+    /// pattern between them.
     SmolLm,
+    /// As `SmolLm` with llama.cpp's `\p{N}` (the class tables, whose Unicode version is
+    /// llama.cpp's, not the toolchain's): llama.cpp's `starcoder`/`smollm` entries.
+    Starcoder,
     /// Llama 3's pattern with tiktoken's `(?i:...)` contractions (which also match `'ſ`).
     Cl100k,
     /// o200k_base's pattern.
@@ -203,7 +207,7 @@ pub static LLAMA_PRES: [LlamaPreEntry; N_LLAMA_PRES] = [
         ],
     ),
     LlamaPreEntry::new(&["mpt"], &[GPT2]).fast(Scan::Gpt2),
-    LlamaPreEntry::new(&["starcoder"], STARCODER).fast(Scan::SmolLm),
+    LlamaPreEntry::new(&["starcoder"], STARCODER).fast(Scan::Starcoder),
     LlamaPreEntry::new(
         &[
             "gpt-2",
@@ -245,10 +249,10 @@ pub static LLAMA_PRES: [LlamaPreEntry; N_LLAMA_PRES] = [
     },
     LlamaPreEntry::new(&["refact"], STARCODER)
         .keep_spaces()
-        .fast(Scan::SmolLm),
+        .fast(Scan::Starcoder),
     LlamaPreEntry::new(&["command-r"], STARCODER)
         .keep_spaces()
-        .fast(Scan::SmolLm),
+        .fast(Scan::Starcoder),
     LlamaPreEntry::new(
         &[
             "qwen2",
@@ -284,10 +288,10 @@ pub static LLAMA_PRES: [LlamaPreEntry; N_LLAMA_PRES] = [
         &["codeshell", "exaone", "minerva-7b", "mellum2"],
         STARCODER,
     )
-    .fast(Scan::SmolLm),
+    .fast(Scan::Starcoder),
     LlamaPreEntry::new(&["smollm"], STARCODER)
         .keep_spaces()
-        .fast(Scan::SmolLm),
+        .fast(Scan::Starcoder),
     LlamaPreEntry::new(&["exaone-moe"], &[r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?(?:\p{L}\p{M}*(?: \p{L}\p{M}*)*)+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]?|\s*[\r\n]|\s+(?!\S)|\s+"]),
     LlamaPreEntry::new(
         &["chameleon"],

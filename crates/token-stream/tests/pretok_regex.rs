@@ -158,6 +158,9 @@ fn llama_scanners_equal_llama_regexes_on_fixed_cases() {
         "😀😀 👍🏽 a😀\u{200d}",
         "中文，测试。 日本語のテキスト",
         "\n\n\nabc\n \n",
+        // U+16FF4: a number to recent Rust `char::is_numeric`, unassigned in the class tables
+        // (and llama.cpp's): found by the proptest below.
+        "\u{feff}\u{16FF4}sZ 1\u{16FF4}2",
         "",
     ] {
         check_llama_entries(text);
