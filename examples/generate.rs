@@ -131,15 +131,7 @@ fn main() -> anyhow::Result<()> {
                 &mut logits,
             )?;
             for j in a.ctx / 2..a.ctx - 1 {
-                let row = &logits[j * vocab..(j + 1) * vocab];
-                let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                let lse = row
-                    .iter()
-                    .map(|&l| f64::from(l - max).exp())
-                    .sum::<f64>()
-                    .ln()
-                    + f64::from(max);
-                nll += lse - f64::from(row[chunk[j + 1] as usize]);
+                nll += gpu_pipeline::token_nll(&logits[j * vocab..(j + 1) * vocab], chunk[j + 1]);
                 count += 1;
             }
             eprintln!(

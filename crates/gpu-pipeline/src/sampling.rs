@@ -390,6 +390,27 @@ impl StopMatcher {
     }
 }
 
+/// `-ln p(token)` for one row of logits: the row's log-sum-exp (in f64, from its maximum)
+/// minus the token's logit. What perplexity adds up.
+///
+/// ```
+/// let nll = gpu_pipeline::token_nll(&[0.0, 0.0], 1);
+/// assert!((nll - std::f64::consts::LN_2).abs() < 1e-12);
+/// ```
+///
+/// # Panics
+/// When `token` is not below `logits.len()`.
+pub fn token_nll(logits: &[f32], token: u32) -> f64 {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let lse = logits
+        .iter()
+        .map(|&l| f64::from(l - max).exp())
+        .sum::<f64>()
+        .ln()
+        + f64::from(max);
+    lse - f64::from(logits[token as usize])
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -29,13 +29,12 @@
 
 mod common;
 
-use std::sync::{Arc, OnceLock};
+use std::sync::OnceLock;
 
-use common::{all_logits, argmax, base64_decode, chunked_logits, ids_of, test_models_dir};
+use common::{all_logits, argmax, base64_decode, chunked_logits, ids_of, open_test_model};
 use gpu_pipeline::{Model, ModelOptions};
 use kv_ring::KvDtype;
 use serde_json::Value;
-use sha2::{Digest, Sha256};
 
 fn fixture() -> &'static Value {
     static F: OnceLock<Value> = OnceLock::new();
@@ -153,26 +152,11 @@ fn check_last_row(label: &str, logits: &[f32], vocab: usize, seq: &Value, mean_b
 fn check_model(name: &str) {
     let entry = &fixture()["models"][name];
     assert!(entry.is_object(), "{name} is not in the fixture");
-    let path = test_models_dir().join(entry["file"].as_str().unwrap());
-    let bytes = std::fs::read(&path).unwrap_or_else(|e| {
-        panic!(
-            "{}: {e}: run scripts/make-test-models to write the test models",
-            path.display()
-        )
-    });
-    let sha: String = Sha256::digest(&bytes)
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect();
-    drop(bytes);
-    assert_eq!(
-        sha,
+    let gguf = open_test_model(
+        name,
+        entry["file"].as_str().unwrap(),
         entry["sha256"].as_str().unwrap(),
-        "{name}: not the file the fixture was made from (another gguf or llama.cpp build?); \
-         rerun scripts/make-test-models, or regenerate the fixture"
     );
-    // SAFETY: the test models are not modified while the tests run.
-    let gguf = Arc::new(unsafe { weight_cache::Gguf::open(&path) }.expect("open"));
     let model = Model::load(gguf, ModelOptions::default())
         .unwrap_or_else(|e| panic!("{name} does not load: {e}"));
     let vocab = model.config().vocab_size;

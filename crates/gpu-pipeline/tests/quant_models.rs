@@ -21,13 +21,12 @@
 
 mod common;
 
-use std::sync::{Arc, OnceLock};
+use std::sync::OnceLock;
 
 use common::{all_logits, argmax, ids_of, nll_second_half};
 use gpu_pipeline::{Model, ModelOptions};
 use kv_ring::KvDtype;
 use serde_json::Value;
-use sha2::{Digest, Sha256};
 
 fn fixture() -> &'static Value {
     static F: OnceLock<Value> = OnceLock::new();
@@ -47,27 +46,12 @@ fn check_model(name: &str) {
     let fx = fixture();
     let entry = &fx["models"][name];
     assert!(entry.is_object(), "{name} is not in the fixture");
-    let path = common::test_models_dir().join(format!("{name}.gguf"));
-    let bytes = std::fs::read(&path).unwrap_or_else(|e| {
-        panic!(
-            "{}: {e}: run scripts/make-test-models to write the quantized test models",
-            path.display()
-        )
-    });
-    let sha: String = Sha256::digest(&bytes)
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect();
-    drop(bytes);
-    assert_eq!(
-        sha,
+    let gguf = common::open_test_model(
+        name,
+        &format!("{name}.gguf"),
         entry["sha256"].as_str().unwrap(),
-        "{name}: not the file the fixture was made from (a different llama.cpp quantizer build?); \
-         rerun scripts/make-test-models, or regenerate the fixture"
     );
-    // SAFETY: the test models are not modified while the tests run.
-    let gguf = Arc::new(unsafe { weight_cache::Gguf::open(&path) }.expect("open"));
-    let model = Model::load(gguf, ModelOptions::default())
+    let model = Model::load(gguf.clone(), ModelOptions::default())
         .unwrap_or_else(|e| panic!("{name} does not load: {e}"));
     let vocab = model.config().vocab_size;
 
@@ -150,9 +134,6 @@ fn check_model(name: &str) {
             // reference, llama.cpp's (per-256 rounding on Q3_K, 2.3x coarser than ours) 0.1%.
             // Then the weights and graph must be exact with about fp32 activations
             // (ActivationSplit::All: 14.3381 vs 14.3385 there), and the default within 1.5%.
-            let path = common::test_models_dir().join(format!("{name}.gguf"));
-            // SAFETY: the test models are not modified while the tests run.
-            let gguf = Arc::new(unsafe { weight_cache::Gguf::open(&path) }.expect("open"));
             let exact = Model::load(
                 gguf,
                 ModelOptions::default().with_activation_split(gpu_pipeline::ActivationSplit::All),

@@ -51,15 +51,7 @@ pub fn nll_second_half(logits: &[f32], chunk: &[u32], vocab: usize) -> (f64, usi
     let ctx = chunk.len();
     let (mut nll, mut count) = (0f64, 0usize);
     for j in ctx / 2..ctx - 1 {
-        let row = &logits[j * vocab..(j + 1) * vocab];
-        let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let lse = row
-            .iter()
-            .map(|&l| f64::from(l - max).exp())
-            .sum::<f64>()
-            .ln()
-            + f64::from(max);
-        nll += lse - f64::from(row[chunk[j + 1] as usize]);
+        nll += gpu_pipeline::token_nll(&logits[j * vocab..(j + 1) * vocab], chunk[j + 1]);
         count += 1;
     }
     (nll, count)
@@ -96,6 +88,31 @@ pub fn test_models_dir() -> std::path::PathBuf {
         },
         std::path::PathBuf::from,
     )
+}
+
+/// Maps test model `file` (in [`test_models_dir`]) after checking its sha256 is `sha256`, the
+/// file a fixture was made from.
+pub fn open_test_model(name: &str, file: &str, sha256: &str) -> std::sync::Arc<weight_cache::Gguf> {
+    use sha2::{Digest, Sha256};
+    let path = test_models_dir().join(file);
+    let bytes = std::fs::read(&path).unwrap_or_else(|e| {
+        panic!(
+            "{}: {e}: run scripts/make-test-models to write the test models",
+            path.display()
+        )
+    });
+    let sha: String = Sha256::digest(&bytes)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    drop(bytes);
+    assert_eq!(
+        sha, sha256,
+        "{name}: not the file the fixture was made from (another llama.cpp build, or the models \
+         changed?); rerun scripts/make-test-models, or regenerate the fixture"
+    );
+    // SAFETY: the test models are not modified while the tests run.
+    std::sync::Arc::new(unsafe { weight_cache::Gguf::open(&path) }.expect("open"))
 }
 
 /// Standard base64 (RFC 4648, with padding) to bytes.
