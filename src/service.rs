@@ -651,17 +651,11 @@ fn chat_template(tok: &Tokenizer, src: &dyn WeightSource) -> Option<ChatTemplate
     if tok.chat_template().is_none()
         && let Some(text) = src.chat_template()
     {
-        let token = |key: &str| {
-            src.get_u32(key)
-                .and_then(|id| tok.token_bytes(id))
-                .map(|b| String::from_utf8_lossy(b).into_owned())
-                .unwrap_or_default()
-        };
         let (bos, eos) = (
-            token("tokenizer.ggml.bos_token_id"),
-            token("tokenizer.ggml.eos_token_id"),
+            src.get_u32("tokenizer.ggml.bos_token_id"),
+            src.get_u32("tokenizer.ggml.eos_token_id"),
         );
-        match ChatTemplate::new(&text, &bos, &eos) {
+        match ChatTemplate::with_token_ids(&text, tok, bos, eos) {
             Ok(t) => return Some(t),
             Err(e) => tracing::warn!("the model's chat template does not compile ({e}): ChatML"),
         }

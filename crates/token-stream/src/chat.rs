@@ -424,15 +424,34 @@ impl ChatTemplate {
     /// # Ok(()) }
     /// ```
     pub fn from_tokenizer(tok: &Tokenizer) -> Result<Self, ChatError> {
-        let Some(src) = tok.chat_template() else {
-            return Ok(Self::builtin(BuiltinTemplate::Chatml));
-        };
+        match tok.chat_template() {
+            Some(src) => Self::with_token_ids(src, tok, tok.bos_id(), tok.eos_id()),
+            None => Ok(Self::builtin(BuiltinTemplate::Chatml)),
+        }
+    }
+
+    /// Compiles `source` (Jinja) with `bos_token` / `eos_token` set to the text of the tokens
+    /// `bos` / `eos` of `tok` (empty when absent): for a template that comes from elsewhere
+    /// than the tokenizer (a Hugging Face `tokenizer_config.json`).
+    ///
+    /// ```no_run
+    /// # fn f(tok: &token_stream::Tokenizer) -> Result<(), token_stream::ChatError> {
+    /// let src = "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}";
+    /// let t = token_stream::ChatTemplate::with_token_ids(src, tok, Some(1), Some(2))?;
+    /// # Ok(()) }
+    /// ```
+    pub fn with_token_ids(
+        source: &str,
+        tok: &Tokenizer,
+        bos: Option<u32>,
+        eos: Option<u32>,
+    ) -> Result<Self, ChatError> {
         let text = |id: Option<u32>| {
             id.and_then(|i| tok.token_bytes(i))
                 .map(|b| String::from_utf8_lossy(b).into_owned())
                 .unwrap_or_default()
         };
-        Self::new(src, &text(tok.bos_id()), &text(tok.eos_id()))
+        Self::new(source, &text(bos), &text(eos))
     }
 
     /// The built-in this template is, if it is one.
