@@ -34,7 +34,6 @@ Deterministic: fixed seeds (numpy default_rng), same gguf/llama.cpp release, sam
 
 usage: make_arch_models.py [--only NAME...]   (NAME as in MODELS / QUANTIZED, e.g. arch-qwen3)
 """
-import hashlib
 import json
 import math
 import os
@@ -43,10 +42,9 @@ import sys
 
 import numpy as np
 import gguf
-import llama_cpp.llama_cpp as llama_c
+# The output directory, file hashing and llama.cpp's quantizer call of the quantization models.
+from make_test_models import OUT, quantize, sha256
 
-OUT = pathlib.Path(os.environ.get("ZEROLAYER_TEST_MODELS",
-                                  os.path.expanduser("~/.cache/zerolayer/test-models")))
 VOCABS = pathlib.Path(os.environ.get(
     "ZEROLAYER_VOCAB_SUITE",
     os.path.expanduser("~/.cache/zerolayer/llama-vocab-suite-0.3.36")))
@@ -58,14 +56,6 @@ F16 = gguf.GGMLQuantizationType.F16
 # 256 (ffn_down, attn_output) take K-quants, its rows of 128 fall back (Q5_0/Q8_0): a mix.
 QUANTIZED = {"arch-gemma2.Q4_K_M": ("arch-gemma2", "Q4_K_M"),
              "arch-gemma3.Q8_0": ("arch-gemma3", "Q8_0")}
-
-
-def sha256(path):
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for b in iter(lambda: f.read(1 << 20), b""):
-            h.update(b)
-    return h.hexdigest()
 
 
 class Builder:
@@ -364,16 +354,6 @@ MODELS = {"arch-llama3": write_llama3, "arch-qwen2": write_qwen2, "arch-qwen3": 
           "arch-smollm3": write_smollm3}
 
 
-def quantize(src, dst, ftype_name):
-    params = llama_c.llama_model_quantize_default_params()
-    params.nthread = 2
-    params.ftype = getattr(llama_c, "LLAMA_FTYPE_MOSTLY_" + ftype_name)
-    params.allow_requantize = False
-    rc = llama_c.llama_model_quantize(str(src).encode(), str(dst).encode(), params)
-    if rc != 0:
-        sys.exit(f"llama_model_quantize {src} -> {ftype_name} failed: {rc}")
-
-
 def main():
     only = set(sys.argv[sys.argv.index("--only") + 1:]) if "--only" in sys.argv else None
     OUT.mkdir(parents=True, exist_ok=True)
@@ -396,7 +376,7 @@ def main():
         if not want(name):
             continue
         dst = OUT / f"{name}.gguf"
-        quantize(OUT / f"{src}.gguf", dst, ftype)
+        quantize(OUT / f"{src}.gguf", dst, ftype, False)
         manifest[dst.name] = sha256(dst)
         print(f"make-arch-models: {dst} ({dst.stat().st_size >> 10} KiB)", file=sys.stderr)
     manifest_path.write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
