@@ -356,13 +356,17 @@ impl ModelConfig {
 
         // ---- per-family features (llama.cpp's src/models/<arch>.cpp)
         let gemma = arch == "gemma2" || arch == "gemma3";
-        let window_key = key("attention.sliding_window");
+        // A window of 0 means none (llama.cpp's gemma3: `found_swa && n_swa > 0`).
+        let file_window = g
+            .get_u32(&key("attention.sliding_window"))
+            .map(|w| w as usize)
+            .filter(|&w| w > 0);
         let (window, default_pattern): (Option<usize>, usize) = match arch.as_str() {
-            "gemma2" => (Some(opt("attention.sliding_window")?.unwrap_or(4096)), 2),
-            "gemma3" => (opt("attention.sliding_window")?, 6),
+            "gemma2" => (Some(file_window.unwrap_or(4096)), 2),
+            "gemma3" => (file_window, 6),
             // llama.cpp ignores Phi-3's window (converter bug, llama.cpp PR 13676); Qwen2 files
             // carry none. A Llama/Mistral file that sets one gets it on every layer.
-            "llama" | "mistral" => (opt("attention.sliding_window")?, 0),
+            "llama" | "mistral" => (file_window, 0),
             _ => (None, 0),
         };
         let window = match g.get_u32("zerolayer.attention.sliding_window") {
@@ -434,9 +438,6 @@ impl ModelConfig {
                 },
             })
             .collect();
-        if window == Some(0) {
-            return Err(invalid(window_key, "0".into()));
-        }
         let attention_scale = match g.get_f32(&key("attention.scale")) {
             Some(s) => positive(key("attention.scale"), s)?,
             // llama.cpp: Gemma 27B models scale by n_embd / n_head (query_pre_attn_scalar).
