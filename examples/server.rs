@@ -70,7 +70,8 @@ struct Args {
         hide_env_values = true
     )]
     api_keys: Vec<String>,
-    /// PEM certificate chain for QUIC/HTTP/3 (default: a self-signed certificate).
+    /// PEM certificate chain for QUIC/HTTP/3 and, when given, HTTPS on the TCP listener
+    /// (default: a self-signed certificate for QUIC, cleartext TCP).
     #[arg(long, requires = "tls_key")]
     tls_cert: Option<PathBuf>,
     /// PEM private key matching --tls-cert.
@@ -235,6 +236,14 @@ async fn main() -> anyhow::Result<()> {
         }
     };
     let fingerprint = identity.fingerprint();
+    let tcp_tls = match args.tls_cert {
+        Some(_) => Some(
+            identity
+                .tcp_server_config()
+                .context("TLS for the TCP listener")?,
+        ),
+        None => None,
+    };
     if args.tls_cert.is_none() {
         println!("self-signed certificate, SHA-256 fingerprint {fingerprint}");
     }
@@ -266,8 +275,9 @@ async fn main() -> anyhow::Result<()> {
         .with_context(|| format!("binding TCP {}", args.http_listen))?;
     let http_addr = listener.local_addr()?;
     let quic_addr = quic.local_addr();
+    let scheme = if tcp_tls.is_some() { "https" } else { "http" };
     tracing::info!(
-        "HTTP/1.1 + HTTP/2: http://{http_addr}/v1/messages, /v1/chat/completions, /health, /metrics"
+        "HTTP/1.1 + HTTP/2: {scheme}://{http_addr}/v1/messages, /v1/chat/completions, /health, /metrics"
     );
     tracing::info!(
         "claudelink + HTTP/3: udp {quic_addr} (ALPN claudelink/2 and h3; Alt-Svc advertised)"
@@ -286,7 +296,10 @@ async fn main() -> anyhow::Result<()> {
             let stop = async {
                 let _ = stopped.await;
             };
-            gateway.serve_tcp(listener, stop).await
+            match tcp_tls {
+                Some(tls) => gateway.serve_tcp_tls(listener, tls, stop).await,
+                None => gateway.serve_tcp(listener, stop).await,
+            }
         }
     });
     let started = Instant::now();

@@ -188,6 +188,20 @@ impl Identity {
         debug_assert!(!cfg.ticketer.enabled());
         Ok(cfg)
     }
+
+    /// The TLS configuration of HTTPS on TCP: TLS 1.3 and 1.2, ALPN `h2` then `http/1.1`,
+    /// session resumption from an in-memory store (4096 sessions), and no early data (0-RTT
+    /// over TCP would let a recorded request be replayed; claudelink has 0-RTT over QUIC).
+    pub fn tcp_server_config(&self) -> Result<Arc<rustls::ServerConfig>, TlsError> {
+        let mut cfg = rustls::ServerConfig::builder_with_provider(provider())
+            .with_protocol_versions(&[&rustls::version::TLS13, &rustls::version::TLS12])?
+            .with_no_client_auth()
+            .with_single_cert(self.certs.clone(), self.key.clone_key())?;
+        cfg.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+        cfg.max_early_data_size = 0;
+        cfg.session_storage = rustls::server::ServerSessionMemoryCache::new(4096);
+        Ok(Arc::new(cfg))
+    }
 }
 
 /// How a client authenticates the server.

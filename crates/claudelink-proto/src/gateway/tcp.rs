@@ -1,4 +1,5 @@
-//! HTTP/1.1 and HTTP/2 (cleartext, prior knowledge) on TCP with hyper.
+//! HTTP/1.1 and HTTP/2 on TCP with hyper: cleartext (HTTP/2 by prior knowledge) or HTTPS
+//! (rustls, ALPN `h2` / `http/1.1`).
 //!
 //! Defences of the listener: connection limits per listener and per client address (refused
 //! connections get a minimal `503` and are closed), a header-read timeout (HTTP/1.1) and a
@@ -25,6 +26,7 @@ use hyper_util::server::conn::auto;
 use hyper_util::server::graceful::GracefulShutdown;
 use tokio::io::AsyncWriteExt;
 use tokio::net::{TcpListener, TcpStream};
+use tokio_rustls::TlsAcceptor;
 
 use super::core::{Admission, BodyError, Gateway, ReplyBody};
 use super::metrics::Protocol;
@@ -51,6 +53,39 @@ impl Gateway {
     pub async fn serve_tcp(
         &self,
         listener: TcpListener,
+        shutdown: impl Future<Output = ()>,
+    ) -> std::io::Result<()> {
+        self.serve_listener(listener, None, shutdown).await
+    }
+
+    /// Serves HTTPS on `listener` as [`Gateway::serve_tcp`] serves cleartext: each connection
+    /// first completes a TLS handshake with `tls` (see [`crate::Identity::tcp_server_config`]:
+    /// ALPN `h2` selects HTTP/2, `http/1.1` or none HTTP/1.1), within the header-read timeout;
+    /// a client that fails or stalls the handshake is closed without a response.
+    ///
+    /// ```no_run
+    /// # async fn run(gateway: claudelink_proto::Gateway) -> Result<(), Box<dyn std::error::Error>> {
+    /// let identity = claudelink_proto::Identity::from_pem_files("cert.pem", "key.pem")?;
+    /// let listener = tokio::net::TcpListener::bind("0.0.0.0:443").await?;
+    /// gateway
+    ///     .serve_tcp_tls(listener, identity.tcp_server_config()?, std::future::pending())
+    ///     .await?;
+    /// # Ok(()) }
+    /// ```
+    pub async fn serve_tcp_tls(
+        &self,
+        listener: TcpListener,
+        tls: Arc<rustls::ServerConfig>,
+        shutdown: impl Future<Output = ()>,
+    ) -> std::io::Result<()> {
+        self.serve_listener(listener, Some(TlsAcceptor::from(tls)), shutdown)
+            .await
+    }
+
+    async fn serve_listener(
+        &self,
+        listener: TcpListener,
+        tls: Option<TlsAcceptor>,
         shutdown: impl Future<Output = ()>,
     ) -> std::io::Result<()> {
         let cfg = &self.inner.config;
@@ -116,6 +151,7 @@ impl Gateway {
             let first_bytes = cfg.header_read_timeout;
             let builder = Arc::clone(&builder);
             let watcher = graceful.watcher();
+            let tls = tls.clone();
             tokio::spawn(async move {
                 let _guard = guard;
                 // hyper's header timeout covers HTTP/1.1 once the protocol is known; this
@@ -129,8 +165,32 @@ impl Gateway {
                         return;
                     }
                 }
-                let conn = builder.serve_connection(TokioIo::new(stream), svc);
-                if let Err(e) = watcher.watch(conn).await {
+                let served =
+                    match tls {
+                        None => {
+                            let conn = builder.serve_connection(TokioIo::new(stream), svc);
+                            watcher.watch(conn).await
+                        }
+                        Some(acceptor) => {
+                            let stream =
+                                match tokio::time::timeout(first_bytes, acceptor.accept(stream))
+                                    .await
+                                {
+                                    Ok(Ok(s)) => s,
+                                    Ok(Err(e)) => {
+                                        tracing::debug!(%peer, error = %e, "TLS handshake failed");
+                                        return;
+                                    }
+                                    Err(_) => {
+                                        tracing::debug!(%peer, "TLS handshake timed out: closed");
+                                        return;
+                                    }
+                                };
+                            let conn = builder.serve_connection(TokioIo::new(stream), svc);
+                            watcher.watch(conn).await
+                        }
+                    };
+                if let Err(e) = served {
                     tracing::debug!(%peer, error = %e, "connection ended with an error");
                 }
             });
