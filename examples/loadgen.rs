@@ -1,8 +1,13 @@
 //! Load generator for the serving benchmark (`scripts/bench-serving`): a fixed number of
 //! concurrent clients send chat requests for a fixed time over claudelink (one connection pool,
-//! many streams), HTTP/3 (a few QUIC connections) or HTTP/1.1 (a keep-alive connection pool),
-//! against zerolayer's server or any server speaking the Anthropic Messages or OpenAI Chat
-//! Completions API with streaming.
+//! many streams), HTTP/3 (a few QUIC connections), HTTP/2 over TLS (a few TCP connections, many
+//! streams) or HTTP/1.1 (a keep-alive connection pool, cleartext or over TLS), against
+//! zerolayer's server or any server speaking the Anthropic Messages or OpenAI Chat Completions
+//! API with streaming.
+//!
+//! `--connect-probe N` measures reconnects instead: N times in a row, a new connection and one
+//! request, timed from the start of the connection to the first response byte (claudelink: the
+//! `Started` event; HTTP: the response head).
 //!
 //! ```text
 //! loadgen --transport claudelink --addr 127.0.0.1:8443 --fingerprint AB:CD:.. \
@@ -12,8 +17,8 @@
 //! Without `--model`, it sends the model the server's `GET /v1/models` lists (asked on `--addr`
 //! for http1, on `--models-addr` for the QUIC transports).
 //!
-//! Per request it records time to first token (first non-empty text), total latency, output
-//! tokens and the error kind; at the end it prints one JSON summary on stdout (times in ms,
+//! Per request it records time to first token (first non-empty text), the gaps between
+//! successive text deltas, total latency, output tokens and the error kind; at the end it prints one JSON summary on stdout (times in ms,
 //! percentiles over successful requests). Loopback use only: bounded in clients and time.
 
 use std::net::SocketAddr;
@@ -46,6 +51,10 @@ enum Transport {
     H3,
     /// HTTP/1.1 with keep-alive connections.
     Http1,
+    /// HTTP/1.1 over TLS (HTTPS) with keep-alive connections.
+    Https1,
+    /// HTTP/2 over TLS (ALPN h2), a few connections carrying many streams.
+    H2,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -62,10 +71,10 @@ enum Api {
 struct Args {
     #[arg(long, value_enum)]
     transport: Transport,
-    /// Server address (UDP for claudelink and h3, TCP for http1).
+    /// Server address (UDP for claudelink and h3, TCP for http1, https1 and h2).
     #[arg(long)]
     addr: SocketAddr,
-    /// SHA-256 fingerprint of the server's certificate (claudelink, h3).
+    /// SHA-256 fingerprint of the server's certificate (all but http1).
     #[arg(long)]
     fingerprint: Option<CertFingerprint>,
     /// HTTP API (http1, h3).
@@ -77,8 +86,8 @@ struct Args {
     /// Seconds during which new requests are started.
     #[arg(long)]
     duration: f64,
-    /// QUIC connections (claudelink, h3; default 4) or most TCP connections (http1; default
-    /// one per client).
+    /// QUIC connections (claudelink, h3; default 4), HTTP/2 connections (h2; default 1) or
+    /// most HTTP/1.1 connections (http1, https1; default one per client).
     #[arg(long)]
     connections: Option<usize>,
     /// File holding the user message.
@@ -103,20 +112,46 @@ struct Args {
     /// Per-request JSON lines written here.
     #[arg(long)]
     records: Option<PathBuf>,
+    /// Measure N reconnects instead of load (see the module docs); `--zero-rtt false` for
+    /// claudelink without 0-RTT, `--tls-resume false` for HTTPS without session resumption.
+    #[arg(long)]
+    connect_probe: Option<usize>,
+    /// claudelink: resumed connections send their first flight as 0-RTT data.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    zero_rtt: bool,
+    /// HTTPS: reconnects resume the TLS session.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    tls_resume: bool,
 }
 
 /// Outcome of one request.
 #[derive(Debug, Clone, Default)]
 struct Record {
     ttft: Option<Duration>,
+    /// Gaps between successive non-empty text deltas.
+    gaps: Vec<Duration>,
+    /// When the last non-empty text arrived (since the request started).
+    last_text: Option<Duration>,
     latency: Duration,
     output_tokens: u64,
     error: Option<String>,
 }
 
+impl Record {
+    /// A non-empty piece of text arrived `at` after the request started.
+    fn text(&mut self, at: Duration) {
+        match self.last_text {
+            None => self.ttft = Some(at),
+            Some(last) => self.gaps.push(at.saturating_sub(last)),
+        }
+        self.last_text = Some(at);
+    }
+}
+
 static NEXT_CONN: AtomicUsize = AtomicUsize::new(0);
 
 type H1Sender = hyper::client::conn::http1::SendRequest<Full<Bytes>>;
+type H2Sender = hyper::client::conn::http2::SendRequest<Full<Bytes>>;
 type H3Sender = h3::client::SendRequest<h3_quinn::OpenStreams, Bytes>;
 
 enum Backend {
@@ -125,7 +160,10 @@ enum Backend {
     Http1 {
         idle: Mutex<Vec<H1Sender>>,
         slots: Semaphore,
+        /// HTTPS (https1).
+        tls: Option<tokio_rustls::TlsConnector>,
     },
+    H2(Vec<H2Sender>),
 }
 
 #[tokio::main]
@@ -135,7 +173,9 @@ async fn main() -> anyhow::Result<()> {
         let addr = match (args.models_addr, args.transport) {
             (Some(a), _) => a,
             (None, Transport::Http1) => args.addr,
-            (None, _) => anyhow::bail!("pass --model, or --models-addr (the server's TCP address)"),
+            (None, _) => {
+                anyhow::bail!("pass --model, or --models-addr (the server's cleartext TCP address)")
+            }
         };
         args.model = Some(served_model::served_model(addr, args.api_key.as_deref()).await?);
     }
@@ -150,7 +190,6 @@ async fn main() -> anyhow::Result<()> {
     );
     let prompt = std::fs::read_to_string(&args.prompt_file)
         .with_context(|| format!("reading {}", args.prompt_file.display()))?;
-    let backend = Arc::new(connect(&args).await?);
     let body = Bytes::from(request_json(&args, &prompt).to_string());
     let request = {
         let turn = ChatMessage {
@@ -163,6 +202,12 @@ async fn main() -> anyhow::Result<()> {
             args.max_tokens,
         )
     };
+    if let Some(n) = args.connect_probe {
+        let times = probe::reconnects(&args, n, &body, &request).await?;
+        println!("{}", probe::summary(&args, &times));
+        return Ok(());
+    }
+    let backend = Arc::new(connect(&args).await?);
 
     let start = Instant::now();
     let stop_at = start + Duration::from_secs_f64(args.duration);
@@ -202,6 +247,7 @@ async fn main() -> anyhow::Result<()> {
         for r in &records {
             let line = json!({
                 "ttft_ms": r.ttft.map(ms),
+                "max_gap_ms": r.gaps.iter().max().copied().map(ms),
                 "latency_ms": ms(r.latency),
                 "output_tokens": r.output_tokens,
                 "error": r.error,
@@ -238,8 +284,13 @@ fn summary(args: &Args, records: &[Record], elapsed: Duration) -> Value {
     }
     let mut ttft: Vec<f64> = ok.iter().filter_map(|r| r.ttft.map(ms)).collect();
     let mut lat: Vec<f64> = ok.iter().map(|r| ms(r.latency)).collect();
+    let mut gaps: Vec<f64> = ok
+        .iter()
+        .flat_map(|r| r.gaps.iter().map(|g| ms(*g)))
+        .collect();
     ttft.sort_by(f64::total_cmp);
     lat.sort_by(f64::total_cmp);
+    gaps.sort_by(f64::total_cmp);
     let secs = elapsed.as_secs_f64();
     let tokens: u64 = ok.iter().map(|r| r.output_tokens).sum();
     json!({
@@ -251,6 +302,7 @@ fn summary(args: &Args, records: &[Record], elapsed: Duration) -> Value {
         "errors": errors,
         "ttft_ms": {"p50": pct(&ttft, 0.5), "p99": pct(&ttft, 0.99)},
         "latency_ms": {"p50": pct(&lat, 0.5), "p99": pct(&lat, 0.99)},
+        "inter_token_ms": {"p50": pct(&gaps, 0.5), "p99": pct(&gaps, 0.99), "max": gaps.last()},
         "req_per_s": ok.len() as f64 / secs,
         "output_tok_per_s": tokens as f64 / secs,
         "duration_s": secs,
@@ -272,7 +324,8 @@ fn request_json(args: &Args, prompt: &str) -> Value {
     }
 }
 
-fn tls_config(fp: CertFingerprint, alpn: &[u8]) -> anyhow::Result<quinn::ClientConfig> {
+/// TLS 1.3 pinned to the server's certificate, offering `alpn`.
+fn rustls_config(fp: CertFingerprint, alpn: &[u8]) -> anyhow::Result<rustls::ClientConfig> {
     let provider = Arc::new(rustls::crypto::ring::default_provider());
     let mut tls = rustls::ClientConfig::builder_with_provider(provider)
         .with_protocol_versions(&[&rustls::version::TLS13])?
@@ -280,8 +333,78 @@ fn tls_config(fp: CertFingerprint, alpn: &[u8]) -> anyhow::Result<quinn::ClientC
         .with_custom_certificate_verifier(Arc::new(PinnedVerifier::new(fp)))
         .with_no_client_auth();
     tls.alpn_protocols = vec![alpn.to_vec()];
-    let q = quinn::crypto::rustls::QuicClientConfig::try_from(tls)?;
+    Ok(tls)
+}
+
+fn tls_config(fp: CertFingerprint, alpn: &[u8]) -> anyhow::Result<quinn::ClientConfig> {
+    let q = quinn::crypto::rustls::QuicClientConfig::try_from(rustls_config(fp, alpn)?)?;
     Ok(quinn::ClientConfig::new(Arc::new(q)))
+}
+
+/// An HTTPS connector for the TCP transports (`None` for cleartext http1).
+fn tcp_tls(args: &Args) -> anyhow::Result<Option<tokio_rustls::TlsConnector>> {
+    let alpn: &[u8] = match args.transport {
+        Transport::Https1 => b"http/1.1",
+        Transport::H2 => b"h2",
+        _ => return Ok(None),
+    };
+    let fp = args
+        .fingerprint
+        .context("--fingerprint is required for https1 and h2")?;
+    let mut cfg = rustls_config(fp, alpn)?;
+    if !args.tls_resume {
+        cfg.resumption = rustls::client::Resumption::disabled();
+    }
+    Ok(Some(tokio_rustls::TlsConnector::from(Arc::new(cfg))))
+}
+
+/// A TCP connection to the server, through TLS when `tls` is given.
+async fn tcp_connect(
+    addr: SocketAddr,
+    tls: Option<&tokio_rustls::TlsConnector>,
+) -> Result<Box<dyn Io>, String> {
+    let tcp = tokio::net::TcpStream::connect(addr)
+        .await
+        .map_err(|e| format!("connect: {e}"))?;
+    let _ = tcp.set_nodelay(true);
+    Ok(match tls {
+        None => Box::new(tcp),
+        Some(tls) => {
+            let name = rustls::pki_types::ServerName::try_from("localhost").expect("valid name");
+            Box::new(
+                tls.connect(name, tcp)
+                    .await
+                    .map_err(|e| format!("tls: {e}"))?,
+            )
+        }
+    })
+}
+
+/// A byte stream hyper can drive (TCP or TLS over TCP).
+trait Io: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static {}
+impl<T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static> Io for T {}
+
+async fn h1_handshake(io: Box<dyn Io>) -> Result<H1Sender, String> {
+    let (send, conn) = hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(io))
+        .await
+        .map_err(|e| format!("handshake: {e}"))?;
+    tokio::spawn(async move {
+        let _ = conn.await;
+    });
+    Ok(send)
+}
+
+async fn h2_handshake(io: Box<dyn Io>) -> Result<H2Sender, String> {
+    let (send, conn) = hyper::client::conn::http2::handshake(
+        hyper_util::rt::TokioExecutor::new(),
+        hyper_util::rt::TokioIo::new(io),
+    )
+    .await
+    .map_err(|e| format!("handshake: {e}"))?;
+    tokio::spawn(async move {
+        let _ = conn.await;
+    });
+    Ok(send)
 }
 
 async fn connect(args: &Args) -> anyhow::Result<Backend> {
@@ -304,7 +427,13 @@ async fn connect(args: &Args) -> anyhow::Result<Backend> {
             Backend::Claudelink(Pool::connect(client, args.addr, cfg).await?)
         }
         Transport::H3 => {
-            let mut endpoint = quinn::Endpoint::client("127.0.0.1:0".parse()?)?;
+            let any: SocketAddr = if args.addr.is_ipv6() {
+                "[::]:0"
+            } else {
+                "0.0.0.0:0"
+            }
+            .parse()?;
+            let mut endpoint = quinn::Endpoint::client(any)?;
             endpoint.set_default_client_config(tls_config(need_fp()?, H3_ALPN)?);
             let mut senders = Vec::new();
             for _ in 0..args.connections.unwrap_or(4).max(1) {
@@ -317,10 +446,22 @@ async fn connect(args: &Args) -> anyhow::Result<Backend> {
             }
             Backend::H3(senders, endpoint)
         }
-        Transport::Http1 => Backend::Http1 {
+        Transport::Http1 | Transport::Https1 => Backend::Http1 {
             idle: Mutex::new(Vec::new()),
             slots: Semaphore::new(args.connections.unwrap_or(args.concurrency).max(1)),
+            tls: tcp_tls(args)?,
         },
+        Transport::H2 => {
+            let tls = tcp_tls(args)?;
+            let mut senders = Vec::new();
+            for _ in 0..args.connections.unwrap_or(1).max(1) {
+                let io = tcp_connect(args.addr, tls.as_ref())
+                    .await
+                    .map_err(anyhow::Error::msg)?;
+                senders.push(h2_handshake(io).await.map_err(anyhow::Error::msg)?);
+            }
+            Backend::H2(senders)
+        }
     })
 }
 
@@ -341,7 +482,14 @@ async fn one(
             let mut send = senders[i % senders.len()].clone();
             h3_request(&mut send, args, body, t0, rec).await
         }
-        Backend::Http1 { idle, slots } => http1(idle, slots, args, body, t0, rec).await,
+        Backend::Http1 { idle, slots, tls } => {
+            http1(idle, slots, tls.as_ref(), args, body, t0, rec).await
+        }
+        Backend::H2(senders) => {
+            let i = NEXT_CONN.fetch_add(1, Ordering::Relaxed);
+            let mut send = senders[i % senders.len()].clone();
+            h2_request(&mut send, args, body, t0, rec).await
+        }
     };
     if let Err(kind) = res {
         rec.error = Some(kind);
@@ -360,9 +508,7 @@ async fn claudelink(
         .map_err(|e| format!("request: {e}"))?;
     while let Some(ev) = stream.next().await {
         match ev.map_err(|e| format!("stream: {e}"))? {
-            InferenceEvent::Delta { text, .. } if !text.is_empty() && rec.ttft.is_none() => {
-                rec.ttft = Some(t0.elapsed());
-            }
+            InferenceEvent::Delta { text, .. } if !text.is_empty() => rec.text(t0.elapsed()),
             InferenceEvent::Finished { usage, .. } => {
                 rec.output_tokens = u64::from(usage.output_tokens);
                 return Ok(());
@@ -448,11 +594,7 @@ fn handle_event(
         let kind = v["error"]["type"].as_str().unwrap_or("error");
         return Err(kind.trim_end_matches("_error").into());
     }
-    let first = |rec: &mut Record| {
-        if rec.ttft.is_none() {
-            rec.ttft = Some(t0.elapsed());
-        }
-    };
+    let first = |rec: &mut Record| rec.text(t0.elapsed());
     match api {
         Api::Anthropic => match v["type"].as_str() {
             Some("content_block_delta")
@@ -526,6 +668,7 @@ async fn h3_request(
 async fn http1(
     idle: &Mutex<Vec<H1Sender>>,
     slots: &Semaphore,
+    tls: Option<&tokio_rustls::TlsConnector>,
     args: &Args,
     body: &Bytes,
     t0: Instant,
@@ -535,20 +678,7 @@ async fn http1(
     let popped = idle.lock().await.pop();
     let mut sender = match popped {
         Some(s) if s.is_ready() => s,
-        _ => {
-            let tcp = tokio::net::TcpStream::connect(args.addr)
-                .await
-                .map_err(|e| format!("connect: {e}"))?;
-            let _ = tcp.set_nodelay(true);
-            let io = hyper_util::rt::TokioIo::new(tcp);
-            let (send, conn) = hyper::client::conn::http1::handshake(io)
-                .await
-                .map_err(|e| format!("handshake: {e}"))?;
-            tokio::spawn(async move {
-                let _ = conn.await;
-            });
-            send
-        }
+        _ => h1_handshake(tcp_connect(args.addr, tls).await?).await?,
     };
     let req = http_request(args, "")
         .header("host", args.addr.to_string())
@@ -558,26 +688,156 @@ async fn http1(
         .send_request(req)
         .await
         .map_err(|e| format!("http1: {e}"))?;
+    let read = read_sse(resp, args, t0, rec).await;
+    // The body was read to its end: the connection can serve the next request.
+    if !matches!(&read, Err(e) if e.starts_with("body:")) {
+        idle.lock().await.push(sender);
+    }
+    read
+}
+
+async fn h2_request(
+    send: &mut H2Sender,
+    args: &Args,
+    body: &Bytes,
+    t0: Instant,
+    rec: &mut Record,
+) -> Result<(), String> {
+    send.ready().await.map_err(|e| format!("h2: {e}"))?;
+    let req = http_request(args, "localhost")
+        .body(Full::new(body.clone()))
+        .map_err(|e| e.to_string())?;
+    let resp = send
+        .send_request(req)
+        .await
+        .map_err(|e| format!("h2: {e}"))?;
+    read_sse(resp, args, t0, rec).await
+}
+
+/// Reads an HTTP response's SSE body into `rec` (errors reading the body start with `body:`).
+async fn read_sse(
+    resp: http::Response<hyper::body::Incoming>,
+    args: &Args,
+    t0: Instant,
+    rec: &mut Record,
+) -> Result<(), String> {
     let status = resp.status();
     let mut body = resp.into_body();
     let mut sse = Sse::default();
+    // The body is read to its end even after an error event, so the connection stays usable.
+    let mut failed = None;
     while let Some(frame) = body.frame().await {
-        let frame = frame.map_err(|e| format!("http1: {e}"))?;
+        let frame = frame.map_err(|e| format!("body: {e}"))?;
         if let Some(data) = frame.data_ref() {
-            if status == http::StatusCode::OK {
-                sse.feed(data, args.api, t0, rec)?;
+            if status == http::StatusCode::OK && failed.is_none() {
+                failed = sse.feed(data, args.api, t0, rec).err();
             }
         }
     }
-    // The body was read to its end: the connection can serve the next request.
-    idle.lock().await.push(sender);
     if status != http::StatusCode::OK {
         return Err(status_error(status));
+    }
+    if let Some(e) = failed {
+        return Err(e);
     }
     if sse.done {
         Ok(())
     } else {
         Err("stream ended without finishing".into())
+    }
+}
+
+/// Reconnect cost: the time from starting a connection to the first response byte.
+mod probe {
+    use super::*;
+
+    /// `n` timed reconnects (after one untimed connection that fetches session tickets).
+    pub(super) async fn reconnects(
+        args: &Args,
+        n: usize,
+        body: &Bytes,
+        request: &InferenceRequest,
+    ) -> anyhow::Result<Vec<Duration>> {
+        let mut times = Vec::with_capacity(n);
+        match args.transport {
+            Transport::Claudelink => {
+                let fp = args
+                    .fingerprint
+                    .context("--fingerprint is required for claudelink")?;
+                let mut config = ClientConfig::new(Trust::Pinned(fp)).zero_rtt(args.zero_rtt);
+                if let Some(k) = &args.api_key {
+                    config = config.api_key(k.clone());
+                }
+                let client = Client::new(config)?;
+                for i in 0..=n {
+                    let t0 = Instant::now();
+                    let conn = client.connect(args.addr).await?;
+                    let mut stream = conn.request(request).await?;
+                    let first = stream.next().await.context("no response")??;
+                    let took = t0.elapsed();
+                    anyhow::ensure!(
+                        !matches!(first, InferenceEvent::Error { .. }),
+                        "error response: {first:?}"
+                    );
+                    while let Some(ev) = stream.next().await {
+                        if matches!(ev?, InferenceEvent::Finished { .. }) {
+                            break;
+                        }
+                    }
+                    conn.close();
+                    if i > 0 {
+                        times.push(took);
+                    }
+                }
+            }
+            Transport::Http1 | Transport::Https1 | Transport::H2 => {
+                // One connector for all: with --tls-resume, reconnects resume the session.
+                let tls = tcp_tls(args)?;
+                for i in 0..=n {
+                    let t0 = Instant::now();
+                    let io = tcp_connect(args.addr, tls.as_ref())
+                        .await
+                        .map_err(anyhow::Error::msg)?;
+                    let resp = if args.transport == Transport::H2 {
+                        let mut send = h2_handshake(io).await.map_err(anyhow::Error::msg)?;
+                        let req = http_request(args, "localhost").body(Full::new(body.clone()))?;
+                        send.send_request(req).await?
+                    } else {
+                        let mut send = h1_handshake(io).await.map_err(anyhow::Error::msg)?;
+                        let req = http_request(args, "")
+                            .header("host", args.addr.to_string())
+                            .body(Full::new(body.clone()))?;
+                        send.send_request(req).await?
+                    };
+                    let took = t0.elapsed();
+                    anyhow::ensure!(
+                        resp.status() == http::StatusCode::OK,
+                        "status {}",
+                        resp.status()
+                    );
+                    resp.into_body().collect().await?;
+                    if i > 0 {
+                        times.push(took);
+                    }
+                }
+            }
+            Transport::H3 => {
+                anyhow::bail!("--connect-probe measures claudelink, http1, https1 and h2")
+            }
+        }
+        Ok(times)
+    }
+
+    pub(super) fn summary(args: &Args, times: &[Duration]) -> Value {
+        let mut v: Vec<f64> = times.iter().map(|d| ms(*d)).collect();
+        v.sort_by(f64::total_cmp);
+        json!({
+            "transport": format!("{:?}", args.transport).to_lowercase(),
+            "zero_rtt": args.zero_rtt,
+            "tls_resume": args.tls_resume,
+            "probes": v.len(),
+            "first_byte_ms": {"min": v.first(), "p50": pct(&v, 0.5), "p90": pct(&v, 0.9)},
+        })
     }
 }
 
