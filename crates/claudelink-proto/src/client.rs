@@ -1,10 +1,10 @@
 //! The claudelink client: connections (with 0-RTT resumption), request streams as async
-//! `Stream`s of events, and a connection pool.
+//! `Stream`s of events (the pool over them is `pool.rs`).
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
@@ -152,6 +152,20 @@ pub enum ClientError {
     /// A setting was rejected.
     #[error("invalid client setting: {0}")]
     Config(String),
+    /// A 0-RTT connection's handshake did not complete (the server is gone or refused it).
+    #[error("the handshake with {addr} did not complete")]
+    HandshakeIncomplete {
+        /// Server address.
+        addr: SocketAddr,
+    },
+    /// A pool's replica name did not resolve, or resolved to no address.
+    #[error("resolving {name}: {detail}")]
+    Resolve {
+        /// The `host:port` name.
+        name: String,
+        /// The resolver's error, or "no address".
+        detail: String,
+    },
 }
 
 /// Why a request could not be sent.
@@ -207,6 +221,10 @@ pub enum StreamError {
     /// The server broke the protocol.
     #[error(transparent)]
     Protocol(#[from] ClientStreamError),
+    /// The request failed before its first token and could not be sent to another replica
+    /// ([`crate::Pool`]).
+    #[error("the request failed before its first token and could not be re-sent: {0}")]
+    NotResent(Box<RequestError>),
 }
 
 impl From<quinn::ConnectionError> for RequestError {
@@ -687,271 +705,5 @@ impl Drop for ResponseStream {
             }
         }
         self.conn.in_flight.fetch_sub(1, Ordering::AcqRel);
-    }
-}
-
-/// Pool settings.
-#[derive(Debug, Clone)]
-#[non_exhaustive]
-pub struct PoolConfig {
-    /// Connections kept open (5).
-    pub min_connections: usize,
-    /// Most connections (50).
-    pub max_connections: usize,
-    /// Streams per connection before a new connection is opened (100).
-    pub target_streams_per_connection: usize,
-    /// How often idle connections are health-checked with a PING (10 s).
-    pub health_check_interval: Duration,
-}
-
-impl Default for PoolConfig {
-    fn default() -> Self {
-        Self {
-            min_connections: 5,
-            max_connections: 50,
-            target_streams_per_connection: 100,
-            health_check_interval: Duration::from_secs(10),
-        }
-    }
-}
-
-impl PoolConfig {
-    /// Sets the connection bounds.
-    pub fn connections(mut self, min: usize, max: usize) -> Self {
-        self.min_connections = min;
-        self.max_connections = max.max(min).max(1);
-        self
-    }
-
-    /// Sets the health-check interval.
-    pub fn health_check_interval(mut self, every: Duration) -> Self {
-        self.health_check_interval = every;
-        self
-    }
-
-    /// Sets the streams per connection before another is opened.
-    pub fn target_streams_per_connection(mut self, n: usize) -> Self {
-        self.target_streams_per_connection = n.max(1);
-        self
-    }
-}
-
-/// Pool counters.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct PoolStats {
-    /// Connections in the pool.
-    pub connections: usize,
-    /// Connections opened since start (including the initial ones).
-    pub opened: u64,
-    /// Connections opened with 0-RTT data.
-    pub opened_0rtt: u64,
-    /// Connections retired after GOAWAY.
-    pub retired_goaway: u64,
-    /// Connections dropped by a failed health check or because they closed.
-    pub retired_unhealthy: u64,
-}
-
-struct PoolInner {
-    client: Client,
-    addr: SocketAddr,
-    cfg: PoolConfig,
-    conns: Mutex<Vec<Connection>>,
-    opened: AtomicU64,
-    opened_0rtt: AtomicU64,
-    retired_goaway: AtomicU64,
-    retired_unhealthy: AtomicU64,
-}
-
-/// A pool of connections to one server: spreads streams over connections (least loaded
-/// first), retires connections that sent GOAWAY or fail health checks, and replaces them
-/// (with 0-RTT resumption when a session ticket is cached).
-#[derive(Clone)]
-pub struct Pool {
-    inner: Arc<PoolInner>,
-    _health: Arc<HealthTask>,
-}
-
-struct HealthTask(tokio::task::JoinHandle<()>);
-
-impl Drop for HealthTask {
-    fn drop(&mut self) {
-        self.0.abort();
-    }
-}
-
-impl std::fmt::Debug for Pool {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Pool")
-            .field("addr", &self.inner.addr)
-            .field("stats", &self.stats())
-            .finish()
-    }
-}
-
-impl PoolInner {
-    fn conns(&self) -> std::sync::MutexGuard<'_, Vec<Connection>> {
-        self.conns.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    async fn open(&self) -> Result<Connection, ClientError> {
-        let c = self.client.connect(self.addr).await?;
-        self.opened.fetch_add(1, Ordering::Relaxed);
-        if c.zero_rtt_attempted() {
-            self.opened_0rtt.fetch_add(1, Ordering::Relaxed);
-        }
-        Ok(c)
-    }
-
-    /// Drops draining and closed connections from the pool.
-    fn prune(&self) {
-        let mut conns = self.conns();
-        conns.retain(|c| {
-            if c.is_closed() {
-                self.retired_unhealthy.fetch_add(1, Ordering::Relaxed);
-                false
-            } else if c.is_draining() {
-                self.retired_goaway.fetch_add(1, Ordering::Relaxed);
-                false
-            } else {
-                true
-            }
-        });
-    }
-
-    async fn refill(&self) -> Result<(), ClientError> {
-        let missing = self.cfg.min_connections.saturating_sub(self.conns().len());
-        if missing == 0 {
-            return Ok(());
-        }
-        let opened = futures::future::join_all((0..missing).map(|_| self.open())).await;
-        let mut first_err = None;
-        let mut conns = self.conns();
-        for c in opened {
-            match c {
-                Ok(c) if conns.len() < self.cfg.max_connections => conns.push(c),
-                Ok(c) => c.close(),
-                Err(e) => {
-                    first_err.get_or_insert(e);
-                }
-            }
-        }
-        match first_err {
-            Some(e) if conns.is_empty() => Err(e),
-            _ => Ok(()),
-        }
-    }
-}
-
-impl Pool {
-    /// Opens `min_connections` connections and starts the health checker.
-    pub async fn connect(
-        client: Client,
-        addr: SocketAddr,
-        cfg: PoolConfig,
-    ) -> Result<Self, ClientError> {
-        let inner = Arc::new(PoolInner {
-            client,
-            addr,
-            cfg,
-            conns: Mutex::new(Vec::new()),
-            opened: AtomicU64::new(0),
-            opened_0rtt: AtomicU64::new(0),
-            retired_goaway: AtomicU64::new(0),
-            retired_unhealthy: AtomicU64::new(0),
-        });
-        inner.refill().await?;
-        let weak = Arc::downgrade(&inner);
-        let every = inner.cfg.health_check_interval;
-        let task = tokio::spawn(async move {
-            let mut tick = tokio::time::interval(every);
-            tick.tick().await;
-            loop {
-                tick.tick().await;
-                let Some(inner) = weak.upgrade() else { return };
-                let idle: Vec<Connection> = inner
-                    .conns()
-                    .iter()
-                    .filter(|c| c.in_flight() == 0)
-                    .cloned()
-                    .collect();
-                for c in idle {
-                    if c.ping().await.is_err() {
-                        c.close();
-                    }
-                }
-                inner.prune();
-                let _ = inner.refill().await;
-            }
-        });
-        Ok(Self {
-            inner,
-            _health: Arc::new(HealthTask(task)),
-        })
-    }
-
-    /// Sends a request on the least-loaded healthy connection, opening one when all are at
-    /// the target load (up to `max_connections`), skipping connections that sent GOAWAY.
-    pub async fn request(&self, req: &InferenceRequest) -> Result<ResponseStream, RequestError> {
-        let mut last_err = None;
-        for _ in 0..3 {
-            self.inner.prune();
-            let (best, n) = {
-                let conns = self.inner.conns();
-                (
-                    conns.iter().min_by_key(|c| c.in_flight()).cloned(),
-                    conns.len(),
-                )
-            };
-            let conn = match best {
-                Some(c)
-                    if c.in_flight() < self.inner.cfg.target_streams_per_connection
-                        || n >= self.inner.cfg.max_connections =>
-                {
-                    c
-                }
-                _ => {
-                    let c = self.inner.open().await?;
-                    self.inner.conns().push(c.clone());
-                    c
-                }
-            };
-            match conn.request(req).await {
-                Ok(s) => return Ok(s),
-                Err(
-                    e @ (RequestError::Encode(_)
-                    | RequestError::NoConnection(_)
-                    | RequestError::Unauthenticated),
-                ) => {
-                    return Err(e);
-                }
-                Err(e) => last_err = Some(e),
-            }
-        }
-        // Replace what was retired so the pool stays at its minimum.
-        let _ = self.inner.refill().await;
-        Err(last_err.unwrap_or(RequestError::Draining))
-    }
-
-    /// Brings the pool back to `min_connections` now (normally the health checker does).
-    pub async fn refill(&self) -> Result<(), ClientError> {
-        self.inner.prune();
-        self.inner.refill().await
-    }
-
-    /// The connections in the pool.
-    pub fn connections(&self) -> Vec<Connection> {
-        self.inner.conns().clone()
-    }
-
-    /// Counters.
-    pub fn stats(&self) -> PoolStats {
-        PoolStats {
-            connections: self.inner.conns().len(),
-            opened: self.inner.opened.load(Ordering::Relaxed),
-            opened_0rtt: self.inner.opened_0rtt.load(Ordering::Relaxed),
-            retired_goaway: self.inner.retired_goaway.load(Ordering::Relaxed),
-            retired_unhealthy: self.inner.retired_unhealthy.load(Ordering::Relaxed),
-        }
     }
 }

@@ -54,6 +54,7 @@ mod client;
 mod codec;
 mod gateway;
 mod limits;
+mod pool;
 mod server;
 mod service;
 mod state;
@@ -61,8 +62,7 @@ mod tls;
 
 pub use auth::{ApiKeys, key_label};
 pub use client::{
-    Client, ClientConfig, ClientError, Connection, Pool, PoolConfig, PoolStats, RequestError,
-    ResponseStream, StreamError,
+    Client, ClientConfig, ClientError, Connection, RequestError, ResponseStream, StreamError,
 };
 pub use codec::{
     AppErrorCode, AuthFrame, ChatMessageRef, DEFAULT_MAX_FRAME_SIZE, DecodeError, DeltaFrame,
@@ -75,6 +75,7 @@ pub use gateway::{
     ApiError, ApiErrorKind, Gateway, GatewayConfig, H3_ALPN, H3Handler, LAYER_VERSION,
     SUPPORTED_ANTHROPIC_VERSIONS,
 };
+pub use pool::{Pool, PoolConfig, PoolStats, PoolStream, Replicas};
 pub use server::{
     ALPN, ConnectionHandler, ConnectionInfo, Server, ServerConfig, ServerError, ServerStats,
 };
