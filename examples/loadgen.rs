@@ -39,8 +39,8 @@ use tokio::sync::{Mutex, Semaphore};
 use zerolayer::claudelink_proto::futures::StreamExt as _;
 use zerolayer::claudelink_proto::{
     CertFingerprint, ChatMessage, ChatRole, Client, ClientConfig, H3_ALPN, InferenceEvent,
-    InferenceRequest, PinnedVerifier, Pool, PoolConfig, Prompt, Trust, error_code_name, quinn,
-    rustls,
+    InferenceRequest, PinnedVerifier, Pool, PoolConfig, Prompt, Replicas, Trust, error_code_name,
+    quinn, rustls,
 };
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -74,6 +74,10 @@ struct Args {
     /// Server address (UDP for claudelink and h3, TCP for http1, https1 and h2).
     #[arg(long)]
     addr: SocketAddr,
+    /// More replicas of the same service (claudelink, repeatable): the pool spreads streams
+    /// over `--addr` and these, and moves requests that fail before their first token.
+    #[arg(long = "replica")]
+    replicas: Vec<SocketAddr>,
     /// SHA-256 fingerprint of the server's certificate (all but http1).
     #[arg(long)]
     fingerprint: Option<CertFingerprint>,
@@ -135,6 +139,12 @@ struct Record {
     latency: Duration,
     output_tokens: u64,
     error: Option<String>,
+    /// claudelink: the replica that served (or last tried) the request.
+    replica: Option<SocketAddr>,
+    /// For a failure: how long after the last event (or the start) it was reported.
+    error_after: Option<Duration>,
+    /// Whether the failure came after the first token.
+    failed_mid_stream: bool,
 }
 
 impl Record {
@@ -251,6 +261,9 @@ async fn main() -> anyhow::Result<()> {
                 "latency_ms": ms(r.latency),
                 "output_tokens": r.output_tokens,
                 "error": r.error,
+                "replica": r.replica.map(|a| a.to_string()),
+                "error_after_ms": r.error_after.map(ms),
+                "mid_stream": r.failed_mid_stream,
             });
             s.push_str(&line.to_string());
             s.push('\n');
@@ -293,6 +306,16 @@ fn summary(args: &Args, records: &[Record], elapsed: Duration) -> Value {
     gaps.sort_by(f64::total_cmp);
     let secs = elapsed.as_secs_f64();
     let tokens: u64 = ok.iter().map(|r| r.output_tokens).sum();
+    let mut by_replica = serde_json::Map::new();
+    for r in &ok {
+        if let Some(a) = r.replica {
+            let n = by_replica
+                .get(&a.to_string())
+                .and_then(Value::as_u64)
+                .unwrap_or(0);
+            by_replica.insert(a.to_string(), json!(n + 1));
+        }
+    }
     json!({
         "transport": format!("{:?}", args.transport).to_lowercase(),
         "api": format!("{:?}", args.api).to_lowercase(),
@@ -306,6 +329,7 @@ fn summary(args: &Args, records: &[Record], elapsed: Duration) -> Value {
         "req_per_s": ok.len() as f64 / secs,
         "output_tok_per_s": tokens as f64 / secs,
         "duration_s": secs,
+        "ok_by_replica": by_replica,
     })
 }
 
@@ -424,7 +448,9 @@ async fn connect(args: &Args) -> anyhow::Result<Backend> {
             let cfg = PoolConfig::default()
                 .connections(n, n)
                 .target_streams_per_connection(per_conn);
-            Backend::Claudelink(Pool::connect(client, args.addr, cfg).await?)
+            let mut addrs = vec![args.addr];
+            addrs.extend(&args.replicas);
+            Backend::Claudelink(Pool::connect_replicas(client, Replicas::Addrs(addrs), cfg).await?)
         }
         Transport::H3 => {
             let any: SocketAddr = if args.addr.is_ipv6() {
@@ -506,8 +532,16 @@ async fn claudelink(
         .request(request)
         .await
         .map_err(|e| format!("request: {e}"))?;
+    let mut last_event = t0.elapsed();
     while let Some(ev) = stream.next().await {
-        match ev.map_err(|e| format!("stream: {e}"))? {
+        rec.replica = stream.replicas_tried().last().copied();
+        let ev = ev.map_err(|e| {
+            rec.error_after = Some(t0.elapsed().saturating_sub(last_event));
+            rec.failed_mid_stream = rec.ttft.is_some();
+            format!("stream: {e}")
+        })?;
+        last_event = t0.elapsed();
+        match ev {
             InferenceEvent::Delta { text, .. } if !text.is_empty() => rec.text(t0.elapsed()),
             InferenceEvent::Finished { usage, .. } => {
                 rec.output_tokens = u64::from(usage.output_tokens);
