@@ -1,0 +1,304 @@
+//! A fleet on loopback: three server processes on the default model behind the claudelink
+//! replica pool, 60 concurrent streams for 30 s; one replica is drained (SIGTERM) at 8 s, one
+//! killed (SIGKILL) at 14 s and restarted at 17 s. Counted: no request lost before its first
+//! token (re-sent elsewhere), every mid-stream failure reported within 2 s of its last event,
+//! streams spread within 20% across the live replicas, the restarted replica back in rotation
+//! within 10 s.
+
+use std::net::{SocketAddr, TcpStream, UdpSocket};
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use zerolayer::claudelink_proto::futures::StreamExt as _;
+use zerolayer::claudelink_proto::{
+    CertFingerprint, ChatMessage, ChatRole, Client, ClientConfig, InferenceEvent, InferenceRequest,
+    Pool, PoolConfig, Prompt, Replicas, Trust,
+};
+
+const CLIENTS: usize = 60;
+const RUN: Duration = Duration::from_secs(30);
+const DRAIN_AT: Duration = Duration::from_secs(8);
+const KILL_AT: Duration = Duration::from_secs(14);
+const RESTART_AT: Duration = Duration::from_secs(17);
+
+/// The server binary (`zerolayer serve`'s flags).
+fn server_command() -> Command {
+    // target/debug/deps/fleet-HASH -> target/debug/examples/server
+    let exe = std::env::current_exe().unwrap();
+    let dir = exe.parent().unwrap().parent().unwrap();
+    Command::new(dir.join("examples").join("server"))
+}
+
+/// A free port on loopback (of `kind`: "tcp" or "udp").
+fn free_port(kind: &str) -> u16 {
+    if kind == "tcp" {
+        std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port()
+    } else {
+        UdpSocket::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port()
+    }
+}
+
+struct Replica {
+    http: SocketAddr,
+    quic: SocketAddr,
+    child: Option<Child>,
+}
+
+impl Replica {
+    fn start(&mut self, model: &Path, cert: &Path, key: &Path) {
+        let child = server_command()
+            .args([
+                "--model",
+                model.to_str().unwrap(),
+                "--threads",
+                "1",
+                "--drain-secs",
+                "5",
+            ])
+            .args([
+                "--http-listen",
+                &self.http.to_string(),
+                "--quic-listen",
+                &self.quic.to_string(),
+            ])
+            .args([
+                "--tls-cert",
+                cert.to_str().unwrap(),
+                "--tls-key",
+                key.to_str().unwrap(),
+            ])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("the server example is built by cargo test");
+        self.child = Some(child);
+    }
+
+    fn signal(&mut self, sig: &str) {
+        let pid = self.child.as_ref().unwrap().id().to_string();
+        assert!(
+            Command::new("kill")
+                .args([sig, &pid])
+                .status()
+                .unwrap()
+                .success()
+        );
+    }
+}
+
+impl Drop for Replica {
+    fn drop(&mut self) {
+        if let Some(c) = &mut self.child {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// Whether the server's TCP listener accepts (it is bound once the model is mapped).
+fn tcp_up(addr: SocketAddr) -> bool {
+    TcpStream::connect_timeout(&addr, Duration::from_millis(200)).is_ok()
+}
+
+/// One request's outcome.
+#[derive(Debug, Clone)]
+struct Outcome {
+    started: Duration,
+    replica: Option<SocketAddr>,
+    ok: bool,
+    first_token: bool,
+    /// For a failure: how long after the last event it was reported.
+    reported_after: Duration,
+}
+
+async fn one(pool: &Pool, req: &InferenceRequest, start: Instant) -> Outcome {
+    let t0 = Instant::now();
+    let mut out = Outcome {
+        started: t0 - start,
+        replica: None,
+        ok: false,
+        first_token: false,
+        reported_after: Duration::ZERO,
+    };
+    let mut stream = match pool.request(req).await {
+        Ok(s) => s,
+        Err(_) => {
+            out.reported_after = t0.elapsed();
+            return out;
+        }
+    };
+    let mut last = Instant::now();
+    while let Some(ev) = stream.next().await {
+        out.replica = stream.replicas_tried().last().copied();
+        match ev {
+            Ok(InferenceEvent::Delta { ids, .. }) => out.first_token |= !ids.is_empty(),
+            Ok(InferenceEvent::Finished { .. }) => out.ok = true,
+            Ok(InferenceEvent::Error { .. }) | Err(_) => {
+                out.reported_after = last.elapsed();
+                return out;
+            }
+            Ok(_) => {}
+        }
+        last = Instant::now();
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fleet_survives_a_drain_and_a_kill() {
+    let model = weight_cache::locate_default_model().unwrap_or_else(|e| panic!("{e}"));
+    let dir = tempfile::tempdir().unwrap();
+    let cert = rcgen::generate_simple_self_signed(vec!["localhost".to_owned()]).unwrap();
+    let (cert_path, key_path) = (dir.path().join("cert.pem"), dir.path().join("key.pem"));
+    std::fs::write(&cert_path, cert.cert.pem()).unwrap();
+    std::fs::write(&key_path, cert.signing_key.serialize_pem()).unwrap();
+    let fingerprint = CertFingerprint::of_der(cert.cert.der());
+    let mut replicas: Vec<Replica> = (0..3)
+        .map(|_| Replica {
+            http: SocketAddr::from(([127, 0, 0, 1], free_port("tcp"))),
+            quic: SocketAddr::from(([127, 0, 0, 1], free_port("udp"))),
+            child: None,
+        })
+        .collect();
+    for r in &mut replicas {
+        r.start(&model, &cert_path, &key_path);
+    }
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !replicas.iter().all(|r| tcp_up(r.http)) {
+        assert!(Instant::now() < deadline, "servers did not start");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let client = Client::new(
+        ClientConfig::new(Trust::Pinned(fingerprint))
+            .keep_alive_interval(Some(Duration::from_millis(250)))
+            .connection_ttl(Duration::from_secs(1)),
+    )
+    .unwrap();
+    let cfg = PoolConfig::default()
+        .connections(1, 2)
+        .health_check_interval(Duration::from_millis(250))
+        .replica_backoff(Duration::from_millis(250));
+    let addrs: Vec<SocketAddr> = replicas.iter().map(|r| r.quic).collect();
+    let pool = Pool::connect_replicas(client, Replicas::Addrs(addrs.clone()), cfg)
+        .await
+        .unwrap();
+    let model_id = served_model();
+    let req = InferenceRequest::new(
+        model_id,
+        Prompt::Chat(vec![ChatMessage {
+            role: ChatRole::User,
+            content: "Name a color.".into(),
+        }]),
+        16,
+    );
+
+    let start = Instant::now();
+    let outcomes = Arc::new(Mutex::new(Vec::new()));
+    let tasks: Vec<_> = (0..CLIENTS)
+        .map(|_| {
+            let (pool, req, outcomes) = (pool.clone(), req.clone(), outcomes.clone());
+            tokio::spawn(async move {
+                while start.elapsed() < RUN {
+                    let o = one(&pool, &req, start).await;
+                    outcomes.lock().unwrap().push(o);
+                }
+            })
+        })
+        .collect();
+    // Outstanding streams per replica, sampled while all three are live.
+    let sampler = {
+        let (pool, addrs) = (pool.clone(), addrs.clone());
+        tokio::spawn(async move {
+            let mut samples = Vec::new();
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            while start.elapsed() < DRAIN_AT {
+                let now = pool.outstanding();
+                let of = |a: &SocketAddr| now.iter().find(|(x, _)| x == a).map_or(0, |(_, n)| *n);
+                samples.push(addrs.iter().map(of).collect::<Vec<usize>>());
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            samples
+        })
+    };
+    let at = |t: Duration| tokio::time::sleep_until((start + t).into());
+    at(DRAIN_AT).await;
+    replicas[0].signal("-TERM");
+    at(KILL_AT).await;
+    replicas[1].signal("-KILL");
+    at(RESTART_AT).await;
+    let _ = replicas[1].child.as_mut().unwrap().wait();
+    let (model_path, cert_path2, key_path2) = (model.clone(), cert_path.clone(), key_path.clone());
+    replicas[1].start(&model_path, &cert_path2, &key_path2);
+    for t in tasks {
+        t.await.unwrap();
+    }
+    let outcomes = outcomes.lock().unwrap().clone();
+
+    let failed: Vec<&Outcome> = outcomes.iter().filter(|o| !o.ok).collect();
+    let lost_early: Vec<&&Outcome> = failed.iter().filter(|o| !o.first_token).collect();
+    assert!(
+        lost_early.is_empty(),
+        "requests lost before their first token: {lost_early:?}"
+    );
+    for o in &failed {
+        assert!(
+            o.reported_after <= Duration::from_secs(2),
+            "a failure reported late: {o:?}"
+        );
+    }
+    // Spread while all three are live: the time-averaged outstanding streams per replica.
+    let samples = sampler.await.unwrap();
+    let means: Vec<f64> = (0..3)
+        .map(|i| samples.iter().map(|s| s[i] as f64).sum::<f64>() / samples.len() as f64)
+        .collect();
+    let mean = means.iter().sum::<f64>() / 3.0;
+    for m in &means {
+        assert!(
+            (m - mean).abs() <= 0.2 * mean,
+            "uneven spread: mean outstanding {means:?}"
+        );
+    }
+    // The restarted replica serves again within 10 s.
+    let back = outcomes
+        .iter()
+        .filter(|o| o.ok && o.replica == Some(addrs[1]) && o.started >= RESTART_AT)
+        .map(|o| o.started)
+        .min();
+    assert!(
+        back.is_some_and(|t| t < RESTART_AT + Duration::from_secs(10)),
+        "restarted replica not back in rotation: first request at {back:?}"
+    );
+    // After the drain nothing new went to the drained replica.
+    let after_drain = outcomes
+        .iter()
+        .filter(|o| {
+            o.ok && o.replica == Some(addrs[0]) && o.started > DRAIN_AT + Duration::from_secs(1)
+        })
+        .count();
+    assert_eq!(after_drain, 0);
+    println!(
+        "{} requests, {} ok, {} failed mid-stream; mean outstanding streams before the drain {means:?}; restarted replica back after {:?}",
+        outcomes.len(),
+        outcomes.iter().filter(|o| o.ok).count(),
+        failed.len(),
+        back.map(|t| t - RESTART_AT)
+    );
+}
+
+/// The model id the fleet serves: the default model's `general.name`, as the server names it.
+fn served_model() -> String {
+    let path = weight_cache::locate_default_model().unwrap_or_else(|e| panic!("{e}"));
+    // SAFETY: the test does not modify the model file while it is mapped.
+    let gguf = unsafe { weight_cache::Gguf::open(&path) }.unwrap();
+    gguf.get_str("general.name").unwrap().trim().to_owned()
+}
