@@ -7,10 +7,12 @@ and the gateway's metric names:
   Services target, and the readiness probe asks /health over HTTPS when --tls-cert is set;
 - terminationGracePeriodSeconds > --drain-secs + the preStop pause;
 - the HPA's and the adapter rules' metrics are exported by the gateway (metrics.rs);
-- the model path the server is given is where the init container's `zerolayer pull` writes.
+- the model path the server is given is where the init container's `zerolayer pull` writes;
+- every metric the Grafana dashboard (deploy/grafana) queries is exported by the gateway.
 """
 
 import argparse
+import json
 import pathlib
 import re
 import sys
@@ -88,6 +90,12 @@ def main():
     home = next(e["value"] for e in init["env"] if e["name"] == "ZEROLAYER_HOME")
     if init["command"][-1] != "pull" or not args["model"].startswith(home + "/"):
         fail(f"--model {args['model']} is not where `zerolayer pull` writes ({home})")
+    dashboard = json.loads((a.dir.parent / "grafana" / "zerolayer-dashboard.json").read_text())
+    for panel in dashboard["panels"]:
+        for target in panel["targets"]:
+            for metric in re.findall(r"(zerolayer_[a-z_]+?)(?:_bucket)?\{", target["expr"]):
+                if metric not in exported:
+                    fail(f"dashboard panel {panel['title']!r} queries {metric}, not exported")
     print(f"check-manifests: {len(objects)} objects consistent with `zerolayer serve` "
           f"(ports {http_port}/tcp {quic_port}/udp, drain {drain} s, grace {grace} s)")
 
