@@ -339,6 +339,37 @@ impl Gateway {
         reply
     }
 
+    /// `GET /`: the configured page, under a Content-Security-Policy that keeps it to inline
+    /// code and requests to this origin.
+    fn index_page(&self, path: &str, head: bool) -> Result<Reply, ApiError> {
+        let Some(page) = &self.inner.config.index_page else {
+            return Err(ApiError::new(
+                ApiErrorKind::NotFound,
+                format!("GET {path}: no such endpoint"),
+            ));
+        };
+        let mut headers = HeaderMap::new();
+        headers.insert(
+            CONTENT_TYPE,
+            HeaderValue::from_static("text/html; charset=utf-8"),
+        );
+        headers.insert(CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+        headers.insert(
+            http::header::CONTENT_SECURITY_POLICY,
+            HeaderValue::from_static(INDEX_PAGE_CSP),
+        );
+        headers.insert(
+            http::header::X_CONTENT_TYPE_OPTIONS,
+            HeaderValue::from_static("nosniff"),
+        );
+        let body = if head { Bytes::new() } else { page.clone() };
+        Ok(Reply {
+            status: StatusCode::OK,
+            headers,
+            body: ReplyBody::Full(body),
+        })
+    }
+
     /// The header-only part of [`Gateway::admit`]: `Some(reply)` for requests answered without
     /// a body (errors included), `None` when the body is needed (auth is checked by the caller).
     fn admit_headers(
@@ -361,7 +392,10 @@ impl Gateway {
                     self.render_metrics(),
                 )));
             }
-            (Endpoint::Other, _) => {
+            (Endpoint::Index, &Method::GET | &Method::HEAD) => {
+                return self.index_page(path, m == Method::HEAD).map(Some);
+            }
+            (Endpoint::Other | Endpoint::Index, _) => {
                 return Err(ApiError::new(
                     ApiErrorKind::NotFound,
                     format!("{m} {path}: no such endpoint"),
@@ -715,6 +749,12 @@ fn presented_key(headers: &HeaderMap) -> Result<&[u8], ApiError> {
     }
 }
 
+/// The index page's Content-Security-Policy: its own inline script and style, requests to this
+/// origin only, nothing loaded from elsewhere, no framing.
+const INDEX_PAGE_CSP: &str = "default-src 'none'; script-src 'unsafe-inline'; \
+    style-src 'unsafe-inline'; connect-src 'self'; img-src data:; base-uri 'none'; \
+    form-action 'none'; frame-ancestors 'none'";
+
 fn route_endpoint(path: &str) -> Endpoint {
     match path {
         "/v1/messages" => Endpoint::Messages,
@@ -724,6 +764,7 @@ fn route_endpoint(path: &str) -> Endpoint {
         p if p.starts_with("/v1/models/") && p.len() > "/v1/models/".len() => Endpoint::Models,
         "/health" => Endpoint::Health,
         "/metrics" => Endpoint::Metrics,
+        "/" | "/index.html" => Endpoint::Index,
         _ => Endpoint::Other,
     }
 }

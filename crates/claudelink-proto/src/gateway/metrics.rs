@@ -75,6 +75,8 @@ pub(crate) enum Endpoint {
     ChatCompletions,
     Health,
     Metrics,
+    /// `GET /`: the page set by [`GatewayConfig::index_page`](super::GatewayConfig::index_page).
+    Index,
     Other,
 }
 
@@ -87,6 +89,7 @@ impl Endpoint {
             Self::ChatCompletions => "chat_completions",
             Self::Health => "health",
             Self::Metrics => "metrics",
+            Self::Index => "index",
             Self::Other => "other",
         }
     }
