@@ -81,7 +81,7 @@ pub(crate) enum Endpoint {
 }
 
 impl Endpoint {
-    fn as_str(self) -> &'static str {
+    pub(crate) fn as_str(self) -> &'static str {
         match self {
             Self::Messages => "messages",
             Self::CountTokens => "count_tokens",
@@ -123,7 +123,7 @@ pub(crate) enum Outcome {
 }
 
 impl Outcome {
-    fn as_str(self) -> &'static str {
+    pub(crate) fn as_str(self) -> &'static str {
         match self {
             Self::Finished => "finished",
             Self::Error => "error",
