@@ -53,7 +53,7 @@ fn load(model: &std::path::Path) -> anyhow::Result<Arc<EngineService>> {
         return Ok(Arc::new(svc)); // a Hugging Face directory: no weight cache
     };
     let cache = WeightCache::new(gguf, CacheConfig::default())?;
-    let _ = cache.load_profile(&model.with_extension("profile")); // none yet: warm in file order
+    let _ = cache.load_profile(model.with_extension("profile")); // none yet: warm in file order
     let svc = Arc::new(svc.with_warmup(cache, WarmupStrategy::deterministic()));
     EngineService::watch_weights(&svc, None)?;
     Ok(svc)
@@ -125,7 +125,7 @@ async fn main() -> anyhow::Result<()> {
     quic.shutdown().await;
     // The access profile recorded while serving orders the next start's warm-up.
     if let Some(cache) = engine.weight_cache() {
-        cache.save_profile(&model.with_extension("profile"))?;
+        cache.save_profile(model.with_extension("profile"))?;
     }
     Ok(())
 }

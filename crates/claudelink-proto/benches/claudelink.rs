@@ -1,6 +1,6 @@
 //! claudelink vs HTTP/1.1 + JSON (hyper) on loopback with a trivial service, in the same run.
 //!
-//! `cargo bench -p claudelink-proto --bench claudelink` prints first-byte latency (p50/p99) on an
+//! `cargo bench -p zerolayer-claudelink-proto --bench claudelink` prints first-byte latency (p50/p99) on an
 //! established connection, reconnect time (0-RTT vs 1-RTT handshake, vs a new TCP connection),
 //! and requests/s at 1, 10 and 200 concurrent requests, each with the HTTP/1.1 peer's number and
 //! the ratio. HTTP/1.1 has no multiplexing, so at concurrency c it uses c keep-alive connections;

@@ -3,7 +3,7 @@
 //! time to first token, the ideal TTFT (all queued prompt tokens / measured prefill rate) and
 //! the speed-up over one stream.
 //!
-//! `cargo bench -p gpu-pipeline --bench engine` (ZEROLAYER_BENCH_LEVELS=1,8 to pick levels;
+//! `cargo bench -p zerolayer-gpu-pipeline --bench engine` (ZEROLAYER_BENCH_LEVELS=1,8 to pick levels;
 //! ZEROLAYER_BENCH_ROUNDS=N rounds per level, the median one printed, default 3;
 //! ZEROLAYER_BENCH_SPLIT=off|ffn-down|all for the model's `ActivationSplit`, default ffn-down).
 

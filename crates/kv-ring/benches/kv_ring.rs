@@ -5,7 +5,7 @@
 //! token: the "concatenate per step" design), in the same run. After criterion, a short
 //! Instant-timed pass prints ratios (ours / peer) and the memory table of the README.
 //!
-//! Run: `cargo bench -p kv-ring --bench kv_ring`
+//! Run: `cargo bench -p zerolayer-kv-ring --bench kv_ring`
 #![allow(missing_docs)] // criterion_group! generates an undocumented fn
 
 use std::hint::black_box;
