@@ -143,14 +143,22 @@ fn main() {
     };
     let opts = ModelOptions::default().with_activation_split(split);
     let model = Arc::new(Model::load(gguf, opts).expect("model"));
+    // `cargo test --all-targets` runs this without `--bench`: then one round of two small levels.
+    let full = std::env::args().any(|a| a == "--bench");
     let levels: Vec<usize> = std::env::var("ZEROLAYER_BENCH_LEVELS")
         .ok()
         .map(|s| s.split(',').filter_map(|x| x.trim().parse().ok()).collect())
-        .unwrap_or_else(|| vec![1, 8, 32, 100, 200]);
+        .unwrap_or_else(|| {
+            if full {
+                vec![1, 8, 32, 100, 200]
+            } else {
+                vec![1, 4]
+            }
+        });
     let rounds: usize = std::env::var("ZEROLAYER_BENCH_ROUNDS")
         .ok()
         .and_then(|s| s.trim().parse().ok())
-        .unwrap_or(3)
+        .unwrap_or(if full { 3 } else { 1 })
         .max(1);
     let all = prompts(&tok, levels.iter().copied().max().unwrap_or(1));
     let rate = prefill_rate(&model, &all[..all.len().min(8)]);
