@@ -360,7 +360,7 @@ mod tests {
         // FIPS 180-2 test vector.
         assert_eq!(
             sha256_of(&mut &b"abc"[..]).unwrap(),
-            "ba7816bf8f01cfea414140de5d0ae2223b00361a96177b00967831bf8f2a0a8d"
+            "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
         );
     }
 }

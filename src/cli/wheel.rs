@@ -231,7 +231,7 @@ mod tests {
             dir.extend_from_slice(&method.to_le_bytes());
             dir.extend_from_slice(&[0; 4]);
             sizes(&mut dir);
-            dir.extend_from_slice(&[0; 12]); // comment len, disk, attributes
+            dir.extend_from_slice(&[0; 10]); // comment len, disk, internal and external attributes
             dir.extend_from_slice(&offset.to_le_bytes());
             dir.extend_from_slice(name.as_bytes());
         }
