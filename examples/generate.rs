@@ -1,262 +1,52 @@
-//! Generate, score or measure perplexity with a GGUF model on the CPU.
+//! Embedding the engine's lowest layer: map a GGUF file, load its tokenizer and model, and
+//! generate from a chat message, streaming the text as it comes. `zerolayer generate` is the
+//! full tool (raw prompts, token ids, sampling flags, scoring, JSON output).
 //!
 //! ```text
-//! cargo run --release --example generate -- --model PATH (--prompt TEXT | --chat TEXT | --prompt-ids 1,2,3) \
-//!     [--max-tokens N] [--json] [--temperature T --top-k K --top-p P --min-p P --seed S] [--stop STR]
-//! cargo run --release --example generate -- --model PATH --prompt-ids 1,2,3 --score [--top-k 5]
-//! cargo run --release --example generate -- --model PATH --perplexity FILE [--ctx 512]
+//! cargo run --release --example generate -- "Why is the sky blue?"
 //! ```
-//! `--json` prints `{"prompt_ids": [...], "ids": [...], "text": "...", "stop_reason": "..."}`;
-//! `--score` prints `{"positions": [{"top": [[id, logit], ...]}, ...]}` (one entry per position of
-//! the given sequence, the logits after it); `--perplexity` scores the second half of each
-//! `--ctx` window, as llama.cpp's perplexity tool does. `--model` defaults to the default model.
 
-use std::io::Write;
-use std::path::PathBuf;
+use std::io::Write as _;
 use std::sync::Arc;
-use std::time::Instant;
 
-use anyhow::{Context, bail};
-use clap::Parser;
-use gpu_pipeline::{GenerateOptions, LogitsWanted, Model, ModelOptions, SamplingParams, SeqStep};
-use kv_ring::{KvDtype, KvPool, KvRing, RingMode};
-use serde_json::json;
+use gpu_pipeline::{GenerateOptions, Model, ModelOptions};
+use kv_ring::{KvDtype, KvPool, RingMode};
 use token_stream::{ChatMessage, ChatTemplate, Tokenizer};
 
-#[derive(Parser, Debug)]
-#[command(about = "Generate text, score a sequence or measure perplexity with a GGUF model")]
-struct Args {
-    /// GGUF model file (default: the default model, see scripts/fetch-model).
-    #[arg(long)]
-    model: Option<PathBuf>,
-    /// Raw text prompt.
-    #[arg(long, conflicts_with_all = ["chat", "prompt_ids"])]
-    prompt: Option<String>,
-    /// A user message, wrapped in the model's chat template with a generation prompt.
-    #[arg(long, conflicts_with = "prompt_ids")]
-    chat: Option<String>,
-    /// Comma-separated prompt token ids.
-    #[arg(long, value_delimiter = ',')]
-    prompt_ids: Option<Vec<u32>>,
-    /// Hard cap on generated tokens.
-    #[arg(long, default_value_t = 128)]
-    max_tokens: usize,
-    /// Print one JSON object.
-    #[arg(long)]
-    json: bool,
-    /// Print the top-k logits of every position instead of generating.
-    #[arg(long)]
-    score: bool,
-    /// With --score: how many logits per position; otherwise: top-k sampling (0 = off).
-    #[arg(long)]
-    top_k: Option<usize>,
-    /// Perplexity of the model on this text file.
-    #[arg(long)]
-    perplexity: Option<PathBuf>,
-    /// Window size for --perplexity.
-    #[arg(long, default_value_t = 512)]
-    ctx: usize,
-    /// Sampling temperature (0 = greedy).
-    #[arg(long, default_value_t = 0.0)]
-    temperature: f32,
-    /// Nucleus sampling threshold.
-    #[arg(long, default_value_t = 1.0)]
-    top_p: f32,
-    /// Min-p threshold.
-    #[arg(long, default_value_t = 0.0)]
-    min_p: f32,
-    /// Repetition penalty (1 = off).
-    #[arg(long, default_value_t = 1.0)]
-    repeat_penalty: f32,
-    /// RNG seed.
-    #[arg(long, default_value_t = 0)]
-    seed: u64,
-    /// Stop sequence (repeatable).
-    #[arg(long)]
-    stop: Vec<String>,
-    /// Threads (0 = all CPUs or $ZEROLAYER_THREADS).
-    #[arg(long, default_value_t = 0)]
-    threads: usize,
-    /// Do not stop at the model's EOS/EOT token (benchmarks: exactly --max-tokens tokens).
-    #[arg(long)]
-    ignore_eos: bool,
-    /// Print timings (tok/s) to stderr.
-    #[arg(long)]
-    timings: bool,
-}
-
-fn new_ring(model: &Model, cap: usize) -> anyhow::Result<KvRing> {
-    let shape = model.kv_shape(KvDtype::F32);
-    let pool = KvPool::new(shape, cap * shape.bytes_per_token())?;
-    Ok(pool.alloc(cap, RingMode::Strict)?)
-}
-
 fn main() -> anyhow::Result<()> {
-    let a = Args::parse();
-    let path = match &a.model {
-        Some(p) => p.clone(),
-        None => weight_cache::locate_default_model()?,
-    };
-    // SAFETY: the model file is not modified while this process runs.
-    let gguf = Arc::new(
-        unsafe { weight_cache::Gguf::open(&path) }
-            .with_context(|| format!("opening {}", path.display()))?,
-    );
-    let tok = Tokenizer::from_gguf(&gguf).context("loading the tokenizer")?;
-    let model = Model::load(
-        Arc::clone(&gguf),
-        ModelOptions::default().with_threads(a.threads),
-    )?;
-    let vocab = model.config().vocab_size;
+    let message = std::env::args().nth(1).unwrap_or("Hello!".into());
+    let path = weight_cache::locate_default_model()?;
+    // SAFETY: the model file is not modified while this process maps it.
+    let gguf = Arc::new(unsafe { weight_cache::Gguf::open(&path) }?);
+    let tokenizer = Tokenizer::from_gguf(&gguf)?;
+    let model = Model::load(gguf, ModelOptions::default())?;
 
-    if let Some(file) = &a.perplexity {
-        let text = std::fs::read_to_string(file)?;
-        let ids = tok.encode(&text).into_vec();
-        let n_win = ids.len() / a.ctx;
-        if n_win == 0 || a.ctx < 4 {
-            bail!("{} tokens: fewer than one window of {}", ids.len(), a.ctx);
-        }
-        let mut logits = Vec::new();
-        let (mut nll, mut count) = (0f64, 0usize);
-        let t0 = Instant::now();
-        for w in 0..n_win {
-            let chunk = &ids[w * a.ctx..(w + 1) * a.ctx];
-            let mut kv = new_ring(&model, a.ctx)?;
-            model.forward(
-                &mut [SeqStep {
-                    tokens: chunk,
-                    kv: &mut kv,
-                    logits: LogitsWanted::All,
-                }],
-                &mut logits,
-            )?;
-            for j in a.ctx / 2..a.ctx - 1 {
-                nll += gpu_pipeline::token_nll(&logits[j * vocab..(j + 1) * vocab], chunk[j + 1]);
-                count += 1;
-            }
-            eprintln!(
-                "[{}/{n_win}] running ppl {:.4}",
-                w + 1,
-                (nll / count as f64).exp()
-            );
-        }
-        let ppl = (nll / count as f64).exp();
-        if a.json {
-            println!(
-                "{}",
-                json!({"perplexity": ppl, "tokens": ids.len(), "windows": n_win, "ctx": a.ctx, "scored": count})
-            );
-        } else {
-            println!(
-                "perplexity {ppl:.4} over {n_win} windows of {} ({} tokens, {:.1}s)",
-                a.ctx,
-                ids.len(),
-                t0.elapsed().as_secs_f64()
-            );
-        }
-        return Ok(());
-    }
+    // The chat template turns messages into the token ids the model was trained on.
+    let template = ChatTemplate::from_tokenizer(&tokenizer)?;
+    let prompt = template.encode(&tokenizer, &[ChatMessage::new("user", &message)], true)?;
 
-    let prompt: Vec<u32> = if let Some(ids) = &a.prompt_ids {
-        ids.clone()
-    } else if let Some(msg) = &a.chat {
-        let tmpl = ChatTemplate::from_tokenizer(&tok)?;
-        tmpl.encode(&tok, &[ChatMessage::new("user", msg)], true)?
-            .into_vec()
-    } else if let Some(p) = &a.prompt {
-        tok.encode(p).into_vec()
-    } else {
-        bail!("give one of --prompt, --chat, --prompt-ids or --perplexity");
-    };
-    if prompt.is_empty() {
-        bail!("the prompt has no tokens");
-    }
+    // One sequence's KV cache: a ring from a pool sized for it.
+    let max_tokens = 128;
+    let capacity = prompt.len() + max_tokens;
+    let shape = model.kv_shape(KvDtype::F32);
+    let pool = KvPool::new(shape, capacity * shape.bytes_per_token())?;
+    let mut kv = pool.alloc(capacity, RingMode::Strict)?;
 
-    if a.score {
-        let k = a.top_k.unwrap_or(5).min(vocab);
-        let mut kv = new_ring(&model, prompt.len())?;
-        let mut logits = Vec::new();
-        model.forward(
-            &mut [SeqStep {
-                tokens: &prompt,
-                kv: &mut kv,
-                logits: LogitsWanted::All,
-            }],
-            &mut logits,
-        )?;
-        let positions: Vec<_> = logits
-            .chunks_exact(vocab)
-            .map(|row| {
-                let mut idx: Vec<usize> = (0..vocab).collect();
-                idx.select_nth_unstable_by(k - 1, |&x, &y| {
-                    row[y].total_cmp(&row[x]).then(x.cmp(&y))
-                });
-                idx.truncate(k);
-                idx.sort_by(|&x, &y| row[y].total_cmp(&row[x]).then(x.cmp(&y)));
-                json!({"top": idx.iter().map(|&i| json!([i, row[i]])).collect::<Vec<_>>()})
-            })
-            .collect();
-        println!("{}", json!({"prompt_ids": prompt, "positions": positions}));
-        return Ok(());
-    }
-
-    let sampling = SamplingParams::default()
-        .with_temperature(a.temperature)
-        .with_top_k(a.top_k.unwrap_or(0))
-        .with_top_p(a.top_p)
-        .with_min_p(a.min_p)
-        .with_repetition_penalty(a.repeat_penalty, 64)
-        .with_seed(a.seed);
-    let mut opts = GenerateOptions::default()
-        .with_max_tokens(a.max_tokens)
-        .with_sampling(sampling)
-        .with_stop_sequences(a.stop.clone());
-    if a.ignore_eos {
-        opts = opts.with_stop_tokens(Vec::new());
-    }
-    let mut kv = new_ring(
-        &model,
-        (prompt.len() + a.max_tokens)
-            .min(model.config().context_length)
-            .max(prompt.len() + 1),
-    )?;
-    let stream = !a.json;
-    let mut dec = Vec::new();
-    let mut out = std::io::stdout();
-    let g = model.generate(&mut kv, &prompt, &opts, Some(&tok), &mut |t| {
-        if stream {
-            if let Some(b) = tok.token_bytes(t) {
-                dec.extend_from_slice(b);
-                // print whole UTF-8 prefixes as they complete
-                let valid = match std::str::from_utf8(&dec) {
-                    Ok(s) => s.len(),
-                    Err(e) => e.valid_up_to(),
-                };
-                let _ = out.write_all(&dec[..valid]);
-                let _ = out.flush();
-                dec.drain(..valid);
-            }
-        }
+    // Stream whole UTF-8 characters as the tokens complete them.
+    let options = GenerateOptions::default().with_max_tokens(max_tokens);
+    let mut pending = Vec::new();
+    let done = model.generate(&mut kv, &prompt, &options, Some(&tokenizer), &mut |id| {
+        pending.extend_from_slice(tokenizer.token_bytes(id).unwrap_or_default());
+        let valid = std::str::from_utf8(&pending).map_or_else(|e| e.valid_up_to(), str::len);
+        print!("{}", String::from_utf8_lossy(&pending[..valid]));
+        let _ = std::io::stdout().flush();
+        pending.drain(..valid);
     })?;
-    if a.json {
-        println!(
-            "{}",
-            json!({"prompt_ids": prompt, "ids": g.ids, "text": g.text.clone().unwrap_or_default(), "stop_reason": g.stop_reason.as_str()})
-        );
-    } else {
-        println!();
-    }
-    if a.timings {
-        let n = g.ids.len().saturating_sub(1).max(1);
-        eprintln!(
-            "prompt {} tokens, time to first token {:.1} ms ({:.1} tok/s prefill); {} generated, {:.1} tok/s decode; stop: {}",
-            g.prompt_tokens,
-            g.time_to_first_token.as_secs_f64() * 1e3,
-            g.prompt_tokens as f64 / g.time_to_first_token.as_secs_f64(),
-            g.ids.len(),
-            n as f64 / g.decode_time.as_secs_f64(),
-            g.stop_reason
-        );
-    }
+    println!(
+        "\n[{} tokens; first after {:.0} ms; stop: {}]",
+        done.ids.len(),
+        done.time_to_first_token.as_secs_f64() * 1e3,
+        done.stop_reason
+    );
     Ok(())
 }

@@ -1,6 +1,6 @@
 """Driver of scripts/bench-serving (needs: llama-cpp-python with its server extra, matplotlib).
 
-For each scenario: start zerolayer's example server, warm it up, run examples/loadgen over
+For each scenario: start `zerolayer serve`, warm it up, run examples/loadgen over
 claudelink, HTTP/3 and HTTP/1.1 (and, in scenario 1, wrk over HTTP/1.1), stop it; then start
 llama.cpp's server (llama-cpp-python) and run loadgen against it (HTTP/1.1, OpenAI API). Around
 each run the CPU time of all processes (/proc/stat) minus the server's (/proc/PID/stat) and the
@@ -290,7 +290,7 @@ class OurServer(ServerProc):
         self.log = a.out / "logs" / f"server-{tag}.log"
         http_port, quic_port = free_port("tcp"), free_port("udp")
         # Served under the same id as llama.cpp's --model_alias, so one request body fits both.
-        self.cmd = [a.server_bin, "--model", a.model, "--model-id", MODEL_ID,
+        self.cmd = [a.server_bin, "serve", "--model", a.model, "--model-id", MODEL_ID,
                     "--http-listen", f"127.0.0.1:{http_port}",
                     "--quic-listen", f"127.0.0.1:{quic_port}", "--threads", str(a.threads),
                     "--max-streams", "1024", "--drain-secs", "2"]
@@ -731,14 +731,14 @@ def decode_rate(rec):
 
 def single_stream(a, prompts):
     """One client per transport against our server, and the in-process decode speed of
-    examples/generate on the same prompt, model and threads. Returns the results dict."""
+    `zerolayer generate` on the same prompt, model and threads. Returns the results dict."""
     res = {"max_tokens": SINGLE["max_tokens"], "duration_s": a.single_duration, "runs": {}}
     pf = a.out / "prompts" / "single.txt"
     pf.write_text(SINGLE_TEXT)
     if a.generate_bin:
         rates, lines = [], []
         for i in range(SINGLE["generate_runs"]):
-            cmd = [a.generate_bin, "--model", a.model, "--chat", SINGLE_TEXT, "--max-tokens",
+            cmd = [a.generate_bin, "generate", "--model", a.model, "--chat", SINGLE_TEXT, "--max-tokens",
                    str(SINGLE["max_tokens"]), "--threads", str(a.threads), "--timings"]
             so, se = a.out / "logs" / f"single-generate-{i}.stdout", a.out / "logs" / f"single-generate-{i}.stderr"
             rc, _, timed_out, _ = run_child(cmd, so, se, 120)
@@ -784,7 +784,7 @@ def single_table(res):
     md += ["| path | requests | output tokens | decode tok/s (median) | of in-process | target |",
            "|---|---:|---|---:|---:|---|"]
     if ref:
-        md.append(f"| in process (examples/generate) | {len(res['in_process']['runs'])} | "
+        md.append(f"| in process (zerolayer generate) | {len(res['in_process']['runs'])} | "
                   f"{res['in_process']['tokens']} | {ref:.1f} | 100% | |")
     for t, r in res["runs"].items():
         v = r.get("decode_tok_s")

@@ -63,7 +63,7 @@ def ours(a, pp_ids, chat_ids):
     env = dict(os.environ, ZEROLAYER_THREADS=str(a.threads))
     res = {}
     others = {}
-    base = [a.bin, "--model", a.model, "--threads", str(a.threads), "--timings", "--json", "--ignore-eos"]
+    base = [a.bin, "generate", "--model", a.model, "--threads", str(a.threads), "--timings", "--json", "--ignore-eos"]
     # prompt processing: 512 ids, 1 generated token
     p, o, rss1 = run_measured(base + ["--prompt-ids", ",".join(map(str, pp_ids)), "--max-tokens", "1"])
     res["pp_tok_s"] = float(p.stderr.split("(")[1].split(" tok/s")[0])

@@ -107,7 +107,7 @@ def run_link(a, rtt, loss, cert, key, fp, probes):
         wait_line(wan_log, "ready", wan, 20)
         srv_log = a.out / "logs" / f"server-{tag}.log"
         with open(srv_log, "wb") as f:
-            server = bs.spawn(netns("a", [a.server_bin, "--model", a.model, "--http-listen", f"{ADDR_A}:{TCP_PORT}",
+            server = bs.spawn(netns("a", [a.server_bin, "serve", "--model", a.model, "--http-listen", f"{ADDR_A}:{TCP_PORT}",
                                           "--quic-listen", f"{ADDR_A}:{UDP_PORT}", "--tls-cert", str(cert),
                                           "--tls-key", str(key)]), f, subprocess.STDOUT)
         a.server_pid = server.pid

@@ -817,10 +817,13 @@ mod tests {
             .collect();
         // The greedy answer is llama.cpp's (llama-cpp-python 0.3.36 on the same file, from the
         // committed teacher fixture): this 135M model at Q4_1 does not say "Paris" here.
-        let fixture: serde_json::Value = serde_json::from_str(include_str!(
-            "../crates/gpu-pipeline/tests/fixtures/model-teacher.json"
-        ))
-        .unwrap();
+        // Read at run time: the file is gpu-pipeline's, in the repository, not in this package.
+        let teacher = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/crates/gpu-pipeline/tests/fixtures/model-teacher.json"
+        );
+        let fixture: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(teacher).expect(teacher)).unwrap();
         let seq = &fixture["sequences"][0];
         assert_eq!(seq["prompt"], "What is the capital of France?");
         let ids_of = |v: &serde_json::Value| -> Vec<u32> {

@@ -23,12 +23,11 @@ const DRAIN_AT: Duration = Duration::from_secs(8);
 const KILL_AT: Duration = Duration::from_secs(14);
 const RESTART_AT: Duration = Duration::from_secs(17);
 
-/// The server binary (`zerolayer serve`'s flags).
+/// `zerolayer serve`.
 fn server_command() -> Command {
-    // target/debug/deps/fleet-HASH -> target/debug/examples/server
-    let exe = std::env::current_exe().unwrap();
-    let dir = exe.parent().unwrap().parent().unwrap();
-    Command::new(dir.join("examples").join("server"))
+    let mut c = Command::new(env!("CARGO_BIN_EXE_zerolayer"));
+    c.arg("serve");
+    c
 }
 
 /// A free port on loopback (of `kind`: "tcp" or "udp").
@@ -80,7 +79,7 @@ impl Replica {
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
-            .expect("the server example is built by cargo test");
+            .expect("cargo builds the zerolayer binary for the tests");
         self.child = Some(child);
     }
 

@@ -1,6 +1,6 @@
 //! claudelink vs HTTP/1.1 + JSON (hyper) on loopback with a trivial service, in the same run.
 //!
-//! `cargo bench -p claudelink-proto --bench claudelink` prints first-byte latency (p50/p99) on an
+//! `cargo bench -p zerolayer-claudelink-proto --bench claudelink` prints first-byte latency (p50/p99) on an
 //! established connection, reconnect time (0-RTT vs 1-RTT handshake, vs a new TCP connection),
 //! and requests/s at 1, 10 and 200 concurrent requests, each with the HTTP/1.1 peer's number and
 //! the ratio. HTTP/1.1 has no multiplexing, so at concurrency c it uses c keep-alive connections;
@@ -217,10 +217,13 @@ fn main() {
         .enable_all()
         .build()
         .unwrap();
-    rt.block_on(run(threads));
+    // `cargo test --all-targets` runs this without `--bench`: then a few requests of each kind.
+    let full = std::env::args().any(|a| a == "--bench");
+    rt.block_on(run(threads, full));
 }
 
-async fn run(threads: usize) {
+async fn run(threads: usize, full: bool) {
+    let scaled = |n: usize| if full { n } else { (n / 100).max(2) };
     let service: Arc<dyn InferenceService> = Arc::new(Trivial);
     let id = Identity::self_signed(&["localhost"]).unwrap();
     let server = Server::bind(
@@ -246,12 +249,12 @@ async fn run(threads: usize) {
     );
 
     // Warm-up.
-    for _ in 0..200 {
+    for _ in 0..scaled(200) {
         cl_request(&conn).await;
         http_request(&mut sender, body.clone()).await;
     }
     // First-byte latency on an established connection, interleaved.
-    let n = 3000;
+    let n = scaled(3000);
     let (mut cf, mut hf) = (Vec::with_capacity(n), Vec::with_capacity(n));
     for _ in 0..n {
         cf.push(cl_request(&conn).await.0);
@@ -276,7 +279,7 @@ async fn run(threads: usize) {
     let one_rtt =
         Client::new(ClientConfig::new(Trust::Pinned(server.fingerprint())).zero_rtt(false))
             .unwrap();
-    let reps = 200;
+    let reps = scaled(200);
     let (mut z, mut f, mut h) = (Vec::new(), Vec::new(), Vec::new());
     let mut accepted = 0;
     for _ in 0..reps {
@@ -325,7 +328,7 @@ async fn run(threads: usize) {
 
     // Throughput at 1, 10, 200 concurrent requests.
     for conc in [1usize, 10, 200] {
-        let total = 4000usize.max(conc * 20);
+        let total = scaled(4000).max(conc * if full { 20 } else { 1 });
         let t0 = Instant::now();
         let per = total / conc;
         let tasks: Vec<_> = (0..conc)

@@ -5,7 +5,7 @@
 //! same K/V converted to f32 beforehand (dot products, a max-subtracted softmax, the weighted
 //! value sum; compiled for the default target) and the ratio.
 //!
-//! Run: `cargo bench -p gpu-pipeline --bench attention`.
+//! Run: `cargo bench -p zerolayer-gpu-pipeline --bench attention`.
 
 #![allow(missing_docs)] // criterion_group! generates an undocumented pub fn
 

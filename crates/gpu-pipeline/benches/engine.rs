@@ -3,7 +3,7 @@
 //! time to first token, the ideal TTFT (all queued prompt tokens / measured prefill rate) and
 //! the speed-up over one stream.
 //!
-//! `cargo bench -p gpu-pipeline --bench engine` (ZEROLAYER_BENCH_LEVELS=1,8 to pick levels;
+//! `cargo bench -p zerolayer-gpu-pipeline --bench engine` (ZEROLAYER_BENCH_LEVELS=1,8 to pick levels;
 //! ZEROLAYER_BENCH_ROUNDS=N rounds per level, the median one printed, default 3;
 //! ZEROLAYER_BENCH_SPLIT=off|ffn-down|all for the model's `ActivationSplit`, default ffn-down).
 
@@ -143,14 +143,22 @@ fn main() {
     };
     let opts = ModelOptions::default().with_activation_split(split);
     let model = Arc::new(Model::load(gguf, opts).expect("model"));
+    // `cargo test --all-targets` runs this without `--bench`: then one round of two small levels.
+    let full = std::env::args().any(|a| a == "--bench");
     let levels: Vec<usize> = std::env::var("ZEROLAYER_BENCH_LEVELS")
         .ok()
         .map(|s| s.split(',').filter_map(|x| x.trim().parse().ok()).collect())
-        .unwrap_or_else(|| vec![1, 8, 32, 100, 200]);
+        .unwrap_or_else(|| {
+            if full {
+                vec![1, 8, 32, 100, 200]
+            } else {
+                vec![1, 4]
+            }
+        });
     let rounds: usize = std::env::var("ZEROLAYER_BENCH_ROUNDS")
         .ok()
         .and_then(|s| s.trim().parse().ok())
-        .unwrap_or(3)
+        .unwrap_or(if full { 3 } else { 1 })
         .max(1);
     let all = prompts(&tok, levels.iter().copied().max().unwrap_or(1));
     let rate = prefill_rate(&model, &all[..all.len().min(8)]);

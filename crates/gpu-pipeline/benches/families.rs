@@ -6,7 +6,7 @@
 //! QKV/gate-up + LongRoPE, SmolLM3 RoPE-less layers). For each: prefill of 512 tokens (one step)
 //! and the median of 96 decode steps after it; the ratio to `llama` is printed.
 //!
-//! `cargo bench -p gpu-pipeline --bench families` (ZEROLAYER_BENCH_THREADS=N, default 2;
+//! `cargo bench -p zerolayer-gpu-pipeline --bench families` (ZEROLAYER_BENCH_THREADS=N, default 2;
 //! ZEROLAYER_BENCH_CTX=N prompt tokens, default 512; ZEROLAYER_BENCH_ROUNDS=N, default 5).
 
 #[path = "support/synthetic.rs"]

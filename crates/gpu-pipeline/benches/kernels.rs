@@ -2,7 +2,7 @@
 //! GFLOP/s for n = 8, 64, 512, with 1 and 2 threads, plus all matvecs of one decode step over the
 //! real default model (when present).
 //!
-//! Run: `cargo bench -p gpu-pipeline --bench kernels [-- FILTER]`; a filter (e.g. `q5_0` or
+//! Run: `cargo bench -p zerolayer-gpu-pipeline --bench kernels [-- FILTER]`; a filter (e.g. `q5_0` or
 //! `q5_0|q2_K`) also restricts the summary to the dtypes it names. A summary table (medians, effective
 //! bandwidth as a share of the machine's read bandwidth measured in the same run by
 //! `gpu_pipeline::read_bandwidth` (read-only sum over 3 x 1 GiB, best of 5, same threads), ratios to the scalar backend) is printed first; criterion

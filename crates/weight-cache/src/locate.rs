@@ -8,7 +8,7 @@ pub const DEFAULT_MODEL_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
 /// The default model could not be found.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error(
-    "the default model is not at {}; run `scripts/fetch-model` (it reads $ZEROLAYER_HOME, default ~/.cache/zerolayer/models), or set ZEROLAYER_MODEL to a GGUF file",
+    "the default model is not at {}; run `zerolayer pull` or `scripts/fetch-model` (they read $ZEROLAYER_HOME, default ~/.cache/zerolayer/models), or set ZEROLAYER_MODEL to a GGUF file",
     .looked_at.display()
 )]
 pub struct ModelNotFound {

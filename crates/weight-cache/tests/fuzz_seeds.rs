@@ -1,5 +1,5 @@
 //! Writes a small seed corpus for the fuzz targets (`fuzz/corpus/<target>/`). Ignored by default:
-//! run with `cargo test -p weight-cache --test fuzz_seeds -- --ignored`.
+//! run with `cargo test -p zerolayer-weight-cache --test fuzz_seeds -- --ignored`.
 
 use weight_cache::{GgmlType, GgufBuilder, quantize};
 

@@ -2,6 +2,8 @@
 
 use std::time::Duration;
 
+use bytes::Bytes;
+
 /// The layer/protocol version sent in every `x-claude-layer` header.
 pub const LAYER_VERSION: &str = "v2.1.0-alpha";
 
@@ -76,6 +78,11 @@ pub struct GatewayConfig {
     /// Tokenizations (`count_tokens`) and large-body parses running at once on the blocking
     /// pool; more wait for a turn (0: the number of CPUs).
     pub blocking_tasks: usize,
+    /// HTML page answered to `GET /` (`None`: 404), e.g. a chat client of the API. Served
+    /// without authentication (a browser loads it before any key is entered) under a
+    /// Content-Security-Policy that allows inline script and style and requests to this
+    /// origin only.
+    pub index_page: Option<Bytes>,
 }
 
 impl Default for GatewayConfig {
@@ -102,6 +109,7 @@ impl Default for GatewayConfig {
             max_connections: 4096,
             max_connections_per_ip: 256,
             blocking_tasks: 0,
+            index_page: None,
         }
     }
 }
@@ -210,6 +218,18 @@ impl GatewayConfig {
     /// Sets how many tokenizations run at once on the blocking pool (0: the number of CPUs).
     pub fn blocking_tasks(mut self, n: usize) -> Self {
         self.blocking_tasks = n;
+        self
+    }
+
+    /// Sets the page answered to `GET /` (`None`: 404).
+    ///
+    /// ```
+    /// use claudelink_proto::GatewayConfig;
+    /// let cfg = GatewayConfig::default().index_page(Some("<!doctype html><title>chat</title>"));
+    /// assert!(cfg.index_page.is_some());
+    /// ```
+    pub fn index_page(mut self, page: Option<&'static str>) -> Self {
+        self.index_page = page.map(|p| Bytes::from_static(p.as_bytes()));
         self
     }
 }

@@ -15,6 +15,7 @@ use http::{HeaderMap, Method, StatusCode};
 use serde_json::{Value, json};
 use tokio::sync::watch;
 
+use super::access::AccessRecord;
 use super::config::{GatewayConfig, LAYER_VERSION};
 use super::error::{ApiError, ApiErrorKind};
 use super::ids::new_id;
@@ -62,9 +63,10 @@ pub(crate) struct Admitted {
     endpoint: Endpoint,
     flavor: Flavor,
     caller: Caller,
-    protocol: Protocol,
     debug: bool,
     received: Instant,
+    /// The access-log line, written when the request is over.
+    access: Arc<AccessRecord>,
 }
 
 /// What a transport does once a request's headers are in ([`Gateway::admit`]).
@@ -272,15 +274,19 @@ impl Gateway {
         let request_id = new_id("req_");
         let path = path_and_query.split('?').next().unwrap_or("").to_owned();
         let endpoint = route_endpoint(&path);
+        let access = Arc::new(AccessRecord::new(
+            request_id.clone(),
+            endpoint,
+            protocol,
+            received,
+        ));
         let flavor = if endpoint == Endpoint::ChatCompletions {
             Flavor::OpenAi
         } else {
             Flavor::Anthropic
         };
         match self.admit_headers(method, &path, headers, endpoint, flavor) {
-            Ok(Some(reply)) => {
-                Admission::Reply(self.finish(reply, &request_id, endpoint, protocol))
-            }
+            Ok(Some(reply)) => Admission::Reply(self.finish(reply, &access)),
             Ok(None) => {
                 let debug = headers
                     .get(X_ANTHROPIC_DEBUG)
@@ -293,19 +299,19 @@ impl Gateway {
                         endpoint,
                         flavor,
                         caller,
-                        protocol,
                         debug,
                         received,
+                        access,
                     }),
                     Err(e) => {
                         let reply = error_reply(&e, flavor, &request_id);
-                        Admission::Reply(self.finish(reply, &request_id, endpoint, protocol))
+                        Admission::Reply(self.finish(reply, &access))
                     }
                 }
             }
             Err(e) => {
                 let reply = error_reply(&e, flavor, &request_id);
-                Admission::Reply(self.finish(reply, &request_id, endpoint, protocol))
+                Admission::Reply(self.finish(reply, &access))
             }
         }
     }
@@ -316,27 +322,56 @@ impl Gateway {
             Ok(r) => r,
             Err(e) => error_reply(&e, req.flavor, &req.request_id),
         };
-        self.finish(reply, &req.request_id, req.endpoint, req.protocol)
+        self.finish(reply, &req.access)
     }
 
     /// Adds the headers every response carries and counts the response.
-    fn finish(
-        &self,
-        mut reply: Reply,
-        request_id: &str,
-        endpoint: Endpoint,
-        protocol: Protocol,
-    ) -> Reply {
+    fn finish(&self, mut reply: Reply, access: &AccessRecord) -> Reply {
+        let request_id = access.request_id();
+        access.set_status(reply.status.as_u16());
         let h = &mut reply.headers;
         h.insert(X_CLAUDE_LAYER, HeaderValue::from_static(LAYER_VERSION));
         if let Ok(v) = HeaderValue::from_str(request_id) {
             h.insert(REQUEST_ID, v.clone());
             h.insert(X_REQUEST_ID, v);
         }
-        self.inner
-            .metrics
-            .request_done(endpoint, protocol, reply.status.as_u16());
+        self.inner.metrics.request_done(
+            access.endpoint(),
+            access.protocol(),
+            reply.status.as_u16(),
+        );
         reply
+    }
+
+    /// `GET /`: the configured page, under a Content-Security-Policy that keeps it to inline
+    /// code and requests to this origin.
+    fn index_page(&self, path: &str, head: bool) -> Result<Reply, ApiError> {
+        let Some(page) = &self.inner.config.index_page else {
+            return Err(ApiError::new(
+                ApiErrorKind::NotFound,
+                format!("GET {path}: no such endpoint"),
+            ));
+        };
+        let mut headers = HeaderMap::new();
+        headers.insert(
+            CONTENT_TYPE,
+            HeaderValue::from_static("text/html; charset=utf-8"),
+        );
+        headers.insert(CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+        headers.insert(
+            http::header::CONTENT_SECURITY_POLICY,
+            HeaderValue::from_static(INDEX_PAGE_CSP),
+        );
+        headers.insert(
+            http::header::X_CONTENT_TYPE_OPTIONS,
+            HeaderValue::from_static("nosniff"),
+        );
+        let body = if head { Bytes::new() } else { page.clone() };
+        Ok(Reply {
+            status: StatusCode::OK,
+            headers,
+            body: ReplyBody::Full(body),
+        })
     }
 
     /// The header-only part of [`Gateway::admit`]: `Some(reply)` for requests answered without
@@ -361,7 +396,10 @@ impl Gateway {
                     self.render_metrics(),
                 )));
             }
-            (Endpoint::Other, _) => {
+            (Endpoint::Index, &Method::GET | &Method::HEAD) => {
+                return self.index_page(path, m == Method::HEAD).map(Some);
+            }
+            (Endpoint::Other | Endpoint::Index, _) => {
                 return Err(ApiError::new(
                     ApiErrorKind::NotFound,
                     format!("{m} {path}: no such endpoint"),
@@ -609,7 +647,9 @@ impl Gateway {
             received,
             input_tokens: 0,
             first_token: None,
+            streamed_tokens: 0,
             done: false,
+            access: req.access.clone(),
             metrics: self.inner.metrics.clone(),
             abort: self.inner.abort_tx.subscribe(),
             _slot: slot,
@@ -715,6 +755,12 @@ fn presented_key(headers: &HeaderMap) -> Result<&[u8], ApiError> {
     }
 }
 
+/// The index page's Content-Security-Policy: its own inline script and style, requests to this
+/// origin only, nothing loaded from elsewhere, no framing.
+const INDEX_PAGE_CSP: &str = "default-src 'none'; script-src 'unsafe-inline'; \
+    style-src 'unsafe-inline'; connect-src 'self'; img-src data:; base-uri 'none'; \
+    form-action 'none'; frame-ancestors 'none'";
+
 fn route_endpoint(path: &str) -> Endpoint {
     match path {
         "/v1/messages" => Endpoint::Messages,
@@ -724,6 +770,7 @@ fn route_endpoint(path: &str) -> Endpoint {
         p if p.starts_with("/v1/models/") && p.len() > "/v1/models/".len() => Endpoint::Models,
         "/health" => Endpoint::Health,
         "/metrics" => Endpoint::Metrics,
+        "/" | "/index.html" => Endpoint::Index,
         _ => Endpoint::Other,
     }
 }
@@ -812,7 +859,10 @@ struct Generation {
     received: Instant,
     input_tokens: u32,
     first_token: Option<Instant>,
+    /// Output tokens received so far (the count of a cancelled generation).
+    streamed_tokens: u32,
     done: bool,
+    access: Arc<AccessRecord>,
     metrics: Arc<GatewayMetrics>,
     /// [`Gateway::abort_streams`] was called when this turns true.
     abort: watch::Receiver<bool>,
@@ -852,6 +902,9 @@ impl Generation {
                 self.metrics.observe_ttft(now - self.received);
             }
             self.metrics.tokens(ids.len() as u64);
+            self.streamed_tokens = self
+                .streamed_tokens
+                .saturating_add(u32::try_from(ids.len()).unwrap_or(u32::MAX));
         }
         ev
     }
@@ -862,6 +915,12 @@ impl Generation {
 
     fn record(&self, outcome: Outcome, output_tokens: u32) {
         let decode = self.first_token.map(|t| t.elapsed());
+        self.access.generation(
+            self.input_tokens,
+            output_tokens.max(self.streamed_tokens),
+            self.first_token.map(|t| t - self.received),
+            outcome,
+        );
         self.metrics.generation_outcome(
             outcome,
             self.received.elapsed(),

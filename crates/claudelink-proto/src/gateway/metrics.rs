@@ -75,11 +75,13 @@ pub(crate) enum Endpoint {
     ChatCompletions,
     Health,
     Metrics,
+    /// `GET /`: the page set by [`GatewayConfig::index_page`](super::GatewayConfig::index_page).
+    Index,
     Other,
 }
 
 impl Endpoint {
-    fn as_str(self) -> &'static str {
+    pub(crate) fn as_str(self) -> &'static str {
         match self {
             Self::Messages => "messages",
             Self::CountTokens => "count_tokens",
@@ -87,6 +89,7 @@ impl Endpoint {
             Self::ChatCompletions => "chat_completions",
             Self::Health => "health",
             Self::Metrics => "metrics",
+            Self::Index => "index",
             Self::Other => "other",
         }
     }
@@ -120,7 +123,7 @@ pub(crate) enum Outcome {
 }
 
 impl Outcome {
-    fn as_str(self) -> &'static str {
+    pub(crate) fn as_str(self) -> &'static str {
         match self {
             Self::Finished => "finished",
             Self::Error => "error",

@@ -16,6 +16,7 @@
 //! `top_k` (upstream answers 400 when they are sent); this gateway honours them under both
 //! versions, so old and new SDKs (the latter via `extra_body`) can sample.
 
+mod access;
 mod config;
 mod core;
 mod error;

@@ -1,0 +1,107 @@
+//! `zerolayer bench`: prompt-processing (`pp`, one prefill of N tokens) and text-generation
+//! (`tg`, N decode steps) speed of a model in process, as llama.cpp's `llama-bench` reports them;
+//! the median of `--reps` runs. `scripts/bench-vs-llamacpp` runs llama.cpp on the same file
+//! beside it.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use gpu_pipeline::{GenerateOptions, LogitsWanted, SeqStep};
+use serde_json::json;
+
+use super::generate::new_ring;
+use super::{LoadedModel, load_gguf, model_path};
+
+/// `zerolayer bench`.
+#[derive(Debug, clap::Args)]
+pub(crate) struct Args {
+    /// GGUF model file (default: the default model).
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// Prompt tokens of the `pp` test.
+    #[arg(long, default_value_t = 128)]
+    prompt_tokens: usize,
+    /// Generated tokens of the `tg` test.
+    #[arg(long, default_value_t = 64)]
+    gen_tokens: usize,
+    /// Runs of each test (the median is reported).
+    #[arg(long, default_value_t = 3)]
+    reps: usize,
+    /// Compute threads (0 = all CPUs or $ZEROLAYER_THREADS).
+    #[arg(long, default_value_t = 0)]
+    threads: usize,
+    /// Print one JSON object.
+    #[arg(long)]
+    json: bool,
+}
+
+/// Text the `pp` prompt is cut from (repeated as needed).
+const PROMPT_TEXT: &str = "The quick brown fox jumps over the lazy dog while the river runs \
+    past the mill, and the miller counts the sacks of grain one by one. ";
+
+/// Runs `zerolayer bench`.
+pub(crate) fn main(a: Args) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        a.prompt_tokens > 0 && a.gen_tokens > 1 && a.reps > 0,
+        "--prompt-tokens, --reps must be at least 1 and --gen-tokens at least 2"
+    );
+    let path = model_path(a.model.as_deref())?;
+    let LoadedModel { model, tokenizer } = load_gguf(&path, a.threads)?;
+    let mut prompt = Vec::new();
+    while prompt.len() < a.prompt_tokens {
+        prompt.extend_from_slice(tokenizer.encode(PROMPT_TEXT).as_slice());
+    }
+    prompt.truncate(a.prompt_tokens);
+
+    let mut logits = Vec::new();
+    let mut pp = Vec::with_capacity(a.reps);
+    for _ in 0..a.reps {
+        let mut kv = new_ring(&model, a.prompt_tokens)?;
+        let t0 = Instant::now();
+        model.forward(
+            &mut [SeqStep {
+                tokens: &prompt,
+                kv: &mut kv,
+                logits: LogitsWanted::Last,
+            }],
+            &mut logits,
+        )?;
+        pp.push(a.prompt_tokens as f64 / t0.elapsed().as_secs_f64());
+    }
+    let opts = GenerateOptions::default()
+        .with_max_tokens(a.gen_tokens)
+        .with_stop_tokens(Vec::new());
+    let mut tg = Vec::with_capacity(a.reps);
+    for _ in 0..a.reps {
+        let mut kv = new_ring(&model, a.gen_tokens + 1)?;
+        let g = model.generate(&mut kv, &prompt[..1], &opts, None, &mut |_| {})?;
+        let steps = g.ids.len().saturating_sub(1).max(1);
+        tg.push(steps as f64 / g.decode_time.as_secs_f64().max(1e-9));
+    }
+    let (pp, tg) = (median(&mut pp), median(&mut tg));
+    let threads = if a.threads == 0 {
+        std::thread::available_parallelism().map_or(1, usize::from)
+    } else {
+        a.threads
+    };
+    let name = path.file_name().unwrap_or_default().to_string_lossy();
+    if a.json {
+        println!(
+            "{}",
+            json!({"model": name, "threads": threads, "reps": a.reps,
+                   "pp": {"tokens": a.prompt_tokens, "tokens_per_second": pp},
+                   "tg": {"tokens": a.gen_tokens, "tokens_per_second": tg}})
+        );
+    } else {
+        println!("| model | threads | test | t/s (median of {}) |", a.reps);
+        println!("|---|---|---|---|");
+        println!("| {name} | {threads} | pp{} | {pp:.1} |", a.prompt_tokens);
+        println!("| {name} | {threads} | tg{} | {tg:.1} |", a.gen_tokens);
+    }
+    Ok(())
+}
+
+fn median(xs: &mut [f64]) -> f64 {
+    xs.sort_by(f64::total_cmp);
+    xs[xs.len() / 2]
+}

@@ -1,0 +1,270 @@
+//! `zerolayer generate` (one generation, or `--score`: the top logits of every position) and
+//! `zerolayer perplexity` (llama.cpp's method), in process on the CPU.
+//!
+//! `--json` prints `{"prompt_ids": [...], "ids": [...], "text": "...", "stop_reason": "..."}`;
+//! `--score` prints `{"positions": [{"top": [[id, logit], ...]}, ...]}` (one entry per position
+//! of the given sequence, the logits after it). These are what the scripts comparing against
+//! llama.cpp read.
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::bail;
+use gpu_pipeline::{GenerateOptions, LogitsWanted, Model, SamplingParams, SeqStep};
+use kv_ring::{KvDtype, KvPool, KvRing, RingMode};
+use serde_json::json;
+use token_stream::{ChatMessage, ChatTemplate, Tokenizer};
+
+use super::{LoadedModel, load_gguf, model_path};
+
+/// `zerolayer generate`.
+#[derive(Debug, clap::Args)]
+pub(crate) struct Args {
+    /// GGUF model file (default: the default model, see `zerolayer pull`).
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// Raw text prompt.
+    #[arg(long, conflicts_with_all = ["chat", "prompt_ids"])]
+    prompt: Option<String>,
+    /// A user message, wrapped in the model's chat template with a generation prompt.
+    #[arg(long, conflicts_with = "prompt_ids")]
+    chat: Option<String>,
+    /// Comma-separated prompt token ids.
+    #[arg(long, value_delimiter = ',')]
+    prompt_ids: Option<Vec<u32>>,
+    /// Hard cap on generated tokens.
+    #[arg(long, default_value_t = 128)]
+    max_tokens: usize,
+    /// Print one JSON object.
+    #[arg(long)]
+    json: bool,
+    /// Print the top-k logits of every position instead of generating.
+    #[arg(long)]
+    score: bool,
+    /// With --score: how many logits per position; otherwise: top-k sampling (0 = off).
+    #[arg(long)]
+    top_k: Option<usize>,
+    /// Sampling temperature (0 = greedy).
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f32,
+    /// Nucleus sampling threshold.
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f32,
+    /// Min-p threshold.
+    #[arg(long, default_value_t = 0.0)]
+    min_p: f32,
+    /// Repetition penalty (1 = off).
+    #[arg(long, default_value_t = 1.0)]
+    repeat_penalty: f32,
+    /// RNG seed.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Stop sequence (repeatable).
+    #[arg(long)]
+    stop: Vec<String>,
+    /// Threads (0 = all CPUs or $ZEROLAYER_THREADS).
+    #[arg(long, default_value_t = 0)]
+    threads: usize,
+    /// Do not stop at the model's EOS/EOT token (benchmarks: exactly --max-tokens tokens).
+    #[arg(long)]
+    ignore_eos: bool,
+    /// Print timings (tok/s) to stderr.
+    #[arg(long)]
+    timings: bool,
+}
+
+/// `zerolayer perplexity`.
+#[derive(Debug, clap::Args)]
+pub(crate) struct PerplexityArgs {
+    /// Text file to score.
+    file: PathBuf,
+    /// GGUF model file (default: the default model).
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// Window size: each window is scored on its second half, as llama.cpp's perplexity does.
+    #[arg(long, default_value_t = 512)]
+    ctx: usize,
+    /// Print one JSON object.
+    #[arg(long)]
+    json: bool,
+    /// Threads (0 = all CPUs or $ZEROLAYER_THREADS).
+    #[arg(long, default_value_t = 0)]
+    threads: usize,
+}
+
+/// A KV ring of `cap` tokens for `model`, from a pool sized for it alone.
+pub(crate) fn new_ring(model: &Model, cap: usize) -> anyhow::Result<KvRing> {
+    let shape = model.kv_shape(KvDtype::F32);
+    let pool = KvPool::new(shape, cap * shape.bytes_per_token())?;
+    Ok(pool.alloc(cap, RingMode::Strict)?)
+}
+
+/// Runs `zerolayer perplexity`.
+pub(crate) fn perplexity(a: PerplexityArgs) -> anyhow::Result<()> {
+    let LoadedModel { model, tokenizer } = load_gguf(&model_path(a.model.as_deref())?, a.threads)?;
+    let vocab = model.config().vocab_size;
+    let text = std::fs::read_to_string(&a.file)?;
+    let ids = tokenizer.encode(&text).into_vec();
+    let n_win = ids.len() / a.ctx.max(1);
+    if n_win == 0 || a.ctx < 4 {
+        bail!("{} tokens: fewer than one window of {}", ids.len(), a.ctx);
+    }
+    let mut logits = Vec::new();
+    let (mut nll, mut count) = (0f64, 0usize);
+    let t0 = Instant::now();
+    for w in 0..n_win {
+        let chunk = &ids[w * a.ctx..(w + 1) * a.ctx];
+        let mut kv = new_ring(&model, a.ctx)?;
+        model.forward(
+            &mut [SeqStep {
+                tokens: chunk,
+                kv: &mut kv,
+                logits: LogitsWanted::All,
+            }],
+            &mut logits,
+        )?;
+        for j in a.ctx / 2..a.ctx - 1 {
+            nll += gpu_pipeline::token_nll(&logits[j * vocab..(j + 1) * vocab], chunk[j + 1]);
+            count += 1;
+        }
+        eprintln!(
+            "[{}/{n_win}] running ppl {:.4}",
+            w + 1,
+            (nll / count as f64).exp()
+        );
+    }
+    let ppl = (nll / count as f64).exp();
+    if a.json {
+        println!(
+            "{}",
+            json!({"perplexity": ppl, "tokens": ids.len(), "windows": n_win, "ctx": a.ctx, "scored": count})
+        );
+    } else {
+        println!(
+            "perplexity {ppl:.4} over {n_win} windows of {} ({} tokens, {:.1}s)",
+            a.ctx,
+            ids.len(),
+            t0.elapsed().as_secs_f64()
+        );
+    }
+    Ok(())
+}
+
+/// Runs `zerolayer generate`.
+pub(crate) fn main(a: Args) -> anyhow::Result<()> {
+    let loaded = load_gguf(&model_path(a.model.as_deref())?, a.threads)?;
+    let prompt = prompt_ids(&a, &loaded.tokenizer)?;
+    if a.score {
+        score(&loaded.model, &prompt, a.top_k.unwrap_or(5))
+    } else {
+        generate(&a, &loaded, &prompt)
+    }
+}
+
+/// The prompt's token ids from `--prompt-ids`, `--chat` or `--prompt`.
+fn prompt_ids(a: &Args, tok: &Tokenizer) -> anyhow::Result<Vec<u32>> {
+    let prompt: Vec<u32> = if let Some(ids) = &a.prompt_ids {
+        ids.clone()
+    } else if let Some(msg) = &a.chat {
+        let tmpl = ChatTemplate::from_tokenizer(tok)?;
+        tmpl.encode(tok, &[ChatMessage::new("user", msg)], true)?
+            .into_vec()
+    } else if let Some(p) = &a.prompt {
+        tok.encode(p).into_vec()
+    } else {
+        bail!("give one of --prompt, --chat or --prompt-ids");
+    };
+    if prompt.is_empty() {
+        bail!("the prompt has no tokens");
+    }
+    Ok(prompt)
+}
+
+/// Prints the `k` largest logits after every position of `prompt` as JSON.
+fn score(model: &Model, prompt: &[u32], k: usize) -> anyhow::Result<()> {
+    let vocab = model.config().vocab_size;
+    let k = k.clamp(1, vocab);
+    let mut kv = new_ring(model, prompt.len())?;
+    let mut logits = Vec::new();
+    model.forward(
+        &mut [SeqStep {
+            tokens: prompt,
+            kv: &mut kv,
+            logits: LogitsWanted::All,
+        }],
+        &mut logits,
+    )?;
+    let positions: Vec<_> = logits
+        .chunks_exact(vocab)
+        .map(|row| {
+            let mut idx: Vec<usize> = (0..vocab).collect();
+            idx.select_nth_unstable_by(k - 1, |&x, &y| row[y].total_cmp(&row[x]).then(x.cmp(&y)));
+            idx.truncate(k);
+            idx.sort_by(|&x, &y| row[y].total_cmp(&row[x]).then(x.cmp(&y)));
+            json!({"top": idx.iter().map(|&i| json!([i, row[i]])).collect::<Vec<_>>()})
+        })
+        .collect();
+    println!("{}", json!({"prompt_ids": prompt, "positions": positions}));
+    Ok(())
+}
+
+/// Generates from `prompt`, streaming the text to stdout unless `--json`.
+fn generate(a: &Args, loaded: &LoadedModel, prompt: &[u32]) -> anyhow::Result<()> {
+    let (model, tok) = (&loaded.model, &loaded.tokenizer);
+    let sampling = SamplingParams::default()
+        .with_temperature(a.temperature)
+        .with_top_k(a.top_k.unwrap_or(0))
+        .with_top_p(a.top_p)
+        .with_min_p(a.min_p)
+        .with_repetition_penalty(a.repeat_penalty, 64)
+        .with_seed(a.seed);
+    let mut opts = GenerateOptions::default()
+        .with_max_tokens(a.max_tokens)
+        .with_sampling(sampling)
+        .with_stop_sequences(a.stop.clone());
+    if a.ignore_eos {
+        opts = opts.with_stop_tokens(Vec::new());
+    }
+    let cap = (prompt.len() + a.max_tokens)
+        .min(model.config().context_length)
+        .max(prompt.len() + 1);
+    let mut kv = new_ring(model, cap)?;
+    let stream = !a.json;
+    let mut pending = Vec::new();
+    let mut out = std::io::stdout();
+    let g = model.generate(&mut kv, prompt, &opts, Some(tok), &mut |t| {
+        if stream && let Some(b) = tok.token_bytes(t) {
+            pending.extend_from_slice(b);
+            // Print whole UTF-8 prefixes as they complete.
+            let valid = match std::str::from_utf8(&pending) {
+                Ok(s) => s.len(),
+                Err(e) => e.valid_up_to(),
+            };
+            let _ = out.write_all(&pending[..valid]);
+            let _ = out.flush();
+            pending.drain(..valid);
+        }
+    })?;
+    if a.json {
+        println!(
+            "{}",
+            json!({"prompt_ids": prompt, "ids": g.ids, "text": g.text.clone().unwrap_or_default(), "stop_reason": g.stop_reason.as_str()})
+        );
+    } else {
+        println!();
+    }
+    if a.timings {
+        let n = g.ids.len().saturating_sub(1).max(1);
+        eprintln!(
+            "prompt {} tokens, time to first token {:.1} ms ({:.1} tok/s prefill); {} generated, {:.1} tok/s decode; stop: {}",
+            g.prompt_tokens,
+            g.time_to_first_token.as_secs_f64() * 1e3,
+            g.prompt_tokens as f64 / g.time_to_first_token.as_secs_f64(),
+            g.ids.len(),
+            n as f64 / g.decode_time.as_secs_f64(),
+            g.stop_reason
+        );
+    }
+    Ok(())
+}

