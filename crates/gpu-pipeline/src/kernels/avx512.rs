@@ -35,18 +35,18 @@ use weight_cache::quant::{
 pub(crate) const F_Q4_0: u8 = 0;
 pub(crate) const F_Q4_1: u8 = 1;
 pub(crate) const F_Q8_0: u8 = 2;
-const F_Q4K: u8 = 3;
-const F_Q6K: u8 = 4;
+pub(crate) const F_Q4K: u8 = 3;
+pub(crate) const F_Q6K: u8 = 4;
 pub(crate) const F_Q5_0: u8 = 5;
 pub(crate) const F_Q5_1: u8 = 6;
-const F_Q2K: u8 = 7;
-const F_Q3K: u8 = 8;
-const F_Q5K: u8 = 9;
+pub(crate) const F_Q2K: u8 = 7;
+pub(crate) const F_Q3K: u8 = 8;
+pub(crate) const F_Q5K: u8 = 9;
 pub(crate) const F_IQ4NL: u8 = 10;
-const F_IQ4XS: u8 = 11;
+pub(crate) const F_IQ4XS: u8 = 11;
 
 /// Whether the two 16-element halves of a block have their own scales (and mins).
-const fn is_split(f: u8) -> bool {
+pub(crate) const fn is_split(f: u8) -> bool {
     matches!(f, F_Q6K | F_Q3K | F_Q2K)
 }
 
@@ -215,7 +215,12 @@ static Q2K_D_IDX: [u16; 32] = f16_pair_index(6, 7);
 /// Q3_K, 16 bytes ending the block (2 quant bytes, 12 scale bytes `q` from byte 2, d): scale
 /// `i = 8h + 2L + e` (half `e`) has its low bits in `q[2L + e]` and its high bits in
 /// `q[8 + 2(L % 2) + e]` at bit `2(2h + L / 2)` (see `scale_k3`).
-const Q3K_SCALE_BYTES: [[u8; 4]; 4] = [[2, 3, 10, 11], [4, 5, 12, 13], [6, 7, 10, 11], [8, 9, 12, 13]];
+const Q3K_SCALE_BYTES: [[u8; 4]; 4] = [
+    [2, 3, 10, 11],
+    [4, 5, 12, 13],
+    [6, 7, 10, 11],
+    [8, 9, 12, 13],
+];
 static Q3K_SCALE_IDX: [u8; 64] = lane_gather(Q3K_SCALE_BYTES);
 /// Q3_K: right shifts per lane `4L + k` bringing half 0's (`[0]`) and half 1's high bits down,
 /// per quad half `h`.
@@ -525,8 +530,12 @@ unsafe fn decode<const F: u8>(rowp: &[*const u8; 4], q: usize, nvalid: usize) ->
                     let low = if h == 0 { x } else { _mm512_srli_epi32::<4>(x) };
                     let shr = |e: usize| _mm512_loadu_si512(Q3K_HIGH_SHR[h][e].as_ptr().cast());
                     let scale = |low: __m512i, e: usize| {
-                        let high = _mm512_and_si512(_mm512_srlv_epi32(x, shr(e)), _mm512_set1_epi32(3));
-                        let v = _mm512_or_si512(_mm512_and_si512(low, m4), _mm512_slli_epi32::<4>(high));
+                        let high =
+                            _mm512_and_si512(_mm512_srlv_epi32(x, shr(e)), _mm512_set1_epi32(3));
+                        let v = _mm512_or_si512(
+                            _mm512_and_si512(low, m4),
+                            _mm512_slli_epi32::<4>(high),
+                        );
                         _mm512_sub_epi32(v, _mm512_set1_epi32(32))
                     };
                     out.d = scaled(d, scale(low, 0));
