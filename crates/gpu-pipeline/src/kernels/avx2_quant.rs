@@ -1,13 +1,12 @@
-//! AVX2 + FMA + F16C kernels (no AVX-512) for the common integer-quantized formats: Q4_0, Q4_1,
-//! Q8_0, IQ4_NL, Q4_K, Q5_K and Q6_K. The other formats run the scalar reference compiled for
-//! these features ([`super::avx2::quant_rows`] picks).
+//! AVX2 + FMA + F16C kernels (no AVX-512) for the integer-quantized formats (Q4_0, Q4_1, Q5_0,
+//! Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS).
 //!
 //! The unit of work is the AVX-512 kernels' (see [`super::avx512`]): 4 rows x 4 consecutive
 //! 32-element blocks ("a quad") x up to 4 tokens, in two 256-bit halves (blocks 0 and 1, blocks 2
 //! and 3), so the activation quads ([`ActQuad`]) are read as they are laid out:
 //! - per row and half, the quants of elements 0..16 of the two blocks are one u8 vector, those of
 //!   elements 16..32 another;
-//! - `vpmaddubsw` + `vpmaddwd` give 8 partial sums of 4 products each; for Q8_0 and IQ4_NL, whose
+//! - `vpmaddubsw` + `vpmaddwd` give 8 partial sums of 4 products each; for Q8_0 and IQ4, whose
 //!   quants are signed 8-bit (the unsigned `q + 128` would saturate `vpmaddubsw`), the signs are
 //!   moved onto the activations first (`|w| * sign(x, w)`), which gives the same exact integer as
 //!   the reference's `sum(q * x) - 128 * sum(x)`;
@@ -22,23 +21,16 @@ use std::ops::Range;
 
 use super::act::{ActQuad, quads_per_token};
 use super::avx512::{
-    F_IQ4NL, F_Q4_0, F_Q4_1, F_Q4K, F_Q5K, F_Q6K, F_Q8_0, has_min, is_split, offset_shift,
+    F_IQ4NL, F_IQ4XS, F_Q2K, F_Q3K, F_Q4_0, F_Q4_1, F_Q4K, F_Q5_0, F_Q5_1, F_Q5K, F_Q6K, F_Q8_0,
+    has_min, is_split, offset_shift,
 };
 use super::format::Fmt;
 use super::{RowsOut, WeightMatrix};
 use std::mem::offset_of;
 use weight_cache::quant::{
-    BlockIQ4NL, BlockQ4_0, BlockQ4_1, BlockQ4K, BlockQ5K, BlockQ6K, BlockQ8_0, KVALUES_IQ4NL,
-    scale_min_k4,
+    BlockIQ4NL, BlockIQ4XS, BlockQ2K, BlockQ3K, BlockQ4_0, BlockQ4_1, BlockQ4K, BlockQ5_0,
+    BlockQ5_1, BlockQ5K, BlockQ6K, BlockQ8_0, KVALUES_IQ4NL, scale_iq4xs, scale_k3, scale_min_k4,
 };
-
-/// Whether this module has a kernel for `fmt`.
-pub(crate) fn applies(fmt: Fmt) -> bool {
-    matches!(
-        fmt,
-        Fmt::Q4_0 | Fmt::Q4_1 | Fmt::Q8_0 | Fmt::IQ4NL | Fmt::Q4K | Fmt::Q5K | Fmt::Q6K
-    )
-}
 
 /// Whether the format's quants are decoded as signed bytes (`q - 128`), see the module docs.
 const fn is_signed(f: u8) -> bool {
@@ -56,6 +48,8 @@ struct Quad {
     d: [__m256; 2],
     /// Formats with a minimum: the additive term; split formats: the scale of elements 16..32.
     m: [__m256; 2],
+    /// Q2_K: the minimums of elements 0..16 and 16..32.
+    mins: [[__m256; 2]; 2],
 }
 
 /// The scale fields of a quad before conversion, lane `4L + k`.
@@ -64,15 +58,16 @@ struct Lanes {
     d: [u16; 16],
     /// f16 bits of each lane's minimum (Q4_1) or its row's super-block minimum scale (K-quants).
     m: [u16; 16],
-    /// Integer sub-block scales (K-quants).
-    sc: [[i32; 16]; 2],
+    /// Integer sub-block scales (K-quants, IQ4_XS; split formats: of elements 0..16, 16..32),
+    /// then Q2_K's integer minimums.
+    sc: [[i32; 16]; 4],
 }
 
 impl Lanes {
     const ZERO: Self = Self {
         d: [0; 16],
         m: [0; 16],
-        sc: [[0; 16]; 2],
+        sc: [[0; 16]; 4],
     };
 }
 
@@ -140,6 +135,21 @@ fn nibbles(v: __m256i) -> (__m256i, __m256i) {
     )
 }
 
+/// `0x10` in the bytes of elements 0..16 of a half (`lo` for its first block, `hi` for its
+/// second) whose bit is set in the 16-bit masks.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn fifth_bits(lo: u16, hi: u16) -> __m256i {
+    let v = _mm256_set_m128i(_mm_set1_epi16(hi as i16), _mm_set1_epi16(lo as i16));
+    let spread = _mm256_set_m128i(
+        _mm_set_epi64x(0x0101_0101_0101_0101, 0),
+        _mm_set_epi64x(0x0101_0101_0101_0101, 0),
+    );
+    let bit = _mm256_set1_epi64x(0x8040_2010_0804_0201u64 as i64);
+    let hit = _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_shuffle_epi8(v, spread), bit), bit);
+    _mm256_and_si256(hit, _mm256_set1_epi8(0x10))
+}
+
 /// Decodes quad `q` (blocks `4q..4q + nvalid`) of the 4 rows at `rowp`.
 ///
 /// # Safety
@@ -204,6 +214,127 @@ unsafe fn decode<const F: u8>(rowp: &[*const u8; 4], q: usize, nvalid: usize) ->
                     }
                     for l in 0..nvalid {
                         lanes.d[4 * l + k] = u16_at(p, bs * l);
+                    }
+                }
+            }
+            F_Q5_0 | F_Q5_1 => {
+                let (bs, qh_at, qs_at) = if F == F_Q5_0 {
+                    let b = size_of::<BlockQ5_0>();
+                    (b, offset_of!(BlockQ5_0, qh), offset_of!(BlockQ5_0, qs))
+                } else {
+                    let b = size_of::<BlockQ5_1>();
+                    (b, offset_of!(BlockQ5_1, qh), offset_of!(BlockQ5_1, qs))
+                };
+                for k in 0..4 {
+                    let p = rowp[k].add(q * 4 * bs);
+                    let qh = |l: usize| {
+                        if l < nvalid {
+                            u32::from_le(std::ptr::read_unaligned(p.add(bs * l + qh_at).cast()))
+                        } else {
+                            0
+                        }
+                    };
+                    for h in 0..2 {
+                        let (b0, b1) = (2 * h, 2 * h + 1);
+                        let v = _mm256_set_m128i(
+                            ld16(p, bs * b1 + qs_at, b1 < nvalid),
+                            ld16(p, bs * b0 + qs_at, b0 < nvalid),
+                        );
+                        let (lo, hi) = nibbles(v);
+                        let (qh0, qh1) = (qh(b0), qh(b1));
+                        let f0 = fifth_bits(qh0 as u16, qh1 as u16);
+                        let f1 = fifth_bits((qh0 >> 16) as u16, (qh1 >> 16) as u16);
+                        w0[k][h] = _mm256_or_si256(lo, f0);
+                        w1[k][h] = _mm256_or_si256(hi, f1);
+                    }
+                    for l in 0..nvalid {
+                        lanes.d[4 * l + k] = u16_at(p, bs * l);
+                        if F == F_Q5_1 {
+                            lanes.m[4 * l + k] = u16_at(p, bs * l + offset_of!(BlockQ5_1, m));
+                        }
+                    }
+                }
+            }
+            F_IQ4XS => {
+                // Sub-block `4h' + L` (`h'` = q % 2) is qs bytes `16(4h' + L)..+16`, nibble order
+                // as IQ4_NL.
+                let (blk, hq) = (q / 2, q % 2);
+                let table =
+                    _mm256_broadcastsi128_si256(_mm_loadu_si128(KVALUES_IQ4NL.as_ptr().cast()));
+                for k in 0..4 {
+                    let p = rowp[k].add(blk * size_of::<BlockIQ4XS>());
+                    for h in 0..2 {
+                        let at = offset_of!(BlockIQ4XS, qs) + 64 * hq + 32 * h;
+                        let (lo, hi) = nibbles(_mm256_loadu_si256(p.add(at).cast()));
+                        w0[k][h] = _mm256_shuffle_epi8(table, lo);
+                        w1[k][h] = _mm256_shuffle_epi8(table, hi);
+                    }
+                    let scales_h = u16_at(p, offset_of!(BlockIQ4XS, scales_h));
+                    let at = offset_of!(BlockIQ4XS, scales_l);
+                    let scales_l = std::ptr::read_unaligned(p.add(at).cast::<[u8; 4]>());
+                    for l in 0..4 {
+                        lanes.d[4 * l + k] = u16_at(p, offset_of!(BlockIQ4XS, d));
+                        let ls = scale_iq4xs(4 * hq + l, scales_h, &scales_l);
+                        lanes.sc[0][4 * l + k] = i32::from(ls);
+                    }
+                }
+            }
+            F_Q2K | F_Q3K => {
+                // Sub-block `4h' + L`: bits `2L..2L + 2` of qs bytes `32h'..+32`; Q3_K adds bit
+                // `4h' + L` of hmask byte `e` as the third bit.
+                let (blk, hq) = (q / 2, q % 2);
+                let (block_bytes, qs_at) = if F == F_Q2K {
+                    (size_of::<BlockQ2K>(), offset_of!(BlockQ2K, qs))
+                } else {
+                    (size_of::<BlockQ3K>(), offset_of!(BlockQ3K, qs))
+                };
+                let shr = [0, 1]
+                    .map(|h| _mm256_set_m128i(_mm_set1_epi32(4 * h + 2), _mm_set1_epi32(4 * h)));
+                let bit = |l: i32| 1i8 << (4 * hq as i32 + l);
+                let bits = [0, 1].map(|h| {
+                    _mm256_set_m128i(_mm_set1_epi8(bit(2 * h + 1)), _mm_set1_epi8(bit(2 * h)))
+                });
+                let (two, third) = (_mm256_set1_epi8(3), _mm256_set1_epi8(4));
+                for k in 0..4 {
+                    let p = rowp[k].add(blk * block_bytes);
+                    let bcast = |off: usize| {
+                        _mm256_broadcastsi128_si256(_mm_loadu_si128(p.add(off).cast()))
+                    };
+                    let (qa, qb) = (bcast(qs_at + 32 * hq), bcast(qs_at + 32 * hq + 16));
+                    for h in 0..2 {
+                        // 32-bit shifts by at most 6: the 2 kept bits come from the same byte.
+                        let mut e0 = _mm256_and_si256(_mm256_srlv_epi32(qa, shr[h]), two);
+                        let mut e1 = _mm256_and_si256(_mm256_srlv_epi32(qb, shr[h]), two);
+                        if F == F_Q3K {
+                            let at = offset_of!(BlockQ3K, hmask);
+                            let set = |hm: __m256i| {
+                                let hit = _mm256_cmpeq_epi8(_mm256_and_si256(hm, bits[h]), bits[h]);
+                                _mm256_and_si256(hit, third)
+                            };
+                            e0 = _mm256_or_si256(e0, set(bcast(at)));
+                            e1 = _mm256_or_si256(e1, set(bcast(at + 16)));
+                        }
+                        (w0[k][h], w1[k][h]) = (e0, e1);
+                    }
+                    for l in 0..4 {
+                        let sb = 4 * hq + l;
+                        if F == F_Q2K {
+                            lanes.d[4 * l + k] = u16_at(p, offset_of!(BlockQ2K, d));
+                            lanes.m[4 * l + k] = u16_at(p, offset_of!(BlockQ2K, dmin));
+                            for half in 0..2 {
+                                let sc = *p.add(offset_of!(BlockQ2K, scales) + 2 * sb + half);
+                                lanes.sc[half][4 * l + k] = i32::from(sc & 0xF);
+                                lanes.sc[2 + half][4 * l + k] = i32::from(sc >> 4);
+                            }
+                        } else {
+                            lanes.d[4 * l + k] = u16_at(p, offset_of!(BlockQ3K, d));
+                            let at = offset_of!(BlockQ3K, scales);
+                            let scales = std::ptr::read_unaligned(p.add(at).cast::<[u8; 12]>());
+                            for half in 0..2 {
+                                let sc = scale_k3(2 * sb + half, &scales);
+                                lanes.sc[half][4 * l + k] = i32::from(sc);
+                            }
+                        }
                     }
                 }
             }
@@ -297,20 +428,34 @@ unsafe fn decode<const F: u8>(rowp: &[*const u8; 4], q: usize, nvalid: usize) ->
             _ => unreachable!(),
         }
     }
+    let neg = |v: [__m256; 2]| v.map(|v| _mm256_xor_ps(v, _mm256_set1_ps(-0.0)));
+    let mut mins = [[_mm256_setzero_ps(); 2]; 2];
     let (d, m) = match F {
+        F_Q2K => {
+            let (d, dmin) = (f16x16(&lanes.d), f16x16(&lanes.m));
+            mins = [
+                neg(scaled(dmin, &lanes.sc[2])),
+                neg(scaled(dmin, &lanes.sc[3])),
+            ];
+            (scaled(d, &lanes.sc[0]), scaled(d, &lanes.sc[1]))
+        }
+        F_IQ4XS => (
+            scaled(f16x16(&lanes.d), &lanes.sc[0]),
+            [_mm256_setzero_ps(); 2],
+        ),
         F_Q4K | F_Q5K => {
             let (d, dmin) = (f16x16(&lanes.d), f16x16(&lanes.m));
             let neg = _mm256_set1_ps(-0.0);
             let m = scaled(dmin, &lanes.sc[1]).map(|v| _mm256_xor_ps(v, neg));
             (scaled(d, &lanes.sc[0]), m)
         }
-        F_Q6K => {
+        F_Q6K | F_Q3K => {
             let d = f16x16(&lanes.d);
             (scaled(d, &lanes.sc[0]), scaled(d, &lanes.sc[1]))
         }
         _ => (f16x16(&lanes.d), f16x16(&lanes.m)),
     };
-    Quad { w0, w1, d, m }
+    Quad { w0, w1, d, m, mins }
 }
 
 /// 8 sums of 4 products each of the weight bytes `w` and activation bytes `x` (see the module
@@ -352,10 +497,19 @@ fn accumulate<const F: u8>(w: &Quad, a: &ActQuad, acc: [__m256; 2]) -> [__m256; 
             let i1 = reduce4([0, 1, 2, 3].map(|k| dot4::<F>(w.w1[k][h], x1)));
             let sq0 = ld(a.sq0.as_ptr().cast(), h);
             let sq1 = ld(a.sq1.as_ptr().cast(), h);
-            let i0 = _mm256_sub_epi32(i0, _mm256_sll_epi32(sq0, shift));
-            let i1 = _mm256_sub_epi32(i1, _mm256_sll_epi32(sq1, shift));
+            let (mut i0, mut i1) = (i0, i1);
+            if offset_shift(F) != 0 {
+                i0 = _mm256_sub_epi32(i0, _mm256_sll_epi32(sq0, shift));
+                i1 = _mm256_sub_epi32(i1, _mm256_sll_epi32(sq1, shift));
+            }
             acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i0), _mm256_mul_ps(w.d[h], dx), acc);
             acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i1), _mm256_mul_ps(w.m[h], dx), acc);
+            if has_min(F) {
+                let min0 = _mm256_mul_ps(w.mins[0][h], dx);
+                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sq0), min0, acc);
+                let min1 = _mm256_mul_ps(w.mins[1][h], dx);
+                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sq1), min1, acc);
+            }
         } else {
             let i =
                 reduce4([0, 1, 2, 3].map(|k| {
@@ -417,7 +571,7 @@ unsafe fn tile<const F: u8, const T: usize>(
     acc.map(|a| row_sums(a))
 }
 
-/// Rows `rows` x all `n` tokens of an integer-quantized matrix in one of [`applies`]'s formats.
+/// Rows `rows` x all `n` tokens of an integer-quantized matrix.
 ///
 /// # Safety
 /// The CPU supports AVX2, FMA and F16C; `acts` holds `n` tokens quantized for `w.cols`.
@@ -438,7 +592,12 @@ pub(crate) unsafe fn quant_rows(
         Fmt::Q4K => rows_impl::<F_Q4K>(fmt, w, acts, n, rows, out),
         Fmt::Q5K => rows_impl::<F_Q5K>(fmt, w, acts, n, rows, out),
         Fmt::Q6K => rows_impl::<F_Q6K>(fmt, w, acts, n, rows, out),
-        _ => unreachable!("formats without an AVX2 kernel use the scalar reference"),
+        Fmt::Q5_0 => rows_impl::<F_Q5_0>(fmt, w, acts, n, rows, out),
+        Fmt::Q5_1 => rows_impl::<F_Q5_1>(fmt, w, acts, n, rows, out),
+        Fmt::Q2K => rows_impl::<F_Q2K>(fmt, w, acts, n, rows, out),
+        Fmt::Q3K => rows_impl::<F_Q3K>(fmt, w, acts, n, rows, out),
+        Fmt::IQ4XS => rows_impl::<F_IQ4XS>(fmt, w, acts, n, rows, out),
+        Fmt::F32 | Fmt::F16 | Fmt::BF16 => unreachable!("float formats use float_rows"),
     }
 }
 
