@@ -29,7 +29,7 @@ use super::{RowsOut, WeightMatrix};
 use std::mem::offset_of;
 use weight_cache::quant::{
     BlockIQ4NL, BlockIQ4XS, BlockQ2K, BlockQ3K, BlockQ4_0, BlockQ4_1, BlockQ4K, BlockQ5_0,
-    BlockQ5_1, BlockQ5K, BlockQ6K, BlockQ8_0, KVALUES_IQ4NL, scale_iq4xs, scale_k3, scale_min_k4,
+    BlockQ5_1, BlockQ5K, BlockQ6K, BlockQ8_0, KVALUES_IQ4NL, scale_iq4xs, scale_k3,
 };
 
 /// Whether the format's quants are decoded as signed bytes (`q - 128`), see the module docs.
@@ -133,6 +133,152 @@ fn nibbles(v: __m256i) -> (__m256i, __m256i) {
         _mm256_and_si256(v, lo4),
         _mm256_and_si256(_mm256_srli_epi16::<4>(v), lo4),
     )
+}
+
+/// Dword `L` of `g[k]` into lane `4L + k` (`L` 0..2 in the first half, 2..4 in the second).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn transpose4(g: [__m128i; 4]) -> [__m256i; 2] {
+    let lo01 = _mm_unpacklo_epi32(g[0], g[1]);
+    let lo23 = _mm_unpacklo_epi32(g[2], g[3]);
+    let hi01 = _mm_unpackhi_epi32(g[0], g[1]);
+    let hi23 = _mm_unpackhi_epi32(g[2], g[3]);
+    [
+        _mm256_set_m128i(
+            _mm_unpackhi_epi64(lo01, lo23),
+            _mm_unpacklo_epi64(lo01, lo23),
+        ),
+        _mm256_set_m128i(
+            _mm_unpackhi_epi64(hi01, hi23),
+            _mm_unpacklo_epi64(hi01, hi23),
+        ),
+    ]
+}
+
+/// The f16 in bytes `2w, 2w + 1` of dword `j` of each of the 4 rows' `heads` as f32, lane
+/// `4L + k` = row `k`'s (the same in both halves).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn row_f16(heads: &[__m128i; 4], j: usize, w: i8) -> __m256 {
+    let lo = _mm_unpacklo_epi32(heads[0], heads[1]);
+    let lo23 = _mm_unpacklo_epi32(heads[2], heads[3]);
+    let hi = _mm_unpackhi_epi32(heads[0], heads[1]);
+    let hi23 = _mm_unpackhi_epi32(heads[2], heads[3]);
+    // Dword `k` = dword `j` of row `k`.
+    let col = match j {
+        0 => _mm_unpacklo_epi64(lo, lo23),
+        1 => _mm_unpackhi_epi64(lo, lo23),
+        2 => _mm_unpacklo_epi64(hi, hi23),
+        _ => _mm_unpackhi_epi64(hi, hi23),
+    };
+    let b = 2 * w;
+    let idx = _mm_setr_epi8(
+        b,
+        b + 1,
+        b + 4,
+        b + 5,
+        b + 8,
+        b + 9,
+        b + 12,
+        b + 13,
+        b,
+        b + 1,
+        b + 4,
+        b + 5,
+        b + 8,
+        b + 9,
+        b + 12,
+        b + 13,
+    );
+    _mm256_cvtph_ps(_mm_shuffle_epi8(col, idx))
+}
+
+/// `d * v` per lane for the integer lanes `v`, as `d * f32::from(v)` computes it.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn scaled_v(d: __m256, v: __m256i) -> __m256 {
+    _mm256_mul_ps(d, _mm256_cvtepi32_ps(v))
+}
+
+/// Q4_K/Q5_K: `d * sc` and `-(dmin * m)` (`scale_min_k4`) of sub-blocks `4hq + L` of the
+/// super-blocks at `rowp[k] + at`, lane `4L + k`.
+///
+/// # Safety
+/// Each `rowp[k] + at` has a 16-byte header (d, dmin, 12 scale bytes).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn kq4_scales(rowp: &[*const u8; 4], at: usize, hq: usize) -> ([__m256; 2], [__m256; 2]) {
+    // SAFETY: forwarded from the caller.
+    let heads = rowp.map(|p| unsafe { _mm_loadu_si128(p.add(at).cast()) });
+    // Dword `L`: scale bytes `q[L], q[L + 4], q[L + 8]` (header bytes 4 + ...).
+    let idx = _mm_setr_epi8(4, 8, 12, -1, 5, 9, 13, -1, 6, 10, 14, -1, 7, 11, 15, -1);
+    let x = transpose4(heads.map(|h| _mm_shuffle_epi8(h, idx)));
+    let bits = |v: __m256i, mask: i32| _mm256_and_si256(v, _mm256_set1_epi32(mask));
+    let (d, dmin) = (row_f16(&heads, 0, 0), row_f16(&heads, 0, 1));
+    let neg = _mm256_set1_ps(-0.0);
+    let one = |x: __m256i| {
+        let (sc, m) = if hq == 0 {
+            (bits(x, 63), bits(_mm256_srli_epi32::<8>(x), 63))
+        } else {
+            (
+                _mm256_or_si256(
+                    bits(_mm256_srli_epi32::<16>(x), 0xF),
+                    bits(_mm256_srli_epi32::<2>(x), 0x30),
+                ),
+                _mm256_or_si256(
+                    bits(_mm256_srli_epi32::<20>(x), 0xF),
+                    bits(_mm256_srli_epi32::<10>(x), 0x30),
+                ),
+            )
+        };
+        (scaled_v(d, sc), _mm256_xor_ps(scaled_v(dmin, m), neg))
+    };
+    let (a, b) = (one(x[0]), one(x[1]));
+    ([a.0, b.0], [a.1, b.1])
+}
+
+/// Q6_K: `d * sc` of scales `8hq + 2L` (elements 0..16) and `8hq + 2L + 1` of the super-blocks
+/// at `rowp[k] + at`, lane `4L + k`.
+///
+/// # Safety
+/// Each `rowp[k] + at` is a whole Q6_K block.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q6k_scales(rowp: &[*const u8; 4], at: usize, hq: usize) -> ([__m256; 2], [__m256; 2]) {
+    let (sc_at, d_at) = (offset_of!(BlockQ6K, scales), offset_of!(BlockQ6K, d));
+    // SAFETY: forwarded from the caller (scales, and the 16 bytes ending with d).
+    let (scales, tails) = unsafe {
+        (
+            rowp.map(|p| _mm_loadu_si128(p.add(at + sc_at).cast())),
+            rowp.map(|p| _mm_loadu_si128(p.add(at + d_at + 2 - 16).cast())),
+        )
+    };
+    let d = row_f16(&tails, 3, 1);
+    let b = 8 * hq as i8;
+    // Scale `b + 2L + e` in the top byte of dword `L`, then sign-extended.
+    let one = |e: i8| {
+        let idx = _mm_setr_epi8(
+            -1,
+            -1,
+            -1,
+            b + e,
+            -1,
+            -1,
+            -1,
+            b + 2 + e,
+            -1,
+            -1,
+            -1,
+            b + 4 + e,
+            -1,
+            -1,
+            -1,
+            b + 6 + e,
+        );
+        transpose4(scales.map(|s| _mm_shuffle_epi8(s, idx)))
+            .map(|v| scaled_v(d, _mm256_srai_epi32::<24>(v)))
+    };
+    (one(0), one(1))
 }
 
 /// `0x10` in the bytes of elements 0..16 of a half (`lo` for its first block, `hi` for its
@@ -375,15 +521,6 @@ unsafe fn decode<const F: u8>(rowp: &[*const u8; 4], q: usize, nvalid: usize) ->
                         }
                         (w0[k][h], w1[k][h]) = (e0, e1);
                     }
-                    let head: &[u8; 16] = &*p.cast::<[u8; 16]>();
-                    let scales: &[u8; 12] = head[4..].try_into().unwrap_or(&[0; 12]);
-                    for l in 0..4 {
-                        let (sc, m) = scale_min_k4(4 * hq + l, scales);
-                        lanes.d[4 * l + k] = u16::from_le_bytes([head[0], head[1]]);
-                        lanes.m[4 * l + k] = u16::from_le_bytes([head[2], head[3]]);
-                        lanes.sc[0][4 * l + k] = i32::from(sc);
-                        lanes.sc[1][4 * l + k] = i32::from(m);
-                    }
                 }
             }
             F_Q6K => {
@@ -417,12 +554,6 @@ unsafe fn decode<const F: u8>(rowp: &[*const u8; 4], q: usize, nvalid: usize) ->
                         w0[k][h] = _mm256_or_si256(e0, high(qh0, h));
                         w1[k][h] = _mm256_or_si256(e1, high(qh1, h));
                     }
-                    let tail: &[u8; 18] = &*p.add(offset_of!(BlockQ6K, scales)).cast::<[u8; 18]>();
-                    for l in 0..4 {
-                        lanes.d[4 * l + k] = u16::from_le_bytes([tail[16], tail[17]]);
-                        lanes.sc[0][4 * l + k] = i32::from(tail[8 * hq + 2 * l] as i8);
-                        lanes.sc[1][4 * l + k] = i32::from(tail[8 * hq + 2 * l + 1] as i8);
-                    }
                 }
             }
             _ => unreachable!(),
@@ -444,12 +575,19 @@ unsafe fn decode<const F: u8>(rowp: &[*const u8; 4], q: usize, nvalid: usize) ->
             [_mm256_setzero_ps(); 2],
         ),
         F_Q4K | F_Q5K => {
-            let (d, dmin) = (f16x16(&lanes.d), f16x16(&lanes.m));
-            let neg = _mm256_set1_ps(-0.0);
-            let m = scaled(dmin, &lanes.sc[1]).map(|v| _mm256_xor_ps(v, neg));
-            (scaled(d, &lanes.sc[0]), m)
+            let block_bytes = if F == F_Q4K {
+                size_of::<BlockQ4K>()
+            } else {
+                size_of::<BlockQ5K>()
+            };
+            // SAFETY: the headers are inside the rows' super-block `q / 2`.
+            unsafe { kq4_scales(rowp, (q / 2) * block_bytes, q % 2) }
         }
-        F_Q6K | F_Q3K => {
+        F_Q6K => {
+            // SAFETY: the scales and d are inside the rows' super-block `q / 2`.
+            unsafe { q6k_scales(rowp, (q / 2) * size_of::<BlockQ6K>(), q % 2) }
+        }
+        F_Q3K => {
             let d = f16x16(&lanes.d);
             (scaled(d, &lanes.sc[0]), scaled(d, &lanes.sc[1]))
         }
