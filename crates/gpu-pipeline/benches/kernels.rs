@@ -3,7 +3,9 @@
 //! real default model (when present).
 //!
 //! Run: `cargo bench -p zerolayer-gpu-pipeline --bench kernels [-- FILTER]`; a filter (e.g. `q5_0` or
-//! `q5_0|q2_K`) also restricts the summary to the dtypes it names. A summary table (medians, effective
+//! `q5_0|q2_K`) also restricts the summary to the dtypes it names. The summary measures the
+//! backend [`Backend::detect`] picks: `ZEROLAYER_KERNELS=avx2` gives the AVX2 figures on an
+//! AVX-512 machine. A summary table (medians, effective
 //! bandwidth as a share of the machine's read bandwidth measured in the same run by
 //! `gpu_pipeline::read_bandwidth` (read-only sum over 3 x 1 GiB, best of 5, same threads), ratios to the scalar backend) is printed first; criterion
 //! groups follow. Matvec inputs cycle over enough copies of the weights (>= 256 MiB) that they

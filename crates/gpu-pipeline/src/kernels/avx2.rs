@@ -1,5 +1,5 @@
 //! AVX2 + FMA + F16C kernels for float weights (F32, F16, BF16) with f32 activations, and the
-//! integer-quantized formats through the scalar reference compiled for AVX2 + FMA.
+//! entry point of the integer-quantized ones ([`super::avx2_quant`]).
 //!
 //! Per (row, token): two 8-lane FMA accumulators over 16-column chunks, a fixed horizontal sum,
 //! then the `cols % 16` tail added in column order. The same sequence runs for any number of
@@ -36,10 +36,8 @@ pub(crate) unsafe fn float_rows(
     }
 }
 
-/// Rows `rows` x all `n` tokens of an integer-quantized matrix: [`super::scalar::quant_rows`]
-/// compiled with AVX2 + FMA enabled (the compiler vectorizes its integer block dot products and
-/// its fused multiply-adds become single instructions). Same source, same operations, so the
-/// same bits as the scalar and AVX-512 backends.
+/// Rows `rows` x all `n` tokens of an integer-quantized matrix ([`super::avx2_quant`]): the
+/// same operations as the scalar and AVX-512 backends, so the same bits.
 ///
 /// # Safety
 /// The CPU supports AVX2, FMA and F16C.
@@ -52,7 +50,8 @@ pub(crate) unsafe fn quant_rows(
     rows: Range<usize>,
     out: &mut RowsOut<'_>,
 ) {
-    super::scalar::quant_rows(fmt, w, acts, n, rows, out);
+    // SAFETY: the caller guarantees the features.
+    unsafe { super::avx2_quant::quant_rows(fmt, w, acts, n, rows, out) }
 }
 
 /// 8 weights of row `p` starting at column `c` as f32.

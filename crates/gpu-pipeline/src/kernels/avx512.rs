@@ -25,29 +25,28 @@ use std::cell::RefCell;
 use std::ops::Range;
 
 use super::act::{ActBlock, ActQuad, block_scale, quads_per_token};
-use super::format::{Fmt, f16_at};
+use super::format::Fmt;
 use super::{RowsOut, WeightMatrix};
 use std::mem::offset_of;
 use weight_cache::quant::{
     BlockIQ4XS, BlockQ2K, BlockQ3K, BlockQ4K, BlockQ5_0, BlockQ5_1, BlockQ5K, KVALUES_IQ4NL,
-    scale_iq4xs, scale_k3, scale_min_k4,
 };
 
 pub(crate) const F_Q4_0: u8 = 0;
 pub(crate) const F_Q4_1: u8 = 1;
 pub(crate) const F_Q8_0: u8 = 2;
-const F_Q4K: u8 = 3;
-const F_Q6K: u8 = 4;
+pub(crate) const F_Q4K: u8 = 3;
+pub(crate) const F_Q6K: u8 = 4;
 pub(crate) const F_Q5_0: u8 = 5;
 pub(crate) const F_Q5_1: u8 = 6;
-const F_Q2K: u8 = 7;
-const F_Q3K: u8 = 8;
-const F_Q5K: u8 = 9;
+pub(crate) const F_Q2K: u8 = 7;
+pub(crate) const F_Q3K: u8 = 8;
+pub(crate) const F_Q5K: u8 = 9;
 pub(crate) const F_IQ4NL: u8 = 10;
-const F_IQ4XS: u8 = 11;
+pub(crate) const F_IQ4XS: u8 = 11;
 
 /// Whether the two 16-element halves of a block have their own scales (and mins).
-const fn is_split(f: u8) -> bool {
+pub(crate) const fn is_split(f: u8) -> bool {
     matches!(f, F_Q6K | F_Q3K | F_Q2K)
 }
 
@@ -136,6 +135,157 @@ static Q6_SHR: [u16; 32] = [
     0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2,
 ];
 
+/// The K-quant scale set-up works on the 16-byte headers of the quad's 4 rows loaded side by
+/// side (row `k` in 128-bit lane `k`, see [`rows16`]) and gathers, per result lane `j = 4L + k`
+/// (block `L` of the quad, row `k`), the header bytes that block's scales are made of into
+/// dword `j`. `bytes(j)` gives those bytes' offsets inside row `k`'s header (255: zero).
+const fn lane_gather(table: [[u8; 4]; 4]) -> [u8; 64] {
+    let mut t = [0u8; 64];
+    let mut j = 0;
+    while j < 16 {
+        let (l, k) = (j / 4, j % 4);
+        let mut b = 0;
+        while b < 4 {
+            let off = table[l][b];
+            t[4 * j + b] = if off == 255 { 0 } else { (16 * k) as u8 + off };
+            b += 1;
+        }
+        j += 1;
+    }
+    t
+}
+
+/// Byte mask of the gathered bytes that are not 255 (zero) in a [`lane_gather`] table.
+const fn lane_gather_mask(table: [[u8; 4]; 4]) -> u64 {
+    let mut m = 0u64;
+    let mut j = 0;
+    while j < 64 {
+        if table[j / 16][j % 4] != 255 {
+            m |= 1 << j;
+        }
+        j += 1;
+    }
+    m
+}
+
+/// Word gather of two f16 values per row from the 4 headers of [`rows16`]: word `j < 16` takes
+/// word `a` of row `j % 4`'s header, word `16 + j` its word `b`.
+const fn f16_pair_index(a: u16, b: u16) -> [u16; 32] {
+    let mut t = [0u16; 32];
+    let mut j = 0;
+    while j < 16 {
+        t[j] = 8 * (j % 4) as u16 + a;
+        t[16 + j] = 8 * (j % 4) as u16 + b;
+        j += 1;
+    }
+    t
+}
+
+/// Q4_K/Q5_K header (d, dmin, 12 scale bytes `q`): block `L` of either quad half gathers
+/// `q[L], q[L + 4], q[L + 8]` (see `scale_min_k4`).
+const KQ4_SCALE_BYTES: [[u8; 4]; 4] = [
+    [4, 8, 12, 255],
+    [5, 9, 13, 255],
+    [6, 10, 14, 255],
+    [7, 11, 15, 255],
+];
+static KQ4_SCALE_IDX: [u8; 64] = lane_gather(KQ4_SCALE_BYTES);
+const KQ4_SCALE_MASK: u64 = lane_gather_mask(KQ4_SCALE_BYTES);
+/// Q4_K/Q5_K: d and dmin are header words 0 and 1.
+static KQ4_D_IDX: [u16; 32] = f16_pair_index(0, 1);
+/// Q2_K: the 16 scale bytes are the header; sub-block `4h + L` is bytes `8h + 2L` (elements
+/// 0..16) and `8h + 2L + 1`.
+const fn q2k_scale_bytes(h: u8) -> [[u8; 4]; 4] {
+    let mut t = [[255u8; 4]; 4];
+    let mut l = 0;
+    while l < 4 {
+        t[l][0] = 8 * h + 2 * l as u8;
+        t[l][1] = 8 * h + 2 * l as u8 + 1;
+        l += 1;
+    }
+    t
+}
+static Q2K_SCALE_IDX: [[u8; 64]; 2] = [
+    lane_gather(q2k_scale_bytes(0)),
+    lane_gather(q2k_scale_bytes(1)),
+];
+const Q2K_SCALE_MASK: u64 = lane_gather_mask(q2k_scale_bytes(0));
+/// Q2_K: d and dmin are words 6 and 7 of the 16 bytes ending the block.
+static Q2K_D_IDX: [u16; 32] = f16_pair_index(6, 7);
+/// Q3_K, 16 bytes ending the block (2 quant bytes, 12 scale bytes `q` from byte 2, d): scale
+/// `i = 8h + 2L + e` (half `e`) has its low bits in `q[2L + e]` and its high bits in
+/// `q[8 + 2(L % 2) + e]` at bit `2(2h + L / 2)` (see `scale_k3`).
+const Q3K_SCALE_BYTES: [[u8; 4]; 4] = [
+    [2, 3, 10, 11],
+    [4, 5, 12, 13],
+    [6, 7, 10, 11],
+    [8, 9, 12, 13],
+];
+static Q3K_SCALE_IDX: [u8; 64] = lane_gather(Q3K_SCALE_BYTES);
+/// Q3_K: right shifts per lane `4L + k` bringing half 0's (`[0]`) and half 1's high bits down,
+/// per quad half `h`.
+static Q3K_HIGH_SHR: [[[u32; 16]; 2]; 2] = {
+    let mut t = [[[0u32; 16]; 2]; 2];
+    let mut i = 0;
+    while i < 64 {
+        let (h, e, j) = (i / 32, (i / 16) % 2, i % 16);
+        t[h][e][j] = (16 + 8 * e + 2 * (2 * h + j / 8)) as u32;
+        i += 1;
+    }
+    t
+};
+/// Q3_K: d is word 7 of the 16 bytes ending the block.
+static Q3K_D_IDX: [u16; 32] = f16_pair_index(7, 7);
+/// IQ4_XS header (d, scales_h, scales_l): sub-block `i = 4h + L` gathers `scales_l[i / 2]`
+/// and the two bytes of `scales_h`.
+const fn iq4xs_scale_bytes(h: u8) -> [[u8; 4]; 4] {
+    let mut t = [[255u8; 4]; 4];
+    let mut l = 0;
+    while l < 4 {
+        t[l] = [4 + (4 * h + l as u8) / 2, 2, 3, 255];
+        l += 1;
+    }
+    t
+}
+static IQ4XS_SCALE_IDX: [[u8; 64]; 2] = [
+    lane_gather(iq4xs_scale_bytes(0)),
+    lane_gather(iq4xs_scale_bytes(1)),
+];
+const IQ4XS_SCALE_MASK: u64 = lane_gather_mask(iq4xs_scale_bytes(0));
+/// IQ4_XS: right shifts per lane `4L + k` to the low (`[0]`) and high scale bits of sub-block
+/// `4h + L`, per quad half `h`.
+static IQ4XS_SHR: [[[u32; 16]; 2]; 2] = {
+    let mut t = [[[0u32; 16]; 2]; 2];
+    let mut i = 0;
+    while i < 64 {
+        let (h, part, j) = (i / 32, (i / 16) % 2, i % 16);
+        let l = j / 4;
+        t[h][part][j] = if part == 0 {
+            (4 * (l % 2)) as u32
+        } else {
+            (8 + 2 * (4 * h + l)) as u32
+        };
+        i += 1;
+    }
+    t
+};
+/// IQ4_XS: d is header word 0.
+static IQ4XS_D_IDX: [u16; 32] = f16_pair_index(0, 0);
+/// Q6_K, 16 scale bytes per row: byte `j < 16` takes scale `8h + 2L` of row `k` (`j = 4L + k`),
+/// byte `16 + j` scale `8h + 2L + 1`.
+static Q6K_SCALE_IDX: [[u8; 64]; 2] = {
+    let mut t = [[0u8; 64]; 2];
+    let mut i = 0;
+    while i < 64 {
+        let (h, e, j) = (i / 32, (i / 16) % 2, i % 16);
+        t[h][16 * e + j] = (16 * (j % 4) + 8 * h + 2 * (j / 4) + e) as u8;
+        i += 1;
+    }
+    t
+};
+/// Q6_K: d is word 7 of the 16 bytes ending the block.
+static Q6K_D_IDX: [u16; 32] = f16_pair_index(7, 7);
+
 /// A mask of the first `n` bytes (`n` clamped to 0..=64).
 #[inline(always)]
 fn bmask(n: isize) -> u64 {
@@ -166,6 +316,50 @@ struct WQuad {
 unsafe fn load_idx(t: &[u8; 64]) -> __m512i {
     // SAFETY: `t` is 64 readable bytes.
     unsafe { _mm512_loadu_si512(t.as_ptr().cast()) }
+}
+
+/// The 16 bytes at each of `p[0..4]`, `p[k]`'s in 128-bit lane `k`.
+///
+/// # Safety
+/// Each `p[k]` has 16 readable bytes.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,avx2,fma,f16c")]
+unsafe fn rows16(p: [*const u8; 4]) -> __m512i {
+    // SAFETY: forwarded from the caller.
+    unsafe {
+        let ld = |p: *const u8| _mm_loadu_si128(p.cast());
+        let lo = _mm256_inserti128_si256::<1>(_mm256_castsi128_si256(ld(p[0])), ld(p[1]));
+        let hi = _mm256_inserti128_si256::<1>(_mm256_castsi128_si256(ld(p[2])), ld(p[3]));
+        _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi)
+    }
+}
+
+/// Two f16 values per row of the headers `hdr` (see [`rows16`]) as f32, lane `4L + k` = row `k`'s
+/// (the same for every `L`): words `idx[0..16]` and `idx[16..32]` (see [`f16_pair_index`]).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,avx2,fma,f16c")]
+fn f16_pair(hdr: __m512i, idx: &[u16; 32]) -> (__m512, __m512) {
+    // SAFETY: `idx` is 64 readable bytes.
+    let idx = unsafe { _mm512_loadu_si512(idx.as_ptr().cast()) };
+    let words = _mm512_permutexvar_epi16(idx, hdr);
+    (
+        _mm512_cvtph_ps(_mm512_castsi512_si256(words)),
+        _mm512_cvtph_ps(_mm512_extracti64x4_epi64::<1>(words)),
+    )
+}
+
+/// `d * v` per lane for the integer lanes `v`, as `d * f32::from(v)` computes it.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,avx2,fma,f16c")]
+fn scaled(d: __m512, v: __m512i) -> __m512 {
+    _mm512_mul_ps(d, _mm512_cvtepi32_ps(v))
+}
+
+/// `-(d * v)` per lane, as `-(d * f32::from(v))` computes it.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,avx2,fma,f16c")]
+fn neg_scaled(d: __m512, v: __m512i) -> __m512 {
+    _mm512_xor_ps(scaled(d, v), _mm512_set1_ps(-0.0))
 }
 
 /// Decodes quad `q` (blocks `4q..4q + nvalid`) of the 4 rows at `rowp`.
@@ -309,7 +503,6 @@ unsafe fn decode<const F: u8>(rowp: &[*const u8; 4], q: usize, nvalid: usize) ->
                 let bit = _mm512_loadu_si512(Q5K_BIT[h].as_ptr().cast());
                 let two = _mm512_set1_epi8(3);
                 let third = _mm512_set1_epi8(4);
-                let mut lanes = [[0.0f32; 16]; 4];
                 for k in 0..4 {
                     let p = rowp[k].add(blk * block_bytes);
                     let qs = p.add(qs_at + 32 * h);
@@ -317,46 +510,56 @@ unsafe fn decode<const F: u8>(rowp: &[*const u8; 4], q: usize, nvalid: usize) ->
                     let v1 = _mm512_broadcast_i32x4(_mm_loadu_si128(qs.add(16).cast()));
                     let mut w0 = _mm512_and_si512(_mm512_srlv_epi16(v0, shr), two);
                     let mut w1 = _mm512_and_si512(_mm512_srlv_epi16(v1, shr), two);
-                    let head = std::slice::from_raw_parts(p, block_bytes);
                     if F == F_Q3K {
                         let h0 = _mm512_broadcast_i32x4(_mm_loadu_si128(p.cast()));
                         let h1 = _mm512_broadcast_i32x4(_mm_loadu_si128(p.add(16).cast()));
                         w0 = _mm512_mask_add_epi8(w0, _mm512_test_epi8_mask(h0, bit), w0, third);
                         w1 = _mm512_mask_add_epi8(w1, _mm512_test_epi8_mask(h1, bit), w1, third);
-                        let d = f16_at(head, offset_of!(BlockQ3K, d));
-                        let at = offset_of!(BlockQ3K, scales);
-                        let scales: &[u8; 12] = head[at..at + 12].try_into().unwrap_or(&[0; 12]);
-                        for l in 0..4 {
-                            let sb = 4 * h + l;
-                            lanes[0][4 * l + k] = d * f32::from(scale_k3(2 * sb, scales));
-                            lanes[1][4 * l + k] = d * f32::from(scale_k3(2 * sb + 1, scales));
-                        }
-                    } else {
-                        let d = f16_at(head, offset_of!(BlockQ2K, d));
-                        let dmin = f16_at(head, offset_of!(BlockQ2K, dmin));
-                        for l in 0..4 {
-                            let sb = 4 * h + l;
-                            for half in 0..2 {
-                                let sc = head[2 * sb + half];
-                                lanes[half][4 * l + k] = d * f32::from(sc & 0xF);
-                                lanes[2 + half][4 * l + k] = -(dmin * f32::from(sc >> 4));
-                            }
-                        }
                     }
                     out.w0[k] = w0;
                     out.w1[k] = w1;
                 }
-                out.d = _mm512_loadu_ps(lanes[0].as_ptr());
-                out.m = _mm512_loadu_ps(lanes[1].as_ptr());
-                out.mins = [
-                    _mm512_loadu_ps(lanes[2].as_ptr()),
-                    _mm512_loadu_ps(lanes[3].as_ptr()),
-                ];
+                // The scales of sub-blocks `4h + L` of the 4 rows, lane `4L + k`.
+                let m4 = _mm512_set1_epi32(0xF);
+                let tail = rowp.map(|r| r.add(blk * block_bytes + block_bytes - 16));
+                if F == F_Q3K {
+                    // Low 4 bits, high 2 bits, minus 32 (`scale_k3`), times d.
+                    let tails = rows16(tail);
+                    let x = _mm512_permutexvar_epi8(load_idx(&Q3K_SCALE_IDX), tails);
+                    let (d, _) = f16_pair(tails, &Q3K_D_IDX);
+                    let low = if h == 0 { x } else { _mm512_srli_epi32::<4>(x) };
+                    let shr = |e: usize| _mm512_loadu_si512(Q3K_HIGH_SHR[h][e].as_ptr().cast());
+                    let scale = |low: __m512i, e: usize| {
+                        let high =
+                            _mm512_and_si512(_mm512_srlv_epi32(x, shr(e)), _mm512_set1_epi32(3));
+                        let v = _mm512_or_si512(
+                            _mm512_and_si512(low, m4),
+                            _mm512_slli_epi32::<4>(high),
+                        );
+                        _mm512_sub_epi32(v, _mm512_set1_epi32(32))
+                    };
+                    out.d = scaled(d, scale(low, 0));
+                    out.m = scaled(d, scale(_mm512_srli_epi32::<8>(low), 1));
+                } else {
+                    // Per half `e`: scale = low nibble of byte `e`, min = its high nibble.
+                    let heads = rows16(rowp.map(|r| r.add(blk * block_bytes)));
+                    let x = _mm512_maskz_permutexvar_epi8(
+                        Q2K_SCALE_MASK,
+                        load_idx(&Q2K_SCALE_IDX[h]),
+                        heads,
+                    );
+                    let (d, dmin) = f16_pair(rows16(tail), &Q2K_D_IDX);
+                    let nib = |shift: u32| {
+                        _mm512_and_si512(_mm512_srlv_epi32(x, _mm512_set1_epi32(shift as i32)), m4)
+                    };
+                    out.d = scaled(d, nib(0));
+                    out.m = scaled(d, nib(8));
+                    out.mins = [neg_scaled(dmin, nib(4)), neg_scaled(dmin, nib(12))];
+                }
             }
             F_IQ4XS => {
                 let (blk, h) = (q / 2, q % 2);
                 let table = _mm512_loadu_si512(IQ4_TABLE.as_ptr().cast());
-                let mut dv = [0.0f32; 16];
                 for k in 0..4 {
                     let p = rowp[k].add(blk * size_of::<BlockIQ4XS>());
                     // Sub-block `4h + L`'s 16 bytes are 128-bit lane `L`.
@@ -365,18 +568,23 @@ unsafe fn decode<const F: u8>(rowp: &[*const u8; 4], q: usize, nvalid: usize) ->
                     let hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo4);
                     out.w0[k] = _mm512_shuffle_epi8(table, lo);
                     out.w1[k] = _mm512_shuffle_epi8(table, hi);
-                    let head = std::slice::from_raw_parts(p, offset_of!(BlockIQ4XS, qs));
-                    let d = f16_at(head, offset_of!(BlockIQ4XS, d));
-                    let at = offset_of!(BlockIQ4XS, scales_h);
-                    let scales_h = u16::from_le_bytes([head[at], head[at + 1]]);
-                    let at = offset_of!(BlockIQ4XS, scales_l);
-                    let scales_l = [head[at], head[at + 1], head[at + 2], head[at + 3]];
-                    for l in 0..4 {
-                        let ls = scale_iq4xs(4 * h + l, scales_h, &scales_l);
-                        dv[4 * l + k] = d * f32::from(ls);
-                    }
                 }
-                out.d = _mm512_loadu_ps(dv.as_ptr());
+                // `scale_iq4xs` of sub-blocks `4h + L`, lane `4L + k`, times d.
+                let heads = rows16(rowp.map(|r| r.add(blk * size_of::<BlockIQ4XS>())));
+                let x = _mm512_maskz_permutexvar_epi8(
+                    IQ4XS_SCALE_MASK,
+                    load_idx(&IQ4XS_SCALE_IDX[h]),
+                    heads,
+                );
+                let shr = |part: usize| _mm512_loadu_si512(IQ4XS_SHR[h][part].as_ptr().cast());
+                let low = _mm512_and_si512(_mm512_srlv_epi32(x, shr(0)), _mm512_set1_epi32(0xF));
+                let high = _mm512_and_si512(_mm512_srlv_epi32(x, shr(1)), _mm512_set1_epi32(3));
+                let ls = _mm512_sub_epi32(
+                    _mm512_or_si512(low, _mm512_slli_epi32::<4>(high)),
+                    _mm512_set1_epi32(32),
+                );
+                let (d, _) = f16_pair(heads, &IQ4XS_D_IDX);
+                out.d = scaled(d, ls);
             }
             F_Q8_0 => {
                 let idx = load_idx(&IDX_Q8_0);
@@ -421,8 +629,6 @@ unsafe fn decode<const F: u8>(rowp: &[*const u8; 4], q: usize, nvalid: usize) ->
                 };
                 let bit = _mm512_loadu_si512(Q5K_BIT[h].as_ptr().cast());
                 let fifth = _mm512_set1_epi8(0x10);
-                let mut dv = [0.0f32; 16];
-                let mut mv = [0.0f32; 16];
                 for k in 0..4 {
                     let p = rowp[k].add(blk * block_bytes);
                     let v = _mm512_loadu_si512(p.add(qs_at + 64 * h).cast());
@@ -439,17 +645,30 @@ unsafe fn decode<const F: u8>(rowp: &[*const u8; 4], q: usize, nvalid: usize) ->
                         out.w0[k] = _mm512_mask_add_epi8(out.w0[k], k0, out.w0[k], fifth);
                         out.w1[k] = _mm512_mask_add_epi8(out.w1[k], k1, out.w1[k], fifth);
                     }
-                    let head = std::slice::from_raw_parts(p, 16);
-                    let (d, dmin) = (f16_at(head, 0), f16_at(head, 2));
-                    for l in 0..4 {
-                        let scales: &[u8; 12] = head[4..16].try_into().unwrap_or(&[0; 12]);
-                        let (sc, m) = scale_min_k4(4 * h + l, scales);
-                        dv[4 * l + k] = d * f32::from(sc);
-                        mv[4 * l + k] = -(dmin * f32::from(m));
-                    }
                 }
-                out.d = _mm512_loadu_ps(dv.as_ptr());
-                out.m = _mm512_loadu_ps(mv.as_ptr());
+                // `scale_min_k4` of sub-blocks `4h + L`, lane `4L + k`: dword bytes
+                // `q[L], q[L + 4], q[L + 8]` of the 12 scale bytes `q`.
+                let heads = rows16(rowp.map(|r| r.add(blk * block_bytes)));
+                let x =
+                    _mm512_maskz_permutexvar_epi8(KQ4_SCALE_MASK, load_idx(&KQ4_SCALE_IDX), heads);
+                let bits = |v: __m512i, mask: i32| _mm512_and_si512(v, _mm512_set1_epi32(mask));
+                let (sc, m) = if h == 0 {
+                    (bits(x, 63), bits(_mm512_srli_epi32::<8>(x), 63))
+                } else {
+                    (
+                        _mm512_or_si512(
+                            bits(_mm512_srli_epi32::<16>(x), 0xF),
+                            bits(_mm512_srli_epi32::<2>(x), 0x30),
+                        ),
+                        _mm512_or_si512(
+                            bits(_mm512_srli_epi32::<20>(x), 0xF),
+                            bits(_mm512_srli_epi32::<10>(x), 0x30),
+                        ),
+                    )
+                };
+                let (d, dmin) = f16_pair(heads, &KQ4_D_IDX);
+                out.d = scaled(d, sc);
+                out.m = neg_scaled(dmin, m);
             }
             F_Q6K => {
                 let (blk, h) = (q / 2, q % 2);
@@ -458,8 +677,6 @@ unsafe fn decode<const F: u8>(rowp: &[*const u8; 4], q: usize, nvalid: usize) ->
                 let shl = _mm512_loadu_si512(Q6_SHL.as_ptr().cast());
                 let shr = _mm512_loadu_si512(Q6_SHR.as_ptr().cast());
                 let m30 = _mm512_set1_epi8(0x30);
-                let mut da = [0.0f32; 16];
-                let mut db = [0.0f32; 16];
                 for k in 0..4 {
                     let p = rowp[k].add(blk * 210);
                     let ql = _mm512_loadu_si512(p.add(64 * h).cast());
@@ -472,15 +689,13 @@ unsafe fn decode<const F: u8>(rowp: &[*const u8; 4], q: usize, nvalid: usize) ->
                     let qhi = _mm512_or_si512(hi, hhi);
                     out.w0[k] = _mm512_permutex2var_epi64(qlo, i0, qhi);
                     out.w1[k] = _mm512_permutex2var_epi64(qlo, i1, qhi);
-                    let tail = std::slice::from_raw_parts(p.add(192), 18);
-                    let d = f16_at(tail, 16);
-                    for l in 0..4 {
-                        da[4 * l + k] = d * f32::from(tail[8 * h + 2 * l] as i8);
-                        db[4 * l + k] = d * f32::from(tail[8 * h + 2 * l + 1] as i8);
-                    }
                 }
-                out.d = _mm512_loadu_ps(da.as_ptr());
-                out.m = _mm512_loadu_ps(db.as_ptr());
+                // Signed scales `8h + 2L` (elements 0..16) and `8h + 2L + 1`, lane `4L + k`.
+                let at = |off: usize| rowp.map(|r| r.add(blk * 210 + off));
+                let x = _mm512_permutexvar_epi8(load_idx(&Q6K_SCALE_IDX[h]), rows16(at(192)));
+                let (d, _) = f16_pair(rows16(at(194)), &Q6K_D_IDX);
+                out.d = scaled(d, _mm512_cvtepi8_epi32(_mm512_castsi512_si128(x)));
+                out.m = scaled(d, _mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32::<1>(x)));
             }
             _ => unreachable!(),
         }

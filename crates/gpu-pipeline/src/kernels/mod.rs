@@ -9,7 +9,7 @@
 //! with the f32 activations directly.
 //!
 //! Backends are picked at run time ([`Backend::detect`]): AVX-512 (F, BW, VL, VNNI, VBMI), AVX2 +
-//! FMA (float weights; quantized weights run the scalar code compiled for AVX2 + FMA), and a
+//! FMA (every format, without VNNI), and a
 //! portable scalar backend that computes the same quantities with the same operations in the
 //! same order (it is the reference the SIMD code is tested against, bit for bit). Block layouts
 //! and their scalar decoding are weight-cache's ([`weight_cache::quant`]), shared with its
@@ -36,6 +36,8 @@
 mod act;
 #[cfg(target_arch = "x86_64")]
 mod avx2;
+#[cfg(target_arch = "x86_64")]
+mod avx2_quant;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
 mod format;
@@ -238,8 +240,7 @@ pub enum KernelError {
 pub enum Backend {
     /// Portable Rust; same quantities as the SIMD backends.
     Scalar,
-    /// x86-64 AVX2 + FMA + F16C (float kernels; quantized weights run the scalar reference
-    /// compiled for these features).
+    /// x86-64 AVX2 + FMA + F16C.
     Avx2,
     /// x86-64 AVX-512 F/BW/VL/DQ + VNNI + VBMI.
     Avx512,

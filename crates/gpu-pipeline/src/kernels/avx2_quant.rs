@@ -1,0 +1,791 @@
+//! AVX2 + FMA + F16C kernels (no AVX-512) for the integer-quantized formats (Q4_0, Q4_1, Q5_0,
+//! Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS).
+//!
+//! The unit of work is the AVX-512 kernels' (see [`super::avx512`]): 4 rows x 4 consecutive
+//! 32-element blocks ("a quad") x up to 4 tokens, in two 256-bit halves (blocks 0 and 1, blocks 2
+//! and 3), so the activation quads ([`ActQuad`]) are read as they are laid out:
+//! - per row and half, the quants of elements 0..16 of the two blocks are one u8 vector, those of
+//!   elements 16..32 another;
+//! - `vpmaddubsw` + `vpmaddwd` give 8 partial sums of 4 products each; for Q8_0 and IQ4, whose
+//!   quants are signed 8-bit (the unsigned `q + 128` would saturate `vpmaddubsw`), the signs are
+//!   moved onto the activations first (`|w| * sign(x, w)`), which gives the same exact integer as
+//!   the reference's `sum(q * x) - 128 * sum(x)`;
+//! - three rounds of `vphaddd` over the 4 rows give the exact integer dot product of block `L` of
+//!   row `k` in lane `4L + k` (`L` 0..2 of the first half, 2..4 of the second);
+//! - the block scales are applied in f32 with the same FMAs in the same order as the scalar
+//!   reference and the AVX-512 kernels (one chain per lane, i.e. per row and block index modulo
+//!   4), so every backend gives the same bits.
+
+use std::arch::x86_64::*;
+use std::ops::Range;
+
+use super::act::{ActQuad, quads_per_token};
+use super::avx512::{
+    F_IQ4NL, F_IQ4XS, F_Q2K, F_Q3K, F_Q4_0, F_Q4_1, F_Q4K, F_Q5_0, F_Q5_1, F_Q5K, F_Q6K, F_Q8_0,
+    has_min, is_split, offset_shift,
+};
+use super::format::Fmt;
+use super::{RowsOut, WeightMatrix};
+use std::mem::offset_of;
+use weight_cache::quant::{
+    BlockIQ4NL, BlockIQ4XS, BlockQ2K, BlockQ3K, BlockQ4_0, BlockQ4_1, BlockQ4K, BlockQ5_0,
+    BlockQ5_1, BlockQ5K, BlockQ6K, BlockQ8_0, KVALUES_IQ4NL, scale_iq4xs, scale_k3,
+};
+
+/// Whether the format's quants are decoded as signed bytes (`q - 128`), see the module docs.
+const fn is_signed(f: u8) -> bool {
+    offset_shift(f) == 7
+}
+
+/// One quad of 4 rows, decoded. Index `[k][h]`: row `k`, half `h` (blocks `2h`, `2h + 1`).
+#[derive(Clone, Copy)]
+struct Quad {
+    /// Elements 0..16 of the half's two blocks (block `2h` in the low 128 bits).
+    w0: [[__m256i; 2]; 4],
+    /// Elements 16..32.
+    w1: [[__m256i; 2]; 4],
+    /// Weight scale per lane `4L + k` (split formats: of elements 0..16).
+    d: [__m256; 2],
+    /// Formats with a minimum: the additive term; split formats: the scale of elements 16..32.
+    m: [__m256; 2],
+    /// Q2_K: the minimums of elements 0..16 and 16..32.
+    mins: [[__m256; 2]; 2],
+}
+
+/// The scale fields of a quad before conversion, lane `4L + k`.
+struct Lanes {
+    /// f16 bits of each lane's scale (legacy formats) or its row's super-block scale.
+    d: [u16; 16],
+    /// f16 bits of each lane's minimum (Q4_1) or its row's super-block minimum scale (K-quants).
+    m: [u16; 16],
+    /// Integer sub-block scales (K-quants, IQ4_XS; split formats: of elements 0..16, 16..32),
+    /// then Q2_K's integer minimums.
+    sc: [[i32; 16]; 4],
+}
+
+impl Lanes {
+    const ZERO: Self = Self {
+        d: [0; 16],
+        m: [0; 16],
+        sc: [[0; 16]; 4],
+    };
+}
+
+/// 8 f16 values to f32.
+///
+/// # Safety
+/// The CPU supports the features enabled here.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn f16x8(v: &[u16]) -> __m256 {
+    let v: &[u16; 8] = v.try_into().unwrap_or(&[0; 8]);
+    // SAFETY: `v` is 16 readable bytes.
+    _mm256_cvtph_ps(unsafe { _mm_loadu_si128(v.as_ptr().cast()) })
+}
+
+/// Both halves of 16 f16 lanes as f32.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn f16x16(v: &[u16; 16]) -> [__m256; 2] {
+    [f16x8(&v[..8]), f16x8(&v[8..])]
+}
+
+/// Both halves of 16 integer lanes as f32, times `d`, as `d * f32::from(v)` computes them.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn scaled(d: [__m256; 2], v: &[i32; 16]) -> [__m256; 2] {
+    // SAFETY: `v` has 16 readable i32s.
+    let ld = |i: usize| unsafe { _mm256_cvtepi32_ps(_mm256_loadu_si256(v[i..].as_ptr().cast())) };
+    [_mm256_mul_ps(d[0], ld(0)), _mm256_mul_ps(d[1], ld(8))]
+}
+
+/// The 16 bytes at `p + off` if `valid`, else zeros.
+///
+/// # Safety
+/// When `valid`, `p + off` has 16 readable bytes.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn ld16(p: *const u8, off: usize, valid: bool) -> __m128i {
+    if valid {
+        // SAFETY: forwarded from the caller.
+        unsafe { _mm_loadu_si128(p.add(off).cast()) }
+    } else {
+        _mm_setzero_si128()
+    }
+}
+
+/// The little-endian u16 at `p + off`.
+///
+/// # Safety
+/// `p + off` has 2 readable bytes.
+#[inline]
+unsafe fn u16_at(p: *const u8, off: usize) -> u16 {
+    // SAFETY: forwarded from the caller.
+    u16::from_le(unsafe { std::ptr::read_unaligned(p.add(off).cast::<u16>()) })
+}
+
+/// Low and high nibbles of every byte of `v`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn nibbles(v: __m256i) -> (__m256i, __m256i) {
+    let lo4 = _mm256_set1_epi8(0x0F);
+    (
+        _mm256_and_si256(v, lo4),
+        _mm256_and_si256(_mm256_srli_epi16::<4>(v), lo4),
+    )
+}
+
+/// Dword `L` of `g[k]` into lane `4L + k` (`L` 0..2 in the first half, 2..4 in the second).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn transpose4(g: [__m128i; 4]) -> [__m256i; 2] {
+    let lo01 = _mm_unpacklo_epi32(g[0], g[1]);
+    let lo23 = _mm_unpacklo_epi32(g[2], g[3]);
+    let hi01 = _mm_unpackhi_epi32(g[0], g[1]);
+    let hi23 = _mm_unpackhi_epi32(g[2], g[3]);
+    [
+        _mm256_set_m128i(
+            _mm_unpackhi_epi64(lo01, lo23),
+            _mm_unpacklo_epi64(lo01, lo23),
+        ),
+        _mm256_set_m128i(
+            _mm_unpackhi_epi64(hi01, hi23),
+            _mm_unpacklo_epi64(hi01, hi23),
+        ),
+    ]
+}
+
+/// The f16 in bytes `2w, 2w + 1` of dword `j` of each of the 4 rows' `heads` as f32, lane
+/// `4L + k` = row `k`'s (the same in both halves).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn row_f16(heads: &[__m128i; 4], j: usize, w: i8) -> __m256 {
+    let lo = _mm_unpacklo_epi32(heads[0], heads[1]);
+    let lo23 = _mm_unpacklo_epi32(heads[2], heads[3]);
+    let hi = _mm_unpackhi_epi32(heads[0], heads[1]);
+    let hi23 = _mm_unpackhi_epi32(heads[2], heads[3]);
+    // Dword `k` = dword `j` of row `k`.
+    let col = match j {
+        0 => _mm_unpacklo_epi64(lo, lo23),
+        1 => _mm_unpackhi_epi64(lo, lo23),
+        2 => _mm_unpacklo_epi64(hi, hi23),
+        _ => _mm_unpackhi_epi64(hi, hi23),
+    };
+    let b = 2 * w;
+    let idx = _mm_setr_epi8(
+        b,
+        b + 1,
+        b + 4,
+        b + 5,
+        b + 8,
+        b + 9,
+        b + 12,
+        b + 13,
+        b,
+        b + 1,
+        b + 4,
+        b + 5,
+        b + 8,
+        b + 9,
+        b + 12,
+        b + 13,
+    );
+    _mm256_cvtph_ps(_mm_shuffle_epi8(col, idx))
+}
+
+/// `d * v` per lane for the integer lanes `v`, as `d * f32::from(v)` computes it.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn scaled_v(d: __m256, v: __m256i) -> __m256 {
+    _mm256_mul_ps(d, _mm256_cvtepi32_ps(v))
+}
+
+/// Q4_K/Q5_K: `d * sc` and `-(dmin * m)` (`scale_min_k4`) of sub-blocks `4hq + L` of the
+/// super-blocks at `rowp[k] + at`, lane `4L + k`.
+///
+/// # Safety
+/// Each `rowp[k] + at` has a 16-byte header (d, dmin, 12 scale bytes).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn kq4_scales(rowp: &[*const u8; 4], at: usize, hq: usize) -> ([__m256; 2], [__m256; 2]) {
+    // SAFETY: forwarded from the caller.
+    let heads = rowp.map(|p| unsafe { _mm_loadu_si128(p.add(at).cast()) });
+    // Dword `L`: scale bytes `q[L], q[L + 4], q[L + 8]` (header bytes 4 + ...).
+    let idx = _mm_setr_epi8(4, 8, 12, -1, 5, 9, 13, -1, 6, 10, 14, -1, 7, 11, 15, -1);
+    let x = transpose4(heads.map(|h| _mm_shuffle_epi8(h, idx)));
+    let bits = |v: __m256i, mask: i32| _mm256_and_si256(v, _mm256_set1_epi32(mask));
+    let (d, dmin) = (row_f16(&heads, 0, 0), row_f16(&heads, 0, 1));
+    let neg = _mm256_set1_ps(-0.0);
+    let one = |x: __m256i| {
+        let (sc, m) = if hq == 0 {
+            (bits(x, 63), bits(_mm256_srli_epi32::<8>(x), 63))
+        } else {
+            (
+                _mm256_or_si256(
+                    bits(_mm256_srli_epi32::<16>(x), 0xF),
+                    bits(_mm256_srli_epi32::<2>(x), 0x30),
+                ),
+                _mm256_or_si256(
+                    bits(_mm256_srli_epi32::<20>(x), 0xF),
+                    bits(_mm256_srli_epi32::<10>(x), 0x30),
+                ),
+            )
+        };
+        (scaled_v(d, sc), _mm256_xor_ps(scaled_v(dmin, m), neg))
+    };
+    let (a, b) = (one(x[0]), one(x[1]));
+    ([a.0, b.0], [a.1, b.1])
+}
+
+/// Q6_K: `d * sc` of scales `8hq + 2L` (elements 0..16) and `8hq + 2L + 1` of the super-blocks
+/// at `rowp[k] + at`, lane `4L + k`.
+///
+/// # Safety
+/// Each `rowp[k] + at` is a whole Q6_K block.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q6k_scales(rowp: &[*const u8; 4], at: usize, hq: usize) -> ([__m256; 2], [__m256; 2]) {
+    let (sc_at, d_at) = (offset_of!(BlockQ6K, scales), offset_of!(BlockQ6K, d));
+    // SAFETY: forwarded from the caller (scales, and the 16 bytes ending with d).
+    let (scales, tails) = unsafe {
+        (
+            rowp.map(|p| _mm_loadu_si128(p.add(at + sc_at).cast())),
+            rowp.map(|p| _mm_loadu_si128(p.add(at + d_at + 2 - 16).cast())),
+        )
+    };
+    let d = row_f16(&tails, 3, 1);
+    let b = 8 * hq as i8;
+    // Scale `b + 2L + e` in the top byte of dword `L`, then sign-extended.
+    let one = |e: i8| {
+        let idx = _mm_setr_epi8(
+            -1,
+            -1,
+            -1,
+            b + e,
+            -1,
+            -1,
+            -1,
+            b + 2 + e,
+            -1,
+            -1,
+            -1,
+            b + 4 + e,
+            -1,
+            -1,
+            -1,
+            b + 6 + e,
+        );
+        transpose4(scales.map(|s| _mm_shuffle_epi8(s, idx)))
+            .map(|v| scaled_v(d, _mm256_srai_epi32::<24>(v)))
+    };
+    (one(0), one(1))
+}
+
+/// `0x10` in the bytes of elements 0..16 of a half (`lo` for its first block, `hi` for its
+/// second) whose bit is set in the 16-bit masks.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn fifth_bits(lo: u16, hi: u16) -> __m256i {
+    let v = _mm256_set_m128i(_mm_set1_epi16(hi as i16), _mm_set1_epi16(lo as i16));
+    let spread = _mm256_set_m128i(
+        _mm_set_epi64x(0x0101_0101_0101_0101, 0),
+        _mm_set_epi64x(0x0101_0101_0101_0101, 0),
+    );
+    let bit = _mm256_set1_epi64x(0x8040_2010_0804_0201u64 as i64);
+    let hit = _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_shuffle_epi8(v, spread), bit), bit);
+    _mm256_and_si256(hit, _mm256_set1_epi8(0x10))
+}
+
+/// Decodes quad `q` (blocks `4q..4q + nvalid`) of the 4 rows at `rowp`.
+///
+/// # Safety
+/// Each `rowp[k]` points at a full encoded row, `q` is a quad of that row and `nvalid` the
+/// number of its blocks inside the row (4 for the 256-element formats).
+#[inline]
+#[allow(clippy::needless_range_loop)] // `k` indexes rows and lanes alike
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn decode<const F: u8>(rowp: &[*const u8; 4], q: usize, nvalid: usize) -> Quad {
+    let z = _mm256_setzero_si256();
+    let mut w0 = [[z; 2]; 4];
+    let mut w1 = [[z; 2]; 4];
+    let mut lanes = Lanes::ZERO;
+    // SAFETY (whole body): the loads stay inside the quad's valid blocks of each row.
+    unsafe {
+        match F {
+            F_Q4_0 | F_Q4_1 | F_IQ4NL => {
+                let (bs, qs_at) = match F {
+                    F_Q4_1 => (size_of::<BlockQ4_1>(), offset_of!(BlockQ4_1, qs)),
+                    F_Q4_0 => (size_of::<BlockQ4_0>(), offset_of!(BlockQ4_0, qs)),
+                    _ => (size_of::<BlockIQ4NL>(), offset_of!(BlockIQ4NL, qs)),
+                };
+                let table =
+                    _mm256_broadcastsi128_si256(_mm_loadu_si128(KVALUES_IQ4NL.as_ptr().cast()));
+                for k in 0..4 {
+                    let p = rowp[k].add(q * 4 * bs);
+                    for h in 0..2 {
+                        let (b0, b1) = (2 * h, 2 * h + 1);
+                        let v = _mm256_set_m128i(
+                            ld16(p, bs * b1 + qs_at, b1 < nvalid),
+                            ld16(p, bs * b0 + qs_at, b0 < nvalid),
+                        );
+                        let (lo, hi) = nibbles(v);
+                        if F == F_IQ4NL {
+                            w0[k][h] = _mm256_shuffle_epi8(table, lo);
+                            w1[k][h] = _mm256_shuffle_epi8(table, hi);
+                        } else {
+                            (w0[k][h], w1[k][h]) = (lo, hi);
+                        }
+                    }
+                    for l in 0..nvalid {
+                        lanes.d[4 * l + k] = u16_at(p, bs * l);
+                        if F == F_Q4_1 {
+                            lanes.m[4 * l + k] = u16_at(p, bs * l + offset_of!(BlockQ4_1, m));
+                        }
+                    }
+                }
+            }
+            F_Q8_0 => {
+                let (bs, qs_at) = (size_of::<BlockQ8_0>(), offset_of!(BlockQ8_0, qs));
+                for k in 0..4 {
+                    let p = rowp[k].add(q * 4 * bs);
+                    for h in 0..2 {
+                        let (b0, b1) = (2 * h, 2 * h + 1);
+                        let half = |e: usize| {
+                            _mm256_set_m128i(
+                                ld16(p, bs * b1 + qs_at + e, b1 < nvalid),
+                                ld16(p, bs * b0 + qs_at + e, b0 < nvalid),
+                            )
+                        };
+                        (w0[k][h], w1[k][h]) = (half(0), half(16));
+                    }
+                    for l in 0..nvalid {
+                        lanes.d[4 * l + k] = u16_at(p, bs * l);
+                    }
+                }
+            }
+            F_Q5_0 | F_Q5_1 => {
+                let (bs, qh_at, qs_at) = if F == F_Q5_0 {
+                    let b = size_of::<BlockQ5_0>();
+                    (b, offset_of!(BlockQ5_0, qh), offset_of!(BlockQ5_0, qs))
+                } else {
+                    let b = size_of::<BlockQ5_1>();
+                    (b, offset_of!(BlockQ5_1, qh), offset_of!(BlockQ5_1, qs))
+                };
+                for k in 0..4 {
+                    let p = rowp[k].add(q * 4 * bs);
+                    let qh = |l: usize| {
+                        if l < nvalid {
+                            u32::from_le(std::ptr::read_unaligned(p.add(bs * l + qh_at).cast()))
+                        } else {
+                            0
+                        }
+                    };
+                    for h in 0..2 {
+                        let (b0, b1) = (2 * h, 2 * h + 1);
+                        let v = _mm256_set_m128i(
+                            ld16(p, bs * b1 + qs_at, b1 < nvalid),
+                            ld16(p, bs * b0 + qs_at, b0 < nvalid),
+                        );
+                        let (lo, hi) = nibbles(v);
+                        let (qh0, qh1) = (qh(b0), qh(b1));
+                        let f0 = fifth_bits(qh0 as u16, qh1 as u16);
+                        let f1 = fifth_bits((qh0 >> 16) as u16, (qh1 >> 16) as u16);
+                        w0[k][h] = _mm256_or_si256(lo, f0);
+                        w1[k][h] = _mm256_or_si256(hi, f1);
+                    }
+                    for l in 0..nvalid {
+                        lanes.d[4 * l + k] = u16_at(p, bs * l);
+                        if F == F_Q5_1 {
+                            lanes.m[4 * l + k] = u16_at(p, bs * l + offset_of!(BlockQ5_1, m));
+                        }
+                    }
+                }
+            }
+            F_IQ4XS => {
+                // Sub-block `4h' + L` (`h'` = q % 2) is qs bytes `16(4h' + L)..+16`, nibble order
+                // as IQ4_NL.
+                let (blk, hq) = (q / 2, q % 2);
+                let table =
+                    _mm256_broadcastsi128_si256(_mm_loadu_si128(KVALUES_IQ4NL.as_ptr().cast()));
+                for k in 0..4 {
+                    let p = rowp[k].add(blk * size_of::<BlockIQ4XS>());
+                    for h in 0..2 {
+                        let at = offset_of!(BlockIQ4XS, qs) + 64 * hq + 32 * h;
+                        let (lo, hi) = nibbles(_mm256_loadu_si256(p.add(at).cast()));
+                        w0[k][h] = _mm256_shuffle_epi8(table, lo);
+                        w1[k][h] = _mm256_shuffle_epi8(table, hi);
+                    }
+                    let scales_h = u16_at(p, offset_of!(BlockIQ4XS, scales_h));
+                    let at = offset_of!(BlockIQ4XS, scales_l);
+                    let scales_l = std::ptr::read_unaligned(p.add(at).cast::<[u8; 4]>());
+                    for l in 0..4 {
+                        lanes.d[4 * l + k] = u16_at(p, offset_of!(BlockIQ4XS, d));
+                        let ls = scale_iq4xs(4 * hq + l, scales_h, &scales_l);
+                        lanes.sc[0][4 * l + k] = i32::from(ls);
+                    }
+                }
+            }
+            F_Q2K | F_Q3K => {
+                // Sub-block `4h' + L`: bits `2L..2L + 2` of qs bytes `32h'..+32`; Q3_K adds bit
+                // `4h' + L` of hmask byte `e` as the third bit.
+                let (blk, hq) = (q / 2, q % 2);
+                let (block_bytes, qs_at) = if F == F_Q2K {
+                    (size_of::<BlockQ2K>(), offset_of!(BlockQ2K, qs))
+                } else {
+                    (size_of::<BlockQ3K>(), offset_of!(BlockQ3K, qs))
+                };
+                let shr = [0, 1]
+                    .map(|h| _mm256_set_m128i(_mm_set1_epi32(4 * h + 2), _mm_set1_epi32(4 * h)));
+                let bit = |l: i32| 1i8 << (4 * hq as i32 + l);
+                let bits = [0, 1].map(|h| {
+                    _mm256_set_m128i(_mm_set1_epi8(bit(2 * h + 1)), _mm_set1_epi8(bit(2 * h)))
+                });
+                let (two, third) = (_mm256_set1_epi8(3), _mm256_set1_epi8(4));
+                for k in 0..4 {
+                    let p = rowp[k].add(blk * block_bytes);
+                    let bcast = |off: usize| {
+                        _mm256_broadcastsi128_si256(_mm_loadu_si128(p.add(off).cast()))
+                    };
+                    let (qa, qb) = (bcast(qs_at + 32 * hq), bcast(qs_at + 32 * hq + 16));
+                    for h in 0..2 {
+                        // 32-bit shifts by at most 6: the 2 kept bits come from the same byte.
+                        let mut e0 = _mm256_and_si256(_mm256_srlv_epi32(qa, shr[h]), two);
+                        let mut e1 = _mm256_and_si256(_mm256_srlv_epi32(qb, shr[h]), two);
+                        if F == F_Q3K {
+                            let at = offset_of!(BlockQ3K, hmask);
+                            let set = |hm: __m256i| {
+                                let hit = _mm256_cmpeq_epi8(_mm256_and_si256(hm, bits[h]), bits[h]);
+                                _mm256_and_si256(hit, third)
+                            };
+                            e0 = _mm256_or_si256(e0, set(bcast(at)));
+                            e1 = _mm256_or_si256(e1, set(bcast(at + 16)));
+                        }
+                        (w0[k][h], w1[k][h]) = (e0, e1);
+                    }
+                    for l in 0..4 {
+                        let sb = 4 * hq + l;
+                        if F == F_Q2K {
+                            lanes.d[4 * l + k] = u16_at(p, offset_of!(BlockQ2K, d));
+                            lanes.m[4 * l + k] = u16_at(p, offset_of!(BlockQ2K, dmin));
+                            for half in 0..2 {
+                                let sc = *p.add(offset_of!(BlockQ2K, scales) + 2 * sb + half);
+                                lanes.sc[half][4 * l + k] = i32::from(sc & 0xF);
+                                lanes.sc[2 + half][4 * l + k] = i32::from(sc >> 4);
+                            }
+                        } else {
+                            lanes.d[4 * l + k] = u16_at(p, offset_of!(BlockQ3K, d));
+                            let at = offset_of!(BlockQ3K, scales);
+                            let scales = std::ptr::read_unaligned(p.add(at).cast::<[u8; 12]>());
+                            for half in 0..2 {
+                                let sc = scale_k3(2 * sb + half, &scales);
+                                lanes.sc[half][4 * l + k] = i32::from(sc);
+                            }
+                        }
+                    }
+                }
+            }
+            F_Q4K | F_Q5K => {
+                // Sub-block `4h' + L` of the super-block (`h'` = q % 2) is the low (even L) or
+                // high nibbles of qs bytes `64h' + 32(L / 2)..+32`; Q5_K's fifth bit is bit
+                // `4h' + L` of qh byte `e`.
+                let (blk, hq) = (q / 2, q % 2);
+                let (block_bytes, qs_at) = if F == F_Q4K {
+                    (size_of::<BlockQ4K>(), offset_of!(BlockQ4K, qs))
+                } else {
+                    (size_of::<BlockQ5K>(), offset_of!(BlockQ5K, qs))
+                };
+                let bit = |l: i32| 1i8 << (4 * hq as i32 + l);
+                let bits = [0, 1].map(|h| {
+                    _mm256_set_m128i(_mm_set1_epi8(bit(2 * h + 1)), _mm_set1_epi8(bit(2 * h)))
+                });
+                let fifth = _mm256_set1_epi8(0x10);
+                for k in 0..4 {
+                    let p = rowp[k].add(blk * block_bytes);
+                    for h in 0..2 {
+                        let v = _mm256_loadu_si256(p.add(qs_at + 64 * hq + 32 * h).cast());
+                        let (lo, hi) = nibbles(v);
+                        let mut e0 = _mm256_permute2x128_si256::<0x20>(lo, hi);
+                        let mut e1 = _mm256_permute2x128_si256::<0x31>(lo, hi);
+                        if F == F_Q5K {
+                            let at = offset_of!(BlockQ5K, qh);
+                            let qh0 =
+                                _mm256_broadcastsi128_si256(_mm_loadu_si128(p.add(at).cast()));
+                            let qh1 =
+                                _mm256_broadcastsi128_si256(_mm_loadu_si128(p.add(at + 16).cast()));
+                            let set = |qh: __m256i| {
+                                let hit = _mm256_cmpeq_epi8(_mm256_and_si256(qh, bits[h]), bits[h]);
+                                _mm256_and_si256(hit, fifth)
+                            };
+                            e0 = _mm256_or_si256(e0, set(qh0));
+                            e1 = _mm256_or_si256(e1, set(qh1));
+                        }
+                        (w0[k][h], w1[k][h]) = (e0, e1);
+                    }
+                }
+            }
+            F_Q6K => {
+                // Sub-block `4h' + L`: the low (L < 2) or high nibbles of ql bytes
+                // `64h' + 32(L % 2)..+32`, with bits `2L..2L + 2` of qh bytes `32h'..+32` on top.
+                let (blk, hq) = (q / 2, q % 2);
+                let m30 = _mm256_set1_epi8(0x30);
+                // Bits `2L, 2L + 1` of each qh byte moved to bits 4, 5: per 128-bit half
+                // (sub-blocks L = 2h, 2h + 1) shifts of the dwords by 4 and 2 left (h = 0) or 0 and
+                // 2 right (h = 1), then masked per byte (no bit crosses into the kept ones).
+                let high = |v: __m256i, h: usize| {
+                    let s = if h == 0 {
+                        _mm256_sllv_epi32(v, _mm256_set_m128i(_mm_set1_epi32(2), _mm_set1_epi32(4)))
+                    } else {
+                        _mm256_srlv_epi32(v, _mm256_set_m128i(_mm_set1_epi32(2), _mm_set1_epi32(0)))
+                    };
+                    _mm256_and_si256(s, m30)
+                };
+                for k in 0..4 {
+                    let p = rowp[k].add(blk * size_of::<BlockQ6K>());
+                    let ql = p.add(offset_of!(BlockQ6K, ql) + 64 * hq);
+                    let qh = p.add(offset_of!(BlockQ6K, qh) + 32 * hq);
+                    let (lo_a, hi_a) = nibbles(_mm256_loadu_si256(ql.cast()));
+                    let (lo_b, hi_b) = nibbles(_mm256_loadu_si256(ql.add(32).cast()));
+                    let qh0 = _mm256_broadcastsi128_si256(_mm_loadu_si128(qh.cast()));
+                    let qh1 = _mm256_broadcastsi128_si256(_mm_loadu_si128(qh.add(16).cast()));
+                    for h in 0..2 {
+                        let (a, b) = if h == 0 { (lo_a, lo_b) } else { (hi_a, hi_b) };
+                        let e0 = _mm256_permute2x128_si256::<0x20>(a, b);
+                        let e1 = _mm256_permute2x128_si256::<0x31>(a, b);
+                        w0[k][h] = _mm256_or_si256(e0, high(qh0, h));
+                        w1[k][h] = _mm256_or_si256(e1, high(qh1, h));
+                    }
+                }
+            }
+            _ => unreachable!(),
+        }
+    }
+    let neg = |v: [__m256; 2]| v.map(|v| _mm256_xor_ps(v, _mm256_set1_ps(-0.0)));
+    let mut mins = [[_mm256_setzero_ps(); 2]; 2];
+    let (d, m) = match F {
+        F_Q2K => {
+            let (d, dmin) = (f16x16(&lanes.d), f16x16(&lanes.m));
+            mins = [
+                neg(scaled(dmin, &lanes.sc[2])),
+                neg(scaled(dmin, &lanes.sc[3])),
+            ];
+            (scaled(d, &lanes.sc[0]), scaled(d, &lanes.sc[1]))
+        }
+        F_IQ4XS => (
+            scaled(f16x16(&lanes.d), &lanes.sc[0]),
+            [_mm256_setzero_ps(); 2],
+        ),
+        F_Q4K | F_Q5K => {
+            let block_bytes = if F == F_Q4K {
+                size_of::<BlockQ4K>()
+            } else {
+                size_of::<BlockQ5K>()
+            };
+            // SAFETY: the headers are inside the rows' super-block `q / 2`.
+            unsafe { kq4_scales(rowp, (q / 2) * block_bytes, q % 2) }
+        }
+        F_Q6K => {
+            // SAFETY: the scales and d are inside the rows' super-block `q / 2`.
+            unsafe { q6k_scales(rowp, (q / 2) * size_of::<BlockQ6K>(), q % 2) }
+        }
+        F_Q3K => {
+            let d = f16x16(&lanes.d);
+            (scaled(d, &lanes.sc[0]), scaled(d, &lanes.sc[1]))
+        }
+        _ => (f16x16(&lanes.d), f16x16(&lanes.m)),
+    };
+    Quad { w0, w1, d, m, mins }
+}
+
+/// 8 sums of 4 products each of the weight bytes `w` and activation bytes `x` (see the module
+/// docs for the signed formats).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn dot4<const F: u8>(w: __m256i, x: __m256i) -> __m256i {
+    let p = if is_signed(F) {
+        _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w))
+    } else {
+        _mm256_maddubs_epi16(w, x)
+    };
+    _mm256_madd_epi16(p, _mm256_set1_epi16(1))
+}
+
+/// Lane `4L + k` (L 0..2) = sum of the 4 dwords of 128-bit lane `L` of `p[k]`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn reduce4(p: [__m256i; 4]) -> __m256i {
+    _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]))
+}
+
+/// Accumulates the products of one decoded quad with one token's activation quad into `acc`
+/// (lane `4L + k` of half `h`).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn accumulate<const F: u8>(w: &Quad, a: &ActQuad, acc: [__m256; 2]) -> [__m256; 2] {
+    // SAFETY: `ActQuad` is 64-byte aligned; each read is 32 bytes inside one of its fields.
+    let ld = |p: *const u8, h: usize| unsafe { _mm256_load_si256(p.add(32 * h).cast()) };
+    let shift = _mm_cvtsi32_si128(if is_signed(F) { 0 } else { offset_shift(F) });
+    let mut out = acc;
+    for h in 0..2 {
+        let x0 = ld(a.x0.as_ptr().cast(), h);
+        let x1 = ld(a.x1.as_ptr().cast(), h);
+        let dx = _mm256_castsi256_ps(ld(a.dx.as_ptr().cast(), h));
+        let mut acc = acc[h];
+        if is_split(F) {
+            let i0 = reduce4([0, 1, 2, 3].map(|k| dot4::<F>(w.w0[k][h], x0)));
+            let i1 = reduce4([0, 1, 2, 3].map(|k| dot4::<F>(w.w1[k][h], x1)));
+            let sq0 = ld(a.sq0.as_ptr().cast(), h);
+            let sq1 = ld(a.sq1.as_ptr().cast(), h);
+            let (mut i0, mut i1) = (i0, i1);
+            if offset_shift(F) != 0 {
+                i0 = _mm256_sub_epi32(i0, _mm256_sll_epi32(sq0, shift));
+                i1 = _mm256_sub_epi32(i1, _mm256_sll_epi32(sq1, shift));
+            }
+            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i0), _mm256_mul_ps(w.d[h], dx), acc);
+            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i1), _mm256_mul_ps(w.m[h], dx), acc);
+            if has_min(F) {
+                let min0 = _mm256_mul_ps(w.mins[0][h], dx);
+                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sq0), min0, acc);
+                let min1 = _mm256_mul_ps(w.mins[1][h], dx);
+                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sq1), min1, acc);
+            }
+        } else {
+            let i =
+                reduce4([0, 1, 2, 3].map(|k| {
+                    _mm256_add_epi32(dot4::<F>(w.w0[k][h], x0), dot4::<F>(w.w1[k][h], x1))
+                }));
+            let i = if offset_shift(F) != 0 && !is_signed(F) {
+                _mm256_sub_epi32(i, _mm256_sll_epi32(ld(a.sq.as_ptr().cast(), h), shift))
+            } else {
+                i
+            };
+            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i), _mm256_mul_ps(w.d[h], dx), acc);
+            if has_min(F) {
+                let sx = _mm256_castsi256_ps(ld(a.sx.as_ptr().cast(), h));
+                acc = _mm256_fmadd_ps(w.m[h], sx, acc);
+            }
+        }
+        out[h] = acc;
+    }
+    out
+}
+
+/// Row sums of an accumulator: element `k` = `(c0 + c2) + (c1 + c3)` over the chains `cL` in
+/// lanes `4L + k` (the scalar reference's order).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn row_sums(acc: [__m256; 2]) -> [f32; 4] {
+    let h = _mm256_add_ps(acc[0], acc[1]);
+    let s = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps::<1>(h));
+    let mut out = [0.0f32; 4];
+    // SAFETY: `out` has room for 4 floats.
+    unsafe { _mm_storeu_ps(out.as_mut_ptr(), s) };
+    out
+}
+
+/// Products of 4 rows with `T` tokens (`acts` points at token 0's first quad; tokens are `nq`
+/// quads apart).
+///
+/// # Safety
+/// As for [`decode`]; `acts` is valid for `T * nq` quads.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn tile<const F: u8, const T: usize>(
+    rowp: &[*const u8; 4],
+    acts: *const ActQuad,
+    nq: usize,
+    nblocks: usize,
+) -> [[f32; 4]; T] {
+    let mut acc = [[_mm256_setzero_ps(); 2]; T];
+    for q in 0..nq {
+        let nvalid = (nblocks - 4 * q).min(4);
+        // SAFETY: forwarded from the caller.
+        let w = unsafe { decode::<F>(rowp, q, nvalid) };
+        for (t, a) in acc.iter_mut().enumerate() {
+            // SAFETY: `t * nq + q < T * nq`.
+            let aq = unsafe { &*acts.add(t * nq + q) };
+            *a = accumulate::<F>(&w, aq, *a);
+        }
+    }
+    acc.map(|a| row_sums(a))
+}
+
+/// Rows `rows` x all `n` tokens of an integer-quantized matrix.
+///
+/// # Safety
+/// The CPU supports AVX2, FMA and F16C; `acts` holds `n` tokens quantized for `w.cols`.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn quant_rows(
+    fmt: Fmt,
+    w: WeightMatrix<'_>,
+    acts: &[ActQuad],
+    n: usize,
+    rows: Range<usize>,
+    out: &mut RowsOut<'_>,
+) {
+    match fmt {
+        Fmt::Q4_0 => rows_impl::<F_Q4_0>(fmt, w, acts, n, rows, out),
+        Fmt::Q4_1 => rows_impl::<F_Q4_1>(fmt, w, acts, n, rows, out),
+        Fmt::Q8_0 => rows_impl::<F_Q8_0>(fmt, w, acts, n, rows, out),
+        Fmt::IQ4NL => rows_impl::<F_IQ4NL>(fmt, w, acts, n, rows, out),
+        Fmt::Q4K => rows_impl::<F_Q4K>(fmt, w, acts, n, rows, out),
+        Fmt::Q5K => rows_impl::<F_Q5K>(fmt, w, acts, n, rows, out),
+        Fmt::Q6K => rows_impl::<F_Q6K>(fmt, w, acts, n, rows, out),
+        Fmt::Q5_0 => rows_impl::<F_Q5_0>(fmt, w, acts, n, rows, out),
+        Fmt::Q5_1 => rows_impl::<F_Q5_1>(fmt, w, acts, n, rows, out),
+        Fmt::Q2K => rows_impl::<F_Q2K>(fmt, w, acts, n, rows, out),
+        Fmt::Q3K => rows_impl::<F_Q3K>(fmt, w, acts, n, rows, out),
+        Fmt::IQ4XS => rows_impl::<F_IQ4XS>(fmt, w, acts, n, rows, out),
+        Fmt::F32 | Fmt::F16 | Fmt::BF16 => unreachable!("float formats use float_rows"),
+    }
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+fn rows_impl<const F: u8>(
+    fmt: Fmt,
+    w: WeightMatrix<'_>,
+    acts: &[ActQuad],
+    n: usize,
+    rows: Range<usize>,
+    out: &mut RowsOut<'_>,
+) {
+    let rb = fmt.row_bytes(w.cols);
+    let nq = quads_per_token(w.cols);
+    let nblocks = w.cols / 32;
+    assert!(acts.len() >= n * nq && rows.end <= w.rows && w.data.len() >= w.rows * rb);
+    let mut t0 = 0;
+    while t0 < n {
+        let tn = match n - t0 {
+            4.. => 4,
+            2..=3 => 2,
+            _ => 1,
+        };
+        let ap = acts[t0 * nq..].as_ptr();
+        for g in rows.clone().step_by(4) {
+            let rowp = [0, 1, 2, 3].map(|k| {
+                let r = (g + k).min(rows.end - 1);
+                // SAFETY: `r < w.rows`, so the row lies inside `w.data` (asserted above).
+                unsafe { w.data.as_ptr().add(r * rb) }
+            });
+            let live = (rows.end - g).min(4);
+            let mut emit = |t: usize, s: [f32; 4]| out.set_run(t0 + t, g, &s[..live]);
+            // SAFETY: the rows are whole encoded rows of `w.cols` columns, `ap` has `tn` tokens.
+            unsafe {
+                match tn {
+                    4 => tile::<F, 4>(&rowp, ap, nq, nblocks)
+                        .into_iter()
+                        .enumerate()
+                        .for_each(|(t, s)| emit(t, s)),
+                    2 => tile::<F, 2>(&rowp, ap, nq, nblocks)
+                        .into_iter()
+                        .enumerate()
+                        .for_each(|(t, s)| emit(t, s)),
+                    _ => tile::<F, 1>(&rowp, ap, nq, nblocks)
+                        .into_iter()
+                        .enumerate()
+                        .for_each(|(t, s)| emit(t, s)),
+                }
+            }
+        }
+        t0 += tn;
+    }
+}
