@@ -98,7 +98,7 @@ fn family_configs_follow_llama_cpp() {
         (Some(50.0), Some(30.0))
     );
     assert_eq!(g2.embedding_scale, (128f32).sqrt());
-    assert!(g2.post_norms && !g2.qk_norm);
+    assert!(g2.post_norms && g2.qk_norm == gpu_pipeline::QkNorm::Off);
     // Gemma 3: 5 local : 1 global, local layers on their own RoPE base.
     let g3 = cfg("gemma3");
     let r: Vec<_> = g3.layers.iter().map(|l| l.rope).collect();
@@ -107,7 +107,9 @@ fn family_configs_follow_llama_cpp() {
     assert_eq!(g3.layers[5].window, None);
     assert_eq!(g3.rope_local.as_ref().map(|r| r.theta), Some(10_000.0));
     assert_eq!(g3.rope.theta, 1_000_000.0);
-    assert!(g3.qk_norm && g3.post_norms && g3.attn_softcap.is_none());
+    assert!(
+        g3.qk_norm == gpu_pipeline::QkNorm::PerHead && g3.post_norms && g3.attn_softcap.is_none()
+    );
     // SmolLM3: every fourth layer without RoPE.
     let s3 = cfg("smollm3");
     let r: Vec<_> = s3.layers.iter().map(|l| l.rope).collect();
