@@ -21,10 +21,28 @@ pub(crate) struct Dims {
     pub(crate) ctx: usize,
 }
 
-/// Every architecture `build` writes.
+/// Every architecture `build` writes (`llama-moe`: `llama` with Mixtral's expert tensors).
 pub(crate) const ARCHES: &[&str] = &[
-    "llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "smollm3",
+    "llama",
+    "qwen2",
+    "qwen3",
+    "gemma2",
+    "gemma3",
+    "phi3",
+    "smollm3",
+    "qwen3moe",
+    "llama-moe",
+    "olmoe",
+    "qwen2moe",
 ];
+
+/// Experts of the mixture-of-experts architectures, and how many each token uses.
+pub(crate) const EXPERTS: (usize, usize) = (8, 2);
+
+/// The inner size of one expert (and of qwen2moe's shared expert): a quarter of `n_ff`.
+pub(crate) fn expert_ff(d: Dims) -> usize {
+    d.n_ff / 4
+}
 
 /// A small deterministic generator (xorshift).
 struct Rng(u64);
@@ -91,6 +109,8 @@ pub(crate) fn build_with(
     set: &[(&str, Meta)],
 ) -> GgufBuilder {
     let mut rng = Rng(0x9E37_79B9_7F4A_7C15 ^ seed);
+    let moe = arch.ends_with("moe") || arch == "llama-moe";
+    let arch = if arch == "llama-moe" { "llama" } else { arch };
     let k = |s: &str| format!("{arch}.{s}");
     let mut meta: Vec<(String, Meta)> = vec![
         ("general.architecture".into(), Meta::Str(arch.into())),
@@ -128,6 +148,26 @@ pub(crate) fn build_with(
             (k("rope.scaling.attn_factor"), Meta::F32(1.19)),
         ]),
         _ => {}
+    }
+    let (n_exp, n_used) = EXPERTS;
+    let ffe = expert_ff(d);
+    if moe {
+        meta.extend([
+            (k("expert_count"), Meta::U32(n_exp as u32)),
+            (k("expert_used_count"), Meta::U32(n_used as u32)),
+        ]);
+        if arch.starts_with("qwen") {
+            meta.push((k("expert_feed_forward_length"), Meta::U32(ffe as u32)));
+        } else {
+            // Mixtral and OLMoE size their experts by feed_forward_length.
+            meta.push((k("feed_forward_length"), Meta::U32(ffe as u32)));
+        }
+        if arch == "qwen2moe" {
+            meta.push((
+                k("expert_shared_feed_forward_length"),
+                Meta::U32(ffe as u32),
+            ));
+        }
     }
     for (key, v) in set {
         meta.push((key.to_string(), v.clone()));
@@ -219,7 +259,7 @@ pub(crate) fn build_with(
                 b = t(b, n(name), GgmlType::Q8_0, &[de, rows], w);
             }
         }
-        if arch == "qwen2" {
+        if arch == "qwen2" || arch == "qwen2moe" {
             for (name, len) in [
                 ("attn_q.bias", qd),
                 ("attn_k.bias", kvd),
@@ -229,10 +269,17 @@ pub(crate) fn build_with(
                 b = t(b, n(name), GgmlType::F32, &[len], f32s(&v));
             }
         }
-        if arch == "qwen3" || arch == "gemma3" {
+        if arch == "qwen3" || arch == "gemma3" || arch == "qwen3moe" {
             for name in ["attn_q_norm.weight", "attn_k_norm.weight"] {
                 let v = around_one(&mut rng, d.head_dim);
                 b = t(b, n(name), GgmlType::F32, &[hd], v);
+            }
+        }
+        if arch == "olmoe" {
+            // Over the whole query and key rows.
+            for (name, len) in [("attn_q_norm.weight", qd), ("attn_k_norm.weight", kvd)] {
+                let v = around_one(&mut rng, len as usize);
+                b = t(b, n(name), GgmlType::F32, &[len], v);
             }
         }
         let wo = q8_0(&mut rng, d.n_embd, qd as usize, ws);
@@ -244,6 +291,10 @@ pub(crate) fn build_with(
                 let v = around_one(&mut rng, d.n_embd);
                 b = t(b, n(name), GgmlType::F32, &[de], v);
             }
+        }
+        if moe {
+            b = experts(b, &mut rng, &t, l, d, arch == "qwen2moe");
+            continue;
         }
         if arch == "phi3" {
             let w = q8_0(&mut rng, 2 * d.n_ff, d.n_embd, ws);
@@ -261,6 +312,62 @@ pub(crate) fn build_with(
             1.0 / (d.n_ff as f32).sqrt() * 2.0,
         );
         b = t(b, n("ffn_down.weight"), GgmlType::Q8_0, &[ff, de], w);
+    }
+    b
+}
+
+/// Layer `l`'s experts: an F32 router whose first experts are favoured (a skewed router, as in
+/// trained models), stacked Q8_0 gate/up/down experts, and qwen2moe's shared expert.
+fn experts(
+    mut b: GgufBuilder,
+    rng: &mut Rng,
+    t: &dyn Fn(GgufBuilder, String, GgmlType, &[u64], Vec<u8>) -> GgufBuilder,
+    l: usize,
+    d: Dims,
+    shared: bool,
+) -> GgufBuilder {
+    let n = |s: &str| format!("blk.{l}.{s}");
+    let (n_exp, _) = EXPERTS;
+    let (de, ffe, ne) = (d.n_embd as u64, expert_ff(d) as u64, n_exp as u64);
+    let ws = 2.0 / (d.n_embd as f32).sqrt();
+    let router: Vec<f32> = (0..n_exp * d.n_embd)
+        .map(|i| ws * rng.unit() + if i / d.n_embd < 2 { 0.05 } else { 0.0 })
+        .collect();
+    b = t(
+        b,
+        n("ffn_gate_inp.weight"),
+        GgmlType::F32,
+        &[de, ne],
+        f32s(&router),
+    );
+    for name in ["ffn_gate_exps.weight", "ffn_up_exps.weight"] {
+        let w = q8_0(rng, n_exp * ffe as usize, d.n_embd, ws);
+        b = t(b, n(name), GgmlType::Q8_0, &[de, ffe, ne], w);
+    }
+    let down_scale = 2.0 / (ffe as f32).sqrt();
+    let w = q8_0(rng, n_exp * d.n_embd, ffe as usize, down_scale);
+    b = t(
+        b,
+        n("ffn_down_exps.weight"),
+        GgmlType::Q8_0,
+        &[ffe, de, ne],
+        w,
+    );
+    if shared {
+        for name in ["ffn_gate_shexp.weight", "ffn_up_shexp.weight"] {
+            let w = q8_0(rng, ffe as usize, d.n_embd, ws);
+            b = t(b, n(name), GgmlType::Q8_0, &[de, ffe], w);
+        }
+        let w = q8_0(rng, d.n_embd, ffe as usize, down_scale);
+        b = t(b, n("ffn_down_shexp.weight"), GgmlType::Q8_0, &[ffe, de], w);
+        let g: Vec<f32> = (0..d.n_embd).map(|_| ws * rng.unit()).collect();
+        b = t(
+            b,
+            n("ffn_gate_inp_shexp.weight"),
+            GgmlType::F32,
+            &[de],
+            f32s(&g),
+        );
     }
     b
 }
