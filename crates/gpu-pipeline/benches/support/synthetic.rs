@@ -37,7 +37,7 @@ pub(crate) const ARCHES: &[&str] = &[
 ];
 
 /// Experts of the mixture-of-experts architectures, and how many each token uses.
-pub(crate) const EXPERTS: (usize, usize) = (8, 2);
+pub(crate) const EXPERTS: (usize, usize) = (16, 2);
 
 /// The inner size of one expert (and of qwen2moe's shared expert): a quarter of `n_ff`.
 pub(crate) fn expert_ff(d: Dims) -> usize {
@@ -196,7 +196,15 @@ pub(crate) fn build_with(
             b.tensor(&name, dtype, shape, data)
         }
     };
-    let emb = q8_0(&mut rng, d.vocab, d.n_embd, 1.0);
+    let mut emb = q8_0(&mut rng, d.vocab, d.n_embd, 1.0);
+    if moe {
+        // Entry 0 of every embedding at the top of its range: a dimension all tokens share,
+        // which the router's hot experts weigh (see `experts`).
+        let row = d.n_embd / 32 * 34;
+        for r in 0..d.vocab {
+            emb[r * row + 2] = 127;
+        }
+    }
     b = t(
         b,
         "token_embd.weight".into(),
@@ -284,7 +292,11 @@ pub(crate) fn build_with(
         }
         let wo = q8_0(&mut rng, d.n_embd, qd as usize, ws);
         b = t(b, n("attn_output.weight"), GgmlType::Q8_0, &[qd, de], wo);
-        let fnorm = around_one(&mut rng, d.n_embd);
+        let mut fnorm = around_one(&mut rng, d.n_embd);
+        if moe {
+            // The shared dimension stays visible to the router in every layer.
+            fnorm[..4].copy_from_slice(&4f32.to_le_bytes());
+        }
         b = t(b, n("ffn_norm.weight"), GgmlType::F32, &[de], fnorm);
         if arch == "gemma2" || arch == "gemma3" {
             for name in ["post_attention_norm.weight", "post_ffw_norm.weight"] {
@@ -316,8 +328,13 @@ pub(crate) fn build_with(
     b
 }
 
-/// Layer `l`'s experts: an F32 router whose first experts are favoured (a skewed router, as in
-/// trained models), stacked Q8_0 gate/up/down experts, and qwen2moe's shared expert.
+/// Experts the router favours: every token's entry 0 is large (see `build_with`), and these
+/// experts' router rows weigh it, so they win most tokens (a skewed router, as in trained
+/// models); the others win when a token's random part outweighs that.
+pub(crate) const HOT_EXPERTS: usize = 3;
+
+/// Layer `l`'s experts: an F32 router skewed towards the first [`HOT_EXPERTS`], stacked Q8_0
+/// gate/up/down experts, and qwen2moe's shared expert.
 fn experts(
     mut b: GgufBuilder,
     rng: &mut Rng,
@@ -331,7 +348,14 @@ fn experts(
     let (de, ffe, ne) = (d.n_embd as u64, expert_ff(d) as u64, n_exp as u64);
     let ws = 2.0 / (d.n_embd as f32).sqrt();
     let router: Vec<f32> = (0..n_exp * d.n_embd)
-        .map(|i| ws * rng.unit() + if i / d.n_embd < 2 { 0.05 } else { 0.0 })
+        .map(|i| {
+            let (e, col) = (i / d.n_embd, i % d.n_embd);
+            match (col, e < HOT_EXPERTS) {
+                (0, true) => 2.0,
+                (0, false) => 0.0,
+                _ => ws * rng.unit(),
+            }
+        })
         .collect();
     b = t(
         b,

@@ -292,11 +292,6 @@ impl Model {
             let t = slot as usize / k;
             sc.input[row * d..(row + 1) * d].copy_from_slice(&h[t * d..(t + 1) * d]);
         }
-        if let Some((c, r)) = touch {
-            for w in [&ex.stacked.gate, &ex.stacked.up, &ex.stacked.down] {
-                c.touch(w.tensor, r);
-            }
-        }
         let ff = m.n_ff_expert;
         for e in 0..ne {
             let rows = start[e]..start[e + 1];
@@ -304,6 +299,12 @@ impl Model {
                 continue;
             }
             let n = rows.len();
+            // Only this expert's rows of the stacked tensors are read.
+            if let Some((c, r)) = touch {
+                for w in [&ex.stacked.gate, &ex.stacked.up, &ex.stacked.down] {
+                    c.touch_part(w.tensor, e, r);
+                }
+            }
             let expert = GatedMlp {
                 gate: ex.stacked.gate.slice_rows(e * ff..(e + 1) * ff),
                 up: ex.stacked.up.slice_rows(e * ff..(e + 1) * ff),
