@@ -328,6 +328,9 @@ pub(crate) fn build_with(
     b
 }
 
+/// Adds a tensor (name, type, shape, bytes) unless the build skips it.
+type AddTensor<'a> = dyn Fn(GgufBuilder, String, GgmlType, &[u64], Vec<u8>) -> GgufBuilder + 'a;
+
 /// Experts the router favours: every token's entry 0 is large (see `build_with`), and these
 /// experts' router rows weigh it, so they win most tokens (a skewed router, as in trained
 /// models); the others win when a token's random part outweighs that.
@@ -338,7 +341,7 @@ pub(crate) const HOT_EXPERTS: usize = 3;
 fn experts(
     mut b: GgufBuilder,
     rng: &mut Rng,
-    t: &dyn Fn(GgufBuilder, String, GgmlType, &[u64], Vec<u8>) -> GgufBuilder,
+    t: &AddTensor<'_>,
     l: usize,
     d: Dims,
     shared: bool,

@@ -45,8 +45,8 @@ pub(super) struct Experts {
 pub(super) enum Ffn {
     /// Every token through one gated MLP.
     Dense(GatedMlp),
-    /// Each token through its chosen experts.
-    Moe(Experts),
+    /// Each token through its chosen experts (boxed: a layer holds one or the other).
+    Moe(Box<Experts>),
 }
 
 impl Ffn {
@@ -92,7 +92,7 @@ impl Ffn {
                 ))
             }
         };
-        Ok(Self::Moe(Experts {
+        Ok(Self::Moe(Box::new(Experts {
             router: lin(g, &n("ffn_gate_inp.weight"), [d, ne])?,
             stacked: GatedMlp {
                 gate: stacked("ffn_gate_exps.weight", [d, ff, ne])?,
@@ -100,7 +100,7 @@ impl Ffn {
                 down: stacked("ffn_down_exps.weight", [ff, d, ne])?,
             },
             shared,
-        }))
+        })))
     }
 }
 
