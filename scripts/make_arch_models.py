@@ -26,7 +26,8 @@ Mixture-of-experts models (llama.cpp's build_moe_ffn), each with a skewed router
 large and positive, and each router row's entry 0 (ROUTER_SKEW: high for the first experts) sets
 how often its expert wins; the other entries are random, so routing still varies by token:
   arch-qwen3moe `qwen3moe`: 16 experts, top-2 with renormalised weights, expert_feed_forward_length
-                64, per-head Q/K norms, head_dim 64, tied; llama-spm vocabulary.
+                64, per-head Q/K norms, head_dim 64, tied; llama-spm vocabulary with Qwen's
+                turn markers and Qwen3's chat template (the server e2e test runs it).
   arch-mixtral  `llama` with expert tensors (Mixtral's layout): 8 experts of feed_forward_length
                 128, top-2 renormalised, tied; llama-spm vocabulary.
   arch-olmoe    `olmoe`: 16 experts of 64, top-2 without renormalisation, Q/K norms over the whole
@@ -47,6 +48,7 @@ manifest (`manifest.json`: file name -> sha256) that scripts/make_test_models.py
 Deterministic: fixed seeds (numpy default_rng), same gguf/llama.cpp release, same bytes.
 
 usage: make_arch_models.py [--only NAME...]   (NAME as in MODELS / QUANTIZED, e.g. arch-qwen3)
+       make_arch_models.py --bench-moe FILE    (not a test model: BENCH_MOE below, ~1.4 GB)
 """
 import json
 import math
@@ -426,7 +428,8 @@ def moe_hp(b, n_expert, n_used, n_ff_exp=None):
 
 def write_qwen3moe(path):
     d, ff, nl, nh, nkv, hd, ne, ffe = 128, 256, 2, 4, 2, 64, 16, 64
-    b = Builder(path, "qwen3moe", "zerolayer-arch-qwen3moe", "llama-spm", SEED + 8)
+    b = Builder(path, "qwen3moe", "zerolayer-arch-qwen3moe", "llama-spm", SEED + 8,
+                template="Qwen-Qwen3-0.6B.jinja", extra=("<|im_start|>", "<|im_end|>"))
     b.common(512, d, ff, nl, nh, nkv, 1e-6, 1000000.0, head_dim=hd)
     moe_hp(b, ne, 2, ffe)
     moe_embedding(b, d)
@@ -489,6 +492,42 @@ def write_qwen2moe(path):
     b.finish()
 
 
+# The benchmark mixture of experts (scripts/bench-vs-llamacpp --model FILE; not written by
+# scripts/make-test-models): qwen3moe, d 1024, 16 layers, 8 heads of 128 (4 KV heads), 32 experts
+# of 768, top-4, Q8_0 matrices (the gguf package's reference quantizer), skewed router as above:
+# 1.21e9 expert parameters (1.28 GB), of which a decode step reads 4/32 plus 67M of attention.
+BENCH_MOE = dict(d=1024, ff=3072, nl=16, nh=8, nkv=4, hd=128, ne=32, used=4, ffe=768)
+
+
+def write_bench_moe(path):
+    c = BENCH_MOE
+    d, nh, nkv, hd, ne, ffe = c["d"], c["nh"], c["nkv"], c["hd"], c["ne"], c["ffe"]
+    b = Builder(path, "qwen3moe", "zerolayer-bench-qwen3moe", "llama-spm", SEED + 12)
+    b.common(2048, d, c["ff"], c["nl"], nh, nkv, 1e-6, 1000000.0, head_dim=hd)
+    moe_hp(b, ne, c["used"], ffe)
+    moe_embedding(b, d)
+    for i in range(c["nl"]):
+        p = f"blk.{i}."
+        b.add(p + "attn_norm.weight", b.vec(d))
+        b.add(p + "attn_q.weight", b.mat(nh * hd, d), Q8)
+        b.add(p + "attn_k.weight", b.mat(nkv * hd, d), Q8)
+        b.add(p + "attn_v.weight", b.mat(nkv * hd, d), Q8)
+        b.add(p + "attn_q_norm.weight", b.vec(hd, 1.0, 0.3))
+        b.add(p + "attn_k_norm.weight", b.vec(hd, 1.0, 0.3))
+        b.add(p + "attn_output.weight", b.mat(d, nh * hd, TIED_OUT_SCALE), Q8)
+        b.add(p + "ffn_norm.weight", b.vec(d))
+        router = b.mat(ne, d)
+        router[:, 0] = router_skew(ne)
+        b.add(p + "ffn_gate_inp.weight", router)
+        for name, rows, cols, scale in (("ffn_gate_exps", ffe, d, 1.0), ("ffn_up_exps", ffe, d, 1.0),
+                                        ("ffn_down_exps", d, ffe, TIED_OUT_SCALE)):
+            stack = np.stack([b.mat(rows, cols, scale) for _ in range(ne)])
+            q = gguf.quants.quantize(stack.reshape(ne * rows, cols), Q8)
+            b.w.add_tensor(p + name + ".weight", q.reshape(ne, rows, -1), raw_dtype=Q8)
+    b.add("output_norm.weight", b.vec(d))
+    b.finish()
+
+
 MODELS = {"arch-llama3": write_llama3, "arch-qwen2": write_qwen2, "arch-qwen3": write_qwen3,
           "arch-gemma2": write_gemma2, "arch-gemma3": write_gemma3, "arch-phi3": write_phi3,
           "arch-smollm3": write_smollm3, "arch-qwen3moe": write_qwen3moe,
@@ -497,6 +536,11 @@ MODELS = {"arch-llama3": write_llama3, "arch-qwen2": write_qwen2, "arch-qwen3": 
 
 
 def main():
+    if "--bench-moe" in sys.argv:
+        path = pathlib.Path(sys.argv[sys.argv.index("--bench-moe") + 1])
+        write_bench_moe(path)
+        print(f"make-arch-models: {path} ({path.stat().st_size >> 20} MiB)", file=sys.stderr)
+        return
     only = set(sys.argv[sys.argv.index("--only") + 1:]) if "--only" in sys.argv else None
     OUT.mkdir(parents=True, exist_ok=True)
     manifest_path = OUT / "manifest.json"

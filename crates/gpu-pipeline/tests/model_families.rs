@@ -331,7 +331,7 @@ fn bad_expert_metadata_fails_with_typed_errors() {
             actual,
         }) => {
             assert_eq!(tensor, "blk.0.ffn_gate_inp.weight");
-            assert_eq!((expected[1], actual[1]), (4, 8));
+            assert_eq!((expected[1], actual[1]), (4, synthetic::EXPERTS.0 as u64));
         }
         other => panic!("{other:?}"),
     }
@@ -341,7 +341,7 @@ fn bad_expert_metadata_fails_with_typed_errors() {
             tensor, expected, ..
         }) => {
             assert_eq!(tensor, "blk.0.ffn_gate_exps.weight");
-            assert_eq!(expected, [128, 96, 8]);
+            assert_eq!(expected, [128, 96, synthetic::EXPERTS.0 as u64]);
         }
         other => panic!("{other:?}"),
     }

@@ -1,4 +1,5 @@
-//! The decoder-only transformer graph (Llama, Qwen 2/3, Gemma 2/3, Phi-3, SmolLM3 families) over
+//! The decoder-only transformer graph (Llama, Qwen 2/3, Gemma 2/3, Phi-3, SmolLM3 families, and
+//! the mixtures of experts Qwen3-MoE, Mixtral, OLMoE, Qwen2-MoE) over
 //! a [`WeightSource`] (a GGUF file or a Hugging Face directory), with a batched forward pass.
 
 pub(crate) mod attention;
