@@ -88,14 +88,49 @@ def llama(a, pp_ids, chat_ids):
             "rss_mib": rss}, {"all": o}
 
 
-def decode_bytes(model):
-    """Weight bytes a decode step reads: every tensor, except the embedding table when the model
-    has a separate output head (only one row of it is read per token)."""
+def model_facts(model):
+    """(vocabulary size, total tensor bytes, weight bytes a decode step reads): every tensor,
+    except the embedding table when the model has a separate output head (only one row of it is
+    read per token), and of a mixture of experts' stacked `*_exps` tensors the used fraction
+    (expert_used_count / expert_count): the active parameters' bytes."""
     import gguf
     r = gguf.GGUFReader(model)
+    arch = bytes(r.fields["general.architecture"].parts[-1]).decode()
+
+    def meta(key):
+        f = r.fields.get(f"{arch}.{key}")
+        return int(f.parts[-1][0]) if f is not None else 0
+    experts, used = meta("expert_count"), meta("expert_used_count")
     names = {t.name for t in r.tensors}
-    return sum(int(t.n_bytes) for t in r.tensors
-               if not (t.name == "token_embd.weight" and "output.weight" in names))
+    active = 0
+    for t in r.tensors:
+        if t.name == "token_embd.weight" and "output.weight" in names:
+            continue
+        active += int(t.n_bytes) * used // experts if "_exps" in t.name and experts else int(t.n_bytes)
+    vocab = len(r.fields["tokenizer.ggml.tokens"].data)
+    return vocab, sum(int(t.n_bytes) for t in r.tensors), active
+
+
+def budgeted(a, chat_ids, unbudgeted, total_bytes):
+    """Generation with the file's residency kept within a.budget of its size (a weight cache
+    enforcing it every 100 ms): one run to record the access profile, then one measured run
+    warmed from it. Prints its tok/s against the unbudgeted run's."""
+    prof = pathlib.Path(a.model).with_suffix(".bench-profile")
+    prof.unlink(missing_ok=True)
+    base = [a.bin, "generate", "--model", a.model, "--threads", str(a.threads), "--timings", "--json",
+            "--ignore-eos", "--weight-budget", str(a.budget), "--weight-profile", str(prof),
+            "--prompt-ids", ",".join(map(str, chat_ids)), "--max-tokens", str(a.gen)]
+    run_measured(base)
+    # (run_measured's peak RSS is the largest of all children so far: not this run's.)
+    p, other, _ = run_measured(base)
+    line = [l for l in p.stderr.splitlines() if "time to first token" in l][-1]
+    gen = float(line.split("generated, ")[1].split(" tok/s")[0])
+    cache = [l for l in p.stderr.splitlines() if l.startswith("weight cache:")][-1]
+    print(f"generation with residency <= {100 * a.budget:.0f}% of {total_bytes / 1e6:.0f} MB: "
+          f"{gen:.1f} tok/s vs {unbudgeted['gen_tok_s']:.1f} unbudgeted (ratio "
+          f"{gen / unbudgeted['gen_tok_s']:.2f}); other processes' CPU "
+          f"{other:.2f} s\n  {cache}")
+    prof.unlink(missing_ok=True)
 
 
 def main():
@@ -106,27 +141,35 @@ def main():
     ap.add_argument("--gen", type=int, default=128)
     ap.add_argument("--busy-pid", type=int, default=0)
     ap.add_argument("--bandwidth", default="", help="examples/bandwidth's JSON line")
+    ap.add_argument("--budget", type=float, default=0.0,
+                    help="also generate with the model file's residency within this fraction")
     a = ap.parse_args()
+    vocab, total_bytes, per_token = model_facts(a.model)
     fx = json.loads((ROOT / "crates/gpu-pipeline/tests/fixtures/model-ppl.json").read_text())
     pp_ids = fx["ci_ids"][:512]
     teach = json.loads((ROOT / "crates/gpu-pipeline/tests/fixtures/model-teacher.json").read_text())
     chat = next(s["prompt_ids"] for s in teach["sequences"] if len(s["prompt_ids"]) >= 35)
     chat_ids = (chat + fx["ci_ids"])[:42] if len(chat) < 42 else chat[:42]
+    # The fixtures are the default model's ids: folded into a smaller vocabulary.
+    pp_ids, chat_ids = [i % vocab for i in pp_ids], [i % vocab for i in chat_ids]
     o, o_oth = ours(a, pp_ids, chat_ids)
     l, l_oth = llama(a, pp_ids, chat_ids)
     print(f"threads {a.threads}; model {os.path.basename(a.model)}; busy competitor: {bool(a.busy_pid)}")
     print(f"{'metric':<28}{'zerolayer':>12}{'llama.cpp':>12}{'ratio':>8}")
-    for k, name, better in [("pp_tok_s", "prompt 512 tok/s", "hi"), ("gen_tok_s", "generation 128 tok/s", "hi"),
+    for k, name, better in [("pp_tok_s", "prompt 512 tok/s", "hi"), ("gen_tok_s", f"generation {a.gen} tok/s", "hi"),
                             ("ttft_ms", "time to first token (ms)", "lo"), ("rss_mib", "peak RSS (MiB)", "lo")]:
         print(f"{name:<28}{o[k]:>12.1f}{l[k]:>12.1f}{o[k] / l[k]:>8.2f}")
     if a.bandwidth:
         bw = json.loads(a.bandwidth)["best_gbs"]
-        per_token = decode_bytes(a.model)
-        print(f"decode reads {per_token / 1e6:.1f} MB of weights per token; machine read bandwidth "
+        print(f"decode reads {per_token / 1e6:.1f} MB of weights per token (active parameters; "
+              f"{100 * per_token / total_bytes:.1f}% of the {total_bytes / 1e6:.0f} MB of tensors); "
+              f"machine read bandwidth "
               f"{bw:.1f} GB/s -> ceiling {bw * 1e9 / per_token:.0f} tok/s")
         for side, r in [("zerolayer", o), ("llama.cpp", l)]:
             gbs = r["gen_tok_s"] * per_token / 1e9
             print(f"{side} generation: {gbs:.1f} GB/s of weights = {100 * gbs / bw:.0f}% of the read bandwidth")
+    if a.budget > 0:
+        budgeted(a, chat_ids, o, total_bytes)
     for side, oth in [("zerolayer", o_oth), ("llama.cpp", l_oth)]:
         for phase, cpu in oth.items():
             flag = "" if a.busy_pid else (" CONTAMINATED" if cpu > 1.0 else "")

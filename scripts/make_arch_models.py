@@ -21,6 +21,21 @@ them) and a real tokenizer copied from llama.cpp's tokenizer test vocabularies
                 phi-3 vocabulary.
   arch-smollm3  `smollm3`: no RoPE on layers with (il+1)%4==0, tied; llama-bpe vocabulary.
 
+Mixture-of-experts models (llama.cpp's build_moe_ffn), each with a skewed router: embedding column
+0 carries a constant (HOT_DIM_MEAN) that every token shares, so the normalized input's entry 0 is
+large and positive, and each router row's entry 0 (ROUTER_SKEW: high for the first experts) sets
+how often its expert wins; the other entries are random, so routing still varies by token:
+  arch-qwen3moe `qwen3moe`: 16 experts, top-2 with renormalised weights, expert_feed_forward_length
+                64, per-head Q/K norms, head_dim 64, tied; llama-spm vocabulary with Qwen's
+                turn markers and Qwen3's chat template (the server e2e test runs it).
+  arch-mixtral  `llama` with expert tensors (Mixtral's layout): 8 experts of feed_forward_length
+                128, top-2 renormalised, tied; llama-spm vocabulary.
+  arch-olmoe    `olmoe`: 16 experts of 64, top-2 without renormalisation, Q/K norms over the whole
+                rows, untied output head; llama-spm vocabulary.
+  arch-qwen2moe `qwen2moe`: 8 experts of 64, top-2 without renormalisation, a shared expert of
+                96 gated by sigmoid(ffn_gate_inp_shexp . x), Q/K/V biases, untied output head;
+                llama-spm vocabulary.
+
 Token embeddings (and llama3/phi3's output head) are Q8_0 for the 128k-152k vocabularies and F16
 for the 32k ones (quantized with the `gguf` package's reference Q8_0); norms, biases and rope
 factors F32; other matrices F32 (llama.cpp then computes them without rounding the activations).
@@ -33,6 +48,7 @@ manifest (`manifest.json`: file name -> sha256) that scripts/make_test_models.py
 Deterministic: fixed seeds (numpy default_rng), same gguf/llama.cpp release, same bytes.
 
 usage: make_arch_models.py [--only NAME...]   (NAME as in MODELS / QUANTIZED, e.g. arch-qwen3)
+       make_arch_models.py --bench-moe FILE    (not a test model: BENCH_MOE below, ~1.4 GB)
 """
 import json
 import math
@@ -54,8 +70,11 @@ F16 = gguf.GGMLQuantizationType.F16
 # name -> (source, llama.cpp ftype); sources are the files of MODELS.
 # Small-vocabulary sources: a 152k-token Q4_K_M file would cost another 27 MB. gemma2's rows of
 # 256 (ffn_down, attn_output) take K-quants, its rows of 128 fall back (Q5_0/Q8_0): a mix.
+# The MoE models' experts quantized too (llama.cpp keeps the routers, ffn_gate_inp, in F32).
 QUANTIZED = {"arch-gemma2.Q4_K_M": ("arch-gemma2", "Q4_K_M"),
-             "arch-gemma3.Q8_0": ("arch-gemma3", "Q8_0")}
+             "arch-gemma3.Q8_0": ("arch-gemma3", "Q8_0"),
+             "arch-mixtral.Q8_0": ("arch-mixtral", "Q8_0"),
+             "arch-olmoe.Q4_K_M": ("arch-olmoe", "Q4_K_M")}
 
 
 class Builder:
@@ -349,12 +368,179 @@ def write_smollm3(path):
     b.finish()
 
 
+# Mixture of experts: the shared hot dimension and the router's preference per expert (see the
+# module docstring). Entry 0 of the normalized input is ~4, so a skew of 0.5 adds ~2 to an
+# expert's score against the random part's std of ~1.
+HOT_DIM_MEAN = 1.5
+
+
+def router_skew(n_expert):
+    """The first quarter of the experts hot (+0.6), then falling to cold (-0.6)."""
+    hot = max(1, n_expert // 4)
+    return np.concatenate([np.full(hot, 0.6), np.linspace(0.2, -0.6, n_expert - hot)]
+                          ).astype(np.float32)
+
+
+def moe_embedding(b, d):
+    e = b.mat(b.vocab, d, EMBD_STD * np.sqrt(d))
+    e[:, 0] += HOT_DIM_MEAN
+    b.add("token_embd.weight", e, embd_dtype(b.vocab))
+
+
+def moe_ffn(b, i, d, n_ff_exp, n_expert, out_scale):
+    p = f"blk.{i}."
+    router = b.mat(n_expert, d)
+    router[:, 0] = router_skew(n_expert)
+    b.add(p + "ffn_gate_inp.weight", router)
+    # ggml ne [d, n_ff_exp, n_expert]: numpy (n_expert, n_ff_exp, d).
+    b.add(p + "ffn_gate_exps.weight",
+          np.stack([b.mat(n_ff_exp, d) for _ in range(n_expert)]))
+    b.add(p + "ffn_up_exps.weight",
+          np.stack([b.mat(n_ff_exp, d) for _ in range(n_expert)]))
+    b.add(p + "ffn_down_exps.weight",
+          np.stack([b.mat(d, n_ff_exp, out_scale) for _ in range(n_expert)]))
+
+
+def moe_attention(b, i, d, q_dim, kv_dim, bias=False, qk_norm=None, out_scale=0.5):
+    p = f"blk.{i}."
+    b.add(p + "attn_norm.weight", b.vec(d))
+    b.add(p + "attn_q.weight", b.mat(q_dim, d))
+    b.add(p + "attn_k.weight", b.mat(kv_dim, d))
+    b.add(p + "attn_v.weight", b.mat(kv_dim, d))
+    if bias:
+        b.add(p + "attn_q.bias", b.vec(q_dim, 0.0, 0.7))
+        b.add(p + "attn_k.bias", b.vec(kv_dim, 0.0, 0.7))
+        b.add(p + "attn_v.bias", b.vec(kv_dim, 0.0, 0.7))
+    if qk_norm is not None:
+        q_len, k_len = qk_norm
+        b.add(p + "attn_q_norm.weight", b.vec(q_len, 1.0, 0.3))
+        b.add(p + "attn_k_norm.weight", b.vec(k_len, 1.0, 0.3))
+    b.add(p + "attn_output.weight", b.mat(d, q_dim, out_scale))
+    b.add(p + "ffn_norm.weight", b.vec(d))
+
+
+def moe_hp(b, n_expert, n_used, n_ff_exp=None):
+    b.hp("expert_count", n_expert)
+    b.hp("expert_used_count", n_used)
+    if n_ff_exp is not None:
+        b.hp("expert_feed_forward_length", n_ff_exp)
+
+
+def write_qwen3moe(path):
+    d, ff, nl, nh, nkv, hd, ne, ffe = 128, 256, 2, 4, 2, 64, 16, 64
+    b = Builder(path, "qwen3moe", "zerolayer-arch-qwen3moe", "llama-spm", SEED + 8,
+                template="Qwen-Qwen3-0.6B.jinja", extra=("<|im_start|>", "<|im_end|>"))
+    b.common(512, d, ff, nl, nh, nkv, 1e-6, 1000000.0, head_dim=hd)
+    moe_hp(b, ne, 2, ffe)
+    moe_embedding(b, d)
+    for i in range(nl):
+        moe_attention(b, i, d, nh * hd, nkv * hd, qk_norm=(hd, hd), out_scale=TIED_OUT_SCALE)
+        moe_ffn(b, i, d, ffe, ne, TIED_OUT_SCALE)
+    b.add("output_norm.weight", b.vec(d))
+    b.finish()
+
+
+def write_mixtral(path):
+    d, ff, nl, nh, nkv, ne = 128, 128, 2, 4, 2, 8
+    hd = d // nh
+    b = Builder(path, "llama", "zerolayer-arch-mixtral", "llama-spm", SEED + 9)
+    b.common(512, d, ff, nl, nh, nkv, 1e-5, 1000000.0)
+    b.hp("vocab_size", b.vocab)
+    moe_hp(b, ne, 2)
+    moe_embedding(b, d)
+    for i in range(nl):
+        moe_attention(b, i, d, d, hd * nkv, out_scale=TIED_OUT_SCALE)
+        moe_ffn(b, i, d, ff, ne, TIED_OUT_SCALE)
+    b.add("output_norm.weight", b.vec(d))
+    b.finish()
+
+
+def write_olmoe(path):
+    # llama.cpp's olmoe: K norm over n_embd, so as many KV heads as query heads.
+    d, ff, nl, nh, ne = 128, 64, 2, 4, 16
+    b = Builder(path, "olmoe", "zerolayer-arch-olmoe", "llama-spm", SEED + 10)
+    b.common(512, d, ff, nl, nh, nh, 1e-5, 10000.0)
+    moe_hp(b, ne, 2)
+    moe_embedding(b, d)
+    for i in range(nl):
+        moe_attention(b, i, d, d, d, qk_norm=(d, d))
+        moe_ffn(b, i, d, ff, ne, 0.5)
+    b.add("output_norm.weight", b.vec(d))
+    b.add("output.weight", b.mat(b.vocab, d, 4.0), embd_dtype(b.vocab))
+    b.finish()
+
+
+def write_qwen2moe(path):
+    d, ff, nl, nh, nkv, ne, ffe, ffs = 128, 256, 2, 4, 2, 8, 64, 96
+    hd = d // nh
+    b = Builder(path, "qwen2moe", "zerolayer-arch-qwen2moe", "llama-spm", SEED + 11)
+    b.common(512, d, ff, nl, nh, nkv, 1e-6, 1000000.0)
+    moe_hp(b, ne, 2, ffe)
+    b.hp("expert_shared_feed_forward_length", ffs)
+    moe_embedding(b, d)
+    for i in range(nl):
+        p = f"blk.{i}."
+        moe_attention(b, i, d, d, hd * nkv, bias=True, out_scale=TIED_OUT_SCALE)
+        moe_ffn(b, i, d, ffe, ne, TIED_OUT_SCALE)
+        b.add(p + "ffn_gate_inp_shexp.weight", b.vec(d, 0.0, 1.0 / np.sqrt(d)))
+        b.add(p + "ffn_gate_shexp.weight", b.mat(ffs, d))
+        b.add(p + "ffn_up_shexp.weight", b.mat(ffs, d))
+        b.add(p + "ffn_down_shexp.weight", b.mat(d, ffs, TIED_OUT_SCALE))
+    b.add("output_norm.weight", b.vec(d))
+    # llama.cpp's qwen2moe needs its own head.
+    b.add("output.weight", b.mat(b.vocab, d, 4.0), embd_dtype(b.vocab))
+    b.finish()
+
+
+# The benchmark mixture of experts (scripts/bench-vs-llamacpp --model FILE; not written by
+# scripts/make-test-models): qwen3moe, d 1024, 16 layers, 8 heads of 128 (4 KV heads), 32 experts
+# of 768, top-4, Q8_0 matrices (the gguf package's reference quantizer), skewed router as above:
+# 1.21e9 expert parameters (1.28 GB), of which a decode step reads 4/32 plus 67M of attention.
+BENCH_MOE = dict(d=1024, ff=3072, nl=16, nh=8, nkv=4, hd=128, ne=32, used=4, ffe=768)
+
+
+def write_bench_moe(path):
+    c = BENCH_MOE
+    d, nh, nkv, hd, ne, ffe = c["d"], c["nh"], c["nkv"], c["hd"], c["ne"], c["ffe"]
+    b = Builder(path, "qwen3moe", "zerolayer-bench-qwen3moe", "llama-spm", SEED + 12)
+    b.common(2048, d, c["ff"], c["nl"], nh, nkv, 1e-6, 1000000.0, head_dim=hd)
+    moe_hp(b, ne, c["used"], ffe)
+    moe_embedding(b, d)
+    for i in range(c["nl"]):
+        p = f"blk.{i}."
+        b.add(p + "attn_norm.weight", b.vec(d))
+        b.add(p + "attn_q.weight", b.mat(nh * hd, d), Q8)
+        b.add(p + "attn_k.weight", b.mat(nkv * hd, d), Q8)
+        b.add(p + "attn_v.weight", b.mat(nkv * hd, d), Q8)
+        b.add(p + "attn_q_norm.weight", b.vec(hd, 1.0, 0.3))
+        b.add(p + "attn_k_norm.weight", b.vec(hd, 1.0, 0.3))
+        b.add(p + "attn_output.weight", b.mat(d, nh * hd, TIED_OUT_SCALE), Q8)
+        b.add(p + "ffn_norm.weight", b.vec(d))
+        router = b.mat(ne, d)
+        router[:, 0] = router_skew(ne)
+        b.add(p + "ffn_gate_inp.weight", router)
+        for name, rows, cols, scale in (("ffn_gate_exps", ffe, d, 1.0), ("ffn_up_exps", ffe, d, 1.0),
+                                        ("ffn_down_exps", d, ffe, TIED_OUT_SCALE)):
+            stack = np.stack([b.mat(rows, cols, scale) for _ in range(ne)])
+            q = gguf.quants.quantize(stack.reshape(ne * rows, cols), Q8)
+            b.w.add_tensor(p + name + ".weight", q.reshape(ne, rows, -1), raw_dtype=Q8)
+    b.add("output_norm.weight", b.vec(d))
+    b.finish()
+
+
 MODELS = {"arch-llama3": write_llama3, "arch-qwen2": write_qwen2, "arch-qwen3": write_qwen3,
           "arch-gemma2": write_gemma2, "arch-gemma3": write_gemma3, "arch-phi3": write_phi3,
-          "arch-smollm3": write_smollm3}
+          "arch-smollm3": write_smollm3, "arch-qwen3moe": write_qwen3moe,
+          "arch-mixtral": write_mixtral, "arch-olmoe": write_olmoe,
+          "arch-qwen2moe": write_qwen2moe}
 
 
 def main():
+    if "--bench-moe" in sys.argv:
+        path = pathlib.Path(sys.argv[sys.argv.index("--bench-moe") + 1])
+        write_bench_moe(path)
+        print(f"make-arch-models: {path} ({path.stat().st_size >> 20} MiB)", file=sys.stderr)
+        return
     only = set(sys.argv[sys.argv.index("--only") + 1:]) if "--only" in sys.argv else None
     OUT.mkdir(parents=True, exist_ok=True)
     manifest_path = OUT / "manifest.json"

@@ -625,6 +625,8 @@ impl InferenceService for EngineService {
         s.kv_bytes_used = m.kv_bytes_used as u64;
         s.kv_bytes_budget = m.kv_bytes_budget as u64;
         s.weight_cache_hit_rate = m.weight_cache_hit_rate.unwrap_or(0.0);
+        s.expert_hit_rate = m.expert_hit_rate.unwrap_or(0.0);
+        s.weight_read_bytes_per_token = m.storage_read_bytes_per_token.unwrap_or(0.0);
         s.prefix_cache_hit_tokens = m.prefix_hit_tokens;
         s
     }

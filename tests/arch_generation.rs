@@ -613,6 +613,8 @@ arch_tests! {
         Location::TestModels("arch-phi3.gguf"), PHI3, None;
     greedy_generation_is_wired_end_to_end_for_smollm3 =>
         Location::TestModels("arch-smollm3.gguf"), CHATML, None;
+    greedy_generation_is_wired_end_to_end_for_qwen3moe =>
+        Location::TestModels("arch-qwen3moe.gguf"), CHATML, None;
     greedy_generation_is_wired_end_to_end_for_hf_llama_directory =>
         Location::HfFixture("llama"), HF_CHATML, None;
     greedy_generation_is_wired_end_to_end_for_hf_gemma2_bf16_directory =>

@@ -4,11 +4,14 @@
 //! `--json` prints `{"prompt_ids": [...], "ids": [...], "text": "...", "stop_reason": "..."}`;
 //! `--score` prints `{"positions": [{"top": [[id, logit], ...]}, ...]}` (one entry per position
 //! of the given sequence, the logits after it). These are what the scripts comparing against
-//! llama.cpp read.
+//! llama.cpp read. `--weight-budget F [--weight-profile FILE]` keeps the model file's residency
+//! within F of its size while generating (the mixture-of-experts residency bench).
 
 use std::io::Write;
 use std::path::PathBuf;
-use std::time::Instant;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
 
 use anyhow::bail;
 use gpu_pipeline::{GenerateOptions, LogitsWanted, Model, SamplingParams, SeqStep};
@@ -72,6 +75,14 @@ pub(crate) struct Args {
     /// Print timings (tok/s) to stderr.
     #[arg(long)]
     timings: bool,
+    /// Keep the model file's page-cache residency within this fraction of its size: a weight
+    /// cache (random access, no read-ahead) enforces the budget every 100 ms while generating,
+    /// after a profile-driven warm-up of 90% of it (with --weight-profile).
+    #[arg(long)]
+    weight_budget: Option<f64>,
+    /// Access profile: loaded before (when it exists) and saved after generating.
+    #[arg(long)]
+    weight_profile: Option<PathBuf>,
 }
 
 /// `zerolayer perplexity`.
@@ -209,6 +220,45 @@ fn score(model: &Model, prompt: &[u32], k: usize) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// A weight cache over the model's file with a budget of `fraction` of it, attached to
+/// `model`, the profile's warm-up done, and a thread enforcing the budget until `stop` is set.
+fn budgeted_cache(
+    model: &Model,
+    fraction: f64,
+    profile: Option<&PathBuf>,
+    stop: &Arc<AtomicBool>,
+) -> anyhow::Result<weight_cache::WeightCache> {
+    use weight_cache::{CacheConfig, WarmupStrategy, WeightCache};
+    let Some(gguf) = model.gguf() else {
+        bail!("--weight-budget needs a GGUF model");
+    };
+    let budget = (gguf.bytes().len() as f64 * fraction) as usize;
+    let cfg = CacheConfig::default()
+        .budget_bytes(Some(budget))
+        .random_access(true);
+    let cache = WeightCache::new(Arc::clone(gguf), cfg)?;
+    if model.attach_weight_cache(cache.clone()).is_err() {
+        bail!("the model has a weight cache already");
+    }
+    cache.enforce_budget()?;
+    if let Some(p) = profile.filter(|p| p.exists()) {
+        cache.load_profile(p)?;
+        let warm = WarmupStrategy::Deterministic {
+            fraction: (fraction * 0.9) as f32,
+            mlock: false,
+        };
+        cache.warm(warm).wait();
+    }
+    let (c, stop) = (cache.clone(), Arc::clone(stop));
+    std::thread::spawn(move || {
+        while !stop.load(Ordering::Relaxed) {
+            std::thread::sleep(Duration::from_millis(100));
+            let _ = c.enforce_budget();
+        }
+    });
+    Ok(cache)
+}
+
 /// Generates from `prompt`, streaming the text to stdout unless `--json`.
 fn generate(a: &Args, loaded: &LoadedModel, prompt: &[u32]) -> anyhow::Result<()> {
     let (model, tok) = (&loaded.model, &loaded.tokenizer);
@@ -226,6 +276,11 @@ fn generate(a: &Args, loaded: &LoadedModel, prompt: &[u32]) -> anyhow::Result<()
     if a.ignore_eos {
         opts = opts.with_stop_tokens(Vec::new());
     }
+    let stop = Arc::new(AtomicBool::new(false));
+    let cache = match a.weight_budget {
+        Some(f) => Some(budgeted_cache(model, f, a.weight_profile.as_ref(), &stop)?),
+        None => None,
+    };
     let cap = (prompt.len() + a.max_tokens)
         .min(model.config().context_length)
         .max(prompt.len() + 1);
@@ -265,6 +320,25 @@ fn generate(a: &Args, loaded: &LoadedModel, prompt: &[u32]) -> anyhow::Result<()
             n as f64 / g.decode_time.as_secs_f64(),
             g.stop_reason
         );
+    }
+    stop.store(true, Ordering::Relaxed);
+    if let Some(c) = cache {
+        let s = c.stats();
+        let tokens = (g.prompt_tokens + g.ids.len()).max(1) as f64;
+        eprintln!(
+            "weight cache: budget {:.0}% of {} bytes, resident now {} bytes, storage reads {} \
+             bytes per token, hit rate {:?}, expert hit rate {:?}",
+            a.weight_budget.unwrap_or(0.0) * 100.0,
+            s.file_bytes,
+            s.resident_bytes,
+            s.storage_read_bytes
+                .map_or("n/a".to_string(), |b| format!("{:.0}", b as f64 / tokens)),
+            s.hit_rate,
+            s.part_hit_rate
+        );
+        if let Some(p) = &a.weight_profile {
+            c.save_profile(p)?;
+        }
     }
     Ok(())
 }

@@ -278,6 +278,12 @@ pub struct ServiceMetrics {
     pub kv_bytes_budget: u64,
     /// Weight-cache hit rate in [0, 1] (first touches that found the block resident).
     pub weight_cache_hit_rate: f64,
+    /// Mixture-of-experts models: fraction of the chosen experts' weight blocks found resident
+    /// in [0, 1] (0 for dense models or without a weight cache).
+    pub expert_hit_rate: f64,
+    /// Bytes read from storage per token processed (page-cache misses of the weights; 0 where
+    /// not measured).
+    pub weight_read_bytes_per_token: f64,
     /// Prefix-cache hits (prompt tokens reused) since start.
     pub prefix_cache_hit_tokens: u64,
 }

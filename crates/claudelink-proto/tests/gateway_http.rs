@@ -292,6 +292,8 @@ async fn metrics_exposition() {
         "zerolayer_queue_depth 3",
         "zerolayer_kv_utilization 0.25",
         "zerolayer_weight_cache_hit_rate 0.75",
+        "zerolayer_expert_hit_rate 0.625",
+        "zerolayer_weight_read_bytes_per_token 4096.5",
         "zerolayer_connection_reuse_ratio ",
         "zerolayer_connections_total{protocol=\"http1\"} 3",
     ] {

@@ -19,8 +19,8 @@ pub use generate::{GenerateError, GenerateOptions, Generation};
 pub use model::attention::attend_rows;
 pub use model::hf;
 pub use model::{
-    Activation, GgufSource, HfError, HfModel, LayerConfig, LayerRope, SUPPORTED_ARCHITECTURES,
-    SourceTensor, WeightSource,
+    Activation, GgufSource, HfError, HfModel, LayerConfig, LayerRope, MAX_EXPERTS, MoeConfig,
+    QkNorm, SUPPORTED_ARCHITECTURES, SourceTensor, WeightSource,
 };
 pub use model::{
     ActivationSplit, ForwardError, LogitsWanted, Model, ModelConfig, ModelError, ModelOptions,

@@ -2,7 +2,9 @@
 //! (Q/K/V biases), qwen3 (Q/K RMSNorm, head_dim != n_embd/n_head), gemma2 (post norms, logit
 //! soft-capping, sliding window), gemma3 (Q/K norms, 5:1 sliding/global layers with their own
 //! RoPE bases), phi3 (fused QKV and gate/up, LongRoPE factors), smollm3 (no RoPE on every fourth
-//! layer), and two of them quantized by llama.cpp's quantizer.
+//! layer), two of them quantized by llama.cpp's quantizer; and the mixture-of-experts families:
+//! qwen3moe, Mixtral-style llama, olmoe (Q/K norms over whole rows, weights not renormalised),
+//! qwen2moe (shared expert), Mixtral in Q8_0 and OLMoE in Q4_K_M (routers stay F32).
 //!
 //! Models: `scripts/make-test-models` (`scripts/make_arch_models.py`: small random-weight models
 //! with llama.cpp's tensor names, metadata and real tokenizers; kept in
@@ -13,8 +15,10 @@
 //! For each file and each of its three token sequences (the longest, 200 tokens, runs past the
 //! sliding windows of 16 and the original RoPE contexts of 64), run twice: the whole sequence as
 //! one step, and in steps of 7 tokens through one KV ring (the cached path across the window):
-//! - top-1 equals llama.cpp's wherever llama.cpp's top-2 gap exceeds 0.5 (on the two quantized
-//!   files, whose flash on/off noise is ~0.13, 6x that noise: see `check_model`);
+//! - top-1 equals llama.cpp's wherever llama.cpp's top-2 gap exceeds 0.5 (on the quantized
+//!   files, whose flash on/off noise is ~0.03-0.13, 6x that noise; on a quantized mixture of
+//!   experts, at most as many misses as llama.cpp's own flash switch has routing jumps: see
+//!   `check_model`);
 //! - the mean |logit - llama.cpp| over llama.cpp's top-8 ids and all positions is at most 1.5x
 //!   llama.cpp's own flash-attention on/off difference on that file (mean over positions and the
 //!   whole vocabulary);
@@ -172,9 +176,22 @@ fn check_model(name: &str) {
     // Measured: at the gaps of 0.5-0.7 this excludes, an ActivationSplit::All run (about fp32
     // activations) and llama.cpp disagree as often as the default run does.
     let decisive_gap = DECISIVE_GAP.max(6.0 * noise);
+    // A mixture of experts is discontinuous: at a router near-tie, rounding noise picks another
+    // expert and the logits jump (llama.cpp's own flash on/off switch does so at
+    // `flash_on_off_jumps` positions of the quantized files, moving a logit by up to ~7). A run
+    // may miss the top-1 at as many positions as llama.cpp's own switch jumps; a dense model,
+    // continuous, at none.
+    let sequences = entry["sequences"].as_array().unwrap();
+    let allowed_misses = match model.config().moe {
+        Some(_) => sequences
+            .iter()
+            .map(|s| s["flash_on_off_jumps"].as_u64().unwrap() as usize)
+            .sum(),
+        None => 0,
+    };
     for (run, chunk) in [("one step", usize::MAX), ("steps of 7", CHUNK)] {
         let mut score = Score::default();
-        for (s, seq) in entry["sequences"].as_array().unwrap().iter().enumerate() {
+        for (s, seq) in sequences.iter().enumerate() {
             let ids = ids_of(&seq["ids"]);
             let logits = if chunk == usize::MAX {
                 all_logits(&model, KV_DTYPE, &ids)
@@ -201,9 +218,9 @@ fn check_model(name: &str) {
             score.decisive
         );
         assert!(
-            score.top1_misses.is_empty(),
+            score.top1_misses.len() <= allowed_misses,
             "{name} ({run}): top-1 must equal llama.cpp's wherever its top-2 gap exceeds \
-             {decisive_gap:.3}; {} misses:\n{}",
+             {decisive_gap:.3} (routing jumps allowed: {allowed_misses}); {} misses:\n{}",
             score.top1_misses.len(),
             score.top1_misses.join("\n")
         );
@@ -233,4 +250,10 @@ common::fixture_tests! {
     smollm3_no_rope_every_fourth_layer => "arch-smollm3",
     gemma2_q4_k_m => "arch-gemma2.Q4_K_M",
     gemma3_q8_0 => "arch-gemma3.Q8_0",
+    qwen3moe_top2_renormalised_experts => "arch-qwen3moe",
+    mixtral_llama_with_expert_tensors => "arch-mixtral",
+    olmoe_full_row_qk_norm_and_raw_expert_weights => "arch-olmoe",
+    qwen2moe_shared_expert => "arch-qwen2moe",
+    mixtral_q8_0 => "arch-mixtral.Q8_0",
+    olmoe_q4_k_m => "arch-olmoe.Q4_K_M",
 }

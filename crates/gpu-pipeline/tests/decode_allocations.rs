@@ -105,7 +105,10 @@ fn family_features_make_no_heap_allocation_when_decoding() {
         vocab: 2048,
         ctx: 512,
     };
-    for arch in ["gemma3", "gemma2", "qwen3", "phi3"] {
+    // And the experts (router, top-k, grouping, expert products, shared expert).
+    for arch in [
+        "gemma3", "gemma2", "qwen3", "phi3", "qwen3moe", "olmoe", "qwen2moe",
+    ] {
         let g = weight_cache::Gguf::from_bytes(synthetic::build(arch, dims, 5).build()).unwrap();
         let model = Model::load(Arc::new(g), ModelOptions::default().with_threads(2)).unwrap();
         let pool = KvPool::with_layer_windows(

@@ -98,7 +98,7 @@ fn family_configs_follow_llama_cpp() {
         (Some(50.0), Some(30.0))
     );
     assert_eq!(g2.embedding_scale, (128f32).sqrt());
-    assert!(g2.post_norms && !g2.qk_norm);
+    assert!(g2.post_norms && g2.qk_norm == gpu_pipeline::QkNorm::Off);
     // Gemma 3: 5 local : 1 global, local layers on their own RoPE base.
     let g3 = cfg("gemma3");
     let r: Vec<_> = g3.layers.iter().map(|l| l.rope).collect();
@@ -107,7 +107,9 @@ fn family_configs_follow_llama_cpp() {
     assert_eq!(g3.layers[5].window, None);
     assert_eq!(g3.rope_local.as_ref().map(|r| r.theta), Some(10_000.0));
     assert_eq!(g3.rope.theta, 1_000_000.0);
-    assert!(g3.qk_norm && g3.post_norms && g3.attn_softcap.is_none());
+    assert!(
+        g3.qk_norm == gpu_pipeline::QkNorm::PerHead && g3.post_norms && g3.attn_softcap.is_none()
+    );
     // SmolLM3: every fourth layer without RoPE.
     let s3 = cfg("smollm3");
     let r: Vec<_> = s3.layers.iter().map(|l| l.rope).collect();
@@ -297,6 +299,85 @@ fn contradictions_fail_at_load_naming_the_culprit() {
     assert!(e.contains("yarn"), "{e}");
 }
 
+#[test]
+fn bad_expert_metadata_fails_with_typed_errors() {
+    let with = |arch: &str, set: &[(&str, Meta)]| load(build_with(arch, DIMS, 1, &[], set).build());
+    for (arch, experts, used) in [
+        ("qwen3moe", 0, 2),
+        ("olmoe", 8, 0),
+        ("qwen3moe", 8, 9),
+        ("qwen2moe", 5000, 2),
+    ] {
+        let set = [
+            (format!("{arch}.expert_count"), Meta::U32(experts)),
+            (format!("{arch}.expert_used_count"), Meta::U32(used)),
+        ];
+        let set: Vec<(&str, Meta)> = set.iter().map(|(k, v)| (k.as_str(), v.clone())).collect();
+        match with(arch, &set) {
+            Err(ModelError::ExpertCount {
+                experts: e,
+                used: u,
+                ..
+            }) => assert_eq!((e, u), (experts, used), "{arch}"),
+            other => panic!("{arch} {experts}/{used}: {other:?}"),
+        }
+    }
+    // Metadata that disagrees with the stacked tensors names the tensor and both shapes.
+    let set = [("qwen3moe.expert_count", Meta::U32(4))];
+    match with("qwen3moe", &set) {
+        Err(ModelError::BadShape {
+            tensor,
+            expected,
+            actual,
+        }) => {
+            assert_eq!(tensor, "blk.0.ffn_gate_inp.weight");
+            assert_eq!((expected[1], actual[1]), (4, synthetic::EXPERTS.0 as u64));
+        }
+        other => panic!("{other:?}"),
+    }
+    let set = [("qwen3moe.expert_feed_forward_length", Meta::U32(96))];
+    match with("qwen3moe", &set) {
+        Err(ModelError::BadShape {
+            tensor, expected, ..
+        }) => {
+            assert_eq!(tensor, "blk.0.ffn_gate_exps.weight");
+            assert_eq!(expected, [128, 96, synthetic::EXPERTS.0 as u64]);
+        }
+        other => panic!("{other:?}"),
+    }
+    // Dense llama without expert tensors but with a count: the missing tensor is named.
+    let set = [
+        ("llama.expert_count", Meta::U32(8)),
+        ("llama.expert_used_count", Meta::U32(2)),
+    ];
+    let e = with("llama", &set).unwrap_err().to_string();
+    assert!(e.contains("blk.0.ffn_gate_inp.weight"), "{e}");
+    // Skipping an expert tensor names it.
+    let e = load(build_without("olmoe", DIMS, 1, &["blk.1.ffn_down_exps.weight"]).build())
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("blk.1.ffn_down_exps.weight"), "{e}");
+}
+
+#[test]
+fn moe_configs_follow_llama_cpp() {
+    let cfg = |arch: &str| load(build(arch, DIMS, 1).build()).unwrap().config().clone();
+    let (q3, mx, ol, q2) = (
+        cfg("qwen3moe"),
+        cfg("llama-moe"),
+        cfg("olmoe"),
+        cfg("qwen2moe"),
+    );
+    let m = |c: &gpu_pipeline::ModelConfig| c.moe.clone().expect("experts");
+    assert!(m(&q3).norm_weights && m(&mx).norm_weights);
+    assert!(!m(&ol).norm_weights && !m(&q2).norm_weights);
+    assert_eq!((m(&q3).n_experts, m(&q3).n_used), synthetic::EXPERTS);
+    assert_eq!(m(&q2).n_ff_shared, Some(synthetic::expert_ff(DIMS)));
+    assert_eq!(q3.qk_norm, gpu_pipeline::QkNorm::PerHead);
+    assert_eq!(ol.qk_norm, gpu_pipeline::QkNorm::Full);
+    assert!(cfg("llama").moe.is_none());
+}
+
 mod fuzz {
     //! Loading never panics on metadata or bytes a file may hold, and what loads runs.
 
@@ -327,6 +408,10 @@ mod fuzz {
         "attention.sliding_window",
         "attention.sliding_window_pattern",
         "rope.scaling.original_context_length",
+        "expert_count",
+        "expert_used_count",
+        "expert_feed_forward_length",
+        "expert_shared_feed_forward_length",
     ];
     const FLOAT_KEYS: &[&str] = &[
         "attention.layer_norm_rms_epsilon",
@@ -368,7 +453,7 @@ mod fuzz {
         #[test]
         fn any_integer_metadata(arch in 0..ARCHES.len(), key in 0..KEYS.len(), v in prop_oneof![0u32..4, 0u32..300, any::<u32>()]) {
             let arch = ARCHES[arch];
-            let set = [(format!("{arch}.{}", KEYS[key]), Meta::U32(v))];
+            let set = [(format!("{}.{}", arch.trim_end_matches("-moe"), KEYS[key]), Meta::U32(v))];
             let set: Vec<(&str, Meta)> = set.iter().map(|(k, v)| (k.as_str(), v.clone())).collect();
             run(build_with(arch, SMALL, 1, &[], &set).build());
         }
@@ -376,7 +461,7 @@ mod fuzz {
         #[test]
         fn any_float_metadata(arch in 0..ARCHES.len(), key in 0..FLOAT_KEYS.len(), v in prop_oneof![Just(0.0f32), Just(-1.0), Just(f32::NAN), Just(f32::INFINITY), -10.0f32..1e7]) {
             let arch = ARCHES[arch];
-            let set = [(format!("{arch}.{}", FLOAT_KEYS[key]), Meta::F32(v))];
+            let set = [(format!("{}.{}", arch.trim_end_matches("-moe"), FLOAT_KEYS[key]), Meta::F32(v))];
             let set: Vec<(&str, Meta)> = set.iter().map(|(k, v)| (k.as_str(), v.clone())).collect();
             run(build_with(arch, SMALL, 1, &[], &set).build());
         }

@@ -80,6 +80,11 @@ pub struct CacheConfig {
     pub sample_every: u64,
     /// How cold blocks are released.
     pub release: ReleaseMode,
+    /// madvise(MADV_RANDOM) the mapping: a fault reads only its pages, no read-ahead (default
+    /// false). For a budget smaller than a mixture of experts: the kernel's read-ahead (up to
+    /// the device's `read_ahead_kb`, often megabytes) around a faulted expert pulls neighbouring
+    /// cold experts in, which is residency the budget then has to release again.
+    pub random_access: bool,
 }
 
 impl Default for CacheConfig {
@@ -89,6 +94,7 @@ impl Default for CacheConfig {
             budget_bytes: None,
             sample_every: 256,
             release: ReleaseMode::PageOut,
+            random_access: false,
         }
     }
 }
@@ -112,6 +118,11 @@ impl CacheConfig {
     /// Set the release mode.
     pub fn release(mut self, v: ReleaseMode) -> Self {
         self.release = v;
+        self
+    }
+    /// Sets [`random_access`](Self::random_access).
+    pub fn random_access(mut self, v: bool) -> Self {
+        self.random_access = v;
         self
     }
 }
@@ -146,6 +157,15 @@ pub struct CacheStats {
     pub warm_time: Duration,
     /// Blocks released by budget enforcement.
     pub blocks_released: u64,
+    /// Part touches recorded ([`WeightCache::touch_part`]: one expert of a stacked tensor).
+    pub part_touches: u64,
+    /// Fraction of checked part blocks (an expert's byte range) that were resident, over the
+    /// first touch of each part in a request and sampled touches: the expert hit rate.
+    pub part_hit_rate: Option<f64>,
+    /// Bytes this process read from storage since the cache was made (Linux
+    /// `/proc/self/io` `read_bytes`: page-cache misses, mapped or read, warm-ups included);
+    /// `None` where the kernel does not account it.
+    pub storage_read_bytes: Option<u64>,
 }
 
 /// Result of [`WeightCache::enforce_budget`].
@@ -173,6 +193,13 @@ struct Inner {
     cfg: CacheConfig,
     header_crc: u32,
     tensors: Vec<TensorCounters>,
+    /// Per tensor, one counter per part of a stacked (3-D) tensor: `shape[2]` equal matrices
+    /// (a mixture of experts' `ffn_*_exps`); empty for other tensors.
+    parts: Vec<Box<[TensorCounters]>>,
+    part_hits: AtomicU64,
+    part_misses: AtomicU64,
+    /// `read_bytes` of the process when the cache was made.
+    read_base: Option<u64>,
     next_request: AtomicU64,
     n_tokens: AtomicU64,
     hits: AtomicU64,
@@ -230,8 +257,29 @@ impl WeightCache {
         let table = BlockTable::new(&gguf, cfg.block_size)?;
         let header_crc =
             crc32fast::hash(&gguf.bytes()[..gguf.data_offset().min(gguf.bytes().len())]);
+        if cfg.random_access && gguf.backing().is_file_backed() {
+            let len = gguf.bytes().len();
+            if let Err(e) = sys::advise(gguf.backing(), 0..len, Advice::Random) {
+                tracing::warn!("weight-cache: madvise(MADV_RANDOM) failed: {e}");
+            }
+        }
         let tensors = (0..table.n_tensors())
             .map(|_| TensorCounters::default())
+            .collect();
+        let parts = (0..table.n_tensors())
+            .map(|i| {
+                let n = gguf
+                    .tensor_at(i)
+                    .map_or(0, |t| t.shape.get(2).copied().unwrap_or(0) as usize);
+                // A stack of at least two matrices; bounded by the tensor's bytes (a part is
+                // at least one byte).
+                let n = if n >= 2 && n <= table.tensor_bytes(i).len() {
+                    n
+                } else {
+                    0
+                };
+                (0..n).map(|_| TensorCounters::default()).collect()
+            })
             .collect();
         Ok(Self {
             inner: Arc::new(Inner {
@@ -240,6 +288,10 @@ impl WeightCache {
                 cfg,
                 header_crc,
                 tensors,
+                parts,
+                part_hits: AtomicU64::new(0),
+                part_misses: AtomicU64::new(0),
+                read_base: sys::process_read_bytes(),
                 next_request: AtomicU64::new(1),
                 n_tokens: AtomicU64::new(0),
                 hits: AtomicU64::new(0),
@@ -292,6 +344,87 @@ impl WeightCache {
             self.check_residency(index, true);
         } else if self.inner.cfg.sample_every > 0 && n % self.inner.cfg.sample_every == 0 {
             self.check_residency(index, false);
+        }
+    }
+
+    /// Record that `request` read part `part` of stacked tensor `index`: one of the `shape[2]`
+    /// equal matrices of a 3-D tensor (expert `part` of a mixture of experts' `ffn_*_exps`),
+    /// whose bytes are the tensor's `part`-th equal slice. Counted for that slice's blocks only,
+    /// so the profile, the warm-up order and the budget's release order tell hot experts from
+    /// cold ones. The first touch of a part per request, and every `sample_every`-th, ask the
+    /// kernel (mincore) whether the part's blocks were resident (the part hit rate). A tensor
+    /// that is not a stack, or a part out of range, is ignored.
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use weight_cache::{CacheConfig, GgmlType, Gguf, GgufBuilder, WeightCache};
+    /// // Four experts of 64 x 256 F32 (64 KiB each, one block each).
+    /// let file = GgufBuilder::new()
+    ///     .tensor("blk.0.ffn_up_exps.weight", GgmlType::F32, &[256, 64, 4], vec![0; 4 << 16])
+    ///     .build();
+    /// let cache = WeightCache::new(Arc::new(Gguf::from_bytes(file)?), CacheConfig::default())?;
+    /// let req = cache.begin_request();
+    /// cache.touch_part(0, 2, req);
+    /// let (p, t) = (cache.profile(), cache.table());
+    /// // Expert 2's bytes (the third quarter) are hot; expert 0's first bytes are not.
+    /// let bytes = t.tensor_bytes(0);
+    /// let quarter = bytes.len() / 4;
+    /// assert_eq!(p.touches[t.block_of(bytes.start + 2 * quarter + quarter / 2)], 1);
+    /// assert_eq!(p.touches[t.block_of(bytes.start)], 0);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    #[inline]
+    pub fn touch_part(&self, index: usize, part: usize, request: RequestId) {
+        let Some(c) = self.inner.parts.get(index).and_then(|p| p.get(part)) else {
+            return;
+        };
+        let n = c.touches.fetch_add(1, Relaxed);
+        if c.last_request.load(Relaxed) != request.0
+            && c.last_request.swap(request.0, Relaxed) != request.0
+        {
+            c.requests.fetch_add(1, Relaxed);
+            self.check_part_residency(index, part, true);
+        } else if self.inner.cfg.sample_every > 0 && n % self.inner.cfg.sample_every == 0 {
+            self.check_part_residency(index, part, false);
+        }
+    }
+
+    /// Parts of tensor `index` ([`touch_part`](Self::touch_part)); 0 when it is not a stack.
+    pub fn n_parts(&self, index: usize) -> usize {
+        self.inner.parts.get(index).map_or(0, |p| p.len())
+    }
+
+    /// The blocks of part `part` of stacked tensor `index`.
+    fn part_blocks(&self, index: usize, part: usize) -> Range<usize> {
+        let n = self.n_parts(index);
+        let r = self.inner.table.tensor_bytes(index);
+        if part >= n || r.is_empty() {
+            return 0..0;
+        }
+        let len = r.len();
+        let (a, b) = (r.start + part * len / n, r.start + (part + 1) * len / n);
+        if a >= b {
+            return 0..0;
+        }
+        let t = &self.inner.table;
+        t.block_of(a)..t.block_of(b - 1) + 1
+    }
+
+    #[cold]
+    fn check_part_residency(&self, index: usize, part: usize, first: bool) {
+        let blocks = self.part_blocks(index, part);
+        if blocks.is_empty() {
+            return;
+        }
+        let (res, total) = self.resident_blocks_in(blocks);
+        let (h, m) = (res as u64, (total - res) as u64);
+        self.inner.part_hits.fetch_add(h, Relaxed);
+        self.inner.part_misses.fetch_add(m, Relaxed);
+        self.inner.hits.fetch_add(h, Relaxed);
+        self.inner.misses.fetch_add(m, Relaxed);
+        if first {
+            self.inner.first_hits.fetch_add(h, Relaxed);
+            self.inner.first_misses.fetch_add(m, Relaxed);
         }
     }
 
@@ -409,6 +542,16 @@ impl WeightCache {
             blocks_warmed: i.blocks_warmed.load(Relaxed),
             warm_time: Duration::from_nanos(i.warm_nanos.load(Relaxed)),
             blocks_released: i.blocks_released.load(Relaxed),
+            part_touches: i
+                .parts
+                .iter()
+                .flat_map(|p| p.iter())
+                .map(|c| c.touches.load(Relaxed))
+                .sum(),
+            part_hit_rate: rate(i.part_hits.load(Relaxed), i.part_misses.load(Relaxed)),
+            storage_read_bytes: i
+                .read_base
+                .and_then(|base| Some(sys::process_read_bytes()?.saturating_sub(base))),
         }
     }
 
@@ -437,6 +580,19 @@ impl WeightCache {
             for b in i.table.tensor_blocks(t) {
                 p.touches[b] += tc;
                 p.requests[b] += rc;
+            }
+        }
+        // Parts count for their own slices' blocks.
+        for (t, parts) in i.parts.iter().enumerate() {
+            for (part, c) in parts.iter().enumerate() {
+                let (tc, rc) = (c.touches.load(Relaxed), c.requests.load(Relaxed));
+                if tc == 0 {
+                    continue;
+                }
+                for b in self.part_blocks(t, part) {
+                    p.touches[b] += tc;
+                    p.requests[b] += rc;
+                }
             }
         }
         p

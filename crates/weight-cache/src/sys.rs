@@ -90,6 +90,15 @@ impl Backing {
 }
 
 /// The system page size.
+/// Bytes this process has caused to be read from storage (`read_bytes` of `/proc/self/io`);
+/// `None` where the file is absent or unreadable (other systems, no task I/O accounting).
+pub(crate) fn process_read_bytes() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/self/io").ok()?;
+    text.lines()
+        .find_map(|l| l.strip_prefix("read_bytes:"))
+        .and_then(|v| v.trim().parse().ok())
+}
+
 pub(crate) fn page_size() -> usize {
     static PAGE: OnceLock<usize> = OnceLock::new();
     *PAGE.get_or_init(|| {
@@ -162,13 +171,15 @@ pub(crate) enum Advice {
     /// MADV_PAGEOUT (Linux >= 5.4): reclaim the pages now.
     #[cfg_attr(not(target_os = "linux"), allow(dead_code))]
     PageOut,
+    /// MADV_RANDOM: no read-ahead around faults (only the pages read come in).
+    Random,
 }
 
 /// madvise the pages covering `backing.bytes()[range]`. Releasing advice (DontNeed, Cold, PageOut)
 /// is only applied to file mappings: on an owned buffer it would discard data, so it returns
 /// `Unsupported` there.
 pub(crate) fn advise(backing: &Backing, range: Range<usize>, advice: Advice) -> io::Result<()> {
-    if advice != Advice::WillNeed && !backing.is_file_backed() {
+    if !matches!(advice, Advice::WillNeed | Advice::Random) && !backing.is_file_backed() {
         return Err(io::Error::new(
             io::ErrorKind::Unsupported,
             "releasing pages of an owned buffer would discard data",
@@ -182,6 +193,7 @@ pub(crate) fn advise(backing: &Backing, range: Range<usize>, advice: Advice) -> 
         let flag = match advice {
             Advice::WillNeed => libc::MADV_WILLNEED,
             Advice::DontNeed => libc::MADV_DONTNEED,
+            Advice::Random => libc::MADV_RANDOM,
             #[cfg(target_os = "linux")]
             Advice::Cold => libc::MADV_COLD,
             #[cfg(target_os = "linux")]

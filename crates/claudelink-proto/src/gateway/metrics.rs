@@ -458,6 +458,18 @@ impl GatewayMetrics {
             "Weight-cache hit rate in [0, 1].",
             svc.weight_cache_hit_rate,
         );
+        gauge(
+            &mut o,
+            "zerolayer_expert_hit_rate",
+            "Mixture-of-experts models: fraction of the chosen experts' weight blocks resident, in [0, 1].",
+            svc.expert_hit_rate,
+        );
+        gauge(
+            &mut o,
+            "zerolayer_weight_read_bytes_per_token",
+            "Bytes read from storage per token processed (page-cache misses of the weights).",
+            svc.weight_read_bytes_per_token,
+        );
         counter(
             &mut o,
             "zerolayer_prefix_cache_hit_tokens_total",

@@ -209,6 +209,8 @@ impl InferenceService for WordService {
         m.kv_bytes_used = 1024;
         m.kv_bytes_budget = 4096;
         m.weight_cache_hit_rate = 0.75;
+        m.expert_hit_rate = 0.625;
+        m.weight_read_bytes_per_token = 4096.5;
         m
     }
 

@@ -21,10 +21,28 @@ pub(crate) struct Dims {
     pub(crate) ctx: usize,
 }
 
-/// Every architecture `build` writes.
+/// Every architecture `build` writes (`llama-moe`: `llama` with Mixtral's expert tensors).
 pub(crate) const ARCHES: &[&str] = &[
-    "llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "smollm3",
+    "llama",
+    "qwen2",
+    "qwen3",
+    "gemma2",
+    "gemma3",
+    "phi3",
+    "smollm3",
+    "qwen3moe",
+    "llama-moe",
+    "olmoe",
+    "qwen2moe",
 ];
+
+/// Experts of the mixture-of-experts architectures, and how many each token uses.
+pub(crate) const EXPERTS: (usize, usize) = (16, 2);
+
+/// The inner size of one expert (and of qwen2moe's shared expert): a quarter of `n_ff`.
+pub(crate) fn expert_ff(d: Dims) -> usize {
+    d.n_ff / 4
+}
 
 /// A small deterministic generator (xorshift).
 struct Rng(u64);
@@ -91,6 +109,8 @@ pub(crate) fn build_with(
     set: &[(&str, Meta)],
 ) -> GgufBuilder {
     let mut rng = Rng(0x9E37_79B9_7F4A_7C15 ^ seed);
+    let moe = arch.ends_with("moe") || arch == "llama-moe";
+    let arch = if arch == "llama-moe" { "llama" } else { arch };
     let k = |s: &str| format!("{arch}.{s}");
     let mut meta: Vec<(String, Meta)> = vec![
         ("general.architecture".into(), Meta::Str(arch.into())),
@@ -129,6 +149,26 @@ pub(crate) fn build_with(
         ]),
         _ => {}
     }
+    let (n_exp, n_used) = EXPERTS;
+    let ffe = expert_ff(d);
+    if moe {
+        meta.extend([
+            (k("expert_count"), Meta::U32(n_exp as u32)),
+            (k("expert_used_count"), Meta::U32(n_used as u32)),
+        ]);
+        if arch.starts_with("qwen") {
+            meta.push((k("expert_feed_forward_length"), Meta::U32(ffe as u32)));
+        } else {
+            // Mixtral and OLMoE size their experts by feed_forward_length.
+            meta.push((k("feed_forward_length"), Meta::U32(ffe as u32)));
+        }
+        if arch == "qwen2moe" {
+            meta.push((
+                k("expert_shared_feed_forward_length"),
+                Meta::U32(ffe as u32),
+            ));
+        }
+    }
     for (key, v) in set {
         meta.push((key.to_string(), v.clone()));
     }
@@ -156,7 +196,15 @@ pub(crate) fn build_with(
             b.tensor(&name, dtype, shape, data)
         }
     };
-    let emb = q8_0(&mut rng, d.vocab, d.n_embd, 1.0);
+    let mut emb = q8_0(&mut rng, d.vocab, d.n_embd, 1.0);
+    if moe {
+        // Entry 0 of every embedding at the top of its range: a dimension all tokens share,
+        // which the router's hot experts weigh (see `experts`).
+        let row = d.n_embd / 32 * 34;
+        for r in 0..d.vocab {
+            emb[r * row + 2] = 127;
+        }
+    }
     b = t(
         b,
         "token_embd.weight".into(),
@@ -219,7 +267,7 @@ pub(crate) fn build_with(
                 b = t(b, n(name), GgmlType::Q8_0, &[de, rows], w);
             }
         }
-        if arch == "qwen2" {
+        if arch == "qwen2" || arch == "qwen2moe" {
             for (name, len) in [
                 ("attn_q.bias", qd),
                 ("attn_k.bias", kvd),
@@ -229,21 +277,36 @@ pub(crate) fn build_with(
                 b = t(b, n(name), GgmlType::F32, &[len], f32s(&v));
             }
         }
-        if arch == "qwen3" || arch == "gemma3" {
+        if arch == "qwen3" || arch == "gemma3" || arch == "qwen3moe" {
             for name in ["attn_q_norm.weight", "attn_k_norm.weight"] {
                 let v = around_one(&mut rng, d.head_dim);
                 b = t(b, n(name), GgmlType::F32, &[hd], v);
             }
         }
+        if arch == "olmoe" {
+            // Over the whole query and key rows.
+            for (name, len) in [("attn_q_norm.weight", qd), ("attn_k_norm.weight", kvd)] {
+                let v = around_one(&mut rng, len as usize);
+                b = t(b, n(name), GgmlType::F32, &[len], v);
+            }
+        }
         let wo = q8_0(&mut rng, d.n_embd, qd as usize, ws);
         b = t(b, n("attn_output.weight"), GgmlType::Q8_0, &[qd, de], wo);
-        let fnorm = around_one(&mut rng, d.n_embd);
+        let mut fnorm = around_one(&mut rng, d.n_embd);
+        if moe {
+            // The shared dimension stays visible to the router in every layer.
+            fnorm[..4].copy_from_slice(&4f32.to_le_bytes());
+        }
         b = t(b, n("ffn_norm.weight"), GgmlType::F32, &[de], fnorm);
         if arch == "gemma2" || arch == "gemma3" {
             for name in ["post_attention_norm.weight", "post_ffw_norm.weight"] {
                 let v = around_one(&mut rng, d.n_embd);
                 b = t(b, n(name), GgmlType::F32, &[de], v);
             }
+        }
+        if moe {
+            b = experts(b, &mut rng, &t, l, d, arch == "qwen2moe");
+            continue;
         }
         if arch == "phi3" {
             let w = q8_0(&mut rng, 2 * d.n_ff, d.n_embd, ws);
@@ -261,6 +324,77 @@ pub(crate) fn build_with(
             1.0 / (d.n_ff as f32).sqrt() * 2.0,
         );
         b = t(b, n("ffn_down.weight"), GgmlType::Q8_0, &[ff, de], w);
+    }
+    b
+}
+
+/// Adds a tensor (name, type, shape, bytes) unless the build skips it.
+type AddTensor<'a> = dyn Fn(GgufBuilder, String, GgmlType, &[u64], Vec<u8>) -> GgufBuilder + 'a;
+
+/// Experts the router favours: every token's entry 0 is large (see `build_with`), and these
+/// experts' router rows weigh it, so they win most tokens (a skewed router, as in trained
+/// models); the others win when a token's random part outweighs that.
+pub(crate) const HOT_EXPERTS: usize = 3;
+
+/// Layer `l`'s experts: an F32 router skewed towards the first [`HOT_EXPERTS`], stacked Q8_0
+/// gate/up/down experts, and qwen2moe's shared expert.
+fn experts(
+    mut b: GgufBuilder,
+    rng: &mut Rng,
+    t: &AddTensor<'_>,
+    l: usize,
+    d: Dims,
+    shared: bool,
+) -> GgufBuilder {
+    let n = |s: &str| format!("blk.{l}.{s}");
+    let (n_exp, _) = EXPERTS;
+    let (de, ffe, ne) = (d.n_embd as u64, expert_ff(d) as u64, n_exp as u64);
+    let ws = 2.0 / (d.n_embd as f32).sqrt();
+    let router: Vec<f32> = (0..n_exp * d.n_embd)
+        .map(|i| {
+            let (e, col) = (i / d.n_embd, i % d.n_embd);
+            match (col, e < HOT_EXPERTS) {
+                (0, true) => 2.0,
+                (0, false) => 0.0,
+                _ => ws * rng.unit(),
+            }
+        })
+        .collect();
+    b = t(
+        b,
+        n("ffn_gate_inp.weight"),
+        GgmlType::F32,
+        &[de, ne],
+        f32s(&router),
+    );
+    for name in ["ffn_gate_exps.weight", "ffn_up_exps.weight"] {
+        let w = q8_0(rng, n_exp * ffe as usize, d.n_embd, ws);
+        b = t(b, n(name), GgmlType::Q8_0, &[de, ffe, ne], w);
+    }
+    let down_scale = 2.0 / (ffe as f32).sqrt();
+    let w = q8_0(rng, n_exp * d.n_embd, ffe as usize, down_scale);
+    b = t(
+        b,
+        n("ffn_down_exps.weight"),
+        GgmlType::Q8_0,
+        &[ffe, de, ne],
+        w,
+    );
+    if shared {
+        for name in ["ffn_gate_shexp.weight", "ffn_up_shexp.weight"] {
+            let w = q8_0(rng, ffe as usize, d.n_embd, ws);
+            b = t(b, n(name), GgmlType::Q8_0, &[de, ffe], w);
+        }
+        let w = q8_0(rng, d.n_embd, ffe as usize, down_scale);
+        b = t(b, n("ffn_down_shexp.weight"), GgmlType::Q8_0, &[ffe, de], w);
+        let g: Vec<f32> = (0..d.n_embd).map(|_| ws * rng.unit()).collect();
+        b = t(
+            b,
+            n("ffn_gate_inp_shexp.weight"),
+            GgmlType::F32,
+            &[de],
+            f32s(&g),
+        );
     }
     b
 }

@@ -100,6 +100,14 @@ pub struct EngineMetrics {
     /// Weight-cache hit rate (mincore residency at first and sampled touches) when the model
     /// has a [`WeightCache`](weight_cache::WeightCache) attached and has touched weights.
     pub weight_cache_hit_rate: Option<f64>,
+    /// Expert hit rate of a mixture-of-experts model: the fraction of the chosen experts' weight
+    /// blocks found resident (mincore) at their first touch in a profiling request and at
+    /// sampled touches, with a weight cache attached.
+    pub expert_hit_rate: Option<f64>,
+    /// Bytes the process read from storage (page-cache misses of the mapped weights, warm-ups
+    /// included; Linux task I/O accounting) per token processed (prompt and generated), with a
+    /// weight cache attached.
+    pub storage_read_bytes_per_token: Option<f64>,
 }
 
 impl EngineMetrics {

@@ -586,7 +586,19 @@ impl Engine {
         }
         m.kv_bytes_used = self.pool.used_bytes();
         m.kv_bytes_budget = self.pool.budget_bytes();
-        m.weight_cache_hit_rate = self.model.weight_cache().and_then(|c| c.stats().hit_rate);
+        if let Some(stats) = self
+            .model
+            .weight_cache()
+            .map(weight_cache::WeightCache::stats)
+        {
+            m.weight_cache_hit_rate = stats.hit_rate;
+            m.expert_hit_rate = stats.part_hit_rate;
+            let tokens = m.generated_tokens + m.prompt_tokens;
+            m.storage_read_bytes_per_token = stats
+                .storage_read_bytes
+                .filter(|_| tokens > 0)
+                .map(|b| b as f64 / tokens as f64);
+        }
         m
     }
 

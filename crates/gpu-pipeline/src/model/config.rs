@@ -84,6 +84,49 @@ pub enum LayerRope {
     Off,
 }
 
+/// RMSNorm of the queries and keys before RoPE.
+#[non_exhaustive]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum QkNorm {
+    /// None.
+    Off,
+    /// Each head's query and key over `head_dim` (Qwen 3, Qwen3-MoE, Gemma 3).
+    PerHead,
+    /// The whole query and key rows, all heads together (OLMoE: weights of `n_heads * head_dim`
+    /// and `n_kv_heads * head_dim`).
+    Full,
+}
+
+/// The mixture-of-experts feed-forward block of a model (llama.cpp's `build_moe_ffn`): a router
+/// (`ffn_gate_inp`, in f32) scores every expert per token, softmax turns the scores into
+/// probabilities, the `n_used` most probable experts run their gated MLPs (`ffn_gate_exps`,
+/// `ffn_up_exps`, `ffn_down_exps`: `n_experts` matrices each, stacked), and their outputs are
+/// summed weighted by those probabilities (renormalised to sum 1 where the family does).
+#[non_exhaustive]
+#[derive(Clone, Debug, PartialEq)]
+pub struct MoeConfig {
+    /// `{arch}.expert_count`.
+    pub n_experts: usize,
+    /// `{arch}.expert_used_count`: experts per token (top-k).
+    pub n_used: usize,
+    /// Inner size of one expert's MLP: `{arch}.expert_feed_forward_length` (Qwen MoE; else
+    /// `feed_forward_length / n_used` there), `feed_forward_length` (Mixtral, OLMoE).
+    pub n_ff_expert: usize,
+    /// The chosen experts' probabilities are divided by their sum (Mixtral, Qwen3-MoE: yes;
+    /// OLMoE, Qwen2-MoE: no; llama.cpp's `norm_w` per family).
+    pub norm_weights: bool,
+    /// The weights are then multiplied by this (`{arch}.expert_weights_scale` where llama.cpp
+    /// reads it; 1 for the families here).
+    pub weights_scale: f32,
+    /// Inner size of the shared expert every token runs (Qwen2-MoE,
+    /// `{arch}.expert_shared_feed_forward_length`, else `feed_forward_length`); its output is
+    /// scaled by `sigmoid(ffn_gate_inp_shexp · x)`.
+    pub n_ff_shared: Option<usize>,
+}
+
+/// Most experts a layer may have (llama.cpp's `LLAMA_MAX_EXPERTS`).
+pub const MAX_EXPERTS: usize = 1024;
+
 /// Per-layer attention features.
 #[non_exhaustive]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -149,8 +192,8 @@ pub struct ModelConfig {
     pub attn_softcap: Option<f32>,
     /// Logits pass through `cap * tanh(l / cap)` (Gemma 2; Gemma 3 when the file sets it).
     pub final_softcap: Option<f32>,
-    /// RMSNorm of each head's query and key before RoPE (Qwen 3, Gemma 3).
-    pub qk_norm: bool,
+    /// RMSNorm of queries and keys before RoPE.
+    pub qk_norm: QkNorm,
     /// RMSNorm of the attention and MLP outputs before their residual adds (Gemma 2 and 3).
     pub post_norms: bool,
     /// End-of-sequence token (`tokenizer.ggml.eos_token_id`).
@@ -159,11 +202,14 @@ pub struct ModelConfig {
     pub eot_token_id: Option<u32>,
     /// Beginning-of-sequence token.
     pub bos_token_id: Option<u32>,
+    /// The mixture-of-experts block that replaces every layer's dense MLP (`None`: dense).
+    pub moe: Option<MoeConfig>,
 }
 
 /// The architectures [`ModelConfig`] reads.
 pub const SUPPORTED_ARCHITECTURES: &[&str] = &[
-    "llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "smollm3",
+    "llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "smollm3", "qwen2moe",
+    "qwen3moe", "olmoe",
 ];
 
 impl ModelConfig {
@@ -183,7 +229,8 @@ impl ModelConfig {
             .to_string();
         let mut layout = match arch.as_str() {
             "llama" | "mistral" | "smollm3" => RopeLayout::Normal,
-            "qwen2" | "qwen3" | "gemma2" | "gemma3" | "phi3" => RopeLayout::Neox,
+            "qwen2" | "qwen3" | "gemma2" | "gemma3" | "phi3" | "qwen2moe" | "qwen3moe"
+            | "olmoe" => RopeLayout::Neox,
             _ => return Err(ModelError::UnsupportedArchitecture { arch }),
         };
         match g.get_str("zerolayer.rope.layout") {
@@ -463,6 +510,7 @@ impl ModelConfig {
             "gemma3" => (None, cap("final_logit_softcapping", None)?),
             _ => (None, None),
         };
+        let moe = moe_config(g, &arch, n_ff)?;
         let vocab_size = match g.tensor("token_embd.weight") {
             Some(t) => t.rows(),
             None => {
@@ -494,11 +542,16 @@ impl ModelConfig {
             attention_scale,
             attn_softcap,
             final_softcap,
-            qk_norm: matches!(arch.as_str(), "qwen3" | "gemma3"),
+            qk_norm: match arch.as_str() {
+                "qwen3" | "qwen3moe" | "gemma3" => QkNorm::PerHead,
+                "olmoe" => QkNorm::Full,
+                _ => QkNorm::Off,
+            },
             post_norms: gemma,
             eos_token_id: g.get_u32("tokenizer.ggml.eos_token_id"),
             eot_token_id: g.get_u32("tokenizer.ggml.eot_token_id"),
             bos_token_id: g.get_u32("tokenizer.ggml.bos_token_id"),
+            moe,
             arch,
         })
     }
@@ -516,6 +569,64 @@ impl ModelConfig {
             LayerRope::Off => None,
         }
     }
+}
+
+/// The expert block of `arch`, from `{arch}.expert_*` (llama.cpp's loaders: `llama` is dense
+/// without `expert_count`, the MoE families need it).
+fn moe_config(
+    g: &dyn WeightSource,
+    arch: &str,
+    n_ff: usize,
+) -> Result<Option<MoeConfig>, ModelError> {
+    let key = |k: &str| format!("{arch}.{k}");
+    let moe_family = matches!(arch, "qwen2moe" | "qwen3moe" | "olmoe");
+    if !moe_family && arch != "llama" {
+        return Ok(None);
+    }
+    let experts = g.get_u32(&key("expert_count")).unwrap_or(0);
+    if experts == 0 && !moe_family {
+        return Ok(None);
+    }
+    let used = g.get_u32(&key("expert_used_count")).unwrap_or(0);
+    if experts == 0 || used == 0 || used > experts || experts as usize > MAX_EXPERTS {
+        return Err(ModelError::ExpertCount {
+            arch: arch.to_string(),
+            experts,
+            used,
+        });
+    }
+    let (n_experts, n_used) = (experts as usize, used as usize);
+    // llama.cpp: a length of 0 (or none) means the default.
+    let sized = |k: &str, default: usize| {
+        g.get_u32(&key(k))
+            .filter(|&v| v > 0)
+            .map_or(default, |v| v as usize)
+    };
+    let qwen = arch.starts_with("qwen");
+    let n_ff_expert = if qwen {
+        sized("expert_feed_forward_length", n_ff / n_used)
+    } else {
+        n_ff
+    };
+    if n_ff_expert == 0 {
+        return Err(ModelError::InvalidMetadata {
+            key: key("expert_feed_forward_length"),
+            value: format!("0 (feed_forward_length {n_ff} / expert_used_count {n_used})"),
+        });
+    }
+    let n_ff_shared = if arch == "qwen2moe" {
+        Some(sized("expert_shared_feed_forward_length", n_ff))
+    } else {
+        None
+    };
+    Ok(Some(MoeConfig {
+        n_experts,
+        n_used,
+        n_ff_expert,
+        norm_weights: matches!(arch, "llama" | "qwen3moe"),
+        weights_scale: 1.0,
+        n_ff_shared,
+    }))
 }
 
 fn check_factors(name: &str, v: Vec<f32>) -> Result<Vec<f32>, ModelError> {

@@ -1,9 +1,11 @@
-//! The decoder-only transformer graph (Llama, Qwen 2/3, Gemma 2/3, Phi-3, SmolLM3 families) over
+//! The decoder-only transformer graph (Llama, Qwen 2/3, Gemma 2/3, Phi-3, SmolLM3 families, and
+//! the mixtures of experts Qwen3-MoE, Mixtral, OLMoE, Qwen2-MoE) over
 //! a [`WeightSource`] (a GGUF file or a Hugging Face directory), with a batched forward pass.
 
 pub(crate) mod attention;
 mod config;
 pub mod hf;
+mod moe;
 mod ops;
 mod source;
 
@@ -18,10 +20,11 @@ use crate::ThreadPool;
 use crate::kernels::{self, KernelError, WeightMatrix};
 
 pub use config::{
-    Activation, LayerConfig, LayerRope, ModelConfig, RopeConfig, RopeLayout, RopeScaling,
-    SUPPORTED_ARCHITECTURES,
+    Activation, LayerConfig, LayerRope, MAX_EXPERTS, ModelConfig, MoeConfig, QkNorm, RopeConfig,
+    RopeLayout, RopeScaling, SUPPORTED_ARCHITECTURES,
 };
 pub use hf::{HfError, HfModel};
+use moe::{Ffn, MoeScratch};
 pub use source::{GgufSource, SourceTensor, WeightSource};
 
 /// Options of [`Model::load`].
@@ -86,7 +89,7 @@ impl ModelOptions {
 pub enum ModelError {
     /// `general.architecture` names a model family this graph does not implement.
     #[error(
-        "unsupported model architecture {arch:?} (supported: llama, mistral, qwen2, qwen3, gemma2, gemma3, phi3, smollm3)"
+        "unsupported model architecture {arch:?} (supported: llama, mistral, qwen2, qwen3, gemma2, gemma3, phi3, smollm3, qwen2moe, qwen3moe, olmoe)"
     )]
     UnsupportedArchitecture {
         /// The architecture string.
@@ -105,6 +108,20 @@ pub enum ModelError {
         key: String,
         /// The value (or the inconsistent values), printed.
         value: String,
+    },
+    /// The expert counts of a mixture-of-experts model are unusable: no experts (where the family
+    /// needs them), no expert used per token, more used than there are, or more than
+    /// [`MAX_EXPERTS`](config::MAX_EXPERTS).
+    #[error(
+        "{arch}: expert_count {experts} / expert_used_count {used} (need 1 <= used <= count <= 1024)"
+    )]
+    ExpertCount {
+        /// The architecture.
+        arch: String,
+        /// `{arch}.expert_count` (0 when absent).
+        experts: u32,
+        /// `{arch}.expert_used_count` (0 when absent).
+        used: u32,
     },
     /// `{arch}.rope.scaling.type` is a scaling this graph does not implement (e.g. `yarn`).
     #[error("unsupported RoPE scaling {kind:?} (supported: none, linear, llama3, longrope)")]
@@ -279,14 +296,12 @@ struct Layer {
     bk: Option<Vec<f32>>,
     bv: Option<Vec<f32>>,
     bo: Option<Vec<f32>>,
-    /// Per-head RMSNorm weights of queries and keys (`head_dim` long).
+    /// RMSNorm weights of queries and keys (`head_dim` long per head, or the whole rows').
     q_norm: Option<Vec<f32>>,
     k_norm: Option<Vec<f32>>,
     attn_post_norm: Option<Vec<f32>>,
     ffn_norm: Vec<f32>,
-    w_gate: Lin,
-    w_up: Lin,
-    w_down: Lin,
+    ffn: Ffn,
     ffn_post_norm: Option<Vec<f32>>,
     /// Index into [`Model::ropes`]; `None`: no RoPE in this layer.
     rope: Option<usize>,
@@ -372,6 +387,8 @@ struct Scratch {
     sel: Vec<f32>,
     hi: Vec<f32>,
     tmp2: Vec<f32>,
+    /// The expert block's buffers.
+    moe: MoeScratch,
     /// cos/sin per RoPE table, token and frequency, interleaved (table-major).
     rope: Vec<f32>,
     /// Per-thread attention buffers.
@@ -474,6 +491,11 @@ impl Model {
         };
         let global = table(&cfg.rope);
         let local = cfg.rope_local.as_ref().map(&mut table);
+        let qk_norm = cfg.qk_norm != QkNorm::Off;
+        let qk_width = |full: u64| match cfg.qk_norm {
+            QkNorm::Full => full,
+            _ => hd,
+        };
         let mut layers = Vec::with_capacity(cfg.n_layers);
         for (l, lc) in cfg.layers.iter().enumerate() {
             let n = |s: &str| format!("blk.{l}.{s}");
@@ -507,18 +529,6 @@ impl Model {
                     opt_vec("attn_v.bias", kv_dim)?,
                 ),
             };
-            // Phi-3 fuses gate and up into one `ffn_up` of 2 n_ff rows, gate first.
-            let (w_gate, w_up) = match g.tensor(&n("ffn_gate.weight")) {
-                Some(_) => (
-                    lin(g, &n("ffn_gate.weight"), [d, ff])?,
-                    lin(g, &n("ffn_up.weight"), [d, ff])?,
-                ),
-                None => {
-                    let f = lin(g, &n("ffn_up.weight"), [d, 2 * ff])?;
-                    let ff = ff as usize;
-                    (f.slice_rows(0..ff), f.slice_rows(ff..2 * ff))
-                }
-            };
             let req_norm =
                 |want: bool, s: &str, len: u64| -> Result<Option<Vec<f32>>, ModelError> {
                     if want {
@@ -537,13 +547,11 @@ impl Model {
                 bk,
                 bv,
                 bo: opt_vec("attn_output.bias", d)?,
-                q_norm: req_norm(cfg.qk_norm, "attn_q_norm.weight", hd)?,
-                k_norm: req_norm(cfg.qk_norm, "attn_k_norm.weight", hd)?,
+                q_norm: req_norm(qk_norm, "attn_q_norm.weight", qk_width(q_dim))?,
+                k_norm: req_norm(qk_norm, "attn_k_norm.weight", qk_width(kv_dim))?,
                 attn_post_norm: req_norm(cfg.post_norms, "post_attention_norm.weight", d)?,
                 ffn_norm: norm(&n("ffn_norm.weight"), d)?,
-                w_gate,
-                w_up,
-                w_down: lin(g, &n("ffn_down.weight"), [ff, d])?,
+                ffn: Ffn::load(g, l, d, ff, cfg.moe.as_ref())?,
                 ffn_post_norm: req_norm(cfg.post_norms, "post_ffw_norm.weight", d)?,
                 rope: match lc.rope {
                     LayerRope::Global => Some(global),
@@ -972,8 +980,17 @@ impl Model {
         grow(&mut sc.v, total * kvd);
         grow(&mut sc.att, total * qd);
         grow(&mut sc.tmp, total * d);
-        grow(&mut sc.gate, total * cfg.n_ff);
-        grow(&mut sc.up, total * cfg.n_ff);
+        // The MLP's inner width: the dense MLP's, or the larger of an expert's (which runs on
+        // at most all tokens at once) and the shared expert's.
+        let inner = match &cfg.moe {
+            None => cfg.n_ff,
+            Some(m) => {
+                sc.moe.reserve(m, total, d);
+                m.n_ff_expert.max(m.n_ff_shared.unwrap_or(0))
+            }
+        };
+        grow(&mut sc.gate, total * inner);
+        grow(&mut sc.up, total * inner);
         grow(&mut sc.rope, self.ropes.len() * total * cfg.rope.n_rot);
         while sc.attn.len() < self.pool().n_threads() {
             sc.attn.push(Mutex::new(AttnScratch::default()));
@@ -1114,12 +1131,14 @@ impl Model {
             let eps = cfg.rms_eps;
             let (qn, kn) = (layer.q_norm.as_deref(), layer.k_norm.as_deref());
             self.par_rows(total, &|r| {
-                // Per-head norm output; on the stack for head dims up to 512 (no allocation).
-                let (mut stack, mut heap) = ([0f32; 512], Vec::new());
-                let buf: &mut [f32] = if hd <= stack.len() {
-                    &mut stack[..hd]
+                // Norm output (one head, or OLMoE's whole row); on the stack up to 4096 elements
+                // (no allocation).
+                let width = qn.map_or(hd, <[f32]>::len).max(kn.map_or(hd, <[f32]>::len));
+                let (mut stack, mut heap) = ([0f32; 4096], Vec::new());
+                let buf: &mut [f32] = if width <= stack.len() {
+                    &mut stack[..width]
                 } else {
-                    heap.resize(hd, 0.0);
+                    heap.resize(width, 0.0);
                     &mut heap
                 };
                 for t in r {
@@ -1127,9 +1146,11 @@ impl Model {
                     let (q, k) = unsafe { (qs.row(t), ks.row(t)) };
                     for (heads, w) in [(&mut *q, qn), (&mut *k, kn)] {
                         if let Some(w) = w {
-                            for h in heads.chunks_exact_mut(hd) {
-                                ops::rmsnorm_rows(h, w, eps, buf);
-                                h.copy_from_slice(buf);
+                            // Per head (`w` is head_dim long) or the whole row.
+                            for h in heads.chunks_exact_mut(w.len()) {
+                                let out = &mut buf[..w.len()];
+                                ops::rmsnorm_rows(h, w, eps, out);
+                                h.copy_from_slice(out);
                             }
                         }
                     }
@@ -1262,8 +1283,9 @@ impl Model {
     }
 
     /// Stage 3 (per layer): the attention output is added to `x`, then RMSNorm, the gated MLP
-    /// (SwiGLU or GeGLU) and the down projection into `tmp` (post-normed when the family has
-    /// post-norms); `tmp` is added to `x` by the next stage that reads `x`.
+    /// (SwiGLU or GeGLU; or the token's experts) and the down projection into `tmp`
+    /// (post-normed when the family has post-norms); `tmp` is added to `x` by the next stage
+    /// that reads `x`.
     fn mlp_block(
         &self,
         layer: &Layer,
@@ -1278,40 +1300,20 @@ impl Model {
             &layer.ffn_norm,
             &mut sc.h[..total * d],
         );
-        self.mm_group(
-            [('g', &layer.w_gate), ('u', &layer.w_up)],
-            &sc.h,
-            total,
-            [&mut sc.gate[..], &mut sc.up[..]],
-            &mut sc.hi,
-            &mut sc.tmp2,
-            touch,
-        )?;
-        {
-            let nff = self.cfg.n_ff;
-            let gs = ops::SharedRows::new(&mut sc.gate[..total * nff], nff);
-            let up = &sc.up;
-            let act = self.cfg.activation;
-            self.par_rows(total, &|r| {
-                // SAFETY: tasks get disjoint token ranges.
-                let g = unsafe { gs.rows(r.clone()) };
-                let u = &up[r.start * nff..r.end * nff];
-                match act {
-                    Activation::Silu => ops::silu_mul_rows(g, u),
-                    Activation::GeluTanh => ops::gelu_tanh_mul_rows(g, u),
-                }
-            });
+        let Scratch {
+            h,
+            gate,
+            up,
+            tmp,
+            hi,
+            tmp2,
+            moe,
+            ..
+        } = sc;
+        match &layer.ffn {
+            Ffn::Dense(mlp) => self.gated_mlp(mlp, h, total, gate, up, tmp, hi, tmp2, touch)?,
+            Ffn::Moe(ex) => self.experts(ex, h, total, moe, gate, up, tmp, hi, tmp2, touch)?,
         }
-        self.mm(
-            'd',
-            &layer.w_down,
-            &sc.gate,
-            total,
-            &mut sc.tmp,
-            &mut sc.hi,
-            &mut sc.tmp2,
-            touch,
-        )?;
         if let Some(w) = &layer.ffn_post_norm {
             self.norm_in_place(&mut sc.tmp[..total * d], w, &mut sc.h[..total * d]);
         }
@@ -1383,6 +1385,12 @@ impl Model {
 }
 
 fn lin(g: &dyn WeightSource, name: &str, shape: [u64; 2]) -> Result<Lin, ModelError> {
+    lin_stacked(g, name, &shape)
+}
+
+/// A matrix of `shape[0]` columns and `shape[1] * shape[2] * ..` rows: a plain matrix, or a
+/// stack of equal matrices such as the experts' `ffn_*_exps` (`[cols, rows, n_experts]`).
+fn lin_stacked(g: &dyn WeightSource, name: &str, shape: &[u64]) -> Result<Lin, ModelError> {
     let t = g
         .tensor(name)
         .ok_or_else(|| ModelError::MissingTensor { name: name.into() })?;
@@ -1399,7 +1407,7 @@ fn lin(g: &dyn WeightSource, name: &str, shape: [u64; 2]) -> Result<Lin, ModelEr
         tensor: t.gguf_index.unwrap_or(usize::MAX),
         file: t.file,
         dtype: t.dtype,
-        rows: shape[1] as usize,
+        rows: shape[1..].iter().product::<u64>() as usize,
         cols: shape[0] as usize,
         bytes: start..start + t.data.len(),
     };

@@ -1,0 +1,439 @@
+//! The feed-forward block of a layer: a dense gated MLP, or a mixture of experts (llama.cpp's
+//! `build_moe_ffn`: Mixtral's `llama`, `qwen2moe`, `qwen3moe`, `olmoe`).
+//!
+//! Mixture of experts, per forward call:
+//! 1. the router (`ffn_gate_inp`) scores every expert for every token, in f32;
+//! 2. per token, softmax over the scores, the `n_used` most probable experts (its *slots*, in
+//!    rank order), their probabilities as weights (renormalised to sum 1 where the family does);
+//! 3. the slots are grouped by expert (a counting sort, stable in token order), each expert's
+//!    tokens gathered into contiguous rows, and its gate/up/down products run once over all of
+//!    them: an expert's weights stream once per call, not once per token. An expert's matrices
+//!    are a contiguous row range of the stacked `ffn_*_exps` tensors;
+//! 4. each token's output is `w_0 * y_0 + w_1 * y_1 + ...` in its rank order, as llama.cpp sums.
+//!
+//! Batch invariance: the kernels' row results do not depend on the other rows of a product, and
+//! a token's sum runs over its own slots in rank order, so a token's output is the same bit for
+//! bit whatever else is in the batch (tested in `tests/moe_models.rs`).
+
+use super::config::MoeConfig;
+use super::{Lin, Model, ModelError, Touch, grow, lin, lin_stacked, ops, vector};
+use crate::kernels::KernelError;
+use crate::model::source::WeightSource;
+
+/// A gated MLP's three matrices: `down(act(gate(x)) * up(x))`.
+#[derive(Debug)]
+pub(super) struct GatedMlp {
+    pub(super) gate: Lin,
+    pub(super) up: Lin,
+    pub(super) down: Lin,
+}
+
+/// A layer's mixture of experts.
+#[derive(Debug)]
+pub(super) struct Experts {
+    /// `ffn_gate_inp`: one row of `n_embd` per expert.
+    router: Lin,
+    /// The stacked `ffn_{gate,up,down}_exps`; expert `e` is rows `e * rows..(e + 1) * rows` of
+    /// each.
+    stacked: GatedMlp,
+    /// Qwen2-MoE's shared expert and its gate vector (`ffn_gate_inp_shexp`).
+    shared: Option<(GatedMlp, Vec<f32>)>,
+}
+
+/// A layer's feed-forward block.
+#[derive(Debug)]
+pub(super) enum Ffn {
+    /// Every token through one gated MLP.
+    Dense(GatedMlp),
+    /// Each token through its chosen experts (boxed: a layer holds one or the other).
+    Moe(Box<Experts>),
+}
+
+impl Ffn {
+    /// The dense MLP of layer `l` (`ffn_gate`/`ffn_up`/`ffn_down`, or Phi-3's fused `ffn_up`), or
+    /// its experts when the model has them, with every shape checked.
+    pub(super) fn load(
+        g: &dyn WeightSource,
+        l: usize,
+        d: u64,
+        n_ff: u64,
+        moe: Option<&MoeConfig>,
+    ) -> Result<Self, ModelError> {
+        let n = |s: &str| format!("blk.{l}.{s}");
+        let Some(m) = moe else {
+            // Phi-3 fuses gate and up into one `ffn_up` of 2 n_ff rows, gate first.
+            let (gate, up) = match g.tensor(&n("ffn_gate.weight")) {
+                Some(_) => (
+                    lin(g, &n("ffn_gate.weight"), [d, n_ff])?,
+                    lin(g, &n("ffn_up.weight"), [d, n_ff])?,
+                ),
+                None => {
+                    let f = lin(g, &n("ffn_up.weight"), [d, 2 * n_ff])?;
+                    let ff = n_ff as usize;
+                    (f.slice_rows(0..ff), f.slice_rows(ff..2 * ff))
+                }
+            };
+            let down = lin(g, &n("ffn_down.weight"), [n_ff, d])?;
+            return Ok(Self::Dense(GatedMlp { gate, up, down }));
+        };
+        let (ne, ff) = (m.n_experts as u64, m.n_ff_expert as u64);
+        let stacked = |s: &str, shape: [u64; 3]| lin_stacked(g, &n(s), &shape);
+        let shared = match m.n_ff_shared {
+            None => None,
+            Some(sf) => {
+                let sf = sf as u64;
+                Some((
+                    GatedMlp {
+                        gate: lin(g, &n("ffn_gate_shexp.weight"), [d, sf])?,
+                        up: lin(g, &n("ffn_up_shexp.weight"), [d, sf])?,
+                        down: lin(g, &n("ffn_down_shexp.weight"), [sf, d])?,
+                    },
+                    vector(g, &n("ffn_gate_inp_shexp.weight"), d)?,
+                ))
+            }
+        };
+        Ok(Self::Moe(Box::new(Experts {
+            router: lin(g, &n("ffn_gate_inp.weight"), [d, ne])?,
+            stacked: GatedMlp {
+                gate: stacked("ffn_gate_exps.weight", [d, ff, ne])?,
+                up: stacked("ffn_up_exps.weight", [d, ff, ne])?,
+                down: stacked("ffn_down_exps.weight", [ff, d, ne])?,
+            },
+            shared,
+        })))
+    }
+}
+
+/// Buffers of the expert block, grown to the largest batch and then reused (the decode path
+/// allocates nothing).
+#[derive(Debug, Default)]
+pub(super) struct MoeScratch {
+    /// Router scores, then probabilities: `n_experts` per token.
+    probs: Vec<f32>,
+    /// Per slot (`token * n_used + rank`): the chosen expert and its weight.
+    expert: Vec<u32>,
+    weight: Vec<f32>,
+    /// Slots grouped by expert: expert `e`'s slots are `order[start[e]..start[e + 1]]`.
+    start: Vec<usize>,
+    cursor: Vec<usize>,
+    order: Vec<u32>,
+    /// Gathered inputs and outputs of the experts, one row per slot in `order`'s order.
+    input: Vec<f32>,
+    output: Vec<f32>,
+    /// Where each slot's row landed in `output`.
+    row_of: Vec<u32>,
+    /// The shared expert's output.
+    shared: Vec<f32>,
+}
+
+impl MoeScratch {
+    /// Grows every buffer for `total` tokens of a model with experts `m`.
+    pub(super) fn reserve(&mut self, m: &MoeConfig, total: usize, d: usize) {
+        let slots = total * m.n_used;
+        grow(&mut self.probs, total * m.n_experts);
+        grow_u32(&mut self.expert, slots);
+        grow(&mut self.weight, slots);
+        if self.start.len() < m.n_experts + 1 {
+            self.start.resize(m.n_experts + 1, 0);
+            self.cursor.resize(m.n_experts, 0);
+        }
+        grow_u32(&mut self.order, slots);
+        grow_u32(&mut self.row_of, slots);
+        grow(&mut self.input, slots * d);
+        grow(&mut self.output, slots * d);
+        if m.n_ff_shared.is_some() {
+            grow(&mut self.shared, total * d);
+        }
+    }
+}
+
+fn grow_u32(v: &mut Vec<u32>, n: usize) {
+    if v.len() < n {
+        v.resize(n, 0);
+    }
+}
+
+/// Softmax of one token's router scores in place, then its `slots.len()` most probable experts
+/// (highest first; equal probabilities: the lower index first) and their weights, divided by
+/// their sum when `norm` (the sum clamped below at 2^-14, as llama.cpp does) and multiplied by
+/// `scale`.
+pub(super) fn route(
+    probs: &mut [f32],
+    slots: &mut [u32],
+    weights: &mut [f32],
+    norm: bool,
+    scale: f32,
+) {
+    let max = probs.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    // ggml_vec_soft_max_f32: the sum in f64, then one f32 reciprocal.
+    let mut sum = 0f64;
+    for p in probs.iter_mut() {
+        *p = (*p - max).exp();
+        sum += f64::from(*p);
+    }
+    let inv = (1.0 / sum) as f32;
+    probs.iter_mut().for_each(|p| *p *= inv);
+    // Top-k by insertion into the (short) sorted slot list.
+    let k = slots.len();
+    let mut filled = 0;
+    for (e, &p) in probs.iter().enumerate() {
+        let mut at = filled;
+        while at > 0 && probs[slots[at - 1] as usize] < p {
+            at -= 1;
+        }
+        if at == k {
+            continue;
+        }
+        let end = filled.min(k - 1);
+        slots.copy_within(at..end, at + 1);
+        slots[at] = e as u32;
+        filled = (filled + 1).min(k);
+    }
+    for (w, &e) in weights.iter_mut().zip(slots.iter()) {
+        *w = probs[e as usize];
+    }
+    if norm {
+        let sum: f32 = weights.iter().sum();
+        let sum = sum.max(6.103_515_6e-5);
+        weights.iter_mut().for_each(|w| *w /= sum);
+    }
+    if scale != 0.0 && scale != 1.0 {
+        weights.iter_mut().for_each(|w| *w *= scale);
+    }
+}
+
+impl Model {
+    /// The gated MLP `mlp` over the `n` rows of `x` into `out` (`n x n_embd`); `gate`/`up` are
+    /// scratch of at least `n x inner` each.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn gated_mlp(
+        &self,
+        mlp: &GatedMlp,
+        x: &[f32],
+        n: usize,
+        gate: &mut [f32],
+        up: &mut [f32],
+        out: &mut [f32],
+        hi: &mut Vec<f32>,
+        tmp2: &mut Vec<f32>,
+        touch: Touch<'_>,
+    ) -> Result<(), KernelError> {
+        let inner = mlp.gate.rows;
+        self.mm_group(
+            [('g', &mlp.gate), ('u', &mlp.up)],
+            x,
+            n,
+            [&mut *gate, &mut *up],
+            hi,
+            tmp2,
+            touch,
+        )?;
+        {
+            let gs = ops::SharedRows::new(&mut gate[..n * inner], inner);
+            let up = &*up;
+            let act = self.cfg.activation;
+            self.par_rows(n, &|r| {
+                // SAFETY: tasks get disjoint token ranges.
+                let g = unsafe { gs.rows(r.clone()) };
+                let u = &up[r.start * inner..r.end * inner];
+                match act {
+                    super::Activation::Silu => ops::silu_mul_rows(g, u),
+                    super::Activation::GeluTanh => ops::gelu_tanh_mul_rows(g, u),
+                }
+            });
+        }
+        self.mm('d', &mlp.down, gate, n, out, hi, tmp2, touch)
+    }
+
+    /// The expert block over the `total` normalized rows `h` into `out` (`total x n_embd`).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn experts(
+        &self,
+        ex: &Experts,
+        h: &[f32],
+        total: usize,
+        sc: &mut MoeScratch,
+        gate: &mut [f32],
+        up: &mut [f32],
+        out: &mut [f32],
+        hi: &mut Vec<f32>,
+        tmp2: &mut Vec<f32>,
+        touch: Touch<'_>,
+    ) -> Result<(), KernelError> {
+        let Some(m) = &self.cfg.moe else {
+            return Ok(());
+        };
+        let (d, ne, k) = (self.cfg.n_embd, m.n_experts, m.n_used);
+        let slots = total * k;
+        // 1-2: router scores in f32, then each token's experts and weights.
+        if let Some((c, r)) = touch {
+            c.touch(ex.router.tensor, r);
+        }
+        self.matmul(&ex.router, h, total, &mut sc.probs)?;
+        for t in 0..total {
+            route(
+                &mut sc.probs[t * ne..(t + 1) * ne],
+                &mut sc.expert[t * k..(t + 1) * k],
+                &mut sc.weight[t * k..(t + 1) * k],
+                m.norm_weights,
+                m.weights_scale,
+            );
+        }
+        // 3: slots grouped by expert (counting sort, stable in slot order).
+        group_slots(
+            &sc.expert[..slots],
+            &mut sc.start[..ne + 1],
+            &mut sc.cursor[..ne],
+            &mut sc.order[..slots],
+            &mut sc.row_of[..slots],
+        );
+        let start = &sc.start[..ne + 1];
+        for (row, &slot) in sc.order[..slots].iter().enumerate() {
+            let t = slot as usize / k;
+            sc.input[row * d..(row + 1) * d].copy_from_slice(&h[t * d..(t + 1) * d]);
+        }
+        let ff = m.n_ff_expert;
+        for e in 0..ne {
+            let rows = start[e]..start[e + 1];
+            if rows.is_empty() {
+                continue;
+            }
+            let n = rows.len();
+            // Only this expert's rows of the stacked tensors are read.
+            if let Some((c, r)) = touch {
+                for w in [&ex.stacked.gate, &ex.stacked.up, &ex.stacked.down] {
+                    c.touch_part(w.tensor, e, r);
+                }
+            }
+            let expert = GatedMlp {
+                gate: ex.stacked.gate.slice_rows(e * ff..(e + 1) * ff),
+                up: ex.stacked.up.slice_rows(e * ff..(e + 1) * ff),
+                down: ex.stacked.down.slice_rows(e * d..(e + 1) * d),
+            };
+            self.gated_mlp(
+                &expert,
+                &sc.input[rows.start * d..rows.end * d],
+                n,
+                gate,
+                up,
+                &mut sc.output[rows.start * d..rows.end * d],
+                hi,
+                tmp2,
+                None,
+            )?;
+        }
+        // 4: each token's weighted sum in rank order.
+        for t in 0..total {
+            let o = &mut out[t * d..(t + 1) * d];
+            for r in 0..k {
+                let s = t * k + r;
+                let w = sc.weight[s];
+                let y = &sc.output[sc.row_of[s] as usize * d..][..d];
+                if r == 0 {
+                    o.iter_mut().zip(y).for_each(|(o, &y)| *o = w * y);
+                } else {
+                    o.iter_mut().zip(y).for_each(|(o, &y)| *o += w * y);
+                }
+            }
+        }
+        if let Some((mlp, gate_inp)) = &ex.shared {
+            self.shared_expert(mlp, gate_inp, h, total, sc, gate, up, out, hi, tmp2, touch)?;
+        }
+        Ok(())
+    }
+
+    /// Qwen2-MoE's shared expert: `out += sigmoid(gate_inp · h) * mlp(h)` per token.
+    #[allow(clippy::too_many_arguments)]
+    fn shared_expert(
+        &self,
+        mlp: &GatedMlp,
+        gate_inp: &[f32],
+        h: &[f32],
+        total: usize,
+        sc: &mut MoeScratch,
+        gate: &mut [f32],
+        up: &mut [f32],
+        out: &mut [f32],
+        hi: &mut Vec<f32>,
+        tmp2: &mut Vec<f32>,
+        touch: Touch<'_>,
+    ) -> Result<(), KernelError> {
+        let d = self.cfg.n_embd;
+        self.gated_mlp(mlp, h, total, gate, up, &mut sc.shared, hi, tmp2, touch)?;
+        for t in 0..total {
+            let x: f32 = h[t * d..(t + 1) * d]
+                .iter()
+                .zip(gate_inp)
+                .map(|(a, b)| a * b)
+                .sum();
+            // ggml: silu(x) / x.
+            let s = x / (1.0 + (-x).exp()) / x;
+            let y = &sc.shared[t * d..(t + 1) * d];
+            out[t * d..(t + 1) * d]
+                .iter_mut()
+                .zip(y)
+                .for_each(|(o, &y)| *o += y * s);
+        }
+        Ok(())
+    }
+}
+
+/// Groups the slots by expert (`expert[s]` is slot `s`'s expert), stable in slot order:
+/// expert `e`'s rows are `start[e]..start[e + 1]`, `order` lists the slots by row and `row_of`
+/// gives each slot's row. `cursor` is scratch of one entry per expert.
+fn group_slots(
+    expert: &[u32],
+    start: &mut [usize],
+    cursor: &mut [usize],
+    order: &mut [u32],
+    row_of: &mut [u32],
+) {
+    start.fill(0);
+    for &e in expert {
+        start[e as usize + 1] += 1;
+    }
+    for e in 0..cursor.len() {
+        start[e + 1] += start[e];
+    }
+    cursor.copy_from_slice(&start[..cursor.len()]);
+    for (s, &e) in expert.iter().enumerate() {
+        let row = cursor[e as usize];
+        cursor[e as usize] += 1;
+        order[row] = s as u32;
+        row_of[s] = row as u32;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::route;
+
+    #[test]
+    fn route_picks_the_most_probable_experts_in_rank_order() {
+        let mut p = [0.5f32, 3.0, -1.0, 2.0, 2.5];
+        let (mut s, mut w) = ([0u32; 2], [0f32; 2]);
+        route(&mut p, &mut s, &mut w, true, 1.0);
+        assert_eq!(s, [1, 4]);
+        let (a, b) = (3.0f32.exp(), 2.5f32.exp());
+        assert!((w[0] - a / (a + b)).abs() < 1e-6 && (w[0] + w[1] - 1.0).abs() < 1e-6);
+        // Without renormalisation the weights are the softmax probabilities.
+        let mut p = [0.0f32, 0.0, 1.0, 0.0];
+        route(&mut p, &mut s, &mut w, false, 1.0);
+        let z = 3.0 + 1f32.exp();
+        assert_eq!(s, [2, 0]);
+        assert!((w[0] - 1f32.exp() / z).abs() < 1e-6 && (w[1] - 1.0 / z).abs() < 1e-6);
+    }
+
+    #[test]
+    fn slots_group_by_expert_in_slot_order() {
+        let expert = [2u32, 0, 2, 1, 0, 2];
+        let (mut start, mut cursor) = ([0usize; 4], [0usize; 3]);
+        let (mut order, mut row_of) = ([0u32; 6], [0u32; 6]);
+        super::group_slots(&expert, &mut start, &mut cursor, &mut order, &mut row_of);
+        assert_eq!(start, [0, 2, 3, 6]);
+        assert_eq!(order, [1, 4, 3, 0, 2, 5]);
+        for (s, &r) in row_of.iter().enumerate() {
+            assert_eq!(order[r as usize] as usize, s);
+        }
+    }
+}

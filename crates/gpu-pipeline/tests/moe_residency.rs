@@ -1,0 +1,265 @@
+//! A mixture of experts under the weight cache: expert-level access statistics, a residency
+//! budget of 30% of the model, and the profile-driven warm-up.
+//!
+//! The model is a synthetic qwen3moe (`benches/support/synthetic.rs`: 8 Q8_0 experts per layer,
+//! top-2, a router skewed towards experts 0 and 1) written to a file under the cargo target
+//! directory (a real file: residency is the page cache's, measured with mincore, and released with
+//! madvise/fadvise). Each test uses its own file, so the tests' page-cache manipulations do not
+//! meet.
+
+#[path = "../benches/support/synthetic.rs"]
+mod synthetic;
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use gpu_pipeline::{LogitsWanted, Model, ModelOptions, SeqStep};
+use kv_ring::{KvDtype, KvPool, RingMode};
+use synthetic::{Dims, EXPERTS, HOT_EXPERTS};
+use weight_cache::{CacheConfig, Gguf, WarmupStrategy, WeightCache};
+
+/// ~28 MB, of which ~95% are the experts: 4 layers x 3 stacked tensors x 16 experts of 512 x 256.
+const DIMS: Dims = Dims {
+    n_embd: 256,
+    n_ff: 2048,
+    n_layers: 4,
+    n_heads: 4,
+    n_kv_heads: 2,
+    head_dim: 64,
+    vocab: 512,
+    ctx: 256,
+};
+
+const PROMPT: usize = 24;
+const DECODE: usize = 24;
+
+fn write_model(name: &str) -> PathBuf {
+    let path = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("moe-{name}.gguf"));
+    let mut f = std::fs::File::create(&path).unwrap();
+    std::io::Write::write_all(&mut f, &synthetic::build("qwen3moe", DIMS, 11).build()).unwrap();
+    // Clean pages: the page cache can then drop them (dirty ones stay until written back).
+    f.sync_all().unwrap();
+    path
+}
+
+/// Random access (no read-ahead): a faulted expert brings in its own pages, not its neighbours
+/// (the device here reads ahead 8 MB, a third of the model).
+fn config() -> CacheConfig {
+    CacheConfig::default().random_access(true)
+}
+
+fn open(path: &PathBuf) -> Arc<Gguf> {
+    // SAFETY: the test's own file, not modified while mapped.
+    Arc::new(unsafe { Gguf::open(path) }.expect("open"))
+}
+
+fn load(gguf: &Arc<Gguf>) -> Model {
+    Model::load(gguf.clone(), ModelOptions::default().with_threads(2)).unwrap()
+}
+
+fn tokens(n: usize, seed: u32) -> Vec<u32> {
+    (0..n as u32)
+        .map(|i| (i.wrapping_mul(2_654_435_761).wrapping_add(seed) >> 9) % DIMS.vocab as u32)
+        .collect()
+}
+
+/// A prompt in one step, then teacher-forced decode steps; every decode step's logits (as bits)
+/// and `after(step)` called after each decode step.
+fn run(model: &Model, mut after: impl FnMut(usize)) -> Vec<u32> {
+    let pool = KvPool::new(model.kv_shape(KvDtype::F16), 16 << 20).unwrap();
+    let mut kv = pool.alloc(PROMPT + DECODE, RingMode::Strict).unwrap();
+    let (prompt, decode) = (tokens(PROMPT, 1), tokens(DECODE, 2));
+    let mut out = Vec::new();
+    let mut bits = Vec::new();
+    let mut step = |toks: &[u32], out: &mut Vec<f32>| {
+        let mut s = [SeqStep {
+            tokens: toks,
+            kv: &mut kv,
+            logits: LogitsWanted::Last,
+        }];
+        model.forward(&mut s, out).unwrap();
+    };
+    step(&prompt, &mut out);
+    for (i, t) in decode.iter().enumerate() {
+        step(&[*t], &mut out);
+        bits.extend(out.iter().map(|v| v.to_bits()));
+        after(i);
+    }
+    bits
+}
+
+/// The blocks of expert `e` of stacked tensor `name` (whole blocks inside its byte slice only:
+/// a block shared with a neighbour counts for both).
+fn expert_blocks(cache: &WeightCache, name: &str, e: usize) -> std::ops::Range<usize> {
+    let t = cache.table();
+    let i = cache.gguf().tensor_index(name).unwrap();
+    let bytes = t.tensor_bytes(i);
+    let n = cache.n_parts(i);
+    assert_eq!(n, EXPERTS.0, "{name} is a stack of the experts");
+    let part = bytes.len() / n;
+    let (a, b) = (bytes.start + e * part, bytes.start + (e + 1) * part);
+    let bs = t.block_size();
+    a.div_ceil(bs)..b / bs
+}
+
+/// A profile made by running the model once with a cache attached; saved to a file.
+fn profile(path: &PathBuf) -> PathBuf {
+    let gguf = open(path);
+    let model = load(&gguf);
+    let cache = WeightCache::new(gguf, config()).unwrap();
+    model.attach_weight_cache(cache.clone()).unwrap();
+    run(&model, |_| {});
+    let out = path.with_extension("profile");
+    cache.save_profile(&out).unwrap();
+    out
+}
+
+#[test]
+fn expert_touches_make_the_hot_experts_blocks_hot() {
+    let path = write_model("stats");
+    let gguf = open(&path);
+    let model = load(&gguf);
+    let cache = WeightCache::new(gguf, config()).unwrap();
+    model.attach_weight_cache(cache.clone()).unwrap();
+    run(&model, |_| {});
+    let s = cache.stats();
+    assert!(s.part_touches > 0 && s.part_hit_rate.is_some(), "{s:?}");
+    let p = cache.profile();
+    let mean = |r: std::ops::Range<usize>| {
+        assert!(!r.is_empty(), "an expert spans whole blocks");
+        p.touches[r.clone()].iter().sum::<u64>() as f64 / r.len() as f64
+    };
+    for l in 0..DIMS.n_layers {
+        for t in ["ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"] {
+            let name = format!("blk.{l}.{t}.weight");
+            let per: Vec<f64> = (0..EXPERTS.0)
+                .map(|e| mean(expert_blocks(&cache, &name, e)))
+                .collect();
+            let hot = per[..HOT_EXPERTS].iter().sum::<f64>() / HOT_EXPERTS as f64;
+            let cold = per[HOT_EXPERTS..].iter().sum::<f64>() / (EXPERTS.0 - HOT_EXPERTS) as f64;
+            eprintln!("{name}: touches per block of each expert {per:?}");
+            assert!(
+                hot > 2.0 * cold,
+                "{name}: the favoured experts' blocks ({hot}) are not hotter than the others' \
+                 ({cold})"
+            );
+        }
+    }
+    // The warm-up plan puts a hot expert's blocks before a cold one's.
+    let plan = cache.plan(WarmupStrategy::Deterministic {
+        fraction: 1.0,
+        mlock: false,
+    });
+    let rank = |b: usize| plan.iter().position(|&x| x == b).unwrap_or(usize::MAX);
+    let name = "blk.0.ffn_up_exps.weight";
+    let hot = expert_blocks(&cache, name, 0).start;
+    let coldest = (HOT_EXPERTS..EXPERTS.0)
+        .min_by(|&a, &b| {
+            mean(expert_blocks(&cache, name, a)).total_cmp(&mean(expert_blocks(&cache, name, b)))
+        })
+        .unwrap();
+    assert!(rank(hot) < rank(expert_blocks(&cache, name, coldest).start));
+}
+
+#[test]
+fn a_budget_of_30_percent_keeps_results_bit_identical_and_residency_within_bounds() {
+    let path = write_model("budget");
+    let reference = run(&load(&open(&path)), |_| {});
+    let prof = profile(&path);
+
+    let gguf = open(&path);
+    let file = gguf.bytes().len();
+    let budget = file * 3 / 10;
+    let cache = WeightCache::new(gguf.clone(), config().budget_bytes(Some(budget))).unwrap();
+    cache.load_profile(&prof).unwrap();
+    // The stated overhead: one decode step's reads (everything but the experts, plus two
+    // experts of each layer's three stacked tensors, each rounded out to whole blocks).
+    let bs = cache.table().block_size();
+    let mut expert_bytes = 0;
+    let mut step_bytes = 0;
+    for t in cache.gguf().tensors() {
+        let len = t.data.len();
+        if t.name.contains("_exps") {
+            expert_bytes += len;
+            step_bytes += EXPERTS.1 * (len / EXPERTS.0 + 2 * bs);
+        } else {
+            step_bytes += len;
+        }
+    }
+    assert!(
+        expert_bytes as f64 > 0.8 * file as f64,
+        "experts dominate the file"
+    );
+    assert!(
+        budget + step_bytes < file * 8 / 10,
+        "the bound says something"
+    );
+    let model = load(&gguf);
+    model.attach_weight_cache(cache.clone()).unwrap();
+    cache.make_cold().unwrap();
+    cache
+        .warm(WarmupStrategy::Deterministic {
+            fraction: 0.25,
+            mlock: false,
+        })
+        .wait();
+    let mut peak = 0;
+    let got = run(&model, |_| {
+        let before = cache.resident_bytes().unwrap();
+        peak = peak.max(before);
+        let r = cache.enforce_budget().unwrap();
+        assert!(
+            r.resident_after <= budget,
+            "after enforcement {} > budget {budget}",
+            r.resident_after
+        );
+    });
+    eprintln!(
+        "file {file} B, budget {budget} B, peak resident after a decode step {peak} B (bound \
+         budget + {step_bytes} B), hit rate {:?}, expert hit rate {:?}",
+        cache.stats().hit_rate,
+        cache.stats().part_hit_rate
+    );
+    assert!(
+        got == reference,
+        "budgeted logits differ from the unbudgeted run"
+    );
+    assert!(
+        peak <= budget + step_bytes,
+        "resident {peak} B > budget {budget} B + one step's reads {step_bytes} B"
+    );
+    assert!(peak < file, "the budget kept part of the model out");
+}
+
+#[test]
+fn profile_driven_warm_up_beats_a_cold_start_at_first_touch() {
+    let path = write_model("warm");
+    let prof = profile(&path);
+    let first_touch = |warm: bool| {
+        let gguf = open(&path);
+        let cache = WeightCache::new(gguf.clone(), config()).unwrap();
+        let model = load(&gguf);
+        model.attach_weight_cache(cache.clone()).unwrap();
+        cache.make_cold().unwrap();
+        if warm {
+            cache.load_profile(&prof).unwrap();
+            cache
+                .warm(WarmupStrategy::Deterministic {
+                    fraction: 0.3,
+                    mlock: false,
+                })
+                .wait();
+        }
+        run(&model, |_| {});
+        let s = cache.stats();
+        (s.first_touch_hit_rate.unwrap(), s.part_hit_rate.unwrap())
+    };
+    let (cold, cold_experts) = first_touch(false);
+    let (warm, warm_experts) = first_touch(true);
+    eprintln!(
+        "first-touch hit rate: cold {cold:.3} (experts {cold_experts:.3}), warm-up of 30% by \
+         profile {warm:.3} (experts {warm_experts:.3})"
+    );
+    assert!(warm > cold + 0.2, "warm {warm} vs cold {cold}");
+    assert!(warm_experts > cold_experts + 0.2);
+}
