@@ -566,9 +566,10 @@ impl<'a> Frame<'a> {
         }
     }
 
-    /// The response frame of a service event. `request_id` fills a STARTED frame.
-    pub fn from_event(ev: &'a InferenceEvent, request_id: u64) -> Self {
-        match ev {
+    /// The response frame of a service event. `request_id` fills a STARTED frame. `None` for
+    /// [`InferenceEvent::Logprobs`], which claudelink does not carry.
+    pub fn from_event(ev: &'a InferenceEvent, request_id: u64) -> Option<Self> {
+        Some(match ev {
             InferenceEvent::Started { input_tokens } => Self::Started(StartedFrame {
                 request_id,
                 input_tokens: *input_tokens,
@@ -591,7 +592,8 @@ impl<'a> Frame<'a> {
                 retry_after_ms: 0,
                 message,
             }),
-        }
+            InferenceEvent::Logprobs(_) => return None,
+        })
     }
 
     /// The service event of a response frame (`None` for REQUEST and control frames).

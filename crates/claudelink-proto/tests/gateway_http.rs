@@ -64,7 +64,7 @@ async fn system_prompt_and_sampling_reach_the_service_under_both_versions() {
     for version in [V1, V2] {
         let body = json!({"model": "word-model", "max_tokens": 8, "system": "be terse",
             "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
-            "temperature": 0.7, "top_p": 0.9, "top_k": 20, "metadata": {"user_id": "u1"}, "unknown_field": [1]});
+            "temperature": 0.7, "top_p": 0.9, "top_k": 20, "metadata": {"user_id": "u1"}});
         let r = s.post("/v1/messages", &[version], &body).await;
         assert_eq!(r.status, 200, "{}", r.text());
         let req = s.service.last_request.lock().unwrap().clone().unwrap();

@@ -129,7 +129,7 @@ proptest! {
 
     #[test]
     fn response_frames_round_trip(ev in event(), id in any::<u64>()) {
-        let f = Frame::from_event(&ev, id);
+        let f = Frame::from_event(&ev, id).unwrap();
         roundtrip(&f);
         prop_assert_eq!(f.to_event().unwrap(), ev);
     }

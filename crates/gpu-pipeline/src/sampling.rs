@@ -33,6 +33,13 @@ pub struct SamplingParams {
     pub repetition_penalty: f32,
     /// How many of the most recent tokens (prompt included) the penalty looks at.
     pub repetition_window: usize,
+    /// Frequency penalty (OpenAI style): `count * frequency_penalty` is subtracted from the
+    /// logit of every token generated `count` times so far (generated tokens only, not the
+    /// prompt, as vLLM counts them). `0.0` disables.
+    pub frequency_penalty: f32,
+    /// Presence penalty (OpenAI style): subtracted once from the logit of every token
+    /// generated at least once so far. `0.0` disables.
+    pub presence_penalty: f32,
     /// RNG seed; the same seed gives the same samples.
     pub seed: u64,
 }
@@ -46,6 +53,8 @@ impl Default for SamplingParams {
             min_p: 0.0,
             repetition_penalty: 1.0,
             repetition_window: 64,
+            frequency_penalty: 0.0,
+            presence_penalty: 0.0,
             seed: 0,
         }
     }
@@ -81,6 +90,22 @@ impl SamplingParams {
         self.repetition_penalty = penalty;
         self.repetition_window = window;
         self
+    }
+    /// Sets [`frequency_penalty`](Self::frequency_penalty).
+    pub fn with_frequency_penalty(mut self, p: f32) -> Self {
+        self.frequency_penalty = p;
+        self
+    }
+    /// Sets [`presence_penalty`](Self::presence_penalty).
+    pub fn with_presence_penalty(mut self, p: f32) -> Self {
+        self.presence_penalty = p;
+        self
+    }
+    /// Whether any logit penalty (repetition, frequency, presence) applies.
+    pub fn penalizes(&self) -> bool {
+        (self.repetition_penalty != 1.0 && self.repetition_penalty > 0.0)
+            || self.frequency_penalty != 0.0
+            || self.presence_penalty != 0.0
     }
     /// Sets [`seed`](Self::seed).
     pub fn with_seed(mut self, seed: u64) -> Self {
@@ -161,8 +186,10 @@ pub struct Sampler {
     rng: Pcg32,
     /// (logit or probability, token id) candidates.
     cand: Vec<(f32, u32)>,
-    /// Penalized copy of the logits when a repetition penalty applies.
+    /// Penalized copy of the logits when a penalty applies.
     penalized: Vec<f32>,
+    /// Per-token occurrence counts of the generated tokens (zero between calls).
+    counts: Vec<u32>,
 }
 
 impl Sampler {
@@ -174,6 +201,7 @@ impl Sampler {
             rng,
             cand: Vec::new(),
             penalized: Vec::new(),
+            counts: Vec::new(),
         }
     }
 
@@ -189,41 +217,43 @@ impl Sampler {
     }
 
     /// Picks a token from `logits` (one row, length = vocabulary size). `history` is the
-    /// sequence so far (prompt and generated tokens), used only by the repetition penalty.
+    /// sequence so far (prompt and generated tokens); the penalties count all of it as
+    /// generated (see [`sample_after`](Self::sample_after) to exclude a prompt).
+    pub fn sample(&mut self, logits: &[f32], history: &[u32]) -> u32 {
+        self.sample_after(logits, history, 0)
+    }
+
+    /// Picks a token from `logits` (one row, length = vocabulary size). `history` is the
+    /// sequence so far: its first `prompt_len` tokens are the prompt, the rest were
+    /// generated. The repetition penalty looks at the last `repetition_window` tokens of
+    /// `history`; the frequency and presence penalties at the generated ones.
     ///
-    /// Order: repetition penalty; then greedy (if [`SamplingParams::is_greedy`]) returns the
-    /// argmax; otherwise temperature scaling, top-k, softmax, top-p, min-p, renormalise, draw
-    /// one uniform number. Ties sort by token id, so the result does not depend on sort
+    /// Order (llama.cpp's penalties sampler): repetition penalty, then frequency and presence
+    /// penalties; then greedy (if [`SamplingParams::is_greedy`]) returns the argmax;
+    /// otherwise temperature scaling, top-k, softmax, top-p, min-p, renormalise, draw one
+    /// uniform number. Ties sort by token id, so the result does not depend on sort
     /// stability. NaN logits are never picked (treated as minus infinity). An empty `logits`
     /// returns 0.
-    pub fn sample(&mut self, logits: &[f32], history: &[u32]) -> u32 {
+    ///
+    /// ```
+    /// use gpu_pipeline::{Sampler, SamplingParams};
+    /// let mut s = Sampler::new(SamplingParams::default().with_presence_penalty(1.5));
+    /// // token 0 was generated once (history[1..]): 2.0 - 1.5 < 1.0
+    /// assert_eq!(s.sample_after(&[2.0, 1.0], &[1, 0], 1), 1);
+    /// // the same token in the prompt is not penalized
+    /// assert_eq!(s.sample_after(&[2.0, 1.0], &[0, 1], 1), 0);
+    /// ```
+    pub fn sample_after(&mut self, logits: &[f32], history: &[u32], prompt_len: usize) -> u32 {
         if logits.is_empty() {
             return 0;
         }
-        let p = &self.params;
-        let logits: &[f32] = if p.repetition_penalty != 1.0 && p.repetition_penalty > 0.0 {
-            self.penalized.clear();
-            self.penalized.extend_from_slice(logits);
-            let start = history.len().saturating_sub(p.repetition_window);
-            for &t in &history[start..] {
-                // Each distinct token is penalized once: mark done ones by the seen check below.
-                let Some(l) = self.penalized.get(t as usize).copied() else {
-                    continue;
-                };
-                let orig = logits[t as usize];
-                if l != orig {
-                    continue; // already penalized
-                }
-                self.penalized[t as usize] = if l > 0.0 {
-                    l / p.repetition_penalty
-                } else {
-                    l * p.repetition_penalty
-                };
-            }
+        let logits: &[f32] = if self.params.penalizes() {
+            self.penalize(logits, history, prompt_len.min(history.len()));
             &self.penalized
         } else {
             logits
         };
+        let p = &self.params;
         if p.is_greedy() {
             return argmax(logits);
         }
@@ -279,6 +309,129 @@ impl Sampler {
         }
         self.cand[self.cand.len() - 1].1
     }
+}
+
+impl Sampler {
+    /// Fills `self.penalized` with `logits` after the repetition, frequency and presence
+    /// penalties. No allocation once the scratch has the vocabulary's size.
+    fn penalize(&mut self, logits: &[f32], history: &[u32], prompt_len: usize) {
+        let p = &self.params;
+        self.penalized.clear();
+        self.penalized.extend_from_slice(logits);
+        let vocab = logits.len();
+        if p.repetition_penalty != 1.0 && p.repetition_penalty > 0.0 {
+            let start = history.len().saturating_sub(p.repetition_window);
+            for &t in &history[start..] {
+                let Some(l) = self.penalized.get(t as usize).copied() else {
+                    continue;
+                };
+                // Each distinct token is penalized once: a changed value means done.
+                if l != logits[t as usize] {
+                    continue;
+                }
+                self.penalized[t as usize] = if l > 0.0 {
+                    l / p.repetition_penalty
+                } else {
+                    l * p.repetition_penalty
+                };
+            }
+        }
+        if p.frequency_penalty == 0.0 && p.presence_penalty == 0.0 {
+            return;
+        }
+        if self.counts.len() < vocab {
+            self.counts.resize(vocab, 0);
+        }
+        let generated = &history[prompt_len..];
+        for &t in generated.iter().filter(|&&t| (t as usize) < vocab) {
+            self.counts[t as usize] += 1;
+        }
+        for &t in generated.iter().filter(|&&t| (t as usize) < vocab) {
+            let n = std::mem::take(&mut self.counts[t as usize]);
+            if n > 0 {
+                self.penalized[t as usize] -= n as f32 * p.frequency_penalty + p.presence_penalty;
+            }
+        }
+    }
+}
+
+/// The log-probabilities of one sampled token under the model's distribution (the
+/// log-softmax of the raw logits, before penalties and temperature), and the most likely
+/// alternatives.
+#[non_exhaustive]
+#[derive(Clone, Debug, PartialEq)]
+pub struct TokenLogprobs {
+    /// The sampled token.
+    pub token: u32,
+    /// Its log-probability.
+    pub logprob: f32,
+    /// The `n` most likely tokens and their log-probabilities, most likely first (ties by
+    /// token id).
+    pub top: Vec<(u32, f32)>,
+}
+
+impl TokenLogprobs {
+    /// The log-probability of `token` and the `top_n` most likely tokens of one row of
+    /// logits. NaN logits count as minus infinity.
+    ///
+    /// ```
+    /// let lp = gpu_pipeline::TokenLogprobs::of(&[0.0, 0.0, f32::NEG_INFINITY], 1, 2);
+    /// assert!((lp.logprob + std::f32::consts::LN_2).abs() < 1e-6);
+    /// assert_eq!(lp.top.iter().map(|t| t.0).collect::<Vec<_>>(), [0, 1]);
+    /// ```
+    ///
+    /// # Panics
+    /// When `token` is not below `logits.len()`.
+    pub fn of(logits: &[f32], token: u32, top_n: usize) -> Self {
+        let lse = log_sum_exp(logits);
+        let lp = |l: f32| {
+            if l.is_nan() {
+                f32::NEG_INFINITY
+            } else {
+                (f64::from(l) - lse) as f32
+            }
+        };
+        let mut top: Vec<(u32, f32)> = Vec::with_capacity(top_n);
+        if top_n > 0 {
+            let mut all: Vec<(f32, u32)> = logits
+                .iter()
+                .enumerate()
+                .map(|(i, &l)| (if l.is_nan() { f32::NEG_INFINITY } else { l }, i as u32))
+                .collect();
+            let by_desc = |a: &(f32, u32), b: &(f32, u32)| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1));
+            let n = top_n.min(all.len());
+            if n < all.len() {
+                all.select_nth_unstable_by(n - 1, by_desc);
+                all.truncate(n);
+            }
+            all.sort_unstable_by(by_desc);
+            top.extend(all.into_iter().map(|(l, i)| (i, lp(l))));
+        }
+        Self {
+            token,
+            logprob: lp(logits[token as usize]),
+            top,
+        }
+    }
+}
+
+/// `ln(sum(exp(l)))` of a row, in f64 from its maximum (NaN entries skipped).
+fn log_sum_exp(logits: &[f32]) -> f64 {
+    let max = logits
+        .iter()
+        .copied()
+        .filter(|l| !l.is_nan())
+        .fold(f32::NEG_INFINITY, f32::max);
+    if max == f32::NEG_INFINITY {
+        return f64::NEG_INFINITY;
+    }
+    logits
+        .iter()
+        .filter(|l| !l.is_nan())
+        .map(|&l| f64::from(l - max).exp())
+        .sum::<f64>()
+        .ln()
+        + f64::from(max)
 }
 
 /// Index of the largest value (the lowest index among exact ties; NaN never wins).
@@ -401,14 +554,7 @@ impl StopMatcher {
 /// # Panics
 /// When `token` is not below `logits.len()`.
 pub fn token_nll(logits: &[f32], token: u32) -> f64 {
-    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let lse = logits
-        .iter()
-        .map(|&l| f64::from(l - max).exp())
-        .sum::<f64>()
-        .ln()
-        + f64::from(max);
-    lse - f64::from(logits[token as usize])
+    log_sum_exp(logits) - f64::from(logits[token as usize])
 }
 
 #[cfg(test)]
@@ -433,6 +579,41 @@ mod tests {
         // outside the window: no penalty
         let mut s = Sampler::new(SamplingParams::greedy().with_repetition_penalty(2.0, 1));
         assert_eq!(s.sample(&[3.0, 2.0], &[0, 1]), 0);
+    }
+
+    #[test]
+    fn frequency_and_presence_penalties_count_generated_tokens_only() {
+        // token 0 generated twice, token 1 once, token 2 only in the prompt
+        let history = [2, 2, 0, 1, 0];
+        let mut s = Sampler::new(
+            SamplingParams::greedy()
+                .with_frequency_penalty(1.0)
+                .with_presence_penalty(0.5),
+        );
+        s.penalize(&[4.0, 3.0, 2.9, 0.0], &history, 2);
+        assert_eq!(s.penalized, [4.0 - 2.0 - 0.5, 3.0 - 1.0 - 0.5, 2.9, 0.0]);
+        assert_eq!(s.sample_after(&[4.0, 3.0, 2.9, 0.0], &history, 2), 2);
+        // the scratch counts are zero again: a second call gives the same row
+        s.penalize(&[4.0, 3.0, 2.9, 0.0], &history, 2);
+        assert_eq!(s.penalized, [1.5, 1.5, 2.9, 0.0]);
+        // negative penalties favour repeats
+        let mut s = Sampler::new(SamplingParams::greedy().with_presence_penalty(-2.0));
+        assert_eq!(s.sample_after(&[1.0, 2.0], &[0], 0), 0);
+        // out-of-vocabulary ids in the history are skipped, not a panic
+        assert_eq!(s.sample_after(&[1.0, 2.0], &[0, 99], 0), 0);
+    }
+
+    #[test]
+    fn logprobs_are_the_log_softmax_of_the_raw_row() {
+        let logits = [1.0f32, 3.0, 2.0, f32::NAN];
+        let lp = TokenLogprobs::of(&logits, 2, 3);
+        let z: f64 = [1.0f64, 3.0, 2.0].iter().map(|l| l.exp()).sum();
+        assert!((f64::from(lp.logprob) - (2.0 - z.ln())).abs() < 1e-6);
+        assert_eq!(lp.top.iter().map(|t| t.0).collect::<Vec<_>>(), [1, 2, 0]);
+        assert!((f64::from(lp.top[0].1) - (3.0 - z.ln())).abs() < 1e-6);
+        assert_eq!(TokenLogprobs::of(&logits, 3, 0).logprob, f32::NEG_INFINITY);
+        assert_eq!(TokenLogprobs::of(&logits, 0, 10).top.len(), 4);
+        assert!((token_nll(&logits[..3], 2) + f64::from(lp.logprob)).abs() < 1e-6);
     }
 
     #[test]

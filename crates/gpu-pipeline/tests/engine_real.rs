@@ -67,7 +67,7 @@ fn collect(h: &gpu_pipeline::RequestHandle) -> Outcome {
                 started = true;
                 out.cached = cached_tokens;
             }
-            EngineEvent::Token { id, text } => {
+            EngineEvent::Token { id, text, .. } => {
                 assert!(started, "token before Started");
                 out.ids.push(id);
                 out.text += &text;

@@ -20,10 +20,13 @@ use super::error::{ApiError, ApiErrorKind};
 use super::ids::new_id;
 use super::metrics::{Endpoint, GatewayMetrics, Outcome, Protocol};
 use super::sse::{Flavor, StreamFormat};
-use super::validate::{GenRequest, Limits, parse_chat, parse_messages, percent_decode};
+use super::validate::{
+    GenRequest, Limits, parse_chat, parse_completions, parse_messages, percent_decode,
+};
 use crate::auth::ApiKeys;
 use crate::service::{
-    ErrorCode, EventStream, InferenceEvent, InferenceRequest, InferenceService, StopReason, Usage,
+    ErrorCode, EventStream, InferenceEvent, InferenceRequest, InferenceService, StopReason,
+    TokenLogprob, Usage,
 };
 
 /// Bodies up to this size are parsed on the runtime's thread; larger ones on the blocking pool.
@@ -272,10 +275,10 @@ impl Gateway {
         let request_id = new_id("req_");
         let path = path_and_query.split('?').next().unwrap_or("").to_owned();
         let endpoint = route_endpoint(&path);
-        let flavor = if endpoint == Endpoint::ChatCompletions {
-            Flavor::OpenAi
-        } else {
-            Flavor::Anthropic
+        let flavor = match endpoint {
+            Endpoint::ChatCompletions => Flavor::OpenAi,
+            Endpoint::Completions => Flavor::Completions,
+            _ => Flavor::Anthropic,
         };
         match self.admit_headers(method, &path, headers, endpoint, flavor) {
             Ok(Some(reply)) => {
@@ -429,6 +432,7 @@ impl Gateway {
                 .map_err(|e| ApiError::invalid(format!("request body: invalid JSON: {e}")))?;
             match endpoint {
                 Endpoint::ChatCompletions => parse_chat(&value, limits),
+                Endpoint::Completions => parse_completions(&value, limits),
                 Endpoint::CountTokens => parse_messages(&value, limits, true),
                 _ => parse_messages(&value, limits, false),
             }
@@ -449,7 +453,9 @@ impl Gateway {
                     .await??;
                 Ok(Reply::json(StatusCode::OK, &json!({"input_tokens": n})))
             }
-            Endpoint::Messages | Endpoint::ChatCompletions => self.generate(parsed, req).await,
+            Endpoint::Messages | Endpoint::ChatCompletions | Endpoint::Completions => {
+                self.generate(parsed, req).await
+            }
             _ => Err(ApiError::new(
                 ApiErrorKind::NotFound,
                 format!("{}: no such endpoint", req.path),
@@ -478,7 +484,7 @@ impl Gateway {
     /// Refuses prompts above `max_prompt_bytes` before they are tokenized.
     fn check_prompt_size(&self, parsed: &GenRequest) -> Result<(), ApiError> {
         let limit = self.inner.config.max_prompt_bytes;
-        let bytes: usize = parsed.messages.iter().map(|m| m.content.len()).sum();
+        let bytes = parsed.prompt_bytes();
         if bytes > limit {
             return Err(ApiError::new(
                 ApiErrorKind::RequestTooLarge,
@@ -600,6 +606,13 @@ impl Gateway {
         request.sampling = parsed.sampling.clone();
         request.stop_sequences = parsed.stop_sequences.clone();
         request.client = caller.key.map(|i| self.inner.keys.label(i).to_owned());
+        request.logprobs = parsed.logprobs;
+        if parsed.n > 1 {
+            return Err(ApiError::invalid(format!(
+                "n: only n=1 is supported, got {}",
+                parsed.n
+            )));
+        }
         let submitted = Instant::now();
         let events = self.inner.service.submit(request)?;
         let mut g = Generation {
@@ -609,6 +622,7 @@ impl Gateway {
             received,
             input_tokens: 0,
             first_token: None,
+            logprobs: Vec::new(),
             done: false,
             metrics: self.inner.metrics.clone(),
             abort: self.inner.abort_tx.subscribe(),
@@ -641,14 +655,15 @@ impl Gateway {
             .map_or(0, |d| d.as_secs());
         let fmt = StreamFormat {
             flavor,
-            id: new_id(if flavor == Flavor::Anthropic {
-                "msg_"
-            } else {
-                "chatcmpl-"
+            id: new_id(match flavor {
+                Flavor::Anthropic => "msg_",
+                Flavor::OpenAi => "chatcmpl-",
+                Flavor::Completions => "cmpl-",
             }),
             model: parsed.model.clone(),
             created: now_secs,
             include_usage: parsed.include_usage,
+            text_offset: 0,
         };
         let debug_header = |ttft: Option<Duration>| {
             let v = json!({
@@ -720,6 +735,7 @@ fn route_endpoint(path: &str) -> Endpoint {
         "/v1/messages" => Endpoint::Messages,
         "/v1/messages/count_tokens" => Endpoint::CountTokens,
         "/v1/chat/completions" => Endpoint::ChatCompletions,
+        "/v1/completions" => Endpoint::Completions,
         "/v1/models" => Endpoint::Models,
         p if p.starts_with("/v1/models/") && p.len() > "/v1/models/".len() => Endpoint::Models,
         "/health" => Endpoint::Health,
@@ -746,7 +762,7 @@ fn check_version(headers: &HeaderMap) -> Result<(), ApiError> {
 pub(crate) fn error_reply(e: &ApiError, flavor: Flavor, request_id: &str) -> Reply {
     let body = match flavor {
         Flavor::Anthropic => e.anthropic_body(request_id),
-        Flavor::OpenAi => e.openai_body(request_id),
+        Flavor::OpenAi | Flavor::Completions => e.openai_body(request_id),
     };
     let mut r = Reply::json(e.kind.status(), &body);
     if let Some(ms) = e.retry_after_ms {
@@ -812,6 +828,8 @@ struct Generation {
     received: Instant,
     input_tokens: u32,
     first_token: Option<Instant>,
+    /// Log-probabilities of tokens whose text has not been stepped out yet.
+    logprobs: Vec<TokenLogprob>,
     done: bool,
     metrics: Arc<GatewayMetrics>,
     /// [`Gateway::abort_streams`] was called when this turns true.
@@ -821,7 +839,8 @@ struct Generation {
 
 /// A step of a generation, as the bodies need it.
 enum Step {
-    Text(String),
+    /// Text, and the log-probabilities of the tokens that completed it (when asked for).
+    Text(String, Vec<TokenLogprob>),
     Finished {
         stop: StopReason,
         stop_sequence: Option<String>,
@@ -891,7 +910,10 @@ impl Generation {
         loop {
             match self.recv().await {
                 Some(InferenceEvent::Delta { text, .. }) if text.is_empty() => {}
-                Some(InferenceEvent::Delta { text, .. }) => return Some(Step::Text(text)),
+                Some(InferenceEvent::Delta { text, .. }) => {
+                    return Some(Step::Text(text, std::mem::take(&mut self.logprobs)));
+                }
+                Some(InferenceEvent::Logprobs(lp)) => self.logprobs.extend(lp),
                 Some(InferenceEvent::Started { .. }) => {}
                 Some(InferenceEvent::Finished {
                     stop_reason,
@@ -911,6 +933,8 @@ impl Generation {
                     self.record(Outcome::Error, 0);
                     return Some(Step::Failed(ApiError::from_code(code, message)));
                 }
+                #[allow(unreachable_patterns)]
+                Some(_) => {}
                 None if self.timed_out() => return Some(Step::Failed(self.fail_timeout())),
                 None => return Some(Step::Failed(self.fail_ended())),
             }
@@ -929,20 +953,24 @@ impl Drop for Generation {
 /// Runs a generation to its end and answers with one JSON body.
 async fn collect(
     mut g: Generation,
-    fmt: StreamFormat,
+    mut fmt: StreamFormat,
     request_id: &str,
     debug: Option<&(dyn Fn(Option<Duration>) -> Option<HeaderValue> + Sync)>,
 ) -> Reply {
     let mut text = String::new();
+    let mut logprobs = Vec::new();
     let mut reply = loop {
         match g.step().await {
-            Some(Step::Text(t)) => text.push_str(&t),
+            Some(Step::Text(t, lp)) => {
+                text.push_str(&t);
+                logprobs.extend(lp);
+            }
             Some(Step::Finished {
                 stop,
                 stop_sequence,
                 usage,
             }) => {
-                let body = fmt.full(&text, stop, stop_sequence.as_deref(), usage);
+                let body = fmt.full(&text, &logprobs, stop, stop_sequence.as_deref(), usage);
                 break Reply::json(StatusCode::OK, &body);
             }
             Some(Step::Failed(e)) => break error_reply(&e, fmt.flavor, request_id),
@@ -974,7 +1002,7 @@ impl SseState {
                 return None;
             }
             match self.run.step().await {
-                Some(Step::Text(t)) => self.pending.push_back(self.fmt.delta(&t)),
+                Some(Step::Text(t, lp)) => self.pending.push_back(self.fmt.delta(&t, &lp)),
                 Some(Step::Finished {
                     stop,
                     stop_sequence,

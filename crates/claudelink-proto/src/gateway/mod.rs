@@ -19,6 +19,7 @@
 mod config;
 mod core;
 mod error;
+mod fields;
 mod h3;
 mod ids;
 mod in_flight;

@@ -43,7 +43,7 @@ use kv_ring::{KvDtype, KvError, KvPool, KvRing, RingMode};
 use token_stream::{StreamDecoder, Tokenizer};
 
 use crate::model::{LogitsWanted, Model, SeqStep};
-use crate::sampling::{Sampler, SamplingParams, StopReason};
+use crate::sampling::{Sampler, SamplingParams, StopReason, TokenLogprobs};
 
 pub use channel::RequestHandle;
 pub use metrics::{EngineMetrics, LatencyHistogram};
@@ -202,6 +202,9 @@ pub struct GenerationRequest {
     /// Who sent it: a stable, non-secret label of the API key (`None`: one anonymous client).
     /// Per-client limits and fair admission go by it.
     pub client: Option<String>,
+    /// `Some(n)`: every [`EngineEvent::Token`] carries the token's log-probability and the
+    /// `n` most likely alternatives ([`TokenLogprobs`]).
+    pub logprobs: Option<usize>,
 }
 
 impl GenerationRequest {
@@ -215,7 +218,13 @@ impl GenerationRequest {
             stop_sequences: Vec::new(),
             priority: 0,
             client: None,
+            logprobs: None,
         }
+    }
+    /// Sets [`logprobs`](Self::logprobs).
+    pub fn with_logprobs(mut self, top_n: Option<usize>) -> Self {
+        self.logprobs = top_n;
+        self
     }
     /// Sets [`sampling`](Self::sampling).
     pub fn with_sampling(mut self, s: SamplingParams) -> Self {
@@ -282,6 +291,9 @@ pub enum EngineEvent {
         /// Text made final by it (empty without a tokenizer, inside a split character, or
         /// while it may start a stop sequence).
         text: String,
+        /// Its log-probability and the most likely alternatives, when the request asked for
+        /// them ([`GenerationRequest::logprobs`]).
+        logprobs: Option<Box<TokenLogprobs>>,
     },
     /// The generation ended.
     Finished {
@@ -606,6 +618,31 @@ impl Drop for Engine {
     }
 }
 
+/// A sampled token and, when asked for, its log-probabilities.
+type Sampled = (u32, Option<Box<TokenLogprobs>>);
+
+/// One row of [`Worker::sample_rows`].
+struct SampleJob<'a> {
+    sampler: &'a mut Sampler,
+    history: &'a [u32],
+    prompt_len: usize,
+    logprobs: Option<usize>,
+    logits: &'a [f32],
+    out: Sampled,
+}
+
+impl SampleJob<'_> {
+    fn run(&mut self) {
+        let token = self
+            .sampler
+            .sample_after(self.logits, self.history, self.prompt_len);
+        let logprobs = self
+            .logprobs
+            .map(|n| Box::new(TokenLogprobs::of(self.logits, token, n)));
+        self.out = (token, logprobs);
+    }
+}
+
 /// A sequence in the batch, owned by the scheduler thread.
 struct Active<'t> {
     id: SeqId,
@@ -663,31 +700,32 @@ struct Worker {
 impl Worker {
     /// Samples the next token of every step item that samples, in order: in parallel chunks on
     /// the model's pool for a large batch (each sequence's sampler is called once, as serially,
-    /// so the tokens are the same).
+    /// so the tokens are the same). A request that asks for logprobs gets them from the same
+    /// row.
     fn sample_rows(
         &self,
         seqs: &mut [(WorkItem, Active<'_>)],
         logits: &[f32],
         vocab: usize,
-    ) -> Vec<u32> {
-        let mut jobs: Vec<(&mut Sampler, &[u32], &[f32], u32)> = Vec::new();
+    ) -> Vec<Sampled> {
+        let mut jobs: Vec<SampleJob<'_>> = Vec::new();
         for (w, a) in seqs.iter_mut() {
             if w.samples() {
                 let row = jobs.len();
-                jobs.push((
-                    &mut a.sampler,
-                    &a.history,
-                    &logits[row * vocab..(row + 1) * vocab],
-                    0,
-                ));
+                jobs.push(SampleJob {
+                    sampler: &mut a.sampler,
+                    history: &a.history,
+                    prompt_len: a.input_tokens,
+                    logprobs: a.req.logprobs,
+                    logits: &logits[row * vocab..(row + 1) * vocab],
+                    out: (0, None),
+                });
             }
         }
         let pool = self.model.pool();
         let threads = pool.n_threads();
         if jobs.len() < 8 || threads < 2 {
-            for j in &mut jobs {
-                j.3 = j.0.sample(j.2, j.1);
-            }
+            jobs.iter_mut().for_each(SampleJob::run);
         } else {
             // Each task takes the next chunk of rows (as the kernels' activation quantization does).
             let chunk = jobs.len().div_ceil(2 * threads);
@@ -695,12 +733,10 @@ impl Worker {
             let chunks = Mutex::new(jobs.chunks_mut(chunk));
             pool.run(tasks, &|_, _| {
                 let next = chunks.lock().unwrap_or_else(|e| e.into_inner()).next();
-                for j in next.into_iter().flatten() {
-                    j.3 = j.0.sample(j.2, j.1);
-                }
+                next.into_iter().flatten().for_each(SampleJob::run);
             });
         }
-        jobs.into_iter().map(|j| j.3).collect()
+        jobs.into_iter().map(|j| j.out).collect()
     }
 
     fn run(mut self, tok: Option<&Tokenizer>) {
@@ -818,14 +854,15 @@ impl Worker {
                             outcomes.push(Outcome::Continue);
                             continue;
                         }
-                        let token = tokens.next().expect("one sampled token per sampling row");
+                        let (token, logprobs) =
+                            tokens.next().expect("one sampled token per sampling row");
                         match a.last_token {
                             None => ttfts.push(now - a.submitted),
                             Some(t) => itls.push(now - t),
                         }
                         a.last_token = Some(now);
                         generated += 1;
-                        outcomes.push(a.accept(token));
+                        outcomes.push(a.accept(token, logprobs));
                     }
                 }
             }
@@ -1094,7 +1131,7 @@ fn park<'t>(st: &mut State, parked: &mut HashMap<SeqId, Parked<'t>>, a: Active<'
 
 impl Active<'_> {
     /// Takes a sampled token: emits it, or stops.
-    fn accept(&mut self, token: u32) -> Outcome {
+    fn accept(&mut self, token: u32, logprobs: Option<Box<TokenLogprobs>>) -> Outcome {
         if self.stop_tokens.contains(&token) {
             return Outcome::Stop(StopReason::EndTurn, None);
         }
@@ -1107,7 +1144,11 @@ impl Active<'_> {
                 Err(e) => return Outcome::Fail(EngineError::from(e)),
             },
         };
-        self.chan.send(EngineEvent::Token { id: token, text });
+        self.chan.send(EngineEvent::Token {
+            id: token,
+            text,
+            logprobs,
+        });
         if let Some(i) = stopped {
             return Outcome::Stop(
                 StopReason::StopSequence,
