@@ -15,6 +15,7 @@ use http::{HeaderMap, Method, StatusCode};
 use serde_json::{Value, json};
 use tokio::sync::watch;
 
+use super::choices;
 use super::config::{GatewayConfig, LAYER_VERSION};
 use super::error::{ApiError, ApiErrorKind};
 use super::ids::new_id;
@@ -104,7 +105,7 @@ pub(crate) struct Reply {
 }
 
 impl Reply {
-    fn json(status: StatusCode, v: &Value) -> Self {
+    pub(super) fn json(status: StatusCode, v: &Value) -> Self {
         let mut headers = HeaderMap::new();
         headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
         Self {
@@ -600,56 +601,38 @@ impl Gateway {
             .with_retry_after(cfg.retry_after_ms));
         }
         let deadline = tokio::time::Instant::from_std(received + cfg.request_timeout);
-        let slot = Slot::acquire(self, caller)?;
-        let prompt = parsed.prompt();
-        let mut request = InferenceRequest::new(parsed.model.clone(), prompt, parsed.max_tokens);
-        request.sampling = parsed.sampling.clone();
-        request.stop_sequences = parsed.stop_sequences.clone();
-        request.client = caller.key.map(|i| self.inner.keys.label(i).to_owned());
-        request.logprobs = parsed.logprobs;
-        if parsed.n > 1 {
-            return Err(ApiError::invalid(format!(
-                "n: only n=1 is supported, got {}",
-                parsed.n
-            )));
-        }
         let submitted = Instant::now();
-        let events = self.inner.service.submit(request)?;
-        let mut g = Generation {
-            events,
-            buffered: None,
-            deadline,
-            received,
-            input_tokens: 0,
-            first_token: None,
-            logprobs: Vec::new(),
-            done: false,
-            metrics: self.inner.metrics.clone(),
-            abort: self.inner.abort_tx.subscribe(),
-            _slot: slot,
-        };
-        // Wait for the service to accept the prompt so early failures get a proper status.
-        match g.recv().await {
-            Some(InferenceEvent::Started { input_tokens }) => g.input_tokens = input_tokens,
-            Some(InferenceEvent::Error { code, message }) => {
-                g.done = true;
-                g.record(Outcome::Error, 0);
-                return Err(ApiError::from_code(code, message));
-            }
-            Some(other) => g.buffered = Some(other),
-            None if g.timed_out() => return Err(g.fail_timeout()),
-            None => return Err(g.fail_ended()),
+        // Every choice is a request of its own (the seed of choice i is seed + i).
+        let mut gens = Vec::with_capacity(parsed.n as usize);
+        for i in 0..parsed.n {
+            let mut request =
+                InferenceRequest::new(parsed.model.clone(), parsed.prompt(), parsed.max_tokens);
+            request.sampling = parsed.sampling.clone();
+            request.sampling.seed = parsed.sampling.seed.map(|s| s.wrapping_add(u64::from(i)));
+            request.stop_sequences = parsed.stop_sequences.clone();
+            request.client = caller.key.map(|i| self.inner.keys.label(i).to_owned());
+            request.logprobs = parsed.logprobs;
+            let slot = Slot::acquire(self, caller)?;
+            let events = self.inner.service.submit(request)?;
+            gens.push(Generation {
+                events,
+                buffered: None,
+                deadline,
+                received,
+                input_tokens: 0,
+                first_token: None,
+                logprobs: Vec::new(),
+                done: false,
+                metrics: self.inner.metrics.clone(),
+                abort: self.inner.abort_tx.subscribe(),
+                _slot: slot,
+            });
+        }
+        for g in &mut gens {
+            g.wait_started(cfg.max_prompt_tokens).await?;
         }
         let queue = submitted.elapsed();
         self.inner.metrics.observe_queue(queue);
-        if let Some(limit) = cfg.max_prompt_tokens.filter(|&l| g.input_tokens > l) {
-            g.done = true;
-            g.record(Outcome::Error, 0);
-            return Err(ApiError::invalid(format!(
-                "prompt is too long: {} tokens > {limit} maximum",
-                g.input_tokens
-            )));
-        }
         let now_secs = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map_or(0, |d| d.as_secs());
@@ -664,6 +647,7 @@ impl Gateway {
             created: now_secs,
             include_usage: parsed.include_usage,
             text_offset: 0,
+            index: 0,
         };
         let debug_header = |ttft: Option<Duration>| {
             let v = json!({
@@ -673,6 +657,16 @@ impl Gateway {
                 "queue_ms": queue.as_secs_f64() * 1e3,
             });
             HeaderValue::from_str(&v.to_string()).ok()
+        };
+        if gens.len() > 1 {
+            return Ok(if parsed.stream {
+                choices::stream(gens, fmt, request_id)
+            } else {
+                choices::collect(gens, fmt, request_id).await
+            });
+        }
+        let Some(mut g) = gens.pop() else {
+            return Err(ApiError::invalid("n: at least one choice is required"));
         };
         if !parsed.stream {
             return Ok(collect(g, fmt, request_id, debug.then_some(&debug_header)).await);
@@ -692,17 +686,10 @@ impl Gateway {
                 headers.insert(X_CLAUDE_LAYER_DEBUG, v);
             }
         }
-        let state = SseState {
-            pending: fmt.start(g.input_tokens).into(),
-            run: g,
-            fmt,
-            request_id: request_id.to_owned(),
-            finished: false,
-        };
         Ok(Reply {
             status: StatusCode::OK,
             headers,
-            body: ReplyBody::Stream(Box::pin(futures::stream::unfold(state, SseState::step))),
+            body: ReplyBody::Stream(Box::pin(sse_body(g, fmt, request_id))),
         })
     }
 }
@@ -821,12 +808,12 @@ impl Drop for Slot {
 
 /// One running generation. Dropping it drops the service's [`EventStream`], which cancels the
 /// request; an unfinished generation is counted as cancelled.
-struct Generation {
+pub(super) struct Generation {
     events: EventStream,
     buffered: Option<InferenceEvent>,
     deadline: tokio::time::Instant,
     received: Instant,
-    input_tokens: u32,
+    pub(super) input_tokens: u32,
     first_token: Option<Instant>,
     /// Log-probabilities of tokens whose text has not been stepped out yet.
     logprobs: Vec<TokenLogprob>,
@@ -838,7 +825,7 @@ struct Generation {
 }
 
 /// A step of a generation, as the bodies need it.
-enum Step {
+pub(super) enum Step {
     /// Text, and the log-probabilities of the tokens that completed it (when asked for).
     Text(String, Vec<TokenLogprob>),
     Finished {
@@ -875,6 +862,30 @@ impl Generation {
         ev
     }
 
+    /// Waits for the service to accept the prompt, so early failures get a proper status.
+    async fn wait_started(&mut self, max_prompt_tokens: Option<u32>) -> Result<(), ApiError> {
+        match self.recv().await {
+            Some(InferenceEvent::Started { input_tokens }) => self.input_tokens = input_tokens,
+            Some(InferenceEvent::Error { code, message }) => {
+                self.done = true;
+                self.record(Outcome::Error, 0);
+                return Err(ApiError::from_code(code, message));
+            }
+            Some(other) => self.buffered = Some(other),
+            None if self.timed_out() => return Err(self.fail_timeout()),
+            None => return Err(self.fail_ended()),
+        }
+        if let Some(limit) = max_prompt_tokens.filter(|&l| self.input_tokens > l) {
+            self.done = true;
+            self.record(Outcome::Error, 0);
+            return Err(ApiError::invalid(format!(
+                "prompt is too long: {} tokens > {limit} maximum",
+                self.input_tokens
+            )));
+        }
+        Ok(())
+    }
+
     fn timed_out(&self) -> bool {
         tokio::time::Instant::now() >= self.deadline
     }
@@ -903,7 +914,7 @@ impl Generation {
     }
 
     /// The next step; `None` after the last one.
-    async fn step(&mut self) -> Option<Step> {
+    pub(super) async fn step(&mut self) -> Option<Step> {
         if self.done {
             return None;
         }
@@ -950,16 +961,14 @@ impl Drop for Generation {
     }
 }
 
-/// Runs a generation to its end and answers with one JSON body.
-async fn collect(
-    mut g: Generation,
-    mut fmt: StreamFormat,
-    request_id: &str,
-    debug: Option<&(dyn Fn(Option<Duration>) -> Option<HeaderValue> + Sync)>,
-) -> Reply {
+/// A generation run to its end: the complete response body of one choice.
+pub(super) async fn collect_choice(
+    g: &mut Generation,
+    fmt: &mut StreamFormat,
+) -> Result<Value, ApiError> {
     let mut text = String::new();
     let mut logprobs = Vec::new();
-    let mut reply = loop {
+    loop {
         match g.step().await {
             Some(Step::Text(t, lp)) => {
                 text.push_str(&t);
@@ -969,18 +978,45 @@ async fn collect(
                 stop,
                 stop_sequence,
                 usage,
-            }) => {
-                let body = fmt.full(&text, &logprobs, stop, stop_sequence.as_deref(), usage);
-                break Reply::json(StatusCode::OK, &body);
-            }
-            Some(Step::Failed(e)) => break error_reply(&e, fmt.flavor, request_id),
-            None => break error_reply(&g.fail_ended(), fmt.flavor, request_id),
+            }) => return Ok(fmt.full(&text, &logprobs, stop, stop_sequence.as_deref(), usage)),
+            Some(Step::Failed(e)) => return Err(e),
+            None => return Err(g.fail_ended()),
         }
+    }
+}
+
+/// Runs a generation to its end and answers with one JSON body.
+async fn collect(
+    mut g: Generation,
+    mut fmt: StreamFormat,
+    request_id: &str,
+    debug: Option<&(dyn Fn(Option<Duration>) -> Option<HeaderValue> + Sync)>,
+) -> Reply {
+    let mut reply = match collect_choice(&mut g, &mut fmt).await {
+        Ok(body) => Reply::json(StatusCode::OK, &body),
+        Err(e) => error_reply(&e, fmt.flavor, request_id),
     };
     if let Some(v) = debug.and_then(|f| f(g.first_token.map(|t| t - g.received))) {
         reply.headers.insert(X_CLAUDE_LAYER_DEBUG, v);
     }
     reply
+}
+
+/// The SSE body of one generation: `fmt`'s start events, its deltas, its end (or an error
+/// event).
+pub(super) fn sse_body(
+    g: Generation,
+    fmt: StreamFormat,
+    request_id: &str,
+) -> impl Stream<Item = Bytes> + Send + use<> {
+    let state = SseState {
+        pending: fmt.start(g.input_tokens).into(),
+        run: g,
+        fmt,
+        request_id: request_id.to_owned(),
+        finished: false,
+    };
+    futures::stream::unfold(state, SseState::step)
 }
 
 /// State of a streaming body.

@@ -39,6 +39,8 @@ pub(crate) struct StreamFormat {
     /// Characters of completion text before the next delta (legacy completions'
     /// `text_offset`).
     pub(crate) text_offset: usize,
+    /// The OpenAI choice index this format's chunks carry (`n` > 1).
+    pub(crate) index: u32,
 }
 
 fn finish_reason(r: StopReason) -> &'static str {
@@ -132,7 +134,7 @@ impl StreamFormat {
                 anthropic_event(&json!({"type": "ping"})),
             ],
             Flavor::OpenAi => vec![openai_event(&self.chunk(json!([
-                {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null}
+                {"index": self.index, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null}
             ])))],
             Flavor::Completions => Vec::new(),
         }
@@ -149,13 +151,13 @@ impl StreamFormat {
             Flavor::OpenAi => {
                 let lp = self.logprobs(logprobs);
                 openai_event(&self.chunk(json!([
-                    {"index": 0, "delta": {"content": text}, "logprobs": lp, "finish_reason": null}
+                    {"index": self.index, "delta": {"content": text}, "logprobs": lp, "finish_reason": null}
                 ])))
             }
             Flavor::Completions => {
                 let lp = self.logprobs(logprobs);
                 openai_event(&self.chunk(json!([
-                    {"index": 0, "text": text, "logprobs": lp, "finish_reason": null}
+                    {"index": self.index, "text": text, "logprobs": lp, "finish_reason": null}
                 ])))
             }
         }
@@ -177,21 +179,34 @@ impl StreamFormat {
                 anthropic_event(&json!({"type": "message_stop"})),
             ],
             Flavor::OpenAi | Flavor::Completions => {
-                let last = if self.flavor == Flavor::OpenAi {
-                    json!({"index": 0, "delta": {}, "logprobs": null, "finish_reason": finish_reason(stop)})
-                } else {
-                    json!({"index": 0, "text": "", "logprobs": null, "finish_reason": finish_reason(stop)})
-                };
-                let mut out = vec![openai_event(&self.chunk(json!([last])))];
-                if self.include_usage {
-                    let mut c = self.chunk(json!([]));
-                    c["usage"] = openai_usage(usage);
-                    out.push(openai_event(&c));
-                }
-                out.push(Bytes::from_static(b"data: [DONE]\n\n"));
+                let mut out = vec![self.choice_end(stop)];
+                out.extend(self.stream_end(usage));
                 out
             }
         }
+    }
+
+    /// The last chunk of one choice (OpenAI flavours; `n` > 1 streams end with
+    /// [`stream_end`](Self::stream_end) once all choices did).
+    pub(crate) fn choice_end(&self, stop: StopReason) -> Bytes {
+        let last = if self.flavor == Flavor::Completions {
+            json!({"index": self.index, "text": "", "logprobs": null, "finish_reason": finish_reason(stop)})
+        } else {
+            json!({"index": self.index, "delta": {}, "logprobs": null, "finish_reason": finish_reason(stop)})
+        };
+        openai_event(&self.chunk(json!([last])))
+    }
+
+    /// The end of an OpenAI stream: the usage chunk (with `include_usage`), then `[DONE]`.
+    pub(crate) fn stream_end(&self, usage: Usage) -> Vec<Bytes> {
+        let mut out = Vec::with_capacity(2);
+        if self.include_usage {
+            let mut c = self.chunk(json!([]));
+            c["usage"] = openai_usage(usage);
+            out.push(openai_event(&c));
+        }
+        out.push(Bytes::from_static(b"data: [DONE]\n\n"));
+        out
     }
 
     /// The event reporting a failure after the response started.
@@ -220,13 +235,13 @@ impl StreamFormat {
             }),
             Flavor::OpenAi => json!({
                 "id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                "choices": [{"index": self.index, "message": {"role": "assistant", "content": text},
                              "logprobs": self.logprobs(logprobs), "finish_reason": finish_reason(stop)}],
                 "usage": openai_usage(usage),
             }),
             Flavor::Completions => json!({
                 "id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
-                "choices": [{"index": 0, "text": text,
+                "choices": [{"index": self.index, "text": text,
                              "logprobs": self.logprobs(logprobs), "finish_reason": finish_reason(stop)}],
                 "usage": openai_usage(usage),
             }),
@@ -234,7 +249,7 @@ impl StreamFormat {
     }
 }
 
-fn openai_usage(u: Usage) -> Value {
+pub(crate) fn openai_usage(u: Usage) -> Value {
     json!({"prompt_tokens": u.input_tokens, "completion_tokens": u.output_tokens,
            "total_tokens": u.input_tokens + u.output_tokens})
 }
@@ -251,6 +266,7 @@ mod tests {
             created: 1,
             include_usage: true,
             text_offset: 0,
+            index: 0,
         }
     }
 
