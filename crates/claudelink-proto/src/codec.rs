@@ -665,6 +665,14 @@ impl<'a> Frame<'a> {
                     CacheStrategy::Adaptive => 1,
                 });
                 let s = &r.sampling;
+                for (field, set) in [
+                    ("frequency_penalty", s.frequency_penalty.is_some()),
+                    ("presence_penalty", s.presence_penalty.is_some()),
+                ] {
+                    if set {
+                        return Err(EncodeError::NotCarried { field });
+                    }
+                }
                 let mut bits = 0u8;
                 for (i, present) in [
                     s.temperature.is_some(),
@@ -834,6 +842,12 @@ pub enum EncodeError {
         count: usize,
         /// The limit.
         max: u32,
+    },
+    /// A request sets a field this protocol version does not carry (rather than dropping it).
+    #[error("claudelink does not carry `{field}`")]
+    NotCarried {
+        /// The field.
+        field: &'static str,
     },
 }
 
