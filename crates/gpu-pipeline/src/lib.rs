@@ -26,5 +26,7 @@ pub use model::{
     ActivationSplit, ForwardError, LogitsWanted, Model, ModelConfig, ModelError, ModelOptions,
     RopeConfig, RopeLayout, RopeScaling, SeqStep,
 };
-pub use sampling::{Sampler, SamplingParams, StopMatcher, StopReason, TokenLogprobs, token_nll};
+pub use sampling::{
+    Sampler, SamplingParams, StopMatcher, StopReason, TokenLogprobs, TokenMask, token_nll,
+};
 pub use threadpool::ThreadPool;

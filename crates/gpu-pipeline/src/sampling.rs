@@ -247,67 +247,66 @@ impl Sampler {
         if logits.is_empty() {
             return 0;
         }
-        let logits: &[f32] = if self.params.penalizes() {
+        if self.params.penalizes() {
             self.penalize(logits, history, prompt_len.min(history.len()));
-            &self.penalized
+            let Self {
+                params,
+                rng,
+                cand,
+                penalized,
+                ..
+            } = self;
+            pick(params, rng, cand, penalized)
         } else {
-            logits
-        };
-        let p = &self.params;
-        if p.is_greedy() {
-            return argmax(logits);
+            pick(&self.params, &mut self.rng, &mut self.cand, logits)
         }
-        let inv_t = 1.0 / p.temperature;
-        self.cand.clear();
-        self.cand.extend(
-            logits
-                .iter()
-                .enumerate()
-                .filter(|(_, l)| !l.is_nan() && **l != f32::NEG_INFINITY)
-                .map(|(i, &l)| (l * inv_t, i as u32)),
-        );
-        if self.cand.is_empty() {
-            return argmax(logits);
+    }
+
+    /// [`sample_after`](Self::sample_after) restricted to the tokens `mask` allows (a grammar's
+    /// next-token set): the others are set to minus infinity after the penalties, before
+    /// temperature, top-k, top-p and min-p. `None` when no allowed token has a finite logit
+    /// (the row is shorter than the mask, or every allowed logit is NaN or minus infinity).
+    ///
+    /// ```
+    /// use gpu_pipeline::{Sampler, SamplingParams, TokenMask};
+    /// let mut s = Sampler::new(SamplingParams::default());
+    /// let mut mask = TokenMask::forbid_all(3);
+    /// mask.allow(2);
+    /// assert_eq!(s.sample_masked(&[5.0, 4.0, -1.0], &[], 0, &mask), Some(2));
+    /// assert_eq!(s.sample_masked(&[5.0, 4.0, f32::NEG_INFINITY], &[], 0, &mask), None);
+    /// ```
+    pub fn sample_masked(
+        &mut self,
+        logits: &[f32],
+        history: &[u32],
+        prompt_len: usize,
+        mask: &TokenMask,
+    ) -> Option<u32> {
+        if self.params.penalizes() {
+            self.penalize(logits, history, prompt_len.min(history.len()));
+        } else {
+            self.penalized.clear();
+            self.penalized.extend_from_slice(logits);
         }
-        let by_desc = |a: &(f32, u32), b: &(f32, u32)| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1));
-        if p.top_k > 0 && p.top_k < self.cand.len() {
-            self.cand.select_nth_unstable_by(p.top_k - 1, by_desc);
-            self.cand.truncate(p.top_k);
-        }
-        self.cand.sort_unstable_by(by_desc);
-        // softmax in f64 for the running sums
-        let max = self.cand[0].0;
-        let mut sum = 0.0f64;
-        for c in &mut self.cand {
-            let e = f64::from(c.0 - max).exp();
-            c.0 = e as f32;
-            sum += e;
-        }
-        let mut keep = self.cand.len();
-        if p.top_p < 1.0 {
-            let mut acc = 0.0f64;
-            for (i, c) in self.cand.iter().enumerate() {
-                acc += f64::from(c.0) / sum;
-                if acc >= f64::from(p.top_p) {
-                    keep = i + 1;
-                    break;
-                }
+        let mut any = false;
+        for (i, l) in self.penalized.iter_mut().enumerate() {
+            if !mask.is_allowed(i as u32) {
+                *l = f32::NEG_INFINITY;
+            } else if !l.is_nan() && *l != f32::NEG_INFINITY {
+                any = true;
             }
         }
-        if p.min_p > 0.0 {
-            let floor = self.cand[0].0 * p.min_p;
-            keep = keep.min(self.cand.iter().take_while(|c| c.0 >= floor).count().max(1));
+        if !any {
+            return None;
         }
-        self.cand.truncate(keep.max(1));
-        let total: f64 = self.cand.iter().map(|c| f64::from(c.0)).sum();
-        let mut r = self.rng.next_f64() * total;
-        for c in &self.cand {
-            r -= f64::from(c.0);
-            if r < 0.0 {
-                return c.1;
-            }
-        }
-        self.cand[self.cand.len() - 1].1
+        let Self {
+            params,
+            rng,
+            cand,
+            penalized,
+            ..
+        } = self;
+        Some(pick(params, rng, cand, penalized))
     }
 }
 
@@ -432,6 +431,136 @@ fn log_sum_exp(logits: &[f32]) -> f64 {
         .sum::<f64>()
         .ln()
         + f64::from(max)
+}
+
+/// Picks a token from a (penalized) row: greedy argmax, or temperature, top-k, softmax, top-p,
+/// min-p and one uniform draw (see [`Sampler::sample_after`]).
+fn pick(p: &SamplingParams, rng: &mut Pcg32, cand: &mut Vec<(f32, u32)>, logits: &[f32]) -> u32 {
+    if p.is_greedy() {
+        return argmax(logits);
+    }
+    let inv_t = 1.0 / p.temperature;
+    cand.clear();
+    cand.extend(
+        logits
+            .iter()
+            .enumerate()
+            .filter(|(_, l)| !l.is_nan() && **l != f32::NEG_INFINITY)
+            .map(|(i, &l)| (l * inv_t, i as u32)),
+    );
+    if cand.is_empty() {
+        return argmax(logits);
+    }
+    let by_desc = |a: &(f32, u32), b: &(f32, u32)| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1));
+    if p.top_k > 0 && p.top_k < cand.len() {
+        cand.select_nth_unstable_by(p.top_k - 1, by_desc);
+        cand.truncate(p.top_k);
+    }
+    cand.sort_unstable_by(by_desc);
+    // softmax in f64 for the running sums
+    let max = cand[0].0;
+    let mut sum = 0.0f64;
+    for c in cand.iter_mut() {
+        let e = f64::from(c.0 - max).exp();
+        c.0 = e as f32;
+        sum += e;
+    }
+    let mut keep = cand.len();
+    if p.top_p < 1.0 {
+        let mut acc = 0.0f64;
+        for (i, c) in cand.iter().enumerate() {
+            acc += f64::from(c.0) / sum;
+            if acc >= f64::from(p.top_p) {
+                keep = i + 1;
+                break;
+            }
+        }
+    }
+    if p.min_p > 0.0 {
+        let floor = cand[0].0 * p.min_p;
+        keep = keep.min(cand.iter().take_while(|c| c.0 >= floor).count().max(1));
+    }
+    cand.truncate(keep.max(1));
+    let total: f64 = cand.iter().map(|c| f64::from(c.0)).sum();
+    let mut r = rng.next_f64() * total;
+    for c in cand.iter() {
+        r -= f64::from(c.0);
+        if r < 0.0 {
+            return c.1;
+        }
+    }
+    cand[cand.len() - 1].1
+}
+
+/// The tokens allowed at one step of a constrained generation: a bitset over the
+/// vocabulary, in 32-bit words (the layout of llguidance's `SimpleVob`, so a grammar's mask
+/// is one copy).
+///
+/// ```
+/// use gpu_pipeline::TokenMask;
+/// let mut m = TokenMask::forbid_all(40);
+/// m.allow(33);
+/// assert!(m.is_allowed(33) && !m.is_allowed(32) && !m.is_allowed(99));
+/// assert_eq!(m.count_allowed(), 1);
+/// ```
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TokenMask {
+    words: Vec<u32>,
+    vocab: usize,
+}
+
+impl TokenMask {
+    /// A mask over `vocab` tokens that allows none.
+    pub fn forbid_all(vocab: usize) -> Self {
+        Self {
+            words: vec![0; vocab.div_ceil(32)],
+            vocab,
+        }
+    }
+
+    /// A mask over `vocab` tokens that allows all.
+    pub fn allow_all(vocab: usize) -> Self {
+        let mut m = Self::forbid_all(vocab);
+        for id in 0..vocab as u32 {
+            m.allow(id);
+        }
+        m
+    }
+
+    /// Allows `id` (ignored beyond the vocabulary).
+    pub fn allow(&mut self, id: u32) {
+        if (id as usize) < self.vocab {
+            self.words[id as usize / 32] |= 1 << (id % 32);
+        }
+    }
+
+    /// Forbids `id`.
+    pub fn forbid(&mut self, id: u32) {
+        if (id as usize) < self.vocab {
+            self.words[id as usize / 32] &= !(1 << (id % 32));
+        }
+    }
+
+    /// Whether `id` is allowed (never beyond the vocabulary).
+    pub fn is_allowed(&self, id: u32) -> bool {
+        (id as usize) < self.vocab && self.words[id as usize / 32] & (1 << (id % 32)) != 0
+    }
+
+    /// How many tokens are allowed.
+    pub fn count_allowed(&self) -> usize {
+        self.words.iter().map(|w| w.count_ones() as usize).sum()
+    }
+
+    /// The vocabulary size.
+    pub fn vocab(&self) -> usize {
+        self.vocab
+    }
+
+    /// The bit words, token `i` at bit `i % 32` of word `i / 32`; bits beyond the
+    /// vocabulary must stay zero.
+    pub fn words_mut(&mut self) -> &mut [u32] {
+        &mut self.words
+    }
 }
 
 /// Index of the largest value (the lowest index among exact ties; NaN never wins).
