@@ -4,6 +4,7 @@
 //! on a persistent thread pool.
 
 mod bandwidth;
+mod constraint;
 pub mod engine;
 mod generate;
 pub mod kernels;
@@ -12,6 +13,7 @@ mod sampling;
 mod threadpool;
 
 pub use bandwidth::{Bandwidth, read_bandwidth};
+pub use constraint::{Constraint, ConstraintError, ConstraintFactory};
 pub use engine::{
     Engine, EngineConfig, EngineEvent, GenerationRequest, RequestHandle, SubmitError,
 };

@@ -42,6 +42,7 @@ use std::time::{Duration, Instant};
 use kv_ring::{KvDtype, KvError, KvPool, KvRing, RingMode};
 use token_stream::{StreamDecoder, Tokenizer};
 
+use crate::constraint::{Constrained, ConstraintError, ConstraintFactory};
 use crate::model::{LogitsWanted, Model, SeqStep};
 use crate::sampling::{Sampler, SamplingParams, StopReason, TokenLogprobs};
 
@@ -205,6 +206,8 @@ pub struct GenerationRequest {
     /// `Some(n)`: every [`EngineEvent::Token`] carries the token's log-probability and the
     /// `n` most likely alternatives ([`TokenLogprobs`]).
     pub logprobs: Option<usize>,
+    /// Restricts every sampled token to what the constraint allows (structured output).
+    pub constraint: Option<Arc<dyn ConstraintFactory>>,
 }
 
 impl GenerationRequest {
@@ -219,7 +222,13 @@ impl GenerationRequest {
             priority: 0,
             client: None,
             logprobs: None,
+            constraint: None,
         }
+    }
+    /// Sets [`constraint`](Self::constraint).
+    pub fn with_constraint(mut self, c: Option<Arc<dyn ConstraintFactory>>) -> Self {
+        self.constraint = c;
+        self
     }
     /// Sets [`logprobs`](Self::logprobs).
     pub fn with_logprobs(mut self, top_n: Option<usize>) -> Self {
@@ -370,6 +379,9 @@ pub enum EngineError {
     /// The engine shut down before the request finished.
     #[error("the engine shut down")]
     ShutDown,
+    /// The request's output constraint failed or allowed nothing.
+    #[error(transparent)]
+    Constraint(#[from] ConstraintError),
 }
 
 /// Why [`Engine::new`] failed.
@@ -618,8 +630,9 @@ impl Drop for Engine {
     }
 }
 
-/// A sampled token and, when asked for, its log-probabilities.
-type Sampled = (u32, Option<Box<TokenLogprobs>>);
+/// A sampled token and, when asked for, its log-probabilities; or why a constrained sequence
+/// could not sample.
+type Sampled = Result<(u32, Option<Box<TokenLogprobs>>), ConstraintError>;
 
 /// One row of [`Worker::sample_rows`].
 struct SampleJob<'a> {
@@ -628,18 +641,34 @@ struct SampleJob<'a> {
     prompt_len: usize,
     logprobs: Option<usize>,
     logits: &'a [f32],
+    constrained: Option<&'a mut Constrained>,
     out: Sampled,
 }
 
 impl SampleJob<'_> {
     fn run(&mut self) {
-        let token = self
-            .sampler
-            .sample_after(self.logits, self.history, self.prompt_len);
+        self.out = self.sample();
+    }
+
+    fn sample(&mut self) -> Sampled {
+        let token = match self.constrained.as_deref_mut() {
+            None => self
+                .sampler
+                .sample_after(self.logits, self.history, self.prompt_len),
+            Some(c) => {
+                c.state.fill_mask(&mut c.mask)?;
+                let t = self
+                    .sampler
+                    .sample_masked(self.logits, self.history, self.prompt_len, &c.mask)
+                    .ok_or(ConstraintError::NoAllowedToken)?;
+                c.state.commit(t)?;
+                t
+            }
+        };
         let logprobs = self
             .logprobs
             .map(|n| Box::new(TokenLogprobs::of(self.logits, token, n)));
-        self.out = (token, logprobs);
+        Ok((token, logprobs))
     }
 }
 
@@ -650,6 +679,7 @@ struct Active<'t> {
     chan: Arc<Chan>,
     kv: KvRing,
     sampler: Sampler,
+    constrained: Option<Constrained>,
     history: Vec<u32>,
     decoder: Option<StreamDecoder<'t>>,
     stop_tokens: Vec<u32>,
@@ -669,6 +699,7 @@ struct Active<'t> {
 /// stopped, with the same sampler state and text decoder.
 struct Parked<'t> {
     sampler: Sampler,
+    constrained: Option<Constrained>,
     history: Vec<u32>,
     decoder: Option<StreamDecoder<'t>>,
     stop_tokens: Vec<u32>,
@@ -718,7 +749,8 @@ impl Worker {
                     prompt_len: a.input_tokens,
                     logprobs: a.req.logprobs,
                     logits: &logits[row * vocab..(row + 1) * vocab],
-                    out: (0, None),
+                    constrained: a.constrained.as_mut(),
+                    out: Ok((0, None)),
                 });
             }
         }
@@ -855,7 +887,13 @@ impl Worker {
                             continue;
                         }
                         let (token, logprobs) =
-                            tokens.next().expect("one sampled token per sampling row");
+                            match tokens.next().expect("one sampled token per sampling row") {
+                                Ok(sampled) => sampled,
+                                Err(e) => {
+                                    outcomes.push(Outcome::Fail(e.into()));
+                                    continue;
+                                }
+                            };
                         match a.last_token {
                             None => ttfts.push(now - a.submitted),
                             Some(t) => itls.push(now - t),
@@ -1030,6 +1068,7 @@ impl Worker {
                 chan: p.chan,
                 kv,
                 sampler: r.sampler,
+                constrained: r.constrained,
                 history: r.history,
                 decoder: r.decoder,
                 stop_tokens: r.stop_tokens,
@@ -1058,6 +1097,11 @@ impl Worker {
             cached_now: cached,
             id,
             sampler: Sampler::new(p.req.sampling.clone()),
+            constrained: p
+                .req
+                .constraint
+                .as_deref()
+                .map(|f| Constrained::new(f, self.model.config().vocab_size)),
             req: p.req,
             chan: p.chan,
             kv,
@@ -1094,6 +1138,7 @@ fn park<'t>(st: &mut State, parked: &mut HashMap<SeqId, Parked<'t>>, a: Active<'
         chan,
         kv,
         sampler,
+        constrained,
         history,
         decoder,
         stop_tokens,
@@ -1118,6 +1163,7 @@ fn park<'t>(st: &mut State, parked: &mut HashMap<SeqId, Parked<'t>>, a: Active<'
         id,
         Parked {
             sampler,
+            constrained,
             history,
             decoder,
             stop_tokens,
