@@ -7,6 +7,7 @@ mod bandwidth;
 mod constraint;
 pub mod engine;
 mod generate;
+mod grammar;
 pub mod kernels;
 mod model;
 mod sampling;
@@ -18,6 +19,7 @@ pub use engine::{
     Engine, EngineConfig, EngineEvent, GenerationRequest, RequestHandle, SubmitError,
 };
 pub use generate::{GenerateError, GenerateOptions, Generation};
+pub use grammar::{GrammarError, Grammars};
 pub use model::attention::attend_rows;
 pub use model::hf;
 pub use model::{

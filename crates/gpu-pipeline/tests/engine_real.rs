@@ -462,3 +462,57 @@ fn constrained_sequences_follow_their_constraint_and_leave_batch_neighbours_alon
         Some("the output constraint allows no token here")
     );
 }
+
+#[test]
+fn llguidance_json_schema_and_regex_constraints_hold_on_the_real_model() {
+    let f = fixture();
+    let e = engine(EngineConfig::default());
+    let eos = e.stop_tokens()[0];
+    let grammars = gpu_pipeline::Grammars::new(&f.tok, f.model.config().vocab_size, eos).unwrap();
+    let schema = serde_json::json!({
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}},
+        "required": ["name", "age"], "additionalProperties": false,
+    });
+    let json = grammars.json_schema(schema).unwrap();
+    let digits = grammars.regex("[0-9]{3}").unwrap();
+    assert!(matches!(
+        grammars.json_schema(serde_json::json!({"type": "no-such-type"})),
+        Err(gpu_pipeline::GrammarError::Invalid(_))
+    ));
+    let handles: Vec<_> = QUESTIONS
+        .iter()
+        .enumerate()
+        .map(|(i, q)| {
+            let sampling = gpu_pipeline::SamplingParams::default()
+                .with_temperature(if i % 2 == 0 { 0.0 } else { 1.0 })
+                .with_seed(i as u64);
+            let c = if i < 6 { json.clone() } else { digits.clone() };
+            e.submit(
+                GenerationRequest::new(chat("Answer in JSON.", q), 64)
+                    .with_sampling(sampling)
+                    .with_constraint(Some(c)),
+            )
+            .unwrap()
+        })
+        .collect();
+    for (i, h) in handles.iter().enumerate() {
+        let out = collect(h);
+        assert_eq!(out.stop, StopReason::EndTurn, "request {i}: {:?}", out.text);
+        if i < 6 {
+            let v: serde_json::Value = serde_json::from_str(&out.text)
+                .unwrap_or_else(|e| panic!("request {i}: {e}: {:?}", out.text));
+            let o = v.as_object().unwrap();
+            assert_eq!(o.len(), 2, "{v}");
+            assert!(o["name"].as_str().unwrap().chars().count() <= 12, "{v}");
+            assert!(o["age"].is_i64() || o["age"].is_u64(), "{v}");
+        } else {
+            assert_eq!(out.text.len(), 3, "{:?}", out.text);
+            assert!(
+                out.text.bytes().all(|b| b.is_ascii_digit()),
+                "{:?}",
+                out.text
+            );
+        }
+    }
+}
