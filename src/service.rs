@@ -11,7 +11,7 @@ use futures::channel::oneshot;
 
 use claudelink_proto::{
     ChatRole, ErrorCode, EventStream, InferenceEvent, InferenceRequest, InferenceService,
-    ModelInfo, Prompt, ServiceError, ServiceMetrics, StopReason, Usage,
+    ModelInfo, Prompt, ServiceError, ServiceMetrics, StopReason, TokenLogprob, Usage,
 };
 use gpu_pipeline::engine::{
     Engine, EngineConfig, EngineEvent, GenerationRequest, RequestHandle, SubmitError,
@@ -481,10 +481,33 @@ fn sampling(p: &claudelink_proto::SamplingParams) -> Result<SamplingParams, Serv
     if let Some(r) = p.repetition_penalty {
         s = s.with_repetition_penalty(r, 64);
     }
-    if let Some(seed) = p.seed {
-        s = s.with_seed(seed);
-    }
+    s = s
+        .with_frequency_penalty(p.frequency_penalty.unwrap_or(0.0))
+        .with_presence_penalty(p.presence_penalty.unwrap_or(0.0));
+    // Without a seed a sampled request draws a fresh one: two such requests differ.
+    s = s.with_seed(p.seed.unwrap_or_else(random_seed));
     Ok(s)
+}
+
+/// A seed from the process's random hasher keys (the OS's entropy) and a counter.
+fn random_seed() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u64(COUNTER.fetch_add(1, Ordering::Relaxed));
+    h.finish()
+}
+
+/// The [`TokenLogprob`] of an engine token, its bytes from the tokenizer.
+fn token_logprob(tok: &Tokenizer, lp: &gpu_pipeline::TokenLogprobs) -> TokenLogprob {
+    let bytes = |id: u32| tok.token_bytes(id).map(<[u8]>::to_vec).unwrap_or_default();
+    TokenLogprob {
+        id: lp.token,
+        bytes: bytes(lp.token),
+        logprob: lp.logprob,
+        top: lp.top.iter().map(|&(id, l)| (id, bytes(id), l)).collect(),
+    }
 }
 
 fn stop_reason(r: gpu_pipeline::StopReason) -> StopReason {
@@ -506,6 +529,8 @@ impl InferenceService for EngineService {
         let sampling = sampling(&request.sampling)?;
         let max_tokens = request.max_tokens as usize;
         let (stops, priority, client) = (request.stop_sequences, request.priority, request.client);
+        let logprobs = request.logprobs.map(usize::from);
+        let tokenizer = self.tokenizer.clone();
         let prompt = request.prompt;
         // Tokenizing (and rendering the chat template) is CPU work proportional to the prompt:
         // it runs on the prompt pool; its failures arrive as the stream's first event.
@@ -521,6 +546,7 @@ impl InferenceService for EngineService {
                     .with_stop_sequences(stops)
                     .with_priority(priority)
                     .with_client(client)
+                    .with_logprobs(logprobs)
             });
             // A stream dropped meanwhile drops the handle here, which cancels the request.
             let _ = reply.send(handle);
@@ -567,7 +593,12 @@ impl InferenceService for EngineService {
                             input_tokens: input_tokens as u32,
                         });
                     }
-                    EngineEvent::Token { id, text } => {
+                    EngineEvent::Token { id, text, logprobs } => {
+                        if let Some(lp) = logprobs {
+                            ready.push_back(InferenceEvent::Logprobs(vec![token_logprob(
+                                &tokenizer, &lp,
+                            )]));
+                        }
                         ready.push_back(InferenceEvent::Delta {
                             ids: vec![id],
                             text,
@@ -780,6 +811,89 @@ mod tests {
         let first = futures::executor::block_on(stream.next());
         let n = svc.count_tokens(&ok).unwrap();
         assert_eq!(first, Some(InferenceEvent::Started { input_tokens: n }));
+    }
+
+    /// The generated ids of a request (panics on an error event).
+    fn generated_ids(svc: &EngineService, req: InferenceRequest) -> Vec<u32> {
+        let events: Vec<InferenceEvent> =
+            futures::executor::block_on(svc.submit(req).unwrap().collect());
+        assert!(
+            matches!(events.last(), Some(InferenceEvent::Finished { .. })),
+            "{events:?}"
+        );
+        events
+            .iter()
+            .flat_map(|e| match e {
+                InferenceEvent::Delta { ids, .. } => ids.clone(),
+                _ => vec![],
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_seeded_sampled_request_repeats_and_an_unseeded_one_varies() {
+        let svc = load_default();
+        let prompt = Prompt::Chat(vec![Msg {
+            role: ChatRole::User,
+            content: "Tell me a story.".into(),
+        }]);
+        let request = |seed: Option<u64>| {
+            let mut r = InferenceRequest::new(svc.model_id(), prompt.clone(), 16);
+            r.sampling.temperature = Some(1.0);
+            r.sampling.seed = seed;
+            r
+        };
+        let a = generated_ids(&svc, request(Some(7)));
+        assert_eq!(a.len(), 16, "{a:?}");
+        assert_eq!(a, generated_ids(&svc, request(Some(7))));
+        let unseeded: std::collections::HashSet<Vec<u32>> =
+            (0..3).map(|_| generated_ids(&svc, request(None))).collect();
+        assert!(unseeded.len() > 1, "{unseeded:?}");
+        // Penalties reach the engine: a strong presence penalty never repeats a token.
+        let mut r = request(Some(1));
+        r.sampling.temperature = Some(0.0);
+        r.sampling.presence_penalty = Some(1000.0);
+        let ids = generated_ids(&svc, r);
+        let distinct: std::collections::HashSet<&u32> = ids.iter().collect();
+        assert_eq!(distinct.len(), ids.len(), "{ids:?}");
+    }
+
+    #[test]
+    fn logprobs_come_before_their_tokens_and_match_the_greedy_choice() {
+        let svc = load_default();
+        let prompt = Prompt::Chat(vec![Msg {
+            role: ChatRole::User,
+            content: "What is the capital of France?".into(),
+        }]);
+        let mut r = InferenceRequest::new(svc.model_id(), prompt, 8);
+        r.logprobs = Some(3);
+        let events: Vec<InferenceEvent> =
+            futures::executor::block_on(svc.submit(r).unwrap().collect());
+        let mut pending: Vec<TokenLogprob> = Vec::new();
+        let mut seen = 0;
+        for e in &events {
+            match e {
+                InferenceEvent::Logprobs(lp) => pending.extend(lp.iter().cloned()),
+                InferenceEvent::Delta { ids, .. } if !ids.is_empty() => {
+                    let got: Vec<u32> = pending.iter().map(|t| t.id).collect();
+                    assert_eq!(&got, ids);
+                    for t in pending.drain(..) {
+                        assert_eq!(t.top.len(), 3);
+                        // greedy: the sampled token is the most likely one
+                        assert_eq!(t.top[0].0, t.id);
+                        assert_eq!(t.top[0].2, t.logprob);
+                        assert!(t.top.windows(2).all(|w| w[0].2 >= w[1].2));
+                        assert!(t.logprob <= 0.0);
+                        let mass: f32 = t.top.iter().map(|x| x.2.exp()).sum();
+                        assert!(mass <= 1.0 + 1e-5, "{mass}");
+                        assert_eq!(t.bytes, svc.tokenizer.token_bytes(t.id).unwrap());
+                        seen += 1;
+                    }
+                }
+                _ => {}
+            }
+        }
+        assert_eq!(seen, 8);
     }
 
     #[test]

@@ -240,7 +240,7 @@ fn direct_greedy(svc: &EngineService, prompt: Vec<u32>, max_tokens: usize) -> Gr
     let (mut ids, mut text) = (Vec::new(), String::new());
     while let Some(ev) = handle.recv() {
         match ev {
-            EngineEvent::Token { id, text: t } => {
+            EngineEvent::Token { id, text: t, .. } => {
                 ids.push(id);
                 text.push_str(&t);
             }

@@ -113,6 +113,33 @@ def test_invalid_field_is_a_400_naming_it():
         raise AssertionError("temperature=7 was accepted")
 
 
+def sampled(extra):
+    """The text of a sampled request; the sampling fields go in `extra_body` (every SDK
+    generation has it; 2.x has no sampling parameters)."""
+    return client.messages.create(model=MODEL, max_tokens=16, extra_body=extra,
+                                  messages=[{"role": "user", "content": "Tell me a story."}]).content[0].text
+
+
+def test_seeded_sampling_repeats_and_unseeded_varies():
+    a = sampled({"temperature": 1.0, "seed": 77})
+    assert a == sampled({"temperature": 1.0, "seed": 77}), a
+    seen = {sampled({"temperature": 1.0}) for _ in range(3)}
+    assert len(seen) > 1, seen
+    sampled({"temperature": 0.7, "min_p": 0.05, "repetition_penalty": 1.1,
+             "frequency_penalty": 0.5, "presence_penalty": 0.2, "seed": 1})
+
+
+def test_tools_are_refused_until_supported():
+    try:
+        client.messages.create(model=MODEL, max_tokens=8, messages=[{"role": "user", "content": "Hi"}],
+                               tools=[{"name": "get_weather", "description": "weather",
+                                       "input_schema": {"type": "object", "properties": {}}}])
+    except anthropic.BadRequestError as e:
+        assert e.body["error"]["message"].startswith("tools:"), e.body
+    else:
+        raise AssertionError("tools were accepted and ignored")
+
+
 def test_auth_failure():
     bad = anthropic.Anthropic(base_url=BASE_URL, api_key="sk-wrong", max_retries=0)
     try:
@@ -140,4 +167,5 @@ def test_count_tokens_and_models():
 run_tests([test_create, test_max_tokens_is_a_hard_cap, test_system_prompt_and_content_blocks,
            test_stream_helper, test_raw_stream_event_order, test_stop_sequences,
            test_sampling_params_are_accepted, test_invalid_field_is_a_400_naming_it,
-           test_auth_failure, test_count_tokens_and_models])
+           test_auth_failure, test_count_tokens_and_models,
+           test_seeded_sampling_repeats_and_unseeded_varies, test_tools_are_refused_until_supported])

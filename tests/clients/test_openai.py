@@ -50,4 +50,76 @@ def test_auth_failure():
         raise AssertionError("a wrong key was accepted")
 
 
-run_tests([test_create, test_stream_with_usage, test_length_cap, test_auth_failure])
+def test_logprobs_match_the_sampled_tokens():
+    for stream in (False, True):
+        kw = dict(model=MODEL, messages=MSGS, max_tokens=8, logprobs=True, top_logprobs=3)
+        if stream:
+            chunks = list(client.chat.completions.create(stream=True, **kw))
+            text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            content = [t for c in chunks if c.choices and c.choices[0].logprobs
+                       for t in c.choices[0].logprobs.content]
+        else:
+            r = client.chat.completions.create(**kw)
+            text, content = r.choices[0].message.content, r.choices[0].logprobs.content
+        assert content, "no logprobs"
+        # greedy: each sampled token is the most likely one, its logprob the top one
+        for t in content:
+            assert len(t.top_logprobs) == 3, t
+            assert t.top_logprobs[0].token == t.token and t.top_logprobs[0].logprob == t.logprob, t
+            assert t.logprob <= 0 and t.bytes is not None
+        # the tokens' bytes spell the text (held-back stop-sequence tokens aside: none here)
+        assert b"".join(bytes(t.bytes) for t in content).decode("utf-8", "replace") == text, (text, content)
+
+
+def test_seeded_sampling_repeats_and_unseeded_varies():
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "Tell me a story."}],
+              max_tokens=16, temperature=1.0)
+    a = client.chat.completions.create(seed=1234, **kw).choices[0].message.content
+    b = client.chat.completions.create(seed=1234, **kw).choices[0].message.content
+    assert a == b, (a, b)
+    seen = {client.chat.completions.create(**kw).choices[0].message.content for _ in range(3)}
+    assert len(seen) > 1, seen
+    # penalties and min_p reach the server (extra_body for the non-OpenAI names)
+    r = client.chat.completions.create(frequency_penalty=1.5, presence_penalty=0.5,
+                                       extra_body={"min_p": 0.1, "repeat_penalty": 1.2, "top_k": 40}, **kw)
+    assert r.choices[0].message.content, r
+
+
+def test_n_choices():
+    r = client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=8, n=3, temperature=1.0, seed=9)
+    assert [c.index for c in r.choices] == [0, 1, 2], r
+    assert all(c.message.content for c in r.choices), r
+    assert 3 <= r.usage.completion_tokens <= 24, r.usage
+    chunks = list(client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=8, n=2, stream=True))
+    finished = sorted(c.choices[0].index for c in chunks if c.choices and c.choices[0].finish_reason)
+    assert finished == [0, 1], finished
+
+
+def test_legacy_completions_with_logprobs():
+    r = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=6, logprobs=2)
+    c = r.choices[0]
+    assert r.object == "text_completion" and c.text, r
+    lp = c.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 6, lp
+    assert "".join(lp.tokens) == c.text, (lp.tokens, c.text)
+    for tok, l, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert max(top.values()) == l, (tok, l, top)
+    chunks = list(client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=6, stream=True))
+    assert "".join(ch.choices[0].text for ch in chunks) == c.text
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_unsupported_fields_are_refused():
+    for extra in ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]},
+                  {"response_format": {"type": "json_object"}}, {"logit_bias": {"1": 2}}):
+        try:
+            client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=4, **extra)
+        except openai.BadRequestError as e:
+            assert list(extra)[0] in str(e), e
+        else:
+            raise AssertionError(f"{extra} was accepted")
+
+
+run_tests([test_create, test_stream_with_usage, test_length_cap, test_auth_failure,
+           test_logprobs_match_the_sampled_tokens, test_seeded_sampling_repeats_and_unseeded_varies,
+           test_n_choices, test_legacy_completions_with_logprobs, test_unsupported_fields_are_refused])

@@ -566,9 +566,10 @@ impl<'a> Frame<'a> {
         }
     }
 
-    /// The response frame of a service event. `request_id` fills a STARTED frame.
-    pub fn from_event(ev: &'a InferenceEvent, request_id: u64) -> Self {
-        match ev {
+    /// The response frame of a service event. `request_id` fills a STARTED frame. `None` for
+    /// [`InferenceEvent::Logprobs`], which claudelink does not carry.
+    pub fn from_event(ev: &'a InferenceEvent, request_id: u64) -> Option<Self> {
+        Some(match ev {
             InferenceEvent::Started { input_tokens } => Self::Started(StartedFrame {
                 request_id,
                 input_tokens: *input_tokens,
@@ -591,7 +592,8 @@ impl<'a> Frame<'a> {
                 retry_after_ms: 0,
                 message,
             }),
-        }
+            InferenceEvent::Logprobs(_) => return None,
+        })
     }
 
     /// The service event of a response frame (`None` for REQUEST and control frames).
@@ -663,6 +665,14 @@ impl<'a> Frame<'a> {
                     CacheStrategy::Adaptive => 1,
                 });
                 let s = &r.sampling;
+                for (field, set) in [
+                    ("frequency_penalty", s.frequency_penalty.is_some()),
+                    ("presence_penalty", s.presence_penalty.is_some()),
+                ] {
+                    if set {
+                        return Err(EncodeError::NotCarried { field });
+                    }
+                }
                 let mut bits = 0u8;
                 for (i, present) in [
                     s.temperature.is_some(),
@@ -832,6 +842,12 @@ pub enum EncodeError {
         count: usize,
         /// The limit.
         max: u32,
+    },
+    /// A request sets a field this protocol version does not carry (rather than dropping it).
+    #[error("claudelink does not carry `{field}`")]
+    NotCarried {
+        /// The field.
+        field: &'static str,
     },
 }
 

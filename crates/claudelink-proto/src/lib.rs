@@ -82,7 +82,7 @@ pub use server::{
 pub use service::{
     CacheStrategy, ChatMessage, ChatRole, ErrorCode, EventStream, InferenceEvent, InferenceRequest,
     InferenceService, ModelInfo, Prompt, SamplingParams, ServiceError, ServiceMetrics, StopReason,
-    Usage,
+    TokenLogprob, Usage,
 };
 pub use state::{
     ClientStream, ClientStreamError, ConnectionAction, ConnectionState, ServerStream,

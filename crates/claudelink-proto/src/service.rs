@@ -56,7 +56,12 @@ pub struct SamplingParams {
     pub min_p: Option<f32>,
     /// Repetition penalty (1.0 = none).
     pub repetition_penalty: Option<f32>,
-    /// Seed making a sampled run reproducible.
+    /// OpenAI frequency penalty: subtracted once per earlier occurrence in the output.
+    pub frequency_penalty: Option<f32>,
+    /// OpenAI presence penalty: subtracted once from every token already in the output.
+    pub presence_penalty: Option<f32>,
+    /// Seed making a sampled run reproducible; `None` with a temperature above zero: a
+    /// random seed per request.
     pub seed: Option<u64>,
 }
 
@@ -92,6 +97,10 @@ pub struct InferenceRequest {
     /// [`key_label`](crate::key_label); never the key itself), or `None` on a server without
     /// keys. Engines use it for per-client limits and fairness between clients.
     pub client: Option<String>,
+    /// `Some(n)`: the service sends an [`InferenceEvent::Logprobs`] before each `Delta` that
+    /// carries tokens, with the `n` most likely alternatives of each token (not carried over
+    /// claudelink, whose servers never send them).
+    pub logprobs: Option<u8>,
 }
 
 impl InferenceRequest {
@@ -112,6 +121,7 @@ impl InferenceRequest {
             cache_strategy: CacheStrategy::default(),
             priority: 0,
             client: None,
+            logprobs: None,
         }
     }
 }
@@ -186,6 +196,9 @@ pub enum InferenceEvent {
         /// Text made complete by these tokens (may be empty when a character is split).
         text: String,
     },
+    /// The log-probabilities of the tokens of the next `Delta`, in order (only when the
+    /// request asked for them: [`InferenceRequest::logprobs`]).
+    Logprobs(Vec<TokenLogprob>),
     /// The generation ended.
     Finished {
         /// Why.
@@ -202,6 +215,21 @@ pub enum InferenceEvent {
         /// Human-readable detail.
         message: String,
     },
+}
+
+/// One generated token's log-probability (natural log, under the model's distribution before
+/// penalties and temperature) and the most likely alternatives at its position.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenLogprob {
+    /// The token's id.
+    pub id: u32,
+    /// Its bytes as the tokenizer decodes them (may be part of a UTF-8 character).
+    pub bytes: Vec<u8>,
+    /// Its log-probability.
+    pub logprob: f32,
+    /// The most likely tokens at this position: (id, bytes, log-probability), most likely
+    /// first.
+    pub top: Vec<(u32, Vec<u8>, f32)>,
 }
 
 /// The events of one request. Dropping it cancels the request.

@@ -267,13 +267,17 @@ impl ServerStream {
             InferenceEvent::Delta { .. } => started,
             InferenceEvent::Finished { .. } => started,
             InferenceEvent::Error { .. } => true,
+            // Not carried over claudelink (its requests never ask for them).
+            InferenceEvent::Logprobs(_) => return,
             #[allow(unreachable_patterns)]
             _ => false,
         };
         if !ok {
             return self.internal_error("the service emitted an event out of order");
         }
-        let frame = Frame::from_event(ev, self.request_id);
+        let Some(frame) = Frame::from_event(ev, self.request_id) else {
+            return;
+        };
         match frame {
             Frame::Finished(_) | Frame::Error(_) => self.send_terminal(&frame),
             _ => match frame.to_vec() {

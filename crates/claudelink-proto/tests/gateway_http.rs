@@ -64,7 +64,7 @@ async fn system_prompt_and_sampling_reach_the_service_under_both_versions() {
     for version in [V1, V2] {
         let body = json!({"model": "word-model", "max_tokens": 8, "system": "be terse",
             "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
-            "temperature": 0.7, "top_p": 0.9, "top_k": 20, "metadata": {"user_id": "u1"}, "unknown_field": [1]});
+            "temperature": 0.7, "top_p": 0.9, "top_k": 20, "metadata": {"user_id": "u1"}});
         let r = s.post("/v1/messages", &[version], &body).await;
         assert_eq!(r.status, 200, "{}", r.text());
         let req = s.service.last_request.lock().unwrap().clone().unwrap();
@@ -364,5 +364,163 @@ async fn http2_prior_knowledge_and_connection_reuse() {
     assert!(
         t.contains("zerolayer_reused_connection_requests_total 2"),
         "{t}"
+    );
+}
+
+#[tokio::test]
+async fn chat_n_choices_json_and_stream() {
+    let s = TestServer::start(GatewayConfig::default()).await;
+    let body = json!({"model": "word-model", "n": 3, "seed": 5,
+        "messages": [{"role": "user", "content": "uno dos"}]});
+    let r = s.post("/v1/chat/completions", &[], &body).await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    let v = r.json();
+    let choices = v["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 3);
+    for (i, c) in choices.iter().enumerate() {
+        assert_eq!(c["index"], i);
+        assert_eq!(c["message"]["content"], "uno dos");
+    }
+    assert_eq!(v["usage"]["completion_tokens"], 6);
+    // the last choice's request carried seed + 2
+    let last = s.service.last_request.lock().unwrap().clone().unwrap();
+    assert_eq!(last.sampling.seed, Some(7));
+
+    let mut body = body;
+    body["stream"] = json!(true);
+    body["stream_options"] = json!({"include_usage": true});
+    let r = s.post("/v1/chat/completions", &[], &body).await;
+    assert_eq!(r.status, 200);
+    let events = parse_sse(r.text());
+    assert_eq!(events.last().unwrap().data, "[DONE]");
+    assert_eq!(events.iter().filter(|e| e.data == "[DONE]").count(), 1);
+    let chunks: Vec<Value> = events[..events.len() - 1]
+        .iter()
+        .map(SseEvent::json)
+        .collect();
+    for i in 0..3 {
+        let mine: Vec<&Value> = chunks
+            .iter()
+            .filter_map(|c| c["choices"].as_array()?.first())
+            .filter(|c| c["index"] == i)
+            .collect();
+        let text: String = mine
+            .iter()
+            .filter_map(|c| c["delta"]["content"].as_str())
+            .collect();
+        assert_eq!(text, "uno dos", "choice {i}");
+        assert_eq!(mine.last().unwrap()["finish_reason"], "stop");
+    }
+    let usage = chunks.last().unwrap();
+    assert_eq!(usage["choices"], json!([]));
+    assert_eq!(usage["usage"]["completion_tokens"], 6);
+}
+
+#[tokio::test]
+async fn legacy_completions_json_and_stream() {
+    let s = TestServer::start(GatewayConfig::default()).await;
+    let body = json!({"model": "word-model", "prompt": "alpha beta gamma", "max_tokens": 2});
+    let r = s.post("/v1/completions", &[], &body).await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    let v = r.json();
+    assert_eq!(v["object"], "text_completion");
+    assert!(v["id"].as_str().unwrap().starts_with("cmpl-"));
+    assert_eq!(v["choices"][0]["text"], "alpha beta");
+    assert_eq!(v["choices"][0]["finish_reason"], "length");
+    assert_eq!(v["choices"][0]["logprobs"], Value::Null);
+    let req = s.service.last_request.lock().unwrap().clone().unwrap();
+    assert_eq!(
+        req.prompt,
+        claudelink_proto::Prompt::Text("alpha beta gamma".into())
+    );
+
+    let mut body = body;
+    body["stream"] = json!(true);
+    let r = s.post("/v1/completions", &[], &body).await;
+    assert_eq!(r.status, 200);
+    let events = parse_sse(r.text());
+    assert_eq!(events.last().unwrap().data, "[DONE]");
+    let chunks: Vec<Value> = events[..events.len() - 1]
+        .iter()
+        .map(SseEvent::json)
+        .collect();
+    assert!(chunks.iter().all(|c| c["object"] == "text_completion"));
+    let text: String = chunks
+        .iter()
+        .filter_map(|c| c["choices"][0]["text"].as_str())
+        .collect();
+    assert_eq!(text, "alpha beta");
+    assert_eq!(
+        chunks.last().unwrap()["choices"][0]["finish_reason"],
+        "length"
+    );
+}
+
+#[tokio::test]
+async fn fields_the_server_does_not_honour_get_a_400_naming_them() {
+    let s = TestServer::start(GatewayConfig::default()).await;
+    let msg = json!({"model": "word-model", "max_tokens": 4, "messages": [{"role": "user", "content": "a"}]});
+    let chat = json!({"model": "word-model", "messages": [{"role": "user", "content": "a"}]});
+    for (path, base, key, value, want) in [
+        (
+            "/v1/messages",
+            &msg,
+            "tools",
+            json!([{"name": "t", "input_schema": {}}]),
+            "tools: tool use",
+        ),
+        (
+            "/v1/messages",
+            &msg,
+            "output_config",
+            json!({"format": {"type": "json_schema"}}),
+            "output_config:",
+        ),
+        (
+            "/v1/messages",
+            &msg,
+            "unknown_field",
+            json!([1]),
+            "unknown_field: this field is not supported",
+        ),
+        (
+            "/v1/chat/completions",
+            &chat,
+            "response_format",
+            json!({"type": "json_object"}),
+            "response_format:",
+        ),
+        (
+            "/v1/chat/completions",
+            &chat,
+            "tool_choice",
+            json!("auto"),
+            "tool_choice:",
+        ),
+        (
+            "/v1/chat/completions",
+            &chat,
+            "logit_bias",
+            json!({"5": 1}),
+            "logit_bias:",
+        ),
+    ] {
+        let mut body = base.clone();
+        body[key] = value;
+        let r = s.post(path, &[V1], &body).await;
+        assert_eq!(r.status, 400, "{path} {key}: {}", r.text());
+        let v = r.json();
+        let message = v["error"]["message"].as_str().unwrap();
+        assert!(message.starts_with(want), "{path} {key}: {message}");
+    }
+    // an image block is refused by its type
+    let mut body = msg.clone();
+    body["messages"][0]["content"] = json!([{"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": ""}}]);
+    let r = s.post("/v1/messages", &[V1], &body).await;
+    assert_eq!(r.status, 400);
+    assert!(
+        r.text().contains("messages.0.content.0.type"),
+        "{}",
+        r.text()
     );
 }

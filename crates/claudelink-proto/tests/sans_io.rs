@@ -129,7 +129,7 @@ proptest! {
 
     #[test]
     fn response_frames_round_trip(ev in event(), id in any::<u64>()) {
-        let f = Frame::from_event(&ev, id);
+        let f = Frame::from_event(&ev, id).unwrap();
         roundtrip(&f);
         prop_assert_eq!(f.to_event().unwrap(), ev);
     }
@@ -694,5 +694,34 @@ fn server_stream_rejects_unknown_models_and_ends_with_shutting_down() {
     assert_eq!(
         s.poll_action(),
         Some(ServerStreamAction::Abort(AppErrorCode::Refused))
+    );
+}
+
+#[test]
+fn penalties_claudelink_does_not_carry_are_refused_not_dropped() {
+    let mut r = InferenceRequest::new("m", Prompt::Text("hi".into()), 4);
+    r.sampling.presence_penalty = Some(0.5);
+    let err = Frame::Request(RequestFrame::from_request(&r, 1))
+        .to_vec()
+        .unwrap_err();
+    assert_eq!(
+        err,
+        EncodeError::NotCarried {
+            field: "presence_penalty"
+        }
+    );
+    r.sampling.presence_penalty = None;
+    r.sampling.frequency_penalty = Some(0.5);
+    assert!(matches!(
+        Frame::Request(RequestFrame::from_request(&r, 1)).to_vec(),
+        Err(EncodeError::NotCarried {
+            field: "frequency_penalty"
+        })
+    ));
+    r.sampling.frequency_penalty = None;
+    assert!(
+        Frame::Request(RequestFrame::from_request(&r, 1))
+            .to_vec()
+            .is_ok()
     );
 }

@@ -4,18 +4,22 @@
 //! on a persistent thread pool.
 
 mod bandwidth;
+mod constraint;
 pub mod engine;
 mod generate;
+mod grammar;
 pub mod kernels;
 mod model;
 mod sampling;
 mod threadpool;
 
 pub use bandwidth::{Bandwidth, read_bandwidth};
+pub use constraint::{Constraint, ConstraintError, ConstraintFactory};
 pub use engine::{
     Engine, EngineConfig, EngineEvent, GenerationRequest, RequestHandle, SubmitError,
 };
 pub use generate::{GenerateError, GenerateOptions, Generation};
+pub use grammar::{GrammarError, Grammars};
 pub use model::attention::attend_rows;
 pub use model::hf;
 pub use model::{
@@ -26,5 +30,7 @@ pub use model::{
     ActivationSplit, ForwardError, LogitsWanted, Model, ModelConfig, ModelError, ModelOptions,
     RopeConfig, RopeLayout, RopeScaling, SeqStep,
 };
-pub use sampling::{Sampler, SamplingParams, StopMatcher, StopReason, token_nll};
+pub use sampling::{
+    Sampler, SamplingParams, StopMatcher, StopReason, TokenLogprobs, TokenMask, token_nll,
+};
 pub use threadpool::ThreadPool;

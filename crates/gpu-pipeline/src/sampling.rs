@@ -33,6 +33,13 @@ pub struct SamplingParams {
     pub repetition_penalty: f32,
     /// How many of the most recent tokens (prompt included) the penalty looks at.
     pub repetition_window: usize,
+    /// Frequency penalty (OpenAI style): `count * frequency_penalty` is subtracted from the
+    /// logit of every token generated `count` times so far (generated tokens only, not the
+    /// prompt, as vLLM counts them). `0.0` disables.
+    pub frequency_penalty: f32,
+    /// Presence penalty (OpenAI style): subtracted once from the logit of every token
+    /// generated at least once so far. `0.0` disables.
+    pub presence_penalty: f32,
     /// RNG seed; the same seed gives the same samples.
     pub seed: u64,
 }
@@ -46,6 +53,8 @@ impl Default for SamplingParams {
             min_p: 0.0,
             repetition_penalty: 1.0,
             repetition_window: 64,
+            frequency_penalty: 0.0,
+            presence_penalty: 0.0,
             seed: 0,
         }
     }
@@ -81,6 +90,22 @@ impl SamplingParams {
         self.repetition_penalty = penalty;
         self.repetition_window = window;
         self
+    }
+    /// Sets [`frequency_penalty`](Self::frequency_penalty).
+    pub fn with_frequency_penalty(mut self, p: f32) -> Self {
+        self.frequency_penalty = p;
+        self
+    }
+    /// Sets [`presence_penalty`](Self::presence_penalty).
+    pub fn with_presence_penalty(mut self, p: f32) -> Self {
+        self.presence_penalty = p;
+        self
+    }
+    /// Whether any logit penalty (repetition, frequency, presence) applies.
+    pub fn penalizes(&self) -> bool {
+        (self.repetition_penalty != 1.0 && self.repetition_penalty > 0.0)
+            || self.frequency_penalty != 0.0
+            || self.presence_penalty != 0.0
     }
     /// Sets [`seed`](Self::seed).
     pub fn with_seed(mut self, seed: u64) -> Self {
@@ -161,8 +186,10 @@ pub struct Sampler {
     rng: Pcg32,
     /// (logit or probability, token id) candidates.
     cand: Vec<(f32, u32)>,
-    /// Penalized copy of the logits when a repetition penalty applies.
+    /// Penalized copy of the logits when a penalty applies.
     penalized: Vec<f32>,
+    /// Per-token occurrence counts of the generated tokens (zero between calls).
+    counts: Vec<u32>,
 }
 
 impl Sampler {
@@ -174,6 +201,7 @@ impl Sampler {
             rng,
             cand: Vec::new(),
             penalized: Vec::new(),
+            counts: Vec::new(),
         }
     }
 
@@ -189,30 +217,116 @@ impl Sampler {
     }
 
     /// Picks a token from `logits` (one row, length = vocabulary size). `history` is the
-    /// sequence so far (prompt and generated tokens), used only by the repetition penalty.
+    /// sequence so far (prompt and generated tokens); the penalties count all of it as
+    /// generated (see [`sample_after`](Self::sample_after) to exclude a prompt).
+    pub fn sample(&mut self, logits: &[f32], history: &[u32]) -> u32 {
+        self.sample_after(logits, history, 0)
+    }
+
+    /// Picks a token from `logits` (one row, length = vocabulary size). `history` is the
+    /// sequence so far: its first `prompt_len` tokens are the prompt, the rest were
+    /// generated. The repetition penalty looks at the last `repetition_window` tokens of
+    /// `history`; the frequency and presence penalties at the generated ones.
     ///
-    /// Order: repetition penalty; then greedy (if [`SamplingParams::is_greedy`]) returns the
-    /// argmax; otherwise temperature scaling, top-k, softmax, top-p, min-p, renormalise, draw
-    /// one uniform number. Ties sort by token id, so the result does not depend on sort
+    /// Order (llama.cpp's penalties sampler): repetition penalty, then frequency and presence
+    /// penalties; then greedy (if [`SamplingParams::is_greedy`]) returns the argmax;
+    /// otherwise temperature scaling, top-k, softmax, top-p, min-p, renormalise, draw one
+    /// uniform number. Ties sort by token id, so the result does not depend on sort
     /// stability. NaN logits are never picked (treated as minus infinity). An empty `logits`
     /// returns 0.
-    pub fn sample(&mut self, logits: &[f32], history: &[u32]) -> u32 {
+    ///
+    /// ```
+    /// use gpu_pipeline::{Sampler, SamplingParams};
+    /// let mut s = Sampler::new(SamplingParams::default().with_presence_penalty(1.5));
+    /// // token 0 was generated once (history[1..]): 2.0 - 1.5 < 1.0
+    /// assert_eq!(s.sample_after(&[2.0, 1.0], &[1, 0], 1), 1);
+    /// // the same token in the prompt is not penalized
+    /// assert_eq!(s.sample_after(&[2.0, 1.0], &[0, 1], 1), 0);
+    /// ```
+    pub fn sample_after(&mut self, logits: &[f32], history: &[u32], prompt_len: usize) -> u32 {
         if logits.is_empty() {
             return 0;
         }
-        let p = &self.params;
-        let logits: &[f32] = if p.repetition_penalty != 1.0 && p.repetition_penalty > 0.0 {
+        if self.params.penalizes() {
+            self.penalize(logits, history, prompt_len.min(history.len()));
+            let Self {
+                params,
+                rng,
+                cand,
+                penalized,
+                ..
+            } = self;
+            pick(params, rng, cand, penalized)
+        } else {
+            pick(&self.params, &mut self.rng, &mut self.cand, logits)
+        }
+    }
+
+    /// [`sample_after`](Self::sample_after) restricted to the tokens `mask` allows (a grammar's
+    /// next-token set): the others are set to minus infinity after the penalties, before
+    /// temperature, top-k, top-p and min-p. `None` when no allowed token has a finite logit
+    /// (the row is shorter than the mask, or every allowed logit is NaN or minus infinity).
+    ///
+    /// ```
+    /// use gpu_pipeline::{Sampler, SamplingParams, TokenMask};
+    /// let mut s = Sampler::new(SamplingParams::default());
+    /// let mut mask = TokenMask::forbid_all(3);
+    /// mask.allow(2);
+    /// assert_eq!(s.sample_masked(&[5.0, 4.0, -1.0], &[], 0, &mask), Some(2));
+    /// assert_eq!(s.sample_masked(&[5.0, 4.0, f32::NEG_INFINITY], &[], 0, &mask), None);
+    /// ```
+    pub fn sample_masked(
+        &mut self,
+        logits: &[f32],
+        history: &[u32],
+        prompt_len: usize,
+        mask: &TokenMask,
+    ) -> Option<u32> {
+        if self.params.penalizes() {
+            self.penalize(logits, history, prompt_len.min(history.len()));
+        } else {
             self.penalized.clear();
             self.penalized.extend_from_slice(logits);
+        }
+        let mut any = false;
+        for (i, l) in self.penalized.iter_mut().enumerate() {
+            if !mask.is_allowed(i as u32) {
+                *l = f32::NEG_INFINITY;
+            } else if !l.is_nan() && *l != f32::NEG_INFINITY {
+                any = true;
+            }
+        }
+        if !any {
+            return None;
+        }
+        let Self {
+            params,
+            rng,
+            cand,
+            penalized,
+            ..
+        } = self;
+        Some(pick(params, rng, cand, penalized))
+    }
+}
+
+impl Sampler {
+    /// Fills `self.penalized` with `logits` after the repetition, frequency and presence
+    /// penalties. No allocation once the scratch has the vocabulary's size.
+    fn penalize(&mut self, logits: &[f32], history: &[u32], prompt_len: usize) {
+        let p = &self.params;
+        self.penalized.clear();
+        self.penalized.extend_from_slice(logits);
+        let vocab = logits.len();
+        if p.repetition_penalty != 1.0 && p.repetition_penalty > 0.0 {
             let start = history.len().saturating_sub(p.repetition_window);
             for &t in &history[start..] {
-                // Each distinct token is penalized once: mark done ones by the seen check below.
                 let Some(l) = self.penalized.get(t as usize).copied() else {
                     continue;
                 };
-                let orig = logits[t as usize];
-                if l != orig {
-                    continue; // already penalized
+                // Each distinct token is penalized once: a changed value means done.
+                if l != logits[t as usize] {
+                    continue;
                 }
                 self.penalized[t as usize] = if l > 0.0 {
                     l / p.repetition_penalty
@@ -220,64 +334,232 @@ impl Sampler {
                     l * p.repetition_penalty
                 };
             }
-            &self.penalized
-        } else {
-            logits
-        };
-        if p.is_greedy() {
-            return argmax(logits);
         }
-        let inv_t = 1.0 / p.temperature;
-        self.cand.clear();
-        self.cand.extend(
-            logits
+        if p.frequency_penalty == 0.0 && p.presence_penalty == 0.0 {
+            return;
+        }
+        if self.counts.len() < vocab {
+            self.counts.resize(vocab, 0);
+        }
+        let generated = &history[prompt_len..];
+        for &t in generated.iter().filter(|&&t| (t as usize) < vocab) {
+            self.counts[t as usize] += 1;
+        }
+        for &t in generated.iter().filter(|&&t| (t as usize) < vocab) {
+            let n = std::mem::take(&mut self.counts[t as usize]);
+            if n > 0 {
+                self.penalized[t as usize] -= n as f32 * p.frequency_penalty + p.presence_penalty;
+            }
+        }
+    }
+}
+
+/// The log-probabilities of one sampled token under the model's distribution (the
+/// log-softmax of the raw logits, before penalties and temperature), and the most likely
+/// alternatives.
+#[non_exhaustive]
+#[derive(Clone, Debug, PartialEq)]
+pub struct TokenLogprobs {
+    /// The sampled token.
+    pub token: u32,
+    /// Its log-probability.
+    pub logprob: f32,
+    /// The `n` most likely tokens and their log-probabilities, most likely first (ties by
+    /// token id).
+    pub top: Vec<(u32, f32)>,
+}
+
+impl TokenLogprobs {
+    /// The log-probability of `token` and the `top_n` most likely tokens of one row of
+    /// logits. NaN logits count as minus infinity.
+    ///
+    /// ```
+    /// let lp = gpu_pipeline::TokenLogprobs::of(&[0.0, 0.0, f32::NEG_INFINITY], 1, 2);
+    /// assert!((lp.logprob + std::f32::consts::LN_2).abs() < 1e-6);
+    /// assert_eq!(lp.top.iter().map(|t| t.0).collect::<Vec<_>>(), [0, 1]);
+    /// ```
+    ///
+    /// # Panics
+    /// When `token` is not below `logits.len()`.
+    pub fn of(logits: &[f32], token: u32, top_n: usize) -> Self {
+        let lse = log_sum_exp(logits);
+        let lp = |l: f32| {
+            if l.is_nan() {
+                f32::NEG_INFINITY
+            } else {
+                (f64::from(l) - lse) as f32
+            }
+        };
+        let mut top: Vec<(u32, f32)> = Vec::with_capacity(top_n);
+        if top_n > 0 {
+            let mut all: Vec<(f32, u32)> = logits
                 .iter()
                 .enumerate()
-                .filter(|(_, l)| !l.is_nan() && **l != f32::NEG_INFINITY)
-                .map(|(i, &l)| (l * inv_t, i as u32)),
-        );
-        if self.cand.is_empty() {
-            return argmax(logits);
+                .map(|(i, &l)| (if l.is_nan() { f32::NEG_INFINITY } else { l }, i as u32))
+                .collect();
+            let by_desc = |a: &(f32, u32), b: &(f32, u32)| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1));
+            let n = top_n.min(all.len());
+            if n < all.len() {
+                all.select_nth_unstable_by(n - 1, by_desc);
+                all.truncate(n);
+            }
+            all.sort_unstable_by(by_desc);
+            top.extend(all.into_iter().map(|(l, i)| (i, lp(l))));
         }
-        let by_desc = |a: &(f32, u32), b: &(f32, u32)| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1));
-        if p.top_k > 0 && p.top_k < self.cand.len() {
-            self.cand.select_nth_unstable_by(p.top_k - 1, by_desc);
-            self.cand.truncate(p.top_k);
+        Self {
+            token,
+            logprob: lp(logits[token as usize]),
+            top,
         }
-        self.cand.sort_unstable_by(by_desc);
-        // softmax in f64 for the running sums
-        let max = self.cand[0].0;
-        let mut sum = 0.0f64;
-        for c in &mut self.cand {
-            let e = f64::from(c.0 - max).exp();
-            c.0 = e as f32;
-            sum += e;
-        }
-        let mut keep = self.cand.len();
-        if p.top_p < 1.0 {
-            let mut acc = 0.0f64;
-            for (i, c) in self.cand.iter().enumerate() {
-                acc += f64::from(c.0) / sum;
-                if acc >= f64::from(p.top_p) {
-                    keep = i + 1;
-                    break;
-                }
+    }
+}
+
+/// `ln(sum(exp(l)))` of a row, in f64 from its maximum (NaN entries skipped).
+fn log_sum_exp(logits: &[f32]) -> f64 {
+    let max = logits
+        .iter()
+        .copied()
+        .filter(|l| !l.is_nan())
+        .fold(f32::NEG_INFINITY, f32::max);
+    if max == f32::NEG_INFINITY {
+        return f64::NEG_INFINITY;
+    }
+    logits
+        .iter()
+        .filter(|l| !l.is_nan())
+        .map(|&l| f64::from(l - max).exp())
+        .sum::<f64>()
+        .ln()
+        + f64::from(max)
+}
+
+/// Picks a token from a (penalized) row: greedy argmax, or temperature, top-k, softmax, top-p,
+/// min-p and one uniform draw (see [`Sampler::sample_after`]).
+fn pick(p: &SamplingParams, rng: &mut Pcg32, cand: &mut Vec<(f32, u32)>, logits: &[f32]) -> u32 {
+    if p.is_greedy() {
+        return argmax(logits);
+    }
+    let inv_t = 1.0 / p.temperature;
+    cand.clear();
+    cand.extend(
+        logits
+            .iter()
+            .enumerate()
+            .filter(|(_, l)| !l.is_nan() && **l != f32::NEG_INFINITY)
+            .map(|(i, &l)| (l * inv_t, i as u32)),
+    );
+    if cand.is_empty() {
+        return argmax(logits);
+    }
+    let by_desc = |a: &(f32, u32), b: &(f32, u32)| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1));
+    if p.top_k > 0 && p.top_k < cand.len() {
+        cand.select_nth_unstable_by(p.top_k - 1, by_desc);
+        cand.truncate(p.top_k);
+    }
+    cand.sort_unstable_by(by_desc);
+    // softmax in f64 for the running sums
+    let max = cand[0].0;
+    let mut sum = 0.0f64;
+    for c in cand.iter_mut() {
+        let e = f64::from(c.0 - max).exp();
+        c.0 = e as f32;
+        sum += e;
+    }
+    let mut keep = cand.len();
+    if p.top_p < 1.0 {
+        let mut acc = 0.0f64;
+        for (i, c) in cand.iter().enumerate() {
+            acc += f64::from(c.0) / sum;
+            if acc >= f64::from(p.top_p) {
+                keep = i + 1;
+                break;
             }
         }
-        if p.min_p > 0.0 {
-            let floor = self.cand[0].0 * p.min_p;
-            keep = keep.min(self.cand.iter().take_while(|c| c.0 >= floor).count().max(1));
+    }
+    if p.min_p > 0.0 {
+        let floor = cand[0].0 * p.min_p;
+        keep = keep.min(cand.iter().take_while(|c| c.0 >= floor).count().max(1));
+    }
+    cand.truncate(keep.max(1));
+    let total: f64 = cand.iter().map(|c| f64::from(c.0)).sum();
+    let mut r = rng.next_f64() * total;
+    for c in cand.iter() {
+        r -= f64::from(c.0);
+        if r < 0.0 {
+            return c.1;
         }
-        self.cand.truncate(keep.max(1));
-        let total: f64 = self.cand.iter().map(|c| f64::from(c.0)).sum();
-        let mut r = self.rng.next_f64() * total;
-        for c in &self.cand {
-            r -= f64::from(c.0);
-            if r < 0.0 {
-                return c.1;
-            }
+    }
+    cand[cand.len() - 1].1
+}
+
+/// The tokens allowed at one step of a constrained generation: a bitset over the
+/// vocabulary, in 32-bit words (the layout of llguidance's `SimpleVob`, so a grammar's mask
+/// is one copy).
+///
+/// ```
+/// use gpu_pipeline::TokenMask;
+/// let mut m = TokenMask::forbid_all(40);
+/// m.allow(33);
+/// assert!(m.is_allowed(33) && !m.is_allowed(32) && !m.is_allowed(99));
+/// assert_eq!(m.count_allowed(), 1);
+/// ```
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TokenMask {
+    words: Vec<u32>,
+    vocab: usize,
+}
+
+impl TokenMask {
+    /// A mask over `vocab` tokens that allows none.
+    pub fn forbid_all(vocab: usize) -> Self {
+        Self {
+            words: vec![0; vocab.div_ceil(32)],
+            vocab,
         }
-        self.cand[self.cand.len() - 1].1
+    }
+
+    /// A mask over `vocab` tokens that allows all.
+    pub fn allow_all(vocab: usize) -> Self {
+        let mut m = Self::forbid_all(vocab);
+        for id in 0..vocab as u32 {
+            m.allow(id);
+        }
+        m
+    }
+
+    /// Allows `id` (ignored beyond the vocabulary).
+    pub fn allow(&mut self, id: u32) {
+        if (id as usize) < self.vocab {
+            self.words[id as usize / 32] |= 1 << (id % 32);
+        }
+    }
+
+    /// Forbids `id`.
+    pub fn forbid(&mut self, id: u32) {
+        if (id as usize) < self.vocab {
+            self.words[id as usize / 32] &= !(1 << (id % 32));
+        }
+    }
+
+    /// Whether `id` is allowed (never beyond the vocabulary).
+    pub fn is_allowed(&self, id: u32) -> bool {
+        (id as usize) < self.vocab && self.words[id as usize / 32] & (1 << (id % 32)) != 0
+    }
+
+    /// How many tokens are allowed.
+    pub fn count_allowed(&self) -> usize {
+        self.words.iter().map(|w| w.count_ones() as usize).sum()
+    }
+
+    /// The vocabulary size.
+    pub fn vocab(&self) -> usize {
+        self.vocab
+    }
+
+    /// The bit words, token `i` at bit `i % 32` of word `i / 32`; bits beyond the
+    /// vocabulary must stay zero.
+    pub fn words_mut(&mut self) -> &mut [u32] {
+        &mut self.words
     }
 }
 
@@ -401,14 +683,7 @@ impl StopMatcher {
 /// # Panics
 /// When `token` is not below `logits.len()`.
 pub fn token_nll(logits: &[f32], token: u32) -> f64 {
-    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let lse = logits
-        .iter()
-        .map(|&l| f64::from(l - max).exp())
-        .sum::<f64>()
-        .ln()
-        + f64::from(max);
-    lse - f64::from(logits[token as usize])
+    log_sum_exp(logits) - f64::from(logits[token as usize])
 }
 
 #[cfg(test)]
@@ -433,6 +708,41 @@ mod tests {
         // outside the window: no penalty
         let mut s = Sampler::new(SamplingParams::greedy().with_repetition_penalty(2.0, 1));
         assert_eq!(s.sample(&[3.0, 2.0], &[0, 1]), 0);
+    }
+
+    #[test]
+    fn frequency_and_presence_penalties_count_generated_tokens_only() {
+        // token 0 generated twice, token 1 once, token 2 only in the prompt
+        let history = [2, 2, 0, 1, 0];
+        let mut s = Sampler::new(
+            SamplingParams::greedy()
+                .with_frequency_penalty(1.0)
+                .with_presence_penalty(0.5),
+        );
+        s.penalize(&[4.0, 3.0, 2.9, 0.0], &history, 2);
+        assert_eq!(s.penalized, [4.0 - 2.0 - 0.5, 3.0 - 1.0 - 0.5, 2.9, 0.0]);
+        assert_eq!(s.sample_after(&[4.0, 3.0, 2.9, 0.0], &history, 2), 2);
+        // the scratch counts are zero again: a second call gives the same row
+        s.penalize(&[4.0, 3.0, 2.9, 0.0], &history, 2);
+        assert_eq!(s.penalized, [1.5, 1.5, 2.9, 0.0]);
+        // negative penalties favour repeats
+        let mut s = Sampler::new(SamplingParams::greedy().with_presence_penalty(-2.0));
+        assert_eq!(s.sample_after(&[1.0, 2.0], &[0], 0), 0);
+        // out-of-vocabulary ids in the history are skipped, not a panic
+        assert_eq!(s.sample_after(&[1.0, 2.0], &[0, 99], 0), 0);
+    }
+
+    #[test]
+    fn logprobs_are_the_log_softmax_of_the_raw_row() {
+        let logits = [1.0f32, 3.0, 2.0, f32::NAN];
+        let lp = TokenLogprobs::of(&logits, 2, 3);
+        let z: f64 = [1.0f64, 3.0, 2.0].iter().map(|l| l.exp()).sum();
+        assert!((f64::from(lp.logprob) - (2.0 - z.ln())).abs() < 1e-6);
+        assert_eq!(lp.top.iter().map(|t| t.0).collect::<Vec<_>>(), [1, 2, 0]);
+        assert!((f64::from(lp.top[0].1) - (3.0 - z.ln())).abs() < 1e-6);
+        assert_eq!(TokenLogprobs::of(&logits, 3, 0).logprob, f32::NEG_INFINITY);
+        assert_eq!(TokenLogprobs::of(&logits, 0, 10).top.len(), 4);
+        assert!((token_nll(&logits[..3], 2) + f64::from(lp.logprob)).abs() < 1e-6);
     }
 
     #[test]

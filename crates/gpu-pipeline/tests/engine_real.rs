@@ -67,7 +67,7 @@ fn collect(h: &gpu_pipeline::RequestHandle) -> Outcome {
                 started = true;
                 out.cached = cached_tokens;
             }
-            EngineEvent::Token { id, text } => {
+            EngineEvent::Token { id, text, .. } => {
                 assert!(started, "token before Started");
                 out.ids.push(id);
                 out.text += &text;
@@ -355,4 +355,164 @@ fn default_stop_tokens_are_eos_eot_and_the_tokenizers_end_of_generation_ids() {
     // Without a tokenizer, only the file's EOS/EOT.
     let bare = Engine::new(f.model.clone(), None, EngineConfig::default()).unwrap();
     assert_eq!(bare.stop_tokens(), f.model.stop_tokens());
+}
+
+/// Forces a fixed token sequence, then the end of the turn: the simplest grammar.
+#[derive(Debug)]
+struct Literal {
+    ids: Vec<u32>,
+    eos: u32,
+    pos: usize,
+}
+
+impl gpu_pipeline::Constraint for Literal {
+    fn fill_mask(
+        &mut self,
+        mask: &mut gpu_pipeline::TokenMask,
+    ) -> Result<(), gpu_pipeline::ConstraintError> {
+        mask.words_mut().fill(0);
+        mask.allow(self.ids.get(self.pos).copied().unwrap_or(self.eos));
+        Ok(())
+    }
+    fn commit(&mut self, token: u32) -> Result<(), gpu_pipeline::ConstraintError> {
+        let want = self.ids.get(self.pos).copied().unwrap_or(self.eos);
+        if token != want {
+            return Err(gpu_pipeline::ConstraintError::Failed(format!(
+                "token {token} is not {want}"
+            )));
+        }
+        self.pos += 1;
+        Ok(())
+    }
+}
+
+#[derive(Debug)]
+struct LiteralFactory(Vec<u32>, u32);
+
+impl gpu_pipeline::ConstraintFactory for LiteralFactory {
+    fn start(&self) -> Box<dyn gpu_pipeline::Constraint> {
+        Box::new(Literal {
+            ids: self.0.clone(),
+            eos: self.1,
+            pos: 0,
+        })
+    }
+}
+
+#[test]
+fn constrained_sequences_follow_their_constraint_and_leave_batch_neighbours_alone() {
+    let f = fixture();
+    let e = engine(EngineConfig::default());
+    let eos = e.stop_tokens()[0];
+    let forced = f.tok.encode(" {\"answer\": 42}").to_vec();
+    let factory: Arc<dyn gpu_pipeline::ConstraintFactory> =
+        Arc::new(LiteralFactory(forced.clone(), eos));
+    let solo: Vec<Vec<u32>> = QUESTIONS
+        .iter()
+        .map(|q| {
+            let h = e
+                .submit(GenerationRequest::new(chat("Be brief.", q), 8))
+                .unwrap();
+            collect(&h).ids
+        })
+        .collect();
+    // Every other request constrained, all in one batch; sampled (temperature 1) constrained
+    // ones still follow the constraint.
+    let handles: Vec<_> = QUESTIONS
+        .iter()
+        .enumerate()
+        .map(|(i, q)| {
+            let mut r = GenerationRequest::new(chat("Be brief.", q), 8);
+            if i % 2 == 0 {
+                r = r
+                    .with_constraint(Some(factory.clone()))
+                    .with_sampling(gpu_pipeline::SamplingParams::default().with_temperature(1.0));
+            }
+            e.submit(r).unwrap()
+        })
+        .collect();
+    for (i, h) in handles.iter().enumerate() {
+        let out = collect(h);
+        if i % 2 == 0 {
+            assert_eq!(out.ids, forced, "request {i}");
+            assert_eq!(out.stop, StopReason::EndTurn);
+        } else {
+            assert_eq!(out.ids, solo[i], "unconstrained request {i}");
+        }
+    }
+    // A constraint that allows only a token the model never produces (a logit of -inf is
+    // impossible here, so use an id beyond the vocabulary): the request fails, typed.
+    let vocab = f.model.config().vocab_size as u32;
+    let impossible: Arc<dyn gpu_pipeline::ConstraintFactory> =
+        Arc::new(LiteralFactory(vec![vocab + 5], eos));
+    let h = e
+        .submit(
+            GenerationRequest::new(chat("Be brief.", "Hi"), 4).with_constraint(Some(impossible)),
+        )
+        .unwrap();
+    let mut failed = None;
+    while let Some(ev) = h.recv_timeout(Duration::from_secs(600)) {
+        if let EngineEvent::Error { error } = ev {
+            failed = Some(error.to_string());
+            break;
+        }
+    }
+    assert_eq!(
+        failed.as_deref(),
+        Some("the output constraint allows no token here")
+    );
+}
+
+#[test]
+fn llguidance_json_schema_and_regex_constraints_hold_on_the_real_model() {
+    let f = fixture();
+    let e = engine(EngineConfig::default());
+    let eos = e.stop_tokens()[0];
+    let grammars = gpu_pipeline::Grammars::new(&f.tok, f.model.config().vocab_size, eos).unwrap();
+    let schema = serde_json::json!({
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}},
+        "required": ["name", "age"], "additionalProperties": false,
+    });
+    let json = grammars.json_schema(schema).unwrap();
+    let digits = grammars.regex("[0-9]{3}").unwrap();
+    assert!(matches!(
+        grammars.json_schema(serde_json::json!({"type": "no-such-type"})),
+        Err(gpu_pipeline::GrammarError::Invalid(_))
+    ));
+    let handles: Vec<_> = QUESTIONS
+        .iter()
+        .enumerate()
+        .map(|(i, q)| {
+            let sampling = gpu_pipeline::SamplingParams::default()
+                .with_temperature(if i % 2 == 0 { 0.0 } else { 1.0 })
+                .with_seed(i as u64);
+            let c = if i < 6 { json.clone() } else { digits.clone() };
+            e.submit(
+                GenerationRequest::new(chat("Answer in JSON.", q), 64)
+                    .with_sampling(sampling)
+                    .with_constraint(Some(c)),
+            )
+            .unwrap()
+        })
+        .collect();
+    for (i, h) in handles.iter().enumerate() {
+        let out = collect(h);
+        assert_eq!(out.stop, StopReason::EndTurn, "request {i}: {:?}", out.text);
+        if i < 6 {
+            let v: serde_json::Value = serde_json::from_str(&out.text)
+                .unwrap_or_else(|e| panic!("request {i}: {e}: {:?}", out.text));
+            let o = v.as_object().unwrap();
+            assert_eq!(o.len(), 2, "{v}");
+            assert!(o["name"].as_str().unwrap().chars().count() <= 12, "{v}");
+            assert!(o["age"].is_i64() || o["age"].is_u64(), "{v}");
+        } else {
+            assert_eq!(out.text.len(), 3, "{:?}", out.text);
+            assert!(
+                out.text.bytes().all(|b| b.is_ascii_digit()),
+                "{:?}",
+                out.text
+            );
+        }
+    }
 }

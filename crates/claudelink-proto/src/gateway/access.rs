@@ -75,7 +75,8 @@ impl AccessRecord {
         outcome: Outcome,
     ) {
         self.tokens_in.store(tokens_in, Ordering::Relaxed);
-        self.tokens_out.store(tokens_out, Ordering::Relaxed);
+        // `n` > 1 choices share one record: their output tokens add up.
+        self.tokens_out.fetch_add(tokens_out, Ordering::Relaxed);
         if let Some(t) = ttft {
             let _ = self.ttft.set(t);
         }

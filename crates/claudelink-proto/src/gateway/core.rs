@@ -16,15 +16,19 @@ use serde_json::{Value, json};
 use tokio::sync::watch;
 
 use super::access::AccessRecord;
+use super::choices;
 use super::config::{GatewayConfig, LAYER_VERSION};
 use super::error::{ApiError, ApiErrorKind};
 use super::ids::new_id;
 use super::metrics::{Endpoint, GatewayMetrics, Outcome, Protocol};
 use super::sse::{Flavor, StreamFormat};
-use super::validate::{GenRequest, Limits, parse_chat, parse_messages, percent_decode};
+use super::validate::{
+    GenRequest, Limits, parse_chat, parse_completions, parse_messages, percent_decode,
+};
 use crate::auth::ApiKeys;
 use crate::service::{
-    ErrorCode, EventStream, InferenceEvent, InferenceRequest, InferenceService, StopReason, Usage,
+    ErrorCode, EventStream, InferenceEvent, InferenceRequest, InferenceService, StopReason,
+    TokenLogprob, Usage,
 };
 
 /// Bodies up to this size are parsed on the runtime's thread; larger ones on the blocking pool.
@@ -103,7 +107,7 @@ pub(crate) struct Reply {
 }
 
 impl Reply {
-    fn json(status: StatusCode, v: &Value) -> Self {
+    pub(super) fn json(status: StatusCode, v: &Value) -> Self {
         let mut headers = HeaderMap::new();
         headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
         Self {
@@ -280,10 +284,10 @@ impl Gateway {
             protocol,
             received,
         ));
-        let flavor = if endpoint == Endpoint::ChatCompletions {
-            Flavor::OpenAi
-        } else {
-            Flavor::Anthropic
+        let flavor = match endpoint {
+            Endpoint::ChatCompletions => Flavor::OpenAi,
+            Endpoint::Completions => Flavor::Completions,
+            _ => Flavor::Anthropic,
         };
         match self.admit_headers(method, &path, headers, endpoint, flavor) {
             Ok(Some(reply)) => Admission::Reply(self.finish(reply, &access)),
@@ -467,6 +471,7 @@ impl Gateway {
                 .map_err(|e| ApiError::invalid(format!("request body: invalid JSON: {e}")))?;
             match endpoint {
                 Endpoint::ChatCompletions => parse_chat(&value, limits),
+                Endpoint::Completions => parse_completions(&value, limits),
                 Endpoint::CountTokens => parse_messages(&value, limits, true),
                 _ => parse_messages(&value, limits, false),
             }
@@ -487,7 +492,9 @@ impl Gateway {
                     .await??;
                 Ok(Reply::json(StatusCode::OK, &json!({"input_tokens": n})))
             }
-            Endpoint::Messages | Endpoint::ChatCompletions => self.generate(parsed, req).await,
+            Endpoint::Messages | Endpoint::ChatCompletions | Endpoint::Completions => {
+                self.generate(parsed, req).await
+            }
             _ => Err(ApiError::new(
                 ApiErrorKind::NotFound,
                 format!("{}: no such endpoint", req.path),
@@ -516,7 +523,7 @@ impl Gateway {
     /// Refuses prompts above `max_prompt_bytes` before they are tokenized.
     fn check_prompt_size(&self, parsed: &GenRequest) -> Result<(), ApiError> {
         let limit = self.inner.config.max_prompt_bytes;
-        let bytes: usize = parsed.messages.iter().map(|m| m.content.len()).sum();
+        let bytes = parsed.prompt_bytes();
         if bytes > limit {
             return Err(ApiError::new(
                 ApiErrorKind::RequestTooLarge,
@@ -632,63 +639,55 @@ impl Gateway {
             .with_retry_after(cfg.retry_after_ms));
         }
         let deadline = tokio::time::Instant::from_std(received + cfg.request_timeout);
-        let slot = Slot::acquire(self, caller)?;
-        let prompt = parsed.prompt();
-        let mut request = InferenceRequest::new(parsed.model.clone(), prompt, parsed.max_tokens);
-        request.sampling = parsed.sampling.clone();
-        request.stop_sequences = parsed.stop_sequences.clone();
-        request.client = caller.key.map(|i| self.inner.keys.label(i).to_owned());
         let submitted = Instant::now();
-        let events = self.inner.service.submit(request)?;
-        let mut g = Generation {
-            events,
-            buffered: None,
-            deadline,
-            received,
-            input_tokens: 0,
-            first_token: None,
-            streamed_tokens: 0,
-            done: false,
-            access: req.access.clone(),
-            metrics: self.inner.metrics.clone(),
-            abort: self.inner.abort_tx.subscribe(),
-            _slot: slot,
-        };
-        // Wait for the service to accept the prompt so early failures get a proper status.
-        match g.recv().await {
-            Some(InferenceEvent::Started { input_tokens }) => g.input_tokens = input_tokens,
-            Some(InferenceEvent::Error { code, message }) => {
-                g.done = true;
-                g.record(Outcome::Error, 0);
-                return Err(ApiError::from_code(code, message));
-            }
-            Some(other) => g.buffered = Some(other),
-            None if g.timed_out() => return Err(g.fail_timeout()),
-            None => return Err(g.fail_ended()),
+        // Every choice is a request of its own (the seed of choice i is seed + i).
+        let mut gens = Vec::with_capacity(parsed.n as usize);
+        for i in 0..parsed.n {
+            let mut request =
+                InferenceRequest::new(parsed.model.clone(), parsed.prompt(), parsed.max_tokens);
+            request.sampling = parsed.sampling.clone();
+            request.sampling.seed = parsed.sampling.seed.map(|s| s.wrapping_add(u64::from(i)));
+            request.stop_sequences = parsed.stop_sequences.clone();
+            request.client = caller.key.map(|i| self.inner.keys.label(i).to_owned());
+            request.logprobs = parsed.logprobs;
+            let slot = Slot::acquire(self, caller)?;
+            let events = self.inner.service.submit(request)?;
+            gens.push(Generation {
+                events,
+                buffered: None,
+                deadline,
+                received,
+                input_tokens: 0,
+                first_token: None,
+                streamed_tokens: 0,
+                logprobs: Vec::new(),
+                done: false,
+                access: req.access.clone(),
+                metrics: self.inner.metrics.clone(),
+                abort: self.inner.abort_tx.subscribe(),
+                _slot: slot,
+            });
+        }
+        for g in &mut gens {
+            g.wait_started(cfg.max_prompt_tokens).await?;
         }
         let queue = submitted.elapsed();
         self.inner.metrics.observe_queue(queue);
-        if let Some(limit) = cfg.max_prompt_tokens.filter(|&l| g.input_tokens > l) {
-            g.done = true;
-            g.record(Outcome::Error, 0);
-            return Err(ApiError::invalid(format!(
-                "prompt is too long: {} tokens > {limit} maximum",
-                g.input_tokens
-            )));
-        }
         let now_secs = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map_or(0, |d| d.as_secs());
         let fmt = StreamFormat {
             flavor,
-            id: new_id(if flavor == Flavor::Anthropic {
-                "msg_"
-            } else {
-                "chatcmpl-"
+            id: new_id(match flavor {
+                Flavor::Anthropic => "msg_",
+                Flavor::OpenAi => "chatcmpl-",
+                Flavor::Completions => "cmpl-",
             }),
             model: parsed.model.clone(),
             created: now_secs,
             include_usage: parsed.include_usage,
+            text_offset: 0,
+            index: 0,
         };
         let debug_header = |ttft: Option<Duration>| {
             let v = json!({
@@ -698,6 +697,16 @@ impl Gateway {
                 "queue_ms": queue.as_secs_f64() * 1e3,
             });
             HeaderValue::from_str(&v.to_string()).ok()
+        };
+        if gens.len() > 1 {
+            return Ok(if parsed.stream {
+                choices::stream(gens, fmt, request_id)
+            } else {
+                choices::collect(gens, fmt, request_id).await
+            });
+        }
+        let Some(mut g) = gens.pop() else {
+            return Err(ApiError::invalid("n: at least one choice is required"));
         };
         if !parsed.stream {
             return Ok(collect(g, fmt, request_id, debug.then_some(&debug_header)).await);
@@ -717,17 +726,10 @@ impl Gateway {
                 headers.insert(X_CLAUDE_LAYER_DEBUG, v);
             }
         }
-        let state = SseState {
-            pending: fmt.start(g.input_tokens).into(),
-            run: g,
-            fmt,
-            request_id: request_id.to_owned(),
-            finished: false,
-        };
         Ok(Reply {
             status: StatusCode::OK,
             headers,
-            body: ReplyBody::Stream(Box::pin(futures::stream::unfold(state, SseState::step))),
+            body: ReplyBody::Stream(Box::pin(sse_body(g, fmt, request_id))),
         })
     }
 }
@@ -766,6 +768,7 @@ fn route_endpoint(path: &str) -> Endpoint {
         "/v1/messages" => Endpoint::Messages,
         "/v1/messages/count_tokens" => Endpoint::CountTokens,
         "/v1/chat/completions" => Endpoint::ChatCompletions,
+        "/v1/completions" => Endpoint::Completions,
         "/v1/models" => Endpoint::Models,
         p if p.starts_with("/v1/models/") && p.len() > "/v1/models/".len() => Endpoint::Models,
         "/health" => Endpoint::Health,
@@ -793,7 +796,7 @@ fn check_version(headers: &HeaderMap) -> Result<(), ApiError> {
 pub(crate) fn error_reply(e: &ApiError, flavor: Flavor, request_id: &str) -> Reply {
     let body = match flavor {
         Flavor::Anthropic => e.anthropic_body(request_id),
-        Flavor::OpenAi => e.openai_body(request_id),
+        Flavor::OpenAi | Flavor::Completions => e.openai_body(request_id),
     };
     let mut r = Reply::json(e.kind.status(), &body);
     if let Some(ms) = e.retry_after_ms {
@@ -852,15 +855,17 @@ impl Drop for Slot {
 
 /// One running generation. Dropping it drops the service's [`EventStream`], which cancels the
 /// request; an unfinished generation is counted as cancelled.
-struct Generation {
+pub(super) struct Generation {
     events: EventStream,
     buffered: Option<InferenceEvent>,
     deadline: tokio::time::Instant,
     received: Instant,
-    input_tokens: u32,
+    pub(super) input_tokens: u32,
     first_token: Option<Instant>,
     /// Output tokens received so far (the count of a cancelled generation).
     streamed_tokens: u32,
+    /// Log-probabilities of tokens whose text has not been stepped out yet.
+    logprobs: Vec<TokenLogprob>,
     done: bool,
     access: Arc<AccessRecord>,
     metrics: Arc<GatewayMetrics>,
@@ -870,8 +875,9 @@ struct Generation {
 }
 
 /// A step of a generation, as the bodies need it.
-enum Step {
-    Text(String),
+pub(super) enum Step {
+    /// Text, and the log-probabilities of the tokens that completed it (when asked for).
+    Text(String, Vec<TokenLogprob>),
     Finished {
         stop: StopReason,
         stop_sequence: Option<String>,
@@ -909,6 +915,30 @@ impl Generation {
         ev
     }
 
+    /// Waits for the service to accept the prompt, so early failures get a proper status.
+    async fn wait_started(&mut self, max_prompt_tokens: Option<u32>) -> Result<(), ApiError> {
+        match self.recv().await {
+            Some(InferenceEvent::Started { input_tokens }) => self.input_tokens = input_tokens,
+            Some(InferenceEvent::Error { code, message }) => {
+                self.done = true;
+                self.record(Outcome::Error, 0);
+                return Err(ApiError::from_code(code, message));
+            }
+            Some(other) => self.buffered = Some(other),
+            None if self.timed_out() => return Err(self.fail_timeout()),
+            None => return Err(self.fail_ended()),
+        }
+        if let Some(limit) = max_prompt_tokens.filter(|&l| self.input_tokens > l) {
+            self.done = true;
+            self.record(Outcome::Error, 0);
+            return Err(ApiError::invalid(format!(
+                "prompt is too long: {} tokens > {limit} maximum",
+                self.input_tokens
+            )));
+        }
+        Ok(())
+    }
+
     fn timed_out(&self) -> bool {
         tokio::time::Instant::now() >= self.deadline
     }
@@ -943,14 +973,17 @@ impl Generation {
     }
 
     /// The next step; `None` after the last one.
-    async fn step(&mut self) -> Option<Step> {
+    pub(super) async fn step(&mut self) -> Option<Step> {
         if self.done {
             return None;
         }
         loop {
             match self.recv().await {
                 Some(InferenceEvent::Delta { text, .. }) if text.is_empty() => {}
-                Some(InferenceEvent::Delta { text, .. }) => return Some(Step::Text(text)),
+                Some(InferenceEvent::Delta { text, .. }) => {
+                    return Some(Step::Text(text, std::mem::take(&mut self.logprobs)));
+                }
+                Some(InferenceEvent::Logprobs(lp)) => self.logprobs.extend(lp),
                 Some(InferenceEvent::Started { .. }) => {}
                 Some(InferenceEvent::Finished {
                     stop_reason,
@@ -970,6 +1003,8 @@ impl Generation {
                     self.record(Outcome::Error, 0);
                     return Some(Step::Failed(ApiError::from_code(code, message)));
                 }
+                #[allow(unreachable_patterns)]
+                Some(_) => {}
                 None if self.timed_out() => return Some(Step::Failed(self.fail_timeout())),
                 None => return Some(Step::Failed(self.fail_ended())),
             }
@@ -985,33 +1020,62 @@ impl Drop for Generation {
     }
 }
 
-/// Runs a generation to its end and answers with one JSON body.
-async fn collect(
-    mut g: Generation,
-    fmt: StreamFormat,
-    request_id: &str,
-    debug: Option<&(dyn Fn(Option<Duration>) -> Option<HeaderValue> + Sync)>,
-) -> Reply {
+/// A generation run to its end: the complete response body of one choice.
+pub(super) async fn collect_choice(
+    g: &mut Generation,
+    fmt: &mut StreamFormat,
+) -> Result<Value, ApiError> {
     let mut text = String::new();
-    let mut reply = loop {
+    let mut logprobs = Vec::new();
+    loop {
         match g.step().await {
-            Some(Step::Text(t)) => text.push_str(&t),
+            Some(Step::Text(t, lp)) => {
+                text.push_str(&t);
+                logprobs.extend(lp);
+            }
             Some(Step::Finished {
                 stop,
                 stop_sequence,
                 usage,
-            }) => {
-                let body = fmt.full(&text, stop, stop_sequence.as_deref(), usage);
-                break Reply::json(StatusCode::OK, &body);
-            }
-            Some(Step::Failed(e)) => break error_reply(&e, fmt.flavor, request_id),
-            None => break error_reply(&g.fail_ended(), fmt.flavor, request_id),
+            }) => return Ok(fmt.full(&text, &logprobs, stop, stop_sequence.as_deref(), usage)),
+            Some(Step::Failed(e)) => return Err(e),
+            None => return Err(g.fail_ended()),
         }
+    }
+}
+
+/// Runs a generation to its end and answers with one JSON body.
+async fn collect(
+    mut g: Generation,
+    mut fmt: StreamFormat,
+    request_id: &str,
+    debug: Option<&(dyn Fn(Option<Duration>) -> Option<HeaderValue> + Sync)>,
+) -> Reply {
+    let mut reply = match collect_choice(&mut g, &mut fmt).await {
+        Ok(body) => Reply::json(StatusCode::OK, &body),
+        Err(e) => error_reply(&e, fmt.flavor, request_id),
     };
     if let Some(v) = debug.and_then(|f| f(g.first_token.map(|t| t - g.received))) {
         reply.headers.insert(X_CLAUDE_LAYER_DEBUG, v);
     }
     reply
+}
+
+/// The SSE body of one generation: `fmt`'s start events, its deltas, its end (or an error
+/// event).
+pub(super) fn sse_body(
+    g: Generation,
+    fmt: StreamFormat,
+    request_id: &str,
+) -> impl Stream<Item = Bytes> + Send + use<> {
+    let state = SseState {
+        pending: fmt.start(g.input_tokens).into(),
+        run: g,
+        fmt,
+        request_id: request_id.to_owned(),
+        finished: false,
+    };
+    futures::stream::unfold(state, SseState::step)
 }
 
 /// State of a streaming body.
@@ -1033,7 +1097,7 @@ impl SseState {
                 return None;
             }
             match self.run.step().await {
-                Some(Step::Text(t)) => self.pending.push_back(self.fmt.delta(&t)),
+                Some(Step::Text(t, lp)) => self.pending.push_back(self.fmt.delta(&t, &lp)),
                 Some(Step::Finished {
                     stop,
                     stop_sequence,

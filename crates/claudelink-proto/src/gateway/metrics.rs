@@ -73,6 +73,7 @@ pub(crate) enum Endpoint {
     CountTokens,
     Models,
     ChatCompletions,
+    Completions,
     Health,
     Metrics,
     /// `GET /`: the page set by [`GatewayConfig::index_page`](super::GatewayConfig::index_page).
@@ -87,6 +88,7 @@ impl Endpoint {
             Self::CountTokens => "count_tokens",
             Self::Models => "models",
             Self::ChatCompletions => "chat_completions",
+            Self::Completions => "completions",
             Self::Health => "health",
             Self::Metrics => "metrics",
             Self::Index => "index",

@@ -4,7 +4,16 @@
 //!
 //! Endpoints: `POST /v1/messages` (JSON or SSE), `POST /v1/messages/count_tokens`,
 //! `GET /v1/models[/{id}]`, `POST /v1/chat/completions` (JSON or `data:` chunks ending in
-//! `[DONE]`), `GET|HEAD /health`, `GET /metrics` (Prometheus text).
+//! `[DONE]`; `logprobs`/`top_logprobs`, `n` up to 8), `POST /v1/completions` (OpenAI legacy
+//! text completions, streaming and not, integer `logprobs`), `GET|HEAD /health`,
+//! `GET /metrics` (Prometheus text).
+//!
+//! Sampling fields accepted by all generating endpoints (whatever the API names): `temperature`,
+//! `top_p`, `top_k`, `min_p`, `repetition_penalty` (or llama.cpp's `repeat_penalty`),
+//! `frequency_penalty`, `presence_penalty`, `seed` (without one, a sampled request draws a
+//! random seed). Every other field, message key or content-block type that the server does
+//! not honour (tools, response formats, images, thinking, ...) is answered with a 400 naming it
+//! (see `fields.rs` for the few harmless ones accepted and ignored).
 //!
 //! Defences: requests are admitted on their headers (route, method, API key) before any body
 //! byte is read; bodies, prompts (`max_prompt_bytes`) and TCP connections (in all and per
@@ -17,9 +26,11 @@
 //! versions, so old and new SDKs (the latter via `extra_body`) can sample.
 
 mod access;
+mod choices;
 mod config;
 mod core;
 mod error;
+mod fields;
 mod h3;
 mod ids;
 mod in_flight;

@@ -1,11 +1,13 @@
 //! Request validation over `serde_json::Value`, with messages that name the offending field the way
 //! the Anthropic API does (`messages.0.content.1.text: Field required`).
 //!
-//! Unknown fields are ignored; `null` counts as absent for optional fields.
+//! Fields the server does not honour are refused with a 400 naming them ([`super::fields`]);
+//! `null` counts as absent for optional fields.
 
 use serde_json::{Map, Value};
 
 use super::error::ApiError;
+use super::fields::{Api, check_fields, check_keys};
 use crate::service::{ChatMessage, ChatRole, Prompt, SamplingParams};
 
 /// A validated generation request, from either API flavour.
@@ -19,13 +21,35 @@ pub(crate) struct GenRequest {
     pub(crate) stream: bool,
     /// OpenAI `stream_options.include_usage`.
     pub(crate) include_usage: bool,
+    /// OpenAI `logprobs`: `Some(n)` asks for each token's log-probability and its `n` most
+    /// likely alternatives (`top_logprobs`, or the legacy completions' integer `logprobs`).
+    pub(crate) logprobs: Option<u8>,
+    /// OpenAI `n`: how many independent choices to generate.
+    pub(crate) n: u32,
+    /// The prompt of `/v1/completions` (text or token ids); `None`: the chat `messages`.
+    pub(crate) raw_prompt: Option<Prompt>,
 }
 
 impl GenRequest {
     pub(crate) fn prompt(&self) -> Prompt {
-        Prompt::Chat(self.messages.clone())
+        match &self.raw_prompt {
+            Some(p) => p.clone(),
+            None => Prompt::Chat(self.messages.clone()),
+        }
+    }
+
+    /// Bytes of prompt text (token-id prompts count four bytes a token).
+    pub(crate) fn prompt_bytes(&self) -> usize {
+        match &self.raw_prompt {
+            Some(Prompt::Text(t)) => t.len(),
+            Some(Prompt::TokenIds(ids)) => ids.len() * 4,
+            _ => self.messages.iter().map(|m| m.content.len()).sum(),
+        }
     }
 }
+
+/// Most choices one Chat Completions / completions request may ask for (`n`).
+pub(crate) const MAX_CHOICES: i64 = 8;
 
 /// Limits the validator applies.
 #[derive(Debug, Clone, Copy)]
@@ -149,6 +173,60 @@ fn opt_f32(
     Ok(Some(x as f32))
 }
 
+/// The sampling fields of any generating endpoint; `max_temperature` is the API's own bound
+/// (1 for Anthropic, 2 for OpenAI).
+fn parse_sampling(
+    obj: &Map<String, Value>,
+    max_temperature: f64,
+) -> Result<SamplingParams, ApiError> {
+    let repetition_penalty = match (
+        opt_f32(obj, "repetition_penalty", 0.0, 10.0)?,
+        opt_f32(obj, "repeat_penalty", 0.0, 10.0)?,
+    ) {
+        (Some(_), Some(_)) => {
+            return Err(ApiError::invalid(
+                "repeat_penalty: give either repetition_penalty or repeat_penalty (the same setting), not both",
+            ));
+        }
+        (a, b) => a.or(b),
+    };
+    if repetition_penalty == Some(0.0) {
+        return Err(ApiError::invalid(
+            "repetition_penalty: Input should be greater than 0",
+        ));
+    }
+    Ok(SamplingParams {
+        temperature: opt_f32(obj, "temperature", 0.0, max_temperature)?,
+        top_p: opt_f32(obj, "top_p", 0.0, 1.0)?,
+        top_k: opt_int(obj, "top_k", 0, i64::from(u32::MAX))?
+            .filter(|&k| k > 0)
+            .map(|k| k as u32),
+        min_p: opt_f32(obj, "min_p", 0.0, 1.0)?,
+        repetition_penalty,
+        frequency_penalty: opt_f32(obj, "frequency_penalty", -2.0, 2.0)?,
+        presence_penalty: opt_f32(obj, "presence_penalty", -2.0, 2.0)?,
+        seed: opt_seed(obj)?,
+    })
+}
+
+/// `seed`: any 64-bit integer, signed (OpenAI) or not.
+fn opt_seed(obj: &Map<String, Value>) -> Result<Option<u64>, ApiError> {
+    match get(obj, "seed") {
+        None => Ok(None),
+        Some(Value::Number(n)) => n
+            .as_u64()
+            .or_else(|| n.as_i64().map(|i| i as u64))
+            .map(Some)
+            .ok_or_else(|| wrong_type("seed", "integer", &Value::Number(n.clone()))),
+        Some(v) => Err(wrong_type("seed", "integer", v)),
+    }
+}
+
+/// OpenAI `n` (1 to [`MAX_CHOICES`]).
+fn parse_n(obj: &Map<String, Value>) -> Result<u32, ApiError> {
+    Ok(opt_int(obj, "n", 1, MAX_CHOICES)?.map_or(1, |n| n as u32))
+}
+
 fn required_model(obj: &Map<String, Value>) -> Result<String, ApiError> {
     match opt_str(obj, "model")? {
         None => Err(required("model")),
@@ -181,6 +259,7 @@ fn content_text(v: &Value, path: &str, null_ok: bool) -> Result<String, ApiError
                         "{bp}.type: content blocks of type `{ty}` are not supported by this server (only `text`)"
                     )));
                 }
+                check_keys(obj, &["type", "text", "cache_control"], &bp)?;
                 match obj.get("text") {
                     None | Some(Value::Null) => return Err(required(&format!("{bp}.text"))),
                     Some(Value::String(t)) => parts.push(t.as_str()),
@@ -234,6 +313,14 @@ pub(crate) fn parse_messages(
     count_only: bool,
 ) -> Result<GenRequest, ApiError> {
     let obj = parse_object(body)?;
+    check_fields(
+        obj,
+        if count_only {
+            Api::CountTokens
+        } else {
+            Api::Messages
+        },
+    )?;
     let model = required_model(obj)?;
     let max_tokens = match opt_int(obj, "max_tokens", 1, i64::from(limits.max_output_tokens))? {
         Some(n) => n as u32,
@@ -265,6 +352,7 @@ pub(crate) fn parse_messages(
         let Some(m) = m.as_object() else {
             return Err(wrong_type(&path, "object", m));
         };
+        check_keys(m, &["role", "content"], &path)?;
         let role = match m.get("role") {
             None | Some(Value::Null) => return Err(required(&format!("{path}.role"))),
             Some(Value::String(r)) if r == "user" => ChatRole::User,
@@ -281,14 +369,7 @@ pub(crate) fn parse_messages(
         };
         push_turn(&mut messages, role, content);
     }
-    let sampling = SamplingParams {
-        temperature: opt_f32(obj, "temperature", 0.0, 1.0)?,
-        top_p: opt_f32(obj, "top_p", 0.0, 1.0)?,
-        top_k: opt_int(obj, "top_k", 0, i64::from(u32::MAX))?
-            .filter(|&k| k > 0)
-            .map(|k| k as u32),
-        ..SamplingParams::default()
-    };
+    let sampling = parse_sampling(obj, 1.0)?;
     let stop_sequences = match get(obj, "stop_sequences") {
         None => Vec::new(),
         Some(v) => parse_stop_list(v, "stop_sequences", 64)?,
@@ -311,12 +392,16 @@ pub(crate) fn parse_messages(
         stop_sequences,
         stream,
         include_usage: false,
+        logprobs: None,
+        n: 1,
+        raw_prompt: None,
     })
 }
 
 /// Validates an OpenAI Chat Completions request (`POST /v1/chat/completions`).
 pub(crate) fn parse_chat(body: &Value, limits: Limits) -> Result<GenRequest, ApiError> {
     let obj = parse_object(body)?;
+    check_fields(obj, Api::Chat)?;
     let model = required_model(obj)?;
     let max = i64::from(limits.max_output_tokens);
     let max_tokens = match opt_int(obj, "max_completion_tokens", 1, max)? {
@@ -342,6 +427,7 @@ pub(crate) fn parse_chat(body: &Value, limits: Limits) -> Result<GenRequest, Api
         let Some(m) = m.as_object() else {
             return Err(wrong_type(&path, "object", m));
         };
+        check_keys(m, &["role", "content"], &path)?;
         let role = match m.get("role") {
             None | Some(Value::Null) => return Err(required(&format!("{path}.role"))),
             Some(Value::String(r)) => match r.as_str() {
@@ -362,44 +448,131 @@ pub(crate) fn parse_chat(body: &Value, limits: Limits) -> Result<GenRequest, Api
         };
         push_turn(&mut messages, role, content);
     }
-    if let Some(n) = opt_int(obj, "n", 1, i64::MAX)?.filter(|&n| n != 1) {
-        return Err(ApiError::invalid(format!(
-            "n: only n=1 is supported, got {n}"
-        )));
-    }
-    let sampling = SamplingParams {
-        temperature: opt_f32(obj, "temperature", 0.0, 2.0)?,
-        top_p: opt_f32(obj, "top_p", 0.0, 1.0)?,
-        top_k: opt_int(obj, "top_k", 0, i64::from(u32::MAX))?
-            .filter(|&k| k > 0)
-            .map(|k| k as u32),
-        seed: opt_int(obj, "seed", i64::MIN, i64::MAX)?.map(|s| s as u64),
-        ..SamplingParams::default()
-    };
-    let stop_sequences = match get(obj, "stop") {
-        None => Vec::new(),
-        Some(Value::String(s)) if s.is_empty() => {
-            return Err(ApiError::invalid("stop: stop sequences must be non-empty"));
+    let n = parse_n(obj)?;
+    let sampling = parse_sampling(obj, 2.0)?;
+    let logprobs = match (
+        opt_bool(obj, "logprobs", "logprobs")?.unwrap_or(false),
+        opt_int(obj, "top_logprobs", 0, 20)?,
+    ) {
+        (true, top) => Some(top.unwrap_or(0) as u8),
+        (false, Some(_)) => {
+            return Err(ApiError::invalid(
+                "top_logprobs: `logprobs` must be true when `top_logprobs` is given",
+            ));
         }
-        Some(Value::String(s)) => vec![s.clone()],
-        Some(v) => parse_stop_list(v, "stop", 4)?,
-    };
-    let stream = opt_bool(obj, "stream", "stream")?.unwrap_or(false);
-    let include_usage = match get(obj, "stream_options") {
-        None => false,
-        Some(Value::Object(o)) => {
-            opt_bool(o, "include_usage", "stream_options.include_usage")?.unwrap_or(false)
-        }
-        Some(other) => return Err(wrong_type("stream_options", "object", other)),
+        (false, None) => None,
     };
     Ok(GenRequest {
         model,
         messages,
         max_tokens,
         sampling,
-        stop_sequences,
-        stream,
-        include_usage,
+        stop_sequences: parse_openai_stop(obj)?,
+        stream: opt_bool(obj, "stream", "stream")?.unwrap_or(false),
+        include_usage: parse_include_usage(obj)?,
+        logprobs,
+        n,
+        raw_prompt: None,
+    })
+}
+
+/// OpenAI `stop`: a string or a list of at most 4.
+fn parse_openai_stop(obj: &Map<String, Value>) -> Result<Vec<String>, ApiError> {
+    match get(obj, "stop") {
+        None => Ok(Vec::new()),
+        Some(Value::String(s)) if s.is_empty() => {
+            Err(ApiError::invalid("stop: stop sequences must be non-empty"))
+        }
+        Some(Value::String(s)) => Ok(vec![s.clone()]),
+        Some(v) => parse_stop_list(v, "stop", 4),
+    }
+}
+
+/// OpenAI `stream_options` (only `include_usage`).
+fn parse_include_usage(obj: &Map<String, Value>) -> Result<bool, ApiError> {
+    match get(obj, "stream_options") {
+        None => Ok(false),
+        Some(Value::Object(o)) => {
+            check_keys(o, &["include_usage"], "stream_options")?;
+            Ok(opt_bool(o, "include_usage", "stream_options.include_usage")?.unwrap_or(false))
+        }
+        Some(other) => Err(wrong_type("stream_options", "object", other)),
+    }
+}
+
+/// The `prompt` of a legacy completion: a string, a list of one string, a list of token ids
+/// or a list of one such list.
+fn parse_completion_prompt(v: &Value) -> Result<Prompt, ApiError> {
+    let ids = |items: &[Value], path: &str| -> Result<Prompt, ApiError> {
+        items
+            .iter()
+            .enumerate()
+            .map(|(i, t)| {
+                t.as_u64()
+                    .and_then(|t| u32::try_from(t).ok())
+                    .ok_or_else(|| wrong_type(&format!("{path}.{i}"), "token id", t))
+            })
+            .collect::<Result<Vec<u32>, ApiError>>()
+            .map(Prompt::TokenIds)
+    };
+    match v {
+        Value::String(s) => Ok(Prompt::Text(s.clone())),
+        Value::Array(items) if items.is_empty() => {
+            Err(ApiError::invalid("prompt: the prompt must not be empty"))
+        }
+        Value::Array(items) if items.iter().all(Value::is_number) => ids(items, "prompt"),
+        Value::Array(items) if items.len() == 1 => match &items[0] {
+            Value::String(s) => Ok(Prompt::Text(s.clone())),
+            Value::Array(inner) => ids(inner, "prompt.0"),
+            other => Err(wrong_type("prompt.0", "string or list of token ids", other)),
+        },
+        Value::Array(_) => Err(ApiError::invalid(
+            "prompt: only one prompt per request is supported (use `n` for several choices)",
+        )),
+        other => Err(wrong_type("prompt", "string or list of token ids", other)),
+    }
+}
+
+/// Validates an OpenAI legacy completions request (`POST /v1/completions`).
+pub(crate) fn parse_completions(body: &Value, limits: Limits) -> Result<GenRequest, ApiError> {
+    let obj = parse_object(body)?;
+    check_fields(obj, Api::Completions)?;
+    let model = required_model(obj)?;
+    let max = i64::from(limits.max_output_tokens);
+    // OpenAI's default for this endpoint is 16 tokens.
+    let max_tokens = opt_int(obj, "max_tokens", 1, max)?.map_or(16.min(max as u32), |n| n as u32);
+    let prompt = match get(obj, "prompt") {
+        None => return Err(required("prompt")),
+        Some(v) => parse_completion_prompt(v)?,
+    };
+    let n = parse_n(obj)?;
+    if opt_bool(obj, "echo", "echo")? == Some(true) {
+        return Err(ApiError::invalid(
+            "echo: echoing the prompt is not supported by this server",
+        ));
+    }
+    if let Some(s) = opt_str(obj, "suffix")?.filter(|s| !s.is_empty()) {
+        return Err(ApiError::invalid(format!(
+            "suffix: insertion (a suffix of {} bytes) is not supported by this server",
+            s.len()
+        )));
+    }
+    if let Some(b) = opt_int(obj, "best_of", 1, MAX_CHOICES)?.filter(|&b| b != i64::from(n)) {
+        return Err(ApiError::invalid(format!(
+            "best_of: only best_of = n is supported (got {b} with n = {n})"
+        )));
+    }
+    Ok(GenRequest {
+        model,
+        messages: Vec::new(),
+        max_tokens,
+        sampling: parse_sampling(obj, 2.0)?,
+        stop_sequences: parse_openai_stop(obj)?,
+        stream: opt_bool(obj, "stream", "stream")?.unwrap_or(false),
+        include_usage: parse_include_usage(obj)?,
+        logprobs: opt_int(obj, "logprobs", 0, 5)?.map(|n| n as u8),
+        n,
+        raw_prompt: Some(prompt),
     })
 }
 
@@ -442,9 +615,19 @@ mod tests {
     }
 
     #[test]
-    fn minimal_request_parses() {
-        let r = parse_messages(
+    fn minimal_request_parses_and_an_unknown_field_is_named() {
+        let e = parse_messages(
             &json!({"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}], "extra": 1}),
+            LIMITS,
+            false,
+        )
+        .unwrap_err();
+        assert_eq!(
+            e.message,
+            "extra: this field is not supported by this server"
+        );
+        let r = parse_messages(
+            &json!({"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}),
             LIMITS,
             false,
         )
@@ -572,13 +755,131 @@ mod tests {
         assert_eq!(r.sampling.seed, Some(7));
         assert_eq!(r.messages[0].role, ChatRole::System);
         let e = parse_chat(
-            &json!({"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 2}),
+            &json!({"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 9}),
             LIMITS,
         )
         .unwrap_err();
         assert!(e.message.starts_with("n:"));
         let e = parse_chat(&json!({"model": "m", "messages": [{"role": "user", "content": "x"}], "stop": ["a", "b", "c", "d", "e"]}), LIMITS).unwrap_err();
         assert!(e.message.starts_with("stop:"));
+    }
+
+    #[test]
+    fn sampling_fields_of_both_apis() {
+        let body = json!({"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "x"}],
+            "temperature": 0.8, "top_p": 0.9, "top_k": 5, "min_p": 0.05, "repeat_penalty": 1.1,
+            "frequency_penalty": 0.5, "presence_penalty": -0.5, "seed": 42});
+        let want = SamplingParams {
+            temperature: Some(0.8),
+            top_p: Some(0.9),
+            top_k: Some(5),
+            min_p: Some(0.05),
+            repetition_penalty: Some(1.1),
+            frequency_penalty: Some(0.5),
+            presence_penalty: Some(-0.5),
+            seed: Some(42),
+        };
+        assert_eq!(parse_messages(&body, LIMITS, false).unwrap().sampling, want);
+        let mut chat = body.clone();
+        chat.as_object_mut().unwrap().remove("max_tokens");
+        assert_eq!(parse_chat(&chat, LIMITS).unwrap().sampling, want);
+        let mut both = body.clone();
+        both["repetition_penalty"] = json!(1.2);
+        assert!(msg_err(both).starts_with("repeat_penalty: give either"));
+        for (k, v) in [
+            ("min_p", json!(1.5)),
+            ("frequency_penalty", json!(3)),
+            ("presence_penalty", json!(-2.5)),
+            ("repetition_penalty", json!(0)),
+            ("seed", json!(1.5)),
+            ("seed", json!("7")),
+        ] {
+            let mut b = body.clone();
+            b[k] = v;
+            b.as_object_mut().unwrap().remove("repeat_penalty");
+            assert!(msg_err(b).starts_with(&format!("{k}:")), "{k}");
+        }
+        let mut neg = chat.clone();
+        neg["seed"] = json!(-1);
+        assert_eq!(
+            parse_chat(&neg, LIMITS).unwrap().sampling.seed,
+            Some(u64::MAX)
+        );
+    }
+
+    #[test]
+    fn chat_logprobs_and_n() {
+        let base = json!({"model": "m", "messages": [{"role": "user", "content": "x"}]});
+        let with = |extra: Value| {
+            let mut b = base.clone();
+            b.as_object_mut()
+                .unwrap()
+                .extend(extra.as_object().unwrap().clone());
+            parse_chat(&b, LIMITS)
+        };
+        let r = with(json!({"logprobs": true, "top_logprobs": 3, "n": 2})).unwrap();
+        assert_eq!((r.logprobs, r.n), (Some(3), 2));
+        assert_eq!(with(json!({"logprobs": true})).unwrap().logprobs, Some(0));
+        assert_eq!(with(json!({"logprobs": false})).unwrap().logprobs, None);
+        let e = with(json!({"top_logprobs": 3})).unwrap_err();
+        assert!(e.message.starts_with("top_logprobs:"), "{}", e.message);
+        let e = with(json!({"top_logprobs": 21, "logprobs": true})).unwrap_err();
+        assert!(e.message.starts_with("top_logprobs:"), "{}", e.message);
+        let e = with(json!({"messages": [{"role": "user", "content": "x", "name": "bob"}]}))
+            .unwrap_err();
+        assert_eq!(
+            e.message,
+            "messages.0.name: this field is not supported by this server"
+        );
+        // fields echoed back as null pass
+        let r = with(
+            json!({"messages": [{"role": "assistant", "content": "x", "tool_calls": null, "refusal": null}]}),
+        );
+        assert!(r.is_ok());
+        let e = with(json!({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}))
+            .unwrap_err();
+        assert!(
+            e.message.starts_with("messages.0.content.0.type:"),
+            "{}",
+            e.message
+        );
+    }
+
+    #[test]
+    fn legacy_completions() {
+        let ok = |b: Value| parse_completions(&b, LIMITS).unwrap();
+        let err = |b: Value| parse_completions(&b, LIMITS).unwrap_err().message;
+        let r = ok(json!({"model": "m", "prompt": "Once", "logprobs": 2, "stop": ["\n"]}));
+        assert_eq!(r.prompt(), Prompt::Text("Once".into()));
+        assert_eq!((r.max_tokens, r.logprobs, r.n), (16, Some(2), 1));
+        assert_eq!(
+            ok(json!({"model": "m", "prompt": ["a"]})).prompt(),
+            Prompt::Text("a".into())
+        );
+        assert_eq!(
+            ok(json!({"model": "m", "prompt": [1, 2, 3]})).prompt(),
+            Prompt::TokenIds(vec![1, 2, 3])
+        );
+        assert_eq!(
+            ok(json!({"model": "m", "prompt": [[4]], "best_of": 1})).prompt(),
+            Prompt::TokenIds(vec![4])
+        );
+        assert_eq!(
+            ok(json!({"model": "m", "prompt": "x", "max_tokens": 5})).prompt_bytes(),
+            1
+        );
+        assert!(err(json!({"model": "m"})).starts_with("prompt: Field required"));
+        assert!(err(json!({"model": "m", "prompt": ["a", "b"]})).starts_with("prompt: only one"));
+        assert!(err(json!({"model": "m", "prompt": [1, -2]})).starts_with("prompt.1:"));
+        assert!(err(json!({"model": "m", "prompt": []})).starts_with("prompt:"));
+        assert!(err(json!({"model": "m", "prompt": "x", "echo": true})).starts_with("echo:"));
+        assert!(err(json!({"model": "m", "prompt": "x", "suffix": "y"})).starts_with("suffix:"));
+        assert!(err(json!({"model": "m", "prompt": "x", "best_of": 3})).starts_with("best_of:"));
+        assert!(err(json!({"model": "m", "prompt": "x", "logprobs": 6})).starts_with("logprobs:"));
+        assert!(
+            err(json!({"model": "m", "prompt": "x", "stream_options": {"x": 1}}))
+                .starts_with("stream_options.x:")
+        );
     }
 
     #[test]

@@ -42,8 +42,9 @@ use std::time::{Duration, Instant};
 use kv_ring::{KvDtype, KvError, KvPool, KvRing, RingMode};
 use token_stream::{StreamDecoder, Tokenizer};
 
+use crate::constraint::{Constrained, ConstraintError, ConstraintFactory};
 use crate::model::{LogitsWanted, Model, SeqStep};
-use crate::sampling::{Sampler, SamplingParams, StopReason};
+use crate::sampling::{Sampler, SamplingParams, StopReason, TokenLogprobs};
 
 pub use channel::RequestHandle;
 pub use metrics::{EngineMetrics, LatencyHistogram};
@@ -202,6 +203,11 @@ pub struct GenerationRequest {
     /// Who sent it: a stable, non-secret label of the API key (`None`: one anonymous client).
     /// Per-client limits and fair admission go by it.
     pub client: Option<String>,
+    /// `Some(n)`: every [`EngineEvent::Token`] carries the token's log-probability and the
+    /// `n` most likely alternatives ([`TokenLogprobs`]).
+    pub logprobs: Option<usize>,
+    /// Restricts every sampled token to what the constraint allows (structured output).
+    pub constraint: Option<Arc<dyn ConstraintFactory>>,
 }
 
 impl GenerationRequest {
@@ -215,7 +221,19 @@ impl GenerationRequest {
             stop_sequences: Vec::new(),
             priority: 0,
             client: None,
+            logprobs: None,
+            constraint: None,
         }
+    }
+    /// Sets [`constraint`](Self::constraint).
+    pub fn with_constraint(mut self, c: Option<Arc<dyn ConstraintFactory>>) -> Self {
+        self.constraint = c;
+        self
+    }
+    /// Sets [`logprobs`](Self::logprobs).
+    pub fn with_logprobs(mut self, top_n: Option<usize>) -> Self {
+        self.logprobs = top_n;
+        self
     }
     /// Sets [`sampling`](Self::sampling).
     pub fn with_sampling(mut self, s: SamplingParams) -> Self {
@@ -282,6 +300,9 @@ pub enum EngineEvent {
         /// Text made final by it (empty without a tokenizer, inside a split character, or
         /// while it may start a stop sequence).
         text: String,
+        /// Its log-probability and the most likely alternatives, when the request asked for
+        /// them ([`GenerationRequest::logprobs`]).
+        logprobs: Option<Box<TokenLogprobs>>,
     },
     /// The generation ended.
     Finished {
@@ -358,6 +379,9 @@ pub enum EngineError {
     /// The engine shut down before the request finished.
     #[error("the engine shut down")]
     ShutDown,
+    /// The request's output constraint failed or allowed nothing.
+    #[error(transparent)]
+    Constraint(#[from] ConstraintError),
 }
 
 /// Why [`Engine::new`] failed.
@@ -618,6 +642,48 @@ impl Drop for Engine {
     }
 }
 
+/// A sampled token and, when asked for, its log-probabilities; or why a constrained sequence
+/// could not sample.
+type Sampled = Result<(u32, Option<Box<TokenLogprobs>>), ConstraintError>;
+
+/// One row of [`Worker::sample_rows`].
+struct SampleJob<'a> {
+    sampler: &'a mut Sampler,
+    history: &'a [u32],
+    prompt_len: usize,
+    logprobs: Option<usize>,
+    logits: &'a [f32],
+    constrained: Option<&'a mut Constrained>,
+    out: Sampled,
+}
+
+impl SampleJob<'_> {
+    fn run(&mut self) {
+        self.out = self.sample();
+    }
+
+    fn sample(&mut self) -> Sampled {
+        let token = match self.constrained.as_deref_mut() {
+            None => self
+                .sampler
+                .sample_after(self.logits, self.history, self.prompt_len),
+            Some(c) => {
+                c.state.fill_mask(&mut c.mask)?;
+                let t = self
+                    .sampler
+                    .sample_masked(self.logits, self.history, self.prompt_len, &c.mask)
+                    .ok_or(ConstraintError::NoAllowedToken)?;
+                c.state.commit(t)?;
+                t
+            }
+        };
+        let logprobs = self
+            .logprobs
+            .map(|n| Box::new(TokenLogprobs::of(self.logits, token, n)));
+        Ok((token, logprobs))
+    }
+}
+
 /// A sequence in the batch, owned by the scheduler thread.
 struct Active<'t> {
     id: SeqId,
@@ -625,6 +691,7 @@ struct Active<'t> {
     chan: Arc<Chan>,
     kv: KvRing,
     sampler: Sampler,
+    constrained: Option<Constrained>,
     history: Vec<u32>,
     decoder: Option<StreamDecoder<'t>>,
     stop_tokens: Vec<u32>,
@@ -644,6 +711,7 @@ struct Active<'t> {
 /// stopped, with the same sampler state and text decoder.
 struct Parked<'t> {
     sampler: Sampler,
+    constrained: Option<Constrained>,
     history: Vec<u32>,
     decoder: Option<StreamDecoder<'t>>,
     stop_tokens: Vec<u32>,
@@ -675,31 +743,33 @@ struct Worker {
 impl Worker {
     /// Samples the next token of every step item that samples, in order: in parallel chunks on
     /// the model's pool for a large batch (each sequence's sampler is called once, as serially,
-    /// so the tokens are the same).
+    /// so the tokens are the same). A request that asks for logprobs gets them from the same
+    /// row.
     fn sample_rows(
         &self,
         seqs: &mut [(WorkItem, Active<'_>)],
         logits: &[f32],
         vocab: usize,
-    ) -> Vec<u32> {
-        let mut jobs: Vec<(&mut Sampler, &[u32], &[f32], u32)> = Vec::new();
+    ) -> Vec<Sampled> {
+        let mut jobs: Vec<SampleJob<'_>> = Vec::new();
         for (w, a) in seqs.iter_mut() {
             if w.samples() {
                 let row = jobs.len();
-                jobs.push((
-                    &mut a.sampler,
-                    &a.history,
-                    &logits[row * vocab..(row + 1) * vocab],
-                    0,
-                ));
+                jobs.push(SampleJob {
+                    sampler: &mut a.sampler,
+                    history: &a.history,
+                    prompt_len: a.input_tokens,
+                    logprobs: a.req.logprobs,
+                    logits: &logits[row * vocab..(row + 1) * vocab],
+                    constrained: a.constrained.as_mut(),
+                    out: Ok((0, None)),
+                });
             }
         }
         let pool = self.model.pool();
         let threads = pool.n_threads();
         if jobs.len() < 8 || threads < 2 {
-            for j in &mut jobs {
-                j.3 = j.0.sample(j.2, j.1);
-            }
+            jobs.iter_mut().for_each(SampleJob::run);
         } else {
             // Each task takes the next chunk of rows (as the kernels' activation quantization does).
             let chunk = jobs.len().div_ceil(2 * threads);
@@ -707,12 +777,10 @@ impl Worker {
             let chunks = Mutex::new(jobs.chunks_mut(chunk));
             pool.run(tasks, &|_, _| {
                 let next = chunks.lock().unwrap_or_else(|e| e.into_inner()).next();
-                for j in next.into_iter().flatten() {
-                    j.3 = j.0.sample(j.2, j.1);
-                }
+                next.into_iter().flatten().for_each(SampleJob::run);
             });
         }
-        jobs.into_iter().map(|j| j.3).collect()
+        jobs.into_iter().map(|j| j.out).collect()
     }
 
     fn run(mut self, tok: Option<&Tokenizer>) {
@@ -830,14 +898,21 @@ impl Worker {
                             outcomes.push(Outcome::Continue);
                             continue;
                         }
-                        let token = tokens.next().expect("one sampled token per sampling row");
+                        let (token, logprobs) =
+                            match tokens.next().expect("one sampled token per sampling row") {
+                                Ok(sampled) => sampled,
+                                Err(e) => {
+                                    outcomes.push(Outcome::Fail(e.into()));
+                                    continue;
+                                }
+                            };
                         match a.last_token {
                             None => ttfts.push(now - a.submitted),
                             Some(t) => itls.push(now - t),
                         }
                         a.last_token = Some(now);
                         generated += 1;
-                        outcomes.push(a.accept(token));
+                        outcomes.push(a.accept(token, logprobs));
                     }
                 }
             }
@@ -1005,6 +1080,7 @@ impl Worker {
                 chan: p.chan,
                 kv,
                 sampler: r.sampler,
+                constrained: r.constrained,
                 history: r.history,
                 decoder: r.decoder,
                 stop_tokens: r.stop_tokens,
@@ -1033,6 +1109,11 @@ impl Worker {
             cached_now: cached,
             id,
             sampler: Sampler::new(p.req.sampling.clone()),
+            constrained: p
+                .req
+                .constraint
+                .as_deref()
+                .map(|f| Constrained::new(f, self.model.config().vocab_size)),
             req: p.req,
             chan: p.chan,
             kv,
@@ -1069,6 +1150,7 @@ fn park<'t>(st: &mut State, parked: &mut HashMap<SeqId, Parked<'t>>, a: Active<'
         chan,
         kv,
         sampler,
+        constrained,
         history,
         decoder,
         stop_tokens,
@@ -1093,6 +1175,7 @@ fn park<'t>(st: &mut State, parked: &mut HashMap<SeqId, Parked<'t>>, a: Active<'
         id,
         Parked {
             sampler,
+            constrained,
             history,
             decoder,
             stop_tokens,
@@ -1106,7 +1189,7 @@ fn park<'t>(st: &mut State, parked: &mut HashMap<SeqId, Parked<'t>>, a: Active<'
 
 impl Active<'_> {
     /// Takes a sampled token: emits it, or stops.
-    fn accept(&mut self, token: u32) -> Outcome {
+    fn accept(&mut self, token: u32, logprobs: Option<Box<TokenLogprobs>>) -> Outcome {
         if self.stop_tokens.contains(&token) {
             return Outcome::Stop(StopReason::EndTurn, None);
         }
@@ -1119,7 +1202,11 @@ impl Active<'_> {
                 Err(e) => return Outcome::Fail(EngineError::from(e)),
             },
         };
-        self.chan.send(EngineEvent::Token { id: token, text });
+        self.chan.send(EngineEvent::Token {
+            id: token,
+            text,
+            logprobs,
+        });
         if let Some(i) = stopped {
             return Outcome::Stop(
                 StopReason::StopSequence,

@@ -1,0 +1,159 @@
+//! Grammars as [`Constraint`]s, by llguidance (the engine llama.cpp and vLLM use for
+//! structured output) over our tokenizer: its token trie is built from our vocabulary's token
+//! bytes (special tokens marked as llguidance expects), so a JSON Schema, a regular expression
+//! or a Lark grammar becomes a per-token mask.
+
+use std::sync::Arc;
+
+use llguidance::api::TopLevelGrammar;
+use llguidance::toktrie::{ApproximateTokEnv, TokRxInfo, TokTrie};
+use llguidance::{Matcher, ParserFactory};
+use token_stream::Tokenizer;
+
+use crate::constraint::{Constraint, ConstraintError, ConstraintFactory};
+use crate::sampling::TokenMask;
+
+/// Why a grammar could not be compiled.
+#[non_exhaustive]
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum GrammarError {
+    /// llguidance refused the tokenizer.
+    #[error("building the token trie: {0}")]
+    Tokenizer(String),
+    /// The schema, regex or grammar is invalid (llguidance's message).
+    #[error("invalid grammar: {0}")]
+    Invalid(String),
+}
+
+/// Compiles grammars for one model's vocabulary.
+///
+/// ```no_run
+/// # fn f(tok: &token_stream::Tokenizer) -> Result<(), gpu_pipeline::GrammarError> {
+/// let grammars = gpu_pipeline::Grammars::new(tok, tok.vocab_size(), 2)?;
+/// let json = grammars.json_schema(serde_json::json!({"type": "object"}))?;
+/// # Ok(()) }
+/// ```
+#[derive(Clone)]
+pub struct Grammars {
+    factory: Arc<ParserFactory>,
+}
+
+impl std::fmt::Debug for Grammars {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Grammars").finish_non_exhaustive()
+    }
+}
+
+impl Grammars {
+    /// The grammar compiler of a model whose logits have `vocab_size` entries (ids beyond the
+    /// tokenizer's are never allowed) and whose end of sequence is `eos`.
+    pub fn new(tok: &Tokenizer, vocab_size: usize, eos: u32) -> Result<Self, GrammarError> {
+        let words: Vec<Vec<u8>> = (0..vocab_size as u32)
+            .map(|id| match tok.token_bytes(id) {
+                // llguidance marks special tokens with a leading 0xff byte.
+                Some(b) if tok.is_special(id) => [&[TokTrie::SPECIAL_TOKEN_MARKER], b].concat(),
+                Some(b) => b.to_vec(),
+                None => Vec::new(),
+            })
+            .collect();
+        let info = TokRxInfo::new(vocab_size as u32, eos);
+        let trie = TokTrie::from(&info, &words);
+        let env: llguidance::toktrie::TokEnv = Arc::new(ApproximateTokEnv::new(trie));
+        let factory =
+            ParserFactory::new_simple(&env).map_err(|e| GrammarError::Tokenizer(e.to_string()))?;
+        Ok(Self {
+            factory: Arc::new(factory),
+        })
+    }
+
+    /// A constraint to JSON that validates against `schema`.
+    pub fn json_schema(
+        &self,
+        schema: serde_json::Value,
+    ) -> Result<Arc<dyn ConstraintFactory>, GrammarError> {
+        self.compile(TopLevelGrammar::from_json_schema(schema))
+    }
+
+    /// A constraint to text matching the regular expression `rx`.
+    pub fn regex(&self, rx: &str) -> Result<Arc<dyn ConstraintFactory>, GrammarError> {
+        self.compile(TopLevelGrammar::from_regex(rx))
+    }
+
+    /// A constraint to text of the Lark grammar `lark`.
+    pub fn lark(&self, lark: &str) -> Result<Arc<dyn ConstraintFactory>, GrammarError> {
+        self.compile(TopLevelGrammar::from_lark(lark.to_owned()))
+    }
+
+    fn compile(
+        &self,
+        grammar: TopLevelGrammar,
+    ) -> Result<Arc<dyn ConstraintFactory>, GrammarError> {
+        // Compile once now so a bad grammar is an error at submission, not mid-generation.
+        self.factory
+            .create_parser(grammar.clone())
+            .map_err(|e| GrammarError::Invalid(e.to_string()))?;
+        Ok(Arc::new(GrammarFactory {
+            factory: self.factory.clone(),
+            grammar,
+        }))
+    }
+}
+
+struct GrammarFactory {
+    factory: Arc<ParserFactory>,
+    grammar: TopLevelGrammar,
+}
+
+impl std::fmt::Debug for GrammarFactory {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GrammarFactory").finish_non_exhaustive()
+    }
+}
+
+impl ConstraintFactory for GrammarFactory {
+    fn start(&self) -> Box<dyn Constraint> {
+        let parser = self.factory.create_parser(self.grammar.clone());
+        Box::new(GrammarConstraint {
+            matcher: Matcher::new(parser),
+        })
+    }
+}
+
+struct GrammarConstraint {
+    matcher: Matcher,
+}
+
+impl std::fmt::Debug for GrammarConstraint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GrammarConstraint").finish_non_exhaustive()
+    }
+}
+
+fn failed(e: impl std::fmt::Display) -> ConstraintError {
+    ConstraintError::Failed(e.to_string())
+}
+
+impl Constraint for GrammarConstraint {
+    fn fill_mask(&mut self, mask: &mut TokenMask) -> Result<(), ConstraintError> {
+        let allowed = self.matcher.compute_mask_or_eos().map_err(failed)?;
+        let src = allowed.as_slice();
+        let tail_bits = mask.vocab() % 32;
+        let dst = mask.words_mut();
+        let n = src.len().min(dst.len());
+        dst[..n].copy_from_slice(&src[..n]);
+        dst[n..].fill(0);
+        if let Some(last) = dst.last_mut().filter(|_| tail_bits != 0) {
+            // Bits beyond the vocabulary stay zero.
+            *last &= (1u32 << tail_bits) - 1;
+        }
+        Ok(())
+    }
+
+    fn commit(&mut self, token: u32) -> Result<(), ConstraintError> {
+        // A finished grammar only allows the end of sequence, which ends the generation.
+        if self.matcher.is_stopped() {
+            return Ok(());
+        }
+        self.matcher.consume_token(token).map_err(failed)
+    }
+}
