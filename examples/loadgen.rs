@@ -762,10 +762,11 @@ async fn read_sse(
     let mut failed = None;
     while let Some(frame) = body.frame().await {
         let frame = frame.map_err(|e| format!("body: {e}"))?;
-        if let Some(data) = frame.data_ref() {
-            if status == http::StatusCode::OK && failed.is_none() {
-                failed = sse.feed(data, args.api, t0, rec).err();
-            }
+        if let Some(data) = frame.data_ref()
+            && status == http::StatusCode::OK
+            && failed.is_none()
+        {
+            failed = sse.feed(data, args.api, t0, rec).err();
         }
     }
     if status != http::StatusCode::OK {

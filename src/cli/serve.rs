@@ -188,10 +188,10 @@ fn build_service(args: &Args) -> anyhow::Result<(Arc<EngineService>, PathBuf)> {
             "--weight-budget is below the weights every decode step reads: it holds when idle only"
         );
     }
-    if profile.exists() {
-        if let Err(e) = cache.load_profile(&profile) {
-            tracing::warn!(profile = %profile.display(), "ignoring the access profile: {e}");
-        }
+    if profile.exists()
+        && let Err(e) = cache.load_profile(&profile)
+    {
+        tracing::warn!(profile = %profile.display(), "ignoring the access profile: {e}");
     }
     let strategy = match args.warmup {
         Warmup::None => WarmupStrategy::None,

@@ -235,7 +235,10 @@ impl<'a> TokenIds<'a> {
 
     /// A view over little-endian bytes; `None` when the length is not a multiple of 4.
     pub fn from_le_bytes(bytes: &'a [u8]) -> Option<Self> {
-        (bytes.len() % 4 == 0).then_some(Self(IdsRepr::Le(bytes)))
+        bytes
+            .len()
+            .is_multiple_of(4)
+            .then_some(Self(IdsRepr::Le(bytes)))
     }
 
     /// Number of ids.

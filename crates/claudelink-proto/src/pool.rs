@@ -296,12 +296,10 @@ impl PoolInner {
     /// to a server that is gone) counts only once its handshake completes.
     async fn open(&self, addr: SocketAddr, confirm: bool) -> Result<Connection, ClientError> {
         let mut opened = self.client.connect(addr).await;
-        if confirm {
-            if let Ok(c) = &opened {
-                c.zero_rtt_accepted().await;
-                if c.is_closed() {
-                    opened = Err(ClientError::HandshakeIncomplete { addr });
-                }
+        if confirm && let Ok(c) = &opened {
+            c.zero_rtt_accepted().await;
+            if c.is_closed() {
+                opened = Err(ClientError::HandshakeIncomplete { addr });
             }
         }
         let mut replicas = self.replicas();
@@ -665,10 +663,8 @@ impl PoolStream {
         }
         self.retries_left -= 1;
         let inner = Arc::clone(&self.pool.inner);
-        if server_failed {
-            if let Some(&addr) = self.tried.last() {
-                inner.failed(addr);
-            }
+        if server_failed && let Some(&addr) = self.tried.last() {
+            inner.failed(addr);
         }
         inner.counters.retried.fetch_add(1, Ordering::Relaxed);
         let request = self.request.clone();

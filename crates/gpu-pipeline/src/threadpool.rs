@@ -244,7 +244,7 @@ fn worker_loop(sh: &Shared, w: usize) {
                     break;
                 }
                 spins = spins.wrapping_add(1);
-                if spins % 64 != 0 || start.elapsed() < SPIN {
+                if !spins.is_multiple_of(64) || start.elapsed() < SPIN {
                     std::hint::spin_loop();
                     continue;
                 }
@@ -260,7 +260,7 @@ fn worker_loop(sh: &Shared, w: usize) {
             return;
         }
         seen = epoch;
-        if epoch % 2 == 0 {
+        if epoch.is_multiple_of(2) {
             continue; // an operation we missed entirely
         }
         // Join, then re-check the operation is still open: the closer stores the even epoch

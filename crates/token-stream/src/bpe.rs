@@ -49,10 +49,10 @@ impl Merges {
 
     #[inline(always)]
     pub(crate) fn get(&self, a: u32, b: u32) -> (u32, u32) {
-        if (a | b) < 256 {
-            if let Some(&v) = self.low.get(((a << 8) | b) as usize) {
-                return v;
-            }
+        if (a | b) < 256
+            && let Some(&v) = self.low.get(((a << 8) | b) as usize)
+        {
+            return v;
         }
         match self.map.get(&((u64::from(a) << 32) | u64::from(b))) {
             Some(&v) => v,

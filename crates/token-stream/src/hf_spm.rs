@@ -111,11 +111,11 @@ impl HfSpmModel {
     }
 
     fn encode_word(&self, word: &str, out: &mut Vec<u32>, symbols: &mut Vec<u32>, work: &mut Work) {
-        if self.ignore_merges {
-            if let Some(&id) = self.whole_words.get(word) {
-                out.push(id);
-                return;
-            }
+        if self.ignore_merges
+            && let Some(&id) = self.whole_words.get(word)
+        {
+            out.push(id);
+            return;
         }
         symbols.clear();
         // (unk id, pending) as HF's `merge_word`: unknown characters fuse when `fuse_unk`.

@@ -79,7 +79,7 @@ pub fn base64_encode(bytes: &[u8]) -> String {
 
 fn base64_decode(s: &str) -> Option<Vec<u8>> {
     let s = s.as_bytes();
-    if s.len() % 4 != 0 {
+    if !s.len().is_multiple_of(4) {
         return None;
     }
     let val = |c: u8| -> Option<u32> {

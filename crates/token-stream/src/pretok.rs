@@ -557,18 +557,14 @@ fn o200k_next(t: &ClassTable, s: &[u8], i: usize) -> usize {
     let prefix =
         c != u32::from(b'\r') && c != u32::from(b'\n') && k & (LETTER | NUMBER) == 0 && i + l < end;
     if k & (LETTER | UPPERISH | LOWERISH) != 0 || prefix {
-        if prefix {
-            if let Some(e) = o200k_alt1(t, s, i + l) {
-                return e;
-            }
+        if prefix && let Some(e) = o200k_alt1(t, s, i + l) {
+            return e;
         }
         if let Some(e) = o200k_alt1(t, s, i) {
             return e;
         }
-        if prefix {
-            if let Some(e) = o200k_alt2(t, s, i + l) {
-                return e;
-            }
+        if prefix && let Some(e) = o200k_alt2(t, s, i + l) {
+            return e;
         }
         if let Some(e) = o200k_alt2(t, s, i) {
             return e;

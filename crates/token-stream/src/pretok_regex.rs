@@ -64,22 +64,21 @@ pub(crate) fn translate(regex: &str) -> (String, bool) {
                 prev = 'd';
                 continue;
             }
-            if collapsed {
-                if let Some(&(p, _, standin, ascii)) =
+            if collapsed
+                && let Some(&(p, _, standin, ascii)) =
                     CATEGORIES.iter().find(|(p, ..)| rest.starts_with(p))
-                {
-                    if !inside {
-                        out.push('[');
-                    }
-                    out.push(standin);
-                    out.push_str(ascii);
-                    if !inside {
-                        out.push(']');
-                    }
-                    rest = &rest[p.len()..];
-                    prev = '}';
-                    continue;
+            {
+                if !inside {
+                    out.push('[');
                 }
+                out.push(standin);
+                out.push_str(ascii);
+                if !inside {
+                    out.push(']');
+                }
+                rest = &rest[p.len()..];
+                prev = '}';
+                continue;
             }
         }
         out.push(c);

@@ -278,10 +278,10 @@ impl SpmModel {
         loop {
             let mut best: Option<(usize, f32)> = None;
             for (i, sc) in scores.iter().enumerate() {
-                if let Some(sc) = *sc {
-                    if best.is_none_or(|(_, b)| sc.total_cmp(&b) == Ordering::Greater) {
-                        best = Some((i, sc));
-                    }
+                if let Some(sc) = *sc
+                    && best.is_none_or(|(_, b)| sc.total_cmp(&b) == Ordering::Greater)
+                {
+                    best = Some((i, sc));
                 }
             }
             let Some((i, _)) = best else { break };
@@ -407,10 +407,10 @@ fn utf8_len(lead: u8) -> usize {
 /// The text a token of an SPM vocabulary stands for: `▁` becomes a space, a byte token
 /// (`<0xXX>`, type 6) its byte; control, user-defined and other tokens keep their text.
 pub(crate) fn piece(text: &str, token_type: i32) -> Vec<u8> {
-    if token_type == TYPE_BYTE {
-        if let Some(b) = parse_byte_token(text) {
-            return vec![b];
-        }
+    if token_type == TYPE_BYTE
+        && let Some(b) = parse_byte_token(text)
+    {
+        return vec![b];
     }
     if token_type == TYPE_NORMAL {
         let mut out = Vec::with_capacity(text.len());

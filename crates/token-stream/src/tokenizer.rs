@@ -345,22 +345,24 @@ impl Tokenizer {
         let mut by_bytes: FxHashMap<Box<[u8]>, u32> = FxHashMap::default();
         by_bytes.reserve(n);
         for (id, t) in spec.tokens.iter().enumerate() {
-            if let Some(t) = t {
-                if !is_special[id] && !is_byte_token[id] && !t.is_empty() {
-                    by_bytes
-                        .entry(t.clone().into_boxed_slice())
-                        .or_insert(id as u32);
-                }
+            if let Some(t) = t
+                && !is_special[id]
+                && !is_byte_token[id]
+                && !t.is_empty()
+            {
+                by_bytes
+                    .entry(t.clone().into_boxed_slice())
+                    .or_insert(id as u32);
             }
         }
         let mut byte_ids = [NONE; 256];
         for (b, slot) in byte_ids.iter_mut().enumerate() {
             if let Some(&id) = by_bytes.get(&[b as u8][..]) {
                 *slot = id;
-            } else if spec.byte_fallback {
-                if let Some(&id) = by_bytes.get(format!("<0x{b:02X}>").as_bytes()) {
-                    *slot = id;
-                }
+            } else if spec.byte_fallback
+                && let Some(&id) = by_bytes.get(format!("<0x{b:02X}>").as_bytes())
+            {
+                *slot = id;
             }
         }
         let char_level = !spec.pretok.byte_encoded();

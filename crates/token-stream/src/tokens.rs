@@ -79,7 +79,7 @@ impl<'a> Tokens<'a> {
 }
 
 fn check_len(bytes: &[u8]) -> Result<(), TokensFromBytesError> {
-    if bytes.len() % 4 != 0 {
+    if !bytes.len().is_multiple_of(4) {
         Err(TokensFromBytesError::Length { len: bytes.len() })
     } else {
         Ok(())

@@ -27,7 +27,7 @@ impl CharsMap {
     fn parse(blob: &[u8]) -> Option<Self> {
         let size = u32::from_le_bytes(blob.get(..4)?.try_into().ok()?) as usize;
         let nodes_end = 4usize.checked_add(size)?;
-        if size % 4 != 0 || nodes_end >= blob.len() {
+        if !size.is_multiple_of(4) || nodes_end >= blob.len() {
             return None;
         }
         let nodes = blob[4..nodes_end]

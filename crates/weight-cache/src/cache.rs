@@ -788,11 +788,12 @@ impl WeightCache {
                 acc = acc.wrapping_add(bytes[off]);
             }
             std::hint::black_box(acc);
-            if mlock && !lock_failed {
-                if let Err(e) = sys::lock(bytes, r.clone(), true) {
-                    tracing::warn!(error = %e, "mlock of warmed weights failed; continuing unlocked");
-                    lock_failed = true;
-                }
+            if mlock
+                && !lock_failed
+                && let Err(e) = sys::lock(bytes, r.clone(), true)
+            {
+                tracing::warn!(error = %e, "mlock of warmed weights failed; continuing unlocked");
+                lock_failed = true;
             }
             p.done.fetch_add(1, Relaxed);
             p.bytes.fetch_add(r.len() as u64, Relaxed);

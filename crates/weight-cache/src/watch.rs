@@ -149,14 +149,14 @@ impl FileIdentity {
                 to: now.len,
             });
         }
-        if let (Some(from), Some(to)) = (self.mtime, now.mtime) {
-            if from != to {
-                return Err(FileChanged::Modified {
-                    path: path.to_path_buf(),
-                    from,
-                    to,
-                });
-            }
+        if let (Some(from), Some(to)) = (self.mtime, now.mtime)
+            && from != to
+        {
+            return Err(FileChanged::Modified {
+                path: path.to_path_buf(),
+                from,
+                to,
+            });
         }
         let at_path = std::fs::metadata(path).map_err(|source| FileChanged::Removed {
             path: path.to_path_buf(),

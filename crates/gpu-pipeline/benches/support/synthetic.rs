@@ -62,7 +62,7 @@ impl Rng {
 
 /// `rows x cols` random Q8_0 matrix with values about `scale`.
 fn q8_0(rng: &mut Rng, rows: usize, cols: usize, scale: f32) -> Vec<u8> {
-    assert!(cols % 32 == 0);
+    assert!(cols.is_multiple_of(32));
     let mut out = Vec::with_capacity(rows * cols / 32 * 34);
     for _ in 0..rows * cols / 32 {
         let d = half::f16::from_f32(scale / 127.0);

@@ -125,7 +125,7 @@ impl<'a> WeightMatrix<'a> {
 
     fn check(&self) -> Result<Fmt, KernelError> {
         let fmt = Fmt::of(self.dtype).ok_or(KernelError::UnsupportedDtype { dtype: self.dtype })?;
-        if self.cols % fmt.block_elems() != 0 {
+        if !self.cols.is_multiple_of(fmt.block_elems()) {
             return Err(KernelError::ColsNotBlockAligned {
                 dtype: self.dtype,
                 cols: self.cols,

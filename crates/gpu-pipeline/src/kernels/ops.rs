@@ -411,7 +411,7 @@ pub fn silu_mul(gate: &mut [f32], up: &[f32]) -> Result<(), OpsError> {
 fn check_rope(x: &[f32], head_dim: usize, cos: &[f32], sin: &[f32]) -> Result<usize, OpsError> {
     check("rope: sin", cos.len(), sin.len())?;
     let n_rot = 2 * cos.len();
-    if n_rot > head_dim || head_dim == 0 || x.len() % head_dim != 0 {
+    if n_rot > head_dim || head_dim == 0 || !x.len().is_multiple_of(head_dim) {
         return Err(OpsError::LengthMismatch {
             what: "rope: x / head_dim",
             expected: head_dim,

@@ -167,7 +167,7 @@ pub(crate) fn attend_rows_ext(
         );
     }
     #[cfg(target_arch = "x86_64")]
-    if hd % 16 == 0 && hd <= avx512::MAX_HD && crate::kernels::has_avx512() {
+    if hd.is_multiple_of(16) && hd <= avx512::MAX_HD && crate::kernels::has_avx512() {
         // SAFETY: the features were detected at run time; shapes are checked above.
         return unsafe { avx512::attend(q, n_keys, first, hd, view, scale, softcap, scratch, out) };
     }

@@ -1017,7 +1017,7 @@ mod tests {
             );
         }
         let mut h = Value::Object(header).to_string().into_bytes();
-        while h.len() % 8 != 0 {
+        while !h.len().is_multiple_of(8) {
             h.push(b' ');
         }
         let mut out = (h.len() as u64).to_le_bytes().to_vec();
@@ -1474,7 +1474,7 @@ mod tests {
             ][i % 8]
                 .clone();
             c["architectures"] = json!([arch]);
-            if i % 8 != 0 {
+            if !i.is_multiple_of(8) {
                 c.as_object_mut().unwrap().remove("rope_parameters");
             }
             for (k, v) in extra.as_object().unwrap() {

@@ -937,18 +937,18 @@ impl Model {
                 RingMode::Sliding { sinks } => s.kv.capacity().saturating_sub(sinks),
             };
             // A pool whose window layers keep their last rows only takes chunks up to its limit.
-            if let Some(mc) = s.kv.pool().max_chunk() {
-                if n > mc {
-                    return Err(ForwardError::Kv {
-                        step: i,
-                        source: KvError::ChunkTooLarge {
-                            requested: n,
-                            len: s.kv.len(),
-                            capacity: s.kv.capacity(),
-                            window: mc,
-                        },
-                    });
-                }
+            if let Some(mc) = s.kv.pool().max_chunk()
+                && n > mc
+            {
+                return Err(ForwardError::Kv {
+                    step: i,
+                    source: KvError::ChunkTooLarge {
+                        requested: n,
+                        len: s.kv.len(),
+                        capacity: s.kv.capacity(),
+                        window: mc,
+                    },
+                });
             }
             if n > room {
                 return Err(ForwardError::ContextFull {
