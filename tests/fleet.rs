@@ -83,15 +83,10 @@ impl Replica {
         self.child = Some(child);
     }
 
-    fn signal(&mut self, sig: &str) {
-        let pid = self.child.as_ref().unwrap().id().to_string();
-        assert!(
-            Command::new("kill")
-                .args([sig, &pid])
-                .status()
-                .unwrap()
-                .success()
-        );
+    fn signal(&mut self, sig: libc::c_int) {
+        let pid = self.child.as_ref().unwrap().id() as libc::pid_t;
+        // SAFETY: kill(2) on our own child's pid (not yet waited for, so not reused).
+        assert_eq!(unsafe { libc::kill(pid, sig) }, 0);
     }
 }
 
@@ -231,9 +226,9 @@ async fn a_fleet_survives_a_drain_and_a_kill() {
     };
     let at = |t: Duration| tokio::time::sleep_until((start + t).into());
     at(DRAIN_AT).await;
-    replicas[0].signal("-TERM");
+    replicas[0].signal(libc::SIGTERM);
     at(KILL_AT).await;
-    replicas[1].signal("-KILL");
+    replicas[1].signal(libc::SIGKILL);
     at(RESTART_AT).await;
     let _ = replicas[1].child.as_mut().unwrap().wait();
     let (model_path, cert_path2, key_path2) = (model.clone(), cert_path.clone(), key_path.clone());
