@@ -257,30 +257,19 @@ impl PoolInner {
     fn choose(&self, exclude: &[SocketAddr]) -> Option<Choice> {
         let now = Instant::now();
         let replicas = self.replicas();
+        // A replica without connections is reached by the health checker (which waits for the
+        // handshake), not by a request, unless no usable replica has one.
+        let need_conns = replicas
+            .iter()
+            .any(|r| r.usable(now) && !r.conns.is_empty());
         let pick = |allow_excluded: bool| {
             replicas
                 .iter()
                 .filter(|r| r.usable(now) && (allow_excluded || !exclude.contains(&r.addr)))
+                .filter(|r| !need_conns || !r.conns.is_empty())
                 .min_by_key(|r| r.outstanding())
         };
         let r = pick(false).or_else(|| pick(true))?;
-        // A replica without connections is reached by the health checker (which waits for the
-        // handshake), not by a request, unless no replica has one.
-        if r.conns.is_empty()
-            && replicas
-                .iter()
-                .any(|o| o.usable(now) && !o.conns.is_empty())
-        {
-            let with_conns = |allow_excluded: bool| {
-                replicas
-                    .iter()
-                    .filter(|o| o.usable(now) && !o.conns.is_empty())
-                    .filter(|o| allow_excluded || !exclude.contains(&o.addr))
-                    .min_by_key(|o| o.outstanding())
-            };
-            let r = with_conns(false).or_else(|| with_conns(true))?;
-            return Some(Self::connection_on(r, &self.cfg));
-        }
         Some(Self::connection_on(r, &self.cfg))
     }
 
