@@ -30,6 +30,10 @@ pub(crate) struct Args {
     /// Compute threads (0 = all CPUs or $ZEROLAYER_THREADS).
     #[arg(long, default_value_t = 0)]
     threads: usize,
+    /// Compute on the model file's mapping as it is: do not re-arrange the weights into the
+    /// packed kernels' layout at load (slower decode; for comparisons).
+    #[arg(long)]
+    no_pack: bool,
     /// Print one JSON object.
     #[arg(long)]
     json: bool,
@@ -46,7 +50,7 @@ pub(crate) fn main(a: Args) -> anyhow::Result<()> {
         "--prompt-tokens, --reps must be at least 1 and --gen-tokens at least 2"
     );
     let path = model_path(a.model.as_deref())?;
-    let LoadedModel { model, tokenizer } = load_gguf(&path, a.threads)?;
+    let LoadedModel { model, tokenizer } = load_gguf(&path, a.threads, a.no_pack)?;
     let mut prompt = Vec::new();
     while prompt.len() < a.prompt_tokens {
         prompt.extend_from_slice(tokenizer.encode(PROMPT_TEXT).as_slice());

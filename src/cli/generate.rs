@@ -69,6 +69,10 @@ pub(crate) struct Args {
     /// Threads (0 = all CPUs or $ZEROLAYER_THREADS).
     #[arg(long, default_value_t = 0)]
     threads: usize,
+    /// Compute on the model file's mapping as it is: do not re-arrange the weights into the
+    /// packed kernels' layout at load (slower decode; for comparisons).
+    #[arg(long)]
+    no_pack: bool,
     /// Do not stop at the model's EOS/EOT token (benchmarks: exactly --max-tokens tokens).
     #[arg(long)]
     ignore_eos: bool,
@@ -113,7 +117,8 @@ pub(crate) fn new_ring(model: &Model, cap: usize) -> anyhow::Result<KvRing> {
 
 /// Runs `zerolayer perplexity`.
 pub(crate) fn perplexity(a: PerplexityArgs) -> anyhow::Result<()> {
-    let LoadedModel { model, tokenizer } = load_gguf(&model_path(a.model.as_deref())?, a.threads)?;
+    let LoadedModel { model, tokenizer } =
+        load_gguf(&model_path(a.model.as_deref())?, a.threads, false)?;
     let vocab = model.config().vocab_size;
     let text = std::fs::read_to_string(&a.file)?;
     let ids = tokenizer.encode(&text).into_vec();
@@ -164,7 +169,7 @@ pub(crate) fn perplexity(a: PerplexityArgs) -> anyhow::Result<()> {
 
 /// Runs `zerolayer generate`.
 pub(crate) fn main(a: Args) -> anyhow::Result<()> {
-    let loaded = load_gguf(&model_path(a.model.as_deref())?, a.threads)?;
+    let loaded = load_gguf(&model_path(a.model.as_deref())?, a.threads, a.no_pack)?;
     let prompt = prompt_ids(&a, &loaded.tokenizer)?;
     if a.score {
         score(&loaded.model, &prompt, a.top_k.unwrap_or(5))

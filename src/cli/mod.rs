@@ -16,7 +16,7 @@ use std::sync::Arc;
 
 use anyhow::Context as _;
 use clap::{Parser, Subcommand};
-use gpu_pipeline::{Model, ModelOptions};
+use gpu_pipeline::{Model, ModelOptions, WeightPacking};
 use token_stream::Tokenizer;
 
 /// Serve LLMs with almost nothing between the request and the matrix math.
@@ -97,6 +97,18 @@ fn model_path(model: Option<&Path>) -> anyhow::Result<PathBuf> {
     }
 }
 
+/// The model options of the `--threads` and `--no-pack` flags.
+fn model_options(threads: usize, no_pack: bool) -> ModelOptions {
+    let packing = if no_pack {
+        WeightPacking::Off
+    } else {
+        WeightPacking::Auto
+    };
+    ModelOptions::default()
+        .with_threads(threads)
+        .with_packing(packing)
+}
+
 /// A GGUF model mapped with its tokenizer, for the in-process subcommands.
 struct LoadedModel {
     model: Model,
@@ -104,13 +116,13 @@ struct LoadedModel {
 }
 
 /// Maps the GGUF file at `path` and loads its model and tokenizer.
-fn load_gguf(path: &Path, threads: usize) -> anyhow::Result<LoadedModel> {
+fn load_gguf(path: &Path, threads: usize, no_pack: bool) -> anyhow::Result<LoadedModel> {
     // SAFETY: the model file is not modified while this process maps it.
     let gguf = Arc::new(
         unsafe { weight_cache::Gguf::open(path) }
             .with_context(|| format!("opening {}", path.display()))?,
     );
     let tokenizer = Tokenizer::from_gguf(&gguf).context("loading the tokenizer")?;
-    let model = Model::load(gguf, ModelOptions::default().with_threads(threads))?;
+    let model = Model::load(gguf, model_options(threads, no_pack))?;
     Ok(LoadedModel { model, tokenizer })
 }

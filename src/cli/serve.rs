@@ -19,7 +19,6 @@ use zerolayer::EngineService;
 use zerolayer::claudelink_proto::{
     ApiKeys, Gateway, GatewayConfig, H3_ALPN, Identity, InferenceService, Server, ServerConfig,
 };
-use zerolayer::gpu_pipeline::ModelOptions;
 use zerolayer::gpu_pipeline::engine::EngineConfig;
 
 /// Weight-cache warm-up policy.
@@ -72,6 +71,10 @@ pub(crate) struct Args {
     /// Compute threads (default: all cores).
     #[arg(long)]
     threads: Option<usize>,
+    /// Compute on the model file's mapping as it is: do not re-arrange the weights into the
+    /// packed kernels' layout at load (slower decode; for comparisons).
+    #[arg(long)]
+    no_pack: bool,
     /// Weight-cache warm-up policy.
     #[arg(long, value_enum, default_value_t = Warmup::Deterministic)]
     warmup: Warmup,
@@ -158,7 +161,7 @@ fn build_service(args: &Args) -> anyhow::Result<(Arc<EngineService>, PathBuf)> {
     if let Some(b) = args.kv_budget {
         engine_cfg = engine_cfg.with_kv_budget_bytes(usize::try_from(b)?);
     }
-    let options = ModelOptions::default().with_threads(args.threads.unwrap_or(0));
+    let options = super::model_options(args.threads.unwrap_or(0), args.no_pack);
     // If the file is truncated anyway, say which file and offset before SIGBUS ends the process.
     if let Err(e) = weight_cache::install_sigbus_handler() {
         tracing::warn!("no SIGBUS handler: {e}");

@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use gpu_pipeline::ThreadPool;
-use gpu_pipeline::kernels::{Backend, GgmlType, WeightMatrix, matmul_with};
+use gpu_pipeline::kernels::{Backend, GgmlType, PackedWeights, WeightMatrix, matmul_with};
 
 /// The default model's shapes, plus two larger than L3 (the last one for the 256-element
 /// block formats, which need rows of a multiple of 256).
@@ -127,8 +127,15 @@ fn summary() {
         );
         println!("\n== matvec (decode), {threads} thread(s): GB/s of weight bytes ==");
         println!(
-            "{:<6} {:>12} {:>9} {:>7} {:>11} {:>13}",
-            "dtype", "shape", "GB/s", "of bw", "vs scalar", "cached GB/s"
+            "{:<6} {:>12} {:>9} {:>7} {:>11} {:>13} {:>13} {:>14}",
+            "dtype",
+            "shape",
+            "GB/s",
+            "of bw",
+            "vs scalar",
+            "cached GB/s",
+            "packed GB/s",
+            "packed cached"
         );
         for dtype in DTYPES.into_iter().filter(|&d| selected(d)) {
             for (rows, cols) in SHAPES {
@@ -161,14 +168,19 @@ fn summary() {
                 };
                 let ts = run(Backend::Scalar, Duration::from_millis(100));
                 let gbs = bytes as f64 / t / 1e9;
+                // The same products on packed copies (row-interleaved layout), when it exists.
+                let packed = packed_matvec(dtype, rows, cols, &one, copies, &x, &pool);
+                let show = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.2}"));
                 println!(
-                    "{:<6} {:>12} {:>9.2} {:>6.0}% {:>10.1}x {:>13.2}",
+                    "{:<6} {:>12} {:>9.2} {:>6.0}% {:>10.1}x {:>13.2} {:>13} {:>14}",
                     dtype.name(),
                     format!("{rows}x{cols}"),
                     gbs,
                     100.0 * gbs / peak,
                     ts / t,
-                    bytes as f64 / hot / 1e9
+                    bytes as f64 / hot / 1e9,
+                    show(packed.map(|p| p.0)),
+                    show(packed.map(|p| p.1)),
                 );
             }
         }
@@ -184,20 +196,29 @@ fn summary() {
                 }
                 let data = weights(dtype, rows, cols, 2);
                 let w = WeightMatrix::new(dtype, rows, cols, &data).unwrap();
+                let p = PackedWeights::pack(w, &pool).unwrap();
                 for n in [8usize, 64, 512] {
                     let x: Vec<f32> = (0..n * cols).map(|i| (i as f32 * 0.013).sin()).collect();
                     let mut y = vec![0.0f32; n * rows];
-                    let t = time(Duration::from_millis(200), || {
-                        matmul_with(best, w, black_box(&x), n, &mut y, &pool).unwrap();
-                    });
                     let flops = 2.0 * (rows * cols * n) as f64;
+                    let mut t_of = |w: WeightMatrix<'_>| {
+                        time(Duration::from_millis(200), || {
+                            matmul_with(best, w, black_box(&x), n, &mut y, &pool).unwrap();
+                        })
+                    };
+                    let t = t_of(w);
+                    let tp = p.as_ref().map(|p| t_of(p.matrix()));
                     println!(
-                        "{:<6} {:>12} {:>5} {:>9.1} {:>11.3}",
+                        "{:<6} {:>12} {:>5} {:>9.1} {:>11.3}{}",
                         dtype.name(),
                         format!("{rows}x{cols}"),
                         n,
                         flops / t / 1e9,
-                        t * 1e3
+                        t * 1e3,
+                        tp.map_or(String::new(), |tp| format!(
+                            "   packed {:.1} GFLOP/s",
+                            flops / tp / 1e9
+                        ))
                     );
                 }
             }
@@ -206,6 +227,44 @@ fn summary() {
             model_step(&pool, threads, peak);
         }
     }
+}
+
+/// Matvec GB/s of `copies` packed copies of `one` (streamed from DRAM) and of one (cached), if
+/// the format packs on this CPU.
+fn packed_matvec(
+    dtype: GgmlType,
+    rows: usize,
+    cols: usize,
+    one: &[u8],
+    copies: usize,
+    x: &[f32],
+    pool: &ThreadPool,
+) -> Option<(f64, f64)> {
+    let w = WeightMatrix::new(dtype, rows, cols, one).unwrap();
+    let first = PackedWeights::pack(w, pool).unwrap()?;
+    let many: Vec<PackedWeights> = (1..copies)
+        .map(|_| PackedWeights::pack(w, pool).unwrap().unwrap())
+        .collect();
+    let bytes = first.bytes_len() as f64;
+    let mut y = vec![0.0f32; rows];
+    let mut i = 0;
+    let t = time(Duration::from_millis(300), || {
+        let m = if i == 0 { &first } else { &many[i - 1] };
+        matmul_with(Backend::Avx512, m.matrix(), black_box(x), 1, &mut y, pool).unwrap();
+        i = (i + 1) % copies;
+    });
+    let hot = time(Duration::from_millis(100), || {
+        matmul_with(
+            Backend::Avx512,
+            first.matrix(),
+            black_box(x),
+            1,
+            &mut y,
+            pool,
+        )
+        .unwrap();
+    });
+    Some((bytes / t / 1e9, bytes / hot / 1e9))
 }
 
 /// All matvecs of one decode step (and of a 512-token prefill) over the real default model.

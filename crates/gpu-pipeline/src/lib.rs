@@ -28,7 +28,7 @@ pub use model::{
 };
 pub use model::{
     ActivationSplit, ForwardError, LogitsWanted, Model, ModelConfig, ModelError, ModelOptions,
-    RopeConfig, RopeLayout, RopeScaling, SeqStep,
+    RopeConfig, RopeLayout, RopeScaling, SeqStep, WeightPacking,
 };
 pub use sampling::{
     Sampler, SamplingParams, StopMatcher, StopReason, TokenLogprobs, TokenMask, token_nll,

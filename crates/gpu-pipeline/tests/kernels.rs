@@ -8,8 +8,8 @@
 
 use gpu_pipeline::ThreadPool;
 use gpu_pipeline::kernels::{
-    Backend, GgmlType, KernelError, WeightMatrix, dequantize_row, matmul, matmul_many, matmul_with,
-    matvec,
+    Backend, GgmlType, KernelError, Layout, PackedWeights, WeightMatrix, dequantize_row, matmul,
+    matmul_many, matmul_with, matvec,
 };
 use half::f16;
 use proptest::prelude::*;
@@ -522,6 +522,86 @@ proptest! {
             }
         }
     }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 96, ..ProptestConfig::default() })]
+
+    /// Packed weights (the row-interleaved layout) give the scalar reference's bits for every
+    /// packable format: ragged row groups, column counts that leave a partial quad of blocks,
+    /// token counts on every tile size and across the token chunk, 1 and 2 threads, alone and
+    /// grouped with another packed matrix.
+    #[test]
+    fn packed_weights_equal_scalar_bit_for_bit(
+        dt in 0usize..3, rows in 1usize..70, units in 1usize..24, n in prop_oneof![1usize..20, 120usize..140],
+        threads in 1usize..3, seed in any::<u64>(),
+    ) {
+        let dtype = [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0][dt];
+        let cols = 32 * units;
+        let pool = ThreadPool::new(threads);
+        let mut rng = Rng(seed | 1);
+        let data = random_weights(dtype, rows, cols, &mut rng);
+        let data2 = random_weights(dtype, 7, cols, &mut rng);
+        let x = random_acts(n, cols, &mut rng);
+        let w = WeightMatrix::new(dtype, rows, cols, &data).unwrap();
+        let w2 = WeightMatrix::new(dtype, 7, cols, &data2).unwrap();
+        let Some(p) = PackedWeights::pack(w, &pool).unwrap() else {
+            prop_assert_ne!(Backend::detect(), Backend::Avx512);
+            return Ok(());
+        };
+        let p2 = PackedWeights::pack(w2, &pool).unwrap().unwrap();
+        prop_assert_eq!(p.matrix().layout, Layout::Rows16);
+        let mut want = vec![0.0f32; n * rows];
+        matmul_with(Backend::Scalar, w, &x, n, &mut want, &pool).unwrap();
+        let mut want2 = vec![0.0f32; n * 7];
+        matmul_with(Backend::Scalar, w2, &x, n, &mut want2, &pool).unwrap();
+        let mut y = vec![f32::NAN; n * rows];
+        matmul(p.matrix(), &x, n, &mut y, &pool).unwrap();
+        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+        prop_assert_eq!(bits(&y), bits(&want), "{} {}x{} n {}", dtype.name(), rows, cols, n);
+        let (mut ya, mut yb) = (vec![f32::NAN; n * rows], vec![f32::NAN; n * 7]);
+        matmul_many(&[p.matrix(), p2.matrix()], &x, n, &mut [&mut ya[..], &mut yb[..]], &pool).unwrap();
+        prop_assert_eq!(bits(&ya), bits(&want));
+        prop_assert_eq!(bits(&yb), bits(&want2));
+    }
+}
+
+/// Packed weights are refused, with a typed error, by backends without their kernel and by row
+/// dequantization; formats without a packed layout are not packed.
+#[test]
+fn packed_weights_layout_errors() {
+    let mut rng = Rng(0xFACE);
+    let pool = ThreadPool::new(1);
+    let data = random_weights(GgmlType::Q4_1, 16, 64, &mut rng);
+    let w = WeightMatrix::new(GgmlType::Q4_1, 16, 64, &data).unwrap();
+    let k = random_weights(GgmlType::Q4_K, 16, 256, &mut rng);
+    let wk = WeightMatrix::new(GgmlType::Q4_K, 16, 256, &k).unwrap();
+    assert!(PackedWeights::pack(wk, &pool).unwrap().is_none());
+    let Some(p) = PackedWeights::pack(w, &pool).unwrap() else {
+        assert_ne!(
+            Backend::detect(),
+            Backend::Avx512,
+            "AVX-512 here, yet nothing packed"
+        );
+        return;
+    };
+    let mut y = [0.0f32; 16];
+    let err = matmul_with(Backend::Scalar, p.matrix(), &[0.5; 64], 1, &mut y, &pool).unwrap_err();
+    assert!(matches!(
+        err,
+        KernelError::LayoutUnsupported {
+            backend: Backend::Scalar,
+            layout: Layout::Rows16,
+            ..
+        }
+    ));
+    assert!(dequantize_row(p.matrix(), 0, &mut [0.0; 64]).is_err());
+    let mut short = p.matrix();
+    short.data = &short.data[..short.data.len() - 1];
+    assert!(matches!(
+        matvec(short, &[0.5; 64], &mut y, &pool),
+        Err(KernelError::DataLength { .. })
+    ));
 }
 
 /// A block with a NaN or infinite scale (or minimum) neither panics nor hangs, on any backend, in

@@ -204,3 +204,34 @@ fn batched_forward_is_bit_identical_to_token_by_token() {
         );
     }
 }
+
+/// Packing the weights at load (the default where the CPU has the packed kernels) changes no
+/// bit of the logits: a 40-token prefill (panel path) and single-token decode steps (the
+/// packed decode kernel), against the same model computed on the file mapping.
+#[test]
+fn packed_weights_give_identical_logits() {
+    let path = weight_cache::locate_default_model().unwrap_or_else(|e| panic!("{e}"));
+    // SAFETY: the model file is not modified while the tests run.
+    let g = Arc::new(unsafe { weight_cache::Gguf::open(&path) }.expect("open default model"));
+    let opts = ModelOptions::default().with_packing(gpu_pipeline::WeightPacking::Off);
+    let file = Model::load(g, opts).expect("load default model");
+    let ids: Vec<u32> = (0..40u32).map(|i| 100 + 37 * i).collect();
+    let bits = |v: Vec<f32>| v.into_iter().map(f32::to_bits).collect::<Vec<_>>();
+    assert!(
+        bits(all_logits(&ids)) == bits(common::all_logits(&file, KvDtype::F32, &ids)),
+        "prefill logits differ"
+    );
+    let (mut a, mut b) = (ring(64), common::ring(&file, KvDtype::F32, 64));
+    let (mut la, mut lb) = (Vec::new(), Vec::new());
+    for &t in &ids[..6] {
+        for (m, kv, out) in [(model(), &mut a, &mut la), (&file, &mut b, &mut lb)] {
+            let step = SeqStep {
+                tokens: &[t],
+                kv,
+                logits: LogitsWanted::Last,
+            };
+            m.forward(&mut [step], out).unwrap();
+        }
+        assert!(bits(la.clone()) == bits(lb.clone()), "decode logits differ");
+    }
+}

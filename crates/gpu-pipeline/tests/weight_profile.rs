@@ -2,8 +2,10 @@
 
 use std::sync::Arc;
 
-use gpu_pipeline::{LogitsWanted, Model, ModelOptions, SeqStep};
+use gpu_pipeline::kernels::PackedWeights;
+use gpu_pipeline::{LogitsWanted, Model, ModelOptions, SeqStep, WeightPacking};
 use kv_ring::{KvDtype, KvPool, RingMode};
+use weight_cache::GgmlType;
 use weight_cache::{CacheConfig, Gguf, WarmupStrategy, WeightCache};
 
 fn open() -> Arc<Gguf> {
@@ -12,10 +14,38 @@ fn open() -> Arc<Gguf> {
     Arc::new(unsafe { Gguf::open(path) }.expect("open"))
 }
 
+/// Weights packed at load are computed from the model's own copy: the file's pages of them are
+/// not read, so they are not touched (the profile and warm-up leave them alone).
+#[test]
+fn packed_weights_are_not_touched() {
+    if !PackedWeights::supported(GgmlType::Q4_1) {
+        return; // nothing packs on this CPU
+    }
+    let gguf = open();
+    let model = Model::load(gguf.clone(), ModelOptions::default().with_threads(1)).unwrap();
+    let cache = WeightCache::new(gguf, CacheConfig::default()).unwrap();
+    model.attach_weight_cache(cache.clone()).unwrap();
+    let pool = KvPool::new(model.kv_shape(KvDtype::F16), 16 << 20).unwrap();
+    let mut kv = pool.alloc(64, RingMode::Strict).unwrap();
+    let mut logits = Vec::new();
+    let step = SeqStep {
+        tokens: &[1u32, 9690, 198],
+        kv: &mut kv,
+        logits: LogitsWanted::Last,
+    };
+    model.forward(&mut [step], &mut logits).unwrap();
+    // The default model is Q4_1 with a tied Q8_0 embedding: everything is packed.
+    let s = cache.stats();
+    assert_eq!((s.touches, s.tokens), (0, 1), "{s:?}");
+}
+
 #[test]
 fn forward_touches_every_weight_tensor_once_per_call() {
     let gguf = open();
-    let model = Model::load(gguf.clone(), ModelOptions::default().with_threads(1)).unwrap();
+    let opts = ModelOptions::default()
+        .with_threads(1)
+        .with_packing(WeightPacking::Off);
+    let model = Model::load(gguf.clone(), opts).unwrap();
     let cache = WeightCache::new(gguf.clone(), CacheConfig::default()).unwrap();
     // A cache over another mapping of the same file is refused (its indices would be fine,
     // but its residency answers would be about other pages).

@@ -961,6 +961,15 @@ impl Gguf {
         &self.backing
     }
 
+    /// Drops the pages covering `range` of the file's bytes from this process (madvise
+    /// DONTNEED on the read-only file mapping): they leave the process's resident set, stay in
+    /// the page cache, and a later read faults them back in unchanged. For data the caller has
+    /// copied (e.g. re-arranged weights) and will not read here again. A file read into an owned
+    /// buffer cannot drop pages: `Unsupported`.
+    pub fn release(&self, range: std::ops::Range<usize>) -> io::Result<()> {
+        crate::sys::advise(&self.backing, range, crate::sys::Advice::DontNeed)
+    }
+
     /// Metadata keys in file order.
     pub fn metadata_keys(&self) -> impl Iterator<Item = &str> {
         self.meta.iter().map(|(k, _)| &**k)

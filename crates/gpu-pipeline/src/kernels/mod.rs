@@ -1,7 +1,9 @@
 //! CPU kernels over quantized weights in place (matrix-vector and matrix-matrix products).
 //!
-//! The weights stay in the GGUF mapping, in their ggml block layout; nothing is dequantized to a
-//! copy. For the integer-quantized types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K,
+//! The weights stay in their ggml block encoding, nothing is dequantized to a copy: read in
+//! place from the GGUF mapping, or (Q4_0, Q4_1, Q8_0 on AVX-512) from a [`PackedWeights`] copy
+//! made once at load, whose 16-row interleaving lets the decode kernel skip the per-pass
+//! shuffles (same bytes per weight, bit-identical results). For the integer-quantized types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K,
 //! Q6_K, IQ4_NL, IQ4_XS) the f32 activations are
 //! quantized on the fly to 8 bits per 32-element block (one f32 scale per block, as llama.cpp's
 //! q8 formats do) and the products run as integer dot products (AVX-512 VNNI `vpdpbusd` where the
@@ -42,6 +44,7 @@ mod avx2_quant;
 mod avx512;
 mod format;
 mod ops;
+mod packed;
 #[cfg(target_arch = "x86_64")]
 mod panel;
 #[cfg(target_arch = "x86_64")]
@@ -73,8 +76,21 @@ pub use ops::{
     OpsError, add_assign, axpy, axpy_f16, dot, dot_f16, rmsnorm, rope_neox, rope_normal, silu_mul,
     softmax,
 };
+pub use packed::PackedWeights;
 
-/// A row-major weight matrix in its ggml encoding, borrowed from a model file mapping.
+/// How a [`WeightMatrix`]'s bytes are arranged.
+#[non_exhaustive]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum Layout {
+    /// As in the model file: row after row, each row its ggml blocks in order.
+    #[default]
+    File,
+    /// Row-interleaved for the AVX-512 16-row kernel ([`PackedWeights`]).
+    Rows16,
+}
+
+/// A row-major weight matrix in its ggml encoding, borrowed from a model file mapping (or a
+/// [`PackedWeights`] re-arrangement of one).
 ///
 /// `cols` is the row length (ggml `ne0`, `shape[0]`), `rows` the number of rows (`shape[1]`).
 #[derive(Clone, Copy, Debug)]
@@ -85,8 +101,10 @@ pub struct WeightMatrix<'a> {
     pub rows: usize,
     /// Elements per row (inputs of a product).
     pub cols: usize,
-    /// `rows * dtype.row_bytes(cols)` bytes.
+    /// `rows * dtype.row_bytes(cols)` bytes (file layout).
     pub data: &'a [u8],
+    /// The arrangement of `data` ([`Layout::File`] from [`new`](Self::new)).
+    pub layout: Layout,
 }
 
 impl<'a> WeightMatrix<'a> {
@@ -103,6 +121,7 @@ impl<'a> WeightMatrix<'a> {
             rows,
             cols,
             data,
+            layout: Layout::File,
         };
         m.check()?;
         Ok(m)
@@ -132,13 +151,20 @@ impl<'a> WeightMatrix<'a> {
                 block: fmt.block_elems(),
             });
         }
-        let expected =
-            fmt.row_bytes(self.cols)
-                .checked_mul(self.rows)
-                .ok_or(KernelError::SizeOverflow {
-                    rows: self.rows as u64,
-                    cols: self.cols as u64,
-                })?;
+        let overflow = KernelError::SizeOverflow {
+            rows: self.rows as u64,
+            cols: self.cols as u64,
+        };
+        let expected = match self.layout {
+            Layout::File => fmt.row_bytes(self.cols).checked_mul(self.rows),
+            Layout::Rows16 => {
+                if packed::block_bytes(fmt).is_none() {
+                    return Err(KernelError::UnsupportedDtype { dtype: self.dtype });
+                }
+                packed::packed_len(fmt, self.rows, self.cols)
+            }
+        }
+        .ok_or(overflow)?;
         if self.data.len() != expected {
             return Err(KernelError::DataLength {
                 dtype: self.dtype,
@@ -231,6 +257,16 @@ pub enum KernelError {
     BackendUnavailable {
         /// The backend.
         backend: Backend,
+    },
+    /// The backend has no kernel for the matrix's layout (packed weights need AVX-512).
+    #[error("backend {backend:?} has no kernel for {} weights in layout {layout:?}", dtype.name())]
+    LayoutUnsupported {
+        /// The backend.
+        backend: Backend,
+        /// The encoding.
+        dtype: GgmlType,
+        /// The layout.
+        layout: Layout,
     },
 }
 
@@ -335,6 +371,7 @@ pub fn matmul_with(
     if !backend.is_available() {
         return Err(KernelError::BackendUnavailable { backend });
     }
+    check_layout(backend, w)?;
     let Some(fmt) = validate(w, x, n, y)? else {
         return Ok(());
     };
@@ -393,7 +430,9 @@ pub fn matmul_many(
     // on the decode path).
     let mut group: Option<Option<Fmt>> = None;
     for (w, y) in ws.iter().zip(ys.iter_mut()) {
-        let f = validate(*w, x, n, y)?.filter(|f| !f.is_float() && w.cols == ws[0].cols);
+        check_layout(backend, *w)?;
+        let f = validate(*w, x, n, y)?
+            .filter(|f| !f.is_float() && w.cols == ws[0].cols && w.layout == ws[0].layout);
         group = Some(match group {
             None => f,
             Some(g) => g.filter(|&g| Some(g) == f),
@@ -410,6 +449,19 @@ pub fn matmul_many(
             }
             Ok(())
         }
+    }
+}
+
+/// Checks that `backend` has a kernel for `w`'s layout.
+fn check_layout(backend: Backend, w: WeightMatrix<'_>) -> Result<(), KernelError> {
+    match w.layout {
+        Layout::File => Ok(()),
+        Layout::Rows16 if backend == Backend::Avx512 => Ok(()),
+        layout => Err(KernelError::LayoutUnsupported {
+            backend,
+            dtype: w.dtype,
+            layout,
+        }),
     }
 }
 
@@ -466,7 +518,8 @@ fn quant_group(
     let cols = ws[0].cols;
     // Quantize the activations once, then share them read-only.
     #[cfg(target_arch = "x86_64")]
-    if backend == Backend::Avx512 && panel::applies(fmt, n) {
+    if backend == Backend::Avx512 && (ws[0].layout == Layout::Rows16 || panel::applies(fmt, n)) {
+        let packed = ws[0].layout == Layout::Rows16;
         BLOCK_SCRATCH.with(|scratch| {
             let mut acts = scratch.borrow_mut();
             let nb = cols / 32;
@@ -479,9 +532,16 @@ fn quant_group(
             });
             let acts: &[ActBlock] = acts;
             run_rows_many(ws, n, ys, pool, &|w, rows, out| {
-                // SAFETY: the AVX-512 backend is available (checked by the caller above) and
+                // SAFETY: the AVX-512 backend is available (checked by the caller above); a
+                // packed matrix's format has a packed layout (checked with its length), else
                 // `applies` checked the format.
-                unsafe { panel::quant_rows(fmt, w, acts, n, rows, out) }
+                unsafe {
+                    if packed {
+                        packed::quant_rows(fmt, w, acts, n, rows, out)
+                    } else {
+                        panel::quant_rows(fmt, w, acts, n, rows, out)
+                    }
+                }
             });
         });
         return;
@@ -625,7 +685,7 @@ fn run_rows_many(
     let min_rows = if n >= 8 { 16 } else { 32 };
     // Many tokens: whole 16-row panels (see `panel`).
     #[cfg(target_arch = "x86_64")]
-    let align = if n >= panel::PANEL_MIN_TOKENS {
+    let align = if n >= panel::PANEL_MIN_TOKENS || ws[0].layout == Layout::Rows16 {
         panel::PANEL_ROWS
     } else {
         4
@@ -754,6 +814,7 @@ fn quant_rows(
 
 /// Dequantizes row `row` of `w` into `out` (`cols` elements), e.g. for an embedding lookup.
 pub fn dequantize_row(w: WeightMatrix<'_>, row: usize, out: &mut [f32]) -> Result<(), KernelError> {
+    check_layout(Backend::Scalar, w)?;
     let fmt = w.check()?;
     if row >= w.rows {
         return Err(KernelError::RowOutOfRange { row, rows: w.rows });

@@ -116,6 +116,119 @@ fn panel_rows<const F: u8>(
     let nblocks = w.cols / 32;
     assert!(acts.len() >= n * nblocks && rows.end <= w.rows && w.data.len() >= w.rows * rb);
     assert!(!rows.is_empty() && PANEL_ROWS * rb < i32::MAX as usize);
+    let end = rows.end;
+    panel_loop::<F>(nblocks, acts, n, rows, out, &mut |g, panel| {
+        let r0 = g.min(end - 1);
+        // Row offsets from row `r0`; rows past the task repeat its last row (not emitted).
+        let offs: [i32; 16] =
+            std::array::from_fn(|k| ((g + k).min(end - 1) - r0) as i32 * rb as i32);
+        // The next panel (DRAM in decode) is prefetched while this one is packed.
+        let next_r0 = (g + PANEL_ROWS).min(end - 1);
+        // SAFETY: `r0, next_r0 < w.rows`; the packing reads stay inside rows `r0..end`, the
+        // prefetches inside rows `next_r0..end`.
+        unsafe {
+            let base = w.data.as_ptr();
+            let next = (base.add(next_r0 * rb), end - next_r0);
+            pack::<F>(base.add(r0 * rb), next, offs, rb, panel);
+        }
+    });
+}
+
+/// [`quant_rows`] over a matrix already in the row-interleaved layout of
+/// [`super::packed::PackedWeights`] (`rows.start` a multiple of 16): each 16-row group is
+/// unpacked into the panel (no gathers or transposes), then multiplied as above.
+///
+/// # Safety
+/// As for [`quant_rows`]; `w` is in the packed layout with its checked length.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+pub(crate) unsafe fn packed_rows(
+    fmt: Fmt,
+    w: WeightMatrix<'_>,
+    acts: &[ActBlock],
+    n: usize,
+    rows: Range<usize>,
+    out: &mut RowsOut<'_>,
+) {
+    match fmt {
+        Fmt::Q4_0 => packed_impl::<F_Q4_0>(fmt, w, acts, n, rows, out),
+        Fmt::Q4_1 => packed_impl::<F_Q4_1>(fmt, w, acts, n, rows, out),
+        Fmt::Q8_0 => packed_impl::<F_Q8_0>(fmt, w, acts, n, rows, out),
+        _ => unreachable!("packed formats are checked by the caller"),
+    }
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+fn packed_impl<const F: u8>(
+    fmt: Fmt,
+    w: WeightMatrix<'_>,
+    acts: &[ActBlock],
+    n: usize,
+    rows: Range<usize>,
+    out: &mut RowsOut<'_>,
+) {
+    let bb = super::packed::block_bytes(fmt).unwrap_or(0);
+    let nblocks = w.cols / 32;
+    let gb = nblocks * bb;
+    assert!(
+        acts.len() >= n * nblocks && rows.end <= w.rows && rows.start.is_multiple_of(PANEL_ROWS)
+    );
+    assert!(!rows.is_empty() && w.data.len() >= w.rows.div_ceil(PANEL_ROWS) * gb);
+    panel_loop::<F>(nblocks, acts, n, rows, out, &mut |g, panel| {
+        let group = &w.data[g / PANEL_ROWS * gb..][..gb];
+        // SAFETY: `group` holds the group's `nblocks` packed blocks of `bb` bytes.
+        unsafe { unpack::<F>(group, bb, panel) };
+    });
+}
+
+/// Unpacks one packed 16-row group (`panel.len()` blocks of `bb` bytes) into `panel`.
+///
+/// # Safety
+/// `group` holds `panel.len()` packed blocks of `bb` bytes.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+unsafe fn unpack<const F: u8>(group: &[u8], bb: usize, panel: &mut [PackedBlock]) {
+    let lo4 = _mm512_set1_epi8(0x0F);
+    for (b, pb) in panel.iter_mut().enumerate() {
+        let p = group[b * bb..(b + 1) * bb].as_ptr();
+        // SAFETY: every load is inside block `b`; the stores fill `pb`'s aligned fields.
+        unsafe {
+            let at = if F == F_Q8_0 {
+                for j in 0..8 {
+                    let v = _mm512_loadu_si512(p.add(64 * j).cast());
+                    _mm512_store_si512(pb.w[j].as_mut_ptr().cast(), v);
+                }
+                512
+            } else {
+                for c in 0..4 {
+                    let v = _mm512_loadu_si512(p.add(64 * c).cast());
+                    let hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo4);
+                    _mm512_store_si512(pb.w[c].as_mut_ptr().cast(), _mm512_and_si512(v, lo4));
+                    _mm512_store_si512(pb.w[c + 4].as_mut_ptr().cast(), hi);
+                }
+                256
+            };
+            let d = _mm512_cvtph_ps(_mm256_loadu_si256(p.add(at).cast()));
+            _mm512_store_ps(pb.d.as_mut_ptr(), d);
+            if has_min(F) {
+                let m = _mm512_cvtph_ps(_mm256_loadu_si256(p.add(at + 32).cast()));
+                _mm512_store_ps(pb.m.as_mut_ptr(), m);
+            }
+        }
+    }
+}
+
+/// The token and row loops shared by both sources: for each token chunk and each 16-row group
+/// `g` of `rows`, `pack(g, panel)` fills the panel, then every tile of the chunk's tokens is
+/// multiplied and emitted.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+fn panel_loop<const F: u8>(
+    nblocks: usize,
+    acts: &[ActBlock],
+    n: usize,
+    rows: Range<usize>,
+    out: &mut RowsOut<'_>,
+    pack: &mut dyn FnMut(usize, &mut [PackedBlock]),
+) {
     PANEL.with(|p| {
         let mut panel = p.borrow_mut();
         if panel.len() < nblocks {
@@ -130,19 +243,7 @@ fn panel_rows<const F: u8>(
         for tc in (0..n).step_by(chunk) {
             let t_end = (tc + chunk).min(n);
             for g in rows.clone().step_by(PANEL_ROWS) {
-                let r0 = g.min(rows.end - 1);
-                // Row offsets from row `r0`; rows past the task repeat its last row (not emitted).
-                let offs: [i32; 16] =
-                    std::array::from_fn(|k| ((g + k).min(rows.end - 1) - r0) as i32 * rb as i32);
-                // The next panel (DRAM in decode) is prefetched while this one is packed.
-                let next_r0 = (g + PANEL_ROWS).min(rows.end - 1);
-                // SAFETY: `r0, next_r0 < w.rows`; the packing reads stay inside rows `r0..rows.end`,
-                // the prefetches inside rows `next_r0..rows.end`.
-                unsafe {
-                    let base = w.data.as_ptr();
-                    let next = (base.add(next_r0 * rb), rows.end - next_r0);
-                    pack::<F>(base.add(r0 * rb), next, offs, rb, panel);
-                }
+                pack(g, panel);
                 let live = (rows.end - g).min(PANEL_ROWS);
                 let mut emit = |t: usize, v: __m512| {
                     let mut o = [0.0f32; 16];

@@ -17,7 +17,7 @@ use token_stream::Tokenizer;
 use weight_cache::{DequantError, GgmlType, Gguf, WeightCache};
 
 use crate::ThreadPool;
-use crate::kernels::{self, KernelError, WeightMatrix};
+use crate::kernels::{self, KernelError, PackedWeights, WeightMatrix};
 
 pub use config::{
     Activation, LayerConfig, LayerRope, MAX_EXPERTS, ModelConfig, MoeConfig, QkNorm, RopeConfig,
@@ -44,6 +44,25 @@ pub struct ModelOptions {
     /// with LongRoPE factors (Phi-3) use the long factors when this exceeds their original
     /// context, as llama.cpp does.
     pub context: usize,
+    /// Whether the dense matrices are re-arranged at load for the packed kernels (default:
+    /// [`WeightPacking::Auto`]).
+    pub packing: WeightPacking,
+}
+
+/// Re-arranging the weights at load time ([`PackedWeights`](crate::kernels::PackedWeights)):
+/// the dense matrices of the formats that have a packed kernel (Q4_0, Q4_1, Q8_0 on AVX-512)
+/// are copied once into the row-interleaved layout, which decodes about twice as fast per byte
+/// with bit-identical results; the file's pages of those matrices are then released, so
+/// resident memory does not grow. Mixture-of-experts weights and matrices of other formats
+/// stay in the file mapping (their residency follows the weight cache's budget).
+#[non_exhaustive]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum WeightPacking {
+    /// Pack every matrix the CPU has a packed kernel for.
+    #[default]
+    Auto,
+    /// Compute on the file mapping as it is (weights read in place, nothing copied).
+    Off,
 }
 
 /// The kernels quantize activations to 8 bits per 32-element block before their integer dot
@@ -74,6 +93,11 @@ impl ModelOptions {
     /// Sets [`context`](Self::context).
     pub fn with_context(mut self, context: usize) -> Self {
         self.context = context;
+        self
+    }
+    /// Sets [`packing`](Self::packing).
+    pub fn with_packing(mut self, packing: WeightPacking) -> Self {
+        self.packing = packing;
         self
     }
     /// Sets [`activation_split`](Self::activation_split).
@@ -152,6 +176,15 @@ pub enum ModelError {
         tensor: String,
         /// Its element type.
         dtype: GgmlType,
+    },
+    /// Re-arranging a matrix for the packed kernels failed (see [`WeightPacking`]).
+    #[error("cannot pack tensor {tensor:?}: {source}")]
+    Pack {
+        /// The tensor name.
+        tensor: String,
+        /// The kernels' error.
+        #[source]
+        source: KernelError,
     },
     /// Dequantizing a small tensor (norm weights, biases) failed.
     #[error("cannot dequantize tensor {tensor:?} ({dtype:?}): {source}")]
@@ -271,6 +304,8 @@ struct Lin {
     rows: usize,
     cols: usize,
     bytes: Range<usize>,
+    /// The matrix re-arranged for the packed kernels, when the model packs it.
+    packed: Option<Arc<PackedWeights>>,
 }
 
 impl Lin {
@@ -280,8 +315,48 @@ impl Lin {
         Self {
             rows: r.len(),
             bytes: self.bytes.start + r.start * rb..self.bytes.start + r.end * rb,
+            packed: None,
             ..self.clone()
         }
+    }
+
+    /// Packs this matrix (see [`WeightPacking`]) if its format has a packed kernel here, and
+    /// releases its file pages.
+    fn pack(&mut self, g: &dyn WeightSource, pool: &ThreadPool) -> Result<(), KernelError> {
+        if self.packed.is_some() || !PackedWeights::supported(self.dtype) {
+            return Ok(());
+        }
+        let data = g
+            .file_bytes(self.file)
+            .get(self.bytes.clone())
+            .unwrap_or(&[]);
+        let w = WeightMatrix::new(self.dtype, self.rows, self.cols, data)?;
+        self.packed = PackedWeights::pack(w, pool)?.map(Arc::new);
+        if self.packed.is_some() {
+            g.release(self.file, self.bytes.clone());
+        }
+        Ok(())
+    }
+}
+
+impl Layer {
+    /// The dense matrices (attention, and the MLP unless it is a mixture of experts), named as
+    /// in the file (`attn_q`, ...).
+    fn dense_mut(&mut self) -> Vec<(&'static str, &mut Lin)> {
+        let mut v = vec![
+            ("attn_q", &mut self.wq),
+            ("attn_k", &mut self.wk),
+            ("attn_v", &mut self.wv),
+            ("attn_output", &mut self.wo),
+        ];
+        if let Ffn::Dense(m) = &mut self.ffn {
+            v.extend([
+                ("ffn_gate", &mut m.gate),
+                ("ffn_up", &mut m.up),
+                ("ffn_down", &mut m.down),
+            ]);
+        }
+        v
     }
 }
 
@@ -562,6 +637,25 @@ impl Model {
             });
         }
         let pool = (opts.threads > 0).then(|| ThreadPool::new(opts.threads));
+        let (mut output, mut embd) = (output, embd);
+        if opts.packing == WeightPacking::Auto {
+            let p = pool.as_ref().unwrap_or_else(|| ThreadPool::global());
+            let packed = |l: &mut Lin, tensor: String| {
+                l.pack(g, p)
+                    .map_err(|source| ModelError::Pack { tensor, source })
+            };
+            for (i, layer) in layers.iter_mut().enumerate() {
+                for (name, l) in layer.dense_mut() {
+                    packed(l, format!("blk.{i}.{name}.weight"))?;
+                }
+            }
+            packed(&mut output, "output.weight".into())?;
+            // A head tied to the embedding: look the embeddings up in the packed copy too, so
+            // none of the table's file pages stay resident.
+            if output.file == embd.file && output.bytes == embd.bytes {
+                embd.packed = output.packed.clone();
+            }
+        }
         Ok(Self {
             src,
             cfg,
@@ -681,7 +775,10 @@ impl Model {
         v
     }
 
-    fn w(&self, l: &Lin) -> Result<WeightMatrix<'_>, KernelError> {
+    fn w<'s>(&'s self, l: &'s Lin) -> Result<WeightMatrix<'s>, KernelError> {
+        if let Some(p) = &l.packed {
+            return Ok(p.matrix());
+        }
         let bytes = self
             .src
             .file_bytes(l.file)
@@ -807,7 +904,9 @@ impl Model {
         tmp2: &mut Vec<f32>,
         touch: Touch<'_>,
     ) -> Result<(), KernelError> {
-        if let Some((cache, r)) = touch {
+        if let Some((cache, r)) = touch
+            && w.packed.is_none()
+        {
             cache.touch(w.tensor, r);
         }
         if self.split_for(c) {
@@ -837,7 +936,10 @@ impl Model {
             return Ok(());
         }
         if let Some((cache, r)) = touch {
-            ws.iter().for_each(|(_, w)| cache.touch(w.tensor, r));
+            // Packed matrices are not read from the file.
+            ws.iter()
+                .filter(|(_, w)| w.packed.is_none())
+                .for_each(|(_, w)| cache.touch(w.tensor, r));
         }
         let mut mats = [self.w(ws[0].1)?; N];
         for (m, (_, w)) in mats.iter_mut().zip(&ws).skip(1) {
@@ -1022,7 +1124,9 @@ impl Model {
     ) -> Result<(), ForwardError> {
         let (d, n_rot) = (self.cfg.n_embd, self.cfg.rope.n_rot);
         let total: usize = steps.iter().map(|s| s.tokens.len()).sum();
-        if let Some((c, r)) = touch {
+        if let Some((c, r)) = touch
+            && self.embd.packed.is_none()
+        {
             c.touch(self.embd.tensor, r);
         }
         let bytes = self.src.file_bytes(self.embd.file);
@@ -1039,13 +1143,17 @@ impl Model {
             let pos0 = s.kv.next_pos();
             sc.steps.push((row, len_before));
             for (j, &t) in s.tokens.iter().enumerate() {
-                let src = &bytes[self.embd.bytes.start + t as usize * rb..][..rb];
                 let dst = &mut sc.x[(row + j) * d..][..d];
-                weight_cache::dequantize(self.embd.dtype, src, dst).map_err(|_| {
-                    KernelError::UnsupportedDtype {
-                        dtype: self.embd.dtype,
+                let unsupported = |_| KernelError::UnsupportedDtype {
+                    dtype: self.embd.dtype,
+                };
+                match &self.embd.packed {
+                    Some(p) => p.dequantize_row(t as usize, dst)?,
+                    None => {
+                        let src = &bytes[self.embd.bytes.start + t as usize * rb..][..rb];
+                        weight_cache::dequantize(self.embd.dtype, src, dst).map_err(unsupported)?;
                     }
-                })?;
+                }
                 if scale != 1.0 {
                     dst.iter_mut().for_each(|v| *v *= scale);
                 }
@@ -1359,7 +1467,7 @@ impl Model {
                 .map_err(|source| ForwardError::Kv { step: i, source })?;
         }
         if let Some((c, r)) = touch {
-            if n_out > 0 {
+            if n_out > 0 && self.output.packed.is_none() {
                 c.touch(self.output.tensor, r);
             }
             c.end_token();
@@ -1410,6 +1518,7 @@ fn lin_stacked(g: &dyn WeightSource, name: &str, shape: &[u64]) -> Result<Lin, M
         rows: shape[1..].iter().product::<u64>() as usize,
         cols: shape[0] as usize,
         bytes: start..start + t.data.len(),
+        packed: None,
     };
     if name != "token_embd.weight" {
         check_kernel(g, &l, name)?;

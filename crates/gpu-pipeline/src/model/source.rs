@@ -84,6 +84,12 @@ pub trait WeightSource: Send + Sync + Debug {
     fn gguf(&self) -> Option<&std::sync::Arc<Gguf>> {
         None
     }
+    /// Tells the source that bytes `range` of file `file` will not be read again (the model
+    /// keeps its own copy): a mapped file drops those pages from the process's resident set.
+    /// The default does nothing.
+    fn release(&self, file: usize, range: std::ops::Range<usize>) {
+        let _ = (file, range);
+    }
     /// A name for the model: `general.name`, else the file or directory name.
     fn model_name(&self) -> Option<String> {
         self.get_str("general.name").map(str::to_string)
@@ -185,6 +191,12 @@ impl WeightSource for GgufSource {
     }
     fn gguf(&self) -> Option<&std::sync::Arc<Gguf>> {
         Some(&self.0)
+    }
+    fn release(&self, file: usize, range: std::ops::Range<usize>) {
+        if file == 0 {
+            // Best effort: a file read into memory (not mapped) keeps its pages.
+            let _ = self.0.release(range);
+        }
     }
     fn model_name(&self) -> Option<String> {
         WeightSource::model_name(&*self.0)
