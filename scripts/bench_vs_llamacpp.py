@@ -11,8 +11,8 @@ import argparse
 import json
 import os
 import pathlib
-import resource
 import subprocess
+import tempfile
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -48,15 +48,21 @@ def cpu_total():
 
 
 def run_measured(cmd):
+    """Runs `cmd`; returns (result with stdout/stderr, other processes' CPU seconds meanwhile,
+    this child's own peak RSS in MiB, from wait4: not the maximum over all children so far)."""
     before = cpu_total()
-    r0 = resource.getrusage(resource.RUSAGE_CHILDREN)
-    p = subprocess.run(cmd, capture_output=True, text=True)
-    r1 = resource.getrusage(resource.RUSAGE_CHILDREN)
-    after = cpu_total()
-    if p.returncode != 0:
-        sys.exit(f"{cmd[0]} failed: {p.stderr[-2000:]}")
-    own = (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
-    return p, max(0.0, after - before - own), r1.ru_maxrss / 1024
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        p = subprocess.Popen(cmd, stdout=out, stderr=err, text=True)
+        _, status, ru = os.wait4(p.pid, 0)
+        p.returncode = os.waitstatus_to_exitcode(status)
+        after = cpu_total()
+        out.seek(0)
+        err.seek(0)
+        res = subprocess.CompletedProcess(cmd, p.returncode, out.read(), err.read())
+    if res.returncode != 0:
+        sys.exit(f"{cmd[0]} failed: {res.stderr[-2000:]}")
+    own = ru.ru_utime + ru.ru_stime
+    return res, max(0.0, after - before - own), ru.ru_maxrss / 1024
 
 
 def ours(a, pp_ids, chat_ids):
@@ -121,7 +127,6 @@ def budgeted(a, chat_ids, unbudgeted, total_bytes):
             "--ignore-eos", "--weight-budget", str(a.budget), "--weight-profile", str(prof),
             "--prompt-ids", ",".join(map(str, chat_ids)), "--max-tokens", str(a.gen)]
     run_measured(base)
-    # (run_measured's peak RSS is the largest of all children so far: not this run's.)
     p, other, _ = run_measured(base)
     line = [l for l in p.stderr.splitlines() if "time to first token" in l][-1]
     gen = float(line.split("generated, ")[1].split(" tok/s")[0])
