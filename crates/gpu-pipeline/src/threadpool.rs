@@ -205,12 +205,18 @@ impl Drop for CloseGuard<'_> {
         // Wait for the workers that joined (they hold at most one task each).
         let start = Instant::now();
         let mut spins = 0u32;
+        let mut yielding = false;
         while sh.active.load(Ordering::SeqCst) != 0 {
-            spins += 1;
-            if spins < 64 || start.elapsed() < SPIN {
-                std::hint::spin_loop();
-            } else {
+            spins = spins.wrapping_add(1);
+            // The clock is read once per 64 spins: reading it every spin cost more than the
+            // wait itself (clock_gettime was ~3% of a decode profile).
+            if !yielding && spins.is_multiple_of(64) {
+                yielding = start.elapsed() >= SPIN;
+            }
+            if yielding {
                 thread::yield_now();
+            } else {
+                std::hint::spin_loop();
             }
         }
         sh.func.store(std::ptr::null_mut(), Ordering::Relaxed);
