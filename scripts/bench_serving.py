@@ -29,7 +29,11 @@ import urllib.request
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 HZ = os.sysconf("SC_CLK_TCK")
 MODEL_ID = "smollm2"
-TRANSPORTS = ["claudelink", "h3", "http1", "llamacpp"]
+TRANSPORTS = ["claudelink", "h3", "http1", "llama-server", "llamacpp"]
+# The peers, both llama.cpp over its OpenAI API on HTTP/1.1: `llama-server` (llama.cpp's own
+# server, built by scripts/build-llama-server: parallel slots, continuous batching) and
+# `llamacpp` (llama-cpp-python's server: one sequence at a time).
+PEERS = ["llama-server", "llamacpp"]
 # Durations: loadgen starts new requests for `duration` seconds, then waits for the requests in
 # flight, each cut at `timeout` seconds (counted as errors of kind "timeout"), so a run takes up to
 # duration + timeout. At ~100-150 generated tok/s in all, a round of 100 clients x 32 tokens takes
@@ -345,6 +349,35 @@ class LlamaServer(ServerProc):
     GRACE = 3.0
 
 
+class NativeLlamaServer(ServerProc):
+    """llama.cpp's own `llama-server`: one slot per concurrent client (up to 100, as a user
+    serving many streams would configure it), continuous batching, a context of `slot_ctx` tokens
+    per slot (prompt + output of the scenario, rounded up), same threads as ours."""
+    GRACE = 3.0
+
+    def __init__(self, a, sc, tag):
+        self.log = a.out / "logs" / f"llama-server-{tag}.log"
+        port = free_port("tcp")
+        self.http = f"127.0.0.1:{port}"
+        slots = min(sc["concurrency"], 100)
+        slot_ctx = 1536 if sc["prompt"] == "doc" else 256
+        self.cmd = [a.llama_server_bin, "-m", a.model, "--host", "127.0.0.1", "--port", str(port),
+                    "-t", str(a.threads), "-tb", str(a.threads), "-np", str(slots), "-cb",
+                    "-c", str(slots * slot_ctx), "--alias", MODEL_ID, "--jinja"]
+        self.logf = open(self.log, "wb")
+        t0 = time.monotonic()
+        self.p = spawn(self.cmd, self.logf, subprocess.STDOUT)
+        while not http_ok(f"http://{self.http}/health"):
+            if self.p.poll() is not None:
+                raise RuntimeError(f"llama-server exited ({self.p.returncode}); log {self.log}:\n"
+                                   f"{tail(self.log)}")
+            if time.monotonic() - t0 > 180:
+                raise RuntimeError(f"llama-server not ready after 180 s; log {self.log}:\n{tail(self.log)}")
+            time.sleep(0.25)
+        self.ready_s = time.monotonic() - t0
+        log(f"llama-server ready in {self.ready_s:.1f} s (http {self.http}, {slots} slots)")
+
+
 # ---------------------------------------------------------------- prompts
 
 def count_tokens(http, text):
@@ -539,7 +572,7 @@ def run_transport(a, sc, transport, server, prompts):
     tag = f"{sc['key']}-{transport}"
     records = a.out / "records" / f"{tag}.jsonl"
     records.unlink(missing_ok=True)
-    if transport == "llamacpp":
+    if transport in PEERS:
         addr, fp, api, lg_transport = server.http, None, "openai", "http1"
     elif transport == "http1":
         addr, fp, api, lg_transport = server.http, None, "anthropic", "http1"
@@ -561,7 +594,7 @@ def run_transport(a, sc, transport, server, prompts):
         out = summary_from_records(read_records(records), r["wall_s"])
         r["notes"].append("no JSON summary from loadgen: figures computed from its records")
     r["result"] = out
-    if transport != "llamacpp":
+    if transport not in PEERS:
         waited, ok = settle(server.pid, a.settle_max)
         r["settle_s"], r["settled"] = waited, ok
         if not ok and server.alive():
@@ -570,13 +603,14 @@ def run_transport(a, sc, transport, server, prompts):
 
 
 def warmup(a, sc, server, prompts, llama):
-    """Same warm-up for both servers: a few requests with the scenario's prompt (which also fills
-    their prompt-prefix caches). Returns a short summary for the report."""
+    """Same warm-up for every server: a few requests with the scenario's prompt (which also fills
+    their prompt-prefix caches). `llama`: the peer's name (OpenAI API), or None for ours. Returns a
+    short summary for the report."""
     api = "openai" if llama else "anthropic"
     clients, duration, timeout = sc.get("warmup") or (min(4, sc["concurrency"]), a.warmup, 30)
     cmd = loadgen_cmd(a, "http1", server.http, None, api, clients, duration, timeout, None,
                       prompts[sc["prompt"]]["file"], sc["max_tokens"])
-    tag = f"{sc['key']}-{'llamacpp' if llama else 'ours'}-warmup"
+    tag = f"{sc['key']}-{llama or 'ours'}-warmup"
     so, se = a.out / "logs" / f"{tag}.stdout", a.out / "logs" / f"{tag}.stderr"
     rc, _, timed_out, wall = run_child(cmd, so, se, duration + timeout + a.grace)
     out = parse_json_line(so) or {}
@@ -758,7 +792,7 @@ def single_stream(a, prompts):
               "duration": a.single_duration, "timeout": 60, "connections": {"claudelink": 1, "h3": 1},
               "warmup": (1, 1, 60)}
         prompts = dict(prompts, single={"file": pf})
-        res["warmup"] = warmup(a, sc, srv, prompts, llama=False)
+        res["warmup"] = warmup(a, sc, srv, prompts, llama=None)
         for t in TRANSPORTS[:3]:
             r = run_transport(a, sc, t, srv, prompts)
             recs = read_records(r["records"])
@@ -812,6 +846,12 @@ def report(a, prompts, results, started, elapsed, server_cmd, llama_cmd):
                         for sc in SCENARIOS))
     md.append(f"- model: `{os.path.basename(a.model)}` served as `{MODEL_ID}`; zerolayer {git_rev()}")
     md.append(f"- our server: `{' '.join(os.path.basename(c) if i == 0 else c for i, c in enumerate(server_cmd))}`")
+    ls_cmd = next((r["llama_server_cmd"] for r in results.values() if "llama_server_cmd" in r), None)
+    if ls_cmd:
+        md.append(f"- llama-server (llama.cpp's own server, built from the llama-cpp-python "
+                  f"{llama_version(a.python)} source by scripts/build-llama-server, GGML_NATIVE=ON): "
+                  f"`llama-server {' '.join(ls_cmd[1:])}` (per scenario: slots = min(clients, 100), "
+                  "256 tokens of context per slot, 1,536 for the document scenario)")
     md.append(f"- llama.cpp: llama-cpp-python {llama_version(a.python)}, "
               f"`python -m llama_cpp.server {' '.join(llama_cmd[3:])}` (use_extra_bufts off as in "
               "scripts/bench_vs_llamacpp.py; --interrupt_requests false so that a new request queues "
@@ -882,7 +922,7 @@ def chart(a, results, path):
     import matplotlib.ticker
 
     fig, axes = plt.subplots(1, len(SCENARIOS), figsize=(5.5 * len(SCENARIOS), 5), squeeze=False)
-    colors = {"claudelink": "tab:blue", "h3": "tab:green", "http1": "tab:orange", "llamacpp": "tab:red"}
+    colors = {"claudelink": "tab:blue", "h3": "tab:green", "http1": "tab:orange", "llama-server": "tab:purple", "llamacpp": "tab:red"}
     for ax, (i, sc) in zip(axes[0], enumerate(SCENARIOS, 1)):
         runs = results[sc["key"]]["runs"]
         data, pos, labels, allv = [], [], [], []
@@ -940,13 +980,13 @@ def run_scenario(a, sc, prompts_box, res):
                 prompts_box["p"] = make_prompts(a, srv.http)
             prompts = prompts_box["p"]
             res["prompt_tokens"] = prompts[sc["prompt"]]["input_tokens"]
-            res["warmup"] = {"ours": warmup(a, sc, srv, prompts, llama=False)}
+            res["warmup"] = {"ours": warmup(a, sc, srv, prompts, llama=None)}
             for t in TRANSPORTS[:3]:
                 if not srv.alive():
                     srv.stop()
                     log("our server died: restarting it")
                     srv = OurServer(a, f"{sc['key']}-{t}")
-                    res["warmup"]["ours-restart"] = warmup(a, sc, srv, prompts, llama=False)
+                    res["warmup"]["ours-restart"] = warmup(a, sc, srv, prompts, llama=None)
                 res["runs"][t] = run_transport(a, sc, t, srv, prompts)
             if sc["key"] == "qa":
                 if not a.wrk:
@@ -965,20 +1005,25 @@ def run_scenario(a, sc, prompts_box, res):
         raise RuntimeError("no server answered count_tokens: cannot make the prompts")
     prompts = prompts_box["p"]
     res["prompt_tokens"] = prompts[sc["prompt"]]["input_tokens"]
-    try:
-        llama = LlamaServer(a, sc["key"])
-    except RuntimeError as e:
-        log(f"{sc['title']}: {e}")
-        res["error"] = (res.get("error", "") + "; " if res.get("error") else "") + \
-            f"llama.cpp's server: {str(e).splitlines()[0]}"
-        return
-    res["llama_ready_s"] = llama.ready_s
-    res["llama_cmd"] = llama.cmd
-    try:
-        res.setdefault("warmup", {})["llamacpp"] = warmup(a, sc, llama, prompts, llama=True)
-        res["runs"]["llamacpp"] = run_transport(a, sc, "llamacpp", llama, prompts)
-    finally:
-        llama.stop()
+    for peer in PEERS:
+        if peer == "llama-server" and not a.llama_server_bin:
+            res.setdefault("skipped", {})[peer] = "no llama-server binary (scripts/build-llama-server failed)"
+            continue
+        try:
+            srv = NativeLlamaServer(a, sc, sc["key"]) if peer == "llama-server" else LlamaServer(a, sc["key"])
+        except RuntimeError as e:
+            log(f"{sc['title']}: {e}")
+            res["error"] = (res.get("error", "") + "; " if res.get("error") else "") + \
+                f"{peer}: {str(e).splitlines()[0]}"
+            continue
+        key = "llama" if peer == "llamacpp" else "llama_server"
+        res[f"{key}_ready_s"] = srv.ready_s
+        res[f"{key}_cmd"] = srv.cmd
+        try:
+            res.setdefault("warmup", {})[peer] = warmup(a, sc, srv, prompts, llama=peer)
+            res["runs"][peer] = run_transport(a, sc, peer, srv, prompts)
+        finally:
+            srv.stop()
 
 
 def main():
@@ -990,6 +1035,7 @@ def main():
     ap.add_argument("--generate-bin", default="")
     ap.add_argument("--wrk", default="")
     ap.add_argument("--python", default=sys.executable)
+    ap.add_argument("--llama-server-bin", default="")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--pidfile", default="")
