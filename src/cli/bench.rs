@@ -11,6 +11,7 @@ use serde_json::json;
 
 use super::generate::new_ring;
 use super::{LoadedModel, load_gguf, model_path};
+use kv_ring::KvDtype;
 
 /// `zerolayer bench`.
 #[derive(Debug, clap::Args)]
@@ -60,7 +61,7 @@ pub(crate) fn main(a: Args) -> anyhow::Result<()> {
     let mut logits = Vec::new();
     let mut pp = Vec::with_capacity(a.reps);
     for _ in 0..a.reps {
-        let mut kv = new_ring(&model, a.prompt_tokens)?;
+        let mut kv = new_ring(&model, a.prompt_tokens, KvDtype::F16)?;
         let t0 = Instant::now();
         model.forward(
             &mut [SeqStep {
@@ -77,7 +78,7 @@ pub(crate) fn main(a: Args) -> anyhow::Result<()> {
         .with_stop_tokens(Vec::new());
     let mut tg = Vec::with_capacity(a.reps);
     for _ in 0..a.reps {
-        let mut kv = new_ring(&model, a.gen_tokens + 1)?;
+        let mut kv = new_ring(&model, a.gen_tokens + 1, KvDtype::F16)?;
         let g = model.generate(&mut kv, &prompt[..1], &opts, None, &mut |_| {})?;
         let steps = g.ids.len().saturating_sub(1).max(1);
         tg.push(steps as f64 / g.decode_time.as_secs_f64().max(1e-9));

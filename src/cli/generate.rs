@@ -108,9 +108,11 @@ pub(crate) struct PerplexityArgs {
     threads: usize,
 }
 
-/// A KV ring of `cap` tokens for `model`, from a pool sized for it alone.
-pub(crate) fn new_ring(model: &Model, cap: usize) -> anyhow::Result<KvRing> {
-    let shape = model.kv_shape(KvDtype::F32);
+/// A KV ring of `cap` tokens for `model` stored as `dtype`, from a pool sized for it alone.
+/// Generation and `bench` store K/V as f16, as the server's engine and llama.cpp do (half the
+/// memory); scoring (`perplexity`, `--score`) keeps f32, the reference precision.
+pub(crate) fn new_ring(model: &Model, cap: usize, dtype: KvDtype) -> anyhow::Result<KvRing> {
+    let shape = model.kv_shape(dtype);
     let pool = KvPool::new(shape, cap * shape.bytes_per_token())?;
     Ok(pool.alloc(cap, RingMode::Strict)?)
 }
@@ -131,7 +133,7 @@ pub(crate) fn perplexity(a: PerplexityArgs) -> anyhow::Result<()> {
     let t0 = Instant::now();
     for w in 0..n_win {
         let chunk = &ids[w * a.ctx..(w + 1) * a.ctx];
-        let mut kv = new_ring(&model, a.ctx)?;
+        let mut kv = new_ring(&model, a.ctx, KvDtype::F32)?;
         model.forward(
             &mut [SeqStep {
                 tokens: chunk,
@@ -201,7 +203,7 @@ fn prompt_ids(a: &Args, tok: &Tokenizer) -> anyhow::Result<Vec<u32>> {
 fn score(model: &Model, prompt: &[u32], k: usize) -> anyhow::Result<()> {
     let vocab = model.config().vocab_size;
     let k = k.clamp(1, vocab);
-    let mut kv = new_ring(model, prompt.len())?;
+    let mut kv = new_ring(model, prompt.len(), KvDtype::F32)?;
     let mut logits = Vec::new();
     model.forward(
         &mut [SeqStep {
@@ -289,7 +291,7 @@ fn generate(a: &Args, loaded: &LoadedModel, prompt: &[u32]) -> anyhow::Result<()
     let cap = (prompt.len() + a.max_tokens)
         .min(model.config().context_length)
         .max(prompt.len() + 1);
-    let mut kv = new_ring(model, cap)?;
+    let mut kv = new_ring(model, cap, KvDtype::F16)?;
     let stream = !a.json;
     let mut pending = Vec::new();
     let mut out = std::io::stdout();
