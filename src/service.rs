@@ -966,7 +966,7 @@ mod tests {
             let mut r = InferenceRequest::new(svc.model_id(), prompt, 48);
             r.sampling.temperature = Some(if i == 0 { 0.0 } else { 1.0 });
             r.sampling.seed = Some(i as u64);
-            r.output_format = Some(OutputFormat::JsonSchema(schema.clone()));
+            r.output_format = Some(Arc::new(OutputFormat::JsonSchema(schema.clone())));
             let (text, stop) = generated_text(&svc, r);
             assert_eq!(stop, StopReason::EndTurn, "{text:?}");
             let v: serde_json::Value =
@@ -981,9 +981,9 @@ mod tests {
             content: "Hi".into(),
         }]);
         let mut r = InferenceRequest::new(svc.model_id(), prompt, 8);
-        r.output_format = Some(OutputFormat::JsonSchema(
+        r.output_format = Some(Arc::new(OutputFormat::JsonSchema(
             serde_json::json!({"type": "no-such-type"}),
-        ));
+        )));
         let events: Vec<InferenceEvent> =
             futures::executor::block_on(svc.submit(r).unwrap().collect());
         match &events[..] {

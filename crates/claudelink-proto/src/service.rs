@@ -104,7 +104,7 @@ pub struct InferenceRequest {
     /// `Some`: the output is constrained to this format by constrained decoding (the engine
     /// masks every token that would leave it). Not carried over claudelink: encoding a
     /// request that sets it fails with [`EncodeError::NotCarried`](crate::EncodeError).
-    pub output_format: Option<OutputFormat>,
+    pub output_format: Option<std::sync::Arc<OutputFormat>>,
 }
 
 /// The language a constrained output must belong to.

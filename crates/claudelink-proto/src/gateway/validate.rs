@@ -30,7 +30,7 @@ pub(crate) struct GenRequest {
     /// The prompt of `/v1/completions` (text or token ids); `None`: the chat `messages`.
     pub(crate) raw_prompt: Option<Prompt>,
     /// The structured output asked for (`response_format`, `output_config.format`).
-    pub(crate) output_format: Option<OutputFormat>,
+    pub(crate) output_format: Option<std::sync::Arc<OutputFormat>>,
 }
 
 impl GenRequest {
@@ -398,7 +398,7 @@ pub(crate) fn parse_messages(
         logprobs: None,
         n: 1,
         raw_prompt: None,
-        output_format: output_config(obj)?,
+        output_format: output_config(obj)?.map(std::sync::Arc::new),
     })
 }
 
@@ -477,7 +477,7 @@ pub(crate) fn parse_chat(body: &Value, limits: Limits) -> Result<GenRequest, Api
         logprobs,
         n,
         raw_prompt: None,
-        output_format: response_format(obj)?,
+        output_format: response_format(obj)?.map(std::sync::Arc::new),
     })
 }
 
