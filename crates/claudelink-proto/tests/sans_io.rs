@@ -725,9 +725,7 @@ fn penalties_claudelink_does_not_carry_are_refused_not_dropped() {
             .is_ok()
     );
     // An output format is not carried either: the client refuses to send it.
-    r.output_format = Some(std::sync::Arc::new(claudelink_proto::OutputFormat::Regex(
-        "[0-9]+".into(),
-    )));
+    r.output_format = Some(Arc::new(OutputFormat::Regex("[0-9]+".into())));
     assert_eq!(
         ClientStream::encode_request(&r, 1),
         Err(EncodeError::NotCarried {
