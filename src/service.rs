@@ -3,7 +3,7 @@
 
 use std::collections::VecDeque;
 use std::path::Path;
-use std::sync::{Arc, Mutex, PoisonError, mpsc};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError, mpsc};
 use std::task::Poll;
 
 use futures::FutureExt;
@@ -11,12 +11,14 @@ use futures::channel::oneshot;
 
 use claudelink_proto::{
     ChatRole, ErrorCode, EventStream, InferenceEvent, InferenceRequest, InferenceService,
-    ModelInfo, Prompt, ServiceError, ServiceMetrics, StopReason, TokenLogprob, Usage,
+    ModelInfo, OutputFormat, Prompt, ServiceError, ServiceMetrics, StopReason, TokenLogprob, Usage,
 };
 use gpu_pipeline::engine::{
     Engine, EngineConfig, EngineEvent, GenerationRequest, RequestHandle, SubmitError,
 };
-use gpu_pipeline::{Model, ModelOptions, SamplingParams, WeightSource};
+use gpu_pipeline::{
+    ConstraintFactory, GrammarError, Grammars, Model, ModelOptions, SamplingParams, WeightSource,
+};
 use token_stream::{ChatMessage, ChatTemplate, Tokenizer};
 use weight_cache::{FileWatch, WarmupHandle, WarmupStrategy, WeightCache};
 
@@ -77,6 +79,9 @@ pub struct EngineService {
     file_watch: Option<Arc<FileWatch>>,
     /// Tokenizes submitted prompts off the caller's (async) thread.
     prompts: PromptPool,
+    /// The grammar compiler over the model's vocabulary, built by the first request with an
+    /// output format (its token trie takes a moment).
+    grammars: Arc<OnceLock<Result<Grammars, GrammarError>>>,
 }
 
 /// The weight cache of the served file and its running warm-up.
@@ -172,6 +177,7 @@ impl EngineService {
             weights: None,
             file_watch,
             prompts: PromptPool::start()?,
+            grammars: Arc::default(),
         })
     }
 
@@ -293,6 +299,7 @@ impl EngineService {
             engine: self.engine.clone(),
             tokenizer: self.tokenizer.clone(),
             chat: self.chat.clone(),
+            grammars: self.grammars.clone(),
         }
     }
 }
@@ -302,9 +309,47 @@ struct PromptParts {
     engine: Arc<Engine>,
     tokenizer: Arc<Tokenizer>,
     chat: Option<Arc<ChatTemplate>>,
+    grammars: Arc<OnceLock<Result<Grammars, GrammarError>>>,
 }
 
 impl PromptParts {
+    /// The constraint of an output format, compiled for the model's vocabulary (a 400 naming
+    /// the problem when the schema, regex or grammar is invalid).
+    fn constraint(
+        &self,
+        format: &OutputFormat,
+    ) -> Result<Arc<dyn ConstraintFactory>, ServiceError> {
+        let grammars = self
+            .grammars
+            .get_or_init(|| {
+                let stops = self.engine.stop_tokens();
+                // The grammar's end is the tokenizer's EOS where it ends generation.
+                let eos = self
+                    .tokenizer
+                    .eos_id()
+                    .filter(|e| stops.contains(e))
+                    .or_else(|| stops.first().copied())
+                    .ok_or_else(|| GrammarError::Tokenizer("the model has no end token".into()))?;
+                let vocab = self.engine.model().config().vocab_size;
+                Grammars::new(&self.tokenizer, vocab, eos)
+            })
+            .as_ref()
+            .map_err(|e| ServiceError::InvalidRequest {
+                field: "output_format",
+                reason: format!("this model cannot constrain its output: {e}"),
+            })?;
+        let compiled = match format {
+            OutputFormat::JsonSchema(schema) => grammars.json_schema(compact_json(schema)),
+            OutputFormat::Regex(rx) => grammars.regex(rx),
+            OutputFormat::Lark(lark) => grammars.lark(lark),
+            _ => Err(GrammarError::Invalid("unknown output format".into())),
+        };
+        compiled.map_err(|e| ServiceError::InvalidRequest {
+            field: "output_format",
+            reason: e.to_string(),
+        })
+    }
+
     fn tokenize(&self, prompt: &Prompt) -> Result<Vec<u32>, ServiceError> {
         let invalid = |reason: String| ServiceError::InvalidRequest {
             field: "prompt",
@@ -489,6 +534,18 @@ fn sampling(p: &claudelink_proto::SamplingParams) -> Result<SamplingParams, Serv
     Ok(s)
 }
 
+/// `schema` with llguidance told to emit compact JSON (`{"a": 1, "b": [2, 3]}`, no free
+/// whitespace) unless the schema sets its own `x-guidance` options: a small model may
+/// otherwise spend its whole budget on newlines, which the grammar allows anywhere.
+fn compact_json(schema: &serde_json::Value) -> serde_json::Value {
+    let mut schema = schema.clone();
+    if let Some(o) = schema.as_object_mut() {
+        o.entry("x-guidance")
+            .or_insert_with(|| serde_json::json!({"whitespace_flexible": false}));
+    }
+    schema
+}
+
 /// A seed from the process's random hasher keys (the OS's entropy) and a counter.
 fn random_seed() -> u64 {
     use std::hash::{BuildHasher, Hasher};
@@ -530,6 +587,7 @@ impl InferenceService for EngineService {
         let max_tokens = request.max_tokens as usize;
         let (stops, priority, client) = (request.stop_sequences, request.priority, request.client);
         let logprobs = request.logprobs.map(usize::from);
+        let format = request.output_format;
         let tokenizer = self.tokenizer.clone();
         let prompt = request.prompt;
         // Tokenizing (and rendering the chat template) is CPU work proportional to the prompt:
@@ -540,8 +598,17 @@ impl InferenceService for EngineService {
             if reply.is_canceled() {
                 return;
             }
+            // Compiling a schema is CPU work too; a bad one is the stream's first event.
+            let constraint = match format.as_ref().map(|f| parts.constraint(f)).transpose() {
+                Ok(c) => c,
+                Err(e) => {
+                    let _ = reply.send(Err(e));
+                    return;
+                }
+            };
             let handle = parts.start(&prompt, |ids| {
                 GenerationRequest::new(ids, max_tokens)
+                    .with_constraint(constraint)
                     .with_sampling(sampling)
                     .with_stop_sequences(stops)
                     .with_priority(priority)
@@ -856,6 +923,77 @@ mod tests {
         let ids = generated_ids(&svc, r);
         let distinct: std::collections::HashSet<&u32> = ids.iter().collect();
         assert_eq!(distinct.len(), ids.len(), "{ids:?}");
+    }
+
+    /// The text of a request's deltas and its stop reason (panics on an error event).
+    fn generated_text(svc: &EngineService, req: InferenceRequest) -> (String, StopReason) {
+        let events: Vec<InferenceEvent> =
+            futures::executor::block_on(svc.submit(req).unwrap().collect());
+        let Some(InferenceEvent::Finished { stop_reason, .. }) = events.last() else {
+            panic!("{events:?}");
+        };
+        let text = events
+            .iter()
+            .filter_map(|e| match e {
+                InferenceEvent::Delta { text, .. } => Some(text.as_str()),
+                _ => None,
+            })
+            .collect();
+        (text, *stop_reason)
+    }
+
+    #[test]
+    fn an_output_format_constrains_the_reply_and_a_bad_schema_is_an_invalid_request() {
+        let svc = load_default();
+        let schema = serde_json::json!({
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 20},
+                           "population": {"type": "integer", "minimum": 0}},
+            "required": ["city", "population"], "additionalProperties": false,
+        });
+        for (i, q) in [
+            "Name a big city.",
+            "Which city is the capital of Japan?",
+            "Hi!",
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let prompt = Prompt::Chat(vec![Msg {
+                role: ChatRole::User,
+                content: q.into(),
+            }]);
+            let mut r = InferenceRequest::new(svc.model_id(), prompt, 48);
+            r.sampling.temperature = Some(if i == 0 { 0.0 } else { 1.0 });
+            r.sampling.seed = Some(i as u64);
+            r.output_format = Some(Arc::new(OutputFormat::JsonSchema(schema.clone())));
+            let (text, stop) = generated_text(&svc, r);
+            assert_eq!(stop, StopReason::EndTurn, "{text:?}");
+            let v: serde_json::Value =
+                serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text:?}"));
+            let o = v.as_object().unwrap();
+            assert_eq!(o.len(), 2, "{v}");
+            assert!(o["city"].as_str().unwrap().chars().count() <= 20, "{v}");
+            assert!(o["population"].as_u64().is_some(), "{v}");
+        }
+        let prompt = Prompt::Chat(vec![Msg {
+            role: ChatRole::User,
+            content: "Hi".into(),
+        }]);
+        let mut r = InferenceRequest::new(svc.model_id(), prompt, 8);
+        r.output_format = Some(Arc::new(OutputFormat::JsonSchema(
+            serde_json::json!({"type": "no-such-type"}),
+        )));
+        let events: Vec<InferenceEvent> =
+            futures::executor::block_on(svc.submit(r).unwrap().collect());
+        match &events[..] {
+            [InferenceEvent::Error { code, message }] => {
+                assert_eq!(*code, ErrorCode::InvalidRequest);
+                assert!(message.contains("output_format"), "{message}");
+                assert!(message.contains("no-such-type"), "{message}");
+            }
+            other => panic!("{other:?}"),
+        }
     }
 
     #[test]

@@ -73,6 +73,65 @@ def check_anthropic_sse(text, max_tokens):
     return out, stop, delta["usage"]
 
 
+# Twenty prompts for the structured-output tests (what is asked varies; the schema does not).
+PROMPTS = [
+    "Describe a city.", "Tell me about Paris.", "Name a large city in Asia.", "Hello!",
+    "What is your favourite place?", "Pick a town at random.", "Where is Rome?",
+    "Give me a place to visit.", "Write a poem.", "What is 2 + 2?", "Describe Tokyo.",
+    "Which city has the most people?", "Tell me a joke.", "Name a small village.",
+    "Where do penguins live?", "Suggest a holiday destination.", "What is the capital of Peru?",
+    "Say something about London.", "Recommend a city for students.", "Answer in JSON please.",
+]
+
+# The schema the structured-output tests ask for.
+CITY_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "minLength": 1, "maxLength": 24},
+        "population": {"type": "integer", "minimum": 0, "maximum": 100000000},
+        "size": {"enum": ["small", "medium", "large"]},
+        "sights": {"type": "array", "items": {"type": "string", "maxLength": 20}, "maxItems": 3},
+    },
+    "required": ["city", "population", "size"],
+    "additionalProperties": False,
+}
+
+
+def validate(value, schema, path="$"):
+    """Raises AssertionError unless `value` validates against `schema` (the JSON Schema
+    keywords these tests use: type, properties, required, additionalProperties, enum,
+    minimum, maximum, minLength, maxLength, items, minItems, maxItems)."""
+    types = {"object": dict, "array": list, "string": str, "boolean": bool, "null": type(None)}
+    t = schema.get("type")
+    if t == "integer":
+        assert isinstance(value, int) and not isinstance(value, bool), (path, value)
+    elif t == "number":
+        assert isinstance(value, (int, float)) and not isinstance(value, bool), (path, value)
+    elif t is not None:
+        assert isinstance(value, types[t]), (path, t, value)
+    if "enum" in schema:
+        assert value in schema["enum"], (path, value)
+    if "minimum" in schema:
+        assert value >= schema["minimum"], (path, value)
+    if "maximum" in schema:
+        assert value <= schema["maximum"], (path, value)
+    if isinstance(value, str):
+        assert schema.get("minLength", 0) <= len(value) <= schema.get("maxLength", 1 << 30), (path, value)
+    if isinstance(value, list):
+        assert schema.get("minItems", 0) <= len(value) <= schema.get("maxItems", 1 << 30), (path, value)
+        for i, item in enumerate(value):
+            validate(item, schema.get("items", {}), f"{path}[{i}]")
+    if isinstance(value, dict):
+        props = schema.get("properties", {})
+        for k in schema.get("required", []):
+            assert k in value, (path, "missing", k, value)
+        for k, v in value.items():
+            if k in props:
+                validate(v, props[k], f"{path}.{k}")
+            else:
+                assert schema.get("additionalProperties", True) is not False, (path, "extra", k)
+
+
 def run_tests(tests):
     failed = 0
     for t in tests:

@@ -1,9 +1,11 @@
 """The official `anthropic` SDK against zerolayer: run with 2.x (Authorization: Bearer,
 anthropic-version 2026-10-21) and with 0.40.0 (x-api-key, 2023-06-01).
 pip: anthropic (2.x or 0.40.0 with httpx<0.28)."""
+import json
+
 import anthropic
 
-from common import API_KEY, BASE_URL, model_id, run_tests
+from common import API_KEY, BASE_URL, CITY_SCHEMA, PROMPTS, model_id, run_tests, validate
 
 MAJOR = int(anthropic.__version__.split(".")[0])
 MODEL = model_id()
@@ -164,7 +166,34 @@ def test_count_tokens_and_models():
     assert n == msg.usage.input_tokens, (n, msg.usage)
 
 
-run_tests([test_create, test_max_tokens_is_a_hard_cap, test_system_prompt_and_content_blocks,
+def test_output_config_json_schema_validates():
+    """The current SDK's structured output (`output_config`; the 0.x SDK sends it in
+    `extra_body`), streaming and not."""
+    fmt = {"output_config": {"format": {"type": "json_schema", "schema": CITY_SCHEMA}}}
+    for i, prompt in enumerate(PROMPTS[:10]):
+        kw = dict(model=MODEL, max_tokens=160, messages=[{"role": "user", "content": prompt}],
+                  extra_body={"temperature": 0.8, "seed": i, **({} if MAJOR >= 2 else fmt)},
+                  **(fmt if MAJOR >= 2 else {}))
+        if i % 2:
+            with client.messages.stream(**kw) as s:
+                text = "".join(s.text_stream)
+                msg = s.get_final_message()
+        else:
+            msg = client.messages.create(**kw)
+            text = msg.content[0].text
+        assert msg.stop_reason == "end_turn", (prompt, msg)
+        validate(json.loads(text), CITY_SCHEMA)
+    try:
+        client.messages.create(model=MODEL, max_tokens=8, messages=[{"role": "user", "content": "Hi"}],
+                               extra_body={"output_config": {"format": {"type": "json_schema",
+                                                                        "schema": {"type": "no-such-type"}}}})
+    except anthropic.BadRequestError as e:
+        assert "no-such-type" in e.body["error"]["message"], e.body
+    else:
+        raise AssertionError("an invalid schema was accepted")
+
+
+run_tests([test_output_config_json_schema_validates, test_create, test_max_tokens_is_a_hard_cap, test_system_prompt_and_content_blocks,
            test_stream_helper, test_raw_stream_event_order, test_stop_sequences,
            test_sampling_params_are_accepted, test_invalid_field_is_a_400_naming_it,
            test_auth_failure, test_count_tokens_and_models,

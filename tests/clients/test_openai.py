@@ -1,7 +1,9 @@
 """The official `openai` SDK against zerolayer's /v1/chat/completions. pip: openai."""
+import json
+
 import openai
 
-from common import API_KEY, BASE_URL, model_id, run_tests
+from common import API_KEY, BASE_URL, CITY_SCHEMA, PROMPTS, model_id, run_tests, validate
 
 MODEL = model_id()
 client = openai.OpenAI(base_url=BASE_URL + "/v1", api_key=API_KEY, max_retries=0, timeout=300)
@@ -111,7 +113,7 @@ def test_legacy_completions_with_logprobs():
 
 def test_unsupported_fields_are_refused():
     for extra in ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]},
-                  {"response_format": {"type": "json_object"}}, {"logit_bias": {"1": 2}}):
+                  {"logit_bias": {"1": 2}}):
         try:
             client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=4, **extra)
         except openai.BadRequestError as e:
@@ -120,6 +122,43 @@ def test_unsupported_fields_are_refused():
             raise AssertionError(f"{extra} was accepted")
 
 
-run_tests([test_create, test_stream_with_usage, test_length_cap, test_auth_failure,
+def test_response_format_json_schema_validates_on_20_prompts():
+    rf = {"type": "json_schema", "json_schema": {"name": "city", "schema": CITY_SCHEMA, "strict": True}}
+    for i, prompt in enumerate(PROMPTS):
+        kw = dict(model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=160,
+                  response_format=rf, temperature=0.8, seed=i)
+        if i % 2:
+            chunks = list(client.chat.completions.create(stream=True, **kw))
+            text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+        else:
+            c = client.chat.completions.create(**kw).choices[0]
+            text, finish = c.message.content, [c.finish_reason]
+        assert finish == ["stop"], (prompt, finish, text)
+        validate(json.loads(text), CITY_SCHEMA)
+
+
+def test_response_format_json_object_and_a_bad_schema():
+    c = client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=64,
+                                       response_format={"type": "json_object"}).choices[0]
+    if c.finish_reason == "stop":
+        assert isinstance(json.loads(c.message.content), dict), c
+    else:  # cut at max_tokens: still the start of an object
+        assert c.message.content.startswith("{"), c
+    for stream in (False, True):
+        try:
+            client.chat.completions.create(
+                model=MODEL, messages=MSGS, max_tokens=8, stream=stream,
+                response_format={"type": "json_schema",
+                                 "json_schema": {"name": "x", "schema": {"type": "no-such-type"}}})
+        except openai.BadRequestError as e:
+            assert "output_format" in str(e) and "no-such-type" in str(e), e
+        else:
+            raise AssertionError("an invalid schema was accepted")
+
+
+run_tests([test_response_format_json_schema_validates_on_20_prompts,
+           test_response_format_json_object_and_a_bad_schema,
+           test_create, test_stream_with_usage, test_length_cap, test_auth_failure,
            test_logprobs_match_the_sampled_tokens, test_seeded_sampling_repeats_and_unseeded_varies,
            test_n_choices, test_legacy_completions_with_logprobs, test_unsupported_fields_are_refused])

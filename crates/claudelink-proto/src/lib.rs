@@ -81,8 +81,8 @@ pub use server::{
 };
 pub use service::{
     CacheStrategy, ChatMessage, ChatRole, ErrorCode, EventStream, InferenceEvent, InferenceRequest,
-    InferenceService, ModelInfo, Prompt, SamplingParams, ServiceError, ServiceMetrics, StopReason,
-    TokenLogprob, Usage,
+    InferenceService, ModelInfo, OutputFormat, Prompt, SamplingParams, ServiceError,
+    ServiceMetrics, StopReason, TokenLogprob, Usage,
 };
 pub use state::{
     ClientStream, ClientStreamError, ConnectionAction, ConnectionState, ServerStream,

@@ -101,6 +101,28 @@ pub struct InferenceRequest {
     /// carries tokens, with the `n` most likely alternatives of each token (not carried over
     /// claudelink, whose servers never send them).
     pub logprobs: Option<u8>,
+    /// `Some`: the output is constrained to this format by constrained decoding (the engine
+    /// masks every token that would leave it). Not carried over claudelink: encoding a
+    /// request that sets it fails with [`EncodeError::NotCarried`](crate::EncodeError).
+    pub output_format: Option<std::sync::Arc<OutputFormat>>,
+}
+
+/// The language a constrained output must belong to.
+///
+/// ```
+/// use claudelink_proto::OutputFormat;
+/// let f = OutputFormat::JsonSchema(serde_json::json!({"type": "object"}));
+/// assert!(matches!(f, OutputFormat::JsonSchema(_)));
+/// ```
+#[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
+pub enum OutputFormat {
+    /// JSON that validates against this JSON Schema (`{"type": "object"}` for any object).
+    JsonSchema(serde_json::Value),
+    /// Text matching this regular expression.
+    Regex(String),
+    /// Text of this Lark grammar (llguidance's dialect).
+    Lark(String),
 }
 
 impl InferenceRequest {
@@ -122,6 +144,7 @@ impl InferenceRequest {
             priority: 0,
             client: None,
             logprobs: None,
+            output_format: None,
         }
     }
 }

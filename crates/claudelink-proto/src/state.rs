@@ -360,6 +360,11 @@ impl ClientStream {
         request: &InferenceRequest,
         stream_buffer_size: u32,
     ) -> Result<Vec<u8>, crate::codec::EncodeError> {
+        if request.output_format.is_some() {
+            return Err(crate::codec::EncodeError::NotCarried {
+                field: "output_format",
+            });
+        }
         Frame::Request(RequestFrame::from_request(request, stream_buffer_size)).to_vec()
     }
 

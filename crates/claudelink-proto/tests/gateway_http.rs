@@ -474,7 +474,7 @@ async fn fields_the_server_does_not_honour_get_a_400_naming_them() {
             &msg,
             "output_config",
             json!({"format": {"type": "json_schema"}}),
-            "output_config:",
+            "output_config.format.schema: Field required",
         ),
         (
             "/v1/messages",
@@ -487,8 +487,8 @@ async fn fields_the_server_does_not_honour_get_a_400_naming_them() {
             "/v1/chat/completions",
             &chat,
             "response_format",
-            json!({"type": "json_object"}),
-            "response_format:",
+            json!({"type": "grammar"}),
+            "response_format.type:",
         ),
         (
             "/v1/chat/completions",

@@ -724,4 +724,12 @@ fn penalties_claudelink_does_not_carry_are_refused_not_dropped() {
             .to_vec()
             .is_ok()
     );
+    // An output format is not carried either: the client refuses to send it.
+    r.output_format = Some(Arc::new(OutputFormat::Regex("[0-9]+".into())));
+    assert_eq!(
+        ClientStream::encode_request(&r, 1),
+        Err(EncodeError::NotCarried {
+            field: "output_format"
+        })
+    );
 }

@@ -103,3 +103,97 @@ fn mask_bits_follow_the_simple_vob_layout() {
     assert_eq!(m.count_allowed(), 1);
     assert_eq!(TokenMask::allow_all(70).count_allowed(), 70);
 }
+
+/// A random JSON Schema: an object of up to 4 properties of random kinds, some required.
+fn json_schema() -> impl Strategy<Value = serde_json::Value> {
+    let leaf = prop_oneof![
+        (0u32..12).prop_map(|n| serde_json::json!({"type": "string", "maxLength": n})),
+        (0i64..1000).prop_map(|m| serde_json::json!({"type": "integer", "minimum": 0, "maximum": m})),
+        Just(serde_json::json!({"type": "boolean"})),
+        prop::collection::vec("[a-z]{1,6}", 1..4).prop_map(|v| serde_json::json!({"enum": v})),
+        (0usize..3).prop_map(|n| serde_json::json!(
+            {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "maxItems": n}
+        )),
+    ];
+    prop::collection::vec((leaf, any::<bool>()), 0..5).prop_map(|props| {
+        let names: Vec<String> = (0..props.len()).map(|i| format!("p{i}")).collect();
+        let required: Vec<&String> = names
+            .iter()
+            .zip(&props)
+            .filter(|(_, p)| p.1)
+            .map(|(n, _)| n)
+            .collect();
+        let properties: serde_json::Map<String, serde_json::Value> = names
+            .iter()
+            .cloned()
+            .zip(props.iter().map(|p| p.0.clone()))
+            .collect();
+        serde_json::json!({
+            "x-guidance": {"whitespace_flexible": false},
+            "type": "object", "properties": properties, "required": required,
+            "additionalProperties": false,
+        })
+    })
+}
+
+/// The default model's tokenizer and its grammar compiler (built once for all cases).
+fn grammars() -> &'static (token_stream::Tokenizer, gpu_pipeline::Grammars, u32) {
+    static G: std::sync::OnceLock<(token_stream::Tokenizer, gpu_pipeline::Grammars, u32)> =
+        std::sync::OnceLock::new();
+    G.get_or_init(|| {
+        let path = weight_cache::locate_default_model().unwrap_or_else(|e| panic!("{e}"));
+        // SAFETY: the model file is not modified while the test runs.
+        let gguf = unsafe { weight_cache::Gguf::open(path) }.expect("open model");
+        let tok = token_stream::Tokenizer::from_gguf(&gguf).expect("tokenizer");
+        let eos = tok.eos_id().expect("eos");
+        let g = gpu_pipeline::Grammars::new(&tok, tok.vocab_size(), eos).expect("grammars");
+        (tok, g, eos)
+    })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(48))]
+
+    /// For random JSON Schemas and random logits, every sampled token is one the schema's mask
+    /// allows (and llguidance accepts it), and an output that reaches EOS is JSON with the
+    /// schema's required keys.
+    #[test]
+    fn schema_constrained_sampling_stays_in_the_schema(
+        schema in json_schema(),
+        params in params(),
+        seed in any::<u64>(),
+    ) {
+        let (tok, grammars, eos) = grammars();
+        let vocab = tok.vocab_size();
+        let factory = grammars.json_schema(schema.clone()).expect("compiles");
+        let mut c = factory.start();
+        let mut mask = TokenMask::forbid_all(vocab);
+        let mut sampler = Sampler::new(params);
+        let mut rng = seed | 1;
+        let mut logits = vec![0f32; vocab];
+        let mut out: Vec<u32> = Vec::new();
+        for _ in 0..80 {
+            for l in logits.iter_mut() {
+                // xorshift64: random logits in [-8, 8)
+                rng ^= rng << 13;
+                rng ^= rng >> 7;
+                rng ^= rng << 17;
+                *l = (rng >> 40) as f32 / (1u64 << 24) as f32 * 16.0 - 8.0;
+            }
+            c.fill_mask(&mut mask).expect("mask");
+            let t = sampler.sample_masked(&logits, &out, 0, &mask).expect("an allowed token");
+            prop_assert!(mask.is_allowed(t), "token {} outside the mask", t);
+            if t == *eos {
+                let text = tok.decode(&out).expect("decodes");
+                let v: serde_json::Value = serde_json::from_str(&text)
+                    .map_err(|e| TestCaseError::fail(format!("{e}: {text:?}")))?;
+                for k in schema["required"].as_array().unwrap() {
+                    prop_assert!(v.get(k.as_str().unwrap()).is_some(), "{} lacks {}", text, k);
+                }
+                break;
+            }
+            c.commit(t).expect("llguidance accepts the token its mask allowed");
+            out.push(t);
+        }
+    }
+}

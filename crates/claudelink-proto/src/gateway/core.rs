@@ -650,6 +650,7 @@ impl Gateway {
             request.stop_sequences = parsed.stop_sequences.clone();
             request.client = caller.key.map(|i| self.inner.keys.label(i).to_owned());
             request.logprobs = parsed.logprobs;
+            request.output_format = parsed.output_format.clone();
             let slot = Slot::acquire(self, caller)?;
             let events = self.inner.service.submit(request)?;
             gens.push(Generation {

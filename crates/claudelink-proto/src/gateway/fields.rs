@@ -1,5 +1,5 @@
 //! Which request fields this gateway honours, and a 400 naming every other one: a field the
-//! server would silently ignore (tools, a response format, a logit bias) changes what the
+//! server would silently ignore (tools, a logit bias) changes what the
 //! client gets, so it is refused instead. `null` counts as absent (clients echo back
 //! `"tool_calls": null` and the like).
 //!
@@ -92,12 +92,11 @@ fn special(api: Api, key: &str, value: &Value) -> Option<Result<(), &'static str
         (Api::Messages | Api::CountTokens, "thinking") => {
             Err("extended thinking is not supported (only {\"type\": \"disabled\"})")
         }
-        (_, "response_format") if ty == Some("text") => Ok(()),
-        (_, "response_format") => Err(
-            "structured output (`json_schema`, `json_object`) is not supported by this server yet",
-        ),
-        (_, "output_config" | "output_format") => {
-            Err("structured output is not supported by this server yet")
+        // Parsed by `format.rs` where the API has them.
+        (Api::Chat, "response_format") => Ok(()),
+        (Api::Messages | Api::CountTokens, "output_config" | "output_format") => Ok(()),
+        (Api::Completions, "response_format") => {
+            Err("structured output is available on /v1/chat/completions, not /v1/completions")
         }
         (_, "logit_bias") => Err("logit_bias is not supported"),
         (Api::Chat, "store") if value == &Value::Bool(false) => Ok(()),
@@ -194,10 +193,15 @@ mod tests {
         assert!(e.starts_with("thinking:"), "{e}");
         let e = check(
             json!({"response_format": {"type": "json_object"}}),
-            Api::Chat,
+            Api::Completions,
         )
         .unwrap_err();
         assert!(e.starts_with("response_format: structured output"), "{e}");
+        let e = check(json!({"output_config": {}}), Api::Chat).unwrap_err();
+        assert!(
+            e.starts_with("output_config: this field is not supported"),
+            "{e}"
+        );
         let e = check(json!({"logit_bias": {"1": 5}}), Api::Chat).unwrap_err();
         assert!(e.starts_with("logit_bias:"), "{e}");
         let e = check(json!({"store": true}), Api::Chat).unwrap_err();
@@ -206,12 +210,6 @@ mod tests {
         assert_eq!(e, "frobnicate: this field is not supported by this server");
         let e = check(json!({"max_tokens": 3, "tools": []}), Api::CountTokens).unwrap_err();
         assert!(e.starts_with("tools:"), "{e}");
-        let e = check(
-            json!({"output_config": {"format": {"type": "json_schema"}}}),
-            Api::Messages,
-        )
-        .unwrap_err();
-        assert!(e.starts_with("output_config:"), "{e}");
     }
 
     #[test]

@@ -11,9 +11,11 @@
 //! Sampling fields accepted by all generating endpoints (whatever the API names): `temperature`,
 //! `top_p`, `top_k`, `min_p`, `repetition_penalty` (or llama.cpp's `repeat_penalty`),
 //! `frequency_penalty`, `presence_penalty`, `seed` (without one, a sampled request draws a
-//! random seed). Every other field, message key or content-block type that the server does
-//! not honour (tools, response formats, images, thinking, ...) is answered with a 400 naming it
-//! (see `fields.rs` for the few harmless ones accepted and ignored).
+//! random seed). Structured output: OpenAI `response_format` (`json_object`, `json_schema`) and
+//! Anthropic `output_config.format` (`json_schema`; the beta's `output_format` too) constrain
+//! decoding to the schema (`format.rs`). Every other field, message key or content-block type
+//! that the server does not honour (tools, images, thinking, ...) is answered with a 400 naming
+//! it (see `fields.rs` for the few harmless ones accepted and ignored).
 //!
 //! Defences: requests are admitted on their headers (route, method, API key) before any body
 //! byte is read; bodies, prompts (`max_prompt_bytes`) and TCP connections (in all and per
@@ -31,6 +33,7 @@ mod config;
 mod core;
 mod error;
 mod fields;
+mod format;
 mod h3;
 mod ids;
 mod in_flight;

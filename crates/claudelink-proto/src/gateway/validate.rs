@@ -8,7 +8,8 @@ use serde_json::{Map, Value};
 
 use super::error::ApiError;
 use super::fields::{Api, check_fields, check_keys};
-use crate::service::{ChatMessage, ChatRole, Prompt, SamplingParams};
+use super::format::{output_config, response_format};
+use crate::service::{ChatMessage, ChatRole, OutputFormat, Prompt, SamplingParams};
 
 /// A validated generation request, from either API flavour.
 #[derive(Debug, Clone, PartialEq)]
@@ -28,6 +29,8 @@ pub(crate) struct GenRequest {
     pub(crate) n: u32,
     /// The prompt of `/v1/completions` (text or token ids); `None`: the chat `messages`.
     pub(crate) raw_prompt: Option<Prompt>,
+    /// The structured output asked for (`response_format`, `output_config.format`).
+    pub(crate) output_format: Option<std::sync::Arc<OutputFormat>>,
 }
 
 impl GenRequest {
@@ -69,7 +72,7 @@ fn type_name(v: &Value) -> &'static str {
     }
 }
 
-fn wrong_type(path: &str, want: &str, got: &Value) -> ApiError {
+pub(crate) fn wrong_type(path: &str, want: &str, got: &Value) -> ApiError {
     ApiError::invalid(format!(
         "{path}: Input should be a valid {want}, got {}",
         type_name(got)
@@ -81,7 +84,7 @@ fn required(path: &str) -> ApiError {
 }
 
 /// The field, with `null` treated as absent.
-fn get<'a>(obj: &'a Map<String, Value>, key: &str) -> Option<&'a Value> {
+pub(crate) fn get<'a>(obj: &'a Map<String, Value>, key: &str) -> Option<&'a Value> {
     obj.get(key).filter(|v| !v.is_null())
 }
 
@@ -395,6 +398,7 @@ pub(crate) fn parse_messages(
         logprobs: None,
         n: 1,
         raw_prompt: None,
+        output_format: output_config(obj)?.map(std::sync::Arc::new),
     })
 }
 
@@ -473,6 +477,7 @@ pub(crate) fn parse_chat(body: &Value, limits: Limits) -> Result<GenRequest, Api
         logprobs,
         n,
         raw_prompt: None,
+        output_format: response_format(obj)?.map(std::sync::Arc::new),
     })
 }
 
@@ -573,6 +578,7 @@ pub(crate) fn parse_completions(body: &Value, limits: Limits) -> Result<GenReque
         logprobs: opt_int(obj, "logprobs", 0, 5)?.map(|n| n as u8),
         n,
         raw_prompt: Some(prompt),
+        output_format: None,
     })
 }
 

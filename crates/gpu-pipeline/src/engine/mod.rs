@@ -42,7 +42,9 @@ use std::time::{Duration, Instant};
 use kv_ring::{KvDtype, KvError, KvPool, KvRing, RingMode};
 use token_stream::{StreamDecoder, Tokenizer};
 
-use crate::constraint::{Constrained, ConstraintError, ConstraintFactory};
+use crate::constraint::{
+    Constrained, ConstraintError, ConstraintFactory, MaskFiller, SharedConstrained, lock,
+};
 use crate::model::{LogitsWanted, Model, SeqStep};
 use crate::sampling::{Sampler, SamplingParams, StopReason, TokenLogprobs};
 
@@ -495,6 +497,7 @@ impl Engine {
             model: model.clone(),
             pool: pool.clone(),
             prefix: PrefixCache::new(cfg.prefix_cache_entries, cfg.prefix_min_tokens),
+            masks: None,
         };
         let tok = tokenizer.clone();
         let thread = std::thread::Builder::new()
@@ -653,7 +656,7 @@ struct SampleJob<'a> {
     prompt_len: usize,
     logprobs: Option<usize>,
     logits: &'a [f32],
-    constrained: Option<&'a mut Constrained>,
+    constrained: Option<&'a SharedConstrained>,
     out: Sampled,
 }
 
@@ -663,15 +666,16 @@ impl SampleJob<'_> {
     }
 
     fn sample(&mut self) -> Sampled {
-        let token = match self.constrained.as_deref_mut() {
+        let token = match self.constrained {
             None => self
                 .sampler
                 .sample_after(self.logits, self.history, self.prompt_len),
             Some(c) => {
-                c.state.fill_mask(&mut c.mask)?;
+                let mut c = lock(c);
+                let mask = c.mask()?;
                 let t = self
                     .sampler
-                    .sample_masked(self.logits, self.history, self.prompt_len, &c.mask)
+                    .sample_masked(self.logits, self.history, self.prompt_len, mask)
                     .ok_or(ConstraintError::NoAllowedToken)?;
                 c.state.commit(t)?;
                 t
@@ -691,7 +695,7 @@ struct Active<'t> {
     chan: Arc<Chan>,
     kv: KvRing,
     sampler: Sampler,
-    constrained: Option<Constrained>,
+    constrained: Option<SharedConstrained>,
     history: Vec<u32>,
     decoder: Option<StreamDecoder<'t>>,
     stop_tokens: Vec<u32>,
@@ -711,7 +715,7 @@ struct Active<'t> {
 /// stopped, with the same sampler state and text decoder.
 struct Parked<'t> {
     sampler: Sampler,
-    constrained: Option<Constrained>,
+    constrained: Option<SharedConstrained>,
     history: Vec<u32>,
     decoder: Option<StreamDecoder<'t>>,
     stop_tokens: Vec<u32>,
@@ -738,9 +742,33 @@ struct Worker {
     model: Arc<Model>,
     pool: Arc<KvPool>,
     prefix: PrefixCache,
+    /// Fills constrained sequences' masks during the forward pass (started by the first
+    /// constrained step).
+    masks: Option<MaskFiller>,
 }
 
 impl Worker {
+    /// Starts filling the masks of the constrained sequences that sample this step, on the
+    /// mask thread while the forward pass runs; whether it started (if not, each mask is
+    /// filled when its row samples). No allocation without constrained sequences.
+    fn begin_masks(&mut self, seqs: &[(WorkItem, Active<'_>)]) -> bool {
+        let ahead: Vec<SharedConstrained> = seqs
+            .iter()
+            .filter(|(w, _)| w.samples())
+            .filter_map(|(_, a)| a.constrained.clone())
+            .collect();
+        if ahead.is_empty() {
+            return false;
+        }
+        if self.masks.is_none() {
+            match MaskFiller::start() {
+                Ok(m) => self.masks = Some(m),
+                Err(e) => tracing::warn!("no mask thread ({e}): masks are filled when sampling"),
+            }
+        }
+        self.masks.as_ref().is_some_and(|m| m.begin(ahead))
+    }
+
     /// Samples the next token of every step item that samples, in order: in parallel chunks on
     /// the model's pool for a large batch (each sequence's sampler is called once, as serially,
     /// so the tokens are the same). A request that asks for logprobs gets them from the same
@@ -761,7 +789,7 @@ impl Worker {
                     prompt_len: a.input_tokens,
                     logprobs: a.req.logprobs,
                     logits: &logits[row * vocab..(row + 1) * vocab],
-                    constrained: a.constrained.as_mut(),
+                    constrained: a.constrained.as_ref(),
                     out: Ok((0, None)),
                 });
             }
@@ -842,6 +870,7 @@ impl Worker {
                 .iter()
                 .filter_map(|w| active.remove(&w.id()).map(|a| (*w, a)))
                 .collect();
+            let filling = self.begin_masks(&seqs);
             let result = {
                 let mut steps: Vec<SeqStep<'_>> = seqs
                     .iter_mut()
@@ -870,6 +899,9 @@ impl Worker {
                     .collect();
                 self.model.forward(&mut steps, &mut logits)
             };
+            if filling && let Some(m) = &self.masks {
+                m.finish();
+            }
             let now = Instant::now();
             let mut outcomes = Vec::with_capacity(seqs.len());
             let mut prompt_computed = 0u64;
