@@ -61,6 +61,9 @@ const EOG_NAMES: &[&str] = &[
 /// code, whose pieces are short and ASCII.
 const BACKTRACK_FROM: usize = 6;
 
+/// A token of two or more bytes that merging reproduces: its bytes, id and last merge.
+type MergedToken = (Box<[u8]>, u32, (u32, u32));
+
 /// How merges are ranked.
 #[derive(Debug)]
 pub(crate) enum MergeSpec {
@@ -524,7 +527,7 @@ impl Tokenizer {
     /// more bytes that merging reproduces, with its last merge), for byte-level vocabularies
     /// whose merge trees rank rising to the root (where [`Backtrack`] is exact); `None` for
     /// others (they keep merging every piece).
-    fn build_backtrack(&self, merged: &[(Box<[u8]>, u32, (u32, u32))]) -> Option<Backtrack> {
+    fn build_backtrack(&self, merged: &[MergedToken]) -> Option<Backtrack> {
         if !self.char_ids.is_empty() || merged.is_empty() {
             return None;
         }
