@@ -287,6 +287,33 @@ fn bench(c: &mut Criterion) {
         }
     }
 
+    // The backtracking encoder against the merge loop it replaces for long pieces, passes
+    // interleaved (one of each, five times), so the ratio holds up on a busy machine.
+    println!("\nbacktracking vs merging every piece, MB/s (median of 5 interleaved passes)");
+    println!("| corpus | vocab | backtracking | merging only | ratio |");
+    println!("|---|---|---|---|---|");
+    for (name, docs) in &parts {
+        for (vocab, t) in [
+            ("SmolLM2", &ours_smol),
+            ("cl100k", &ours_cl),
+            ("o200k", &ours_o2),
+        ] {
+            let (mut fast, mut slow) = (Vec::new(), Vec::new());
+            for _ in 0..5 {
+                fast.push(mbps(docs, 1, |d| t.encode(d).len()));
+                slow.push(mbps(docs, 1, |d| t.encode_merging_only(d).len()));
+            }
+            fast.sort_by(f64::total_cmp);
+            slow.sort_by(f64::total_cmp);
+            println!(
+                "| {name} | {vocab} | {:.1} | {:.1} | {:.2}x |",
+                fast[2],
+                slow[2],
+                fast[2] / slow[2]
+            );
+        }
+    }
+
     // Decode throughput (output bytes per second).
     let all: Vec<String> = parts.iter().flat_map(|(_, d)| d.iter().cloned()).collect();
     let ids: Vec<Vec<u32>> = all.iter().map(|d| ours_smol.encode(d).into_vec()).collect();

@@ -65,10 +65,23 @@ impl Merges {
     }
 }
 
-/// Counts the elementary steps of the merge loops (for the near-linear-time tests), and holds
-/// the rank/id buffers of the medium-size array merge (reused from piece to piece).
+/// Per-call state of the encoders, reused from piece to piece.
 #[derive(Debug, Default, Clone)]
-pub(crate) struct Work(pub(crate) u64, Vec<u32>, Vec<u32>);
+pub(crate) struct Work {
+    /// Elementary steps of the merge and backtracking loops (for the near-linear-time tests).
+    pub(crate) count: u64,
+    /// The rank/id buffers of the medium-size array merge.
+    ranks: Vec<u32>,
+    ids: Vec<u32>,
+    /// The backtracking encoder's open-position bits.
+    pub(crate) open: Vec<u64>,
+    /// Merge every piece, never backtrack (the reference the backtracking encoder is tested
+    /// against).
+    pub(crate) merge_only: bool,
+    /// Backtrack every piece of two or more bytes, not only long non-ASCII ones (to test the
+    /// backtracking encoder on every kind of piece).
+    pub(crate) backtrack_all: bool,
+}
 
 /// Merges `symbols` (initial per-byte ids, already filtered) in place, leaving the final ids.
 pub(crate) fn merge(symbols: &mut Vec<u32>, merges: &Merges, work: &mut Work) {
@@ -78,24 +91,41 @@ pub(crate) fn merge(symbols: &mut Vec<u32>, merges: &Merges, work: &mut Work) {
     if symbols.len() <= SMALL {
         let mut ranks = [NONE; SMALL];
         let mut ids = [NONE; SMALL];
-        merge_scan(symbols, merges, &mut ranks, &mut ids, &mut work.0);
+        merge_scan(symbols, merges, &mut ranks, &mut ids, 1, &mut work.count);
     } else if symbols.len() <= MEDIUM {
-        let Work(count, ranks, ids) = work;
-        ranks.resize(MEDIUM, NONE);
-        ids.resize(MEDIUM, NONE);
-        merge_scan(symbols, merges, ranks, ids, count);
+        work.ranks.resize(MEDIUM, NONE);
+        work.ids.resize(MEDIUM, NONE);
+        merge_scan(
+            symbols,
+            merges,
+            &mut work.ranks,
+            &mut work.ids,
+            1,
+            &mut work.count,
+        );
     } else {
         merge_large(symbols, merges, work);
     }
 }
 
+/// Merges `symbols` until `stop` of them are left or no pair merges, and returns what is left
+/// (of a token's bytes, the two parts of its last merge). Quadratic: for single tokens.
+pub(crate) fn merge_down_to(symbols: &mut Vec<u32>, merges: &Merges, stop: usize) {
+    if symbols.len() > stop.max(1) {
+        let (mut ranks, mut ids) = (vec![NONE; symbols.len()], vec![NONE; symbols.len()]);
+        merge_scan(symbols, merges, &mut ranks, &mut ids, stop.max(1), &mut 0);
+    }
+}
+
 /// The array merge: `ranks[i]`/`ids[i]` describe the pair (`symbols[i]`, `symbols[i + 1]`);
-/// each step finds the leftmost lowest rank with a vectorizable scan.
+/// each step finds the leftmost lowest rank with a vectorizable scan. Stops at `stop` (>= 1)
+/// symbols.
 fn merge_scan(
     symbols: &mut Vec<u32>,
     merges: &Merges,
     ranks: &mut [u32],
     ids: &mut [u32],
+    stop: usize,
     count: &mut u64,
 ) {
     let n = symbols.len();
@@ -127,7 +157,7 @@ fn merge_scan(
         if best > 0 {
             (ranks[best - 1], ids[best - 1]) = merges.get(symbols[best - 1], symbols[best]);
         }
-        if len < 2 {
+        if len <= stop {
             break;
         }
     }
@@ -146,9 +176,9 @@ fn merge_large(symbols: &mut Vec<u32>, merges: &Merges, work: &mut Work) {
             heap.push(Reverse((r, i as u32, id)));
         }
     }
-    work.0 += n as u64;
+    work.count += n as u64;
     while let Some(Reverse((_, pos, id))) = heap.pop() {
-        work.0 += 1;
+        work.count += 1;
         let p = pos as usize;
         if !alive[p] {
             continue;
@@ -170,7 +200,7 @@ fn merge_large(symbols: &mut Vec<u32>, merges: &Merges, work: &mut Work) {
             let (rk, nid) = merges.get(symbols[p], symbols[r]);
             if rk != NONE {
                 heap.push(Reverse((rk, p as u32, nid)));
-                work.0 += 1;
+                work.count += 1;
             }
         }
         let pp = prev[p];
@@ -178,7 +208,7 @@ fn merge_large(symbols: &mut Vec<u32>, merges: &Merges, work: &mut Work) {
             let (rk, nid) = merges.get(symbols[pp as usize], symbols[p]);
             if rk != NONE {
                 heap.push(Reverse((rk, pp, nid)));
-                work.0 += 1;
+                work.count += 1;
             }
         }
     }
@@ -246,7 +276,7 @@ mod tests {
                 merge(&mut got, &m, &mut Work::default());
                 let mut got_scan = s.clone();
                 let (mut ranks, mut ids) = (vec![NONE; len], vec![NONE; len]);
-                merge_scan(&mut got_scan, &m, &mut ranks, &mut ids, &mut 0);
+                merge_scan(&mut got_scan, &m, &mut ranks, &mut ids, 1, &mut 0);
                 assert_eq!(got_scan, want, "{s:?}");
                 assert_eq!(got, want, "{s:?}");
                 let mut got_large = s.clone();

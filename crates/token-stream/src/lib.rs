@@ -42,6 +42,7 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
+mod backtrack;
 mod bpe;
 mod chat;
 mod error;
