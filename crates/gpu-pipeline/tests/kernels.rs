@@ -8,7 +8,7 @@
 
 use gpu_pipeline::ThreadPool;
 use gpu_pipeline::kernels::{
-    Backend, GgmlType, KernelError, WeightMatrix, dequantize_row, matmul, matmul_many, matmul_with,
+    CpuIsa, GgmlType, KernelError, WeightMatrix, dequantize_row, matmul, matmul_many, matmul_with,
     matvec,
 };
 use half::f16;
@@ -194,7 +194,7 @@ proptest! {
         let x = random_acts(n, cols, &mut rng);
         let w = WeightMatrix::new(dtype, rows, cols, &data).unwrap();
         let pool = ThreadPool::new(2);
-        for backend in Backend::available() {
+        for backend in CpuIsa::available() {
             let mut y = vec![f32::NAN; n * rows];
             matmul_with(backend, w, &x, n, &mut y, &pool).unwrap();
             check_against_reference(dtype, rows, cols, &data, &x, &y, &format!("{backend:?}"));
@@ -213,7 +213,7 @@ proptest! {
         let x = random_acts(n, cols, &mut rng);
         let w = WeightMatrix::new(dtype, rows, cols, &data).unwrap();
         let pools = [ThreadPool::new(1), ThreadPool::new(3)];
-        for backend in Backend::available() {
+        for backend in CpuIsa::available() {
             let mut ys = Vec::new();
             for pool in &pools {
                 let mut y = vec![0.0f32; n * rows];
@@ -276,7 +276,7 @@ fn default_model_shapes_all_backends() {
             let data = random_weights(dtype, rows, cols, &mut rng);
             let x = random_acts(3, cols, &mut rng);
             let w = WeightMatrix::new(dtype, rows, cols, &data).unwrap();
-            for backend in Backend::available() {
+            for backend in CpuIsa::available() {
                 let mut y = vec![0.0f32; 3 * rows];
                 matmul_with(backend, w, &x, 3, &mut y, &pool).unwrap();
                 check_against_reference(dtype, rows, cols, &data, &x, &y, &format!("{backend:?}"));
@@ -363,7 +363,7 @@ fn long_rows_many_tokens_are_batch_invariant() {
         let data = random_weights(dtype, rows, cols, &mut rng);
         let w = WeightMatrix::new(dtype, rows, cols, &data).unwrap();
         let x = random_acts(n, cols, &mut rng);
-        for backend in Backend::available() {
+        for backend in CpuIsa::available() {
             let mut y = vec![0.0f32; n * rows];
             matmul_with(backend, w, &x, n, &mut y, &pool).unwrap();
             for t in 0..n {
@@ -375,7 +375,7 @@ fn long_rows_many_tokens_are_batch_invariant() {
                     .all(|(a, b)| a.to_bits() == b.to_bits());
                 assert!(same, "{backend:?} {} token {t}", dtype.name());
             }
-            if backend == Backend::Scalar {
+            if backend == CpuIsa::Scalar {
                 check_against_reference(dtype, rows, cols, &data, &x, &y, "Scalar");
             }
         }
@@ -512,8 +512,8 @@ proptest! {
         let w = WeightMatrix::new(dtype, rows, cols, &data).unwrap();
         let pool = ThreadPool::new(2);
         let mut want = vec![0.0f32; n * rows];
-        matmul_with(Backend::Scalar, w, &x, n, &mut want, &pool).unwrap();
-        for backend in Backend::available() {
+        matmul_with(CpuIsa::Scalar, w, &x, n, &mut want, &pool).unwrap();
+        for backend in CpuIsa::available() {
             let mut y = vec![f32::NAN; n * rows];
             matmul_with(backend, w, &x, n, &mut y, &pool).unwrap();
             for (i, (g, r)) in y.iter().zip(&want).enumerate() {
@@ -544,7 +544,7 @@ fn non_finite_scales_do_not_panic() {
             let w = WeightMatrix::new(dtype, rows, cols, &data).unwrap();
             for n in [1usize, 20] {
                 let x = random_acts(n, cols, &mut rng);
-                for backend in Backend::available() {
+                for backend in CpuIsa::available() {
                     let mut y = vec![0.0f32; n * rows];
                     matmul_with(backend, w, &x, n, &mut y, &pool).unwrap();
                 }
@@ -571,9 +571,9 @@ fn every_format_sweep_bit_identical() {
                 for n in [1usize, 3, 17] {
                     let x = random_acts(n, cols, &mut rng);
                     let mut want = vec![0.0f32; n * rows];
-                    matmul_with(Backend::Scalar, w, &x, n, &mut want, &pool).unwrap();
+                    matmul_with(CpuIsa::Scalar, w, &x, n, &mut want, &pool).unwrap();
                     check_against_reference(dtype, rows, cols, &data, &x, &want, "Scalar");
-                    for backend in Backend::available() {
+                    for backend in CpuIsa::available() {
                         let mut y = vec![f32::NAN; n * rows];
                         matmul_with(backend, w, &x, n, &mut y, &pool).unwrap();
                         let same = y.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits());
