@@ -14,11 +14,13 @@
 
 mod cpu;
 mod plan;
+mod streaming;
 
 pub use cpu::CpuExecutor;
 pub use plan::{
     LayerPlan, LayerWeights, Placed, Placement, PlanError, PlanOptions, StreamPlan, WeightSpan,
 };
+pub use streaming::{StreamStats, StreamingError, StreamingExecutor};
 
 use kv_ring::{KvDtype, KvShape};
 use token_stream::Tokenizer;
