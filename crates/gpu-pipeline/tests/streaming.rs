@@ -5,7 +5,12 @@
 //!
 //! On SmolLM2-135M Q4_1 the minimum working set is 35.9% of the weights: the always-resident
 //! globals include the 30 MB Q8_0 token embedding that is also the (tied) output head, so 30%
-//! and 10% are below the minimum and are refused (tested below).
+//! and 10% are below the minimum and are refused (tested below). Synthetic random-weight models
+//! of every family with 40 layers and a tiny vocabulary (`benches/support/synthetic.rs`) run
+//! streamed at 30% and 10%.
+
+#[path = "../benches/support/synthetic.rs"]
+mod synthetic;
 
 use std::sync::Arc;
 
@@ -152,5 +157,38 @@ fn a_budget_below_the_minimum_working_set_is_refused_naming_both_sizes() {
             msg.contains(&budget.to_string()) && msg.contains(&minimum.to_string()),
             "{msg}"
         );
+    }
+}
+
+#[test]
+fn every_family_streams_bit_identically_at_30_and_10_percent_of_a_40_layer_model() {
+    let dims = synthetic::Dims {
+        n_embd: 64,
+        n_ff: 128,
+        n_layers: 40,
+        n_heads: 4,
+        n_kv_heads: 2,
+        head_dim: 16,
+        vocab: 96,
+        ctx: 256,
+    };
+    let opts = || ModelOptions::default().with_threads(2);
+    for arch in synthetic::ARCHES {
+        let gguf = Arc::new(Gguf::from_bytes(synthetic::build(arch, dims, 7).build()).unwrap());
+        let resident = CpuExecutor::new(Arc::new(Model::load(gguf.clone(), opts()).unwrap()));
+        let want = bits(&batch_logits(&resident));
+        let total = StreamingExecutor::weight_bytes(&gguf);
+        for percent in [30, 10] {
+            let budget = total * percent / 100;
+            let exec = StreamingExecutor::new(gguf.clone(), budget, None, opts())
+                .unwrap_or_else(|e| panic!("{arch} at {percent}%: {e}"));
+            assert!(exec.arena_bytes() <= budget, "{arch} at {percent}%");
+            assert!(exec.plan().streams(), "{arch} at {percent}%");
+            assert!(
+                bits(&batch_logits(&exec)) == want,
+                "{arch} at {percent}%: streamed logits differ from the resident run"
+            );
+            assert!(exec.stats().uploaded_bytes > 0);
+        }
     }
 }
