@@ -519,7 +519,7 @@ mod tests {
                 ..WeightSpan::new(3, 128, 64)
             },
         ];
-        let layers = vec![LayerWeights { tensors: spans }];
+        let layer = LayerWeights { tensors: spans };
         let profile = AccessProfile {
             block_size: 64,
             file_len: 192,
@@ -534,7 +534,7 @@ mod tests {
             profile: Some(&profile),
         };
         // Three layers (576 bytes); room for two slots of one cold expert and 6 hot tensors.
-        let layers = vec![layers[0].clone(); 3];
+        let layers = vec![layer; 3];
         let p = StreamPlan::new(&[], &layers, 2 * 64 + 6 * 64, &o).unwrap();
         for l in p.layers() {
             assert!(matches!(l.tensors[0].placement, Placement::Resident { .. }));

@@ -231,6 +231,13 @@ fn weights_of(gguf: &Gguf) -> (Vec<WeightSpan>, Vec<LayerWeights>) {
     (global, layers)
 }
 
+impl Fence {
+    /// Whether a layer of the `n` may be uploaded now.
+    fn upload_due(&self, n: usize) -> bool {
+        self.in_step && self.next_upload < self.allowed.min(n)
+    }
+}
+
 impl ArenaSource {
     fn new(
         gguf: Arc<Gguf>,
@@ -358,7 +365,7 @@ impl ArenaSource {
         let n = self.uploads.len();
         loop {
             let mut f = self.lock();
-            while !f.shutdown && !(f.in_step && f.next_upload < f.allowed.min(n)) {
+            while !(f.shutdown || f.upload_due(n)) {
                 f = self.changed.wait(f).unwrap_or_else(|e| e.into_inner());
             }
             if f.shutdown {
