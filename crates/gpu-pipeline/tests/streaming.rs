@@ -15,7 +15,10 @@ mod synthetic;
 use std::sync::Arc;
 
 use gpu_pipeline::executor::{CpuExecutor, Executor, PlanError, StreamingError, StreamingExecutor};
-use gpu_pipeline::{LogitsWanted, Model, ModelOptions, SeqStep};
+use gpu_pipeline::{
+    Engine, EngineConfig, EngineEvent, GenerationRequest, LogitsWanted, Model, ModelOptions,
+    SeqStep,
+};
 use kv_ring::{KvDtype, KvPool, RingMode};
 use weight_cache::Gguf;
 
@@ -191,4 +194,50 @@ fn every_family_streams_bit_identically_at_30_and_10_percent_of_a_40_layer_model
             assert!(exec.stats().uploaded_bytes > 0);
         }
     }
+}
+
+/// Greedy token ids of four concurrent requests (continuous batching) on `engine`.
+fn engine_ids<E: Executor>(engine: &Engine<E>) -> Vec<Vec<u32>> {
+    let vocab = engine.executor().config().vocab_size as u32;
+    let handles: Vec<_> = (0..4u32)
+        .map(|r| {
+            let prompt = (0..5 + 3 * r)
+                .map(|i| (i * 389 + r * 7 + 1) % vocab)
+                .collect();
+            engine.submit(GenerationRequest::new(prompt, 12)).unwrap()
+        })
+        .collect();
+    handles
+        .iter()
+        .map(|h| {
+            let mut ids = Vec::new();
+            while let Some(ev) = h.recv_timeout(std::time::Duration::from_secs(600)) {
+                match ev {
+                    EngineEvent::Token { id, .. } => ids.push(id),
+                    EngineEvent::Finished { .. } => return ids,
+                    EngineEvent::Error { error } => panic!("request failed: {error}"),
+                    _ => {}
+                }
+            }
+            panic!("no Finished event");
+        })
+        .collect()
+}
+
+#[test]
+fn the_engine_generates_the_same_tokens_on_the_streaming_executor() {
+    let gguf = default_gguf();
+    let cpu = Engine::new(
+        Arc::new(Model::load(gguf.clone(), ModelOptions::default()).unwrap()),
+        None,
+        EngineConfig::default(),
+    )
+    .unwrap();
+    let want = engine_ids(&cpu);
+    assert!(want.iter().all(|ids| !ids.is_empty()));
+    let budget = StreamingExecutor::weight_bytes(&gguf) * 4 / 10;
+    let exec = StreamingExecutor::new(gguf, budget, None, ModelOptions::default()).unwrap();
+    let streamed = Engine::with_executor(Arc::new(exec), None, EngineConfig::default()).unwrap();
+    assert_eq!(engine_ids(&streamed), want);
+    assert!(streamed.executor().stats().uploaded_bytes > 0);
 }
