@@ -344,6 +344,9 @@ impl ArenaSource {
 
     fn begin_step(&self) {
         let mut f = self.lock();
+        while f.uploading {
+            f = self.changed.wait(f).unwrap_or_else(|e| e.into_inner());
+        }
         f.in_step = true;
         f.current = None;
         f.allowed = 2;
@@ -453,6 +456,23 @@ impl WeightSource for ArenaSource {
     }
 }
 
+/// One step's fence: begun on creation, ended (uploader idle, slots released) on drop, so
+/// even a panicking forward pass leaves the arena consistent for the next step.
+struct StepFence<'a>(&'a ArenaSource);
+
+impl<'a> StepFence<'a> {
+    fn begin(source: &'a ArenaSource) -> Self {
+        source.begin_step();
+        Self(source)
+    }
+}
+
+impl Drop for StepFence<'_> {
+    fn drop(&mut self) {
+        self.0.end_step();
+    }
+}
+
 /// Runs the CPU kernels with the weights in an arena of at most `budget` bytes, streaming what
 /// does not fit (see the [module docs](self)).
 ///
@@ -474,6 +494,9 @@ pub struct StreamingExecutor {
     source: Arc<ArenaSource>,
     uploader: Option<JoinHandle<()>>,
     steps: AtomicU64,
+    /// Held for a whole forward step: the fence has one step's state, so steps never overlap
+    /// (concurrent callers take turns; `Model::forward` serializes on its scratch anyway).
+    step: Mutex<()>,
 }
 
 impl std::fmt::Debug for StreamingExecutor {
@@ -513,6 +536,7 @@ impl StreamingExecutor {
             source,
             uploader: Some(uploader),
             steps: AtomicU64::new(0),
+            step: Mutex::new(()),
         })
     }
 
@@ -583,14 +607,14 @@ impl Executor for StreamingExecutor {
         steps: &mut [SeqStep<'_>],
         logits: &mut Vec<f32>,
     ) -> Result<(), ForwardError> {
-        let streams = self.source.plan.streams();
-        if streams {
-            self.source.begin_step();
-        }
+        let _step = self.step.lock().unwrap_or_else(|e| e.into_inner());
+        let fence = self
+            .source
+            .plan
+            .streams()
+            .then(|| StepFence::begin(&self.source));
         let r = self.model.forward(steps, logits);
-        if streams {
-            self.source.end_step();
-        }
+        drop(fence);
         self.steps.fetch_add(1, Ordering::Relaxed);
         r
     }
