@@ -4,7 +4,7 @@
 //!
 //! Run: `cargo bench -p zerolayer-gpu-pipeline --bench kernels [-- FILTER]`; a filter (e.g. `q5_0` or
 //! `q5_0|q2_K`) also restricts the summary to the dtypes it names. The summary measures the
-//! backend [`Backend::detect`] picks: `ZEROLAYER_KERNELS=avx2` gives the AVX2 figures on an
+//! backend [`CpuIsa::detect`] picks: `ZEROLAYER_KERNELS=avx2` gives the AVX2 figures on an
 //! AVX-512 machine. A summary table (medians, effective
 //! bandwidth as a share of the machine's read bandwidth measured in the same run by
 //! `gpu_pipeline::read_bandwidth` (read-only sum over 3 x 1 GiB, best of 5, same threads), ratios to the scalar backend) is printed first; criterion
@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use gpu_pipeline::ThreadPool;
-use gpu_pipeline::kernels::{Backend, GgmlType, PackedWeights, WeightMatrix, matmul_with};
+use gpu_pipeline::kernels::{CpuIsa, GgmlType, PackedWeights, WeightMatrix, matmul_with};
 
 /// The default model's shapes, plus two larger than L3 (the last one for the 256-element
 /// block formats, which need rows of a multiple of 256).
@@ -117,7 +117,7 @@ fn time(budget: Duration, mut f: impl FnMut()) -> f64 {
 }
 
 fn summary() {
-    let best = Backend::detect();
+    let best = CpuIsa::detect();
     println!("kernels summary: backend {best:?}");
     for threads in [1usize, 2] {
         let pool = ThreadPool::new(threads);
@@ -148,7 +148,7 @@ fn summary() {
                 let all: Vec<u8> = one.iter().copied().cycle().take(bytes * copies).collect();
                 let x: Vec<f32> = (0..cols).map(|i| (i as f32 * 0.01).sin()).collect();
                 let mut y = vec![0.0f32; rows];
-                let mut run = |backend: Backend, budget: Duration| {
+                let mut run = |backend: CpuIsa, budget: Duration| {
                     let mut i = 0;
                     time(budget, || {
                         let w =
@@ -166,7 +166,7 @@ fn summary() {
                         matmul_with(best, w, black_box(&x), 1, &mut y, &pool).unwrap();
                     })
                 };
-                let ts = run(Backend::Scalar, Duration::from_millis(100));
+                let ts = run(CpuIsa::Scalar, Duration::from_millis(100));
                 let gbs = bytes as f64 / t / 1e9;
                 // The same products on packed copies (row-interleaved layout), when it exists.
                 let packed = packed_matvec(dtype, rows, cols, &one, copies, &x, &pool);
@@ -250,12 +250,12 @@ fn packed_matvec(
     let mut i = 0;
     let t = time(Duration::from_millis(300), || {
         let m = if i == 0 { &first } else { &many[i - 1] };
-        matmul_with(Backend::Avx512, m.matrix(), black_box(x), 1, &mut y, pool).unwrap();
+        matmul_with(CpuIsa::Avx512, m.matrix(), black_box(x), 1, &mut y, pool).unwrap();
         i = (i + 1) % copies;
     });
     let hot = time(Duration::from_millis(100), || {
         matmul_with(
-            Backend::Avx512,
+            CpuIsa::Avx512,
             first.matrix(),
             black_box(x),
             1,
@@ -299,7 +299,7 @@ fn model_step(pool: &ThreadPool, threads: usize, peak: f64) {
             || {
                 for m in &mats {
                     let (xs, ys) = (&x[..n * m.cols], &mut y[..n * m.rows]);
-                    matmul_with(Backend::detect(), *m, xs, n, ys, pool).unwrap();
+                    matmul_with(CpuIsa::detect(), *m, xs, n, ys, pool).unwrap();
                 }
             },
         );
@@ -325,7 +325,7 @@ fn model_step(pool: &ThreadPool, threads: usize, peak: f64) {
 
 fn bench(c: &mut Criterion) {
     summary();
-    let best = Backend::detect();
+    let best = CpuIsa::detect();
     for threads in [1usize, 2] {
         let pool = ThreadPool::new(threads);
         let mut g = c.benchmark_group(format!("matvec_{threads}t"));

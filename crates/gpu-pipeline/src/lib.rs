@@ -6,6 +6,7 @@
 mod bandwidth;
 mod constraint;
 pub mod engine;
+pub mod executor;
 mod generate;
 mod grammar;
 pub mod kernels;

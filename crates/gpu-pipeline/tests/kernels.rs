@@ -8,7 +8,7 @@
 
 use gpu_pipeline::ThreadPool;
 use gpu_pipeline::kernels::{
-    Backend, GgmlType, KernelError, Layout, PackedWeights, WeightMatrix, dequantize_row, matmul,
+    CpuIsa, GgmlType, KernelError, Layout, PackedWeights, WeightMatrix, dequantize_row, matmul,
     matmul_many, matmul_with, matvec,
 };
 use half::f16;
@@ -194,7 +194,7 @@ proptest! {
         let x = random_acts(n, cols, &mut rng);
         let w = WeightMatrix::new(dtype, rows, cols, &data).unwrap();
         let pool = ThreadPool::new(2);
-        for backend in Backend::available() {
+        for backend in CpuIsa::available() {
             let mut y = vec![f32::NAN; n * rows];
             matmul_with(backend, w, &x, n, &mut y, &pool).unwrap();
             check_against_reference(dtype, rows, cols, &data, &x, &y, &format!("{backend:?}"));
@@ -213,7 +213,7 @@ proptest! {
         let x = random_acts(n, cols, &mut rng);
         let w = WeightMatrix::new(dtype, rows, cols, &data).unwrap();
         let pools = [ThreadPool::new(1), ThreadPool::new(3)];
-        for backend in Backend::available() {
+        for backend in CpuIsa::available() {
             let mut ys = Vec::new();
             for pool in &pools {
                 let mut y = vec![0.0f32; n * rows];
@@ -276,7 +276,7 @@ fn default_model_shapes_all_backends() {
             let data = random_weights(dtype, rows, cols, &mut rng);
             let x = random_acts(3, cols, &mut rng);
             let w = WeightMatrix::new(dtype, rows, cols, &data).unwrap();
-            for backend in Backend::available() {
+            for backend in CpuIsa::available() {
                 let mut y = vec![0.0f32; 3 * rows];
                 matmul_with(backend, w, &x, 3, &mut y, &pool).unwrap();
                 check_against_reference(dtype, rows, cols, &data, &x, &y, &format!("{backend:?}"));
@@ -363,7 +363,7 @@ fn long_rows_many_tokens_are_batch_invariant() {
         let data = random_weights(dtype, rows, cols, &mut rng);
         let w = WeightMatrix::new(dtype, rows, cols, &data).unwrap();
         let x = random_acts(n, cols, &mut rng);
-        for backend in Backend::available() {
+        for backend in CpuIsa::available() {
             let mut y = vec![0.0f32; n * rows];
             matmul_with(backend, w, &x, n, &mut y, &pool).unwrap();
             for t in 0..n {
@@ -375,7 +375,7 @@ fn long_rows_many_tokens_are_batch_invariant() {
                     .all(|(a, b)| a.to_bits() == b.to_bits());
                 assert!(same, "{backend:?} {} token {t}", dtype.name());
             }
-            if backend == Backend::Scalar {
+            if backend == CpuIsa::Scalar {
                 check_against_reference(dtype, rows, cols, &data, &x, &y, "Scalar");
             }
         }
@@ -512,8 +512,8 @@ proptest! {
         let w = WeightMatrix::new(dtype, rows, cols, &data).unwrap();
         let pool = ThreadPool::new(2);
         let mut want = vec![0.0f32; n * rows];
-        matmul_with(Backend::Scalar, w, &x, n, &mut want, &pool).unwrap();
-        for backend in Backend::available() {
+        matmul_with(CpuIsa::Scalar, w, &x, n, &mut want, &pool).unwrap();
+        for backend in CpuIsa::available() {
             let mut y = vec![f32::NAN; n * rows];
             matmul_with(backend, w, &x, n, &mut y, &pool).unwrap();
             for (i, (g, r)) in y.iter().zip(&want).enumerate() {
@@ -546,15 +546,15 @@ proptest! {
         let w = WeightMatrix::new(dtype, rows, cols, &data).unwrap();
         let w2 = WeightMatrix::new(dtype, 7, cols, &data2).unwrap();
         let Some(p) = PackedWeights::pack(w, &pool).unwrap() else {
-            prop_assert_ne!(Backend::detect(), Backend::Avx512);
+            prop_assert_ne!(CpuIsa::detect(), CpuIsa::Avx512);
             return Ok(());
         };
         let p2 = PackedWeights::pack(w2, &pool).unwrap().unwrap();
         prop_assert_eq!(p.matrix().layout, Layout::Rows16);
         let mut want = vec![0.0f32; n * rows];
-        matmul_with(Backend::Scalar, w, &x, n, &mut want, &pool).unwrap();
+        matmul_with(CpuIsa::Scalar, w, &x, n, &mut want, &pool).unwrap();
         let mut want2 = vec![0.0f32; n * 7];
-        matmul_with(Backend::Scalar, w2, &x, n, &mut want2, &pool).unwrap();
+        matmul_with(CpuIsa::Scalar, w2, &x, n, &mut want2, &pool).unwrap();
         let mut y = vec![f32::NAN; n * rows];
         matmul(p.matrix(), &x, n, &mut y, &pool).unwrap();
         let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
@@ -579,18 +579,18 @@ fn packed_weights_layout_errors() {
     assert!(PackedWeights::pack(wk, &pool).unwrap().is_none());
     let Some(p) = PackedWeights::pack(w, &pool).unwrap() else {
         assert_ne!(
-            Backend::detect(),
-            Backend::Avx512,
+            CpuIsa::detect(),
+            CpuIsa::Avx512,
             "AVX-512 here, yet nothing packed"
         );
         return;
     };
     let mut y = [0.0f32; 16];
-    let err = matmul_with(Backend::Scalar, p.matrix(), &[0.5; 64], 1, &mut y, &pool).unwrap_err();
+    let err = matmul_with(CpuIsa::Scalar, p.matrix(), &[0.5; 64], 1, &mut y, &pool).unwrap_err();
     assert!(matches!(
         err,
         KernelError::LayoutUnsupported {
-            backend: Backend::Scalar,
+            backend: CpuIsa::Scalar,
             layout: Layout::Rows16,
             ..
         }
@@ -624,7 +624,7 @@ fn non_finite_scales_do_not_panic() {
             let w = WeightMatrix::new(dtype, rows, cols, &data).unwrap();
             for n in [1usize, 20] {
                 let x = random_acts(n, cols, &mut rng);
-                for backend in Backend::available() {
+                for backend in CpuIsa::available() {
                     let mut y = vec![0.0f32; n * rows];
                     matmul_with(backend, w, &x, n, &mut y, &pool).unwrap();
                 }
@@ -651,9 +651,9 @@ fn every_format_sweep_bit_identical() {
                 for n in [1usize, 3, 17] {
                     let x = random_acts(n, cols, &mut rng);
                     let mut want = vec![0.0f32; n * rows];
-                    matmul_with(Backend::Scalar, w, &x, n, &mut want, &pool).unwrap();
+                    matmul_with(CpuIsa::Scalar, w, &x, n, &mut want, &pool).unwrap();
                     check_against_reference(dtype, rows, cols, &data, &x, &want, "Scalar");
-                    for backend in Backend::available() {
+                    for backend in CpuIsa::available() {
                         let mut y = vec![f32::NAN; n * rows];
                         matmul_with(backend, w, &x, n, &mut y, &pool).unwrap();
                         let same = y.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits());

@@ -1,8 +1,8 @@
 //! The serving engine: continuous batching, chunked prefill, prefix reuse and admission control
-//! over one [`Model`] and one [`KvPool`].
+//! over one [`Executor`] (the CPU's [`Model`] by default) and one [`KvPool`].
 //!
 //! One scheduler thread runs a loop of batched forward steps. At every step all running
-//! sequences decode together in one [`Model::forward`] call (the weights stream from memory
+//! sequences decode together in one [`Executor::forward`] call (the weights stream from memory
 //! once per step, whatever the batch size), prompt chunks fill the rest of the step's token
 //! budget, and new requests join between steps. The decisions come from the pure
 //! [`Scheduler`]; this module is the thin threaded shell around it.
@@ -45,6 +45,7 @@ use token_stream::{StreamDecoder, Tokenizer};
 use crate::constraint::{
     Constrained, ConstraintError, ConstraintFactory, MaskFiller, SharedConstrained, lock,
 };
+use crate::executor::{CpuExecutor, Executor};
 use crate::model::{LogitsWanted, Model, SeqStep};
 use crate::sampling::{Sampler, SamplingParams, StopReason, TokenLogprobs};
 
@@ -435,10 +436,11 @@ impl Shared {
     }
 }
 
-/// The serving engine. See the [module docs](self).
-pub struct Engine {
+/// The serving engine over an [`Executor`] (the CPU kernels by default). See the
+/// [module docs](self).
+pub struct Engine<E: Executor = CpuExecutor> {
     shared: Arc<Shared>,
-    model: Arc<Model>,
+    model: Arc<E>,
     pool: Arc<KvPool>,
     tokenizer: Option<Arc<Tokenizer>>,
     next_id: AtomicU64,
@@ -446,7 +448,7 @@ pub struct Engine {
     started: Instant,
 }
 
-impl std::fmt::Debug for Engine {
+impl<E: Executor + std::fmt::Debug> std::fmt::Debug for Engine<E> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Engine")
             .field("model", &self.model)
@@ -454,11 +456,29 @@ impl std::fmt::Debug for Engine {
     }
 }
 
-impl Engine {
-    /// Starts an engine on `model` with a KV pool of `cfg.kv_budget_bytes`. The tokenizer (the
-    /// model's own) turns tokens into text and enables stop sequences.
+impl Engine<CpuExecutor> {
+    /// Starts an engine on `model` (run by the CPU kernels) with a KV pool of
+    /// `cfg.kv_budget_bytes`. The tokenizer (the model's own) turns tokens into text and
+    /// enables stop sequences.
     pub fn new(
         model: Arc<Model>,
+        tokenizer: Option<Arc<Tokenizer>>,
+        cfg: EngineConfig,
+    ) -> Result<Self, EngineInitError> {
+        Self::with_executor(Arc::new(CpuExecutor::new(model)), tokenizer, cfg)
+    }
+
+    /// The model.
+    pub fn model(&self) -> &Arc<Model> {
+        self.model.model()
+    }
+}
+
+impl<E: Executor> Engine<E> {
+    /// Starts an engine on `model` (any [`Executor`]) with a KV pool of `cfg.kv_budget_bytes`.
+    /// The tokenizer (the model's own) turns tokens into text and enables stop sequences.
+    pub fn with_executor(
+        model: Arc<E>,
         tokenizer: Option<Arc<Tokenizer>>,
         cfg: EngineConfig,
     ) -> Result<Self, EngineInitError> {
@@ -514,8 +534,8 @@ impl Engine {
         })
     }
 
-    /// The model.
-    pub fn model(&self) -> &Arc<Model> {
+    /// The executor running the model.
+    pub fn executor(&self) -> &Arc<E> {
         &self.model
     }
 
@@ -526,7 +546,7 @@ impl Engine {
 
     /// The tokens that end a request without its own [`stop_tokens`](GenerationRequest::stop_tokens):
     /// the model's EOS/EOT and the tokenizer's end-of-generation ids
-    /// ([`Model::stop_tokens_with`]).
+    /// ([`Executor::stop_tokens_with`]).
     pub fn stop_tokens(&self) -> Vec<u32> {
         self.model.stop_tokens_with(self.tokenizer.as_deref())
     }
@@ -635,7 +655,7 @@ impl Engine {
     }
 }
 
-impl Drop for Engine {
+impl<E: Executor> Drop for Engine<E> {
     fn drop(&mut self) {
         self.shared.lock().shutdown = true;
         self.shared.wake.notify_all();
@@ -737,9 +757,9 @@ enum Outcome {
     Failed,
 }
 
-struct Worker {
+struct Worker<E> {
     shared: Arc<Shared>,
-    model: Arc<Model>,
+    model: Arc<E>,
     pool: Arc<KvPool>,
     prefix: PrefixCache,
     /// Fills constrained sequences' masks during the forward pass (started by the first
@@ -747,7 +767,7 @@ struct Worker {
     masks: Option<MaskFiller>,
 }
 
-impl Worker {
+impl<E: Executor> Worker<E> {
     /// Starts filling the masks of the constrained sequences that sample this step, on the
     /// mask thread while the forward pass runs; whether it started (if not, each mask is
     /// filled when its row samples). No allocation without constrained sequences.
@@ -794,7 +814,7 @@ impl Worker {
                 });
             }
         }
-        let pool = self.model.pool();
+        let pool = self.model.host_pool();
         let threads = pool.n_threads();
         if jobs.len() < 8 || threads < 2 {
             jobs.iter_mut().for_each(SampleJob::run);

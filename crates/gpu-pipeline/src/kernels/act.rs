@@ -4,7 +4,7 @@
 //! so `x ≈ d * q`. Blocks are stored four at a time in an [`ActQuad`], laid out for the AVX-512
 //! kernels (see there); every backend reads the same bytes, so they all see identical `q` and `d`.
 
-use super::Backend;
+use super::CpuIsa;
 
 /// Four consecutive 32-element activation blocks (`4 * 32` columns) of one token.
 ///
@@ -84,10 +84,10 @@ impl ActBlock {
 
 /// Quantizes `n = x.len() / cols` tokens into `out` (`n * cols / 32` blocks).
 #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
-pub(crate) fn quantize_blocks(backend: Backend, x: &[f32], out: &mut [ActBlock]) {
+pub(crate) fn quantize_blocks(backend: CpuIsa, x: &[f32], out: &mut [ActBlock]) {
     match backend {
         #[cfg(target_arch = "x86_64")]
-        Backend::Avx512 => {
+        CpuIsa::Avx512 => {
             // SAFETY: the caller checked that the AVX-512 backend is available.
             unsafe { super::avx512::quantize_blocks(x, out) }
         }
@@ -109,12 +109,12 @@ pub(crate) fn quads_per_token(cols: usize) -> usize {
 }
 
 /// Quantizes `n = x.len() / cols` tokens into `acts` (`n * quads_per_token(cols)` quads).
-pub(crate) fn quantize_tokens(backend: Backend, x: &[f32], cols: usize, acts: &mut [ActQuad]) {
+pub(crate) fn quantize_tokens(backend: CpuIsa, x: &[f32], cols: usize, acts: &mut [ActQuad]) {
     let nq = quads_per_token(cols);
     for (xt, at) in x.chunks_exact(cols).zip(acts.chunks_exact_mut(nq)) {
         match backend {
             #[cfg(target_arch = "x86_64")]
-            Backend::Avx512 => {
+            CpuIsa::Avx512 => {
                 // SAFETY: the caller checked that the AVX-512 backend is available.
                 unsafe { super::avx512::quantize_token(xt, at) }
             }
@@ -199,7 +199,7 @@ mod tests {
             let nq = quads_per_token(cols);
             let mut want = vec![ActQuad::ZERO; nq];
             quantize_token(&x, &mut want);
-            for backend in Backend::available() {
+            for backend in CpuIsa::available() {
                 let mut got = vec![ActQuad::ZERO; nq];
                 quantize_tokens(backend, &x, cols, &mut got);
                 for (g, w) in got.iter().zip(&want) {

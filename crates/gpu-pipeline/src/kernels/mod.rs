@@ -10,7 +10,7 @@
 //! CPU has it), with the block scales applied in f32. Float weights (F32, F16, BF16) are multiplied
 //! with the f32 activations directly.
 //!
-//! Backends are picked at run time ([`Backend::detect`]): AVX-512 (F, BW, VL, VNNI, VBMI), AVX2 +
+//! Backends are picked at run time ([`CpuIsa::detect`]): AVX-512 (F, BW, VL, VNNI, VBMI), AVX2 +
 //! FMA (every format, without VNNI), and a
 //! portable scalar backend that computes the same quantities with the same operations in the
 //! same order (it is the reference the SIMD code is tested against, bit for bit). Block layouts
@@ -58,7 +58,7 @@ pub(crate) use ops::{
 /// `$ZEROLAYER_KERNELS`).
 #[cfg(target_arch = "x86_64")]
 pub(crate) fn has_avx512() -> bool {
-    Backend::detect() == Backend::Avx512
+    CpuIsa::detect() == CpuIsa::Avx512
 }
 mod scalar;
 
@@ -256,13 +256,13 @@ pub enum KernelError {
     #[error("backend {backend:?} is not available on this CPU")]
     BackendUnavailable {
         /// The backend.
-        backend: Backend,
+        backend: CpuIsa,
     },
     /// The backend has no kernel for the matrix's layout (packed weights need AVX-512).
     #[error("backend {backend:?} has no kernel for {} weights in layout {layout:?}", dtype.name())]
     LayoutUnsupported {
         /// The backend.
-        backend: Backend,
+        backend: CpuIsa,
         /// The encoding.
         dtype: GgmlType,
         /// The layout.
@@ -270,10 +270,10 @@ pub enum KernelError {
     },
 }
 
-/// A kernel implementation.
+/// The CPU instruction set a kernel runs with (chosen at run time; see [`CpuIsa::detect`]).
 #[non_exhaustive]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Backend {
+pub enum CpuIsa {
     /// Portable Rust; same quantities as the SIMD backends.
     Scalar,
     /// x86-64 AVX2 + FMA + F16C.
@@ -282,7 +282,7 @@ pub enum Backend {
     Avx512,
 }
 
-impl Backend {
+impl CpuIsa {
     /// Whether this CPU can run the backend.
     pub fn is_available(self) -> bool {
         match self {
@@ -319,7 +319,7 @@ impl Backend {
     /// The backend [`matvec`] and [`matmul`] use: the fastest available, unless
     /// `$ZEROLAYER_KERNELS` names another available one (`scalar`, `avx2`, `avx512`).
     pub fn detect() -> Self {
-        static DETECTED: OnceLock<Backend> = OnceLock::new();
+        static DETECTED: OnceLock<CpuIsa> = OnceLock::new();
         *DETECTED.get_or_init(|| {
             let forced = std::env::var("ZEROLAYER_KERNELS").ok().and_then(|v| {
                 match v.trim().to_ascii_lowercase().as_str() {
@@ -344,7 +344,7 @@ pub fn matvec(
     y: &mut [f32],
     pool: &ThreadPool,
 ) -> Result<(), KernelError> {
-    matmul_with(Backend::detect(), w, x, 1, y, pool)
+    matmul_with(CpuIsa::detect(), w, x, 1, y, pool)
 }
 
 /// `Y = X Wᵀ` for `n` tokens: `x` is `n x cols` row-major, `y` is `n x rows` row-major.
@@ -356,12 +356,12 @@ pub fn matmul(
     y: &mut [f32],
     pool: &ThreadPool,
 ) -> Result<(), KernelError> {
-    matmul_with(Backend::detect(), w, x, n, y, pool)
+    matmul_with(CpuIsa::detect(), w, x, n, y, pool)
 }
 
 /// [`matmul`] on a chosen backend (for tests and benchmarks).
 pub fn matmul_with(
-    backend: Backend,
+    backend: CpuIsa,
     w: WeightMatrix<'_>,
     x: &[f32],
     n: usize,
@@ -425,7 +425,7 @@ pub fn matmul_many(
             outputs: ys.len(),
         });
     }
-    let backend = Backend::detect();
+    let backend = CpuIsa::detect();
     // The shared quantized format, if every product has the same one (no allocation: this is
     // on the decode path).
     let mut group: Option<Option<Fmt>> = None;
@@ -453,10 +453,10 @@ pub fn matmul_many(
 }
 
 /// Checks that `backend` has a kernel for `w`'s layout.
-fn check_layout(backend: Backend, w: WeightMatrix<'_>) -> Result<(), KernelError> {
+fn check_layout(backend: CpuIsa, w: WeightMatrix<'_>) -> Result<(), KernelError> {
     match w.layout {
         Layout::File => Ok(()),
-        Layout::Rows16 if backend == Backend::Avx512 => Ok(()),
+        Layout::Rows16 if backend == CpuIsa::Avx512 => Ok(()),
         layout => Err(KernelError::LayoutUnsupported {
             backend,
             dtype: w.dtype,
@@ -507,7 +507,7 @@ fn validate(
 /// The integer-quantized products of `ws` (validated, all in format `fmt` with the same `cols`)
 /// with the `n` tokens of `x`, into `ys`.
 fn quant_group(
-    backend: Backend,
+    backend: CpuIsa,
     fmt: Fmt,
     ws: &[WeightMatrix<'_>],
     x: &[f32],
@@ -518,7 +518,7 @@ fn quant_group(
     let cols = ws[0].cols;
     // Quantize the activations once, then share them read-only.
     #[cfg(target_arch = "x86_64")]
-    if backend == Backend::Avx512 && (ws[0].layout == Layout::Rows16 || panel::applies(fmt, n)) {
+    if backend == CpuIsa::Avx512 && (ws[0].layout == Layout::Rows16 || panel::applies(fmt, n)) {
         let packed = ws[0].layout == Layout::Rows16;
         BLOCK_SCRATCH.with(|scratch| {
             let mut acts = scratch.borrow_mut();
@@ -770,7 +770,7 @@ fn run_rows_many(
 }
 
 fn float_rows(
-    backend: Backend,
+    backend: CpuIsa,
     fmt: Fmt,
     w: WeightMatrix<'_>,
     x: &[f32],
@@ -780,7 +780,7 @@ fn float_rows(
 ) {
     match backend {
         #[cfg(target_arch = "x86_64")]
-        Backend::Avx512 | Backend::Avx2 => {
+        CpuIsa::Avx512 | CpuIsa::Avx2 => {
             // SAFETY: `backend.is_available()` was checked by the caller (AVX-512 implies AVX2).
             unsafe { avx2::float_rows(fmt, w, x, n, rows, out) }
         }
@@ -789,7 +789,7 @@ fn float_rows(
 }
 
 fn quant_rows(
-    backend: Backend,
+    backend: CpuIsa,
     fmt: Fmt,
     w: WeightMatrix<'_>,
     acts: &[ActQuad],
@@ -799,12 +799,12 @@ fn quant_rows(
 ) {
     match backend {
         #[cfg(target_arch = "x86_64")]
-        Backend::Avx512 => {
+        CpuIsa::Avx512 => {
             // SAFETY: `backend.is_available()` was checked by the caller.
             unsafe { avx512::quant_rows(fmt, w, acts, n, rows, out) }
         }
         #[cfg(target_arch = "x86_64")]
-        Backend::Avx2 => {
+        CpuIsa::Avx2 => {
             // SAFETY: `backend.is_available()` was checked by the caller.
             unsafe { avx2::quant_rows(fmt, w, acts, n, rows, out) }
         }
@@ -814,7 +814,7 @@ fn quant_rows(
 
 /// Dequantizes row `row` of `w` into `out` (`cols` elements), e.g. for an embedding lookup.
 pub fn dequantize_row(w: WeightMatrix<'_>, row: usize, out: &mut [f32]) -> Result<(), KernelError> {
-    check_layout(Backend::Scalar, w)?;
+    check_layout(CpuIsa::Scalar, w)?;
     let fmt = w.check()?;
     if row >= w.rows {
         return Err(KernelError::RowOutOfRange { row, rows: w.rows });

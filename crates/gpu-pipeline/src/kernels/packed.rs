@@ -95,7 +95,7 @@ pub(crate) fn packed_len(fmt: Fmt, rows: usize, cols: usize) -> Option<usize> {
 
 impl PackedWeights {
     /// Whether matrices of `dtype` can be packed, and the kernels that read the layout run on
-    /// this CPU (AVX-512 with VNNI, selected by [`super::Backend::detect`]).
+    /// this CPU (AVX-512 with VNNI, selected by [`super::CpuIsa::detect`]).
     pub fn supported(dtype: GgmlType) -> bool {
         #[cfg(target_arch = "x86_64")]
         {

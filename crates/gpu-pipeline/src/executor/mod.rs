@@ -1,0 +1,61 @@
+//! What runs the forward pass, and how its weights reach the device.
+//!
+//! The engine (scheduler, KV admission, sampling, streaming) talks to the model only through
+//! [`Executor`]: the model's shape, the KV layout it wants, and one batched `forward` over
+//! sequence steps. [`CpuExecutor`] runs today's CPU kernels. A device backend (CUDA, Metal,
+//! ROCm) is another implementation of the trait; see `docs/ARCHITECTURE.md`.
+//!
+//! [`StreamPlan`] decides, for a device budget smaller than the weights, which tensors stay
+//! resident and which stream layer by layer through two double-buffered slots.
+//!
+//! Today every executor takes its sequences' KV as host [`kv_ring::KvRing`]s (the engine
+//! allocates them from one [`kv_ring::KvPool`]); a device-resident KV store is not part of the
+//! trait yet.
+
+mod cpu;
+mod plan;
+mod streaming;
+
+pub use cpu::CpuExecutor;
+pub use plan::{
+    LayerPlan, LayerWeights, Placed, Placement, PlanError, PlanOptions, StreamPlan, WeightSpan,
+};
+pub use streaming::{StreamStats, StreamingError, StreamingExecutor};
+
+use kv_ring::{KvDtype, KvShape};
+use token_stream::Tokenizer;
+use weight_cache::WeightCache;
+
+use crate::model::{ForwardError, ModelConfig, SeqStep};
+use crate::threadpool::ThreadPool;
+
+/// Runs a model's forward pass for the engine. Implementations are shared between the engine's
+/// handle and its worker thread, hence `Send + Sync`.
+pub trait Executor: Send + Sync + 'static {
+    /// The model's configuration (vocabulary, context length, layer shapes).
+    fn config(&self) -> &ModelConfig;
+
+    /// The KV cache shape for `dtype` storage (what each sequence's ring holds per token).
+    fn kv_shape(&self, dtype: KvDtype) -> KvShape;
+
+    /// Per layer, the attention window (`None` = full attention); the KV pool keeps only the
+    /// rows a window layer can still attend to.
+    fn kv_windows(&self) -> Vec<Option<usize>>;
+
+    /// The weight cache the weights are read through (for its hit-rate metrics), if one is
+    /// attached.
+    fn weight_cache(&self) -> Option<&WeightCache>;
+
+    /// The host thread pool the engine may use for its own parallel work (sampling).
+    fn host_pool(&self) -> &ThreadPool;
+
+    /// The tokens that end a generation by default: the model's EOS/EOT plus `tokenizer`'s
+    /// end-of-generation ids.
+    fn stop_tokens_with(&self, tokenizer: Option<&Tokenizer>) -> Vec<u32>;
+
+    /// One batched step: appends every step's tokens to its KV ring and writes the wanted
+    /// logits rows (`vocab_size` floats each, in step order) to `logits`. A row's result does
+    /// not depend on the other steps in the batch.
+    fn forward(&self, steps: &mut [SeqStep<'_>], logits: &mut Vec<f32>)
+    -> Result<(), ForwardError>;
+}
