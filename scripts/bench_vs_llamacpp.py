@@ -148,8 +148,16 @@ def main():
     ap.add_argument("--bandwidth", default="", help="examples/bandwidth's JSON line")
     ap.add_argument("--budget", type=float, default=0.0,
                     help="also generate with the model file's residency within this fraction")
+    ap.add_argument("--facts", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
-    vocab, total_bytes, per_token = model_facts(a.model)
+    if a.facts:
+        print(json.dumps(model_facts(a.model)))
+        return
+    # In a child: reading the GGUF grows this process, and a child's peak RSS (ru_maxrss)
+    # starts from its parent's at fork, which would then inflate every figure measured below.
+    facts = subprocess.run([sys.executable, __file__, "--facts", "--model", a.model, "--bin", a.bin],
+                           capture_output=True, text=True, check=True).stdout
+    vocab, total_bytes, per_token = json.loads(facts)
     fx = json.loads((ROOT / "crates/gpu-pipeline/tests/fixtures/model-ppl.json").read_text())
     pp_ids = fx["ci_ids"][:512]
     teach = json.loads((ROOT / "crates/gpu-pipeline/tests/fixtures/model-teacher.json").read_text())
