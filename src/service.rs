@@ -772,10 +772,13 @@ mod tests {
 
     /// The default model, served under its own name with default options.
     fn load_default() -> EngineService {
+        load_with(ModelOptions::default())
+    }
+
+    fn load_with(options: ModelOptions) -> EngineService {
         let path = weight_cache::locate_default_model().unwrap_or_else(|e| panic!("{e}"));
         // SAFETY: the model file is not modified while the test runs.
-        unsafe { EngineService::load(&path, ModelOptions::default(), EngineConfig::default()) }
-            .expect("load")
+        unsafe { EngineService::load(&path, options, EngineConfig::default()) }.expect("load")
     }
 
     /// The `general.name` of the default model (SmolLM2-135M-Instruct.Q4_1.gguf).
@@ -1036,7 +1039,8 @@ mod tests {
 
     #[test]
     fn chat_request_streams_text_and_usage_from_the_real_model() {
-        let svc = load_default();
+        // Weights read from the file (not packed), so the attached weight cache sees every read.
+        let svc = load_with(ModelOptions::default().with_packing(gpu_pipeline::WeightPacking::Off));
         let gguf = svc.engine().model().gguf().expect("a GGUF model").clone();
         let cache = WeightCache::new(gguf, Default::default()).expect("block table");
         let svc = svc.with_warmup(cache, WarmupStrategy::Full);

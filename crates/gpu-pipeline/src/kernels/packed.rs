@@ -328,7 +328,7 @@ mod avx512 {
             // Many tokens: unpack each group once into the panel kernel's buffer and reuse it
             // for the whole token chunk.
             // SAFETY: forwarded (same contract).
-            return unsafe { super::super::panel::packed_rows(fmt, w, acts, n, rows, out) };
+            return unsafe { super::super::panel::quant_rows(fmt, w, acts, n, rows, out) };
         }
         let bb = block_bytes(fmt).unwrap_or(0);
         let nb = w.cols / 32;

@@ -31,7 +31,7 @@ use super::avx512::{
     F_IQ4NL, F_Q4_0, F_Q4_1, F_Q5_0, F_Q5_1, F_Q8_0, IQ4_TABLE, has_min, offset_shift,
 };
 use super::format::Fmt;
-use super::{RowsOut, WeightMatrix};
+use super::{Layout, RowsOut, WeightMatrix};
 use weight_cache::quant::{BlockQ5_0, BlockQ5_1};
 
 /// Rows per panel (one per 32-bit lane of a 512-bit vector).
@@ -82,7 +82,8 @@ pub(crate) fn applies(fmt: Fmt, n: usize) -> bool {
 ///
 /// # Safety
 /// The CPU supports the features enabled here; `acts` holds `n` tokens quantized for `w.cols`;
-/// `fmt` is one of [`applies`]'s formats and is `w`'s format.
+/// `fmt` is one of [`applies`]'s formats and is `w`'s format (of a packed matrix: one with a
+/// packed layout, its length checked, `rows.start` a multiple of 16).
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
 pub(crate) unsafe fn quant_rows(
     fmt: Fmt,
@@ -112,6 +113,9 @@ fn panel_rows<const F: u8>(
     rows: Range<usize>,
     out: &mut RowsOut<'_>,
 ) {
+    if w.layout == Layout::Rows16 {
+        return packed_impl::<F>(fmt, w, acts, n, rows, out);
+    }
     let rb = fmt.row_bytes(w.cols);
     let nblocks = w.cols / 32;
     assert!(acts.len() >= n * nblocks && rows.end <= w.rows && w.data.len() >= w.rows * rb);
@@ -134,29 +138,9 @@ fn panel_rows<const F: u8>(
     });
 }
 
-/// [`quant_rows`] over a matrix already in the row-interleaved layout of
+/// [`panel_rows`] over a matrix already in the row-interleaved layout of
 /// [`super::packed::PackedWeights`] (`rows.start` a multiple of 16): each 16-row group is
-/// unpacked into the panel (no gathers or transposes), then multiplied as above.
-///
-/// # Safety
-/// As for [`quant_rows`]; `w` is in the packed layout with its checked length.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
-pub(crate) unsafe fn packed_rows(
-    fmt: Fmt,
-    w: WeightMatrix<'_>,
-    acts: &[ActBlock],
-    n: usize,
-    rows: Range<usize>,
-    out: &mut RowsOut<'_>,
-) {
-    match fmt {
-        Fmt::Q4_0 => packed_impl::<F_Q4_0>(fmt, w, acts, n, rows, out),
-        Fmt::Q4_1 => packed_impl::<F_Q4_1>(fmt, w, acts, n, rows, out),
-        Fmt::Q8_0 => packed_impl::<F_Q8_0>(fmt, w, acts, n, rows, out),
-        _ => unreachable!("packed formats are checked by the caller"),
-    }
-}
-
+/// unpacked into the panel (no gathers or transposes), then multiplied the same way.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
 fn packed_impl<const F: u8>(
     fmt: Fmt,
