@@ -769,15 +769,7 @@ impl Tokenizer {
     /// backtracking encoder (long pieces of byte-level vocabularies) is tested against.
     #[doc(hidden)]
     pub fn encode_merging_only(&self, text: &str) -> Vec<u32> {
-        let mut out = Vec::new();
-        if !matches!(self.algo, Algo::Bpe) {
-            self.encode_into(text, &mut out);
-            return out;
-        }
-        let mut work = Work::default();
-        work.merge_only = true;
-        self.encode_plain(text, &mut out, &mut Vec::new(), &mut work);
-        out
+        self.encode_in_mode(text, |w| w.merge_only = true)
     }
 
     /// Encodes plain `text` spelling every piece that is not a whole token by backtracking
@@ -785,13 +777,19 @@ impl Tokenizer {
     /// pieces too.
     #[doc(hidden)]
     pub fn encode_backtracking_everywhere(&self, text: &str) -> Vec<u32> {
+        self.encode_in_mode(text, |w| w.backtrack_all = true)
+    }
+
+    /// Plain `text` encoded with a BPE work state that `mode` set up (other algorithms: as
+    /// [`encode`](Self::encode)).
+    fn encode_in_mode(&self, text: &str, mode: impl FnOnce(&mut Work)) -> Vec<u32> {
         let mut out = Vec::new();
         if !matches!(self.algo, Algo::Bpe) {
             self.encode_into(text, &mut out);
             return out;
         }
         let mut work = Work::default();
-        work.backtrack_all = true;
+        mode(&mut work);
         self.encode_plain(text, &mut out, &mut Vec::new(), &mut work);
         out
     }

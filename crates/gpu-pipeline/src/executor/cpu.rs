@@ -19,7 +19,9 @@ use crate::threadpool::ThreadPool;
 /// use gpu_pipeline::{Model, ModelOptions};
 ///
 /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
-/// # let gguf = todo!();
+/// let path = weight_cache::locate_default_model()?;
+/// // SAFETY: the model file is not modified while it is mapped.
+/// let gguf = Arc::new(unsafe { weight_cache::Gguf::open(&path) }?);
 /// let model = Arc::new(Model::load(gguf, ModelOptions::default())?);
 /// let exec = CpuExecutor::new(model);
 /// assert!(exec.config().vocab_size > 0);

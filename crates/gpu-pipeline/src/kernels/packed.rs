@@ -61,6 +61,8 @@ pub struct PackedWeights {
     dtype: GgmlType,
     rows: usize,
     cols: usize,
+    /// Bytes of packed data at the front of `lines`.
+    len: usize,
     lines: Vec<Line>,
 }
 
@@ -141,6 +143,7 @@ impl PackedWeights {
             dtype: w.dtype,
             rows: w.rows,
             cols: w.cols,
+            len,
             lines,
         }))
     }
@@ -214,14 +217,11 @@ impl PackedWeights {
     }
 
     fn bytes(&self) -> &[u8] {
-        let len = Fmt::of(self.dtype)
-            .and_then(|f| packed_len(f, self.rows, self.cols))
-            .unwrap_or(0);
         // SAFETY: `Line` is 64 plain bytes with no padding, so the lines are `64 * len` bytes.
         let all = unsafe {
             std::slice::from_raw_parts(self.lines.as_ptr().cast::<u8>(), self.lines.len() * 64)
         };
-        &all[..len]
+        &all[..self.len]
     }
 }
 

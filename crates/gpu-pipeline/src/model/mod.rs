@@ -320,6 +320,17 @@ impl Lin {
         }
     }
 
+    /// Records a read of this matrix's file bytes in the attached weight cache, if any. A
+    /// packed matrix is computed from the model's own copy, so its file pages are not read and
+    /// nothing is recorded.
+    fn touch(&self, touch: Touch<'_>) {
+        if let Some((cache, r)) = touch
+            && self.packed.is_none()
+        {
+            cache.touch(self.tensor, r);
+        }
+    }
+
     /// Packs this matrix (see [`WeightPacking`]) if its format has a packed kernel here, and
     /// releases its file pages.
     fn pack(&mut self, g: &dyn WeightSource, pool: &ThreadPool) -> Result<(), KernelError> {
@@ -904,11 +915,7 @@ impl Model {
         tmp2: &mut Vec<f32>,
         touch: Touch<'_>,
     ) -> Result<(), KernelError> {
-        if let Some((cache, r)) = touch
-            && w.packed.is_none()
-        {
-            cache.touch(w.tensor, r);
-        }
+        w.touch(touch);
         if self.split_for(c) {
             self.matmul_split(w, x, n, y, hi, tmp2)
         } else {
@@ -935,12 +942,7 @@ impl Model {
             }
             return Ok(());
         }
-        if let Some((cache, r)) = touch {
-            // Packed matrices are not read from the file.
-            ws.iter()
-                .filter(|(_, w)| w.packed.is_none())
-                .for_each(|(_, w)| cache.touch(w.tensor, r));
-        }
+        ws.iter().for_each(|(_, w)| w.touch(touch));
         let mut mats = [self.w(ws[0].1)?; N];
         for (m, (_, w)) in mats.iter_mut().zip(&ws).skip(1) {
             *m = self.w(w)?;
@@ -1124,11 +1126,7 @@ impl Model {
     ) -> Result<(), ForwardError> {
         let (d, n_rot) = (self.cfg.n_embd, self.cfg.rope.n_rot);
         let total: usize = steps.iter().map(|s| s.tokens.len()).sum();
-        if let Some((c, r)) = touch
-            && self.embd.packed.is_none()
-        {
-            c.touch(self.embd.tensor, r);
-        }
+        self.embd.touch(touch);
         let bytes = self.src.file_bytes(self.embd.file);
         let rb = self.embd.bytes.len() / self.embd.rows;
         let scale = self.cfg.embedding_scale;
@@ -1466,10 +1464,10 @@ impl Model {
             s.kv.commit()
                 .map_err(|source| ForwardError::Kv { step: i, source })?;
         }
-        if let Some((c, r)) = touch {
-            if n_out > 0 && self.output.packed.is_none() {
-                c.touch(self.output.tensor, r);
-            }
+        if n_out > 0 {
+            self.output.touch(touch);
+        }
+        if let Some((c, _)) = touch {
             c.end_token();
         }
         if n_out > 0 {

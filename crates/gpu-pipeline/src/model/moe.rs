@@ -266,9 +266,7 @@ impl Model {
         let (d, ne, k) = (self.cfg.n_embd, m.n_experts, m.n_used);
         let slots = total * k;
         // 1-2: router scores in f32, then each token's experts and weights.
-        if let Some((c, r)) = touch {
-            c.touch(ex.router.tensor, r);
-        }
+        ex.router.touch(touch);
         self.matmul(&ex.router, h, total, &mut sc.probs)?;
         for t in 0..total {
             route(
