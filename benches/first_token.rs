@@ -72,10 +72,7 @@ fn model_first_token(svc: &EngineService, rounds: usize) -> Duration {
 }
 
 fn request(svc: &EngineService, i: usize) -> InferenceRequest {
-    let messages = vec![ChatMessage {
-        role: ChatRole::User,
-        content: question(i),
-    }];
+    let messages = vec![ChatMessage::new(ChatRole::User, question(i))];
     InferenceRequest::new(svc.model_id(), Prompt::Chat(messages), 8)
 }
 

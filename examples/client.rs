@@ -85,15 +85,9 @@ async fn main() -> anyhow::Result<()> {
 
     let mut turns = Vec::new();
     if let Some(system) = args.system {
-        turns.push(ChatMessage {
-            role: ChatRole::System,
-            content: system,
-        });
+        turns.push(ChatMessage::new(ChatRole::System, system));
     }
-    turns.push(ChatMessage {
-        role: ChatRole::User,
-        content: args.prompt,
-    });
+    turns.push(ChatMessage::new(ChatRole::User, args.prompt));
     let mut request = InferenceRequest::new(model, Prompt::Chat(turns), args.max_tokens);
     let mut sampling = SamplingParams::default();
     sampling.temperature = args.temperature;

@@ -202,10 +202,7 @@ async fn main() -> anyhow::Result<()> {
         .with_context(|| format!("reading {}", args.prompt_file.display()))?;
     let body = Bytes::from(request_json(&args, &prompt).to_string());
     let request = {
-        let turn = ChatMessage {
-            role: ChatRole::User,
-            content: prompt.clone(),
-        };
+        let turn = ChatMessage::new(ChatRole::User, prompt.clone());
         InferenceRequest::new(
             args.model.clone().unwrap_or_default(),
             Prompt::Chat(vec![turn]),

@@ -11,7 +11,8 @@ use futures::channel::oneshot;
 
 use claudelink_proto::{
     ChatRole, ErrorCode, EventStream, InferenceEvent, InferenceRequest, InferenceService,
-    ModelInfo, OutputFormat, Prompt, ServiceError, ServiceMetrics, StopReason, TokenLogprob, Usage,
+    ModelInfo, OutputFormat, Prompt, ServiceError, ServiceMetrics, StopReason, TokenLogprob,
+    ToolChoice, Tools, Usage,
 };
 use gpu_pipeline::engine::{
     Engine, EngineConfig, EngineEvent, GenerationRequest, RequestHandle, SubmitError,
@@ -19,7 +20,10 @@ use gpu_pipeline::engine::{
 use gpu_pipeline::{
     ConstraintFactory, GrammarError, Grammars, Model, ModelOptions, SamplingParams, WeightSource,
 };
-use token_stream::{ChatMessage, ChatTemplate, Tokenizer};
+use token_stream::{
+    ChatMessage, ChatTemplate, RenderOptions, Tokenizer, ToolCall, ToolCallParser, ToolEvent,
+    ToolSyntax,
+};
 use weight_cache::{FileWatch, WarmupHandle, WarmupStrategy, WeightCache};
 
 /// Why [`EngineService::load`] failed.
@@ -72,6 +76,8 @@ pub struct EngineService {
     engine: Arc<Engine>,
     tokenizer: Arc<Tokenizer>,
     chat: Option<Arc<ChatTemplate>>,
+    /// How tools reach the chat template (found once, by probing it).
+    tool_syntax: ToolSyntax,
     info: ModelInfo,
     weights: Option<Weights>,
     /// Whether the served file changed on disk since it was mapped (checked once a second;
@@ -146,6 +152,9 @@ impl EngineService {
             },
         };
         let chat = chat_template(&tokenizer, engine.model().source().as_ref()).map(Arc::new);
+        let tool_syntax = chat
+            .as_ref()
+            .map_or(ToolSyntax::HermesPolyfill, |c| c.tool_syntax());
         let model_id = served_model_id(engine.model().source().as_ref());
         let info = ModelInfo {
             display_name: engine
@@ -173,6 +182,7 @@ impl EngineService {
             engine: Arc::new(engine),
             tokenizer,
             chat,
+            tool_syntax,
             info,
             weights: None,
             file_watch,
@@ -290,7 +300,13 @@ impl EngineService {
 
     /// Token ids of a prompt (chat prompts through the model's chat template).
     pub fn tokenize(&self, prompt: &Prompt) -> Result<Vec<u32>, ServiceError> {
-        self.prompt_parts().tokenize(prompt)
+        self.prompt_parts().tokenize(prompt, None)
+    }
+
+    /// How tools reach this model's prompt: natively when its chat template renders them in
+    /// the Hermes syntax, else described in the system message.
+    pub fn tool_syntax(&self) -> ToolSyntax {
+        self.tool_syntax
     }
 
     /// What tokenizing a prompt and submitting it needs, detached from `self` for the pool.
@@ -299,6 +315,7 @@ impl EngineService {
             engine: self.engine.clone(),
             tokenizer: self.tokenizer.clone(),
             chat: self.chat.clone(),
+            tool_syntax: self.tool_syntax,
             grammars: self.grammars.clone(),
         }
     }
@@ -309,7 +326,62 @@ struct PromptParts {
     engine: Arc<Engine>,
     tokenizer: Arc<Tokenizer>,
     chat: Option<Arc<ChatTemplate>>,
+    tool_syntax: ToolSyntax,
     grammars: Arc<OnceLock<Result<Grammars, GrammarError>>>,
+}
+
+/// The JSON list of tool definitions a template (or the polyfill prompt) shows.
+fn tools_json(tools: &Tools) -> serde_json::Value {
+    tools
+        .tools
+        .iter()
+        .map(|t| token_stream::tool_json(&t.name, t.description.as_deref(), &t.parameters))
+        .collect()
+}
+
+/// The grammar a request's decoding is constrained to: its output format, or one call of the
+/// allowed tools when a tool is forced.
+fn request_format(
+    format: Option<Arc<OutputFormat>>,
+    tools: Option<&Tools>,
+) -> Result<Option<Arc<OutputFormat>>, ServiceError> {
+    let Some(tools) = tools else {
+        return Ok(format);
+    };
+    let forced: Vec<(&str, &serde_json::Value)> = match &tools.choice {
+        ToolChoice::Any => tools
+            .tools
+            .iter()
+            .map(|t| (t.name.as_str(), &t.parameters))
+            .collect(),
+        ToolChoice::Named(name) => {
+            let t = tools
+                .tools
+                .iter()
+                .find(|t| &t.name == name)
+                .ok_or_else(|| ServiceError::InvalidRequest {
+                    field: "tool_choice",
+                    reason: format!("no tool is named {name:?}"),
+                })?;
+            vec![(t.name.as_str(), &t.parameters)]
+        }
+        _ => return Ok(format),
+    };
+    if format.is_some() {
+        return Err(ServiceError::InvalidRequest {
+            field: "tool_choice",
+            reason: "a forced tool call and a structured output format cannot be combined".into(),
+        });
+    }
+    if forced.is_empty() {
+        return Err(ServiceError::InvalidRequest {
+            field: "tools",
+            reason: "a tool call is required but no tool is given".into(),
+        });
+    }
+    Ok(Some(Arc::new(OutputFormat::Lark(
+        token_stream::forced_call_grammar(&forced),
+    ))))
 }
 
 impl PromptParts {
@@ -350,7 +422,7 @@ impl PromptParts {
         })
     }
 
-    fn tokenize(&self, prompt: &Prompt) -> Result<Vec<u32>, ServiceError> {
+    fn tokenize(&self, prompt: &Prompt, tools: Option<&Tools>) -> Result<Vec<u32>, ServiceError> {
         let invalid = |reason: String| ServiceError::InvalidRequest {
             field: "prompt",
             reason,
@@ -369,28 +441,18 @@ impl PromptParts {
                     .chat
                     .as_ref()
                     .ok_or_else(|| invalid("the model has no chat template".into()))?;
-                // A trailing assistant turn is a prefill the answer continues.
+                // A trailing assistant turn (without calls) is a prefill the answer continues.
                 let (turns, prefill) = match msgs.split_last() {
-                    Some((last, rest)) if last.role == ChatRole::Assistant => {
+                    Some((last, rest))
+                        if last.role == ChatRole::Assistant && last.tool_calls.is_empty() =>
+                    {
                         (rest, Some(last.content.as_str()))
                     }
                     _ => (msgs.as_slice(), None),
                 };
-                let turns: Vec<ChatMessage<'_>> = turns
-                    .iter()
-                    .map(|m| {
-                        let role = match m.role {
-                            ChatRole::System => "system",
-                            ChatRole::User => "user",
-                            ChatRole::Assistant => "assistant",
-                        };
-                        ChatMessage::new(role, &m.content)
-                    })
-                    .collect();
-                let mut ids = chat
-                    .encode(&self.tokenizer, &turns, true)
-                    .map_err(|e| invalid(e.to_string()))?
-                    .to_vec();
+                let mut ids = self
+                    .encode_turns(chat, turns, tools)
+                    .map_err(|e| invalid(e.to_string()))?;
                 if let Some(p) = prefill {
                     self.tokenizer.encode_into(p, &mut ids);
                 }
@@ -400,13 +462,78 @@ impl PromptParts {
         }
     }
 
+    /// Renders and tokenizes chat turns with the model's template, tools included: passed to
+    /// a template that renders them ([`ToolSyntax::Hermes`]), else described in the system
+    /// message with calls and results rewritten as text ([`token_stream::polyfill_messages`]).
+    fn encode_turns(
+        &self,
+        chat: &ChatTemplate,
+        turns: &[claudelink_proto::ChatMessage],
+        tools: Option<&Tools>,
+    ) -> Result<Vec<u32>, token_stream::ChatError> {
+        let role = |r: ChatRole| match r {
+            ChatRole::System => "system",
+            ChatRole::User => "user",
+            ChatRole::Assistant => "assistant",
+            ChatRole::Tool => "tool",
+        };
+        let calls: Vec<Vec<ToolCall<'_>>> = turns
+            .iter()
+            .map(|m| {
+                m.tool_calls
+                    .iter()
+                    .map(|c| ToolCall::new(&c.name, &c.arguments).with_id(&c.id))
+                    .collect()
+            })
+            .collect();
+        let messages: Vec<ChatMessage<'_>> = turns
+            .iter()
+            .zip(&calls)
+            .map(|(m, calls)| {
+                let mut t = ChatMessage::new(role(m.role), &m.content).with_tool_calls(calls);
+                if let Some(id) = &m.tool_call_id {
+                    t = t.with_tool_call_id(id);
+                }
+                if let Some(n) = &m.tool_name {
+                    t = t.with_name(n);
+                }
+                t
+            })
+            .collect();
+        let tools_json = tools.map(tools_json);
+        let opts = RenderOptions::new().add_generation_prompt(true);
+        let uses_tools = tools_json.is_some()
+            || turns
+                .iter()
+                .any(|m| m.role == ChatRole::Tool || !m.tool_calls.is_empty());
+        let ids = if self.tool_syntax == ToolSyntax::Hermes || !uses_tools {
+            let opts = match &tools_json {
+                Some(t) => opts.tools(t),
+                None => opts,
+            };
+            chat.encode_with(&self.tokenizer, &messages, &opts)?
+        } else {
+            let rewritten = token_stream::polyfill_messages(
+                &messages,
+                tools_json.as_ref().unwrap_or(&serde_json::Value::Null),
+            );
+            let messages: Vec<ChatMessage<'_>> = rewritten
+                .iter()
+                .map(|(r, c)| ChatMessage::new(r, c))
+                .collect();
+            chat.encode_with(&self.tokenizer, &messages, &opts)?
+        };
+        Ok(ids.to_vec())
+    }
+
     /// Tokenizes the prompt and queues the request in the engine.
     fn start(
         &self,
         prompt: &Prompt,
+        tools: Option<&Tools>,
         req: impl FnOnce(Vec<u32>) -> GenerationRequest,
     ) -> Result<RequestHandle, ServiceError> {
-        let ids = self.tokenize(prompt)?;
+        let ids = self.tokenize(prompt, tools)?;
         if ids.is_empty() {
             return Err(ServiceError::InvalidRequest {
                 field: "prompt",
@@ -567,6 +694,32 @@ fn token_logprob(tok: &Tokenizer, lp: &gpu_pipeline::TokenLogprobs) -> TokenLogp
     }
 }
 
+/// Queues what the tool-call parser found in one piece of output: text as a `Delta` (the
+/// first carrying the piece's token `ids`, which the gateway counts), calls as `ToolCall`s. A
+/// piece whose text was all held back still sends its ids in an empty `Delta`.
+fn push_tool_events(ready: &mut VecDeque<InferenceEvent>, ids: Vec<u32>, found: Vec<ToolEvent>) {
+    let mut ids = Some(ids);
+    for ev in found {
+        match ev {
+            ToolEvent::Text(text) => ready.push_back(InferenceEvent::Delta {
+                ids: ids.take().unwrap_or_default(),
+                text,
+            }),
+            ToolEvent::Call(c) => ready.push_back(InferenceEvent::ToolCall {
+                name: c.name,
+                arguments: c.arguments.to_string(),
+            }),
+            _ => {}
+        }
+    }
+    if let Some(ids) = ids.filter(|i| !i.is_empty()) {
+        ready.push_back(InferenceEvent::Delta {
+            ids,
+            text: String::new(),
+        });
+    }
+}
+
 fn stop_reason(r: gpu_pipeline::StopReason) -> StopReason {
     match r {
         gpu_pipeline::StopReason::EndTurn => StopReason::EndTurn,
@@ -587,7 +740,13 @@ impl InferenceService for EngineService {
         let max_tokens = request.max_tokens as usize;
         let (stops, priority, client) = (request.stop_sequences, request.priority, request.client);
         let logprobs = request.logprobs.map(usize::from);
-        let format = request.output_format;
+        let tools = request.tools;
+        let format = request_format(request.output_format, tools.as_deref())?;
+        // Calls are looked for in the output unless the request forbids them.
+        let mut calls = tools
+            .as_ref()
+            .filter(|t| t.choice != ToolChoice::None)
+            .map(|_| ToolCallParser::new());
         let tokenizer = self.tokenizer.clone();
         let prompt = request.prompt;
         // Tokenizing (and rendering the chat template) is CPU work proportional to the prompt:
@@ -606,7 +765,7 @@ impl InferenceService for EngineService {
                     return;
                 }
             };
-            let handle = parts.start(&prompt, |ids| {
+            let handle = parts.start(&prompt, tools.as_deref(), |ids| {
                 GenerationRequest::new(ids, max_tokens)
                     .with_constraint(constraint)
                     .with_sampling(sampling)
@@ -666,10 +825,17 @@ impl InferenceService for EngineService {
                                 &tokenizer, &lp,
                             )]));
                         }
-                        ready.push_back(InferenceEvent::Delta {
-                            ids: vec![id],
-                            text,
-                        });
+                        match calls.as_mut() {
+                            None => ready.push_back(InferenceEvent::Delta {
+                                ids: vec![id],
+                                text,
+                            }),
+                            Some(p) => {
+                                let mut found = Vec::new();
+                                p.push(&text, &mut found);
+                                push_tool_events(&mut ready, vec![id], found);
+                            }
+                        }
                     }
                     EngineEvent::Finished {
                         stop_reason: r,
@@ -677,14 +843,27 @@ impl InferenceService for EngineService {
                         tail_text,
                         usage,
                     } => {
-                        if !tail_text.is_empty() {
-                            ready.push_back(InferenceEvent::Delta {
-                                ids: vec![],
-                                text: tail_text,
-                            });
+                        let mut stop = stop_reason(r);
+                        match calls.as_mut() {
+                            None if !tail_text.is_empty() => {
+                                ready.push_back(InferenceEvent::Delta {
+                                    ids: vec![],
+                                    text: tail_text,
+                                });
+                            }
+                            None => {}
+                            Some(p) => {
+                                let mut found = Vec::new();
+                                p.push(&tail_text, &mut found);
+                                p.finish(&mut found);
+                                push_tool_events(&mut ready, vec![], found);
+                                if p.calls() > 0 && stop == StopReason::EndTurn {
+                                    stop = StopReason::ToolUse;
+                                }
+                            }
                         }
                         ready.push_back(InferenceEvent::Finished {
-                            stop_reason: stop_reason(r),
+                            stop_reason: stop,
                             stop_sequence,
                             usage: Usage {
                                 input_tokens: usage.input_tokens as u32,
@@ -706,7 +885,16 @@ impl InferenceService for EngineService {
     }
 
     fn count_tokens(&self, prompt: &Prompt) -> Result<u32, ServiceError> {
-        Ok(u32::try_from(self.tokenize(prompt)?.len()).unwrap_or(u32::MAX))
+        self.count_tokens_with_tools(prompt, None)
+    }
+
+    fn count_tokens_with_tools(
+        &self,
+        prompt: &Prompt,
+        tools: Option<&Tools>,
+    ) -> Result<u32, ServiceError> {
+        let n = self.prompt_parts().tokenize(prompt, tools)?.len();
+        Ok(u32::try_from(n).unwrap_or(u32::MAX))
     }
 
     fn models(&self) -> Vec<ModelInfo> {
@@ -903,10 +1091,7 @@ mod tests {
     #[test]
     fn a_seeded_sampled_request_repeats_and_an_unseeded_one_varies() {
         let svc = load_default();
-        let prompt = Prompt::Chat(vec![Msg {
-            role: ChatRole::User,
-            content: "Tell me a story.".into(),
-        }]);
+        let prompt = Prompt::Chat(vec![Msg::new(ChatRole::User, "Tell me a story.")]);
         let request = |seed: Option<u64>| {
             let mut r = InferenceRequest::new(svc.model_id(), prompt.clone(), 16);
             r.sampling.temperature = Some(1.0);
@@ -962,10 +1147,7 @@ mod tests {
         .into_iter()
         .enumerate()
         {
-            let prompt = Prompt::Chat(vec![Msg {
-                role: ChatRole::User,
-                content: q.into(),
-            }]);
+            let prompt = Prompt::Chat(vec![Msg::new(ChatRole::User, q)]);
             let mut r = InferenceRequest::new(svc.model_id(), prompt, 48);
             r.sampling.temperature = Some(if i == 0 { 0.0 } else { 1.0 });
             r.sampling.seed = Some(i as u64);
@@ -979,10 +1161,7 @@ mod tests {
             assert!(o["city"].as_str().unwrap().chars().count() <= 20, "{v}");
             assert!(o["population"].as_u64().is_some(), "{v}");
         }
-        let prompt = Prompt::Chat(vec![Msg {
-            role: ChatRole::User,
-            content: "Hi".into(),
-        }]);
+        let prompt = Prompt::Chat(vec![Msg::new(ChatRole::User, "Hi")]);
         let mut r = InferenceRequest::new(svc.model_id(), prompt, 8);
         r.output_format = Some(Arc::new(OutputFormat::JsonSchema(
             serde_json::json!({"type": "no-such-type"}),
@@ -999,13 +1178,148 @@ mod tests {
         }
     }
 
+    /// The events of a request (panics unless it finished).
+    fn run_events(svc: &EngineService, req: InferenceRequest) -> Vec<InferenceEvent> {
+        let events: Vec<InferenceEvent> =
+            futures::executor::block_on(svc.submit(req).unwrap().collect());
+        assert!(
+            matches!(events.last(), Some(InferenceEvent::Finished { .. })),
+            "{events:?}"
+        );
+        events
+    }
+
+    fn weather_tools(choice: ToolChoice) -> Arc<Tools> {
+        use claudelink_proto::ToolDefinition;
+        let weather = serde_json::json!({
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 30},
+                           "unit": {"enum": ["celsius", "fahrenheit"]}},
+            "required": ["city", "unit"], "additionalProperties": false,
+        });
+        Arc::new(
+            Tools::new(vec![
+                ToolDefinition::new("get_weather", weather).with_description("Current weather"),
+                ToolDefinition::new("get_time", serde_json::json!({"type": "object"})),
+            ])
+            .with_choice(choice),
+        )
+    }
+
+    #[test]
+    fn a_forced_tool_call_is_valid_for_its_schema_and_its_result_is_taken_in_the_next_turn() {
+        let svc = load_default();
+        // SmolLM2's template has no tool support: the tools go into the system message.
+        assert_eq!(svc.tool_syntax(), ToolSyntax::HermesPolyfill);
+        for (i, q) in ["What is the weather in Paris?", "Is it cold in Oslo today?"]
+            .into_iter()
+            .enumerate()
+        {
+            let prompt = Prompt::Chat(vec![Msg::new(ChatRole::User, q)]);
+            let mut r = InferenceRequest::new(svc.model_id(), prompt, 64);
+            r.sampling.temperature = Some(if i == 0 { 0.0 } else { 1.0 });
+            r.sampling.seed = Some(i as u64);
+            r.tools = Some(weather_tools(ToolChoice::Named("get_weather".into())));
+            let events = run_events(&svc, r);
+            let calls: Vec<(&str, serde_json::Value)> = events
+                .iter()
+                .filter_map(|e| match e {
+                    InferenceEvent::ToolCall { name, arguments } => {
+                        Some((name.as_str(), serde_json::from_str(arguments).unwrap()))
+                    }
+                    _ => None,
+                })
+                .collect();
+            assert_eq!(calls.len(), 1, "{events:?}");
+            let (name, args) = &calls[0];
+            assert_eq!(*name, "get_weather");
+            assert!(
+                args["city"].as_str().unwrap().chars().count() <= 30,
+                "{args}"
+            );
+            assert!(["celsius", "fahrenheit"].contains(&args["unit"].as_str().unwrap()));
+            let Some(InferenceEvent::Finished {
+                stop_reason, usage, ..
+            }) = events.last()
+            else {
+                unreachable!()
+            };
+            assert_eq!(*stop_reason, StopReason::ToolUse);
+            // The call's tokens are counted though its text is not sent.
+            let ids: usize = events
+                .iter()
+                .map(|e| match e {
+                    InferenceEvent::Delta { ids, .. } => ids.len(),
+                    _ => 0,
+                })
+                .sum();
+            assert_eq!(ids as u32, usage.output_tokens);
+        }
+        // The next turn: the call and its result are in the prompt, the answer is text.
+        let call = claudelink_proto::ToolCallMessage::new(
+            "call_1",
+            "get_weather",
+            serde_json::json!({"city": "Paris", "unit": "celsius"}),
+        );
+        let turns = vec![
+            Msg::new(ChatRole::User, "What is the weather in Paris?"),
+            Msg::new(ChatRole::Assistant, "").with_tool_calls(vec![call]),
+            Msg::new(ChatRole::Tool, "{\"temperature\": 21, \"sky\": \"sunny\"}")
+                .with_tool_result("call_1", "get_weather"),
+        ];
+        let tools = weather_tools(ToolChoice::None);
+        let ids = svc
+            .prompt_parts()
+            .tokenize(&Prompt::Chat(turns.clone()), Some(&tools))
+            .unwrap();
+        let text = svc.tokenizer.decode(&ids).unwrap();
+        assert!(
+            text.contains("<tools>\n{\"type\":\"function\",\"function\":{\"name\":\"get_weather\""),
+            "{text}"
+        );
+        assert!(
+            text.contains(
+                "<tool_call>\n{\"name\":\"get_weather\",\"arguments\":{\"city\":\"Paris\""
+            ),
+            "{text}"
+        );
+        assert!(
+            text.contains("<|im_start|>user\n<tool_response>\n{\"temperature\": 21"),
+            "{text}"
+        );
+        let counted = svc
+            .count_tokens_with_tools(&Prompt::Chat(turns.clone()), Some(&tools))
+            .unwrap();
+        assert_eq!(counted as usize, ids.len());
+        assert!(counted > svc.count_tokens(&Prompt::Chat(turns.clone())).unwrap());
+        let mut r = InferenceRequest::new(svc.model_id(), Prompt::Chat(turns), 24);
+        r.tools = Some(tools);
+        let events = run_events(&svc, r);
+        assert!(
+            !events
+                .iter()
+                .any(|e| matches!(e, InferenceEvent::ToolCall { .. })),
+            "tool_choice none: {events:?}"
+        );
+        // A forced call of a tool that is not offered is refused at once.
+        let mut r = InferenceRequest::new(svc.model_id(), Prompt::Text("x".into()), 4);
+        r.tools = Some(weather_tools(ToolChoice::Named("nope".into())));
+        assert!(matches!(
+            svc.submit(r),
+            Err(ServiceError::InvalidRequest {
+                field: "tool_choice",
+                ..
+            })
+        ));
+    }
+
     #[test]
     fn logprobs_come_before_their_tokens_and_match_the_greedy_choice() {
         let svc = load_default();
-        let prompt = Prompt::Chat(vec![Msg {
-            role: ChatRole::User,
-            content: "What is the capital of France?".into(),
-        }]);
+        let prompt = Prompt::Chat(vec![Msg::new(
+            ChatRole::User,
+            "What is the capital of France?",
+        )]);
         let mut r = InferenceRequest::new(svc.model_id(), prompt, 8);
         r.logprobs = Some(3);
         let events: Vec<InferenceEvent> =
@@ -1055,10 +1369,10 @@ mod tests {
         let progress = svc.warmup_progress().unwrap();
         assert_eq!(progress.done_blocks(), progress.total_blocks());
         assert!(progress.total_blocks() > 0);
-        let prompt = Prompt::Chat(vec![Msg {
-            role: ChatRole::User,
-            content: "What is the capital of France?".into(),
-        }]);
+        let prompt = Prompt::Chat(vec![Msg::new(
+            ChatRole::User,
+            "What is the capital of France?",
+        )]);
         let n = svc.count_tokens(&prompt).unwrap();
         let events: Vec<InferenceEvent> = futures::executor::block_on(
             svc.submit(InferenceRequest::new(svc.model_id(), prompt.clone(), 8))

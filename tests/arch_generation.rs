@@ -404,10 +404,7 @@ fn check_template_and_stop_tokens(svc: &EngineService, family: &Family, prompt: 
     let ids = chat.encode(&tok, &turn, true).expect("encode").to_vec();
     assert_eq!(ids, tok.encode_with_specials(&rendered).to_vec());
     let served = svc
-        .tokenize(&Prompt::Chat(vec![Msg {
-            role: ChatRole::User,
-            content: prompt.into(),
-        }]))
+        .tokenize(&Prompt::Chat(vec![Msg::new(ChatRole::User, prompt)]))
         .expect("the service renders the chat prompt");
     assert_eq!(
         served, ids,
@@ -438,10 +435,7 @@ fn check_template_and_stop_tokens(svc: &EngineService, family: &Family, prompt: 
 
 /// The service's own stream (below HTTP) yields the direct run's token ids.
 async fn check_service_ids(svc: &EngineService, prompt: &str, max_tokens: usize, want: &[u32]) {
-    let chat = Prompt::Chat(vec![Msg {
-        role: ChatRole::User,
-        content: prompt.into(),
-    }]);
+    let chat = Prompt::Chat(vec![Msg::new(ChatRole::User, prompt)]);
     let events: Vec<InferenceEvent> = svc
         .submit(InferenceRequest::new(
             svc.model_id(),

@@ -189,10 +189,7 @@ async fn a_fleet_survives_a_drain_and_a_kill() {
     let model_id = served_model();
     let req = InferenceRequest::new(
         model_id,
-        Prompt::Chat(vec![ChatMessage {
-            role: ChatRole::User,
-            content: "Name a color.".into(),
-        }]),
+        Prompt::Chat(vec![ChatMessage::new(ChatRole::User, "Name a color.")]),
         16,
     );
 

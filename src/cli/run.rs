@@ -73,10 +73,7 @@ pub(crate) fn main(args: Args) -> anyhow::Result<()> {
     let mut history: Vec<ChatMessage> = args
         .system
         .iter()
-        .map(|s| ChatMessage {
-            role: ChatRole::System,
-            content: s.clone(),
-        })
+        .map(|s| ChatMessage::new(ChatRole::System, s.clone()))
         .collect();
     let kept = history.len();
     let mut lines = std::io::stdin().lock().lines();
@@ -95,18 +92,12 @@ pub(crate) fn main(args: Args) -> anyhow::Result<()> {
             }
             _ => {}
         }
-        history.push(ChatMessage {
-            role: ChatRole::User,
-            content: message,
-        });
+        history.push(ChatMessage::new(ChatRole::User, message));
         generating.store(true, Ordering::SeqCst);
         let answer = rt.block_on(answer(&service, &history, &args, stop_rx.clone()));
         generating.store(false, Ordering::SeqCst);
         match answer {
-            Ok(text) => history.push(ChatMessage {
-                role: ChatRole::Assistant,
-                content: text,
-            }),
+            Ok(text) => history.push(ChatMessage::new(ChatRole::Assistant, text)),
             Err(e) => {
                 history.pop();
                 eprintln!("error: {e:#}");

@@ -401,10 +401,7 @@ impl<'a> RequestFrame<'a> {
             PromptRef::Text(t) => Prompt::Text((*t).to_owned()),
             PromptRef::Chat(m) => Prompt::Chat(
                 m.iter()
-                    .map(|m| ChatMessage {
-                        role: m.role,
-                        content: m.content.to_owned(),
-                    })
+                    .map(|m| ChatMessage::new(m.role, m.content))
                     .collect(),
             ),
             PromptRef::TokenIds(ids) => Prompt::TokenIds(ids.to_vec()),
@@ -595,7 +592,7 @@ impl<'a> Frame<'a> {
                 retry_after_ms: 0,
                 message,
             }),
-            InferenceEvent::Logprobs(_) => return None,
+            InferenceEvent::Logprobs(_) | InferenceEvent::ToolCall { .. } => return None,
         })
     }
 
@@ -726,6 +723,11 @@ impl<'a> Frame<'a> {
                                 ChatRole::System => 0,
                                 ChatRole::User => 1,
                                 ChatRole::Assistant => 2,
+                                ChatRole::Tool => {
+                                    return Err(EncodeError::NotCarried {
+                                        field: "messages.role",
+                                    });
+                                }
                             });
                             put_str(out, ft, m.content)?;
                         }
@@ -750,6 +752,7 @@ impl<'a> Frame<'a> {
                     StopReason::EndTurn => 0,
                     StopReason::MaxTokens => 1,
                     StopReason::StopSequence => 2,
+                    StopReason::ToolUse => 3,
                 });
                 out.push(u8::from(f.stop_sequence.is_some()));
                 put_u32(out, f.usage.input_tokens);
@@ -1112,6 +1115,7 @@ pub fn decode_payload(ft: FrameType, payload: &[u8]) -> Result<Frame<'_>, Decode
                 0 => StopReason::EndTurn,
                 1 => StopReason::MaxTokens,
                 2 => StopReason::StopSequence,
+                3 => StopReason::ToolUse,
                 v => return Err(r.invalid("stop_reason", u64::from(v))),
             };
             let has = r.u8("has_stop_sequence")?;

@@ -82,7 +82,8 @@ pub use server::{
 pub use service::{
     CacheStrategy, ChatMessage, ChatRole, ErrorCode, EventStream, InferenceEvent, InferenceRequest,
     InferenceService, ModelInfo, OutputFormat, Prompt, SamplingParams, ServiceError,
-    ServiceMetrics, StopReason, TokenLogprob, Usage,
+    ServiceMetrics, StopReason, TokenLogprob, ToolCallMessage, ToolChoice, ToolDefinition, Tools,
+    Usage,
 };
 pub use state::{
     ClientStream, ClientStreamError, ConnectionAction, ConnectionState, ServerStream,

@@ -18,15 +18,217 @@ pub enum ChatRole {
     User,
     /// The model.
     Assistant,
+    /// The result of a tool call (Anthropic `tool_result` blocks, OpenAI role `tool`).
+    Tool,
 }
 
 /// One chat turn, with its text content already flattened (content blocks joined).
+///
+/// ```
+/// use claudelink_proto::{ChatMessage, ChatRole, ToolCallMessage};
+/// let call = ToolCallMessage::new("toolu_1", "weather", serde_json::json!({"city": "Oslo"}));
+/// let asked = ChatMessage::new(ChatRole::Assistant, "").with_tool_calls(vec![call]);
+/// let answer = ChatMessage::new(ChatRole::Tool, "-3 C").with_tool_result("toolu_1", "weather");
+/// assert_eq!(answer.tool_call_id.as_deref(), Some("toolu_1"));
+/// assert_eq!(asked.tool_calls[0].name, "weather");
+/// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct ChatMessage {
     /// Author of the turn.
     pub role: ChatRole,
     /// Text of the turn.
     pub content: String,
+    /// Tool calls the (assistant) turn made.
+    pub tool_calls: Vec<ToolCallMessage>,
+    /// For a [`ChatRole::Tool`] turn: the id of the call it answers.
+    pub tool_call_id: Option<String>,
+    /// For a [`ChatRole::Tool`] turn: the name of the tool that was called.
+    pub tool_name: Option<String>,
+}
+
+impl ChatMessage {
+    /// A turn of `role` with this text.
+    ///
+    /// ```
+    /// use claudelink_proto::{ChatMessage, ChatRole};
+    /// let m = ChatMessage::new(ChatRole::User, "hi");
+    /// assert!(m.tool_calls.is_empty());
+    /// ```
+    pub fn new(role: ChatRole, content: impl Into<String>) -> Self {
+        Self {
+            role,
+            content: content.into(),
+            tool_calls: Vec::new(),
+            tool_call_id: None,
+            tool_name: None,
+        }
+    }
+
+    /// The same turn with these tool calls.
+    ///
+    /// ```
+    /// use claudelink_proto::{ChatMessage, ChatRole, ToolCallMessage};
+    /// let c = ToolCallMessage::new("id", "f", serde_json::json!({}));
+    /// assert_eq!(ChatMessage::new(ChatRole::Assistant, "").with_tool_calls(vec![c]).tool_calls.len(), 1);
+    /// ```
+    pub fn with_tool_calls(mut self, calls: Vec<ToolCallMessage>) -> Self {
+        self.tool_calls = calls;
+        self
+    }
+
+    /// The same turn as the result of call `id` of tool `name`.
+    ///
+    /// ```
+    /// use claudelink_proto::{ChatMessage, ChatRole};
+    /// let m = ChatMessage::new(ChatRole::Tool, "42").with_tool_result("call_1", "f");
+    /// assert_eq!(m.tool_name.as_deref(), Some("f"));
+    /// ```
+    pub fn with_tool_result(mut self, id: impl Into<String>, name: impl Into<String>) -> Self {
+        self.tool_call_id = Some(id.into());
+        self.tool_name = Some(name.into());
+        self
+    }
+}
+
+/// A tool call made by an earlier assistant turn.
+///
+/// ```
+/// let c = claudelink_proto::ToolCallMessage::new("toolu_1", "f", serde_json::json!({"x": 1}));
+/// assert_eq!(c.arguments["x"], 1);
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ToolCallMessage {
+    /// The call's id (Anthropic `tool_use.id`, OpenAI `tool_calls[].id`).
+    pub id: String,
+    /// The tool's name.
+    pub name: String,
+    /// The arguments (a JSON object).
+    pub arguments: serde_json::Value,
+}
+
+impl ToolCallMessage {
+    /// A call of tool `name` with these arguments.
+    ///
+    /// ```
+    /// let c = claudelink_proto::ToolCallMessage::new("id", "f", serde_json::json!({}));
+    /// assert_eq!(c.name, "f");
+    /// ```
+    pub fn new(
+        id: impl Into<String>,
+        name: impl Into<String>,
+        arguments: serde_json::Value,
+    ) -> Self {
+        Self {
+            id: id.into(),
+            name: name.into(),
+            arguments,
+        }
+    }
+}
+
+/// The tools a request offers the model, and whether it must use one.
+///
+/// ```
+/// use claudelink_proto::{ToolChoice, ToolDefinition, Tools};
+/// let t = Tools::new(vec![ToolDefinition::new("now", serde_json::json!({"type": "object"}))])
+///     .with_choice(ToolChoice::Any);
+/// assert_eq!(t.choice, ToolChoice::Any);
+/// ```
+#[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
+pub struct Tools {
+    /// The tools (at least one).
+    pub tools: Vec<ToolDefinition>,
+    /// Whether and which tool the model must call.
+    pub choice: ToolChoice,
+}
+
+impl Tools {
+    /// These tools, the model choosing whether to call one ([`ToolChoice::Auto`]).
+    ///
+    /// ```
+    /// let t = claudelink_proto::Tools::new(vec![]);
+    /// assert_eq!(t.choice, claudelink_proto::ToolChoice::Auto);
+    /// ```
+    pub fn new(tools: Vec<ToolDefinition>) -> Self {
+        Self {
+            tools,
+            choice: ToolChoice::Auto,
+        }
+    }
+
+    /// The same tools with this choice.
+    ///
+    /// ```
+    /// use claudelink_proto::{ToolChoice, Tools};
+    /// assert_eq!(Tools::new(vec![]).with_choice(ToolChoice::None).choice, ToolChoice::None);
+    /// ```
+    pub fn with_choice(mut self, choice: ToolChoice) -> Self {
+        self.choice = choice;
+        self
+    }
+}
+
+/// One tool: its name, what it does and the JSON Schema of its input.
+///
+/// ```
+/// let t = claudelink_proto::ToolDefinition::new("now", serde_json::json!({"type": "object"}))
+///     .with_description("The current time");
+/// assert_eq!(t.description.as_deref(), Some("The current time"));
+/// ```
+#[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
+pub struct ToolDefinition {
+    /// The name the model calls it by.
+    pub name: String,
+    /// What it does (shown to the model).
+    pub description: Option<String>,
+    /// JSON Schema of its arguments.
+    pub parameters: serde_json::Value,
+}
+
+impl ToolDefinition {
+    /// A tool `name` taking arguments valid for `parameters`.
+    ///
+    /// ```
+    /// let t = claudelink_proto::ToolDefinition::new("f", serde_json::json!({}));
+    /// assert!(t.description.is_none());
+    /// ```
+    pub fn new(name: impl Into<String>, parameters: serde_json::Value) -> Self {
+        Self {
+            name: name.into(),
+            description: None,
+            parameters,
+        }
+    }
+
+    /// The same tool with this description.
+    ///
+    /// ```
+    /// let t = claudelink_proto::ToolDefinition::new("f", serde_json::json!({})).with_description("d");
+    /// assert_eq!(t.description.as_deref(), Some("d"));
+    /// ```
+    pub fn with_description(mut self, description: impl Into<String>) -> Self {
+        self.description = Some(description.into());
+        self
+    }
+}
+
+/// Whether the model must call a tool (Anthropic `tool_choice.type`, OpenAI `tool_choice`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ToolChoice {
+    /// The model decides (`auto`).
+    Auto,
+    /// The model must call one of the tools (Anthropic `any`, OpenAI `required`): decoding is
+    /// constrained to a call.
+    Any,
+    /// The model must call this tool: decoding is constrained to a call of it.
+    Named(String),
+    /// The tools are shown but the model must not call one (`none`).
+    None,
 }
 
 /// What the model is asked to continue.
@@ -105,6 +307,9 @@ pub struct InferenceRequest {
     /// masks every token that would leave it). Not carried over claudelink: encoding a
     /// request that sets it fails with [`EncodeError::NotCarried`](crate::EncodeError).
     pub output_format: Option<std::sync::Arc<OutputFormat>>,
+    /// `Some`: the tools the model may (or must) call; its calls arrive as
+    /// [`InferenceEvent::ToolCall`]s. Not carried over claudelink.
+    pub tools: Option<std::sync::Arc<Tools>>,
 }
 
 /// The language a constrained output must belong to.
@@ -145,6 +350,7 @@ impl InferenceRequest {
             client: None,
             logprobs: None,
             output_format: None,
+            tools: None,
         }
     }
 }
@@ -158,15 +364,18 @@ pub enum StopReason {
     MaxTokens,
     /// A stop sequence matched.
     StopSequence,
+    /// The model called a tool (its calls were sent as [`InferenceEvent::ToolCall`]s).
+    ToolUse,
 }
 
 impl StopReason {
-    /// The wire string (`end_turn`, `max_tokens`, `stop_sequence`).
+    /// The wire string (`end_turn`, `max_tokens`, `stop_sequence`, `tool_use`).
     pub fn as_str(self) -> &'static str {
         match self {
             Self::EndTurn => "end_turn",
             Self::MaxTokens => "max_tokens",
             Self::StopSequence => "stop_sequence",
+            Self::ToolUse => "tool_use",
         }
     }
 }
@@ -218,6 +427,15 @@ pub enum InferenceEvent {
         ids: Vec<u32>,
         /// Text made complete by these tokens (may be empty when a character is split).
         text: String,
+    },
+    /// A tool call the model made, complete (only for requests with
+    /// [`InferenceRequest::tools`]). The text of the call is not sent as a `Delta` (its tokens
+    /// are: in `Delta`s with empty text). The gateway gives each call its id.
+    ToolCall {
+        /// The tool's name.
+        name: String,
+        /// The arguments as JSON text (an object).
+        arguments: String,
     },
     /// The log-probabilities of the tokens of the next `Delta`, in order (only when the
     /// request asked for them: [`InferenceRequest::logprobs`]).
@@ -379,6 +597,21 @@ pub trait InferenceService: Send + Sync + 'static {
     fn submit(&self, request: InferenceRequest) -> Result<EventStream, ServiceError>;
     /// Number of tokens the prompt would use (with the chat template applied for chat prompts).
     fn count_tokens(&self, prompt: &Prompt) -> Result<u32, ServiceError>;
+    /// Number of tokens the prompt would use with these tools offered (their definitions are
+    /// part of the prompt). The default refuses tools, for services that do not take them.
+    fn count_tokens_with_tools(
+        &self,
+        prompt: &Prompt,
+        tools: Option<&Tools>,
+    ) -> Result<u32, ServiceError> {
+        match tools {
+            None => self.count_tokens(prompt),
+            Some(_) => Err(ServiceError::InvalidRequest {
+                field: "tools",
+                reason: "this service does not take tools".into(),
+            }),
+        }
+    }
     /// The models served.
     fn models(&self) -> Vec<ModelInfo>;
     /// Current metrics.

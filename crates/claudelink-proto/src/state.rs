@@ -11,7 +11,7 @@ use crate::codec::{
     AppErrorCode, AuthFrame, DecodeError, ErrorFrame, FRAME_HEADER_LEN, Frame, FrameType,
     GoAwayFrame, Health, PingFrame, PongFrame, RequestFrame, decode_frame,
 };
-use crate::service::{ErrorCode, InferenceEvent, InferenceRequest, ServiceError};
+use crate::service::{ErrorCode, InferenceEvent, InferenceRequest, Prompt, ServiceError};
 
 /// What the server shell must do for one request stream.
 #[derive(Debug, PartialEq)]
@@ -268,7 +268,7 @@ impl ServerStream {
             InferenceEvent::Finished { .. } => started,
             InferenceEvent::Error { .. } => true,
             // Not carried over claudelink (its requests never ask for them).
-            InferenceEvent::Logprobs(_) => return,
+            InferenceEvent::Logprobs(_) | InferenceEvent::ToolCall { .. } => return,
             #[allow(unreachable_patterns)]
             _ => false,
         };
@@ -363,6 +363,20 @@ impl ClientStream {
         if request.output_format.is_some() {
             return Err(crate::codec::EncodeError::NotCarried {
                 field: "output_format",
+            });
+        }
+        if request.tools.is_some() {
+            return Err(crate::codec::EncodeError::NotCarried { field: "tools" });
+        }
+        if let Prompt::Chat(m) = &request.prompt
+            && m.iter().any(|m| {
+                m.role == crate::service::ChatRole::Tool
+                    || !m.tool_calls.is_empty()
+                    || m.tool_call_id.is_some()
+            })
+        {
+            return Err(crate::codec::EncodeError::NotCarried {
+                field: "messages.tool_calls",
             });
         }
         Frame::Request(RequestFrame::from_request(request, stream_buffer_size)).to_vec()

@@ -24,7 +24,7 @@ fn request() -> impl Strategy<Value = InferenceRequest> {
         ".{0,40}".prop_map(Prompt::Text),
         prop::collection::vec((role(), ".{0,20}"), 0..5).prop_map(|m| Prompt::Chat(
             m.into_iter()
-                .map(|(role, content)| ChatMessage { role, content })
+                .map(|(role, content)| ChatMessage::new(role, content))
                 .collect()
         )),
         prop::collection::vec(any::<u32>(), 0..64).prop_map(Prompt::TokenIds),

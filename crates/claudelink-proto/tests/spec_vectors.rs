@@ -12,14 +12,8 @@ fn vectors() -> Vec<(&'static str, Vec<u8>)> {
         let mut r = InferenceRequest::new(
             "m",
             Prompt::Chat(vec![
-                ChatMessage {
-                    role: ChatRole::System,
-                    content: "Be brief.".into(),
-                },
-                ChatMessage {
-                    role: ChatRole::User,
-                    content: "Hi".into(),
-                },
+                ChatMessage::new(ChatRole::System, "Be brief."),
+                ChatMessage::new(ChatRole::User, "Hi"),
             ]),
             8,
         );

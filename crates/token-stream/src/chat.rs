@@ -3,6 +3,7 @@
 
 mod builtin;
 mod jinja;
+mod tools;
 
 use minijinja::Value;
 
@@ -11,6 +12,10 @@ use crate::tokenizer::Tokenizer;
 use crate::tokens::Tokens;
 
 pub use builtin::BuiltinTemplate;
+pub use tools::{
+    ParsedToolCall, TOOL_CALL_CLOSE, TOOL_CALL_OPEN, ToolCallParser, ToolEvent, ToolSyntax,
+    forced_call_grammar, polyfill_messages, tool_json, tools_system_prompt,
+};
 
 /// Marks the start of message text inside the rendered template (a Unicode non-character).
 const OPEN: char = '\u{FDD0}';

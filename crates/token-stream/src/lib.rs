@@ -60,7 +60,11 @@ mod unicode;
 mod vocab;
 mod wpm;
 
-pub use chat::{BuiltinTemplate, ChatMessage, ChatTemplate, RenderOptions, ToolCall};
+pub use chat::{
+    BuiltinTemplate, ChatMessage, ChatTemplate, ParsedToolCall, RenderOptions, TOOL_CALL_CLOSE,
+    TOOL_CALL_OPEN, ToolCall, ToolCallParser, ToolEvent, ToolSyntax, forced_call_grammar,
+    polyfill_messages, tool_json, tools_system_prompt,
+};
 pub use error::{ChatError, DecodeError, LoadError, TokensFromBytesError};
 pub use load::{CL100K_SPECIALS, GgufVocab, O200K_SPECIALS, base64_encode};
 pub use pretok::{LlamaPre, Pieces, Pretokenizer};

@@ -61,6 +61,7 @@ fn choice_chunks(
     request_id: String,
     total: Arc<Mutex<Usage>>,
 ) -> impl Stream<Item = Bytes> + Send {
+    let mut fmt = fmt;
     let start = futures::stream::iter(fmt.start(g.input_tokens));
     let rest = futures::stream::unfold(Some((g, fmt)), move |state| {
         let (total, request_id) = (total.clone(), request_id.clone());
@@ -69,6 +70,10 @@ fn choice_chunks(
             match g.step().await {
                 Some(Step::Text(t, lp)) => {
                     let chunk = fmt.delta(&t, &lp);
+                    Some((chunk, Some((g, fmt))))
+                }
+                Some(Step::ToolCall(c)) => {
+                    let chunk = fmt.tool_call(&c);
                     Some((chunk, Some((g, fmt))))
                 }
                 Some(Step::Finished { stop, usage, .. }) => {

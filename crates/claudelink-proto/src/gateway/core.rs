@@ -21,7 +21,7 @@ use super::config::{GatewayConfig, LAYER_VERSION};
 use super::error::{ApiError, ApiErrorKind};
 use super::ids::new_id;
 use super::metrics::{Endpoint, GatewayMetrics, Outcome, Protocol};
-use super::sse::{Flavor, StreamFormat};
+use super::sse::{Call, Flavor, StreamFormat};
 use super::validate::{
     GenRequest, Limits, parse_chat, parse_completions, parse_messages, percent_decode,
 };
@@ -487,8 +487,9 @@ impl Gateway {
                 self.check_model(&parsed.model)?;
                 let service = self.inner.service.clone();
                 let prompt = parsed.prompt();
+                let tools = parsed.tools.clone();
                 let n = self
-                    .blocking(move || service.count_tokens(&prompt))
+                    .blocking(move || service.count_tokens_with_tools(&prompt, tools.as_deref()))
                     .await??;
                 Ok(Reply::json(StatusCode::OK, &json!({"input_tokens": n})))
             }
@@ -651,6 +652,7 @@ impl Gateway {
             request.client = caller.key.map(|i| self.inner.keys.label(i).to_owned());
             request.logprobs = parsed.logprobs;
             request.output_format = parsed.output_format.clone();
+            request.tools = parsed.tools.clone();
             let slot = Slot::acquire(self, caller)?;
             let events = self.inner.service.submit(request)?;
             gens.push(Generation {
@@ -662,6 +664,8 @@ impl Gateway {
                 first_token: None,
                 streamed_tokens: 0,
                 logprobs: Vec::new(),
+                flavor,
+                calls_left: if parsed.single_tool_call { 1 } else { u32::MAX },
                 done: false,
                 access: req.access.clone(),
                 metrics: self.inner.metrics.clone(),
@@ -677,19 +681,13 @@ impl Gateway {
         let now_secs = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map_or(0, |d| d.as_secs());
-        let fmt = StreamFormat {
-            flavor,
-            id: new_id(match flavor {
-                Flavor::Anthropic => "msg_",
-                Flavor::OpenAi => "chatcmpl-",
-                Flavor::Completions => "cmpl-",
-            }),
-            model: parsed.model.clone(),
-            created: now_secs,
-            include_usage: parsed.include_usage,
-            text_offset: 0,
-            index: 0,
-        };
+        let id = new_id(match flavor {
+            Flavor::Anthropic => "msg_",
+            Flavor::OpenAi => "chatcmpl-",
+            Flavor::Completions => "cmpl-",
+        });
+        let mut fmt = StreamFormat::new(flavor, id, parsed.model.clone(), now_secs);
+        fmt.include_usage = parsed.include_usage;
         let debug_header = |ttft: Option<Duration>| {
             let v = json!({
                 "layer": LAYER_VERSION,
@@ -867,6 +865,10 @@ pub(super) struct Generation {
     streamed_tokens: u32,
     /// Log-probabilities of tokens whose text has not been stepped out yet.
     logprobs: Vec<TokenLogprob>,
+    /// The API answered (the style of tool-call ids).
+    flavor: Flavor,
+    /// Tool calls that may still be passed on (1 when parallel tool use is disabled).
+    calls_left: u32,
     done: bool,
     access: Arc<AccessRecord>,
     metrics: Arc<GatewayMetrics>,
@@ -879,6 +881,8 @@ pub(super) struct Generation {
 pub(super) enum Step {
     /// Text, and the log-probabilities of the tokens that completed it (when asked for).
     Text(String, Vec<TokenLogprob>),
+    /// A tool call.
+    ToolCall(Call),
     Finished {
         stop: StopReason,
         stop_sequence: Option<String>,
@@ -985,7 +989,11 @@ impl Generation {
                     return Some(Step::Text(text, std::mem::take(&mut self.logprobs)));
                 }
                 Some(InferenceEvent::Logprobs(lp)) => self.logprobs.extend(lp),
-                Some(InferenceEvent::Started { .. }) => {}
+                Some(InferenceEvent::ToolCall { name, arguments }) if self.calls_left > 0 => {
+                    self.calls_left -= 1;
+                    return Some(Step::ToolCall(Call::new(self.flavor, name, arguments)));
+                }
+                Some(InferenceEvent::ToolCall { .. } | InferenceEvent::Started { .. }) => {}
                 Some(InferenceEvent::Finished {
                     stop_reason,
                     stop_sequence,
@@ -1027,6 +1035,7 @@ pub(super) async fn collect_choice(
     fmt: &mut StreamFormat,
 ) -> Result<Value, ApiError> {
     let mut text = String::new();
+    let mut calls = Vec::new();
     let mut logprobs = Vec::new();
     loop {
         match g.step().await {
@@ -1034,11 +1043,21 @@ pub(super) async fn collect_choice(
                 text.push_str(&t);
                 logprobs.extend(lp);
             }
+            Some(Step::ToolCall(c)) => calls.push(c),
             Some(Step::Finished {
                 stop,
                 stop_sequence,
                 usage,
-            }) => return Ok(fmt.full(&text, &logprobs, stop, stop_sequence.as_deref(), usage)),
+            }) => {
+                return Ok(fmt.full(
+                    &text,
+                    &calls,
+                    &logprobs,
+                    stop,
+                    stop_sequence.as_deref(),
+                    usage,
+                ));
+            }
             Some(Step::Failed(e)) => return Err(e),
             None => return Err(g.fail_ended()),
         }
@@ -1069,6 +1088,7 @@ pub(super) fn sse_body(
     fmt: StreamFormat,
     request_id: &str,
 ) -> impl Stream<Item = Bytes> + Send + use<> {
+    let mut fmt = fmt;
     let state = SseState {
         pending: fmt.start(g.input_tokens).into(),
         run: g,
@@ -1099,6 +1119,7 @@ impl SseState {
             }
             match self.run.step().await {
                 Some(Step::Text(t, lp)) => self.pending.push_back(self.fmt.delta(&t, &lp)),
+                Some(Step::ToolCall(c)) => self.pending.push_back(self.fmt.tool_call(&c)),
                 Some(Step::Finished {
                     stop,
                     stop_sequence,

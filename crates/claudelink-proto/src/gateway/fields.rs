@@ -1,5 +1,5 @@
 //! Which request fields this gateway honours, and a 400 naming every other one: a field the
-//! server would silently ignore (tools, a logit bias) changes what the
+//! server would silently ignore (a logit bias, extended thinking) changes what the
 //! client gets, so it is refused instead. `null` counts as absent (clients echo back
 //! `"tool_calls": null` and the like).
 //!
@@ -85,8 +85,14 @@ const COMPLETIONS: &[&str] = &[
 fn special(api: Api, key: &str, value: &Value) -> Option<Result<(), &'static str>> {
     let ty = value.get("type").and_then(Value::as_str);
     Some(match (api, key) {
+        // Parsed by `tools.rs` where the API has them.
+        (Api::Messages | Api::CountTokens, "tools" | "tool_choice") => Ok(()),
+        (Api::Chat, "tools" | "tool_choice" | "parallel_tool_calls") => Ok(()),
+        (Api::Chat, "functions" | "function_call") => {
+            Err("the deprecated functions API is not supported: use `tools` and `tool_choice`")
+        }
         (_, "tools" | "tool_choice" | "parallel_tool_calls" | "functions" | "function_call") => {
-            Err("tool use is not supported by this server yet")
+            Err("tool use is available on /v1/messages and /v1/chat/completions")
         }
         (Api::Messages | Api::CountTokens, "thinking") if ty == Some("disabled") => Ok(()),
         (Api::Messages | Api::CountTokens, "thinking") => {
@@ -125,7 +131,7 @@ fn known(api: Api, key: &str) -> bool {
 /// honour.
 ///
 /// ```ignore
-/// check_fields(&json!({"model": "m", "tools": []}), Api::Messages) // Err: "tools: tool use ..."
+/// check_fields(&json!({"model": "m", "logit_bias": {}}), Api::Chat) // Err: "logit_bias: ..."
 /// ```
 pub(crate) fn check_fields(obj: &Map<String, Value>, api: Api) -> Result<(), ApiError> {
     for (key, value) in obj {
@@ -187,8 +193,17 @@ mod tests {
 
     #[test]
     fn unsupported_fields_are_named() {
-        let e = check(json!({"model": "m", "tools": [{}]}), Api::Messages).unwrap_err();
-        assert!(e.starts_with("tools: tool use"), "{e}");
+        assert_eq!(
+            check(json!({"model": "m", "tools": [{}]}), Api::Messages),
+            Ok(())
+        );
+        let e = check(json!({"model": "m", "tools": [{}]}), Api::Completions).unwrap_err();
+        assert!(e.starts_with("tools: tool use is available on"), "{e}");
+        let e = check(json!({"functions": [{}]}), Api::Chat).unwrap_err();
+        assert!(
+            e.starts_with("functions: the deprecated functions API"),
+            "{e}"
+        );
         let e = check(json!({"thinking": {"type": "enabled"}}), Api::Messages).unwrap_err();
         assert!(e.starts_with("thinking:"), "{e}");
         let e = check(
@@ -208,8 +223,10 @@ mod tests {
         assert!(e.starts_with("store: this field is not supported"), "{e}");
         let e = check(json!({"frobnicate": 1}), Api::Completions).unwrap_err();
         assert_eq!(e, "frobnicate: this field is not supported by this server");
-        let e = check(json!({"max_tokens": 3, "tools": []}), Api::CountTokens).unwrap_err();
-        assert!(e.starts_with("tools:"), "{e}");
+        assert_eq!(
+            check(json!({"max_tokens": 3, "tools": []}), Api::CountTokens),
+            Ok(())
+        );
     }
 
     #[test]

@@ -13,9 +13,13 @@
 //! `frequency_penalty`, `presence_penalty`, `seed` (without one, a sampled request draws a
 //! random seed). Structured output: OpenAI `response_format` (`json_object`, `json_schema`) and
 //! Anthropic `output_config.format` (`json_schema`; the beta's `output_format` too) constrain
-//! decoding to the schema (`format.rs`). Every other field, message key or content-block type
-//! that the server does not honour (tools, images, thinking, ...) is answered with a 400 naming
-//! it (see `fields.rs` for the few harmless ones accepted and ignored).
+//! decoding to the schema (`format.rs`). Tool use on both chat APIs (`tools.rs`): `tools` and
+//! `tool_choice` reach the model's chat template, its calls come back as Anthropic `tool_use`
+//! blocks / OpenAI `tool_calls` (streamed too), earlier calls and their results are taken in
+//! later turns, and a forced tool constrains decoding to a call valid for its schema. Every
+//! other field, message key or content-block type that the server does not honour (images,
+//! thinking, ...) is answered with a 400 naming it (see `fields.rs` for the few harmless ones
+//! accepted and ignored).
 //!
 //! Defences: requests are admitted on their headers (route, method, API key) before any body
 //! byte is read; bodies, prompts (`max_prompt_bytes`) and TCP connections (in all and per
@@ -40,6 +44,7 @@ mod in_flight;
 mod metrics;
 mod sse;
 mod tcp;
+mod tools;
 mod validate;
 
 pub use self::config::{GatewayConfig, LAYER_VERSION};

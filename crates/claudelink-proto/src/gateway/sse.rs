@@ -5,7 +5,38 @@ use bytes::Bytes;
 use serde_json::{Value, json};
 
 use super::error::ApiError;
+use super::ids::new_id;
 use crate::service::{StopReason, TokenLogprob, Usage};
+
+/// A tool call the model made, with the id the response gives it.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct Call {
+    pub(crate) id: String,
+    pub(crate) name: String,
+    /// The arguments as JSON text.
+    pub(crate) arguments: String,
+}
+
+impl Call {
+    /// A call with a fresh id in the flavour's style (`toolu_…`, `call_…`).
+    pub(crate) fn new(flavor: Flavor, name: String, arguments: String) -> Self {
+        let prefix = if flavor == Flavor::Anthropic {
+            "toolu_"
+        } else {
+            "call_"
+        };
+        Self {
+            id: new_id(prefix),
+            name,
+            arguments,
+        }
+    }
+
+    /// The arguments as a JSON value (Anthropic's `input`).
+    fn input(&self) -> Value {
+        serde_json::from_str(&self.arguments).unwrap_or_else(|_| json!({}))
+    }
+}
 
 /// One Anthropic SSE event: its `event:` line and its `data:` line.
 pub(crate) fn anthropic_event(data: &Value) -> Bytes {
@@ -41,12 +72,45 @@ pub(crate) struct StreamFormat {
     pub(crate) text_offset: usize,
     /// The OpenAI choice index this format's chunks carry (`n` > 1).
     pub(crate) index: u32,
+    /// Anthropic: the index of the current content block.
+    pub(crate) block: u32,
+    /// Anthropic: whether the current block is an open text block.
+    pub(crate) text_open: bool,
+    /// Tool calls streamed so far (OpenAI's `tool_calls[].index`).
+    pub(crate) calls: u32,
+}
+
+impl StreamFormat {
+    /// A format for one generation's response.
+    pub(crate) fn new(flavor: Flavor, id: String, model: String, created: u64) -> Self {
+        Self {
+            flavor,
+            id,
+            model,
+            created,
+            include_usage: false,
+            text_offset: 0,
+            index: 0,
+            block: 0,
+            text_open: false,
+            calls: 0,
+        }
+    }
 }
 
 fn finish_reason(r: StopReason) -> &'static str {
     match r {
         StopReason::EndTurn | StopReason::StopSequence => "stop",
         StopReason::MaxTokens => "length",
+        StopReason::ToolUse => "tool_calls",
+    }
+}
+
+/// Events joined into one body chunk.
+fn join(events: Vec<Bytes>) -> Bytes {
+    match <[Bytes; 1]>::try_from(events) {
+        Ok([one]) => one,
+        Err(many) => Bytes::from(many.concat()),
     }
 }
 
@@ -121,7 +185,8 @@ impl StreamFormat {
     }
 
     /// The events sent before any text.
-    pub(crate) fn start(&self, input_tokens: u32) -> Vec<Bytes> {
+    pub(crate) fn start(&mut self, input_tokens: u32) -> Vec<Bytes> {
+        self.text_open = self.flavor == Flavor::Anthropic;
         match self.flavor {
             Flavor::Anthropic => vec![
                 anthropic_event(&json!({"type": "message_start", "message": {
@@ -145,8 +210,17 @@ impl StreamFormat {
     pub(crate) fn delta(&mut self, text: &str, logprobs: &[TokenLogprob]) -> Bytes {
         match self.flavor {
             Flavor::Anthropic => {
-                anthropic_event(&json!({"type": "content_block_delta", "index": 0,
-                "delta": {"type": "text_delta", "text": text}}))
+                let mut events = Vec::with_capacity(2);
+                if !self.text_open {
+                    // Text after a tool call opens a new text block.
+                    self.block += 1;
+                    self.text_open = true;
+                    events.push(anthropic_event(&json!({"type": "content_block_start",
+                        "index": self.block, "content_block": {"type": "text", "text": ""}})));
+                }
+                events.push(anthropic_event(&json!({"type": "content_block_delta",
+                    "index": self.block, "delta": {"type": "text_delta", "text": text}})));
+                join(events)
             }
             Flavor::OpenAi => {
                 let lp = self.logprobs(logprobs);
@@ -163,21 +237,65 @@ impl StreamFormat {
         }
     }
 
+    /// One tool call: Anthropic closes an open text block and sends the call as a `tool_use`
+    /// block (its input in one `input_json_delta`); OpenAI sends a `tool_calls` delta.
+    pub(crate) fn tool_call(&mut self, call: &Call) -> Bytes {
+        match self.flavor {
+            Flavor::Anthropic => {
+                let mut events = Vec::with_capacity(4);
+                if self.text_open {
+                    events.push(anthropic_event(
+                        &json!({"type": "content_block_stop", "index": self.block}),
+                    ));
+                    self.text_open = false;
+                }
+                self.block += 1;
+                let i = self.block;
+                events.push(anthropic_event(&json!({"type": "content_block_start", "index": i,
+                    "content_block": {"type": "tool_use", "id": call.id, "name": call.name, "input": {}}})));
+                events.push(anthropic_event(
+                    &json!({"type": "content_block_delta", "index": i,
+                    "delta": {"type": "input_json_delta", "partial_json": call.arguments}}),
+                ));
+                events.push(anthropic_event(
+                    &json!({"type": "content_block_stop", "index": i}),
+                ));
+                self.calls += 1;
+                join(events)
+            }
+            Flavor::OpenAi | Flavor::Completions => {
+                let call = json!([{"index": self.calls, "id": call.id, "type": "function",
+                    "function": {"name": call.name, "arguments": call.arguments}}]);
+                self.calls += 1;
+                openai_event(&self.chunk(json!([
+                    {"index": self.index, "delta": {"tool_calls": call}, "logprobs": null, "finish_reason": null}
+                ])))
+            }
+        }
+    }
+
     /// The events that end a successful generation.
     pub(crate) fn finish(
-        &self,
+        &mut self,
         stop: StopReason,
         stop_sequence: Option<&str>,
         usage: Usage,
     ) -> Vec<Bytes> {
         match self.flavor {
-            Flavor::Anthropic => vec![
-                anthropic_event(&json!({"type": "content_block_stop", "index": 0})),
-                anthropic_event(&json!({"type": "message_delta",
+            Flavor::Anthropic => {
+                let mut out = Vec::with_capacity(3);
+                if self.text_open {
+                    out.push(anthropic_event(
+                        &json!({"type": "content_block_stop", "index": self.block}),
+                    ));
+                    self.text_open = false;
+                }
+                out.push(anthropic_event(&json!({"type": "message_delta",
                     "delta": {"stop_reason": stop.as_str(), "stop_sequence": stop_sequence},
-                    "usage": {"input_tokens": usage.input_tokens, "output_tokens": usage.output_tokens}})),
-                anthropic_event(&json!({"type": "message_stop"})),
-            ],
+                    "usage": {"input_tokens": usage.input_tokens, "output_tokens": usage.output_tokens}})));
+                out.push(anthropic_event(&json!({"type": "message_stop"})));
+                out
+            }
             Flavor::OpenAi | Flavor::Completions => {
                 let mut out = vec![self.choice_end(stop)];
                 out.extend(self.stream_end(usage));
@@ -221,24 +339,49 @@ impl StreamFormat {
     pub(crate) fn full(
         &mut self,
         text: &str,
+        calls: &[Call],
         logprobs: &[TokenLogprob],
         stop: StopReason,
         stop_sequence: Option<&str>,
         usage: Usage,
     ) -> Value {
         match self.flavor {
-            Flavor::Anthropic => json!({
-                "id": self.id, "type": "message", "role": "assistant", "model": self.model,
-                "content": [{"type": "text", "text": text}],
-                "stop_reason": stop.as_str(), "stop_sequence": stop_sequence,
-                "usage": {"input_tokens": usage.input_tokens, "output_tokens": usage.output_tokens},
-            }),
-            Flavor::OpenAi => json!({
-                "id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
-                "choices": [{"index": self.index, "message": {"role": "assistant", "content": text},
-                             "logprobs": self.logprobs(logprobs), "finish_reason": finish_reason(stop)}],
-                "usage": openai_usage(usage),
-            }),
+            Flavor::Anthropic => {
+                let mut content = Vec::with_capacity(1 + calls.len());
+                if !text.is_empty() || calls.is_empty() {
+                    content.push(json!({"type": "text", "text": text}));
+                }
+                content.extend(calls.iter().map(
+                    |c| json!({"type": "tool_use", "id": c.id, "name": c.name, "input": c.input()}),
+                ));
+                json!({
+                    "id": self.id, "type": "message", "role": "assistant", "model": self.model,
+                    "content": content,
+                    "stop_reason": stop.as_str(), "stop_sequence": stop_sequence,
+                    "usage": {"input_tokens": usage.input_tokens, "output_tokens": usage.output_tokens},
+                })
+            }
+            Flavor::OpenAi => {
+                let mut message = json!({"role": "assistant", "content": text});
+                if !calls.is_empty() {
+                    if text.is_empty() {
+                        message["content"] = Value::Null;
+                    }
+                    message["tool_calls"] = calls
+                        .iter()
+                        .map(|c| {
+                            json!({"id": c.id, "type": "function",
+                            "function": {"name": c.name, "arguments": c.arguments}})
+                        })
+                        .collect();
+                }
+                json!({
+                    "id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
+                    "choices": [{"index": self.index, "message": message,
+                                 "logprobs": self.logprobs(logprobs), "finish_reason": finish_reason(stop)}],
+                    "usage": openai_usage(usage),
+                })
+            }
             Flavor::Completions => json!({
                 "id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
                 "choices": [{"index": self.index, "text": text,
@@ -259,15 +402,96 @@ mod tests {
     use super::*;
 
     fn fmt(flavor: Flavor) -> StreamFormat {
-        StreamFormat {
-            flavor,
-            id: "x".into(),
-            model: "m".into(),
-            created: 1,
-            include_usage: true,
-            text_offset: 0,
-            index: 0,
-        }
+        let mut f = StreamFormat::new(flavor, "x".into(), "m".into(), 1);
+        f.include_usage = true;
+        f
+    }
+
+    /// The `data:` JSON of every event in a body chunk.
+    fn events(chunks: &[Bytes]) -> Vec<Value> {
+        chunks
+            .iter()
+            .flat_map(|b| {
+                std::str::from_utf8(b)
+                    .unwrap()
+                    .split("\n\n")
+                    .filter(|e| !e.is_empty())
+                    .map(|e| {
+                        let data = e.lines().find_map(|l| l.strip_prefix("data: ")).unwrap();
+                        serde_json::from_str(data).unwrap()
+                    })
+                    .collect::<Vec<Value>>()
+            })
+            .collect()
+    }
+
+    #[test]
+    fn anthropic_tool_calls_get_blocks_of_their_own() {
+        let mut f = fmt(Flavor::Anthropic);
+        let mut all = f.start(3);
+        all.push(f.delta("Checking.", &[]));
+        let call = Call::new(Flavor::Anthropic, "w".into(), "{\"c\":\"Oslo\"}".into());
+        all.push(f.tool_call(&call));
+        all.push(f.delta(" Done.", &[]));
+        all.extend(f.finish(StopReason::ToolUse, None, Usage::default()));
+        let evs = events(&all);
+        let shape: Vec<(String, Option<u64>)> = evs
+            .iter()
+            .map(|e| (e["type"].as_str().unwrap().to_owned(), e["index"].as_u64()))
+            .collect();
+        let want: Vec<(String, Option<u64>)> = [
+            ("message_start", None),
+            ("content_block_start", Some(0)),
+            ("ping", None),
+            ("content_block_delta", Some(0)),
+            ("content_block_stop", Some(0)),
+            ("content_block_start", Some(1)),
+            ("content_block_delta", Some(1)),
+            ("content_block_stop", Some(1)),
+            ("content_block_start", Some(2)),
+            ("content_block_delta", Some(2)),
+            ("content_block_stop", Some(2)),
+            ("message_delta", None),
+            ("message_stop", None),
+        ]
+        .iter()
+        .map(|(t, i)| ((*t).to_owned(), *i))
+        .collect();
+        assert_eq!(shape, want);
+        assert!(call.id.starts_with("toolu_"));
+        assert_eq!(evs[5]["content_block"]["name"], "w");
+        assert_eq!(evs[6]["delta"]["partial_json"], "{\"c\":\"Oslo\"}");
+        assert_eq!(evs[11]["delta"]["stop_reason"], "tool_use");
+    }
+
+    #[test]
+    fn full_bodies_carry_the_calls() {
+        let call = Call::new(Flavor::OpenAi, "f".into(), "{\"x\":1}".into());
+        let mut f = fmt(Flavor::OpenAi);
+        let body = f.full(
+            "",
+            std::slice::from_ref(&call),
+            &[],
+            StopReason::ToolUse,
+            None,
+            Usage::default(),
+        );
+        let m = &body["choices"][0]["message"];
+        assert_eq!(m["content"], Value::Null);
+        assert_eq!(m["tool_calls"][0]["function"]["arguments"], "{\"x\":1}");
+        assert_eq!(body["choices"][0]["finish_reason"], "tool_calls");
+        let mut f = fmt(Flavor::Anthropic);
+        let body = f.full(
+            "",
+            &[call],
+            &[],
+            StopReason::ToolUse,
+            None,
+            Usage::default(),
+        );
+        assert_eq!(body["content"].as_array().unwrap().len(), 1);
+        assert_eq!(body["content"][0]["input"]["x"], 1);
+        assert_eq!(body["stop_reason"], "tool_use");
     }
 
     #[test]
@@ -311,7 +535,7 @@ mod tests {
 
     #[test]
     fn openai_stream_ends_with_usage_then_done() {
-        let f = fmt(Flavor::OpenAi);
+        let mut f = fmt(Flavor::OpenAi);
         let end = f.finish(
             StopReason::MaxTokens,
             None,

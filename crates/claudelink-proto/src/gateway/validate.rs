@@ -9,7 +9,11 @@ use serde_json::{Map, Value};
 use super::error::ApiError;
 use super::fields::{Api, check_fields, check_keys};
 use super::format::{output_config, response_format};
-use crate::service::{ChatMessage, ChatRole, OutputFormat, Prompt, SamplingParams};
+use super::tools::{
+    CallNames, ParsedTools, anthropic_tools, anthropic_turns, openai_calls, openai_result,
+    openai_tools,
+};
+use crate::service::{ChatMessage, ChatRole, OutputFormat, Prompt, SamplingParams, Tools};
 
 /// A validated generation request, from either API flavour.
 #[derive(Debug, Clone, PartialEq)]
@@ -31,6 +35,10 @@ pub(crate) struct GenRequest {
     pub(crate) raw_prompt: Option<Prompt>,
     /// The structured output asked for (`response_format`, `output_config.format`).
     pub(crate) output_format: Option<std::sync::Arc<OutputFormat>>,
+    /// The tools offered (`tools`, `tool_choice`).
+    pub(crate) tools: Option<std::sync::Arc<Tools>>,
+    /// At most one tool call may be answered (parallel tool use disabled).
+    pub(crate) single_tool_call: bool,
 }
 
 impl GenRequest {
@@ -297,14 +305,20 @@ fn parse_stop_list(v: &Value, key: &str, max_items: usize) -> Result<Vec<String>
         .collect()
 }
 
-/// Appends a turn, merging it into the previous one when the role repeats (as the API does).
-fn push_turn(out: &mut Vec<ChatMessage>, role: ChatRole, content: String) {
+/// Appends a turn, merging it into the previous one when a user or assistant role repeats (as
+/// the API does; turns carrying tool calls or results stay apart).
+fn push_turn(out: &mut Vec<ChatMessage>, m: ChatMessage) {
     match out.last_mut() {
-        Some(last) if last.role == role && role != ChatRole::System => {
+        Some(last)
+            if last.role == m.role
+                && matches!(m.role, ChatRole::User | ChatRole::Assistant)
+                && last.tool_calls.is_empty()
+                && m.tool_calls.is_empty() =>
+        {
             last.content.push_str("\n\n");
-            last.content.push_str(&content);
+            last.content.push_str(&m.content);
         }
-        _ => out.push(ChatMessage { role, content }),
+        _ => out.push(m),
     }
 }
 
@@ -334,10 +348,7 @@ pub(crate) fn parse_messages(
     if let Some(system) = get(obj, "system") {
         let text = content_text(system, "system", false)?;
         if !text.is_empty() {
-            messages.push(ChatMessage {
-                role: ChatRole::System,
-                content: text,
-            });
+            messages.push(ChatMessage::new(ChatRole::System, text));
         }
     }
     let list = match get(obj, "messages") {
@@ -350,6 +361,7 @@ pub(crate) fn parse_messages(
             "messages: at least one message is required",
         ));
     }
+    let mut calls = CallNames::default();
     for (i, m) in list.iter().enumerate() {
         let path = format!("messages.{i}");
         let Some(m) = m.as_object() else {
@@ -366,11 +378,13 @@ pub(crate) fn parse_messages(
                 )));
             }
         };
-        let content = match m.get("content") {
+        let turns = match m.get("content") {
             None | Some(Value::Null) => return Err(required(&format!("{path}.content"))),
-            Some(c) => content_text(c, &format!("{path}.content"), false)?,
+            Some(c) => anthropic_turns(role, c, &format!("{path}.content"), &mut calls)?,
         };
-        push_turn(&mut messages, role, content);
+        for t in turns {
+            push_turn(&mut messages, t);
+        }
     }
     let sampling = parse_sampling(obj, 1.0)?;
     let stop_sequences = match get(obj, "stop_sequences") {
@@ -378,6 +392,7 @@ pub(crate) fn parse_messages(
         Some(v) => parse_stop_list(v, "stop_sequences", 64)?,
     };
     let stream = opt_bool(obj, "stream", "stream")?.unwrap_or(false);
+    let tools: ParsedTools = anthropic_tools(obj)?;
     match get(obj, "metadata") {
         None => {}
         Some(Value::Object(meta)) => {
@@ -399,6 +414,8 @@ pub(crate) fn parse_messages(
         n: 1,
         raw_prompt: None,
         output_format: output_config(obj)?.map(std::sync::Arc::new),
+        tools: tools.tools.map(std::sync::Arc::new),
+        single_tool_call: tools.single_call,
     })
 }
 
@@ -426,34 +443,55 @@ pub(crate) fn parse_chat(body: &Value, limits: Limits) -> Result<GenRequest, Api
         ));
     }
     let mut messages = Vec::new();
+    let mut calls = CallNames::default();
     for (i, m) in list.iter().enumerate() {
         let path = format!("messages.{i}");
         let Some(m) = m.as_object() else {
             return Err(wrong_type(&path, "object", m));
         };
-        check_keys(m, &["role", "content"], &path)?;
         let role = match m.get("role") {
             None | Some(Value::Null) => return Err(required(&format!("{path}.role"))),
             Some(Value::String(r)) => match r.as_str() {
                 "system" | "developer" => ChatRole::System,
                 "user" => ChatRole::User,
                 "assistant" => ChatRole::Assistant,
+                "tool" => ChatRole::Tool,
                 other => {
                     return Err(ApiError::invalid(format!(
-                        "{path}.role: role `{other}` is not supported (use system, developer, user or assistant)"
+                        "{path}.role: role `{other}` is not supported (use system, developer, user, assistant or tool)"
                     )));
                 }
             },
             Some(other) => return Err(wrong_type(&format!("{path}.role"), "string", other)),
         };
+        check_keys(
+            m,
+            match role {
+                ChatRole::Assistant => &["role", "content", "tool_calls"],
+                ChatRole::Tool => &["role", "content", "tool_call_id"],
+                _ => &["role", "content"],
+            },
+            &path,
+        )?;
+        let tool_calls = openai_calls(
+            get(m, "tool_calls"),
+            &format!("{path}.tool_calls"),
+            &mut calls,
+        )?;
         let content = match m.get("content") {
+            None if !tool_calls.is_empty() => String::new(),
             None => return Err(required(&format!("{path}.content"))),
             Some(c) => content_text(c, &format!("{path}.content"), role == ChatRole::Assistant)?,
         };
-        push_turn(&mut messages, role, content);
+        let turn = match role {
+            ChatRole::Tool => openai_result(m, content, &path, &calls)?,
+            _ => ChatMessage::new(role, content).with_tool_calls(tool_calls),
+        };
+        push_turn(&mut messages, turn);
     }
     let n = parse_n(obj)?;
     let sampling = parse_sampling(obj, 2.0)?;
+    let tools = openai_tools(obj)?;
     let logprobs = match (
         opt_bool(obj, "logprobs", "logprobs")?.unwrap_or(false),
         opt_int(obj, "top_logprobs", 0, 20)?,
@@ -478,6 +516,8 @@ pub(crate) fn parse_chat(body: &Value, limits: Limits) -> Result<GenRequest, Api
         n,
         raw_prompt: None,
         output_format: response_format(obj)?.map(std::sync::Arc::new),
+        tools: tools.tools.map(std::sync::Arc::new),
+        single_tool_call: tools.single_call,
     })
 }
 
@@ -579,6 +619,8 @@ pub(crate) fn parse_completions(body: &Value, limits: Limits) -> Result<GenReque
         n,
         raw_prompt: Some(prompt),
         output_format: None,
+        tools: None,
+        single_tool_call: false,
     })
 }
 
@@ -639,13 +681,7 @@ mod tests {
         )
         .unwrap();
         assert_eq!(r.max_tokens, 8);
-        assert_eq!(
-            r.messages,
-            vec![ChatMessage {
-                role: ChatRole::User,
-                content: "hi".into()
-            }]
-        );
+        assert_eq!(r.messages, vec![ChatMessage::new(ChatRole::User, "hi")]);
         assert!(!r.stream);
     }
 
