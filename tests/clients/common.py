@@ -97,6 +97,33 @@ CITY_SCHEMA = {
 }
 
 
+# The tool the tool-use tests offer (and, in one test, force).
+WEATHER_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "minLength": 1, "maxLength": 30},
+        "unit": {"enum": ["celsius", "fahrenheit"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+    },
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+WEATHER_DESCRIPTION = "The weather forecast for a city."
+TIME_SCHEMA = {"type": "object", "properties": {"timezone": {"type": "string", "maxLength": 40}},
+               "required": ["timezone"], "additionalProperties": False}
+
+# Twenty prompts for the forced-tool tests.
+TOOL_PROMPTS = [
+    "What is the weather in Paris?", "Will it rain in London tomorrow?", "How hot is Cairo?",
+    "Forecast for Tokyo this week, please.", "Is it snowing in Oslo?", "Hello!",
+    "Should I bring an umbrella in Seattle?", "Weather in Lima in fahrenheit.", "Tell me a joke.",
+    "What is 2 + 2?", "How cold is it in Moscow?", "Plan a picnic in Rome.",
+    "Is it windy in Chicago?", "Describe the climate of Sydney.", "Weather?",
+    "What should I wear in Berlin today?", "Temperature in Mumbai for 3 days.",
+    "Can I go skiing in Zermatt?", "Is it sunny in Madrid?", "Write a poem about rain.",
+]
+
+
 def validate(value, schema, path="$"):
     """Raises AssertionError unless `value` validates against `schema` (the JSON Schema
     keywords these tests use: type, properties, required, additionalProperties, enum,

@@ -5,7 +5,8 @@ import json
 
 import anthropic
 
-from common import API_KEY, BASE_URL, CITY_SCHEMA, PROMPTS, model_id, run_tests, validate
+from common import (API_KEY, BASE_URL, CITY_SCHEMA, PROMPTS, TIME_SCHEMA, TOOL_PROMPTS,
+                    WEATHER_DESCRIPTION, WEATHER_SCHEMA, model_id, run_tests, validate)
 
 MAJOR = int(anthropic.__version__.split(".")[0])
 MODEL = model_id()
@@ -131,15 +132,92 @@ def test_seeded_sampling_repeats_and_unseeded_varies():
              "frequency_penalty": 0.5, "presence_penalty": 0.2, "seed": 1})
 
 
-def test_tools_are_refused_until_supported():
+TOOLS = [{"name": "get_weather", "description": WEATHER_DESCRIPTION, "input_schema": WEATHER_SCHEMA},
+         {"name": "get_time", "description": "The current time in a timezone.",
+          "input_schema": TIME_SCHEMA}]
+
+
+def create_or_stream(stream, **kw):
+    """A message, through the stream helper (which assembles `input_json_delta`s) or not."""
+    if not stream:
+        return client.messages.create(**kw)
+    with client.messages.stream(**kw) as s:
+        for _ in s:
+            pass
+        return s.get_final_message()
+
+
+def tool_uses(msg):
+    return [b for b in msg.content if b.type == "tool_use"]
+
+
+def test_forced_tool_validates_on_20_prompts():
+    """A named or `any` tool choice: every reply is a call whose input validates against the
+    tool's schema, streaming and not."""
+    for i, prompt in enumerate(TOOL_PROMPTS):
+        choice = {"type": "tool", "name": "get_weather"} if i % 4 < 2 else {"type": "any"}
+        msg = create_or_stream(i % 2 == 1, model=MODEL, max_tokens=96,
+                               messages=[{"role": "user", "content": prompt}], tools=TOOLS,
+                               tool_choice=choice, extra_body={"temperature": 0.8, "seed": i})
+        assert msg.stop_reason == "tool_use", (prompt, msg)
+        uses = tool_uses(msg)
+        assert len(uses) == 1, msg.content
+        u = uses[0]
+        assert u.id.startswith("toolu_"), u
+        schema = {"get_weather": WEATHER_SCHEMA, "get_time": TIME_SCHEMA}[u.name]
+        if choice["type"] == "tool":
+            assert u.name == "get_weather", u
+        validate(u.input, schema)
+
+
+def test_tool_round_trip():
+    """tool_use -> tool_result -> a final text answer, streaming and not."""
+    for stream in (False, True):
+        question = {"role": "user", "content": "What is the weather in Paris?"}
+        first = create_or_stream(stream, model=MODEL, max_tokens=96, messages=[question],
+                                 tools=TOOLS, tool_choice={"type": "tool", "name": "get_weather"})
+        (use,) = tool_uses(first)
+        validate(use.input, WEATHER_SCHEMA)
+        history = [question,
+                   {"role": "assistant", "content": [{"type": "tool_use", "id": use.id,
+                                                      "name": use.name, "input": use.input}]},
+                   {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
+                                                 "content": "21 degrees celsius and sunny"}]}]
+        final = create_or_stream(stream, model=MODEL, max_tokens=48, messages=history, tools=TOOLS,
+                                 tool_choice={"type": "none"})
+        assert final.stop_reason in ("end_turn", "max_tokens"), final
+        assert not tool_uses(final), final.content
+        assert final.content[0].type == "text" and final.content[0].text.strip(), final.content
+        # The tools and the earlier turns are counted.
+        n = client.messages.count_tokens(model=MODEL, messages=history, tools=TOOLS,
+                                         tool_choice={"type": "none"}).input_tokens if MAJOR >= 1 else None
+        if n is not None:
+            assert n == final.usage.input_tokens, (n, final.usage)
+            bare = client.messages.count_tokens(model=MODEL, messages=[question]).input_tokens
+            assert n > bare + 50, (n, bare)
+
+
+def test_tool_errors_are_400s_naming_the_field():
+    bad = [
+        ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools.0.type"),
+        ({"tools": TOOLS, "tool_choice": {"type": "tool", "name": "nope"}}, "tool_choice"),
+        ({"tools": [{"name": "bad name", "input_schema": {}}]}, "tools.0.name"),
+    ]
+    for extra, field in bad:
+        try:
+            client.messages.create(model=MODEL, max_tokens=8,
+                                   messages=[{"role": "user", "content": "Hi"}], extra_body=extra)
+        except anthropic.BadRequestError as e:
+            assert e.body["error"]["message"].startswith(field + ":"), e.body
+        else:
+            raise AssertionError(f"{extra} was accepted")
     try:
-        client.messages.create(model=MODEL, max_tokens=8, messages=[{"role": "user", "content": "Hi"}],
-                               tools=[{"name": "get_weather", "description": "weather",
-                                       "input_schema": {"type": "object", "properties": {}}}])
+        client.messages.create(model=MODEL, max_tokens=8, messages=[
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_x", "content": "1"}]}])
     except anthropic.BadRequestError as e:
-        assert e.body["error"]["message"].startswith("tools:"), e.body
+        assert "messages.0.content.0.tool_use_id" in e.body["error"]["message"], e.body
     else:
-        raise AssertionError("tools were accepted and ignored")
+        raise AssertionError("a result without its call was accepted")
 
 
 def test_auth_failure():
@@ -197,4 +275,5 @@ run_tests([test_output_config_json_schema_validates, test_create, test_max_token
            test_stream_helper, test_raw_stream_event_order, test_stop_sequences,
            test_sampling_params_are_accepted, test_invalid_field_is_a_400_naming_it,
            test_auth_failure, test_count_tokens_and_models,
-           test_seeded_sampling_repeats_and_unseeded_varies, test_tools_are_refused_until_supported])
+           test_seeded_sampling_repeats_and_unseeded_varies, test_forced_tool_validates_on_20_prompts,
+           test_tool_round_trip, test_tool_errors_are_400s_naming_the_field])

@@ -3,7 +3,8 @@ import json
 
 import openai
 
-from common import API_KEY, BASE_URL, CITY_SCHEMA, PROMPTS, model_id, run_tests, validate
+from common import (API_KEY, BASE_URL, CITY_SCHEMA, PROMPTS, TIME_SCHEMA, TOOL_PROMPTS,
+                    WEATHER_DESCRIPTION, WEATHER_SCHEMA, model_id, run_tests, validate)
 
 MODEL = model_id()
 client = openai.OpenAI(base_url=BASE_URL + "/v1", api_key=API_KEY, max_retries=0, timeout=300)
@@ -112,7 +113,8 @@ def test_legacy_completions_with_logprobs():
 
 
 def test_unsupported_fields_are_refused():
-    for extra in ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]},
+    for extra in ({"functions": [{"name": "f", "parameters": {}}]},
+                  {"tools": [{"type": "custom", "custom": {"name": "f"}}]},
                   {"logit_bias": {"1": 2}}):
         try:
             client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=4, **extra)
@@ -157,7 +159,68 @@ def test_response_format_json_object_and_a_bad_schema():
             raise AssertionError("an invalid schema was accepted")
 
 
-run_tests([test_response_format_json_schema_validates_on_20_prompts,
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": WEATHER_DESCRIPTION,
+                                           "parameters": WEATHER_SCHEMA}},
+         {"type": "function", "function": {"name": "get_time", "description": "The current time.",
+                                           "parameters": TIME_SCHEMA}}]
+
+
+def chat_or_stream(stream, **kw):
+    """(content, tool calls as [(id, name, arguments)], finish_reason), assembling streamed
+    `tool_calls` deltas by index as SDK users do."""
+    if not stream:
+        c = client.chat.completions.create(**kw).choices[0]
+        calls = [(t.id, t.function.name, t.function.arguments) for t in c.message.tool_calls or []]
+        return c.message.content, calls, c.finish_reason
+    text, calls, finish = "", {}, None
+    for chunk in client.chat.completions.create(stream=True, **kw):
+        if not chunk.choices:
+            continue
+        ch = chunk.choices[0]
+        text += ch.delta.content or ""
+        for t in ch.delta.tool_calls or []:
+            slot = calls.setdefault(t.index, ["", "", ""])
+            slot[0] = t.id or slot[0]
+            slot[1] += (t.function.name or "") if t.function else ""
+            slot[2] += (t.function.arguments or "") if t.function else ""
+        finish = ch.finish_reason or finish
+    return text or None, [tuple(calls[i]) for i in sorted(calls)], finish
+
+
+def test_forced_tool_validates_on_20_prompts():
+    for i, prompt in enumerate(TOOL_PROMPTS):
+        choice = {"type": "function", "function": {"name": "get_weather"}} if i % 4 < 2 else "required"
+        content, calls, finish = chat_or_stream(
+            i % 2 == 1, model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=96,
+            tools=TOOLS, tool_choice=choice, temperature=0.8, seed=i)
+        assert finish == "tool_calls", (prompt, finish, content, calls)
+        assert len(calls) == 1 and not content, (content, calls)
+        call_id, name, args = calls[0]
+        assert call_id.startswith("call_"), call_id
+        if choice != "required":
+            assert name == "get_weather", name
+        validate(json.loads(args), {"get_weather": WEATHER_SCHEMA, "get_time": TIME_SCHEMA}[name])
+
+
+def test_tool_round_trip():
+    for stream in (False, True):
+        question = {"role": "user", "content": "Will it rain in London tomorrow?"}
+        _, calls, finish = chat_or_stream(stream, model=MODEL, messages=[question], max_tokens=96,
+                                          tools=TOOLS, tool_choice="required")
+        assert finish == "tool_calls", finish
+        call_id, name, args = calls[0]
+        history = [question,
+                   {"role": "assistant", "content": None, "tool_calls": [
+                       {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}}]},
+                   {"role": "tool", "tool_call_id": call_id, "content": "Light rain, 12 degrees."}]
+        content, calls, finish = chat_or_stream(stream, model=MODEL, messages=history, max_tokens=48,
+                                                tools=TOOLS, tool_choice="none")
+        assert finish in ("stop", "length"), finish
+        assert not calls and content and content.strip(), (content, calls)
+
+
+run_tests([test_forced_tool_validates_on_20_prompts, test_tool_round_trip,
+           test_response_format_json_schema_validates_on_20_prompts,
            test_response_format_json_object_and_a_bad_schema,
            test_create, test_stream_with_usage, test_length_cap, test_auth_failure,
            test_logprobs_match_the_sampled_tokens, test_seeded_sampling_repeats_and_unseeded_varies,
