@@ -17,7 +17,7 @@ use std::path::PathBuf;
 use serde_json::Value as Json;
 use sha2::{Digest, Sha256};
 use token_stream::{
-    BuiltinTemplate, ChatError, ChatMessage, ChatTemplate, RenderOptions, ToolCall,
+    BuiltinTemplate, ChatError, ChatMessage, ChatTemplate, RenderOptions, ToolCall, ToolSyntax,
 };
 
 const FIXTURE: &str = include_str!("fixtures/chat_templates.json");
@@ -508,3 +508,42 @@ fn fallback_and_names() {
     assert_eq!(t.builtin_template(), None);
     assert_eq!(t.render(&[], false).unwrap(), "x");
 }
+
+/// The real templates that render tools, calls and results in the Hermes syntax are the ones
+/// served natively ([`ToolSyntax::Hermes`]); every other one gets the tools described in its
+/// system message.
+#[test]
+fn hermes_tool_templates_are_detected() {
+    let dir = templates_dir();
+    let mut hermes = Vec::new();
+    let fx = fixture();
+    for t in fx["templates"].as_array().unwrap() {
+        let file = t["file"].as_str().unwrap();
+        let src = std::fs::read_to_string(dir.join(file))
+            .expect("template file (scripts/fetch-vocab-suite)");
+        let Ok(tmpl) = ChatTemplate::new(&src, "<s>", "</s>") else {
+            continue;
+        };
+        if tmpl.tool_syntax() == ToolSyntax::Hermes {
+            hermes.push(file);
+        }
+    }
+    assert_eq!(hermes, HERMES_TEMPLATES);
+}
+
+/// The real templates that write calls as `<tool_call>\n{"name": .., "arguments": ..}` (each
+/// checked by reading it). Left out on purpose: GLM-4.6/4.7 and Qwen3-Coder/Qwen3.5 (their
+/// `<tool_call>` holds XML-like arguments, not JSON), Llama 3.x, Mistral, DeepSeek, Command R
+/// and the other syntaxes.
+const HERMES_TEMPLATES: &[&str] = &[
+    "Bielik-11B-v3.0-Instruct.jinja",
+    "MiMo-VL.jinja",
+    "NousResearch-Hermes-2-Pro-Llama-3-8B-tool_use.jinja",
+    "NousResearch-Hermes-3-Llama-3.1-8B-tool_use.jinja",
+    "Qwen-QwQ-32B.jinja",
+    "Qwen-Qwen2.5-7B-Instruct.jinja",
+    "Qwen-Qwen3-0.6B.jinja",
+    "Reka-Edge.jinja",
+    "ibm-granite-granite-4.0.jinja",
+    "ibm-granite-granite-4.1.jinja",
+];

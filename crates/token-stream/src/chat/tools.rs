@@ -61,11 +61,13 @@ impl ChatTemplate {
         if self.builtin_template().is_some() {
             return ToolSyntax::HermesPolyfill;
         }
-        let tools = json!([tool_json(
-            PROBE_TOOL,
-            Some("probe"),
-            &json!({"type": "object"})
-        )]);
+        // A full schema: some templates walk `parameters.properties` and their descriptions.
+        let schema = json!({
+            "type": "object",
+            "properties": {"x": {"type": "integer", "description": "A number."}},
+            "required": ["x"],
+        });
+        let tools = json!([tool_json(PROBE_TOOL, Some("A probe."), &schema)]);
         let args = json!({"x": 1});
         let calls = [super::ToolCall::new(PROBE_TOOL, &args).with_id("call_probe")];
         let messages = [
@@ -80,15 +82,26 @@ impl ChatTemplate {
             .tools(&tools);
         match self.render_with(&messages, &opts) {
             Ok(s)
-                if s.contains(TOOL_CALL_OPEN)
+                if s.contains(PROBE_RESULT)
                     && s.matches(PROBE_TOOL).count() >= 2
-                    && s.contains(PROBE_RESULT) =>
+                    && renders_hermes_call(&s) =>
             {
                 ToolSyntax::Hermes
             }
             _ => ToolSyntax::HermesPolyfill,
         }
     }
+}
+
+/// Whether a render holds the probe's call as a Hermes block: `<tool_call>`, then a JSON
+/// object with the probe tool's name and arguments (other syntaxes that open with the same
+/// tag, as GLM's or Qwen3-Coder's XML-like ones, do not count).
+fn renders_hermes_call(render: &str) -> bool {
+    render.match_indices(TOOL_CALL_OPEN).any(|(at, _)| {
+        let body = &render[at + TOOL_CALL_OPEN.len()..];
+        let body = body.find(TOOL_CALL_CLOSE).map_or(body, |end| &body[..end]);
+        parse_call(body).is_some_and(|c| c.name == PROBE_TOOL && c.arguments == json!({"x": 1}))
+    })
 }
 
 /// One tool definition in the shape templates and the polyfill prompt show it (OpenAI's:
