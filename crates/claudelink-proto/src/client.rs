@@ -642,6 +642,9 @@ impl ResponseStream {
 
 fn map_read_error(e: quinn::ReadError) -> StreamError {
     match e {
+        quinn::ReadError::Reset(c) if c.into_inner() == AppErrorCode::Unauthenticated.to_u64() => {
+            StreamError::Unauthenticated
+        }
         quinn::ReadError::Reset(c) => {
             let raw = c.into_inner();
             StreamError::Reset {

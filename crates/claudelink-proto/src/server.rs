@@ -653,8 +653,9 @@ enum Gate {
     Pending,
     /// Serve; requests carry this key label.
     Open(Option<Arc<str>>),
-    /// The connection failed authentication or ended: serve nothing.
-    Closed,
+    /// The connection failed authentication or ended: serve nothing; waiting streams are
+    /// reset with this code (so a client reads why, even before the connection's close).
+    Closed(AppErrorCode),
 }
 
 /// Per-connection context shared by its tasks.
@@ -708,7 +709,8 @@ impl ConnCtx {
                     }
                 }
                 ConnectionAction::Close(AppErrorCode::Unauthenticated) => {
-                    self.gate.send_replace(Gate::Closed);
+                    self.gate
+                        .send_replace(Gate::Closed(AppErrorCode::Unauthenticated));
                     self.shared
                         .counters
                         .unauthenticated
@@ -727,7 +729,7 @@ impl ConnCtx {
                         .close(code(AppErrorCode::Unauthenticated), b"unauthenticated");
                 }
                 ConnectionAction::Close(c) => {
-                    self.gate.send_replace(Gate::Closed);
+                    self.gate.send_replace(Gate::Closed(c));
                     self.shared
                         .counters
                         .protocol_errors
@@ -847,7 +849,7 @@ async fn serve_connection(
             }
         }
     }
-    ctx.gate.send_replace(Gate::Closed);
+    ctx.gate.send_replace(Gate::Closed(AppErrorCode::Cancelled));
     shared
         .conns
         .lock()
@@ -934,14 +936,18 @@ fn unknown_model(models: &[ModelInfo], model: &str) -> Option<String> {
 }
 
 /// Waits until the connection authenticated (its key label) or failed / was aborted (`None`).
-async fn await_gate(ctx: &ConnCtx, abort: &mut watch::Receiver<bool>) -> Option<Option<Arc<str>>> {
+async fn await_gate(
+    ctx: &ConnCtx,
+    abort: &mut watch::Receiver<bool>,
+) -> Result<Option<Arc<str>>, AppErrorCode> {
     let mut gate = ctx.gate.subscribe();
     tokio::select! {
         g = gate.wait_for(|g| *g != Gate::Pending) => match g.as_deref() {
-            Ok(Gate::Open(client)) => Some(client.clone()),
-            _ => None,
+            Ok(Gate::Open(client)) => Ok(client.clone()),
+            Ok(Gate::Closed(c)) => Err(*c),
+            _ => Err(AppErrorCode::Cancelled),
         },
-        _ = abort.wait_for(|a| *a) => None,
+        _ = abort.wait_for(|a| *a) => Err(AppErrorCode::Refused),
     }
 }
 
@@ -959,8 +965,14 @@ async fn serve_stream(ctx: Arc<ConnCtx>, mut send: quinn::SendStream, mut recv: 
     let mut abort = ctx.shared.abort.subscribe();
     // Nothing of the stream is read before the client authenticated: its bytes wait in
     // QUIC's flow-control windows, and a connection that fails closes them all.
-    let Some(client) = await_gate(&ctx, &mut abort).await else {
-        return;
+    let client = match await_gate(&ctx, &mut abort).await {
+        Ok(c) => c,
+        Err(c) => {
+            // A reset, not the implicit finish of a dropped stream: a client that reads the
+            // stream before the connection's close still learns why (e.g. UNAUTHENTICATED).
+            abort_stream(&mut send, &mut recv, c);
+            return;
+        }
     };
     ctx.active.fetch_add(1, Ordering::Relaxed);
     counters.active_streams.fetch_add(1, Ordering::Relaxed);
