@@ -888,6 +888,10 @@ impl InferenceService for EngineService {
         self.count_tokens_with_tools(prompt, None)
     }
 
+    fn supports_tools(&self) -> bool {
+        self.chat.is_some()
+    }
+
     fn count_tokens_with_tools(
         &self,
         prompt: &Prompt,

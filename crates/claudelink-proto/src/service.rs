@@ -597,6 +597,11 @@ pub trait InferenceService: Send + Sync + 'static {
     fn submit(&self, request: InferenceRequest) -> Result<EventStream, ServiceError>;
     /// Number of tokens the prompt would use (with the chat template applied for chat prompts).
     fn count_tokens(&self, prompt: &Prompt) -> Result<u32, ServiceError>;
+    /// Whether requests may offer tools ([`InferenceRequest::tools`]); the gateway answers 400
+    /// to tools sent to a service that does not take them. The default is `false`.
+    fn supports_tools(&self) -> bool {
+        false
+    }
     /// Number of tokens the prompt would use with these tools offered (their definitions are
     /// part of the prompt). The default refuses tools, for services that do not take them.
     fn count_tokens_with_tools(

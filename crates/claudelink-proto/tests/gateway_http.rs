@@ -467,7 +467,7 @@ async fn fields_the_server_does_not_honour_get_a_400_naming_them() {
             &msg,
             "tools",
             json!([{"name": "t", "input_schema": {}}]),
-            "tools: tool use",
+            "tools: the served model does not take tools",
         ),
         (
             "/v1/messages",
@@ -494,8 +494,8 @@ async fn fields_the_server_does_not_honour_get_a_400_naming_them() {
             "/v1/chat/completions",
             &chat,
             "tool_choice",
-            json!("auto"),
-            "tool_choice:",
+            json!("required"),
+            "tool_choice: a tool call is required",
         ),
         (
             "/v1/chat/completions",

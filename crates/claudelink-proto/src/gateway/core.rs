@@ -482,6 +482,11 @@ impl Gateway {
             parse()?
         };
         self.check_prompt_size(&parsed)?;
+        if parsed.tools.is_some() && !self.inner.service.supports_tools() {
+            return Err(ApiError::invalid(
+                "tools: the served model does not take tools (it has no chat template)",
+            ));
+        }
         match endpoint {
             Endpoint::CountTokens => {
                 self.check_model(&parsed.model)?;
