@@ -29,7 +29,7 @@ pub struct GenerateOptions {
     /// Token ids that end the generation (`None`: the model's EOS/EOT and the tokenizer's
     /// end-of-generation ids, [`Model::stop_tokens_with`]).
     pub stop_tokens: Option<Vec<u32>>,
-    /// The prompt is prefilled in chunks of at most this many tokens. Default 512.
+    /// The prompt is prefilled in chunks of at most this many tokens. Default 256, as the engine's (the scratch of a chunk is part of the peak RSS).
     pub prefill_chunk: usize,
 }
 
@@ -40,7 +40,7 @@ impl Default for GenerateOptions {
             sampling: SamplingParams::default(),
             stop_sequences: Vec::new(),
             stop_tokens: None,
-            prefill_chunk: 512,
+            prefill_chunk: 256,
         }
     }
 }

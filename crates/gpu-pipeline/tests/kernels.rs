@@ -566,6 +566,33 @@ proptest! {
     }
 }
 
+/// Packing a large matrix reports the source bytes it has read in consecutive ranges of a few
+/// MiB that cover the whole matrix, each reported once the groups reading it are packed (the
+/// caller drops the file's pages as packing goes), and gives the same bytes as `pack`.
+#[test]
+fn packing_reports_the_source_it_has_read_in_order() {
+    let mut rng = Rng(0xBEEF);
+    let pool = ThreadPool::new(2);
+    let (rows, cols) = (16 * 1000 + 5, 576);
+    let data = random_weights(GgmlType::Q8_0, rows, cols, &mut rng);
+    let w = WeightMatrix::new(GgmlType::Q8_0, rows, cols, &data).unwrap();
+    let mut ranges = Vec::new();
+    let Some(p) = PackedWeights::pack_releasing(w, &pool, &mut |r| ranges.push(r)).unwrap() else {
+        assert_ne!(CpuIsa::detect(), CpuIsa::Avx512);
+        assert!(ranges.is_empty());
+        return;
+    };
+    assert!(ranges.len() >= 3, "{ranges:?}");
+    assert_eq!(ranges[0].start, 0);
+    assert_eq!(ranges.last().unwrap().end, data.len());
+    for pair in ranges.windows(2) {
+        assert_eq!(pair[0].end, pair[1].start);
+    }
+    assert!(ranges.iter().all(|r| r.len() <= 3 << 20), "{ranges:?}");
+    let whole = PackedWeights::pack(w, &pool).unwrap().unwrap();
+    assert_eq!(p.matrix().data, whole.matrix().data);
+}
+
 /// Packed weights are refused, with a typed error, by backends without their kernel and by row
 /// dequantization; formats without a packed layout are not packed.
 #[test]

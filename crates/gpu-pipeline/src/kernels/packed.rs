@@ -114,6 +114,20 @@ impl PackedWeights {
     /// (or this CPU, see [`supported`](Self::supported)) has no packed kernel, so the caller
     /// keeps using the file layout.
     pub fn pack(w: WeightMatrix<'_>, pool: &ThreadPool) -> Result<Option<Self>, KernelError> {
+        Self::pack_releasing(w, pool, &mut |_| {})
+    }
+
+    /// Source bytes packed between two calls of `pack_releasing`'s `done` (about).
+    const RELEASE_STEP: usize = 2 << 20;
+
+    /// [`pack`](Self::pack), calling `done(range)` with each range of `w.data` it has finished
+    /// reading (a few MiB at a time, in order), so the caller can drop the file's pages as it
+    /// goes: packing then never holds a large matrix twice (its file pages and its copy).
+    pub fn pack_releasing(
+        w: WeightMatrix<'_>,
+        pool: &ThreadPool,
+        done: &mut dyn FnMut(std::ops::Range<usize>),
+    ) -> Result<Option<Self>, KernelError> {
         let fmt = w.check()?;
         if w.layout != Layout::File || !Self::supported(w.dtype) {
             return Ok(None);
@@ -131,13 +145,23 @@ impl PackedWeights {
         let groups = w.rows.div_ceil(GROUP_ROWS);
         if group_bytes > 0 && groups > 0 {
             let bytes: &mut [u8] = bytemuck_lines(&mut lines);
-            let chunks = std::sync::Mutex::new(bytes.chunks_mut(group_bytes).enumerate());
-            pool.run(groups, &|_, _| {
-                let next = chunks.lock().unwrap_or_else(|e| e.into_inner()).next();
-                if let Some((g, out)) = next {
-                    pack_group(fmt, w, g, out);
-                }
-            });
+            let src_group = fmt.row_bytes(w.cols) * GROUP_ROWS;
+            let step = (Self::RELEASE_STEP / src_group.max(1)).max(1);
+            let mut outs = bytes.chunks_mut(group_bytes).enumerate();
+            let mut first = 0;
+            while first < groups {
+                let n = step.min(groups - first);
+                let chunks = std::sync::Mutex::new(outs.by_ref().take(n));
+                pool.run(n, &|_, _| {
+                    let next = chunks.lock().unwrap_or_else(|e| e.into_inner()).next();
+                    if let Some((g, out)) = next {
+                        pack_group(fmt, w, g, out);
+                    }
+                });
+                let end = ((first + n) * src_group).min(w.data.len());
+                done(first * src_group..end);
+                first += n;
+            }
         }
         Ok(Some(Self {
             dtype: w.dtype,

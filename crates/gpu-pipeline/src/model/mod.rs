@@ -342,7 +342,15 @@ impl Lin {
             .get(self.bytes.clone())
             .unwrap_or(&[]);
         let w = WeightMatrix::new(self.dtype, self.rows, self.cols, data)?;
-        self.packed = PackedWeights::pack(w, pool)?.map(Arc::new);
+        // The file's pages are dropped as packing goes (not at the end), so a large matrix (the
+        // output head) is never resident twice: that would set the process's peak RSS.
+        // (Pages shared with a neighbouring tensor are dropped too; a later read of the
+        // neighbour faults them back in from the page cache.)
+        let (file, base) = (self.file, self.bytes.start);
+        self.packed = PackedWeights::pack_releasing(w, pool, &mut |r| {
+            g.release(file, base + r.start..base + r.end);
+        })?
+        .map(Arc::new);
         if self.packed.is_some() {
             g.release(self.file, self.bytes.clone());
         }
