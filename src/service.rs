@@ -344,6 +344,7 @@ fn tools_json(tools: &Tools) -> serde_json::Value {
 fn request_format(
     format: Option<Arc<OutputFormat>>,
     tools: Option<&Tools>,
+    syntax: ToolSyntax,
 ) -> Result<Option<Arc<OutputFormat>>, ServiceError> {
     let Some(tools) = tools else {
         return Ok(format);
@@ -380,7 +381,7 @@ fn request_format(
         });
     }
     Ok(Some(Arc::new(OutputFormat::Lark(
-        token_stream::forced_call_grammar(&forced),
+        token_stream::forced_call_grammar(syntax, &forced),
     ))))
 }
 
@@ -506,7 +507,7 @@ impl PromptParts {
             || turns
                 .iter()
                 .any(|m| m.role == ChatRole::Tool || !m.tool_calls.is_empty());
-        let ids = if self.tool_syntax == ToolSyntax::Hermes || !uses_tools {
+        let ids = if self.tool_syntax != ToolSyntax::HermesPolyfill || !uses_tools {
             let opts = match &tools_json {
                 Some(t) => opts.tools(t),
                 None => opts,
@@ -741,12 +742,12 @@ impl InferenceService for EngineService {
         let (stops, priority, client) = (request.stop_sequences, request.priority, request.client);
         let logprobs = request.logprobs.map(usize::from);
         let tools = request.tools;
-        let format = request_format(request.output_format, tools.as_deref())?;
+        let format = request_format(request.output_format, tools.as_deref(), self.tool_syntax)?;
         // Calls are looked for in the output unless the request forbids them.
         let mut calls = tools
             .as_ref()
             .filter(|t| t.choice != ToolChoice::None)
-            .map(|_| ToolCallParser::new());
+            .map(|_| ToolCallParser::for_syntax(self.tool_syntax));
         let tokenizer = self.tokenizer.clone();
         let prompt = request.prompt;
         // Tokenizing (and rendering the chat template) is CPU work proportional to the prompt:

@@ -31,11 +31,11 @@ use zerolayer::EngineService;
 use zerolayer::claudelink_proto::futures::StreamExt as _;
 use zerolayer::claudelink_proto::{
     ChatMessage as Msg, ChatRole, Gateway, GatewayConfig, InferenceEvent, InferenceRequest,
-    InferenceService, Prompt,
+    InferenceService, Prompt, ToolCallMessage, ToolDefinition, Tools,
 };
 use zerolayer::gpu_pipeline::engine::{EngineEvent, GenerationRequest};
 use zerolayer::gpu_pipeline::{ModelOptions, StopReason};
-use zerolayer::token_stream::{ChatMessage, ChatTemplate, Tokenizer};
+use zerolayer::token_stream::{ChatMessage, ChatTemplate, Tokenizer, ToolSyntax};
 
 /// The user turn of every request.
 const PROMPT: &str = "Name three colors of the rainbow.";
@@ -615,4 +615,96 @@ arch_tests! {
         Location::HfFixture("gemma2-bf16"), HF_CHATML, None;
     greedy_generation_is_wired_end_to_end_for_hf_qwen2_sharded_directory =>
         Location::HfFixture("qwen2"), HF_CHATML, None;
+}
+
+/// A model whose own chat template takes tools (Qwen3's Hermes `<tool_call>`, Llama 3.1's bare
+/// JSON call) is served them natively: the tools reach its template (their description is in the
+/// prompt in the template's words), a forced call decodes in the template's syntax and comes
+/// back through both APIs with arguments valid for the schema (random weights: only the grammar
+/// makes them valid), and the call and its result render in the next turn.
+async fn check_native_tools(name: &'static str, syntax: ToolSyntax, marker: &str) {
+    let s = start(&Location::TestModels(name)).await;
+    assert_eq!(s.svc.tool_syntax(), syntax, "{name}");
+    let id = s.svc.model_id().to_owned();
+    let schema = json!({"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 12}, "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+        "required": ["city", "days"], "additionalProperties": false});
+    let tools =
+        json!([{"name": "get_weather", "description": "Weather forecast", "input_schema": schema}]);
+    let body = json!({"model": id, "max_tokens": 64, "messages": [{"role": "user", "content": "Weather?"}],
+                      "tools": tools, "tool_choice": {"type": "tool", "name": "get_weather"}});
+    let r = request(s.addr, "POST", "/v1/messages", Some(&body)).await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    let v: Value = serde_json::from_slice(&r.body).unwrap();
+    assert_eq!(v["stop_reason"], "tool_use", "{v}");
+    let call = v["content"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|b| b["type"] == "tool_use")
+        .unwrap();
+    assert_eq!(call["name"], "get_weather");
+    let input = call["input"].as_object().unwrap();
+    assert!(
+        input["city"].as_str().unwrap().chars().count() <= 12,
+        "{call}"
+    );
+    assert!((1..=7).contains(&input["days"].as_u64().unwrap()), "{call}");
+    let chat_tools =
+        json!([{"type": "function", "function": {"name": "get_weather", "parameters": schema}}]);
+    let body = json!({"model": id, "max_tokens": 64, "messages": [{"role": "user", "content": "Weather?"}],
+                      "tools": chat_tools, "tool_choice": "required"});
+    let r = request(s.addr, "POST", "/v1/chat/completions", Some(&body)).await;
+    let v: Value = serde_json::from_slice(&r.body).unwrap();
+    assert_eq!(v["choices"][0]["finish_reason"], "tool_calls", "{v}");
+    let args: Value = serde_json::from_str(
+        v["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"]
+            .as_str()
+            .unwrap(),
+    )
+    .unwrap();
+    assert!(args["city"].is_string() && args["days"].is_u64(), "{args}");
+    // The next turn renders the tools, the call and its result through the model's template.
+    let turns = vec![
+        Msg::new(ChatRole::User, "Weather?"),
+        Msg::new(ChatRole::Assistant, "").with_tool_calls(vec![ToolCallMessage::new(
+            "call_1",
+            "get_weather",
+            args,
+        )]),
+        Msg::new(ChatRole::Tool, "sunny, 21 C").with_tool_result("call_1", "get_weather"),
+    ];
+    let spec = Tools::new(vec![
+        ToolDefinition::new("get_weather", schema.clone()).with_description("Weather forecast"),
+    ]);
+    let with_tools = s
+        .svc
+        .count_tokens_with_tools(&Prompt::Chat(turns.clone()), Some(&spec))
+        .unwrap();
+    let without = s.svc.count_tokens(&Prompt::Chat(turns.clone())).unwrap();
+    assert!(with_tools > without + 10, "{with_tools} vs {without}");
+    let ids = s.svc.tokenize(&Prompt::Chat(turns)).unwrap();
+    let text = s.svc.engine().tokenizer().unwrap().decode(&ids).unwrap();
+    assert!(text.contains(marker), "{marker:?} not in {text:?}");
+    assert!(text.contains("sunny, 21 C"), "{text:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn qwen3s_template_takes_tools_natively_in_the_hermes_syntax_moe_model() {
+    check_native_tools(
+        "arch-qwen3moe.gguf",
+        ToolSyntax::Hermes,
+        "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\"",
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn llama31s_template_takes_tools_natively_as_a_json_call() {
+    check_native_tools(
+        "arch-llama3.gguf",
+        ToolSyntax::Llama3Json,
+        "{\"name\": \"get_weather\", \"parameters\": {\"city\"",
+    )
+    .await;
 }

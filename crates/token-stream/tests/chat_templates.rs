@@ -509,13 +509,13 @@ fn fallback_and_names() {
     assert_eq!(t.render(&[], false).unwrap(), "x");
 }
 
-/// The real templates that render tools, calls and results in the Hermes syntax are the ones
-/// served natively ([`ToolSyntax::Hermes`]); every other one gets the tools described in its
-/// system message.
+/// The real templates that render tools, calls and results in the Hermes syntax or as Llama
+/// 3.x's bare JSON call are the ones served natively ([`ToolSyntax::Hermes`],
+/// [`ToolSyntax::Llama3Json`]); every other one gets the tools described in its system message.
 #[test]
 fn hermes_tool_templates_are_detected() {
     let dir = templates_dir();
-    let mut hermes = Vec::new();
+    let (mut hermes, mut llama) = (Vec::new(), Vec::new());
     let fx = fixture();
     for t in fx["templates"].as_array().unwrap() {
         let file = t["file"].as_str().unwrap();
@@ -524,17 +524,20 @@ fn hermes_tool_templates_are_detected() {
         let Ok(tmpl) = ChatTemplate::new(&src, "<s>", "</s>") else {
             continue;
         };
-        if tmpl.tool_syntax() == ToolSyntax::Hermes {
-            hermes.push(file);
+        match tmpl.tool_syntax() {
+            ToolSyntax::Hermes => hermes.push(file),
+            ToolSyntax::Llama3Json => llama.push(file),
+            _ => {}
         }
     }
     assert_eq!(hermes, HERMES_TEMPLATES);
+    assert_eq!(llama, LLAMA3_JSON_TEMPLATES);
 }
 
 /// The real templates that write calls as `<tool_call>\n{"name": .., "arguments": ..}` (each
 /// checked by reading it). Left out on purpose: GLM-4.6/4.7 and Qwen3-Coder/Qwen3.5 (their
-/// `<tool_call>` holds XML-like arguments, not JSON), Llama 3.x, Mistral, DeepSeek, Command R
-/// and the other syntaxes.
+/// `<tool_call>` holds XML-like arguments, not JSON), Mistral, DeepSeek, Command R and the other
+/// syntaxes.
 const HERMES_TEMPLATES: &[&str] = &[
     "Bielik-11B-v3.0-Instruct.jinja",
     "MiMo-VL.jinja",
@@ -546,4 +549,11 @@ const HERMES_TEMPLATES: &[&str] = &[
     "Reka-Edge.jinja",
     "ibm-granite-granite-4.0.jinja",
     "ibm-granite-granite-4.1.jinja",
+];
+
+/// The real templates whose assistant call is a bare `{"name": .., "parameters": ..}` object.
+const LLAMA3_JSON_TEMPLATES: &[&str] = &[
+    "meta-llama-Llama-3.1-8B-Instruct.jinja",
+    "meta-llama-Llama-3.2-3B-Instruct.jinja",
+    "meta-llama-Llama-3.3-70B-Instruct.jinja",
 ];

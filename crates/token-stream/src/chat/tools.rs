@@ -1,10 +1,11 @@
 //! Tool use around a chat template: how tools reach the prompt, how the model's tool calls are
 //! found in its output, and the grammar that forces a call.
 //!
-//! One call syntax is read and written: the Hermes one (`<tool_call>\n{"name": .., "arguments":
-//! {..}}\n</tool_call>`), which Qwen2.5, Qwen3, Hermes 2/3 and SmolLM3 templates use. A template
-//! that renders `tools` in that syntax gets the tools as transformers passes them
-//! ([`ToolSyntax::Hermes`]). A template without tool support (most small models', SmolLM2's
+//! Two call syntaxes are read and written: the Hermes one (`<tool_call>\n{"name": ..,
+//! "arguments": {..}}\n</tool_call>`), which Qwen2.5, Qwen3, Hermes 2/3 and Granite 4 templates
+//! use, and Llama 3.x's JSON-only reply (`{"name": .., "parameters": {..}}`). A template that
+//! renders `tools` in one of them gets the tools as transformers passes them
+//! ([`ToolSyntax::Hermes`], [`ToolSyntax::Llama3Json`]). A template without tool support (most small models', SmolLM2's
 //! among them) gets them the way llama.cpp's generic tool handling gives them to such models
 //! ([`ToolSyntax::HermesPolyfill`]): the tool list and the call format are described in the
 //! system message, earlier calls become `<tool_call>` text in the assistant turn and tool
@@ -34,6 +35,9 @@ pub enum ToolSyntax {
     /// The template renders `tools`, assistant `tool_calls` and `tool` messages itself, in the
     /// Hermes syntax.
     Hermes,
+    /// The template renders them itself and a call is the whole reply, one JSON object
+    /// `{"name": .., "parameters": {..}}` (Llama 3.1-3.3's JSON tool calling).
+    Llama3Json,
     /// The template has no (Hermes) tool support: [`polyfill_messages`] describes the tools in
     /// the system message and rewrites calls and results as text.
     HermesPolyfill,
@@ -81,16 +85,28 @@ impl ChatTemplate {
             .add_generation_prompt(true)
             .tools(&tools);
         match self.render_with(&messages, &opts) {
-            Ok(s)
-                if s.contains(PROBE_RESULT)
-                    && s.matches(PROBE_TOOL).count() >= 2
-                    && renders_hermes_call(&s) =>
-            {
-                ToolSyntax::Hermes
+            Ok(s) if s.contains(PROBE_RESULT) && s.matches(PROBE_TOOL).count() >= 2 => {
+                if renders_hermes_call(&s) {
+                    ToolSyntax::Hermes
+                } else if renders_json_call(&s) {
+                    ToolSyntax::Llama3Json
+                } else {
+                    ToolSyntax::HermesPolyfill
+                }
             }
             _ => ToolSyntax::HermesPolyfill,
         }
     }
+}
+
+/// Whether the probe's call is the probe call as a bare JSON object (`{"name": .., "parameters":
+/// ..}`), as Llama 3.x templates write an assistant's call.
+fn renders_json_call(render: &str) -> bool {
+    render.match_indices("{\"name\"").any(|(at, _)| {
+        let mut values = serde_json::Deserializer::from_str(&render[at..]).into_iter::<Value>();
+        matches!(values.next(), Some(Ok(v)) if v.get("parameters").is_some()
+            && call_of(&v).is_some_and(|c| c.name == PROBE_TOOL && c.arguments == json!({"x": 1})))
+    })
 }
 
 /// Whether a render holds the probe's call as a Hermes block: `<tool_call>`, then a JSON
@@ -229,21 +245,29 @@ pub fn polyfill_messages(
 }
 
 /// The Lark grammar (llguidance's dialect) of exactly one tool call of one of `tools`
-/// (`(name, parameters schema)` pairs): `<tool_call>\n{"name": <one of the names>,
-/// "arguments": <valid for that tool's schema>}\n</tool_call>`, in compact JSON.
+/// (`(name, parameters schema)` pairs) in `syntax`: `<tool_call>\n{"name": <one of the names>,
+/// "arguments": <valid for that tool's schema>}\n</tool_call>` (Hermes), or the bare object
+/// with `parameters` (Llama 3.x), in compact JSON.
 ///
 /// ```
+/// use token_stream::{ToolSyntax, forced_call_grammar};
 /// let schema = serde_json::json!({"type": "object", "properties": {"city": {"type": "string"}}});
-/// let g = token_stream::forced_call_grammar(&[("weather", &schema)]);
+/// let g = forced_call_grammar(ToolSyntax::Hermes, &[("weather", &schema)]);
 /// assert!(g.starts_with("start: \"<tool_call>\\n\" call \"\\n</tool_call>\""));
 /// assert!(g.contains("\"const\":\"weather\""));
+/// let g = forced_call_grammar(ToolSyntax::Llama3Json, &[("weather", &schema)]);
+/// assert!(g.starts_with("start: call\n") && g.contains("\"parameters\""));
 /// ```
-pub fn forced_call_grammar(tools: &[(&str, &Value)]) -> String {
+pub fn forced_call_grammar(syntax: ToolSyntax, tools: &[(&str, &Value)]) -> String {
+    let args = match syntax {
+        ToolSyntax::Llama3Json => "parameters",
+        _ => "arguments",
+    };
     let one = |name: &str, params: &Value| {
         json!({
             "type": "object",
-            "properties": {"name": {"const": name}, "arguments": params},
-            "required": ["name", "arguments"],
+            "properties": {"name": {"const": name}, args: params},
+            "required": ["name", args],
             "additionalProperties": false,
         })
     };
@@ -255,7 +279,10 @@ pub fn forced_call_grammar(tools: &[(&str, &Value)]) -> String {
         // Compact JSON: a small model could otherwise spend its budget on free whitespace.
         o.insert("x-guidance".into(), json!({"whitespace_flexible": false}));
     }
-    format!("start: \"<tool_call>\\n\" call \"\\n</tool_call>\"\ncall: %json {schema}\n")
+    match syntax {
+        ToolSyntax::Llama3Json => format!("start: call\ncall: %json {schema}\n"),
+        _ => format!("start: \"<tool_call>\\n\" call \"\\n</tool_call>\"\ncall: %json {schema}\n"),
+    }
 }
 
 /// A tool call found in the model's output.
@@ -284,12 +311,21 @@ enum State {
     Text,
     /// Inside `<tool_call>` .. `</tool_call>`.
     Call,
+    /// Llama 3.x: before the reply's first non-blank character, which decides.
+    Undecided,
+    /// Llama 3.x: the reply opened with `{`: it is held whole, a call if it parses as one.
+    Json,
+    /// Llama 3.x: the reply opened with something else: all of it is text.
+    Plain,
 }
 
-/// Finds Hermes tool calls in streamed output text, as it arrives: text passes through at once
-/// except for a tail that could be the start of `<tool_call>`; a call is reported when its
-/// closing tag arrives (or at the end, when the output stops right after the call's JSON).
-/// A block whose content is not a `{"name", "arguments"}` object is passed on as text.
+/// Finds tool calls in streamed output text, as it arrives. Hermes ([`ToolCallParser::new`]):
+/// text passes through at once except for a tail that could be the start of `<tool_call>`; a
+/// call is reported when its closing tag arrives (or at the end, when the output stops right
+/// after the call's JSON); a block whose content is not a `{"name", "arguments"}` object is
+/// passed on as text. Llama 3.x ([`ToolCallParser::for_syntax`]): a reply that opens with `{`
+/// is held to the end and is a call when it parses as `{"name", "parameters"}` (several
+/// separated by `;` are several calls), else it is text; any other reply streams as text.
 ///
 /// ```
 /// use token_stream::{ToolCallParser, ToolEvent};
@@ -330,6 +366,11 @@ fn partial_tag_start(s: &str, tag: &str) -> usize {
 /// arguments given as a JSON string decoded).
 fn parse_call(body: &str) -> Option<ParsedToolCall> {
     let v: Value = serde_json::from_str(body.trim()).ok()?;
+    call_of(&v)
+}
+
+/// A call from its JSON object.
+fn call_of(v: &Value) -> Option<ParsedToolCall> {
     let o = v.as_object()?;
     let name = o.get("name")?.as_str()?.to_owned();
     let arguments = match o.get("arguments").or_else(|| o.get("parameters")) {
@@ -352,6 +393,26 @@ impl ToolCallParser {
             held: String::new(),
             calls: 0,
         }
+    }
+
+    /// A parser for the calls of `syntax` (Hermes for the polyfill).
+    ///
+    /// ```
+    /// use token_stream::{ToolCallParser, ToolEvent, ToolSyntax};
+    /// let mut p = ToolCallParser::for_syntax(ToolSyntax::Llama3Json);
+    /// let mut out = Vec::new();
+    /// p.push(" {\"name\": \"now\", \"param", &mut out);
+    /// p.push("eters\": {}}", &mut out);
+    /// assert!(out.is_empty());
+    /// p.finish(&mut out);
+    /// assert!(matches!(&out[0], ToolEvent::Call(c) if c.name == "now"));
+    /// ```
+    pub fn for_syntax(syntax: ToolSyntax) -> Self {
+        let mut p = Self::new();
+        if syntax == ToolSyntax::Llama3Json {
+            p.state = State::Undecided;
+        }
+        p
     }
 
     /// How many calls were found so far.
@@ -378,6 +439,16 @@ impl ToolCallParser {
         self.held.push_str(piece);
         loop {
             match self.state {
+                State::Undecided => match self.held.trim_start().chars().next() {
+                    None => return,
+                    Some('{') => self.state = State::Json,
+                    Some(_) => self.state = State::Plain,
+                },
+                State::Json => return,
+                State::Plain => {
+                    self.emit_text(out);
+                    return;
+                }
                 State::Text => match self.held.find(TOOL_CALL_OPEN) {
                     Some(at) => {
                         let rest = self.held.split_off(at + TOOL_CALL_OPEN.len());
@@ -429,6 +500,19 @@ impl ToolCallParser {
     pub fn finish(&mut self, out: &mut Vec<ToolEvent>) {
         match self.state {
             State::Call => self.end_call(out, false),
+            State::Json => {
+                let calls: Option<Vec<ParsedToolCall>> =
+                    self.held.split(';').map(parse_call).collect();
+                match calls {
+                    Some(calls) if !calls.is_empty() => {
+                        self.held.clear();
+                        self.calls += calls.len();
+                        out.extend(calls.into_iter().map(ToolEvent::Call));
+                    }
+                    _ => self.emit_text(out),
+                }
+            }
+            State::Undecided | State::Plain => self.emit_text(out),
             State::Text if self.calls > 0 && self.held.trim().is_empty() => self.held.clear(),
             State::Text => self.emit_text(out),
         }
@@ -519,6 +603,42 @@ mod tests {
         }
     }
 
+    fn parse_llama(pieces: &[&str]) -> Vec<ToolEvent> {
+        let mut p = ToolCallParser::for_syntax(ToolSyntax::Llama3Json);
+        let mut out = Vec::new();
+        for s in pieces {
+            p.push(s, &mut out);
+        }
+        p.finish(&mut out);
+        out
+    }
+
+    #[test]
+    fn llama_replies_are_calls_when_they_are_json_calls() {
+        assert_eq!(
+            parse_llama(&["\n", "{\"name\": \"f\", ", "\"parameters\": {\"a\": 1}}"]),
+            [call("f", json!({"a": 1}))]
+        );
+        assert_eq!(
+            parse_llama(&[
+                "{\"name\": \"f\", \"parameters\": {}}; {\"name\": \"g\", \"parameters\": {}}"
+            ]),
+            [call("f", json!({})), call("g", json!({}))]
+        );
+        assert_eq!(
+            parse_llama(&["{not json"]),
+            [ToolEvent::Text("{not json".into())]
+        );
+        let mut p = ToolCallParser::for_syntax(ToolSyntax::Llama3Json);
+        let mut out = Vec::new();
+        p.push("It is ", &mut out);
+        p.push("sunny {\"name\"", &mut out);
+        assert_eq!(out, [ToolEvent::Text("It is sunny {\"name\"".into())]);
+        p.finish(&mut out);
+        assert_eq!(p.calls(), 0);
+        assert_eq!(parse_llama(&["  "]), [ToolEvent::Text("  ".into())]);
+    }
+
     #[test]
     fn malformed_and_unclosed_blocks() {
         assert_eq!(
@@ -542,7 +662,7 @@ mod tests {
     fn forced_grammar_lists_every_tool() {
         let a = json!({"type": "object"});
         let b = json!({"type": "object", "properties": {"n": {"type": "integer"}}});
-        let g = forced_call_grammar(&[("a", &a), ("b", &b)]);
+        let g = forced_call_grammar(ToolSyntax::Hermes, &[("a", &a), ("b", &b)]);
         let schema: Value = serde_json::from_str(
             g.lines()
                 .nth(1)
