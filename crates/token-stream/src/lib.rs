@@ -45,6 +45,7 @@
 mod backtrack;
 mod bpe;
 mod chat;
+mod double_array;
 mod error;
 mod hf_spm;
 mod load;

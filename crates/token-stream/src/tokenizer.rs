@@ -899,7 +899,7 @@ impl Tokenizer {
             return;
         }
         if let Some(bt) = &self.backtrack
-            && (work.backtrack_all || (piece.len() >= BACKTRACK_FROM && piece[0] >= 0x80))
+            && (work.backtrack_all || (piece.len() >= BACKTRACK_FROM && !piece.is_ascii()))
             && !work.merge_only
             && piece.iter().all(|&b| self.byte_ids[b as usize] != NONE)
             && bt.encode(piece, out, &mut work.open, &mut work.count)
