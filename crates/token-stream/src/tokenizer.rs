@@ -243,6 +243,14 @@ pub struct Tokenizer {
     /// The linear-time encoder for long pieces of byte-level vocabularies (`None`: every piece
     /// is merged; see [`Tokenizer::build_backtrack`]).
     backtrack: Option<Backtrack>,
+    /// Whether a piece the backtracking encoder takes must still be looked up in `whole` first:
+    /// true when `whole` has tokens that merging does not reproduce (tiktoken's ranks can leave
+    /// some; merges ignored), which backtracking would spell otherwise. When false, the lookup is
+    /// skipped: backtracking spells a piece that is a reachable token as that token.
+    whole_before_backtrack: bool,
+    /// Whether every byte value has a one-byte token (the backtracking encoder needs each
+    /// byte of a piece to have one).
+    every_byte_has_token: bool,
     specials: Specials,
     /// Special tokens that plain text matches too (llama.cpp's user-defined tokens).
     user_defined: Specials,
@@ -438,6 +446,8 @@ impl Tokenizer {
             merges,
             whole: FxHashMap::default(),
             backtrack: None,
+            whole_before_backtrack: true,
+            every_byte_has_token: false,
             specials: Specials::new(spec.specials),
             user_defined: Specials::new(spec.user_defined),
             unk: spec.unk,
@@ -497,7 +507,9 @@ impl Tokenizer {
                 whole.insert(t, id);
             }
         }
+        tok.whole_before_backtrack = whole.len() != reachable.len();
         tok.whole = whole;
+        tok.every_byte_has_token = tok.byte_ids.iter().all(|&id| id != NONE);
         tok.backtrack = tok.build_backtrack(&reachable);
         tok
     }
@@ -880,28 +892,52 @@ impl Tokenizer {
                 }
                 continue;
             }
-            if let Some(&id) = self.whole.get(p) {
+            let backtrack = self.backtrack_for(p, work);
+            if (backtrack.is_none() || self.whole_before_backtrack)
+                && let Some(&id) = self.whole.get(p)
+            {
                 out.push(id);
                 continue;
             }
             scratch.clear();
-            self.bpe_piece(p, scratch, work);
+            self.bpe_piece_with(p, backtrack, scratch, work);
             out.extend_from_slice(scratch);
         }
     }
 
-    /// Merges one piece's bytes into `out` (which must be empty).
+    /// The backtracking encoder, if it is to spell `piece` (long pieces with a non-ASCII byte,
+    /// of a vocabulary that has one, unless `work` asks for another mode).
+    #[inline]
+    fn backtrack_for(&self, piece: &[u8], work: &Work) -> Option<&Backtrack> {
+        let bt = self.backtrack.as_ref()?;
+        let wanted = !work.merge_only
+            && (work.backtrack_all || (piece.len() >= BACKTRACK_FROM && !piece.is_ascii()));
+        let spellable =
+            self.every_byte_has_token || piece.iter().all(|&b| self.byte_ids[b as usize] != NONE);
+        (wanted && spellable).then_some(bt)
+    }
+
+    /// Encodes one piece's bytes into `out` (which must be empty).
     fn bpe_piece(&self, piece: &[u8], out: &mut Vec<u32>, work: &mut Work) {
+        self.bpe_piece_with(piece, self.backtrack_for(piece, work), out, work);
+    }
+
+    /// Encodes one piece's bytes into `out` (which must be empty): by `backtrack` when given
+    /// (see [`Tokenizer::backtrack_for`]), by merging otherwise.
+    fn bpe_piece_with(
+        &self,
+        piece: &[u8],
+        backtrack: Option<&Backtrack>,
+        out: &mut Vec<u32>,
+        work: &mut Work,
+    ) {
         if !self.char_ids.is_empty() {
             self.char_symbols(piece, out);
             work.count += piece.len() as u64;
             bpe::merge(out, &self.merges, work);
             return;
         }
-        if let Some(bt) = &self.backtrack
-            && (work.backtrack_all || (piece.len() >= BACKTRACK_FROM && !piece.is_ascii()))
-            && !work.merge_only
-            && piece.iter().all(|&b| self.byte_ids[b as usize] != NONE)
+        if let Some(bt) = backtrack
             && bt.encode(piece, out, &mut work.open, &mut work.count)
         {
             return;
