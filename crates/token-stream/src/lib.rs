@@ -59,6 +59,7 @@ mod tokens;
 mod ugm;
 mod unicode;
 mod vocab;
+mod whole;
 mod wpm;
 
 pub use chat::{BuiltinTemplate, ChatMessage, ChatTemplate, RenderOptions, ToolCall};

@@ -10,6 +10,7 @@ use crate::pretok::Pretokenizer;
 use crate::spm::{SpmModel, SpmScratch};
 use crate::tokens::Tokens;
 use crate::ugm::UgmModel;
+use crate::whole::WholeTokens;
 use crate::wpm::WpmModel;
 
 /// The tokenization algorithm; everything else (token bytes, decode table, specials) is common.
@@ -239,7 +240,7 @@ pub struct Tokenizer {
     byte_ids: [u32; 256],
     merges: Merges,
     /// Pieces that encode to exactly one token, looked up before merging.
-    whole: FxHashMap<Box<[u8]>, u32>,
+    whole: WholeTokens,
     /// The linear-time encoder for long pieces of byte-level vocabularies (`None`: every piece
     /// is merged; see [`Tokenizer::build_backtrack`]).
     backtrack: Option<Backtrack>,
@@ -299,7 +300,7 @@ impl Tokenizer {
         self.add_eos = parts.add_eos;
         self.end_token = parts.end_token;
         self.strip_leading_space = parts.strip_leading_space;
-        self.whole = FxHashMap::default();
+        self.whole = WholeTokens::default();
         self.backtrack = None;
         self
     }
@@ -444,7 +445,7 @@ impl Tokenizer {
             is_special,
             byte_ids,
             merges,
-            whole: FxHashMap::default(),
+            whole: WholeTokens::default(),
             backtrack: None,
             whole_before_backtrack: true,
             every_byte_has_token: false,
@@ -477,8 +478,7 @@ impl Tokenizer {
         tok.extend_eog(std::iter::once(spec.eos).chain(named));
         // The whole-piece table: every token when merges are ignored (tiktoken), otherwise the
         // tokens that merging their own bytes reproduces (so the shortcut cannot change results).
-        let mut whole = FxHashMap::default();
-        whole.reserve(by_bytes.len());
+        let mut whole = WholeTokens::default();
         let mut reachable = Vec::new();
         let mut scratch = Vec::new();
         for (t, id) in by_bytes {
@@ -894,7 +894,7 @@ impl Tokenizer {
             }
             let backtrack = self.backtrack_for(p, work);
             if (backtrack.is_none() || self.whole_before_backtrack)
-                && let Some(&id) = self.whole.get(p)
+                && let Some(id) = self.whole.get(p)
             {
                 out.push(id);
                 continue;
