@@ -55,11 +55,15 @@ const EOG_NAMES: &[&str] = &[
     "[e~[",
 ];
 
-/// Pieces of at least this many bytes that start with a non-ASCII byte are spelled by
-/// backtracking (when the vocabulary has a [`Backtrack`]); the rest are merged. Measured with
-/// the bench's "backtracking vs merging" table (2026-12-04, busy 2-core machine): backtracking
-/// every piece was 1.2-1.3x faster than merging on Chinese but 0.6-0.96x on English prose and C
-/// code, whose pieces are short and ASCII.
+/// Pieces of at least this many bytes with a non-ASCII byte in them are spelled by backtracking
+/// (when the vocabulary has a [`Backtrack`]); the rest are merged. Measured 2026-12-04 on the
+/// busy 2-core machine: with the double-array trie, backtracking is 1.5-2.7x faster than
+/// merging on Chinese (bench table "backtracking vs merging"), while spelling ASCII pieces of 6
+/// or 12 bytes and more by backtracking too was no faster than merging them on English prose
+/// and C code (in-process A/B, passes interleaved). Pieces that only start with ASCII (` 中文`,
+/// `abc中文`: o200k keeps letters of all cases and scripts together) are the reason for "any
+/// byte" rather than "the first byte": that change halved the merge loop's share of the zh
+/// profile (perf, o200k: 17.5% to 8.6% of samples).
 const BACKTRACK_FROM: usize = 6;
 
 /// A token of two or more bytes that merging reproduces: its bytes, id and last merge.
@@ -910,11 +914,15 @@ impl Tokenizer {
     #[inline]
     fn backtrack_for(&self, piece: &[u8], work: &Work) -> Option<&Backtrack> {
         let bt = self.backtrack.as_ref()?;
-        let wanted = !work.merge_only
-            && (work.backtrack_all || (piece.len() >= BACKTRACK_FROM && !piece.is_ascii()));
-        let spellable =
-            self.every_byte_has_token || piece.iter().all(|&b| self.byte_ids[b as usize] != NONE);
-        (wanted && spellable).then_some(bt)
+        let wanted = if work.backtrack_all {
+            true
+        } else {
+            piece.len() >= BACKTRACK_FROM && !work.merge_only && !piece.is_ascii()
+        };
+        let spellable = || {
+            self.every_byte_has_token || piece.iter().all(|&b| self.byte_ids[b as usize] != NONE)
+        };
+        (wanted && spellable()).then_some(bt)
     }
 
     /// Encodes one piece's bytes into `out` (which must be empty).

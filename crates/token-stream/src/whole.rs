@@ -41,24 +41,62 @@ impl WholeTokens {
     }
 }
 
+/// A piece of up to [`INLINE`] bytes as two words: its bytes in order (little-endian, zero
+/// padded) with its length in the last byte. Read with overlapping word loads rather than a
+/// copy into a buffer (a variable-length copy is a `memcpy` call, on every piece).
 #[inline]
 fn inline_key(piece: &[u8]) -> Option<[u64; 2]> {
-    if piece.len() > INLINE {
-        return None;
-    }
-    let mut bytes = [0u8; 16];
-    bytes[..piece.len()].copy_from_slice(piece);
-    bytes[15] = piece.len() as u8;
-    let (lo, hi) = bytes.split_at(8);
-    Some([
-        u64::from_le_bytes(lo.try_into().ok()?),
-        u64::from_le_bytes(hi.try_into().ok()?),
-    ])
+    let n = piece.len();
+    let (lo, hi) = match n {
+        0 => (0, 0),
+        1..=3 => {
+            let byte = |i: usize| u64::from(piece[i]) << (8 * i);
+            (byte(0) | byte(n / 2) | byte(n - 1), 0)
+        }
+        4..=7 => {
+            let head = u64::from(u32::from_le_bytes(piece[..4].try_into().ok()?));
+            let tail = u64::from(u32::from_le_bytes(piece[n - 4..].try_into().ok()?));
+            // The first 8 - n bytes of `tail` are in `head` already.
+            (head | ((tail >> (8 * (8 - n))) << 32), 0)
+        }
+        8..=INLINE => {
+            let head = u64::from_le_bytes(piece[..8].try_into().ok()?);
+            let tail = u64::from_le_bytes(piece[n - 8..].try_into().ok()?);
+            // The first 16 - n bytes of `tail` are in `head` already (all of it when n = 8).
+            (head, tail.checked_shr(8 * (16 - n) as u32).unwrap_or(0))
+        }
+        _ => return None,
+    };
+    Some([lo, hi | ((n as u64) << 56)])
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn inline_keys_are_the_zero_padded_bytes_and_length() {
+        let mut seed = 1u64;
+        for n in 0..=INLINE {
+            for _ in 0..50 {
+                let piece: Vec<u8> = (0..n)
+                    .map(|_| {
+                        seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1);
+                        (seed >> 56) as u8
+                    })
+                    .collect();
+                let mut padded = [0u8; 16];
+                padded[..n].copy_from_slice(&piece);
+                padded[15] = n as u8;
+                let want = [
+                    u64::from_le_bytes(padded[..8].try_into().unwrap()),
+                    u64::from_le_bytes(padded[8..].try_into().unwrap()),
+                ];
+                assert_eq!(inline_key(&piece), Some(want), "{piece:?}");
+            }
+        }
+        assert_eq!(inline_key(&[0; INLINE + 1]), None);
+    }
 
     #[test]
     fn pieces_differing_only_in_length_or_trailing_zeros_are_distinct() {
