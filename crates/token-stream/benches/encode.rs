@@ -1,6 +1,8 @@
 //! Single-threaded encode throughput of token-stream against HF `tokenizers` (SmolLM2),
 //! `tiktoken-rs` and `bpe-openai` (cl100k_base, o200k_base) on the same corpus, with ratios;
-//! plus decode throughput, batch-encode scaling and a 42-token chat prompt.
+//! plus decode throughput, batch-encode scaling and a 42-token chat prompt. Each row runs
+//! token-stream and its peer one pass each in turn, five times, and reports the median of the
+//! per-pass ratios, so that a busy machine slows both sides of a ratio alike.
 //!
 //! Corpus: `scripts/make-tokenizer-corpus bench` (kernel docs as prose, kernel/ + mm/ C as code,
 //! Chinese docs + fortunes-zh), found in `$ZEROLAYER_CORPUS` or `~/.cache/zerolayer/corpus`;
@@ -219,10 +221,37 @@ fn mbps(docs: &[String], runs: usize, mut f: impl FnMut(&str) -> usize) -> f64 {
     rates[runs / 2]
 }
 
+/// `ours` and `peer` over `docs`, one pass of each in turn, `runs` times (so both see the same
+/// machine load): the median MB/s of each and the median of the per-pass ratios.
+fn interleaved(
+    docs: &[String],
+    runs: usize,
+    mut ours: impl FnMut(&str) -> usize,
+    mut peer: impl FnMut(&str) -> usize,
+) -> (f64, f64, f64) {
+    let (mut a, mut b, mut ratios) = (Vec::new(), Vec::new(), Vec::new());
+    for _ in 0..runs {
+        let x = mbps(docs, 1, &mut ours);
+        let y = mbps(docs, 1, &mut peer);
+        a.push(x);
+        b.push(y);
+        ratios.push(x / y);
+    }
+    for v in [&mut a, &mut b, &mut ratios] {
+        v.sort_by(f64::total_cmp);
+    }
+    (a[runs / 2], b[runs / 2], ratios[runs / 2])
+}
+
+/// Passes of each encoder per table row (interleaved with its peer's).
+const RUNS: usize = 5;
+
 fn bench(c: &mut Criterion) {
     let parts = corpus();
     if let Some((ours, hf)) = llama_spm() {
-        println!("\nSPM (llama-spm), single-threaded encode, MB/s (median of 3 passes)");
+        println!(
+            "\nSPM (llama-spm), single-threaded encode, MB/s (median of {RUNS} passes interleaved with the peer's; ratio: median of the per-pass ratios)"
+        );
         println!("| corpus | MB | vocab | token-stream | peer | peer MB/s | ratio |");
         println!("|---|---|---|---|---|---|---|");
         for (name, docs) in &parts {
@@ -239,11 +268,14 @@ fn bench(c: &mut Criterion) {
                 );
             }
             let mb = docs.iter().map(String::len).sum::<usize>() as f64 / 1e6;
-            let ours_mbps = mbps(docs, 3, |d| ours.encode(d).len());
-            let peer = mbps(docs, 3, |d| hf.encode(d, false).unwrap().len());
+            let (ours_mbps, peer, ratio) = interleaved(
+                docs,
+                RUNS,
+                |d| ours.encode(d).len(),
+                |d| hf.encode(d, false).unwrap().len(),
+            );
             println!(
-                "| {name} | {mb:.1} | llama-spm | {ours_mbps:.1} | HF tokenizers | {peer:.1} | {:.1}x |",
-                ours_mbps / peer
+                "| {name} | {mb:.1} | llama-spm | {ours_mbps:.1} | HF tokenizers | {peer:.1} | {ratio:.1}x |"
             );
             println!("spm-token-stream-mbps {name} {ours_mbps:.2}");
         }
@@ -258,31 +290,39 @@ fn bench(c: &mut Criterion) {
     let tt_o2 = tiktoken_rs::o200k_base().unwrap();
     let (bo_cl, bo_o2) = (bpe_openai::cl100k_base(), bpe_openai::o200k_base());
 
-    println!("\nsingle-threaded encode, MB/s (median of 3 passes; ratio = token-stream / peer)");
+    println!(
+        "\nsingle-threaded encode, MB/s (median of {RUNS} passes interleaved with the peer's; ratio: median of the per-pass token-stream / peer ratios)"
+    );
     println!("| corpus | MB | vocab | token-stream | peer | peer MB/s | ratio |");
     println!("|---|---|---|---|---|---|---|");
     for (name, docs) in &parts {
         let mb = docs.iter().map(String::len).sum::<usize>() as f64 / 1e6;
-        let ours = mbps(docs, 3, |d| ours_smol.encode(d).len());
-        let peer = mbps(docs, 3, |d| hf.encode(d, false).unwrap().len());
+        let (ours, peer, ratio) = interleaved(
+            docs,
+            RUNS,
+            |d| ours_smol.encode(d).len(),
+            |d| hf.encode(d, false).unwrap().len(),
+        );
         println!(
-            "| {name} | {mb:.1} | SmolLM2 | {ours:.1} | HF tokenizers | {peer:.1} | {:.1}x |",
-            ours / peer
+            "| {name} | {mb:.1} | SmolLM2 | {ours:.1} | HF tokenizers | {peer:.1} | {ratio:.1}x |"
         );
         for (vocab, o, tt, bo) in [
             ("cl100k", &ours_cl, &tt_cl, bo_cl),
             ("o200k", &ours_o2, &tt_o2, bo_o2),
         ] {
-            let ours = mbps(docs, 3, |d| o.encode(d).len());
-            let peer = mbps(docs, 3, |d| tt.encode_ordinary(d).len());
-            println!(
-                "| {name} | {mb:.1} | {vocab} | {ours:.1} | tiktoken-rs | {peer:.1} | {:.1}x |",
-                ours / peer
+            let (ours, peer, ratio) = interleaved(
+                docs,
+                RUNS,
+                |d| o.encode(d).len(),
+                |d| tt.encode_ordinary(d).len(),
             );
-            let peer = mbps(docs, 3, |d| bo.encode(d).len());
             println!(
-                "| {name} | {mb:.1} | {vocab} | {ours:.1} | bpe-openai | {peer:.1} | {:.1}x |",
-                ours / peer
+                "| {name} | {mb:.1} | {vocab} | {ours:.1} | tiktoken-rs | {peer:.1} | {ratio:.1}x |"
+            );
+            let (ours, peer, ratio) =
+                interleaved(docs, RUNS, |d| o.encode(d).len(), |d| bo.encode(d).len());
+            println!(
+                "| {name} | {mb:.1} | {vocab} | {ours:.1} | bpe-openai | {peer:.1} | {ratio:.2}x |"
             );
         }
     }

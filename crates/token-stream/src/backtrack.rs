@@ -18,9 +18,14 @@
 //! apply its merges in rank order; [`Backtrack::build`] checks this for the whole vocabulary
 //! and declines (the caller keeps the merge loop) when it does not hold.
 
-use rustc_hash::FxHashMap;
+//!
+//! Layout, for speed on long pieces (Chinese runs): the trie is a double array
+//! ([`DoubleArray`]), a token's facts (length, rank, last merge, next shorter prefix) share one
+//! 16-byte record, and the pairs that merge sit in an open-addressing table behind a bit filter
+//! that answers most lookups (pairs that do not merge) from a table small enough for L2.
 
 use crate::bpe::{Merges, NONE};
+use crate::double_array::{self, DoubleArray};
 
 /// A reachable token as [`Backtrack::build`] takes it.
 pub(crate) struct Reachable<'a> {
@@ -33,30 +38,55 @@ pub(crate) struct Reachable<'a> {
     pub(crate) split: Option<(u32, u32)>,
 }
 
+/// What the encoder needs of one token, in one record (one cache line holds four).
+#[derive(Debug, Clone, Copy)]
+struct TokenFacts {
+    /// 0 for one-byte tokens, 1 + the rank of the merge that makes it otherwise; `NONE` for
+    /// tokens that are not reachable.
+    rank: u32,
+    /// Its last merge's two tokens (itself twice for one-byte tokens).
+    left: u32,
+    right: u32,
+    /// The longest reachable token that is a proper prefix of it (24 bits, [`NO_PREFIX`]: none)
+    /// above its byte length (8 bits).
+    prefix_len: u32,
+}
+
+const NO_PREFIX: u32 = 0x00FF_FFFF;
+
+impl TokenFacts {
+    const UNREACHABLE: Self = Self {
+        rank: NONE,
+        left: NONE,
+        right: NONE,
+        prefix_len: NO_PREFIX << 8,
+    };
+
+    #[inline]
+    fn len(self) -> usize {
+        (self.prefix_len & 0xFF) as usize
+    }
+
+    #[inline]
+    fn next_prefix(self) -> u32 {
+        match self.prefix_len >> 8 {
+            NO_PREFIX => NONE,
+            id => id,
+        }
+    }
+}
+
 /// The tables of the backtracking encoder (built once per vocabulary).
 #[derive(Debug, Clone)]
 pub(crate) struct Backtrack {
-    /// Trie children below depth 2: `(node << 8) | byte -> node` (4-byte keys keep the map
-    /// small: nodes are numbered below [`MAX_NODES`]).
-    children: FxHashMap<u32, u32>,
-    /// The nodes of depth 1 by their byte, and of depth 2 by their two bytes (dense tables:
-    /// every walk starts there).
-    depth1: [u32; 256],
-    depth2: Vec<u32>,
-    /// The pairs that merge, each as the last merge of the token it makes: `(left << 32) |
-    /// right -> 1 + rank`. (A merge that is not the last merge of its token's own bytes never
-    /// happens in any text: the merges inside a token's span are those of its bytes alone.)
-    last_merges: FxHashMap<u64, u32>,
-    /// The reachable token ending at each trie node, or `NONE`.
-    terminal: Vec<u32>,
-    /// Per token id: its byte length (0: not reachable).
-    len: Vec<u32>,
-    /// Per token id: the longest reachable token that is a proper prefix of it, or `NONE`.
-    next_prefix: Vec<u32>,
-    /// Per token id: 0 for one-byte tokens, 1 + the rank of the merge that makes it otherwise.
-    rank: Vec<u32>,
-    /// Per token id: its last merge's two tokens (itself twice for one-byte tokens).
-    split: Vec<(u32, u32)>,
+    /// Every reachable token by its bytes.
+    trie: DoubleArray,
+    /// The pairs that merge, each as the last merge of the token it makes, with `1 + rank`. (A
+    /// merge that is not the last merge of its token's own bytes never happens in any text: the
+    /// merges inside a token's span are those of its bytes alone.)
+    last_merges: PairTable,
+    /// Per token id.
+    facts: Vec<TokenFacts>,
 }
 
 /// Why a vocabulary keeps the merge loop (for the log).
@@ -69,6 +99,13 @@ pub(crate) enum Declined {
     },
     /// The token trie would have more than [`MAX_NODES`] nodes.
     TooManyNodes,
+    /// A token is longer than 255 bytes (its length has 8 bits in the encoder's tables).
+    TokenTooLong {
+        /// The token.
+        id: u32,
+    },
+    /// The vocabulary has more ids than the tables can number (`NO_PREFIX`).
+    TooManyTokens,
 }
 
 impl Backtrack {
@@ -79,103 +116,54 @@ impl Backtrack {
         vocab_size: usize,
         merges: &Merges,
     ) -> Result<Self, Declined> {
-        let mut bt = Self {
-            children: FxHashMap::default(),
-            depth1: [NONE; 256],
-            depth2: vec![NONE; 1 << 16],
-            last_merges: FxHashMap::default(),
-            terminal: vec![NONE],
-            len: vec![0; vocab_size],
-            next_prefix: vec![NONE; vocab_size],
-            rank: vec![NONE; vocab_size],
-            split: vec![(NONE, NONE); vocab_size],
-        };
+        if vocab_size >= NO_PREFIX.min(double_array::MAX_TOKEN) as usize {
+            return Err(Declined::TooManyTokens);
+        }
         let tokens: Vec<Reachable<'a>> = tokens.into_iter().collect();
+        let mut facts = vec![TokenFacts::UNREACHABLE; vocab_size];
+        let mut pairs = Vec::new();
         for t in &tokens {
-            if bt.terminal.len() + t.bytes.len() >= MAX_NODES {
-                return Err(Declined::TooManyNodes);
+            let len = t.bytes.len();
+            if len > 0xFF {
+                return Err(Declined::TokenTooLong { id: t.id });
             }
-            let node = bt.insert(t.bytes);
-            bt.terminal[node as usize] = t.id;
-            bt.len[t.id as usize] = t.bytes.len() as u32;
-            bt.split[t.id as usize] = t.split.unwrap_or((t.id, t.id));
-            bt.rank[t.id as usize] = match t.split {
+            let (left, right) = t.split.unwrap_or((t.id, t.id));
+            let rank = match t.split {
                 None => 0,
                 Some((l, r)) => {
                     let rank = merges.get(l, r).0.saturating_add(1);
-                    bt.last_merges.insert(pair_key(l, r), rank);
+                    pairs.push((l, r, rank));
                     rank
                 }
             };
+            facts[t.id as usize] = TokenFacts {
+                rank,
+                left,
+                right,
+                prefix_len: (NO_PREFIX << 8) | len as u32,
+            };
         }
+        let keys = tokens.iter().map(|t| (t.bytes, t.id)).collect();
+        let trie = DoubleArray::build(keys, MAX_NODES).ok_or(Declined::TooManyNodes)?;
         for t in &tokens {
-            bt.next_prefix[t.id as usize] = bt.longest_match(&t.bytes[..t.bytes.len() - 1]);
+            let prefix = trie.longest_match(&t.bytes[..t.bytes.len() - 1]);
+            if prefix != NONE {
+                facts[t.id as usize].prefix_len =
+                    (prefix << 8) | (facts[t.id as usize].prefix_len & 0xFF);
+            }
             if let Some((l, r)) = t.split {
-                let rank = bt.rank[t.id as usize];
-                let rises = |part: u32| bt.rank.get(part as usize).is_some_and(|&p| p < rank);
+                let rank = facts[t.id as usize].rank;
+                let rises = |part: u32| facts.get(part as usize).is_some_and(|p| p.rank < rank);
                 if !(rises(l) && rises(r)) {
                     return Err(Declined::RanksNotRising { id: t.id });
                 }
             }
         }
-        Ok(bt)
-    }
-
-    fn insert(&mut self, bytes: &[u8]) -> u32 {
-        let mut node = 0u32;
-        for (i, &b) in bytes.iter().enumerate() {
-            let slot = match i {
-                0 => &mut self.depth1[b as usize],
-                1 => &mut self.depth2[(usize::from(bytes[0]) << 8) | usize::from(b)],
-                _ => self.children.entry(child_key(node, b)).or_insert(NONE),
-            };
-            if *slot == NONE {
-                *slot = self.terminal.len() as u32;
-                self.terminal.push(NONE);
-            }
-            node = *slot;
-        }
-        node
-    }
-
-    /// The longest reachable token that `text` starts with, or `NONE`.
-    #[inline]
-    fn longest_match(&self, text: &[u8]) -> u32 {
-        let (node, rest) = match *text {
-            [] => return NONE,
-            [a] => return self.terminal_at(self.depth1[a as usize]),
-            [a, b, ..] => (
-                self.depth2[(usize::from(a) << 8) | usize::from(b)],
-                &text[2..],
-            ),
-        };
-        if node == NONE {
-            return self.terminal_at(self.depth1[text[0] as usize]);
-        }
-        let mut node = node;
-        let mut best = self.terminal[node as usize];
-        if best == NONE {
-            best = self.terminal_at(self.depth1[text[0] as usize]);
-        }
-        for &b in rest {
-            match self.children.get(&child_key(node, b)) {
-                Some(&next) => node = next,
-                None => break,
-            }
-            let t = self.terminal[node as usize];
-            if t != NONE {
-                best = t;
-            }
-        }
-        best
-    }
-
-    fn terminal_at(&self, node: u32) -> u32 {
-        if node == NONE {
-            NONE
-        } else {
-            self.terminal[node as usize]
-        }
+        Ok(Self {
+            trie,
+            last_merges: PairTable::new(&pairs),
+            facts,
+        })
     }
 
     /// Whether merging the bytes of `left` then `right` gives exactly `[left, right]`.
@@ -188,21 +176,24 @@ impl Backtrack {
     #[inline]
     fn compatible(&self, mut left: u32, mut right: u32, work: &mut u64) -> bool {
         let mut limit = u32::MAX;
+        let mut left_facts = self.facts[left as usize];
+        let mut right_facts = self.facts[right as usize];
         loop {
             *work += 1;
-            if let Some(&rank) = self.last_merges.get(&pair_key(left, right))
+            if let Some(rank) = self.last_merges.get(left, right)
                 && rank < limit
             {
                 return false;
             }
-            let (rank_left, rank_right) = (self.rank[left as usize], self.rank[right as usize]);
-            if rank_left > rank_right {
+            if left_facts.rank > right_facts.rank {
                 // `left` was made last: undo it, keeping its right part at the boundary.
-                limit = rank_left;
-                left = self.split[left as usize].1;
-            } else if rank_right > 0 {
-                limit = rank_right.saturating_add(1);
-                right = self.split[right as usize].0;
+                limit = left_facts.rank;
+                left = left_facts.right;
+                left_facts = self.facts[left as usize];
+            } else if right_facts.rank > 0 {
+                limit = right_facts.rank.saturating_add(1);
+                right = right_facts.left;
+                right_facts = self.facts[right as usize];
             } else {
                 // Two single bytes, and the pair never merged.
                 return true;
@@ -224,7 +215,7 @@ impl Backtrack {
         open.clear();
         open.resize(piece.len() / 64 + 1, u64::MAX);
         let mut pos = 0;
-        let mut next = self.longest_match(piece);
+        let mut next = self.trie.longest_match(piece);
         while pos < piece.len() {
             let mut token = next;
             if token == NONE {
@@ -233,16 +224,17 @@ impl Backtrack {
             let last = out.last().copied();
             loop {
                 *work += 1;
-                let end = pos + self.len[token as usize] as usize;
+                let facts = self.facts[token as usize];
+                let end = pos + facts.len();
                 let fits = open[end / 64] & (1 << (end % 64)) != 0
                     && last.is_none_or(|l| self.compatible(l, token, work));
                 if fits {
                     out.push(token);
                     pos = end;
-                    next = self.longest_match(&piece[end..]);
+                    next = self.trie.longest_match(&piece[end..]);
                     break;
                 }
-                let shorter = self.next_prefix[token as usize];
+                let shorter = facts.next_prefix();
                 if shorter != NONE {
                     token = shorter;
                     continue;
@@ -252,7 +244,7 @@ impl Backtrack {
                 let Some(back) = out.pop() else {
                     return false;
                 };
-                pos -= self.len[back as usize] as usize;
+                pos -= self.facts[back as usize].len();
                 next = back;
                 break;
             }
@@ -261,13 +253,106 @@ impl Backtrack {
     }
 }
 
-/// Trie nodes are numbered below this, so that a node and a byte fit in a `u32` key.
-const MAX_NODES: usize = 1 << 24;
+/// Trie nodes (double-array units) are numbered below this.
+const MAX_NODES: usize = 1 << 26;
 
-fn child_key(node: u32, byte: u8) -> u32 {
-    (node << 8) | u32::from(byte)
+/// The pairs that merge: `(left, right) -> 1 + rank`, open addressing with linear probing, behind
+/// a blocked Bloom filter (three bits in one 64-bit word per pair, about eight bits per pair, so
+/// a few percent false positives): a pair that does not merge, which is what nearly every lookup
+/// of the compatibility test asks about, is mostly answered by one read of a table small enough
+/// for L2 (`o200k_base`: 256 KB) instead of the slots (6 MB).
+#[derive(Debug, Clone)]
+struct PairTable {
+    /// `(left, right, 1 + rank)`; `left == NONE`: empty.
+    slots: Vec<(u32, u32, u32)>,
+    slot_shift: u32,
+    filter: Vec<u64>,
+    /// `hash >> filter_shift` is a pair's filter word.
+    filter_shift: u32,
 }
 
-fn pair_key(left: u32, right: u32) -> u64 {
-    (u64::from(left) << 32) | u64::from(right)
+impl PairTable {
+    fn new(pairs: &[(u32, u32, u32)]) -> Self {
+        let slot_bits = (pairs.len() * 2)
+            .max(2)
+            .next_power_of_two()
+            .trailing_zeros();
+        let filter_word_bits = (pairs.len() / 8)
+            .max(1)
+            .next_power_of_two()
+            .trailing_zeros();
+        let mut table = Self {
+            slots: vec![(NONE, NONE, 0); 1 << slot_bits],
+            slot_shift: 64 - slot_bits,
+            filter: vec![0; 1 << filter_word_bits],
+            filter_shift: 64 - filter_word_bits,
+        };
+        for &(left, right, rank) in pairs {
+            let hash = pair_hash(left, right);
+            let word = table.filter_word(hash);
+            table.filter[word] |= filter_bits(hash);
+            let mask = table.slots.len() - 1;
+            let mut slot = (hash.rotate_left(32) >> table.slot_shift) as usize;
+            loop {
+                let entry = &mut table.slots[slot];
+                if entry.0 == NONE {
+                    *entry = (left, right, rank);
+                    break;
+                }
+                if (entry.0, entry.1) == (left, right) {
+                    // The same pair ends two tokens only in vocabularies with duplicate
+                    // tokens; keep the lower rank, which is the one merging applies.
+                    entry.2 = entry.2.min(rank);
+                    break;
+                }
+                slot = (slot + 1) & mask;
+            }
+        }
+        table
+    }
+
+    #[inline]
+    fn get(&self, left: u32, right: u32) -> Option<u32> {
+        let hash = pair_hash(left, right);
+        let bits = filter_bits(hash);
+        if self.filter[self.filter_word(hash)] & bits != bits {
+            return None;
+        }
+        let mask = self.slots.len() - 1;
+        let mut slot = (hash.rotate_left(32) >> self.slot_shift) as usize;
+        loop {
+            let (l, r, rank) = self.slots[slot];
+            if l == left && r == right {
+                return Some(rank);
+            }
+            if l == NONE {
+                return None;
+            }
+            slot = (slot + 1) & mask;
+        }
+    }
+
+    #[inline]
+    fn filter_word(&self, hash: u64) -> usize {
+        // A shift by 64 (a one-word filter) would overflow.
+        hash.checked_shr(self.filter_shift).unwrap_or(0) as usize
+    }
+}
+
+/// The three bits a pair sets in its filter word (from a second mix of its hash, whose top bits
+/// already chose the word).
+#[inline]
+fn filter_bits(hash: u64) -> u64 {
+    let mixed = hash.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    (1 << (mixed >> 58)) | (1 << ((mixed >> 52) & 63)) | (1 << ((mixed >> 46) & 63))
+}
+
+/// A multiplicative hash of a pair; its top bits choose the filter word, its bits 31 and below
+/// (rotated to the top) the slot.
+#[inline]
+fn pair_hash(left: u32, right: u32) -> u64 {
+    ((u64::from(left) << 32) | u64::from(right))
+        .wrapping_mul(0x9E37_79B9_7F4A_7C15)
+        .wrapping_add(u64::from(left))
+        .wrapping_mul(0xD6E8_FEB8_6659_FD93)
 }

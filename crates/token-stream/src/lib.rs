@@ -45,6 +45,7 @@
 mod backtrack;
 mod bpe;
 mod chat;
+mod double_array;
 mod error;
 mod hf_spm;
 mod load;
@@ -58,6 +59,7 @@ mod tokens;
 mod ugm;
 mod unicode;
 mod vocab;
+mod whole;
 mod wpm;
 
 pub use chat::{

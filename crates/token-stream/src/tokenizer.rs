@@ -10,6 +10,7 @@ use crate::pretok::Pretokenizer;
 use crate::spm::{SpmModel, SpmScratch};
 use crate::tokens::Tokens;
 use crate::ugm::UgmModel;
+use crate::whole::WholeTokens;
 use crate::wpm::WpmModel;
 
 /// The tokenization algorithm; everything else (token bytes, decode table, specials) is common.
@@ -54,11 +55,15 @@ const EOG_NAMES: &[&str] = &[
     "[e~[",
 ];
 
-/// Pieces of at least this many bytes that start with a non-ASCII byte are spelled by
-/// backtracking (when the vocabulary has a [`Backtrack`]); the rest are merged. Measured with
-/// the bench's "backtracking vs merging" table (2026-12-04, busy 2-core machine): backtracking
-/// every piece was 1.2-1.3x faster than merging on Chinese but 0.6-0.96x on English prose and C
-/// code, whose pieces are short and ASCII.
+/// Pieces of at least this many bytes with a non-ASCII byte in them are spelled by backtracking
+/// (when the vocabulary has a [`Backtrack`]); the rest are merged. Measured 2026-12-04 on the
+/// busy 2-core machine: with the double-array trie, backtracking is 1.5-2.7x faster than
+/// merging on Chinese (bench table "backtracking vs merging"), while spelling ASCII pieces of 6
+/// or 12 bytes and more by backtracking too was no faster than merging them on English prose
+/// and C code (in-process A/B, passes interleaved). Pieces that only start with ASCII (` 中文`,
+/// `abc中文`: o200k keeps letters of all cases and scripts together) are the reason for "any
+/// byte" rather than "the first byte": that change halved the merge loop's share of the zh
+/// profile (perf, o200k: 17.5% to 8.6% of samples).
 const BACKTRACK_FROM: usize = 6;
 
 /// A token of two or more bytes that merging reproduces: its bytes, id and last merge.
@@ -239,10 +244,18 @@ pub struct Tokenizer {
     byte_ids: [u32; 256],
     merges: Merges,
     /// Pieces that encode to exactly one token, looked up before merging.
-    whole: FxHashMap<Box<[u8]>, u32>,
+    whole: WholeTokens,
     /// The linear-time encoder for long pieces of byte-level vocabularies (`None`: every piece
     /// is merged; see [`Tokenizer::build_backtrack`]).
     backtrack: Option<Backtrack>,
+    /// Whether a piece the backtracking encoder takes must still be looked up in `whole` first:
+    /// true when `whole` has tokens that merging does not reproduce (tiktoken's ranks can leave
+    /// some; merges ignored), which backtracking would spell otherwise. When false, the lookup is
+    /// skipped: backtracking spells a piece that is a reachable token as that token.
+    whole_before_backtrack: bool,
+    /// Whether every byte value has a one-byte token (the backtracking encoder needs each
+    /// byte of a piece to have one).
+    every_byte_has_token: bool,
     specials: Specials,
     /// Special tokens that plain text matches too (llama.cpp's user-defined tokens).
     user_defined: Specials,
@@ -291,7 +304,7 @@ impl Tokenizer {
         self.add_eos = parts.add_eos;
         self.end_token = parts.end_token;
         self.strip_leading_space = parts.strip_leading_space;
-        self.whole = FxHashMap::default();
+        self.whole = WholeTokens::default();
         self.backtrack = None;
         self
     }
@@ -436,8 +449,10 @@ impl Tokenizer {
             is_special,
             byte_ids,
             merges,
-            whole: FxHashMap::default(),
+            whole: WholeTokens::default(),
             backtrack: None,
+            whole_before_backtrack: true,
+            every_byte_has_token: false,
             specials: Specials::new(spec.specials),
             user_defined: Specials::new(spec.user_defined),
             unk: spec.unk,
@@ -467,8 +482,7 @@ impl Tokenizer {
         tok.extend_eog(std::iter::once(spec.eos).chain(named));
         // The whole-piece table: every token when merges are ignored (tiktoken), otherwise the
         // tokens that merging their own bytes reproduces (so the shortcut cannot change results).
-        let mut whole = FxHashMap::default();
-        whole.reserve(by_bytes.len());
+        let mut whole = WholeTokens::default();
         let mut reachable = Vec::new();
         let mut scratch = Vec::new();
         for (t, id) in by_bytes {
@@ -497,7 +511,9 @@ impl Tokenizer {
                 whole.insert(t, id);
             }
         }
+        tok.whole_before_backtrack = whole.len() != reachable.len();
         tok.whole = whole;
+        tok.every_byte_has_token = tok.byte_ids.iter().all(|&id| id != NONE);
         tok.backtrack = tok.build_backtrack(&reachable);
         tok
     }
@@ -783,7 +799,8 @@ impl Tokenizer {
     /// Plain `text` encoded with a BPE work state that `mode` set up (other algorithms: as
     /// [`encode`](Self::encode)).
     fn encode_in_mode(&self, text: &str, mode: impl FnOnce(&mut Work)) -> Vec<u32> {
-        let mut out = Vec::new();
+        // Sized as `encode` sizes it, so that the bench compares the encoders, not allocations.
+        let mut out = Vec::with_capacity(text.len() / 3 + 1);
         if !matches!(self.algo, Algo::Bpe) {
             self.encode_into(text, &mut out);
             return out;
@@ -880,28 +897,56 @@ impl Tokenizer {
                 }
                 continue;
             }
-            if let Some(&id) = self.whole.get(p) {
+            let backtrack = self.backtrack_for(p, work);
+            if (backtrack.is_none() || self.whole_before_backtrack)
+                && let Some(id) = self.whole.get(p)
+            {
                 out.push(id);
                 continue;
             }
             scratch.clear();
-            self.bpe_piece(p, scratch, work);
+            self.bpe_piece_with(p, backtrack, scratch, work);
             out.extend_from_slice(scratch);
         }
     }
 
-    /// Merges one piece's bytes into `out` (which must be empty).
+    /// The backtracking encoder, if it is to spell `piece` (long pieces with a non-ASCII byte,
+    /// of a vocabulary that has one, unless `work` asks for another mode).
+    #[inline]
+    fn backtrack_for(&self, piece: &[u8], work: &Work) -> Option<&Backtrack> {
+        let bt = self.backtrack.as_ref()?;
+        let wanted = if work.backtrack_all {
+            true
+        } else {
+            piece.len() >= BACKTRACK_FROM && !work.merge_only && !piece.is_ascii()
+        };
+        let spellable = || {
+            self.every_byte_has_token || piece.iter().all(|&b| self.byte_ids[b as usize] != NONE)
+        };
+        (wanted && spellable()).then_some(bt)
+    }
+
+    /// Encodes one piece's bytes into `out` (which must be empty).
     fn bpe_piece(&self, piece: &[u8], out: &mut Vec<u32>, work: &mut Work) {
+        self.bpe_piece_with(piece, self.backtrack_for(piece, work), out, work);
+    }
+
+    /// Encodes one piece's bytes into `out` (which must be empty): by `backtrack` when given
+    /// (see [`Tokenizer::backtrack_for`]), by merging otherwise.
+    fn bpe_piece_with(
+        &self,
+        piece: &[u8],
+        backtrack: Option<&Backtrack>,
+        out: &mut Vec<u32>,
+        work: &mut Work,
+    ) {
         if !self.char_ids.is_empty() {
             self.char_symbols(piece, out);
             work.count += piece.len() as u64;
             bpe::merge(out, &self.merges, work);
             return;
         }
-        if let Some(bt) = &self.backtrack
-            && (work.backtrack_all || (piece.len() >= BACKTRACK_FROM && piece[0] >= 0x80))
-            && !work.merge_only
-            && piece.iter().all(|&b| self.byte_ids[b as usize] != NONE)
+        if let Some(bt) = backtrack
             && bt.encode(piece, out, &mut work.open, &mut work.count)
         {
             return;
