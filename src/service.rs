@@ -1078,13 +1078,7 @@ mod tests {
 
     /// The generated ids of a request (panics on an error event).
     fn generated_ids(svc: &EngineService, req: InferenceRequest) -> Vec<u32> {
-        let events: Vec<InferenceEvent> =
-            futures::executor::block_on(svc.submit(req).unwrap().collect());
-        assert!(
-            matches!(events.last(), Some(InferenceEvent::Finished { .. })),
-            "{events:?}"
-        );
-        events
+        run_events(svc, req)
             .iter()
             .flat_map(|e| match e {
                 InferenceEvent::Delta { ids, .. } => ids.clone(),

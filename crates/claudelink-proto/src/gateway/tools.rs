@@ -87,6 +87,23 @@ fn schema(
     }
 }
 
+/// One tool's `name`, `description`, `strict` and its schema under `schema_key`.
+fn definition(
+    obj: &Map<String, Value>,
+    schema_key: &str,
+    schema_required: bool,
+    path: &str,
+) -> Result<ToolDefinition, ApiError> {
+    let name = str_field(obj, "name", path)?;
+    check_name(name, &format!("{path}.name"))?;
+    opt_bool_field(obj, "strict", path)?;
+    let mut d = ToolDefinition::new(name, schema(obj, schema_key, path, schema_required)?);
+    if let Some(desc) = opt_str_field(obj, "description", path)? {
+        d = d.with_description(desc);
+    }
+    Ok(d)
+}
+
 fn tool_list(obj: &Map<String, Value>) -> Result<Option<&Vec<Value>>, ApiError> {
     match get(obj, "tools") {
         None => Ok(None),
@@ -151,14 +168,7 @@ pub(crate) fn anthropic_tools(obj: &Map<String, Value>) -> Result<ParsedTools, A
             ],
             &path,
         )?;
-        let name = str_field(t, "name", &path)?;
-        check_name(name, &format!("{path}.name"))?;
-        opt_bool_field(t, "strict", &path)?;
-        let mut d = ToolDefinition::new(name, schema(t, "input_schema", &path, true)?);
-        if let Some(desc) = opt_str_field(t, "description", &path)? {
-            d = d.with_description(desc);
-        }
-        defs.push(d);
+        defs.push(definition(t, "input_schema", true, &path)?);
     }
     no_duplicates(&defs)?;
     let (choice, single_call) = match get(obj, "tool_choice") {
@@ -212,14 +222,7 @@ pub(crate) fn openai_tools(obj: &Map<String, Value>) -> Result<ParsedTools, ApiE
             Some(v) => return Err(wrong_type(&fpath, "object", v)),
         };
         check_keys(f, &["name", "description", "parameters", "strict"], &fpath)?;
-        let name = str_field(f, "name", &fpath)?;
-        check_name(name, &format!("{fpath}.name"))?;
-        opt_bool_field(f, "strict", &fpath)?;
-        let mut d = ToolDefinition::new(name, schema(f, "parameters", &fpath, false)?);
-        if let Some(desc) = opt_str_field(f, "description", &fpath)? {
-            d = d.with_description(desc);
-        }
-        defs.push(d);
+        defs.push(definition(f, "parameters", false, &fpath)?);
     }
     no_duplicates(&defs)?;
     let choice = match get(obj, "tool_choice") {
