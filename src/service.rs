@@ -129,7 +129,11 @@ impl EngineService {
             // SAFETY: forwarded to our caller.
             let gguf = Arc::new(unsafe { weight_cache::Gguf::open(path) }?);
             let tokenizer = Tokenizer::from_gguf(&gguf)?;
-            (Model::load(gguf, options)?, tokenizer)
+            let model = Model::load(gguf.clone(), options)?;
+            // Vocabulary and configuration are built: the header's pages need not stay
+            // resident (a later metadata read faults them back in). Best effort.
+            let _ = gguf.release_header();
+            (model, tokenizer)
         };
         let tokenizer = Arc::new(tokenizer);
         let engine = Engine::new(Arc::new(model), Some(tokenizer.clone()), cfg)?;

@@ -123,6 +123,9 @@ fn load_gguf(path: &Path, threads: usize, no_pack: bool) -> anyhow::Result<Loade
             .with_context(|| format!("opening {}", path.display()))?,
     );
     let tokenizer = Tokenizer::from_gguf(&gguf).context("loading the tokenizer")?;
-    let model = Model::load(gguf, model_options(threads, no_pack))?;
+    let model = Model::load(gguf.clone(), model_options(threads, no_pack))?;
+    // Vocabulary and configuration are built: the header's pages (about 2 MB of a 49K-token
+    // vocabulary) need not stay resident. Best effort.
+    let _ = gguf.release_header();
     Ok(LoadedModel { model, tokenizer })
 }

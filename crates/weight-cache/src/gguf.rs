@@ -970,6 +970,19 @@ impl Gguf {
         crate::sys::advise(&self.backing, range, crate::sys::Advice::DontNeed)
     }
 
+    /// [`release`](Self::release)s the header (metadata and tensor index: `..data_offset()`):
+    /// for a caller that has built what it needs from the metadata (tokenizer, configuration).
+    /// The parsed index stays; a later metadata read faults its pages back in.
+    ///
+    /// ```no_run
+    /// # fn f(g: &weight_cache::Gguf) -> std::io::Result<()> {
+    /// g.release_header()?;
+    /// # Ok(()) }
+    /// ```
+    pub fn release_header(&self) -> io::Result<()> {
+        self.release(0..self.data_offset)
+    }
+
     /// Metadata keys in file order.
     pub fn metadata_keys(&self) -> impl Iterator<Item = &str> {
         self.meta.iter().map(|(k, _)| &**k)
