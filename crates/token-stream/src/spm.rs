@@ -10,6 +10,7 @@ use rustc_hash::FxHashMap;
 
 use crate::error::LoadError;
 use crate::load::GgufVocab;
+use crate::pair_table::PairTable;
 use crate::tokenizer::{Algo, ModelParts, Tokenizer};
 use crate::vocab::{Checked, TYPE_BYTE, TYPE_NORMAL};
 use crate::whole::WholeTokens;
@@ -71,26 +72,41 @@ pub(crate) struct SpmModel {
     barrier: [bool; 128],
     /// Words that merge into exactly one token (checked at load), looked up before merging.
     whole: WholeTokens,
+    /// The length of the longest word in `whole` (longer words are not looked up).
+    whole_max: usize,
     /// The token of each ASCII character (`NO_ID`: none).
     ascii: [u32; 128],
     /// The token of each other character that is one, by [`packed_char`].
     chars: FxHashMap<u32, u32>,
-    /// Every pair of tokens whose texts make a token, by [`pair_key`]: the merge that pair
-    /// makes. Symbols carry their token, so a merge step looks up two ids, not the text.
-    pairs: FxHashMap<u64, Merge>,
+    /// Every pair of tokens whose texts make a token: the token. Symbols carry their token, so
+    /// a merge step looks up two ids, not the text.
+    pairs: PairTable,
     /// One bit per token: whether it is the left one of some pair in `pairs` (most pairs of
-    /// Chinese text are not, and the bit answers without a hash lookup).
+    /// Chinese text are not; the bits fit in L1 and answer before the table is read).
     lefts: Vec<u64>,
+    /// Of each token that is one ASCII character or `▁`: its index in `small_pairs` (the byte,
+    /// 128 for `▁`); [`NOT_SMALL`] for the others.
+    small: Vec<u8>,
+    /// The merges of two such tokens, `SMALL * left + right` (`NO_ID`: none): most pairs of
+    /// Latin text and code looked up, from a table that fits in L2, without a hash.
+    small_pairs: Vec<(u32, u32)>,
+    /// Each token's score as [`score_order`] (the merge priority of a pair that makes it).
+    order: Vec<u32>,
     /// Whether some token contains a character that is no token. Only then can a symbol
     /// without a token (a character) merge; its pairs are looked up by their text.
     orphan_chars_merge: bool,
 }
 
-/// What merging a pair of symbols makes: the token and its score.
+/// The number of characters with an entry in [`SpmModel::small_pairs`]: ASCII and `▁`.
+const SMALL: usize = 129;
+/// [`SpmModel::small`] of a token that is not one of those characters.
+const NOT_SMALL: u8 = u8::MAX;
+
+/// What merging a pair of symbols makes: the token and its score as [`score_order`].
 #[derive(Clone, Copy, Debug)]
 struct Merge {
     id: u32,
-    score: f32,
+    order: u32,
 }
 
 /// A symbol: a byte range of the escaped text, linked to its neighbours, and its token
@@ -142,11 +158,6 @@ fn score_order(score: f32) -> u32 {
     } else {
         bits | 1 << 31
     }
-}
-
-/// The key of the pair (`left`, `right`) in [`SpmModel::pairs`].
-fn pair_key(left: u32, right: u32) -> u64 {
-    u64::from(left) << 32 | u64::from(right)
 }
 
 /// A character of up to four bytes as one integer: its bytes, little-endian. Distinct
@@ -229,19 +240,17 @@ impl SpmModel {
                 }
             }
         }
-        let score = |id: u32| scores.get(id as usize).copied().unwrap_or(0.0);
-        let mut pairs = FxHashMap::default();
-        let mut lefts = vec![0u64; (ids.values().max().map_or(0, |&m| m as usize) + 64) / 64];
+        let order: Vec<u32> = (0..texts.len())
+            .map(|id| score_order(scores.get(id).copied().unwrap_or(0.0)))
+            .collect();
+        let mut pairs = Vec::new();
+        let mut lefts = vec![0u64; texts.len().div_ceil(64)];
         let mut orphan_chars_merge = false;
         for (text, &id) in &ids {
             // Every split (at any byte: a superset of the character boundaries merging sees).
             for k in 1..text.len() {
                 if let (Some(&left), Some(&right)) = (ids.get(&text[..k]), ids.get(&text[k..])) {
-                    let merge = Merge {
-                        id,
-                        score: score(id),
-                    };
-                    pairs.insert(pair_key(left, right), merge);
+                    pairs.push((left, right, id));
                     lefts[left as usize / 64] |= 1 << (left % 64);
                 }
             }
@@ -254,7 +263,25 @@ impl SpmModel {
                 }
             }
         }
+        let mut small = vec![NOT_SMALL; texts.len()];
+        for (b, &id) in ascii.iter().enumerate() {
+            if id != NO_ID {
+                small[id as usize] = b as u8;
+            }
+        }
+        if let Some(&id) = ids.get(SPACE_MARK) {
+            small[id as usize] = 128;
+        }
+        let mut small_pairs = vec![(NO_ID, 0); SMALL * SMALL];
+        for &(left, right, id) in &pairs {
+            let (l, r) = (small[left as usize], small[right as usize]);
+            if l != NOT_SMALL && r != NOT_SMALL {
+                small_pairs[SMALL * l as usize + r as usize] = (id, order[id as usize]);
+            }
+        }
         let mut model = Self {
+            small,
+            small_pairs,
             barrier,
             ids,
             scores,
@@ -263,10 +290,12 @@ impl SpmModel {
             add_space_prefix,
             split_words,
             whole: WholeTokens::default(),
+            whole_max: 0,
             ascii,
             chars,
-            pairs,
+            pairs: PairTable::new(&pairs),
             lefts,
+            order,
             orphan_chars_merge,
         };
         if split_words {
@@ -281,6 +310,7 @@ impl SpmModel {
                 model.merge_word(text, &mut out, &mut scratch);
                 if out.len() == 1 && out[0] == id {
                     whole.insert(text.clone(), id);
+                    model.whole_max = model.whole_max.max(text.len());
                 }
             }
             model.whole = whole;
@@ -302,20 +332,25 @@ impl SpmModel {
     /// bytes together) makes, if they merge.
     #[inline]
     fn merge_of(&self, text: &[u8], start: u32, size: u32, left: u32, right: u32) -> Option<Merge> {
-        if left != NO_ID && right != NO_ID {
+        let id = if left != NO_ID && right != NO_ID {
+            let (l, r) = (self.small[left as usize], self.small[right as usize]);
+            if l != NOT_SMALL && r != NOT_SMALL {
+                let (id, order) = self.small_pairs[SMALL * l as usize + r as usize];
+                return (id != NO_ID).then_some(Merge { id, order });
+            }
             if self.lefts[left as usize / 64] & (1 << (left % 64)) == 0 {
                 return None;
             }
-            self.pairs.get(&pair_key(left, right)).copied()
+            self.pairs.get(left, right)?
         } else if self.orphan_chars_merge {
-            let cat = &text[start as usize..(start + size) as usize];
-            self.token(cat).map(|id| Merge {
-                id,
-                score: self.scores.get(id as usize).copied().unwrap_or(0.0),
-            })
+            self.token(&text[start as usize..(start + size) as usize])?
         } else {
-            None
-        }
+            return None;
+        };
+        Some(Merge {
+            id,
+            order: self.order[id as usize],
+        })
     }
 
     /// The token whose text is `text`.
@@ -334,15 +369,16 @@ impl SpmModel {
         s: &mut SpmScratch,
     ) {
         s.text.clear();
+        // Each space grows by two bytes; sized once, copied in runs between spaces.
+        s.text.reserve(raw.len() * 3 + SPACE_MARK.len());
         if space_prefix {
             s.text.extend_from_slice(SPACE_MARK);
         }
-        for &b in raw.as_bytes() {
-            if b == b' ' {
+        for (k, run) in raw.split(' ').enumerate() {
+            if k > 0 {
                 s.text.extend_from_slice(SPACE_MARK);
-            } else {
-                s.text.push(b);
             }
+            s.text.extend_from_slice(run.as_bytes());
         }
         let text = std::mem::take(&mut s.text);
         if !self.split_words {
@@ -357,9 +393,10 @@ impl SpmModel {
                     if i > start {
                         self.encode_word(&text[start..i], out, s);
                     }
-                    self.emit(&text[i..i + 1], out);
+                    self.emit_symbol(&text, i as u32, 1, self.ascii[b as usize], out);
                     start = i + 1;
-                } else if i > start
+                } else if b == SPACE_MARK[0]
+                    && i > start
                     && text[i..].starts_with(SPACE_MARK)
                     && !text[..i].ends_with(SPACE_MARK)
                 {
@@ -374,7 +411,12 @@ impl SpmModel {
     }
 
     fn encode_word(&self, word: &[u8], out: &mut Vec<u32>, s: &mut SpmScratch) {
-        match self.whole.get(word) {
+        let whole = if word.len() <= self.whole_max {
+            self.whole.get(word)
+        } else {
+            None
+        };
+        match whole {
             Some(id) => out.push(id),
             None if word.len() <= SHORT_WORD => self.merge_short(word, out, s),
             None => self.merge_word(word, out, s),
@@ -401,7 +443,7 @@ impl SpmModel {
         let pair = |syms: &[ShortSymbol], i: usize| -> (u64, u32) {
             let (a, b) = (syms[i], syms[i + 1]);
             match self.merge_of(text, a.start, a.len + b.len, a.id, b.id) {
-                Some(m) => (u64::from(score_order(m.score)) + 1, m.id),
+                Some(m) => (u64::from(m.order) + 1, m.id),
                 None => (0, NO_ID),
             }
         };
@@ -543,7 +585,7 @@ impl SpmModel {
         let size = a.len + b.len;
         let m = self.merge_of(text, a.start, size, a.id, b.id)?;
         Some(Bigram {
-            key: u64::from(score_order(m.score)) << 32 | u64::from(!left),
+            key: u64::from(m.order) << 32 | u64::from(!left),
             right,
             size,
             id: m.id,
@@ -769,6 +811,22 @@ mod tests {
             }
             words = next;
         }
+    }
+
+    #[test]
+    fn a_character_without_a_token_still_merges_into_one() {
+        // 'a' is no token, "ab" is: the pair is looked up by its text.
+        let texts = ["b", "ab", "ab\u{2581}", "\u{2581}"];
+        let m = SpmModel::new(&texts, vec![-1.0, -2.0, -3.0, -1.0], None, false);
+        assert!(m.orphan_chars_merge);
+        for text in ["ab", "aab", "ab ab", "ba", "a"] {
+            let mut want = Vec::new();
+            m.encode_reference(text, false, &mut want);
+            assert_eq!(encode(&m, text), want, "{text}");
+        }
+        // The first 'a' has no token, no byte token and no unk: it is dropped.
+        assert_eq!(encode(&m, "ab"), vec![1]);
+        assert_eq!(encode(&m, "aab"), vec![1]);
     }
 
     #[test]
