@@ -49,6 +49,7 @@ mod double_array;
 mod error;
 mod hf_spm;
 mod load;
+mod pair_table;
 mod pretok;
 mod pretok_regex;
 mod pretok_table;

@@ -782,9 +782,19 @@ impl Tokenizer {
     }
 
     /// Encodes plain `text` merging every piece, never backtracking: the reference that the
-    /// backtracking encoder (long pieces of byte-level vocabularies) is tested against.
+    /// backtracking encoder (long pieces of byte-level vocabularies) is tested against. For
+    /// SentencePiece (`llama`) vocabularies: llama.cpp's merge loop over each whole fragment,
+    /// every pair looked up by its text, the reference for the encoder's shortcuts.
     #[doc(hidden)]
     pub fn encode_merging_only(&self, text: &str) -> Vec<u32> {
+        if let Algo::Spm(m) = &self.algo {
+            let mut out = Vec::with_capacity(text.len() / 3 + 1);
+            self.user_defined.split_each(text, |segment| match segment {
+                Segment::Text(raw) => m.encode_reference(raw, m.add_space_prefix, &mut out),
+                Segment::Token(id) => out.push(id),
+            });
+            return out;
+        }
         self.encode_in_mode(text, |w| w.merge_only = true)
     }
 

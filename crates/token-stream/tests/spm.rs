@@ -109,6 +109,37 @@ proptest! {
         let ids = t.encode(&s);
         prop_assert_eq!(t.decode(&ids).unwrap(), s);
     }
+
+    /// The encoder's shortcuts (words merged apart, the whole-word table, short words merged
+    /// without the queue, pairs looked up by token ids) give llama.cpp's merge loop's ids.
+    #[test]
+    fn llama_spm_shortcuts_equal_the_plain_merge_loop(s in spm_text()) {
+        let t = llama_spm();
+        prop_assert_eq!(t.encode(&s).into_vec(), t.encode_merging_only(&s), "{:?}", s);
+    }
+
+    /// The same on any string (control characters, unassigned and astral characters).
+    #[test]
+    fn llama_spm_shortcuts_equal_the_plain_merge_loop_on_any_string(s in any::<String>()) {
+        let t = llama_spm();
+        prop_assert_eq!(t.encode(&s).into_vec(), t.encode_merging_only(&s), "{:?}", s);
+    }
+}
+
+/// Text in runs of a few scripts, code punctuation and whitespace, so that words get long
+/// (Han runs have no spaces) and merges cross characters of every length.
+fn spm_text() -> impl Strategy<Value = String> {
+    let run = prop_oneof![
+        "[a-zA-Z]{1,30}",
+        "[ \n\t]{1,6}",
+        "[0-9]{1,8}",
+        "[(){};,.*&|<>=+\\-]{1,6}",
+        "[\u{4e00}-\u{9fff}，。]{1,80}",
+        "[\u{3040}-\u{30ff}]{1,20}",
+        "[éèàüöñçß]{1,8}",
+        "[\u{1F300}-\u{1F64F}]{1,4}",
+    ];
+    proptest::collection::vec(run, 0..12).prop_map(|runs| runs.concat())
 }
 
 fn tiny<'a>(tokens: Vec<&'a str>, scores: Vec<f32>) -> GgufVocab<'a> {
