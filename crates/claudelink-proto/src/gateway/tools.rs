@@ -9,7 +9,7 @@ use serde_json::{Map, Value};
 
 use super::error::ApiError;
 use super::fields::check_keys;
-use super::validate::{get, wrong_type};
+use super::validate::{get, opt_bool, required, wrong_type};
 use crate::service::{ChatMessage, ChatRole, ToolCallMessage, ToolChoice, ToolDefinition, Tools};
 
 /// Most tools one request may offer.
@@ -30,7 +30,7 @@ fn invalid(msg: String) -> ApiError {
 
 fn str_field<'a>(obj: &'a Map<String, Value>, key: &str, path: &str) -> Result<&'a str, ApiError> {
     match get(obj, key) {
-        None => Err(invalid(format!("{path}.{key}: Field required"))),
+        None => Err(required(&format!("{path}.{key}"))),
         Some(Value::String(s)) => Ok(s),
         Some(v) => Err(wrong_type(&format!("{path}.{key}"), "string", v)),
     }
@@ -48,12 +48,9 @@ fn opt_str_field<'a>(
     }
 }
 
-fn opt_bool_field(obj: &Map<String, Value>, key: &str, path: &str) -> Result<bool, ApiError> {
-    match get(obj, key) {
-        None => Ok(false),
-        Some(Value::Bool(b)) => Ok(*b),
-        Some(v) => Err(wrong_type(&format!("{path}.{key}"), "boolean", v)),
-    }
+/// An optional boolean `key` of `obj` (at `path`), false when absent.
+fn opt_flag(obj: &Map<String, Value>, key: &str, path: &str) -> Result<bool, ApiError> {
+    Ok(opt_bool(obj, key, &format!("{path}.{key}"))?.unwrap_or(false))
 }
 
 /// A tool name as both APIs allow it: 1 to 128 of `[a-zA-Z0-9_-]` (OpenAI allows 64; the
@@ -73,14 +70,9 @@ fn check_name(name: &str, path: &str) -> Result<(), ApiError> {
 }
 
 /// A tool's input schema: a JSON object (a JSON Schema).
-fn schema(
-    obj: &Map<String, Value>,
-    key: &str,
-    path: &str,
-    required: bool,
-) -> Result<Value, ApiError> {
+fn schema(obj: &Map<String, Value>, key: &str, path: &str, must: bool) -> Result<Value, ApiError> {
     match get(obj, key) {
-        None if required => Err(invalid(format!("{path}.{key}: Field required"))),
+        None if must => Err(required(&format!("{path}.{key}"))),
         None => Ok(serde_json::json!({"type": "object", "properties": {}})),
         Some(v @ Value::Object(_)) => Ok(v.clone()),
         Some(v) => Err(wrong_type(&format!("{path}.{key}"), "object", v)),
@@ -96,7 +88,7 @@ fn definition(
 ) -> Result<ToolDefinition, ApiError> {
     let name = str_field(obj, "name", path)?;
     check_name(name, &format!("{path}.name"))?;
-    opt_bool_field(obj, "strict", path)?;
+    opt_flag(obj, "strict", path)?;
     let mut d = ToolDefinition::new(name, schema(obj, schema_key, path, schema_required)?);
     if let Some(desc) = opt_str_field(obj, "description", path)? {
         d = d.with_description(desc);
@@ -179,7 +171,7 @@ pub(crate) fn anthropic_tools(obj: &Map<String, Value>) -> Result<ParsedTools, A
                 &["type", "name", "disable_parallel_tool_use"],
                 "tool_choice",
             )?;
-            let single = opt_bool_field(c, "disable_parallel_tool_use", "tool_choice")?;
+            let single = opt_flag(c, "disable_parallel_tool_use", "tool_choice")?;
             let choice = match str_field(c, "type", "tool_choice")? {
                 "auto" => ToolChoice::Auto,
                 "any" => ToolChoice::Any,
@@ -217,7 +209,7 @@ pub(crate) fn openai_tools(obj: &Map<String, Value>) -> Result<ParsedTools, ApiE
         check_keys(t, &["type", "function"], &path)?;
         let fpath = format!("{path}.function");
         let f = match get(t, "function") {
-            None => return Err(invalid(format!("{fpath}: Field required"))),
+            None => return Err(required(&fpath)),
             Some(Value::Object(f)) => f,
             Some(v) => return Err(wrong_type(&fpath, "object", v)),
         };
@@ -247,7 +239,7 @@ pub(crate) fn openai_tools(obj: &Map<String, Value>) -> Result<ParsedTools, ApiE
             let f = match get(c, "function") {
                 Some(Value::Object(f)) => f,
                 Some(v) => return Err(wrong_type("tool_choice.function", "object", v)),
-                None => return Err(invalid("tool_choice.function: Field required".into())),
+                None => return Err(required("tool_choice.function")),
             };
             check_keys(f, &["name"], "tool_choice.function")?;
             ToolChoice::Named(str_field(f, "name", "tool_choice.function")?.to_owned())
@@ -304,7 +296,7 @@ fn result_text(v: Option<&Value>, path: &str) -> Result<String, ApiError> {
                             "{bp}.type: tool results of type `{t}` are not supported by this server (only `text`)"
                         )));
                     }
-                    None => return Err(invalid(format!("{bp}.type: Field required"))),
+                    None => return Err(required(&format!("{bp}.type"))),
                 }
                 check_keys(b, &["type", "text", "cache_control"], &bp)?;
                 parts.push(str_field(b, "text", &bp)?.to_owned());
@@ -353,7 +345,7 @@ pub(crate) fn anthropic_turns(
             return Err(wrong_type(&bp, "object", b));
         };
         let ty = match obj.get("type") {
-            None | Some(Value::Null) => return Err(invalid(format!("{bp}.type: Field required"))),
+            None | Some(Value::Null) => return Err(required(&format!("{bp}.type"))),
             Some(Value::String(t)) => t.as_str(),
             Some(other) => return Err(wrong_type(&format!("{bp}.type"), "string", other)),
         };
@@ -375,7 +367,7 @@ pub(crate) fn anthropic_turns(
                 let input = match get(obj, "input") {
                     Some(v @ Value::Object(_)) => v.clone(),
                     Some(v) => return Err(wrong_type(&format!("{bp}.input"), "object", v)),
-                    None => return Err(invalid(format!("{bp}.input: Field required"))),
+                    None => return Err(required(&format!("{bp}.input"))),
                 };
                 calls.names.insert(id.to_owned(), name.to_owned());
                 tool_calls.push(ToolCallMessage::new(id, name, input));
@@ -395,7 +387,7 @@ pub(crate) fn anthropic_turns(
                 let id = str_field(obj, "tool_use_id", &bp)?;
                 let name = calls.name_of(id, &format!("{bp}.tool_use_id"))?;
                 let mut body = result_text(get(obj, "content"), &format!("{bp}.content"))?;
-                if opt_bool_field(obj, "is_error", &bp)? {
+                if opt_flag(obj, "is_error", &bp)? {
                     body = format!("Error: {body}");
                 }
                 results.push(ChatMessage::new(ChatRole::Tool, body).with_tool_result(id, name));
@@ -452,7 +444,7 @@ pub(crate) fn openai_calls(
         let f = match get(c, "function") {
             Some(Value::Object(f)) => f,
             Some(v) => return Err(wrong_type(&fp, "object", v)),
-            None => return Err(invalid(format!("{fp}: Field required"))),
+            None => return Err(required(&fp)),
         };
         check_keys(f, &["name", "arguments"], &fp)?;
         let name = str_field(f, "name", &fp)?;

@@ -87,7 +87,7 @@ pub(crate) fn wrong_type(path: &str, want: &str, got: &Value) -> ApiError {
     ))
 }
 
-fn required(path: &str) -> ApiError {
+pub(crate) fn required(path: &str) -> ApiError {
     ApiError::invalid(format!("{path}: Field required"))
 }
 
@@ -113,7 +113,11 @@ fn opt_str<'a>(obj: &'a Map<String, Value>, key: &str) -> Result<Option<&'a str>
     }
 }
 
-fn opt_bool(obj: &Map<String, Value>, key: &str, path: &str) -> Result<Option<bool>, ApiError> {
+pub(crate) fn opt_bool(
+    obj: &Map<String, Value>,
+    key: &str,
+    path: &str,
+) -> Result<Option<bool>, ApiError> {
     match get(obj, key) {
         None => Ok(None),
         Some(Value::Bool(b)) => Ok(Some(*b)),
