@@ -436,6 +436,8 @@ impl ToolCallParser {
     /// assert_eq!(out, [token_stream::ToolEvent::Text("plain text".into())]);
     /// ```
     pub fn push(&mut self, piece: &str, out: &mut Vec<ToolEvent>) {
+        // A call's body grows token by token: only its new end can hold the closing tag.
+        let mut from = self.held.len().saturating_sub(TOOL_CALL_CLOSE.len() - 1);
         self.held.push_str(piece);
         loop {
             match self.state {
@@ -460,6 +462,7 @@ impl ToolCallParser {
                         self.emit_text(out);
                         self.held = rest;
                         self.state = State::Call;
+                        from = 0;
                     }
                     None => {
                         let keep = partial_tag_start(&self.held, TOOL_CALL_OPEN);
@@ -472,16 +475,21 @@ impl ToolCallParser {
                         return;
                     }
                 },
-                State::Call => match self.held.find(TOOL_CALL_CLOSE) {
-                    Some(at) => {
-                        let rest = self.held.split_off(at + TOOL_CALL_CLOSE.len());
-                        self.held.truncate(at);
-                        self.end_call(out, true);
-                        self.held = rest;
-                        self.state = State::Text;
+                State::Call => {
+                    while !self.held.is_char_boundary(from) {
+                        from -= 1;
                     }
-                    None => return,
-                },
+                    match self.held[from..].find(TOOL_CALL_CLOSE).map(|at| from + at) {
+                        Some(at) => {
+                            let rest = self.held.split_off(at + TOOL_CALL_CLOSE.len());
+                            self.held.truncate(at);
+                            self.end_call(out, true);
+                            self.held = rest;
+                            self.state = State::Text;
+                        }
+                        None => return,
+                    }
+                }
             }
         }
     }
