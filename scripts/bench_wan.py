@@ -109,7 +109,8 @@ def run_link(a, rtt, loss, cert, key, fp, probes):
         with open(srv_log, "wb") as f:
             server = bs.spawn(netns("a", [a.server_bin, "serve", "--model", a.model, "--http-listen", f"{ADDR_A}:{TCP_PORT}",
                                           "--quic-listen", f"{ADDR_A}:{UDP_PORT}", "--tls-cert", str(cert),
-                                          "--tls-key", str(key)]), f, subprocess.STDOUT)
+                                          "--tls-key", str(key), "--quic-congestion", a.quic_congestion]),
+                              f, subprocess.STDOUT)
         a.server_pid = server.pid
         deadline = time.monotonic() + 120
         while https_get("/health") is None:
@@ -154,7 +155,8 @@ def report(a, links, started, elapsed):
         "",
         f"Command: `{a.cmdline}`; {started}, {elapsed / 60:.1f} min; git {bs.git_rev()}; {bs.machine()}.",
         f"Link: tools/wan (`zerolayer-wan up --rtt-ms RTT --loss-pct LOSS`: two network namespaces, TUN "
-        f"devices, userspace forwarder; LOSS applies to each direction independently). Load: "
+        f"devices, userspace forwarder; LOSS applies to each direction independently). Model: "
+        f"`{pathlib.Path(a.model).name}`. QUIC congestion control (server): {a.quic_congestion}. Load: "
         f"{a.concurrency} concurrent streams, ~42-token Q&A prompt, {a.max_tokens} output tokens, "
         f"{a.duration} s per transport; claudelink, HTTP/3 and HTTP/2 each on one connection, HTTP/1.1 "
         f"over TLS on one connection per client. Times in ms. 'others CPU' = CPU seconds used by "
@@ -235,6 +237,7 @@ def main():
     ap.add_argument("--wan-bin", required=True)
     ap.add_argument("--wan", action="append", required=True, help="RTT_MS,LOSS_PCT (repeatable)")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--quic-congestion", default="cubic", help="the server's --quic-congestion")
     ap.add_argument("--pidfile")
     ap.add_argument("--cmdline", default="scripts/bench-serving --wan ...")
     a = ap.parse_args()

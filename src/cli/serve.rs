@@ -17,7 +17,8 @@ use clap::ValueEnum;
 use weight_cache::{CacheConfig, WarmupStrategy, WeightCache};
 use zerolayer::EngineService;
 use zerolayer::claudelink_proto::{
-    ApiKeys, Gateway, GatewayConfig, H3_ALPN, Identity, InferenceService, Server, ServerConfig,
+    ApiKeys, Congestion, Gateway, GatewayConfig, H3_ALPN, Identity, InferenceService, Server,
+    ServerConfig,
 };
 use zerolayer::gpu_pipeline::engine::EngineConfig;
 
@@ -94,6 +95,10 @@ pub(crate) struct Args {
     /// Concurrent generation streams (per QUIC connection and in total at the gateway).
     #[arg(long, default_value_t = 256)]
     max_streams: u32,
+    /// QUIC congestion controller for what the server sends: cubic (quinn's default), newreno,
+    /// or bbr (quinn's experimental BBR, which does not shrink its rate on random loss).
+    #[arg(long, default_value = "cubic")]
+    quic_congestion: Congestion,
     /// Most sequences in one batched decode step (the rest wait in the queue).
     #[arg(long, default_value_t = 128)]
     max_batch: usize,
@@ -261,6 +266,7 @@ async fn serve(args: Args) -> anyhow::Result<()> {
             args.api_keys.iter().map(|k| k.trim().to_owned()),
         ))
         .max_concurrent_streams(args.max_streams)
+        .congestion(args.quic_congestion)
         .alpn_handler(H3_ALPN, Arc::new(gateway.h3_handler()));
     // claudelink's streams count in the gateway's in-flight gauge (and the drain waits on them).
     let quic = Server::bind(

@@ -77,7 +77,8 @@ pub use gateway::{
 };
 pub use pool::{Pool, PoolConfig, PoolStats, PoolStream, Replicas};
 pub use server::{
-    ALPN, ConnectionHandler, ConnectionInfo, Server, ServerConfig, ServerError, ServerStats,
+    ALPN, Congestion, ConnectionHandler, ConnectionInfo, Server, ServerConfig, ServerError,
+    ServerStats,
 };
 pub use service::{
     CacheStrategy, ChatMessage, ChatRole, ErrorCode, EventStream, InferenceEvent, InferenceRequest,

@@ -51,7 +51,48 @@ pub struct ServerConfig {
     accept_any_model: bool,
     max_connections: usize,
     max_connections_per_ip: usize,
+    congestion: Congestion,
     handlers: Vec<(Vec<u8>, Arc<dyn ConnectionHandler>)>,
+}
+
+/// The QUIC congestion controller a server's connections use for what they send (responses).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Congestion {
+    /// CUBIC (RFC 9438), quinn's default: loss-based, so every lost packet shrinks the window.
+    #[default]
+    Cubic,
+    /// NewReno (RFC 9002's reference controller), loss-based.
+    NewReno,
+    /// quinn's BBR (experimental in quinn): model-based, paces at the measured bottleneck
+    /// rate, and does not treat random loss as congestion.
+    Bbr,
+}
+
+impl std::str::FromStr for Congestion {
+    type Err = String;
+
+    /// `cubic`, `newreno` or `bbr` (ASCII case-insensitive).
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s.to_ascii_lowercase().as_str() {
+            "cubic" => Ok(Self::Cubic),
+            "newreno" | "new-reno" | "reno" => Ok(Self::NewReno),
+            "bbr" => Ok(Self::Bbr),
+            _ => Err(format!(
+                "unknown congestion controller {s:?} (cubic, newreno or bbr)"
+            )),
+        }
+    }
+}
+
+impl Congestion {
+    fn factory(self) -> Arc<dyn quinn::congestion::ControllerFactory + Send + Sync> {
+        match self {
+            Self::Cubic => Arc::new(quinn::congestion::CubicConfig::default()),
+            Self::NewReno => Arc::new(quinn::congestion::NewRenoConfig::default()),
+            Self::Bbr => Arc::new(quinn::congestion::BbrConfig::default()),
+        }
+    }
 }
 
 impl std::fmt::Debug for ServerConfig {
@@ -71,6 +112,7 @@ impl std::fmt::Debug for ServerConfig {
             .field("accept_any_model", &self.accept_any_model)
             .field("max_connections", &self.max_connections)
             .field("max_connections_per_ip", &self.max_connections_per_ip)
+            .field("congestion", &self.congestion)
             .field(
                 "alpns",
                 &self
@@ -115,6 +157,7 @@ impl ServerConfig {
             accept_any_model: false,
             max_connections: 4096,
             max_connections_per_ip: 128,
+            congestion: Congestion::default(),
             handlers: Vec::new(),
         }
     }
@@ -155,6 +198,13 @@ impl ServerConfig {
     /// validate their address with a QUIC Retry, so spoofed addresses cannot use up the limits.
     pub fn max_connections_per_ip(mut self, n: usize) -> Self {
         self.max_connections_per_ip = n;
+        self
+    }
+
+    /// The congestion controller of the server's side of each connection (default
+    /// [`Congestion::Cubic`]).
+    pub fn congestion(mut self, controller: Congestion) -> Self {
+        self.congestion = controller;
         self
     }
 
@@ -250,6 +300,7 @@ impl ServerConfig {
                 u64::from(self.stream_buffer_size) * u64::from(self.max_concurrent_streams.max(1)),
             )
             .keep_alive_interval(self.keep_alive_interval)
+            .congestion_controller_factory(self.congestion.factory())
             .max_idle_timeout(Some(
                 quinn::IdleTimeout::try_from(self.peer_timeout)
                     .map_err(|e| ServerError::Quic(e.to_string()))?,

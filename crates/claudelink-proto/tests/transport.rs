@@ -47,8 +47,23 @@ async fn request_round_trip_with_pinned_certificate() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_hundred_concurrent_streams_on_one_connection() {
+    two_hundred_streams(Congestion::default()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_congestion_controller_serves_two_hundred_streams() {
+    for name in ["newreno", "BBR"] {
+        two_hundred_streams(name.parse().unwrap()).await;
+    }
+    let err = "vegas".parse::<Congestion>().unwrap_err();
+    assert!(err.contains("vegas") && err.contains("bbr"), "{err}");
+}
+
+async fn two_hundred_streams(congestion: Congestion) {
     let svc = Ticker::new(4, Duration::from_millis(50));
-    let server = start(svc.clone(), |c| c.max_concurrent_streams(200));
+    let server = start(svc.clone(), |c| {
+        c.max_concurrent_streams(200).congestion(congestion)
+    });
     let conn = client(&server).connect(server.local_addr()).await.unwrap();
     let tasks: Vec<_> = (0..200)
         .map(|_| {
