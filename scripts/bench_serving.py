@@ -815,16 +815,17 @@ def single_table(res):
         md.append(f"In process: `{ip['cmd']}`, median of {len(ip['runs'])} runs "
                   f"({', '.join(f'{v:.1f}' for v in ip['runs'])} tok/s; {ip['tokens']} tokens).")
         md.append("")
-    md += ["| path | requests | output tokens | decode tok/s (median) | of in-process | target |",
-           "|---|---:|---|---:|---:|---|"]
+    md += ["| path | requests | output tokens | decode tok/s (median) | of in-process | target | others' CPU s |",
+           "|---|---:|---|---:|---:|---|---:|"]
     if ref:
         md.append(f"| in process (zerolayer generate) | {len(res['in_process']['runs'])} | "
-                  f"{res['in_process']['tokens']} | {ref:.1f} | 100% | |")
+                  f"{res['in_process']['tokens']} | {ref:.1f} | 100% | | |")
     for t, r in res["runs"].items():
         v = r.get("decode_tok_s")
         frac = f"{100 * v / ref:.0f}%" if v and ref else "n/a"
         ok = "met" if v and ref and v >= 0.95 * ref else "NOT met"
-        md.append(f"| {t} | {r.get('requests_ok')} | {r.get('tokens')} | {fmt_num(v)} | {frac} | >= 95%: {ok} |")
+        md.append(f"| {t} | {r.get('requests_ok')} | {r.get('tokens')} | {fmt_num(v)} | {frac} | >= 95%: {ok} | "
+                  f"{fmt_num(r.get('others_cpu_s'), 2)} |")
     if res.get("error"):
         md.append(f"\nerror: {res['error']}")
     md.append("\nDecode tok/s of a request: (output tokens - 1) / (latency - time to first token).")
@@ -1038,6 +1039,8 @@ def main():
     ap.add_argument("--llama-server-bin", default="")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--single-only", action="store_true",
+                    help="only the single-stream table (transports vs in-process decode), no peers")
     ap.add_argument("--pidfile", default="")
     ap.add_argument("--cmdline", default="scripts/bench-serving")
     a = ap.parse_args()
@@ -1062,6 +1065,17 @@ def main():
 
     started = datetime.datetime.now(datetime.timezone.utc)
     t0 = time.monotonic()
+    if a.single_only:
+        single = single_stream(a, {})
+        md = ["# Single stream on loopback: zerolayer's transports vs in-process decode", "",
+              f"- date: {started.strftime('%Y-%m-%d %H:%M:%S %Z')}; whole run {time.monotonic() - t0:.0f} s; "
+              f"command: `{a.cmdline}`", f"- machine: {machine()}",
+              f"- model: `{os.path.basename(a.model)}`; zerolayer {git_rev()}; {a.threads} threads"]
+        md += single_table(single)
+        (a.out / "single.md").write_text("\n".join(md) + "\n")
+        (a.out / "single.json").write_text(json.dumps(single, indent=1, default=str))
+        print("\n".join(md))
+        return
     results = {}
     prompts_box = {}
     for sc in SCENARIOS:
