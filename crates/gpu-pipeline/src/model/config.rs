@@ -135,6 +135,10 @@ pub struct LayerConfig {
     pub window: Option<usize>,
     /// The layer's RoPE.
     pub rope: LayerRope,
+    /// The layer's feed-forward block is the model's mixture of experts ([`ModelConfig::moe`]);
+    /// `false`: a dense MLP of `n_ff` (every layer of a dense model; Qwen MoE's
+    /// `mlp_only_layers`).
+    pub experts: bool,
 }
 
 /// Hyperparameters of a decoder-only transformer, from metadata (nothing is hard-coded per
@@ -473,7 +477,7 @@ impl ModelConfig {
             None if arch == "smollm3" => (0..n_layers).map(|il| (il + 1) % 4 != 0).collect(),
             None => vec![true; n_layers],
         };
-        let layers = (0..n_layers)
+        let mut layers = (0..n_layers)
             .map(|il| LayerConfig {
                 window: window.filter(|_| swa_layers[il]),
                 rope: if !rope_on[il] {
@@ -483,8 +487,9 @@ impl ModelConfig {
                 } else {
                     LayerRope::Global
                 },
+                experts: false,
             })
-            .collect();
+            .collect::<Vec<_>>();
         let attention_scale = match g.get_f32(&key("attention.scale")) {
             Some(s) => positive(key("attention.scale"), s)?,
             // llama.cpp: Gemma 27B models scale by n_embd / n_head (query_pre_attn_scalar).
@@ -511,6 +516,19 @@ impl ModelConfig {
             _ => (None, None),
         };
         let moe = moe_config(g, &arch, n_ff)?;
+        let expert_layers: Vec<bool> = match g.get_bool_array("zerolayer.expert_layers") {
+            Some(v) if v.len() == n_layers => v,
+            Some(v) => {
+                return Err(invalid(
+                    "zerolayer.expert_layers".into(),
+                    format!("{} entries for {n_layers} layers", v.len()),
+                ));
+            }
+            None => vec![true; n_layers],
+        };
+        for (l, e) in layers.iter_mut().zip(&expert_layers) {
+            l.experts = moe.is_some() && *e;
+        }
         let vocab_size = match g.tensor("token_embd.weight") {
             Some(t) => t.rows(),
             None => {
@@ -623,7 +641,9 @@ fn moe_config(
         n_experts,
         n_used,
         n_ff_expert,
-        norm_weights: matches!(arch, "llama" | "qwen3moe"),
+        norm_weights: g
+            .get_bool("zerolayer.expert_weights_norm")
+            .unwrap_or(matches!(arch, "llama" | "qwen3moe")),
         weights_scale: 1.0,
         n_ff_shared,
     }))

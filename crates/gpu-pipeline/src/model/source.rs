@@ -55,6 +55,15 @@ impl SourceTensor<'_> {
 ///   to adjacent pairs instead).
 /// - `zerolayer.norm.weight_offset` (f32): added to every RMSNorm weight as it is read (Gemma
 ///   checkpoints store `w - 1`; llama.cpp's converter adds the 1).
+/// - `zerolayer.expert_weights_norm` (bool): whether the chosen experts' weights are divided by
+///   their sum, over the family's default (Hugging Face's `norm_topk_prob`).
+/// - `zerolayer.expert_layers` (bool per layer): which layers have experts; the others run the
+///   dense `ffn_gate`/`ffn_up`/`ffn_down` of `feed_forward_length` (Qwen MoE's
+///   `mlp_only_layers`, `decoder_sparse_step`).
+///
+/// Besides llama.cpp's stacked expert tensors (`blk.L.ffn_{gate,up,down}_exps.weight`, or
+/// `ffn_gate_up_exps` with each expert's gate rows then its up rows), a source may serve each
+/// expert's matrix on its own, 2-D: `blk.L.ffn_{gate,up,down}_exps.N.weight` for expert `N`.
 ///
 /// ```
 /// use gpu_pipeline::WeightSource;
