@@ -35,6 +35,8 @@ pub(super) struct GatedMlp {
 pub(super) struct Experts {
     /// `ffn_gate_inp`: one row of `n_embd` per expert.
     router: Lin,
+    /// Experts per token in this layer.
+    n_used: usize,
     /// Each expert's matrices: row ranges of the stacked `ffn_{gate,up,down}_exps` (or of
     /// `ffn_gate_up_exps`), or 2-D tensors of their own.
     experts: Vec<GatedMlp>,
@@ -89,6 +91,7 @@ impl Ffn {
             w.slice_rows(e * per..(e + 1) * per)
         };
         let (nu, fu) = (ne as usize, ff as usize);
+        let router = lin(g, &n("ffn_gate_inp.weight"), [d, ne])?;
         let mut stacks = Vec::new();
         // Gate and up: fused (`ffn_gate_up_exps`: per expert, ff gate rows then ff up rows),
         // stacked, or one tensor per expert.
@@ -102,7 +105,10 @@ impl Ffn {
                     (x.slice_rows(0..fu), x.slice_rows(fu..2 * fu))
                 })
                 .unzip()
-        } else if g.tensor(&n("ffn_gate_exps.weight")).is_some() {
+        } else if g.tensor(&n("ffn_gate_exps.weight")).is_some()
+            || g.tensor(&n("ffn_gate_exps.0.weight")).is_none()
+        {
+            // (Neither stacked nor per expert: the error names the stack.)
             let wg = stacked("ffn_gate_exps.weight", [d, ff, ne])?;
             let wu = stacked("ffn_up_exps.weight", [d, ff, ne])?;
             stacks.extend([wg.tensor, wu.tensor]);
@@ -118,7 +124,9 @@ impl Ffn {
             }
             v
         };
-        let down: Vec<Lin> = if g.tensor(&n("ffn_down_exps.weight")).is_some() {
+        let down: Vec<Lin> = if g.tensor(&n("ffn_down_exps.weight")).is_some()
+            || g.tensor(&n("ffn_down_exps.0.weight")).is_none()
+        {
             let w = stacked("ffn_down_exps.weight", [ff, d, ne])?;
             stacks.push(w.tensor);
             (0..nu).map(|e| part(&w, e, d)).collect()
@@ -149,7 +157,8 @@ impl Ffn {
             }
         };
         Ok(Self::Moe(Box::new(Experts {
-            router: lin(g, &n("ffn_gate_inp.weight"), [d, ne])?,
+            router,
+            n_used: m.n_used_per_layer.get(l).copied().unwrap_or(m.n_used),
             experts,
             stacks,
             shared,
@@ -316,7 +325,7 @@ impl Model {
         let Some(m) = &self.cfg.moe else {
             return Ok(());
         };
-        let (d, ne, k) = (self.cfg.n_embd, m.n_experts, m.n_used);
+        let (d, ne, k) = (self.cfg.n_embd, m.n_experts, ex.n_used);
         let slots = total * k;
         // 1-2: router scores in f32, then each token's experts and weights.
         ex.router.touch(touch);

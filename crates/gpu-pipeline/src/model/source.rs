@@ -85,6 +85,12 @@ pub trait WeightSource: Send + Sync + Debug {
     fn get_bool_array(&self, key: &str) -> Option<Vec<bool>>;
     /// An array of floats.
     fn get_f32_array(&self, key: &str) -> Option<Vec<f32>>;
+    /// An array of unsigned integers (e.g. a per-layer `{arch}.expert_used_count`). The default:
+    /// none.
+    fn get_u32_array(&self, key: &str) -> Option<Vec<u32>> {
+        let _ = key;
+        None
+    }
     /// The tensor named `name` (llama.cpp's name), if present.
     fn tensor(&self, name: &str) -> Option<SourceTensor<'_>>;
     /// The bytes of file `file` (tensor data are sub-slices of these).
@@ -134,6 +140,12 @@ impl WeightSource for Gguf {
     }
     fn get_f32_array(&self, key: &str) -> Option<Vec<f32>> {
         Self::get_f32_array(self, key)
+    }
+    fn get_u32_array(&self, key: &str) -> Option<Vec<u32>> {
+        let a = self.get_array(key)?;
+        a.iter()
+            .map(|v| v.as_int().and_then(|i| u32::try_from(i).ok()))
+            .collect()
     }
     fn tensor(&self, name: &str) -> Option<SourceTensor<'_>> {
         let t = Self::tensor(self, name)?;
@@ -191,6 +203,9 @@ impl WeightSource for GgufSource {
     }
     fn get_f32_array(&self, key: &str) -> Option<Vec<f32>> {
         self.0.get_f32_array(key)
+    }
+    fn get_u32_array(&self, key: &str) -> Option<Vec<u32>> {
+        WeightSource::get_u32_array(&*self.0, key)
     }
     fn tensor(&self, name: &str) -> Option<SourceTensor<'_>> {
         WeightSource::tensor(&*self.0, name)
