@@ -1575,6 +1575,63 @@ mod tests {
         let _ = std::fs::remove_dir_all(&d);
     }
 
+    #[test]
+    fn experts_are_served_in_place_per_expert_or_fused() {
+        let d = temp_dir();
+        let mut c = llama_config();
+        c["architectures"] = json!(["MixtralForCausalLM"]);
+        c["num_local_experts"] = json!(2);
+        c["num_experts_per_tok"] = json!(1);
+        write(&d, "config.json", &c);
+        let st = safetensors(&[
+            (
+                "model.layers.0.block_sparse_moe.experts.1.w3.weight",
+                "BF16",
+                &[16, 8],
+            ),
+            (
+                "model.layers.1.mlp.experts.gate_up_proj",
+                "F32",
+                &[2, 32, 8],
+            ),
+            ("model.layers.1.mlp.experts.down_proj", "F32", &[2, 8, 16]),
+        ]);
+        std::fs::write(d.join("model.safetensors"), &st).unwrap();
+        // SAFETY: the test's files are not modified while mapped.
+        let m = unsafe { open(&d) }.unwrap();
+        for (name, dtype, shape, len) in [
+            (
+                "blk.0.ffn_up_exps.1.weight",
+                GgmlType::BF16,
+                vec![8, 16],
+                256,
+            ),
+            (
+                "blk.1.ffn_gate_up_exps.weight",
+                GgmlType::F32,
+                vec![8, 32, 2],
+                2048,
+            ),
+            (
+                "blk.1.ffn_down_exps.weight",
+                GgmlType::F32,
+                vec![16, 8, 2],
+                1024,
+            ),
+        ] {
+            let t = m.tensor(name).unwrap_or_else(|| panic!("{name}"));
+            assert_eq!(
+                (t.dtype, t.shape.clone(), t.data.len()),
+                (dtype, shape, len)
+            );
+            // The mapping's own bytes: nothing copied or converted.
+            assert!(m.file_bytes(0).as_ptr_range().contains(&t.data.as_ptr()));
+        }
+        assert_eq!(m.get_u32("llama.expert_count"), Some(2));
+        assert_eq!(m.get_bool("zerolayer.expert_weights_norm"), Some(true));
+        let _ = std::fs::remove_dir_all(&d);
+    }
+
     /// Opens a directory with `config` and one `model.safetensors` of `tensors`.
     fn open_with(config: Option<&str>, tensors: &[(&str, &str, &[u64])]) -> HfError {
         let d = temp_dir();
