@@ -33,10 +33,12 @@
 
 mod common;
 
-use std::sync::OnceLock;
+use std::collections::HashMap;
+use std::ops::Range;
+use std::sync::{Arc, OnceLock};
 
 use common::{all_logits, argmax, base64_decode, chunked_logits, ids_of, open_test_model};
-use gpu_pipeline::{Model, ModelOptions};
+use gpu_pipeline::{GgufSource, Model, ModelOptions, SourceTensor, WeightSource};
 use kv_ring::KvDtype;
 use serde_json::Value;
 
@@ -230,6 +232,233 @@ fn check_model(name: &str) {
              flash on/off difference {noise:.4}"
         );
     }
+}
+
+/// How [`Restacked`] serves a GGUF file's experts.
+#[derive(Clone, Copy, Debug)]
+enum Layout {
+    /// Each layer's `ffn_gate_exps` and `ffn_up_exps` as one `ffn_gate_up_exps` (per expert: its
+    /// gate rows, then its up rows, as llama.cpp's converter fuses them), built here.
+    FusedGateUp,
+    /// Each stack as one 2-D tensor per expert (`blk.L.ffn_up_exps.N.weight`), sub-slices of the
+    /// file: how a Hugging Face checkpoint's experts are served.
+    PerExpert,
+    /// The file's stacks as they are.
+    Stacked,
+}
+
+/// A GGUF file's weights with the experts laid out otherwise (see [`Layout`]).
+#[derive(Debug)]
+struct Restacked {
+    inner: GgufSource,
+    layout: Layout,
+    /// The fused tensors' bytes (file 1) and, per name, their range and shape.
+    fused: Vec<u8>,
+    fused_at: HashMap<String, (Range<usize>, Vec<u64>)>,
+    /// `{arch}.expert_used_count` as this per-layer array instead of the file's count.
+    used_per_layer: Option<Vec<u32>>,
+}
+
+impl Restacked {
+    fn new(gguf: Arc<weight_cache::Gguf>, layout: Layout) -> Self {
+        let inner = GgufSource(gguf);
+        let (mut fused, mut fused_at) = (Vec::new(), HashMap::new());
+        if let Layout::FusedGateUp = layout {
+            for l in 0.. {
+                let (Some(g), Some(u)) = (
+                    inner.tensor(&format!("blk.{l}.ffn_gate_exps.weight")),
+                    inner.tensor(&format!("blk.{l}.ffn_up_exps.weight")),
+                ) else {
+                    break;
+                };
+                assert_eq!((g.shape.clone(), g.dtype), (u.shape.clone(), u.dtype));
+                let ne = g.shape[2] as usize;
+                let per = g.data.len() / ne;
+                let start = fused.len();
+                for e in 0..ne {
+                    fused.extend_from_slice(&g.data[e * per..(e + 1) * per]);
+                    fused.extend_from_slice(&u.data[e * per..(e + 1) * per]);
+                }
+                let shape = vec![g.shape[0], 2 * g.shape[1], g.shape[2]];
+                fused_at.insert(
+                    format!("blk.{l}.ffn_gate_up_exps.weight"),
+                    (start..fused.len(), shape),
+                );
+            }
+            assert!(!fused_at.is_empty(), "no experts to fuse");
+        }
+        Self {
+            inner,
+            layout,
+            fused,
+            fused_at,
+            used_per_layer: None,
+        }
+    }
+}
+
+impl WeightSource for Restacked {
+    fn get_str(&self, key: &str) -> Option<&str> {
+        self.inner.get_str(key)
+    }
+    fn get_u32(&self, key: &str) -> Option<u32> {
+        match &self.used_per_layer {
+            Some(_) if key.ends_with(".expert_used_count") => None,
+            _ => self.inner.get_u32(key),
+        }
+    }
+    fn get_u32_array(&self, key: &str) -> Option<Vec<u32>> {
+        match &self.used_per_layer {
+            Some(v) if key.ends_with(".expert_used_count") => Some(v.clone()),
+            _ => self.inner.get_u32_array(key),
+        }
+    }
+    fn get_f32(&self, key: &str) -> Option<f32> {
+        self.inner.get_f32(key)
+    }
+    fn get_bool(&self, key: &str) -> Option<bool> {
+        self.inner.get_bool(key)
+    }
+    fn get_bool_array(&self, key: &str) -> Option<Vec<bool>> {
+        self.inner.get_bool_array(key)
+    }
+    fn get_f32_array(&self, key: &str) -> Option<Vec<f32>> {
+        self.inner.get_f32_array(key)
+    }
+    fn tensor(&self, name: &str) -> Option<SourceTensor<'_>> {
+        let stack = ["ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"];
+        match self.layout {
+            Layout::FusedGateUp => {
+                if name.ends_with(".ffn_gate_exps.weight") || name.ends_with(".ffn_up_exps.weight")
+                {
+                    return None;
+                }
+                if let Some((r, shape)) = self.fused_at.get(name) {
+                    let like = self.inner.tensor(&name.replace("gate_up", "gate"))?;
+                    return Some(SourceTensor {
+                        dtype: like.dtype,
+                        shape: shape.clone(),
+                        data: &self.fused[r.clone()],
+                        file: 1,
+                        gguf_index: None,
+                    });
+                }
+            }
+            Layout::Stacked => {}
+            Layout::PerExpert => {
+                let parts: Vec<&str> = name.split('.').collect();
+                if parts.len() == 4 && stack.contains(&parts[2]) {
+                    return None;
+                }
+                if parts.len() == 5 && stack.contains(&parts[2]) {
+                    let t = self
+                        .inner
+                        .tensor(&format!("blk.{}.{}.weight", parts[1], parts[2]))?;
+                    let (e, ne) = (parts[3].parse::<usize>().ok()?, t.shape[2] as usize);
+                    let per = t.data.len() / ne;
+                    return Some(SourceTensor {
+                        shape: t.shape[..2].to_vec(),
+                        data: &t.data[e * per..(e + 1) * per],
+                        gguf_index: None,
+                        ..t
+                    });
+                }
+            }
+        }
+        self.inner.tensor(name)
+    }
+    fn file_bytes(&self, file: usize) -> &[u8] {
+        match file {
+            0 => self.inner.file_bytes(0),
+            _ => &self.fused,
+        }
+    }
+}
+
+/// A fused `ffn_gate_up_exps` (which llama.cpp 0.3.36 does not load for these families: its
+/// loader asks for `ffn_gate_exps`, so there is no llama.cpp fixture) and per-expert 2-D tensors
+/// give the stacked file's logits bit for bit, F32 and Q4_K_M experts, whole sequence and
+/// chunks of 7 (the expert grouping over several tokens).
+#[test]
+fn fused_gate_up_and_per_expert_tensors_equal_the_stacks_bit_for_bit() {
+    for name in ["arch-qwen3moe", "arch-olmoe.Q4_K_M", "arch-qwen2moe"] {
+        let entry = &fixture()["models"][name];
+        let gguf = open_test_model(
+            name,
+            entry["file"].as_str().unwrap(),
+            entry["sha256"].as_str().unwrap(),
+        );
+        let ids = ids_of(&entry["sequences"][0]["ids"]);
+        let ids = &ids[..ids.len().min(40)];
+        let model = Model::load(gguf.clone(), ModelOptions::default()).unwrap();
+        let want = chunked_logits(&model, KV_DTYPE, ids, CHUNK);
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        for layout in [Layout::FusedGateUp, Layout::PerExpert] {
+            let src = Restacked::new(gguf.clone(), layout);
+            let m = Model::load_source(Arc::new(src), ModelOptions::default())
+                .unwrap_or_else(|e| panic!("{name} {layout:?}: {e}"));
+            for chunk in [ids.len(), CHUNK] {
+                let got = chunked_logits(&m, KV_DTYPE, ids, chunk);
+                assert!(
+                    bits(&got) == bits(&want),
+                    "{name} {layout:?}, chunks of {chunk}: logits differ from the stacked file's"
+                );
+            }
+        }
+    }
+}
+
+/// `{arch}.expert_used_count` as a per-layer array (llama.cpp 0.3.36 reads one; it aborts when
+/// the counts differ, so there is no llama.cpp fixture): equal counts give the scalar's logits
+/// bit for bit, and each layer routes to its own count (top-2 in layer 0 and top-4 in layer 1
+/// differs from top-2 everywhere and from top-4 everywhere). A wrong length or a 0 is refused.
+#[test]
+fn per_layer_expert_used_counts_are_read_and_each_layer_uses_its_own() {
+    let name = "arch-qwen3moe";
+    let entry = &fixture()["models"][name];
+    let gguf = open_test_model(
+        name,
+        entry["file"].as_str().unwrap(),
+        entry["sha256"].as_str().unwrap(),
+    );
+    let ids = ids_of(&entry["sequences"][0]["ids"]);
+    let ids = &ids[..ids.len().min(24)];
+    let layers = GgufSource(gguf.clone())
+        .get_u32("qwen3moe.block_count")
+        .unwrap() as usize;
+    assert!(layers >= 2);
+    let with = |used: Vec<u32>| {
+        let mut src = Restacked::new(gguf.clone(), Layout::Stacked);
+        src.used_per_layer = Some(used);
+        Model::load_source(Arc::new(src), ModelOptions::default())
+    };
+    let run = |m: &Model| {
+        chunked_logits(m, KV_DTYPE, ids, CHUNK)
+            .iter()
+            .map(|x| x.to_bits())
+            .collect::<Vec<_>>()
+    };
+    let scalar = run(&Model::load(gguf.clone(), ModelOptions::default()).unwrap());
+    let two = with(vec![2; layers]).unwrap();
+    assert_eq!(two.config().moe.as_ref().unwrap().n_used, 2);
+    assert!(run(&two) == scalar, "[2, 2, ..] differs from the scalar 2");
+    let mut mixed = vec![2; layers];
+    mixed[layers - 1] = 4;
+    let mixed = with(mixed).unwrap();
+    assert_eq!(mixed.config().moe.as_ref().unwrap().n_used, 4);
+    let four = with(vec![4; layers]).unwrap();
+    let (m, f) = (run(&mixed), run(&four));
+    assert!(m != scalar && m != f && f != scalar);
+    assert!(matches!(
+        with(vec![2; layers + 1]),
+        Err(gpu_pipeline::ModelError::InvalidMetadata { .. })
+    ));
+    let mut zero = vec![2; layers];
+    zero[0] = 0;
+    assert!(matches!(
+        with(zero),
+        Err(gpu_pipeline::ModelError::ExpertCount { used: 0, .. })
+    ));
 }
 
 #[test]

@@ -1,7 +1,8 @@
 //! Hugging Face model directories, end to end against transformers.
 //!
 //! Fixtures: `tests/fixtures/hf/<name>/` (tiny random models of every served family, F32, some
-//! BF16/F16 copies, one sharded) and `tests/fixtures/hf-logits.json` (transformers' fp32
+//! BF16/F16 copies, one sharded; the mixtures of experts Mixtral, Qwen3-MoE with a dense layer,
+//! OLMoE, Qwen2-MoE, and Mixtral's weights stored as transformers 5's fused 3-D experts) and `tests/fixtures/hf-logits.json` (transformers' fp32
 //! teacher-forced logits), made by `scripts/fixtures/gpu-pipeline-hf-fixtures.py`.
 //!
 //! F32 directories: at every position, max |logit - transformers| is below 1e-3 of that
@@ -122,12 +123,14 @@ fn check_f32(name: &str) {
     let vocab = model.config().vocab_size;
     let entry = &fixture()["models"][name];
     assert_eq!(entry["dtype"], "F32");
+    // The same weights as another directory (mixtral-fused: mixtral's, stored fused).
+    let logits_of = entry["logits_of"].as_str().unwrap_or(name);
     let mut worst = 0f64;
     for (seq, want) in fixture()["sequences"]
         .as_array()
         .unwrap()
         .iter()
-        .zip(entry["logits"].as_array().unwrap())
+        .zip(fixture()["models"][logits_of]["logits"].as_array().unwrap())
     {
         let ids = ids_of(seq);
         let want = want.as_array().unwrap();
@@ -221,6 +224,11 @@ hf_tests! {
     gemma3_local_global_layers_match_transformers => check_f32("gemma3"),
     phi3_fused_longrope_matches_transformers => check_f32("phi3"),
     smollm3_no_rope_layers_match_transformers => check_f32("smollm3"),
+    mixtral_per_expert_tensors_match_transformers => check_f32("mixtral"),
+    mixtral_fused_gate_up_experts_match_transformers => check_f32("mixtral-fused"),
+    qwen3moe_with_a_dense_layer_matches_transformers => check_f32("qwen3moe"),
+    olmoe_unnormalised_weights_match_transformers => check_f32("olmoe"),
+    qwen2moe_shared_expert_matches_transformers => check_f32("qwen2moe"),
     llama_bf16_top1_matches_transformers => check_low_precision("llama-bf16"),
     qwen3_bf16_top1_matches_transformers => check_low_precision("qwen3-bf16"),
     gemma2_bf16_top1_matches_transformers => check_low_precision("gemma2-bf16"),

@@ -263,3 +263,118 @@ fn profile_driven_warm_up_beats_a_cold_start_at_first_touch() {
     assert!(warm > cold + 0.2, "warm {warm} vs cold {cold}");
     assert!(warm_experts > cold_experts + 0.2);
 }
+
+/// Decode bytes per token against the active parameters: before each decode step the file is
+/// made cold; after it, the expert stacks' resident bytes (mincore: what the step faulted in)
+/// are the chosen experts' slices (the experts whose blocks the step touched, per the cache's
+/// profile: `n_used` per layer and stack), up to page rounding, not whole stacks. The process's
+/// storage reads per decode token (`/proc/self/io`, the `/metrics` figure
+/// `zerolayer_weight_read_bytes_per_token` divides) are printed against the active bytes: a
+/// process-wide counter, clean only when this test runs alone.
+#[test]
+fn a_cold_decode_step_reads_the_chosen_experts_not_the_stacks() {
+    let path = write_model("bytes");
+    let gguf = open(&path);
+    let model = load(&gguf);
+    let cache = WeightCache::new(gguf.clone(), config()).unwrap();
+    model.attach_weight_cache(cache.clone()).unwrap();
+    let page = 4096;
+    let stacks: Vec<(usize, String)> = gguf
+        .tensors()
+        .enumerate()
+        .filter(|(_, t)| t.name.contains("_exps"))
+        .map(|(i, t)| (i, t.name.to_string()))
+        .collect();
+    assert_eq!(stacks.len(), 3 * DIMS.n_layers);
+    let all_experts: usize = stacks
+        .iter()
+        .map(|&(i, _)| cache.table().tensor_bytes(i).len())
+        .sum();
+    let (mut before, mut read_before) = (Vec::new(), None);
+    let (mut ratios, mut read_ratios) = (Vec::new(), Vec::new());
+    let mut active_total = 0usize;
+    let mut read_total = 0u64;
+    run_with(&model, &cache, |step, done| {
+        if !done {
+            before = cache.profile().touches;
+            read_before = cache.stats().storage_read_bytes;
+            return;
+        }
+        let after = cache.profile().touches;
+        let read_after = cache.stats().storage_read_bytes;
+        // The experts this step chose: those whose blocks it touched.
+        let (mut chosen, mut resident) = (0usize, 0usize);
+        for (i, name) in &stacks {
+            let part = cache.table().tensor_bytes(*i).len() / EXPERTS.0;
+            let touched = (0..EXPERTS.0)
+                .filter(|&e| {
+                    let b = expert_blocks(&cache, name, e);
+                    b.clone().any(|k| after[k] > before[k])
+                })
+                .count();
+            assert_eq!(
+                touched, EXPERTS.1,
+                "decode step {step}: {name}: one token routes to n_used experts"
+            );
+            chosen += touched * part;
+            resident += cache.tensor_resident_bytes(*i).unwrap();
+        }
+        // Each slice may straddle pages at both ends, and a neighbouring page may come in.
+        let slack = 3 * EXPERTS.1 * DIMS.n_layers * 4 * page;
+        eprintln!(
+            "decode step {step}: chosen experts {chosen} B, expert stacks resident {resident} B \
+             (all experts {all_experts} B)"
+        );
+        assert!(
+            resident >= chosen * 9 / 10 && resident <= chosen + slack,
+            "decode step {step}: expert bytes resident after a cold step {resident} B, the \
+             chosen experts' {chosen} B (+ page rounding {slack} B)"
+        );
+        ratios.push(resident as f64 / chosen as f64);
+        let active = chosen
+            + (cache.resident_bytes().unwrap() - resident.min(cache.resident_bytes().unwrap()));
+        active_total += active;
+        if let (Some(a), Some(b)) = (read_before, read_after) {
+            read_total += b.saturating_sub(a);
+            read_ratios.push(b.saturating_sub(a) as f64 / active as f64);
+        }
+    });
+    ratios.sort_by(f64::total_cmp);
+    read_ratios.sort_by(f64::total_cmp);
+    let median = |v: &[f64]| v.get(v.len() / 2).copied().unwrap_or(f64::NAN);
+    eprintln!(
+        "expert bytes faulted in per cold decode step / chosen experts' bytes: median {:.3} \
+         (min {:.3}, max {:.3}); storage read bytes per decode token {} B / active bytes {} B \
+         (chosen experts + other file pages resident after the step): median per step {:.3}",
+        median(&ratios),
+        ratios[0],
+        ratios[ratios.len() - 1],
+        read_total / DECODE as u64,
+        active_total / DECODE,
+        median(&read_ratios),
+    );
+}
+
+/// [`run`], with the file made cold before each decode step; `hook(step, false)` is called just
+/// before the step (the file cold), `hook(step, true)` after it.
+fn run_with(model: &Model, cache: &WeightCache, mut hook: impl FnMut(usize, bool)) {
+    let pool = KvPool::new(model.kv_shape(KvDtype::F16), 16 << 20).unwrap();
+    let mut kv = pool.alloc(PROMPT + DECODE, RingMode::Strict).unwrap();
+    let (prompt, decode) = (tokens(PROMPT, 1), tokens(DECODE, 2));
+    let mut out = Vec::new();
+    let mut step = |toks: &[u32], out: &mut Vec<f32>| {
+        let mut s = [SeqStep {
+            tokens: toks,
+            kv: &mut kv,
+            logits: LogitsWanted::Last,
+        }];
+        model.forward(&mut s, out).unwrap();
+    };
+    step(&prompt, &mut out);
+    for (i, t) in decode.iter().enumerate() {
+        cache.make_cold().unwrap();
+        hook(i, false);
+        step(&[*t], &mut out);
+        hook(i, true);
+    }
+}

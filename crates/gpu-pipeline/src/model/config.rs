@@ -107,8 +107,12 @@ pub enum QkNorm {
 pub struct MoeConfig {
     /// `{arch}.expert_count`.
     pub n_experts: usize,
-    /// `{arch}.expert_used_count`: experts per token (top-k).
+    /// `{arch}.expert_used_count`: experts per token (top-k); the most of any layer when the
+    /// file gives one count per layer.
     pub n_used: usize,
+    /// Experts per token in each layer: `{arch}.expert_used_count` as a per-layer array (which
+    /// llama.cpp reads), else `n_used` everywhere.
+    pub n_used_per_layer: Vec<usize>,
     /// Inner size of one expert's MLP: `{arch}.expert_feed_forward_length` (Qwen MoE; else
     /// `feed_forward_length / n_used` there), `feed_forward_length` (Mixtral, OLMoE).
     pub n_ff_expert: usize,
@@ -135,6 +139,10 @@ pub struct LayerConfig {
     pub window: Option<usize>,
     /// The layer's RoPE.
     pub rope: LayerRope,
+    /// The layer's feed-forward block is the model's mixture of experts ([`ModelConfig::moe`]);
+    /// `false`: a dense MLP of `n_ff` (every layer of a dense model; Qwen MoE's
+    /// `mlp_only_layers`).
+    pub experts: bool,
 }
 
 /// Hyperparameters of a decoder-only transformer, from metadata (nothing is hard-coded per
@@ -473,7 +481,7 @@ impl ModelConfig {
             None if arch == "smollm3" => (0..n_layers).map(|il| (il + 1) % 4 != 0).collect(),
             None => vec![true; n_layers],
         };
-        let layers = (0..n_layers)
+        let mut layers = (0..n_layers)
             .map(|il| LayerConfig {
                 window: window.filter(|_| swa_layers[il]),
                 rope: if !rope_on[il] {
@@ -483,8 +491,9 @@ impl ModelConfig {
                 } else {
                     LayerRope::Global
                 },
+                experts: false,
             })
-            .collect();
+            .collect::<Vec<_>>();
         let attention_scale = match g.get_f32(&key("attention.scale")) {
             Some(s) => positive(key("attention.scale"), s)?,
             // llama.cpp: Gemma 27B models scale by n_embd / n_head (query_pre_attn_scalar).
@@ -510,7 +519,20 @@ impl ModelConfig {
             "gemma3" => (None, cap("final_logit_softcapping", None)?),
             _ => (None, None),
         };
-        let moe = moe_config(g, &arch, n_ff)?;
+        let moe = moe_config(g, &arch, n_ff, n_layers)?;
+        let expert_layers: Vec<bool> = match g.get_bool_array("zerolayer.expert_layers") {
+            Some(v) if v.len() == n_layers => v,
+            Some(v) => {
+                return Err(invalid(
+                    "zerolayer.expert_layers".into(),
+                    format!("{} entries for {n_layers} layers", v.len()),
+                ));
+            }
+            None => vec![true; n_layers],
+        };
+        for (l, e) in layers.iter_mut().zip(&expert_layers) {
+            l.experts = moe.is_some() && *e;
+        }
         let vocab_size = match g.tensor("token_embd.weight") {
             Some(t) => t.rows(),
             None => {
@@ -577,6 +599,7 @@ fn moe_config(
     g: &dyn WeightSource,
     arch: &str,
     n_ff: usize,
+    n_layers: usize,
 ) -> Result<Option<MoeConfig>, ModelError> {
     let key = |k: &str| format!("{arch}.{k}");
     let moe_family = matches!(arch, "qwen2moe" | "qwen3moe" | "olmoe");
@@ -587,14 +610,36 @@ fn moe_config(
     if experts == 0 && !moe_family {
         return Ok(None);
     }
-    let used = g.get_u32(&key("expert_used_count")).unwrap_or(0);
-    if experts == 0 || used == 0 || used > experts || experts as usize > MAX_EXPERTS {
+    // One count, or one per layer (llama.cpp's get_key_or_arr).
+    let per_layer: Vec<u32> = match g.get_u32(&key("expert_used_count")) {
+        Some(u) => vec![u; n_layers],
+        None => match g.get_u32_array(&key("expert_used_count")) {
+            Some(v) if v.len() == n_layers => v,
+            Some(v) => {
+                return Err(ModelError::InvalidMetadata {
+                    key: key("expert_used_count"),
+                    value: format!("{} entries for {n_layers} layers", v.len()),
+                });
+            }
+            None => vec![0; n_layers.max(1)],
+        },
+    };
+    let bad = per_layer
+        .iter()
+        .copied()
+        .find(|&u| u == 0 || u > experts)
+        .or_else(|| {
+            (experts as usize > MAX_EXPERTS || experts == 0)
+                .then_some(per_layer.first().copied().unwrap_or(0))
+        });
+    if let Some(used) = bad {
         return Err(ModelError::ExpertCount {
             arch: arch.to_string(),
             experts,
             used,
         });
     }
+    let used = per_layer.iter().copied().max().unwrap_or(0);
     let (n_experts, n_used) = (experts as usize, used as usize);
     // llama.cpp: a length of 0 (or none) means the default.
     let sized = |k: &str, default: usize| {
@@ -622,8 +667,11 @@ fn moe_config(
     Ok(Some(MoeConfig {
         n_experts,
         n_used,
+        n_used_per_layer: per_layer.iter().map(|&u| u as usize).collect(),
         n_ff_expert,
-        norm_weights: matches!(arch, "llama" | "qwen3moe"),
+        norm_weights: g
+            .get_bool("zerolayer.expert_weights_norm")
+            .unwrap_or(matches!(arch, "llama" | "qwen3moe")),
         weights_scale: 1.0,
         n_ff_shared,
     }))

@@ -9,6 +9,15 @@
 //! converter permutes Llama's Q/K instead), Gemma stores RMSNorm weights as `w - 1`, and the
 //! per-layer features (sliding windows, SmolLM3's layers without RoPE) come as arrays.
 //!
+//! Mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE): checkpoints hold one 2-D matrix
+//! per expert (`block_sparse_moe.experts.N.w1/w2/w3`, `mlp.experts.N.{gate,up,down}_proj`, what
+//! `save_pretrained` writes), served in place as `blk.L.ffn_{gate,up,down}_exps.N.weight`; or,
+//! as transformers 5 holds them in memory, 3-D `mlp.experts.gate_up_proj` (`[experts, 2 ff,
+//! hidden]`, gate first) and `mlp.experts.down_proj`, served as llama.cpp's stacked
+//! `ffn_gate_up_exps` / `ffn_down_exps` (the same bytes). `norm_topk_prob` is said with
+//! `zerolayer.expert_weights_norm`, dense layers among sparse ones (`mlp_only_layers`,
+//! `decoder_sparse_step`) with `zerolayer.expert_layers`.
+//!
 //! One difference from transformers is llama.cpp's on purpose: LongRoPE (Phi-3) picks its short
 //! or long factors by the served context ([`ModelOptions::with_context`](super::ModelOptions)),
 //! once, where transformers picks them by the length of each sequence. Serve at most
@@ -36,6 +45,10 @@ pub const HF_ARCHITECTURES: &[(&str, &str)] = &[
     ("Gemma3ForCausalLM", "gemma3"),
     ("Phi3ForCausalLM", "phi3"),
     ("SmolLM3ForCausalLM", "smollm3"),
+    ("MixtralForCausalLM", "llama"),
+    ("Qwen2MoeForCausalLM", "qwen2moe"),
+    ("Qwen3MoeForCausalLM", "qwen3moe"),
+    ("OlmoeForCausalLM", "olmoe"),
 ];
 
 /// Why a Hugging Face model directory could not be opened.
@@ -161,6 +174,7 @@ enum Meta {
     Str(String),
     U32(u32),
     F32(f32),
+    Bool(bool),
     Bools(Vec<bool>),
     F32s(Vec<f32>),
 }
@@ -382,9 +396,10 @@ impl WeightSource for HfModel {
         }
     }
     fn get_bool(&self, key: &str) -> Option<bool> {
-        // config.json translates to no boolean keys.
-        let _ = key;
-        None
+        match self.meta.get(key)? {
+            Meta::Bool(v) => Some(*v),
+            _ => None,
+        }
     }
     fn get_bool_array(&self, key: &str) -> Option<Vec<bool>> {
         match self.meta.get(key)? {
@@ -434,6 +449,18 @@ fn ggml_dtype(d: StDtype) -> Option<GgmlType> {
 /// `None` for tensors the forward pass does not use.
 fn gguf_tensor_name(arch: &str, hf: &str) -> Option<String> {
     let gemma = arch == "gemma2" || arch == "gemma3";
+    // transformers 5's fused experts: 3-D parameters without a `.weight` suffix.
+    if let Some(rest) = hf.strip_prefix("model.layers.") {
+        let (layer, part) = rest.split_once('.')?;
+        let layer: usize = layer.parse().ok()?;
+        match part {
+            "mlp.experts.gate_up_proj" => {
+                return Some(format!("blk.{layer}.ffn_gate_up_exps.weight"));
+            }
+            "mlp.experts.down_proj" => return Some(format!("blk.{layer}.ffn_down_exps.weight")),
+            _ => {}
+        }
+    }
     let (stem, suffix) = hf.rsplit_once('.')?;
     if suffix != "weight" && suffix != "bias" {
         return None;
@@ -469,9 +496,32 @@ fn gguf_tensor_name(arch: &str, hf: &str) -> Option<String> {
         "mlp.up_proj" => "ffn_up",
         "mlp.gate_up_proj" => "ffn_up",
         "mlp.down_proj" => "ffn_down",
-        _ => return None,
+        // Mixtures of experts: the router, the shared expert and its gate (Qwen2-MoE).
+        "mlp.gate" | "block_sparse_moe.gate" => "ffn_gate_inp",
+        "mlp.shared_expert.gate_proj" => "ffn_gate_shexp",
+        "mlp.shared_expert.up_proj" => "ffn_up_shexp",
+        "mlp.shared_expert.down_proj" => "ffn_down_shexp",
+        "mlp.shared_expert_gate" => "ffn_gate_inp_shexp",
+        _ => return expert_tensor_name(layer, part, suffix),
     };
     Some(format!("blk.{layer}.{name}.{suffix}"))
+}
+
+/// One expert's matrix (`mlp.experts.N.gate_proj`, Mixtral's `block_sparse_moe.experts.N.w1`,
+/// ...) as expert `N` of llama.cpp's stack: `blk.L.ffn_gate_exps.N.weight`.
+fn expert_tensor_name(layer: usize, part: &str, suffix: &str) -> Option<String> {
+    let rest = part
+        .strip_prefix("mlp.experts.")
+        .or_else(|| part.strip_prefix("block_sparse_moe.experts."))?;
+    let (expert, proj) = rest.split_once('.')?;
+    let expert: usize = expert.parse().ok()?;
+    let name = match proj {
+        "gate_proj" | "w1" => "ffn_gate_exps",
+        "up_proj" | "w3" => "ffn_up_exps",
+        "down_proj" | "w2" => "ffn_down_exps",
+        _ => return None,
+    };
+    (suffix == "weight").then(|| format!("blk.{layer}.{name}.{expert}.weight"))
 }
 
 fn read_json(path: &Path, required: bool) -> Result<Option<Value>, HfError> {
@@ -665,6 +715,13 @@ fn check_features(cfg: &Reader<'_>, arch: &str) -> Result<(), HfError> {
     {
         return Err(unsupported("mlp_bias", v, "the MLP has no biases"));
     }
+    if let Some(v) = cfg.get("clip_qkv") {
+        return Err(unsupported(
+            "clip_qkv",
+            v,
+            "queries, keys and values are not clipped",
+        ));
+    }
     if arch == "gemma3"
         && let Some(v) = cfg.get("attn_logit_softcapping")
     {
@@ -686,6 +743,61 @@ fn check_features(cfg: &Reader<'_>, arch: &str) -> Result<(), HfError> {
             kind,
             "Gemma 3's local layers rotate without scaling",
         ));
+    }
+    Ok(())
+}
+
+/// The mixture-of-experts keys: counts, the expert FFN sizes, whether the chosen experts'
+/// weights are renormalised, which layers have experts.
+fn experts(
+    cfg: &Reader<'_>,
+    arch: &str,
+    n_layers: u32,
+    put: &mut impl FnMut(String, Meta),
+) -> Result<(), HfError> {
+    let k = |s: &str| format!("{arch}.{s}");
+    // Mixtral says `num_local_experts`; the others `num_experts` (transformers 5 writes
+    // `num_local_experts` for Qwen3-MoE too).
+    let count = match cfg.u32_opt("num_experts")? {
+        Some(n) => Some(n),
+        None => cfg.u32_opt("num_local_experts")?,
+    };
+    let Some(count) = count.filter(|&n| n > 0) else {
+        return Ok(());
+    };
+    put(k("expert_count"), Meta::U32(count));
+    put(
+        k("expert_used_count"),
+        Meta::U32(cfg.u32_req("num_experts_per_tok")?),
+    );
+    if let Some(ff) = cfg.u32_opt("moe_intermediate_size")? {
+        put(k("expert_feed_forward_length"), Meta::U32(ff));
+    }
+    if let Some(ff) = cfg.u32_opt("shared_expert_intermediate_size")? {
+        put(k("expert_shared_feed_forward_length"), Meta::U32(ff));
+    }
+    // transformers: Mixtral always renormalises; the others as `norm_topk_prob` says (false
+    // when absent).
+    let norm = arch == "llama" || cfg.bool_opt("norm_topk_prob")?.unwrap_or(false);
+    put("zerolayer.expert_weights_norm".into(), Meta::Bool(norm));
+    // Qwen MoE: layer `il` has experts unless listed in `mlp_only_layers`, and only every
+    // `decoder_sparse_step`-th.
+    let step = cfg.u32_opt("decoder_sparse_step")?.unwrap_or(1);
+    if step == 0 {
+        return Err(cfg.bad("decoder_sparse_step", &Value::from(0)));
+    }
+    let dense: Vec<u64> = match cfg.get("mlp_only_layers") {
+        None => Vec::new(),
+        Some(v) => v
+            .as_array()
+            .and_then(|a| a.iter().map(Value::as_u64).collect())
+            .ok_or_else(|| cfg.bad("mlp_only_layers", v))?,
+    };
+    let sparse: Vec<bool> = (0..n_layers)
+        .map(|il| !dense.contains(&u64::from(il)) && (il + 1) % step == 0)
+        .collect();
+    if sparse.iter().any(|s| !s) {
+        put("zerolayer.expert_layers".into(), Meta::Bools(sparse));
     }
     Ok(())
 }
@@ -902,7 +1014,7 @@ fn translate_config(
                         .unwrap_or(6) as usize;
                     p <= 1 || (il + 1) % p != 0
                 }
-                "qwen2" | "qwen3" | "smollm3" => {
+                "qwen2" | "qwen3" | "smollm3" | "qwen2moe" | "qwen3moe" => {
                     cfg.bool_opt("use_sliding_window").ok().flatten() == Some(true)
                         && il
                             >= cfg.u32_opt("max_window_layers").ok().flatten().unwrap_or(0) as usize
@@ -947,6 +1059,8 @@ fn translate_config(
             put(k("attention.scale"), Meta::F32(1.0 / s.sqrt()));
         }
     }
+
+    experts(&cfg, &arch, n_layers, &mut put)?;
 
     // ---- special tokens
     let gen_path = path.with_file_name("generation_config.json");
@@ -1210,6 +1324,72 @@ mod tests {
     }
 
     #[test]
+    fn moe_configs_translate_counts_norms_and_dense_layers() {
+        let mut c = llama_config();
+        c["architectures"] = json!(["Qwen3MoeForCausalLM"]);
+        c["num_hidden_layers"] = json!(4);
+        c.as_object_mut().unwrap().remove("rope_parameters");
+        // transformers 5 writes Qwen3-MoE's count as `num_local_experts`.
+        for (k, v) in [
+            ("num_local_experts", json!(8)),
+            ("num_experts_per_tok", json!(2)),
+            ("moe_intermediate_size", json!(4)),
+            ("norm_topk_prob", json!(true)),
+            ("decoder_sparse_step", json!(2)),
+            ("mlp_only_layers", json!([3])),
+            ("sliding_window", json!(4)),
+            ("use_sliding_window", json!(false)),
+        ] {
+            c[k] = v;
+        }
+        let t = translate(c.clone()).unwrap();
+        assert_eq!(t.arch, "qwen3moe");
+        assert_eq!(meta(&t, "qwen3moe.expert_count"), Meta::U32(8));
+        assert_eq!(meta(&t, "qwen3moe.expert_used_count"), Meta::U32(2));
+        assert_eq!(
+            meta(&t, "qwen3moe.expert_feed_forward_length"),
+            Meta::U32(4)
+        );
+        assert_eq!(meta(&t, "zerolayer.expert_weights_norm"), Meta::Bool(true));
+        // Every second layer, less layer 3.
+        assert_eq!(
+            meta(&t, "zerolayer.expert_layers"),
+            Meta::Bools(vec![false, true, false, false])
+        );
+        // `use_sliding_window` false: no window despite `sliding_window`.
+        assert_eq!(meta(&t, "zerolayer.attention.sliding_window"), Meta::U32(0));
+        c["decoder_sparse_step"] = json!(0);
+        assert!(
+            matches!(translate(c), Err(HfError::BadValue { key, .. }) if key == "decoder_sparse_step")
+        );
+
+        // OLMoE: `num_experts`, no renormalisation by default, every layer sparse; clip_qkv refused.
+        let mut c = llama_config();
+        c["architectures"] = json!(["OlmoeForCausalLM"]);
+        c.as_object_mut().unwrap().remove("rope_parameters");
+        c["num_experts"] = json!(4);
+        c["num_experts_per_tok"] = json!(2);
+        let t = translate(c.clone()).unwrap();
+        assert_eq!(meta(&t, "olmoe.expert_count"), Meta::U32(4));
+        assert_eq!(meta(&t, "zerolayer.expert_weights_norm"), Meta::Bool(false));
+        assert!(!t.meta.contains_key("zerolayer.expert_layers"));
+        c["clip_qkv"] = json!(8.0);
+        assert!(
+            matches!(translate(c), Err(HfError::UnsupportedFeature { key, .. }) if key == "clip_qkv")
+        );
+
+        // Mixtral: `num_local_experts`, always renormalised, served as llama.
+        let mut c = llama_config();
+        c["architectures"] = json!(["MixtralForCausalLM"]);
+        c["num_local_experts"] = json!(4);
+        c["num_experts_per_tok"] = json!(2);
+        let t = translate(c).unwrap();
+        assert_eq!(t.arch, "llama");
+        assert_eq!(meta(&t, "llama.expert_count"), Meta::U32(4));
+        assert_eq!(meta(&t, "zerolayer.expert_weights_norm"), Meta::Bool(true));
+    }
+
+    #[test]
     fn tensor_names_follow_llama_cpp() {
         for (arch, hf, want) in [
             (
@@ -1279,6 +1459,61 @@ mod tests {
                 "model.layers.0.self_attn.rotary_emb.inv_freq",
                 None,
             ),
+            (
+                "llama",
+                "model.layers.2.block_sparse_moe.gate.weight",
+                Some("blk.2.ffn_gate_inp.weight"),
+            ),
+            (
+                "llama",
+                "model.layers.2.block_sparse_moe.experts.7.w1.weight",
+                Some("blk.2.ffn_gate_exps.7.weight"),
+            ),
+            (
+                "llama",
+                "model.layers.2.block_sparse_moe.experts.7.w2.weight",
+                Some("blk.2.ffn_down_exps.7.weight"),
+            ),
+            (
+                "llama",
+                "model.layers.2.block_sparse_moe.experts.7.w3.weight",
+                Some("blk.2.ffn_up_exps.7.weight"),
+            ),
+            (
+                "qwen3moe",
+                "model.layers.1.mlp.gate.weight",
+                Some("blk.1.ffn_gate_inp.weight"),
+            ),
+            (
+                "qwen3moe",
+                "model.layers.1.mlp.experts.12.up_proj.weight",
+                Some("blk.1.ffn_up_exps.12.weight"),
+            ),
+            (
+                "qwen3moe",
+                "model.layers.1.mlp.experts.x.up_proj.weight",
+                None,
+            ),
+            (
+                "qwen3moe",
+                "model.layers.1.mlp.experts.gate_up_proj",
+                Some("blk.1.ffn_gate_up_exps.weight"),
+            ),
+            (
+                "qwen3moe",
+                "model.layers.1.mlp.experts.down_proj",
+                Some("blk.1.ffn_down_exps.weight"),
+            ),
+            (
+                "qwen2moe",
+                "model.layers.0.mlp.shared_expert.down_proj.weight",
+                Some("blk.0.ffn_down_shexp.weight"),
+            ),
+            (
+                "qwen2moe",
+                "model.layers.0.mlp.shared_expert_gate.weight",
+                Some("blk.0.ffn_gate_inp_shexp.weight"),
+            ),
         ] {
             assert_eq!(gguf_tensor_name(arch, hf).as_deref(), want, "{arch} {hf}");
         }
@@ -1337,6 +1572,63 @@ mod tests {
         assert_eq!(m.chat_template().as_deref(), Some("D"));
         assert_eq!(m.get_str("general.name"), d.file_name().unwrap().to_str());
         assert_eq!(m.tokenizer_json_path(), d.join("tokenizer.json"));
+        let _ = std::fs::remove_dir_all(&d);
+    }
+
+    #[test]
+    fn experts_are_served_in_place_per_expert_or_fused() {
+        let d = temp_dir();
+        let mut c = llama_config();
+        c["architectures"] = json!(["MixtralForCausalLM"]);
+        c["num_local_experts"] = json!(2);
+        c["num_experts_per_tok"] = json!(1);
+        write(&d, "config.json", &c);
+        let st = safetensors(&[
+            (
+                "model.layers.0.block_sparse_moe.experts.1.w3.weight",
+                "BF16",
+                &[16, 8],
+            ),
+            (
+                "model.layers.1.mlp.experts.gate_up_proj",
+                "F32",
+                &[2, 32, 8],
+            ),
+            ("model.layers.1.mlp.experts.down_proj", "F32", &[2, 8, 16]),
+        ]);
+        std::fs::write(d.join("model.safetensors"), &st).unwrap();
+        // SAFETY: the test's files are not modified while mapped.
+        let m = unsafe { open(&d) }.unwrap();
+        for (name, dtype, shape, len) in [
+            (
+                "blk.0.ffn_up_exps.1.weight",
+                GgmlType::BF16,
+                vec![8, 16],
+                256,
+            ),
+            (
+                "blk.1.ffn_gate_up_exps.weight",
+                GgmlType::F32,
+                vec![8, 32, 2],
+                2048,
+            ),
+            (
+                "blk.1.ffn_down_exps.weight",
+                GgmlType::F32,
+                vec![16, 8, 2],
+                1024,
+            ),
+        ] {
+            let t = m.tensor(name).unwrap_or_else(|| panic!("{name}"));
+            assert_eq!(
+                (t.dtype, t.shape.clone(), t.data.len()),
+                (dtype, shape, len)
+            );
+            // The mapping's own bytes: nothing copied or converted.
+            assert!(m.file_bytes(0).as_ptr_range().contains(&t.data.as_ptr()));
+        }
+        assert_eq!(m.get_u32("llama.expert_count"), Some(2));
+        assert_eq!(m.get_bool("zerolayer.expert_weights_norm"), Some(true));
         let _ = std::fs::remove_dir_all(&d);
     }
 
@@ -1471,10 +1763,17 @@ mod tests {
                     "hidden_activation": "gelu_pytorch_tanh", "layer_types": ["sliding_attention"]})),
                 ("Phi3ForCausalLM", json!({"original_max_position_embeddings": 16})),
                 ("SmolLM3ForCausalLM", json!({"no_rope_layers": [1]})),
-            ][i % 8]
+                ("MixtralForCausalLM", json!({"num_local_experts": 4, "num_experts_per_tok": 2})),
+                ("Qwen3MoeForCausalLM", json!({"num_experts": 4, "num_experts_per_tok": 2,
+                    "moe_intermediate_size": 4, "norm_topk_prob": true,
+                    "decoder_sparse_step": 1, "mlp_only_layers": [0]})),
+                ("OlmoeForCausalLM", json!({"num_experts": 4, "num_experts_per_tok": 2})),
+                ("Qwen2MoeForCausalLM", json!({"num_experts": 4, "num_experts_per_tok": 2,
+                    "moe_intermediate_size": 4, "shared_expert_intermediate_size": 8})),
+            ][i % 12]
                 .clone();
             c["architectures"] = json!([arch]);
-            if !i.is_multiple_of(8) {
+            if !i.is_multiple_of(12) {
                 c.as_object_mut().unwrap().remove("rope_parameters");
             }
             for (k, v) in extra.as_object().unwrap() {
@@ -1508,7 +1807,7 @@ mod tests {
         proptest! {
             #![proptest_config(ProptestConfig::with_cases(512))]
             #[test]
-            fn any_value_at_any_key(i in 0usize..8, key in 0usize..20, v in wild()) {
+            fn any_value_at_any_key(i in 0usize..12, key in 0usize..24, v in wild()) {
                 let mut c = family(i);
                 let keys: Vec<String> = c.as_object().unwrap().keys().cloned().collect();
                 let k = keys[key % keys.len()].clone();

@@ -645,7 +645,7 @@ impl Model {
                 k_norm: req_norm(qk_norm, "attn_k_norm.weight", qk_width(kv_dim))?,
                 attn_post_norm: req_norm(cfg.post_norms, "post_attention_norm.weight", d)?,
                 ffn_norm: norm(&n("ffn_norm.weight"), d)?,
-                ffn: Ffn::load(g, l, d, ff, cfg.moe.as_ref())?,
+                ffn: Ffn::load(g, l, d, ff, cfg.moe.as_ref().filter(|_| lc.experts))?,
                 ffn_post_norm: req_norm(cfg.post_norms, "post_ffw_norm.weight", d)?,
                 rope: match lc.rope {
                     LayerRope::Global => Some(global),
@@ -1098,7 +1098,11 @@ impl Model {
             None => cfg.n_ff,
             Some(m) => {
                 sc.moe.reserve(m, total, d);
-                m.n_ff_expert.max(m.n_ff_shared.unwrap_or(0))
+                // Dense layers among the sparse ones (Qwen MoE's `mlp_only_layers`).
+                let dense = cfg.layers.iter().any(|l| !l.experts);
+                m.n_ff_expert
+                    .max(m.n_ff_shared.unwrap_or(0))
+                    .max(if dense { cfg.n_ff } else { 0 })
             }
         };
         grow(&mut sc.gate, total * inner);

@@ -8,7 +8,9 @@
 //! 3. the slots are grouped by expert (a counting sort, stable in token order), each expert's
 //!    tokens gathered into contiguous rows, and its gate/up/down products run once over all of
 //!    them: an expert's weights stream once per call, not once per token. An expert's matrices
-//!    are a contiguous row range of the stacked `ffn_*_exps` tensors;
+//!    are a contiguous row range of the stacked `ffn_*_exps` tensors (of `ffn_gate_up_exps`:
+//!    its gate rows, then its up rows), or tensors of their own (a Hugging Face checkpoint's
+//!    per-expert matrices);
 //! 4. each token's output is `w_0 * y_0 + w_1 * y_1 + ...` in its rank order, as llama.cpp sums.
 //!
 //! Batch invariance: the kernels' row results do not depend on the other rows of a product, and
@@ -33,9 +35,14 @@ pub(super) struct GatedMlp {
 pub(super) struct Experts {
     /// `ffn_gate_inp`: one row of `n_embd` per expert.
     router: Lin,
-    /// The stacked `ffn_{gate,up,down}_exps`; expert `e` is rows `e * rows..(e + 1) * rows` of
-    /// each.
-    stacked: GatedMlp,
+    /// Experts per token in this layer.
+    n_used: usize,
+    /// Each expert's matrices: row ranges of the stacked `ffn_{gate,up,down}_exps` (or of
+    /// `ffn_gate_up_exps`), or 2-D tensors of their own.
+    experts: Vec<GatedMlp>,
+    /// The weight-cache indices of the stacked tensors the experts are parts of (each touched
+    /// once per expert), when they come from a GGUF file's stacks.
+    stacks: Vec<usize>,
     /// Qwen2-MoE's shared expert and its gate vector (`ffn_gate_inp_shexp`).
     shared: Option<(GatedMlp, Vec<f32>)>,
 }
@@ -78,6 +85,63 @@ impl Ffn {
         };
         let (ne, ff) = (m.n_experts as u64, m.n_ff_expert as u64);
         let stacked = |s: &str, shape: [u64; 3]| lin_stacked(g, &n(s), &shape);
+        // Expert `e`'s rows of a stack of `per` rows per expert.
+        let part = |w: &Lin, e: usize, per: u64| {
+            let per = per as usize;
+            w.slice_rows(e * per..(e + 1) * per)
+        };
+        let (nu, fu) = (ne as usize, ff as usize);
+        let router = lin(g, &n("ffn_gate_inp.weight"), [d, ne])?;
+        let mut stacks = Vec::new();
+        // Gate and up: fused (`ffn_gate_up_exps`: per expert, ff gate rows then ff up rows),
+        // stacked, or one tensor per expert.
+        let (gate, up): (Vec<Lin>, Vec<Lin>) = if g.tensor(&n("ffn_gate_up_exps.weight")).is_some()
+        {
+            let w = stacked("ffn_gate_up_exps.weight", [d, 2 * ff, ne])?;
+            stacks.push(w.tensor);
+            (0..nu)
+                .map(|e| {
+                    let x = part(&w, e, 2 * ff);
+                    (x.slice_rows(0..fu), x.slice_rows(fu..2 * fu))
+                })
+                .unzip()
+        } else if g.tensor(&n("ffn_gate_exps.weight")).is_some()
+            || g.tensor(&n("ffn_gate_exps.0.weight")).is_none()
+        {
+            // (Neither stacked nor per expert: the error names the stack.)
+            let wg = stacked("ffn_gate_exps.weight", [d, ff, ne])?;
+            let wu = stacked("ffn_up_exps.weight", [d, ff, ne])?;
+            stacks.extend([wg.tensor, wu.tensor]);
+            (0..nu)
+                .map(|e| (part(&wg, e, ff), part(&wu, e, ff)))
+                .unzip()
+        } else {
+            let one = |s: &str, e: usize| lin(g, &n(&format!("{s}.{e}.weight")), [d, ff]);
+            let mut v = (Vec::with_capacity(nu), Vec::with_capacity(nu));
+            for e in 0..nu {
+                v.0.push(one("ffn_gate_exps", e)?);
+                v.1.push(one("ffn_up_exps", e)?);
+            }
+            v
+        };
+        let down: Vec<Lin> = if g.tensor(&n("ffn_down_exps.weight")).is_some()
+            || g.tensor(&n("ffn_down_exps.0.weight")).is_none()
+        {
+            let w = stacked("ffn_down_exps.weight", [ff, d, ne])?;
+            stacks.push(w.tensor);
+            (0..nu).map(|e| part(&w, e, d)).collect()
+        } else {
+            (0..nu)
+                .map(|e| lin(g, &n(&format!("ffn_down_exps.{e}.weight")), [ff, d]))
+                .collect::<Result<_, _>>()?
+        };
+        let experts = gate
+            .into_iter()
+            .zip(up)
+            .zip(down)
+            .map(|((gate, up), down)| GatedMlp { gate, up, down })
+            .collect();
+        stacks.retain(|&t| t != usize::MAX);
         let shared = match m.n_ff_shared {
             None => None,
             Some(sf) => {
@@ -93,12 +157,10 @@ impl Ffn {
             }
         };
         Ok(Self::Moe(Box::new(Experts {
-            router: lin(g, &n("ffn_gate_inp.weight"), [d, ne])?,
-            stacked: GatedMlp {
-                gate: stacked("ffn_gate_exps.weight", [d, ff, ne])?,
-                up: stacked("ffn_up_exps.weight", [d, ff, ne])?,
-                down: stacked("ffn_down_exps.weight", [ff, d, ne])?,
-            },
+            router,
+            n_used: m.n_used_per_layer.get(l).copied().unwrap_or(m.n_used),
+            experts,
+            stacks,
             shared,
         })))
     }
@@ -263,7 +325,7 @@ impl Model {
         let Some(m) = &self.cfg.moe else {
             return Ok(());
         };
-        let (d, ne, k) = (self.cfg.n_embd, m.n_experts, m.n_used);
+        let (d, ne, k) = (self.cfg.n_embd, m.n_experts, ex.n_used);
         let slots = total * k;
         // 1-2: router scores in f32, then each token's experts and weights.
         ex.router.touch(touch);
@@ -290,7 +352,6 @@ impl Model {
             let t = slot as usize / k;
             sc.input[row * d..(row + 1) * d].copy_from_slice(&h[t * d..(t + 1) * d]);
         }
-        let ff = m.n_ff_expert;
         for e in 0..ne {
             let rows = start[e]..start[e + 1];
             if rows.is_empty() {
@@ -299,17 +360,12 @@ impl Model {
             let n = rows.len();
             // Only this expert's rows of the stacked tensors are read.
             if let Some((c, r)) = touch {
-                for w in [&ex.stacked.gate, &ex.stacked.up, &ex.stacked.down] {
-                    c.touch_part(w.tensor, e, r);
+                for &t in &ex.stacks {
+                    c.touch_part(t, e, r);
                 }
             }
-            let expert = GatedMlp {
-                gate: ex.stacked.gate.slice_rows(e * ff..(e + 1) * ff),
-                up: ex.stacked.up.slice_rows(e * ff..(e + 1) * ff),
-                down: ex.stacked.down.slice_rows(e * d..(e + 1) * d),
-            };
             self.gated_mlp(
-                &expert,
+                &ex.experts[e],
                 &sc.input[rows.start * d..rows.end * d],
                 n,
                 gate,

@@ -55,6 +55,15 @@ impl SourceTensor<'_> {
 ///   to adjacent pairs instead).
 /// - `zerolayer.norm.weight_offset` (f32): added to every RMSNorm weight as it is read (Gemma
 ///   checkpoints store `w - 1`; llama.cpp's converter adds the 1).
+/// - `zerolayer.expert_weights_norm` (bool): whether the chosen experts' weights are divided by
+///   their sum, over the family's default (Hugging Face's `norm_topk_prob`).
+/// - `zerolayer.expert_layers` (bool per layer): which layers have experts; the others run the
+///   dense `ffn_gate`/`ffn_up`/`ffn_down` of `feed_forward_length` (Qwen MoE's
+///   `mlp_only_layers`, `decoder_sparse_step`).
+///
+/// Besides llama.cpp's stacked expert tensors (`blk.L.ffn_{gate,up,down}_exps.weight`, or
+/// `ffn_gate_up_exps` with each expert's gate rows then its up rows), a source may serve each
+/// expert's matrix on its own, 2-D: `blk.L.ffn_{gate,up,down}_exps.N.weight` for expert `N`.
 ///
 /// ```
 /// use gpu_pipeline::WeightSource;
@@ -76,6 +85,12 @@ pub trait WeightSource: Send + Sync + Debug {
     fn get_bool_array(&self, key: &str) -> Option<Vec<bool>>;
     /// An array of floats.
     fn get_f32_array(&self, key: &str) -> Option<Vec<f32>>;
+    /// An array of unsigned integers (e.g. a per-layer `{arch}.expert_used_count`). The default:
+    /// none.
+    fn get_u32_array(&self, key: &str) -> Option<Vec<u32>> {
+        let _ = key;
+        None
+    }
     /// The tensor named `name` (llama.cpp's name), if present.
     fn tensor(&self, name: &str) -> Option<SourceTensor<'_>>;
     /// The bytes of file `file` (tensor data are sub-slices of these).
@@ -125,6 +140,12 @@ impl WeightSource for Gguf {
     }
     fn get_f32_array(&self, key: &str) -> Option<Vec<f32>> {
         Self::get_f32_array(self, key)
+    }
+    fn get_u32_array(&self, key: &str) -> Option<Vec<u32>> {
+        let a = self.get_array(key)?;
+        a.iter()
+            .map(|v| v.as_int().and_then(|i| u32::try_from(i).ok()))
+            .collect()
     }
     fn tensor(&self, name: &str) -> Option<SourceTensor<'_>> {
         let t = Self::tensor(self, name)?;
@@ -182,6 +203,9 @@ impl WeightSource for GgufSource {
     }
     fn get_f32_array(&self, key: &str) -> Option<Vec<f32>> {
         self.0.get_f32_array(key)
+    }
+    fn get_u32_array(&self, key: &str) -> Option<Vec<u32>> {
+        WeightSource::get_u32_array(&*self.0, key)
     }
     fn tensor(&self, name: &str) -> Option<SourceTensor<'_>> {
         WeightSource::tensor(&*self.0, name)
