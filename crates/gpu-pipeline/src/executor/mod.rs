@@ -13,10 +13,14 @@
 //! trait yet.
 
 mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 mod plan;
 mod streaming;
 
 pub use cpu::CpuExecutor;
+#[cfg(feature = "cuda")]
+pub use cuda::{CudaError, CudaExecutor, CudaOptions, DeviceStats};
 pub use plan::{
     LayerPlan, LayerWeights, Placed, Placement, PlanError, PlanOptions, StreamPlan, WeightSpan,
 };
