@@ -2,12 +2,14 @@
 
 use std::collections::HashMap;
 use std::ops::Range;
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{
     CudaContext, CudaEvent, CudaFunction, CudaSlice, CudaStream, CudaView, DeviceRepr,
     LaunchConfig, PinnedHostSlice, PushKernelArg, ValidAsZeroBits, sys,
 };
+use cudarc::nvrtc::Ptx;
 use kv_ring::{KvDtype, KvShape, KvSlices};
 use token_stream::Tokenizer;
 use weight_cache::{GgmlType, WeightCache};
@@ -34,6 +36,10 @@ pub struct CudaOptions {
     /// Device bytes for the weights; `None`: all resident. Smaller budgets stream the layers
     /// that do not fit (see [`StreamPlan`]).
     pub budget: Option<u64>,
+    /// A directory of kernels compiled beforehand (`kernels::ptx_file_name(arch)`, written by
+    /// the `cuda_ptx` example): when it holds the device's, NVRTC is not needed (the driver
+    /// loads the PTX). `scripts/gpu-check` uses it for machines without the CUDA toolkit.
+    pub ptx_dir: Option<PathBuf>,
 }
 
 impl CudaOptions {
@@ -46,6 +52,12 @@ impl CudaOptions {
     /// A weight budget in bytes.
     pub fn with_budget(mut self, bytes: u64) -> Self {
         self.budget = Some(bytes);
+        self
+    }
+
+    /// A directory of precompiled PTX (see [`CudaOptions::ptx_dir`]).
+    pub fn with_ptx_dir(mut self, dir: impl Into<PathBuf>) -> Self {
+        self.ptx_dir = Some(dir.into());
         self
     }
 }
@@ -127,6 +139,8 @@ struct Weights {
     homes: HashMap<DeviceTensor, (Home, usize)>,
     /// Per layer, its streamed tensors (empty: the layer is resident).
     uploads: Vec<Vec<Upload>>,
+    /// The plan's slot size (0 when nothing streams; the slot buffers then hold 1 byte).
+    slot_bytes: usize,
 }
 
 impl Weights {
@@ -283,7 +297,6 @@ impl CudaExecutor {
     /// kernels for it. Without a driver, NVRTC or GPU this is a typed error, never a panic.
     pub fn new(model: Arc<Model>, opts: CudaOptions) -> Result<Self, CudaError> {
         probe::driver()?;
-        probe::nvrtc()?;
         let cfg = model.config();
         let graph = model
             .device_graph()
@@ -299,7 +312,18 @@ impl CudaExecutor {
             .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)
             .map_err(CudaError::driver("compute capability"))?;
         let arch = format!("sm_{major}{minor}");
-        let ptx = kernels::compile(&arch)?;
+        let precompiled = opts
+            .ptx_dir
+            .as_ref()
+            .map(|d| d.join(kernels::ptx_file_name(&arch)))
+            .filter(|p| p.is_file());
+        let ptx = match precompiled {
+            Some(path) => match std::fs::read_to_string(&path) {
+                Ok(src) => Ptx::from_src(src),
+                Err(source) => return Err(CudaError::PtxFile { path, source }),
+            },
+            None => kernels::compile(&arch)?,
+        };
         let module = ctx
             .load_module(ptx)
             .map_err(CudaError::driver("load module"))?;
@@ -399,9 +423,7 @@ impl CudaExecutor {
             device: ctx.name().unwrap_or_default(),
             arch,
             weight_bytes,
-            weight_device_bytes: (weights.resident.len()
-                + weights.slots[0].len()
-                + weights.slots[1].len()) as u64,
+            weight_device_bytes: (weights.resident.len() + 2 * weights.slot_bytes) as u64,
             streamed_bytes_per_step: weights
                 .uploads
                 .iter()
@@ -556,6 +578,7 @@ fn upload_weights(
         ready: [None, None],
         homes,
         uploads,
+        slot_bytes,
     };
     stream
         .synchronize()

@@ -55,6 +55,12 @@ pub(crate) fn format_suffix(dtype: GgmlType) -> Option<&'static str> {
     })
 }
 
+/// The file name of [`SOURCE`]'s PTX for `arch` in a precompiled directory
+/// ([`CudaOptions::ptx_dir`](super::CudaOptions::ptx_dir)).
+pub fn ptx_file_name(arch: &str) -> String {
+    format!("zerolayer-kernels.{arch}.ptx")
+}
+
 /// Compiles [`SOURCE`] to PTX for `arch` (`"sm_80"`, `"sm_90"`: what the device reports). Loads
 /// NVRTC first ([`probe::nvrtc`]): without it this is [`CudaError::NoNvrtc`], not a panic.
 pub fn compile(arch: &str) -> Result<Ptx, CudaError> {

@@ -71,6 +71,15 @@ pub enum CudaError {
         /// NVRTC's log.
         log: String,
     },
+    /// The precompiled PTX file does not read.
+    #[error("cannot read {path}: {source}")]
+    PtxFile {
+        /// The file.
+        path: std::path::PathBuf,
+        /// The error.
+        #[source]
+        source: std::io::Error,
+    },
     /// The model uses a feature the CUDA kernels do not implement.
     #[error("the CUDA executor does not support {feature} (model {arch})")]
     Unsupported {
