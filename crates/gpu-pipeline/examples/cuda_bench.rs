@@ -3,7 +3,7 @@
 //! budgets, each beside the CPU executor's figure in the same run (ratios printed).
 //!
 //! Model: the default model when present (`ZEROLAYER_MODEL` or the cache), else a synthetic
-//! llama-shaped Q8_0 model (printed). `ZEROLAYER_CUDA_PTX_DIR`: precompiled kernels
+//! llama-shaped Q8_0 model of 40 layers (printed). `ZEROLAYER_CUDA_PTX_DIR`: precompiled kernels
 //! (`CudaOptions::ptx_dir`).
 //!
 //! `cargo run --release -p zerolayer-gpu-pipeline --features cuda --example cuda_bench`
@@ -26,14 +26,16 @@ fn gguf() -> (Arc<Gguf>, String) {
         let g = unsafe { Gguf::open(&path) }.expect("open the default model");
         return (Arc::new(g), path.display().to_string());
     }
+    // About 0.5 B parameters, the layers most of them (so 30% and 10% budgets fit the
+    // minimum working set: globals plus two layer slots).
     let dims = synthetic::Dims {
         n_embd: 1024,
         n_ff: 2816,
-        n_layers: 16,
+        n_layers: 40,
         n_heads: 16,
         n_kv_heads: 4,
         head_dim: 64,
-        vocab: 32000,
+        vocab: 8000,
         ctx: 2048,
     };
     let bytes = synthetic::build("llama", dims, 7).build();

@@ -141,8 +141,15 @@ fn cuda_exec(budget: Option<u64>) -> CudaExecutor {
     CudaExecutor::new(model(), options(budget)).unwrap_or_else(|e| panic!("{e}"))
 }
 
+/// A fixture from the crate's `tests/fixtures`; a test binary moved to another machine
+/// (`scripts/gpu-check`) runs from the repository root and finds them there.
 fn fixture(name: &str) -> Value {
-    let p = format!("{}/tests/fixtures/{name}", env!("CARGO_MANIFEST_DIR"));
+    let built = format!("{}/tests/fixtures/{name}", env!("CARGO_MANIFEST_DIR"));
+    let p = if std::path::Path::new(&built).is_file() {
+        built
+    } else {
+        format!("crates/gpu-pipeline/tests/fixtures/{name}")
+    };
     serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap()
 }
 
