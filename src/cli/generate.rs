@@ -197,6 +197,23 @@ pub(crate) fn main(a: Args) -> anyhow::Result<()> {
     }
 }
 
+/// `--executor` and `--device-budget` as a service's executor.
+pub(crate) fn executor_choice(
+    kind: ExecutorKind,
+    budget: Option<u64>,
+) -> anyhow::Result<zerolayer::ExecutorChoice> {
+    match kind {
+        ExecutorKind::Cpu if budget.is_some() => bail!("--device-budget needs --executor cuda"),
+        ExecutorKind::Cpu => Ok(zerolayer::ExecutorChoice::Cpu),
+        #[cfg(feature = "cuda")]
+        ExecutorKind::Cuda => Ok(zerolayer::ExecutorChoice::Cuda { budget }),
+        #[cfg(not(feature = "cuda"))]
+        ExecutorKind::Cuda => {
+            bail!("--executor cuda: this zerolayer was built without the `cuda` feature")
+        }
+    }
+}
+
 /// The CUDA executor on `model` (a clean error without a GPU or without the `cuda` feature).
 #[cfg(feature = "cuda")]
 fn cuda_executor(
