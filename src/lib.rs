@@ -5,7 +5,7 @@
 
 mod service;
 
-pub use service::{EngineService, LoadServiceError};
+pub use service::{EngineService, ExecutorChoice, LoadServiceError};
 
 pub use claudelink_proto;
 pub use gpu_pipeline;

@@ -17,6 +17,7 @@ use claudelink_proto::{
 use gpu_pipeline::engine::{
     Engine, EngineConfig, EngineEvent, GenerationRequest, RequestHandle, SubmitError,
 };
+use gpu_pipeline::executor::{CpuExecutor, HostedExecutor};
 use gpu_pipeline::{
     ConstraintFactory, GrammarError, Grammars, Model, ModelOptions, SamplingParams, WeightSource,
 };
@@ -54,6 +55,26 @@ pub enum LoadServiceError {
     /// The engine has no tokenizer and its model is not a GGUF file to read one from.
     #[error("the engine has no tokenizer and the model source carries none")]
     NoTokenizer,
+    /// The CUDA executor could not start (no driver, no GPU, an unsupported model).
+    #[cfg(feature = "cuda")]
+    #[error("starting the CUDA executor")]
+    Cuda(#[from] gpu_pipeline::executor::CudaError),
+}
+
+/// What runs the forward pass of an [`EngineService::load_on`].
+#[non_exhaustive]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum ExecutorChoice {
+    /// The CPU kernels.
+    #[default]
+    Cpu,
+    /// The CUDA executor (unverified on hardware until `scripts/gpu-check` passes), with this
+    /// many device bytes for the weights (`None`: all resident).
+    #[cfg(feature = "cuda")]
+    Cuda {
+        /// Device bytes for the weights.
+        budget: Option<u64>,
+    },
 }
 
 /// An [`InferenceService`] over one model served by an [`Engine`].
@@ -73,7 +94,7 @@ pub enum LoadServiceError {
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
 pub struct EngineService {
-    engine: Arc<Engine>,
+    engine: Arc<Engine<HostedExecutor>>,
     tokenizer: Arc<Tokenizer>,
     chat: Option<Arc<ChatTemplate>>,
     /// How tools reach the chat template (found once, by probing it).
@@ -120,6 +141,20 @@ impl EngineService {
         options: ModelOptions,
         cfg: EngineConfig,
     ) -> Result<Self, LoadServiceError> {
+        // SAFETY: forwarded to our caller.
+        unsafe { Self::load_on(path, options, cfg, ExecutorChoice::Cpu) }
+    }
+
+    /// [`load`](Self::load) with the forward pass on `executor`.
+    ///
+    /// # Safety
+    /// As [`load`](Self::load).
+    pub unsafe fn load_on(
+        path: &Path,
+        options: ModelOptions,
+        cfg: EngineConfig,
+        executor: ExecutorChoice,
+    ) -> Result<Self, LoadServiceError> {
         let (model, tokenizer) = if path.is_dir() {
             // SAFETY: forwarded to our caller.
             let hf = unsafe { gpu_pipeline::HfModel::open(path) }?;
@@ -136,7 +171,17 @@ impl EngineService {
             (model, tokenizer)
         };
         let tokenizer = Arc::new(tokenizer);
-        let engine = Engine::new(Arc::new(model), Some(tokenizer.clone()), cfg)?;
+        let model = Arc::new(model);
+        let exec: HostedExecutor = match executor {
+            ExecutorChoice::Cpu => CpuExecutor::new(model).into(),
+            #[cfg(feature = "cuda")]
+            ExecutorChoice::Cuda { budget } => {
+                let mut opts = gpu_pipeline::executor::CudaOptions::default();
+                opts.budget = budget;
+                gpu_pipeline::executor::CudaExecutor::new(model, opts)?.into()
+            }
+        };
+        let engine = Engine::with_executor(Arc::new(exec), Some(tokenizer.clone()), cfg)?;
         Self::new(engine)
     }
 
@@ -147,7 +192,7 @@ impl EngineService {
     /// file (or directory) name without its extension ([`WeightSource::model_name`]), else
     /// `"model"`.
     /// [`with_model_id`](Self::with_model_id) overrides it.
-    pub fn new(engine: Engine) -> Result<Self, LoadServiceError> {
+    pub fn new(engine: Engine<HostedExecutor>) -> Result<Self, LoadServiceError> {
         let tokenizer = match engine.tokenizer() {
             Some(t) => t.clone(),
             None => match engine.model().gguf() {
@@ -298,7 +343,7 @@ impl EngineService {
     }
 
     /// The engine.
-    pub fn engine(&self) -> &Engine {
+    pub fn engine(&self) -> &Engine<HostedExecutor> {
         &self.engine
     }
 
@@ -327,7 +372,7 @@ impl EngineService {
 
 /// Tokenizer, chat template and engine: what a [`PromptPool`] job needs.
 struct PromptParts {
-    engine: Arc<Engine>,
+    engine: Arc<Engine<HostedExecutor>>,
     tokenizer: Arc<Tokenizer>,
     chat: Option<Arc<ChatTemplate>>,
     tool_syntax: ToolSyntax,

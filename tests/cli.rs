@@ -118,6 +118,35 @@ fn generate_prints_json_with_the_ids_it_generated() {
     assert_eq!(w["ids"], v["ids"]);
 }
 
+/// `--executor cuda` on a machine without a driver: a one-line typed error naming what was
+/// looked for, exit status 1, no panic (SKIPPED where libcuda loads).
+#[cfg(feature = "cuda")]
+#[test]
+fn generate_with_executor_cuda_without_a_driver_fails_cleanly() {
+    if gpu_pipeline::executor::cuda::probe_driver().is_ok() {
+        eprintln!("SKIPPED: this machine has libcuda");
+        return;
+    }
+    let out = zerolayer(&[
+        "generate",
+        "--executor",
+        "cuda",
+        "--prompt",
+        "Hi",
+        "--max-tokens",
+        "2",
+    ])
+    .output()
+    .unwrap();
+    let stderr = String::from_utf8(out.stderr).unwrap();
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("--executor cuda: no CUDA driver: libcuda not found (tried libcuda.so"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("panicked"), "{stderr}");
+}
+
 #[test]
 fn tokenize_turns_json_lines_into_ids() {
     let (out, _) = ok(run_with_stdin(

@@ -87,6 +87,23 @@ pub(crate) struct Args {
     /// Access profile: loaded before (when it exists) and saved after generating.
     #[arg(long)]
     weight_profile: Option<PathBuf>,
+    /// What runs the forward pass: `cpu` (the SIMD kernels) or `cuda` (an NVIDIA GPU; unverified
+    /// on hardware until scripts/gpu-check has passed).
+    #[arg(long, value_enum, default_value_t = ExecutorKind::Cpu)]
+    executor: ExecutorKind,
+    /// With --executor cuda: device bytes for the weights; the layers that do not fit stream
+    /// from host memory every step (default: all resident).
+    #[arg(long)]
+    device_budget: Option<u64>,
+}
+
+/// `--executor`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub(crate) enum ExecutorKind {
+    /// The CPU kernels.
+    Cpu,
+    /// The CUDA executor (needs the `cuda` feature, on by default, and a GPU at run time).
+    Cuda,
 }
 
 /// `zerolayer perplexity`.
@@ -176,8 +193,51 @@ pub(crate) fn main(a: Args) -> anyhow::Result<()> {
     if a.score {
         score(&loaded.model, &prompt, a.top_k.unwrap_or(5))
     } else {
-        generate(&a, &loaded, &prompt)
+        generate(&a, loaded, &prompt)
     }
+}
+
+/// `--executor` and `--device-budget` as a service's executor.
+pub(crate) fn executor_choice(
+    kind: ExecutorKind,
+    budget: Option<u64>,
+) -> anyhow::Result<zerolayer::ExecutorChoice> {
+    match kind {
+        ExecutorKind::Cpu if budget.is_some() => bail!("--device-budget needs --executor cuda"),
+        ExecutorKind::Cpu => Ok(zerolayer::ExecutorChoice::Cpu),
+        #[cfg(feature = "cuda")]
+        ExecutorKind::Cuda => Ok(zerolayer::ExecutorChoice::Cuda { budget }),
+        #[cfg(not(feature = "cuda"))]
+        ExecutorKind::Cuda => {
+            bail!("--executor cuda: this zerolayer was built without the `cuda` feature")
+        }
+    }
+}
+
+/// The CUDA executor on `model` (a clean error without a GPU or without the `cuda` feature).
+#[cfg(feature = "cuda")]
+fn cuda_executor(
+    model: &Arc<Model>,
+    budget: Option<u64>,
+) -> anyhow::Result<Box<dyn gpu_pipeline::executor::Executor>> {
+    let mut opts = gpu_pipeline::executor::CudaOptions::default();
+    opts.budget = budget;
+    let exec = gpu_pipeline::executor::CudaExecutor::new(model.clone(), opts)
+        .map_err(|e| anyhow::anyhow!("--executor cuda: {e}"))?;
+    let st = exec.stats();
+    eprintln!(
+        "cuda: {} ({}), {} of {} weight bytes on the device, {} streamed per step",
+        st.device, st.arch, st.weight_device_bytes, st.weight_bytes, st.streamed_bytes_per_step
+    );
+    Ok(Box::new(exec))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_executor(
+    _model: &Arc<Model>,
+    _budget: Option<u64>,
+) -> anyhow::Result<Box<dyn gpu_pipeline::executor::Executor>> {
+    bail!("--executor cuda: this zerolayer was built without the `cuda` feature")
 }
 
 /// The prompt's token ids from `--prompt-ids`, `--chat` or `--prompt`.
@@ -267,8 +327,16 @@ fn budgeted_cache(
 }
 
 /// Generates from `prompt`, streaming the text to stdout unless `--json`.
-fn generate(a: &Args, loaded: &LoadedModel, prompt: &[u32]) -> anyhow::Result<()> {
-    let (model, tok) = (&loaded.model, &loaded.tokenizer);
+fn generate(a: &Args, loaded: LoadedModel, prompt: &[u32]) -> anyhow::Result<()> {
+    let LoadedModel { model, tokenizer } = loaded;
+    let (model, tok) = (Arc::new(model), &tokenizer);
+    if a.executor == ExecutorKind::Cpu && a.device_budget.is_some() {
+        bail!("--device-budget needs --executor cuda");
+    }
+    let device = match a.executor {
+        ExecutorKind::Cpu => None,
+        ExecutorKind::Cuda => Some(cuda_executor(&model, a.device_budget)?),
+    };
     let sampling = SamplingParams::default()
         .with_temperature(a.temperature)
         .with_top_k(a.top_k.unwrap_or(0))
@@ -285,17 +353,17 @@ fn generate(a: &Args, loaded: &LoadedModel, prompt: &[u32]) -> anyhow::Result<()
     }
     let stop = Arc::new(AtomicBool::new(false));
     let cache = match a.weight_budget {
-        Some(f) => Some(budgeted_cache(model, f, a.weight_profile.as_ref(), &stop)?),
+        Some(f) => Some(budgeted_cache(&model, f, a.weight_profile.as_ref(), &stop)?),
         None => None,
     };
     let cap = (prompt.len() + a.max_tokens)
         .min(model.config().context_length)
         .max(prompt.len() + 1);
-    let mut kv = new_ring(model, cap, KvDtype::F16)?;
+    let mut kv = new_ring(&model, cap, KvDtype::F16)?;
     let stream = !a.json;
     let mut pending = Vec::new();
     let mut out = std::io::stdout();
-    let g = model.generate(&mut kv, prompt, &opts, Some(tok), &mut |t| {
+    let mut on_token = |t| {
         if stream && let Some(b) = tok.token_bytes(t) {
             pending.extend_from_slice(b);
             // Print whole UTF-8 prefixes as they complete.
@@ -307,7 +375,13 @@ fn generate(a: &Args, loaded: &LoadedModel, prompt: &[u32]) -> anyhow::Result<()
             let _ = out.flush();
             pending.drain(..valid);
         }
-    })?;
+    };
+    let g = match &device {
+        None => model.generate(&mut kv, prompt, &opts, Some(tok), &mut on_token)?,
+        Some(exec) => {
+            gpu_pipeline::generate_with(&**exec, &mut kv, prompt, &opts, Some(tok), &mut on_token)?
+        }
+    };
     if a.json {
         println!(
             "{}",

@@ -89,6 +89,14 @@ pub(crate) struct Args {
     /// when idle.
     #[arg(long, value_parser = zerolayer::parse_byte_size)]
     weight_budget: Option<u64>,
+    /// What runs the forward pass: `cpu` or `cuda` (an NVIDIA GPU; unverified on hardware until
+    /// scripts/gpu-check has passed).
+    #[arg(long, value_enum, default_value_t = super::generate::ExecutorKind::Cpu)]
+    executor: super::generate::ExecutorKind,
+    /// With --executor cuda: device bytes for the weights, e.g. 2G; the layers that do not fit
+    /// stream from host memory every step (default: all resident).
+    #[arg(long, value_parser = zerolayer::parse_byte_size)]
+    device_budget: Option<u64>,
     /// KV-cache budget, e.g. 256M (default: the engine's).
     #[arg(long, value_parser = zerolayer::parse_byte_size)]
     kv_budget: Option<u64>,
@@ -173,7 +181,8 @@ fn build_service(args: &Args) -> anyhow::Result<(Arc<EngineService>, PathBuf)> {
     }
     // SAFETY: the model file is not modified while the server runs (if it is, /health turns
     // 503 within a second, and a read past a truncation dies of SIGBUS naming the file).
-    let mut svc = unsafe { EngineService::load(&model, options, engine_cfg) }
+    let executor = super::generate::executor_choice(args.executor, args.device_budget)?;
+    let mut svc = unsafe { EngineService::load_on(&model, options, engine_cfg, executor) }
         .with_context(|| format!("loading {}", model.display()))?;
     if let Some(id) = &args.model_id {
         svc = svc.with_model_id(id.as_str());

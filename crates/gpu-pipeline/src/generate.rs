@@ -5,6 +5,7 @@ use std::time::{Duration, Instant};
 use kv_ring::KvRing;
 use token_stream::Tokenizer;
 
+use crate::executor::Executor;
 use crate::model::{ForwardError, LogitsWanted, Model, SeqStep};
 use crate::sampling::{Sampler, SamplingParams, StopMatcher, StopReason};
 
@@ -124,99 +125,145 @@ impl Model {
         tokenizer: Option<&Tokenizer>,
         on_token: &mut dyn FnMut(u32),
     ) -> Result<Generation, GenerateError> {
-        if prompt.is_empty() {
-            return Err(GenerateError::EmptyPrompt);
-        }
-        if opts.prefill_chunk == 0 {
-            return Err(GenerateError::ZeroPrefillChunk);
-        }
-        let stops = StopMatcher::new(opts.stop_sequences.iter().cloned());
-        if !stops.is_empty() && tokenizer.is_none() {
-            return Err(GenerateError::StopSequencesNeedTokenizer);
-        }
-        let stop_tokens = opts
-            .stop_tokens
-            .clone()
-            .unwrap_or_else(|| self.stop_tokens_with(tokenizer));
-        let t0 = Instant::now();
-        let mut res = Generation {
-            prompt_tokens: prompt.len(),
-            ids: Vec::new(),
-            text: tokenizer.map(|_| String::new()),
-            stop_reason: StopReason::MaxTokens,
-            time_to_first_token: Duration::ZERO,
-            decode_time: Duration::ZERO,
-        };
-        if opts.max_tokens == 0 {
-            return Ok(res);
-        }
-        let mut logits = Vec::new();
-        let chunks: Vec<&[u32]> = prompt.chunks(opts.prefill_chunk).collect();
-        for (i, c) in chunks.iter().enumerate() {
-            let want = if i + 1 == chunks.len() {
-                LogitsWanted::Last
-            } else {
-                LogitsWanted::None
-            };
-            self.forward(
-                &mut [SeqStep {
-                    tokens: c,
-                    kv,
-                    logits: want,
-                }],
-                &mut logits,
-            )?;
-        }
-        let mut sampler = Sampler::new(opts.sampling.clone());
-        let mut history: Vec<u32> = Vec::with_capacity(prompt.len() + opts.max_tokens);
-        history.extend_from_slice(prompt);
-        let mut bytes: Vec<u8> = Vec::new();
-        let mut first = true;
-        let mut t_first = t0;
-        loop {
-            let tok = sampler.sample(&logits, &history);
-            if first {
-                t_first = Instant::now();
-                res.time_to_first_token = t_first - t0;
-                first = false;
-            }
-            if stop_tokens.contains(&tok) {
-                res.stop_reason = StopReason::EndTurn;
-                break;
-            }
-            res.ids.push(tok);
-            history.push(tok);
-            on_token(tok);
-            if let Some(tk) = tokenizer {
-                if let Some(b) = tk.token_bytes(tok) {
-                    bytes.extend_from_slice(b);
-                }
-                if !stops.is_empty() {
-                    let text = String::from_utf8_lossy(&bytes);
-                    if let Some((_, at)) = stops.find(&text) {
-                        res.text = Some(text[..at].to_string());
-                        res.stop_reason = StopReason::StopSequence;
-                        break;
-                    }
-                }
-            }
-            if res.ids.len() >= opts.max_tokens {
-                res.stop_reason = StopReason::MaxTokens;
-                break;
-            }
-            self.forward(
-                &mut [SeqStep {
-                    tokens: &[tok],
-                    kv,
-                    logits: LogitsWanted::Last,
-                }],
-                &mut logits,
-            )?;
-        }
-        res.decode_time = t_first.elapsed();
-        if res.stop_reason != StopReason::StopSequence && tokenizer.is_some() {
-            res.text = Some(String::from_utf8_lossy(&bytes).into_owned());
-        }
-        Ok(res)
+        run(
+            &|steps, logits| self.forward(steps, logits),
+            &|t| self.stop_tokens_with(t),
+            kv,
+            prompt,
+            opts,
+            tokenizer,
+            on_token,
+        )
     }
+}
+
+/// [`Model::generate`] on any [`Executor`] (the CUDA one, say): the same prefill, sampling and
+/// stop rules.
+pub fn generate_with<E: Executor + ?Sized>(
+    exec: &E,
+    kv: &mut KvRing,
+    prompt: &[u32],
+    opts: &GenerateOptions,
+    tokenizer: Option<&Tokenizer>,
+    on_token: &mut dyn FnMut(u32),
+) -> Result<Generation, GenerateError> {
+    run(
+        &|steps, logits| exec.forward(steps, logits),
+        &|t| exec.stop_tokens_with(t),
+        kv,
+        prompt,
+        opts,
+        tokenizer,
+        on_token,
+    )
+}
+
+/// A forward pass over a batch of steps.
+type ForwardFn<'a> = dyn Fn(&mut [SeqStep<'_>], &mut Vec<f32>) -> Result<(), ForwardError> + 'a;
+
+/// The generation loop over `forward`; `default_stops` gives the stop tokens when `opts` has
+/// none.
+fn run(
+    forward: &ForwardFn<'_>,
+    default_stops: &dyn Fn(Option<&Tokenizer>) -> Vec<u32>,
+    kv: &mut KvRing,
+    prompt: &[u32],
+    opts: &GenerateOptions,
+    tokenizer: Option<&Tokenizer>,
+    on_token: &mut dyn FnMut(u32),
+) -> Result<Generation, GenerateError> {
+    if prompt.is_empty() {
+        return Err(GenerateError::EmptyPrompt);
+    }
+    if opts.prefill_chunk == 0 {
+        return Err(GenerateError::ZeroPrefillChunk);
+    }
+    let stops = StopMatcher::new(opts.stop_sequences.iter().cloned());
+    if !stops.is_empty() && tokenizer.is_none() {
+        return Err(GenerateError::StopSequencesNeedTokenizer);
+    }
+    let stop_tokens = opts
+        .stop_tokens
+        .clone()
+        .unwrap_or_else(|| default_stops(tokenizer));
+    let t0 = Instant::now();
+    let mut res = Generation {
+        prompt_tokens: prompt.len(),
+        ids: Vec::new(),
+        text: tokenizer.map(|_| String::new()),
+        stop_reason: StopReason::MaxTokens,
+        time_to_first_token: Duration::ZERO,
+        decode_time: Duration::ZERO,
+    };
+    if opts.max_tokens == 0 {
+        return Ok(res);
+    }
+    let mut logits = Vec::new();
+    let chunks: Vec<&[u32]> = prompt.chunks(opts.prefill_chunk).collect();
+    for (i, c) in chunks.iter().enumerate() {
+        let want = if i + 1 == chunks.len() {
+            LogitsWanted::Last
+        } else {
+            LogitsWanted::None
+        };
+        forward(
+            &mut [SeqStep {
+                tokens: c,
+                kv,
+                logits: want,
+            }],
+            &mut logits,
+        )?;
+    }
+    let mut sampler = Sampler::new(opts.sampling.clone());
+    let mut history: Vec<u32> = Vec::with_capacity(prompt.len() + opts.max_tokens);
+    history.extend_from_slice(prompt);
+    let mut bytes: Vec<u8> = Vec::new();
+    let mut first = true;
+    let mut t_first = t0;
+    loop {
+        let tok = sampler.sample(&logits, &history);
+        if first {
+            t_first = Instant::now();
+            res.time_to_first_token = t_first - t0;
+            first = false;
+        }
+        if stop_tokens.contains(&tok) {
+            res.stop_reason = StopReason::EndTurn;
+            break;
+        }
+        res.ids.push(tok);
+        history.push(tok);
+        on_token(tok);
+        if let Some(tk) = tokenizer {
+            if let Some(b) = tk.token_bytes(tok) {
+                bytes.extend_from_slice(b);
+            }
+            if !stops.is_empty() {
+                let text = String::from_utf8_lossy(&bytes);
+                if let Some((_, at)) = stops.find(&text) {
+                    res.text = Some(text[..at].to_string());
+                    res.stop_reason = StopReason::StopSequence;
+                    break;
+                }
+            }
+        }
+        if res.ids.len() >= opts.max_tokens {
+            res.stop_reason = StopReason::MaxTokens;
+            break;
+        }
+        forward(
+            &mut [SeqStep {
+                tokens: &[tok],
+                kv,
+                logits: LogitsWanted::Last,
+            }],
+            &mut logits,
+        )?;
+    }
+    res.decode_time = t_first.elapsed();
+    if res.stop_reason != StopReason::StopSequence && tokenizer.is_some() {
+        res.text = Some(String::from_utf8_lossy(&bytes).into_owned());
+    }
+    Ok(res)
 }

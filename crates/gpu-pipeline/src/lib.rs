@@ -19,7 +19,7 @@ pub use constraint::{Constraint, ConstraintError, ConstraintFactory};
 pub use engine::{
     Engine, EngineConfig, EngineEvent, GenerationRequest, RequestHandle, SubmitError,
 };
-pub use generate::{GenerateError, GenerateOptions, Generation};
+pub use generate::{GenerateError, GenerateOptions, Generation, generate_with};
 pub use grammar::{GrammarError, Grammars};
 pub use model::attention::attend_rows;
 pub use model::hf;

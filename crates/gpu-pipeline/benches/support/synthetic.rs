@@ -108,6 +108,23 @@ pub(crate) fn build_with(
     skip: &[&str],
     set: &[(&str, Meta)],
 ) -> GgufBuilder {
+    build_full(arch, d, seed, skip, set, GgmlType::Q8_0)
+}
+
+/// [`build`] with its matrices in `matrices` (the Q8_0 ones dequantized and requantized: the
+/// same values up to the format's rounding), for kernels of other formats.
+pub(crate) fn build_in(arch: &str, d: Dims, seed: u64, matrices: GgmlType) -> GgufBuilder {
+    build_full(arch, d, seed, &[], &[], matrices)
+}
+
+fn build_full(
+    arch: &str,
+    d: Dims,
+    seed: u64,
+    skip: &[&str],
+    set: &[(&str, Meta)],
+    matrices: GgmlType,
+) -> GgufBuilder {
     let mut rng = Rng(0x9E37_79B9_7F4A_7C15 ^ seed);
     let moe = arch.ends_with("moe") || arch == "llama-moe";
     let arch = if arch == "llama-moe" { "llama" } else { arch };
@@ -192,6 +209,11 @@ pub(crate) fn build_with(
     let t = |b: GgufBuilder, name: String, dtype: GgmlType, shape: &[u64], data: Vec<u8>| {
         if skip.contains(&name.as_str()) {
             b
+        } else if dtype == GgmlType::Q8_0 && matrices != GgmlType::Q8_0 {
+            let mut f = vec![0f32; data.len() / 34 * 32];
+            weight_cache::dequantize(dtype, &data, &mut f).expect("Q8_0");
+            let q = weight_cache::quantize(matrices, &f).expect("a quantizable format");
+            b.tensor(&name, matrices, shape, q)
         } else {
             b.tensor(&name, dtype, shape, data)
         }

@@ -45,7 +45,7 @@ use token_stream::{StreamDecoder, Tokenizer};
 use crate::constraint::{
     Constrained, ConstraintError, ConstraintFactory, MaskFiller, SharedConstrained, lock,
 };
-use crate::executor::{CpuExecutor, Executor};
+use crate::executor::{CpuExecutor, Executor, HostedExecutor};
 use crate::model::{LogitsWanted, Model, SeqStep};
 use crate::sampling::{Sampler, SamplingParams, StopReason, TokenLogprobs};
 
@@ -469,6 +469,13 @@ impl Engine<CpuExecutor> {
     }
 
     /// The model.
+    pub fn model(&self) -> &Arc<Model> {
+        self.model.model()
+    }
+}
+
+impl Engine<HostedExecutor> {
+    /// The model (on whichever executor runs it).
     pub fn model(&self) -> &Arc<Model> {
         self.model.model()
     }

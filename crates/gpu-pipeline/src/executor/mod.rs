@@ -13,10 +13,16 @@
 //! trait yet.
 
 mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
+mod hosted;
 mod plan;
 mod streaming;
 
 pub use cpu::CpuExecutor;
+#[cfg(feature = "cuda")]
+pub use cuda::{CudaError, CudaExecutor, CudaOptions, DeviceStats};
+pub use hosted::HostedExecutor;
 pub use plan::{
     LayerPlan, LayerWeights, Placed, Placement, PlanError, PlanOptions, StreamPlan, WeightSpan,
 };

@@ -4,6 +4,8 @@
 
 pub(crate) mod attention;
 mod config;
+#[cfg(feature = "cuda")]
+pub(crate) mod device;
 pub mod hf;
 mod moe;
 mod ops;
@@ -256,6 +258,10 @@ pub enum ForwardError {
     /// A kernel rejected its operands (an internal shape bug; never expected).
     #[error("kernel error: {0}")]
     Kernel(#[from] KernelError),
+    /// A device executor failed (for the CUDA executor, a `CudaError`: driver error, out of
+    /// device memory). The rings may hold the step's pending chunk.
+    #[error("device error: {0}")]
+    Device(Box<dyn std::error::Error + Send + Sync>),
 }
 
 /// Which logits a [`SeqStep`] wants back.
@@ -1013,7 +1019,7 @@ impl Model {
     }
 
     /// Checks every step before anything is computed or any ring changed.
-    fn validate(&self, steps: &[SeqStep<'_>]) -> Result<(), ForwardError> {
+    pub(crate) fn validate(&self, steps: &[SeqStep<'_>]) -> Result<(), ForwardError> {
         let cfg = &self.cfg;
         for (i, s) in steps.iter().enumerate() {
             let n = s.tokens.len();

@@ -1,0 +1,203 @@
+//! The CUDA executor's bench for `scripts/gpu-check` (needs a GPU): prefill and decode tok/s,
+//! 100-concurrent decode throughput, and device bytes + decode tok/s at 100% / 30% / 10% weight
+//! budgets, each beside the CPU executor's figure in the same run (ratios printed).
+//!
+//! Model: the default model when present (`ZEROLAYER_MODEL` or the cache), else a synthetic
+//! llama-shaped Q8_0 model of 40 layers (printed). `ZEROLAYER_CUDA_PTX_DIR`: precompiled kernels
+//! (`CudaOptions::ptx_dir`).
+//!
+//! `cargo run --release -p zerolayer-gpu-pipeline --features cuda --example cuda_bench`
+
+#[path = "../benches/support/synthetic.rs"]
+#[allow(unreachable_pub)]
+mod synthetic;
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use gpu_pipeline::executor::{CpuExecutor, CudaExecutor, CudaOptions, Executor};
+use gpu_pipeline::{LogitsWanted, Model, ModelOptions, SeqStep};
+use kv_ring::{KvDtype, KvPool, RingMode};
+use weight_cache::Gguf;
+
+fn gguf() -> (Arc<Gguf>, String) {
+    if let Ok(path) = weight_cache::locate_default_model() {
+        // SAFETY: the model file is not modified while the bench runs.
+        let g = unsafe { Gguf::open(&path) }.expect("open the default model");
+        return (Arc::new(g), path.display().to_string());
+    }
+    // About 0.5 B parameters, the layers most of them (so 30% and 10% budgets fit the
+    // minimum working set: globals plus two layer slots).
+    let dims = synthetic::Dims {
+        n_embd: 1024,
+        n_ff: 2816,
+        n_layers: 40,
+        n_heads: 16,
+        n_kv_heads: 4,
+        head_dim: 64,
+        vocab: 8000,
+        ctx: 2048,
+    };
+    let bytes = synthetic::build("llama", dims, 7).build();
+    let g = Gguf::from_bytes(bytes).expect("synthetic model");
+    (Arc::new(g), format!("synthetic llama {dims:?}"))
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// Tokens per second of `f` (which processes `tokens` tokens), median of `reps`.
+fn rate(reps: usize, tokens: usize, mut f: impl FnMut()) -> f64 {
+    median(
+        (0..reps)
+            .map(|_| {
+                let t0 = Instant::now();
+                f();
+                tokens as f64 / t0.elapsed().as_secs_f64()
+            })
+            .collect(),
+    )
+}
+
+fn ids(n: usize, vocab: usize, seed: usize) -> Vec<u32> {
+    (0..n)
+        .map(|i| ((i * 977 + seed * 131 + 13) % vocab) as u32)
+        .collect()
+}
+
+/// (prefill tok/s of a 512-token prompt, decode tok/s of one sequence over 64 steps).
+fn single(exec: &impl Executor) -> (f64, f64) {
+    let vocab = exec.config().vocab_size;
+    let shape = exec.kv_shape(KvDtype::F16);
+    let pool = KvPool::new(shape, 640 * shape.bytes_per_token()).unwrap();
+    let prompt = ids(512, vocab, 1);
+    let mut out = Vec::new();
+    let prefill = rate(3, prompt.len(), || {
+        let mut kv = pool.alloc(640, RingMode::Strict).unwrap();
+        let step = SeqStep {
+            tokens: &prompt,
+            kv: &mut kv,
+            logits: LogitsWanted::Last,
+        };
+        exec.forward(&mut [step], &mut out).unwrap();
+    });
+    let decode = rate(3, 64, || {
+        let mut kv = pool.alloc(640, RingMode::Strict).unwrap();
+        let step = SeqStep {
+            tokens: &prompt[..32],
+            kv: &mut kv,
+            logits: LogitsWanted::Last,
+        };
+        exec.forward(&mut [step], &mut out).unwrap();
+        for t in 0..64 {
+            let tok = [(t * 7 + 3) as u32 % vocab as u32];
+            let step = SeqStep {
+                tokens: &tok,
+                kv: &mut kv,
+                logits: LogitsWanted::Last,
+            };
+            exec.forward(&mut [step], &mut out).unwrap();
+        }
+    });
+    (prefill, decode)
+}
+
+/// Decode tok/s of 100 sequences stepping together (16-token prompts, 32 steps).
+fn concurrent(exec: &impl Executor) -> f64 {
+    const N: usize = 100;
+    let vocab = exec.config().vocab_size;
+    let shape = exec.kv_shape(KvDtype::F16);
+    let pool = KvPool::new(shape, N * 64 * shape.bytes_per_token()).unwrap();
+    let mut rings: Vec<_> = (0..N)
+        .map(|_| pool.alloc(64, RingMode::Strict).unwrap())
+        .collect();
+    let prompts: Vec<Vec<u32>> = (0..N).map(|s| ids(16, vocab, s)).collect();
+    let mut out = Vec::new();
+    let mut steps: Vec<SeqStep<'_>> = rings
+        .iter_mut()
+        .zip(&prompts)
+        .map(|(kv, p)| SeqStep {
+            tokens: p,
+            kv,
+            logits: LogitsWanted::Last,
+        })
+        .collect();
+    exec.forward(&mut steps, &mut out).unwrap();
+    drop(steps);
+    let toks: Vec<[u32; 1]> = (0..N)
+        .map(|s| [(s * 13 + 1) as u32 % vocab as u32])
+        .collect();
+    let t0 = Instant::now();
+    for _ in 0..32 {
+        let mut steps: Vec<SeqStep<'_>> = rings
+            .iter_mut()
+            .zip(&toks)
+            .map(|(kv, t)| SeqStep {
+                tokens: t,
+                kv,
+                logits: LogitsWanted::Last,
+            })
+            .collect();
+        exec.forward(&mut steps, &mut out).unwrap();
+    }
+    (N * 32) as f64 / t0.elapsed().as_secs_f64()
+}
+
+fn cuda(model: &Arc<Model>, budget: Option<u64>) -> Result<CudaExecutor, String> {
+    let mut opts = CudaOptions::default();
+    opts.budget = budget;
+    opts.ptx_dir = std::env::var_os("ZEROLAYER_CUDA_PTX_DIR").map(Into::into);
+    CudaExecutor::new(model.clone(), opts).map_err(|e| e.to_string())
+}
+
+fn main() {
+    let (g, what) = gguf();
+    let model = Arc::new(Model::load(g, ModelOptions::default()).expect("load"));
+    println!("model: {what}");
+    println!("cpu threads: {}", model.pool().n_threads());
+    let cpu = CpuExecutor::new(model.clone());
+    let gpu = cuda(&model, None).unwrap_or_else(|e| panic!("{e}"));
+    let st = gpu.stats();
+    println!(
+        "device: {} ({}), weights {} bytes",
+        st.device, st.arch, st.weight_bytes
+    );
+
+    let (cp, cd) = single(&cpu);
+    let (gp, gd) = single(&gpu);
+    println!(
+        "prefill 512 tok/s: cuda {gp:.0}, cpu {cp:.0}, ratio {:.2}",
+        gp / cp
+    );
+    println!(
+        "decode tok/s (1 seq): cuda {gd:.1}, cpu {cd:.1}, ratio {:.2}",
+        gd / cd
+    );
+    let (cc, gc) = (concurrent(&cpu), concurrent(&gpu));
+    println!(
+        "100-concurrent decode tok/s: cuda {gc:.0}, cpu {cc:.0}, ratio {:.2}",
+        gc / cc
+    );
+    let weights = st.weight_bytes;
+    drop(gpu);
+    for pct in [100u64, 30, 10] {
+        match cuda(&model, Some(weights * pct / 100)) {
+            Ok(exec) => {
+                let (_, d) = single(&exec);
+                let c = concurrent(&exec);
+                let st = exec.stats();
+                println!(
+                    "budget {pct}%: device weight bytes {} ({:.1}% of weights), streamed/step {}, decode tok/s {d:.1} ({:.2} of resident), 100-conc tok/s {c:.0} ({:.2} of resident)",
+                    st.weight_device_bytes,
+                    100.0 * st.weight_device_bytes as f64 / weights as f64,
+                    st.streamed_bytes_per_step,
+                    d / gd,
+                    c / gc,
+                );
+            }
+            Err(e) => println!("budget {pct}%: refused: {e}"),
+        }
+    }
+}

@@ -1,0 +1,365 @@
+// zerolayer's CUDA kernels, compiled at run time with NVRTC (no headers: nothing is #included, so
+// the NVRTC wheel alone compiles them). Each kernel mirrors a CPU function named in its comment;
+// the arithmetic is the same formula, not the same bits (summation orders differ).
+//
+// Layouts: activations are row-major f32 `[token][width]`; weights are the GGUF rows as they are
+// in the file (`row_bytes` apart); `u32` sizes throughout (the host checks they fit).
+
+typedef unsigned char u8;
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+// The weight formats (must match `WeightFormat` in kernels.rs).
+#define FMT_F32 0
+#define FMT_F16 1
+#define FMT_BF16 2
+#define FMT_Q4_0 3
+#define FMT_Q4_1 4
+#define FMT_Q8_0 5
+
+__device__ __forceinline__ float f16_bits_to_f32(u16 h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+
+// GGUF blocks are packed (a Q4_1 block is 20 bytes): read 16-bit fields byte by byte.
+__device__ __forceinline__ u16 load_u16(const u8* p) {
+    return (u16)((u32)p[0] | ((u32)p[1] << 8));
+}
+
+__device__ __forceinline__ float load_f16(const u8* p) { return f16_bits_to_f32(load_u16(p)); }
+
+__device__ __forceinline__ float load_bf16(const u8* p) {
+    return __int_as_float((int)((u32)load_u16(p) << 16));
+}
+
+__device__ __forceinline__ float load_f32(const u8* p) {
+    return __int_as_float((int)((u32)p[0] | ((u32)p[1] << 8) | ((u32)p[2] << 16) | ((u32)p[3] << 24)));
+}
+
+// Elements [32 b, 32 b + 32) of one weight row into `out`, dequantized (weight_cache::dequantize):
+// Q4_0 `(q - 8) d`, Q4_1 `q d + m`, Q8_0 `q d`, low nibbles first then high nibbles. Float
+// formats give 0 past `cols` (quantized rows are whole blocks).
+template <int FMT>
+__device__ __forceinline__ void load32(const u8* row, u32 b, u32 cols, float* out) {
+    if (FMT == FMT_Q4_0) {
+        const u8* blk = row + (u64)b * 18;
+        const float d = load_f16(blk);
+        const u8* q = blk + 2;
+#pragma unroll
+        for (int i = 0; i < 16; i++) {
+            out[i] = (float)((int)(q[i] & 15) - 8) * d;
+            out[i + 16] = (float)((int)(q[i] >> 4) - 8) * d;
+        }
+    } else if (FMT == FMT_Q4_1) {
+        const u8* blk = row + (u64)b * 20;
+        const float d = load_f16(blk);
+        const float m = load_f16(blk + 2);
+        const u8* q = blk + 4;
+#pragma unroll
+        for (int i = 0; i < 16; i++) {
+            out[i] = (float)(q[i] & 15) * d + m;
+            out[i + 16] = (float)(q[i] >> 4) * d + m;
+        }
+    } else if (FMT == FMT_Q8_0) {
+        const u8* blk = row + (u64)b * 34;
+        const float d = load_f16(blk);
+        const signed char* q = (const signed char*)(blk + 2);
+#pragma unroll
+        for (int i = 0; i < 32; i++) {
+            out[i] = (float)q[i] * d;
+        }
+    } else {
+#pragma unroll
+        for (int i = 0; i < 32; i++) {
+            const u32 c = b * 32 + i;
+            float v = 0.0f;
+            if (c < cols) {
+                if (FMT == FMT_F32) {
+                    v = load_f32(row + (u64)c * 4);
+                } else if (FMT == FMT_F16) {
+                    v = load_f16(row + (u64)c * 2);
+                } else {
+                    v = load_bf16(row + (u64)c * 2);
+                }
+            }
+            out[i] = v;
+        }
+    }
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        v += __shfl_xor_sync(0xffffffffu, v, o);
+    }
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    }
+    return v;
+}
+
+// Block-wide sum and max (blockDim.x a multiple of 32, at most 1024); every thread gets the
+// result. `red` is 32 floats of shared memory; the calls synchronize the block.
+__device__ float block_sum(float v, float* red) {
+    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    v = warp_sum(v);
+    __syncthreads();
+    if (lane == 0) red[warp] = v;
+    __syncthreads();
+    float s = 0.0f;
+    for (u32 w = 0; w < warps; w++) s += red[w];
+    return s;
+}
+
+__device__ float block_max(float v, float* red) {
+    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    v = warp_max(v);
+    __syncthreads();
+    if (lane == 0) red[warp] = v;
+    __syncthreads();
+    float m = -__int_as_float(0x7f800000);
+    for (u32 w = 0; w < warps; w++) m = fmaxf(m, red[w]);
+    return m;
+}
+
+// ---- Matrix products (kernels::matmul): y[t][r] = sum_c w[r][c] x[t][c] ----------------------
+//
+// The decode matvec and the batched matmul are one kernel: block (r, tile) computes row r for
+// tokens [8 tile, 8 tile + 8); its threads take 32-element weight blocks in turn, dequantize
+// each once and dot it with up to 8 tokens. Grid (rows, ceil(n / 8)), MM_THREADS threads.
+
+#define MM_TOKENS 8
+#define MM_THREADS 128
+
+template <int FMT>
+__device__ void matmul(const u8* w, u32 row_bytes, u32 rows, u32 cols, const float* x, u32 n,
+                       float* y) {
+    __shared__ float red[MM_TOKENS][MM_THREADS / 32];
+    const u32 r = blockIdx.x;
+    const u32 t0 = blockIdx.y * MM_TOKENS;
+    const u32 tn = min((u32)MM_TOKENS, n - t0);
+    const u8* row = w + (u64)r * row_bytes;
+    const u32 nb = (cols + 31) / 32;
+    float acc[MM_TOKENS];
+#pragma unroll
+    for (int t = 0; t < MM_TOKENS; t++) acc[t] = 0.0f;
+    float wb[32];
+    for (u32 b = threadIdx.x; b < nb; b += blockDim.x) {
+        load32<FMT>(row, b, cols, wb);
+        const u32 lim = min(32u, cols - b * 32);
+#pragma unroll
+        for (int t = 0; t < MM_TOKENS; t++) {
+            if ((u32)t < tn) {
+                const float* xt = x + (u64)(t0 + t) * cols + b * 32;
+                float s = 0.0f;
+                for (u32 i = 0; i < lim; i++) s = fmaf(wb[i], xt[i], s);
+                acc[t] += s;
+            }
+        }
+    }
+    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+    for (int t = 0; t < MM_TOKENS; t++) {
+        const float v = warp_sum(acc[t]);
+        if (lane == 0) red[t][warp] = v;
+    }
+    __syncthreads();
+    if (threadIdx.x < tn) {
+        float s = 0.0f;
+        for (u32 k = 0; k < MM_THREADS / 32; k++) s += red[threadIdx.x][k];
+        y[(u64)(t0 + threadIdx.x) * rows + r] = s;
+    }
+}
+
+#define MATMUL(name, FMT)                                                                        \
+    extern "C" __global__ void __launch_bounds__(MM_THREADS)                                     \
+        name(const u8* w, u32 row_bytes, u32 rows, u32 cols, const float* x, u32 n, float* y) {  \
+        matmul<FMT>(w, row_bytes, rows, cols, x, n, y);                                          \
+    }
+
+MATMUL(matmul_f32, FMT_F32)
+MATMUL(matmul_f16, FMT_F16)
+MATMUL(matmul_bf16, FMT_BF16)
+MATMUL(matmul_q4_0, FMT_Q4_0)
+MATMUL(matmul_q4_1, FMT_Q4_1)
+MATMUL(matmul_q8_0, FMT_Q8_0)
+
+// ---- Embedding lookup (Model::embed): x[t] = dequantize(token_embd[tokens[t]]) * scale --------
+// Grid n tokens, any block size.
+
+template <int FMT>
+__device__ void embed(const u8* w, u32 row_bytes, u32 cols, const u32* tokens, float scale,
+                      float* x) {
+    const u32 t = blockIdx.x;
+    const u8* row = w + (u64)tokens[t] * row_bytes;
+    const u32 nb = (cols + 31) / 32;
+    float wb[32];
+    for (u32 b = threadIdx.x; b < nb; b += blockDim.x) {
+        load32<FMT>(row, b, cols, wb);
+        for (u32 i = 0; i < 32; i++) {
+            const u32 c = b * 32 + i;
+            if (c < cols) x[(u64)t * cols + c] = wb[i] * scale;
+        }
+    }
+}
+
+#define EMBED(name, FMT)                                                                       \
+    extern "C" __global__ void name(const u8* w, u32 row_bytes, u32 cols, const u32* tokens,   \
+                                    float scale, float* x) {                                   \
+        embed<FMT>(w, row_bytes, cols, tokens, scale, x);                                      \
+    }
+
+EMBED(embed_f32, FMT_F32)
+EMBED(embed_f16, FMT_F16)
+EMBED(embed_bf16, FMT_BF16)
+EMBED(embed_q4_0, FMT_Q4_0)
+EMBED(embed_q4_1, FMT_Q4_1)
+EMBED(embed_q8_0, FMT_Q8_0)
+
+// ---- Element-wise ---------------------------------------------------------------------------
+
+// RMSNorm (kernels::rmsnorm_rows): out = x / sqrt(mean(x^2) + eps) * w, the sum in double.
+// Grid rows, block NORM_THREADS.
+#define NORM_THREADS 256
+extern "C" __global__ void __launch_bounds__(NORM_THREADS)
+    rmsnorm(const float* x, const float* w, u32 d, float eps, float* out) {
+    __shared__ double red[NORM_THREADS];
+    const float* xr = x + (u64)blockIdx.x * d;
+    float* outr = out + (u64)blockIdx.x * d;
+    double s = 0.0;
+    for (u32 i = threadIdx.x; i < d; i += blockDim.x) s += (double)xr[i] * (double)xr[i];
+    red[threadIdx.x] = s;
+    __syncthreads();
+    for (u32 h = NORM_THREADS / 2; h > 0; h >>= 1) {
+        if (threadIdx.x < h) red[threadIdx.x] += red[threadIdx.x + h];
+        __syncthreads();
+    }
+    const float inv = (float)(1.0 / sqrt(red[0] / (double)d + (double)eps));
+    for (u32 i = threadIdx.x; i < d; i += blockDim.x) outr[i] = xr[i] * inv * w[i];
+}
+
+// x += y (kernels::add_rows over whole buffers), n elements.
+extern "C" __global__ void add_inplace(float* x, const float* y, u32 n) {
+    const u32 i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) x[i] += y[i];
+}
+
+// x[r] += b for every row of `width` (the projections' biases), rows * width elements.
+extern "C" __global__ void add_bias(float* x, const float* b, u32 width, u32 n) {
+    const u32 i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) x[i] += b[i % width];
+}
+
+// gate = silu(gate) * up (kernels::silu_mul_rows): the sigmoid from e = exp(-|g|).
+extern "C" __global__ void silu_mul(float* gate, const float* up, u32 n) {
+    const u32 i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) {
+        const float g = gate[i];
+        const float e = expf(-fabsf(g));
+        const float sig = g >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
+        gate[i] = g * sig * up[i];
+    }
+}
+
+// gate = gelu_tanh(gate) * up (kernels::gelu_tanh_mul_rows).
+extern "C" __global__ void gelu_tanh_mul(float* gate, const float* up, u32 n) {
+    const u32 i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) {
+        const float x = gate[i];
+        const float c = 0.7978845608028654f;  // sqrt(2 / pi)
+        gate[i] = 0.5f * x * (1.0f + tanhf(c * (x + 0.044715f * x * x * x))) * up[i];
+    }
+}
+
+// x = cap * tanh(x / cap) (kernels::softcap_rows).
+extern "C" __global__ void softcap(float* x, float cap, u32 n) {
+    const u32 i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) x[i] = cap * tanhf(x[i] / cap);
+}
+
+// RoPE (model::ops::rope_apply) of every head of `rows` rows of `heads * hd` floats, with the
+// host's cos/sin table `cs[row][n_rot]` (interleaved cos, sin per frequency, attention factor
+// included). Normal pairs (2i, 2i + 1); NeoX pairs (i, i + n_rot / 2). Grid rows * heads,
+// threads over the n_rot / 2 pairs.
+extern "C" __global__ void rope(float* x, u32 heads, u32 hd, u32 n_rot, const float* cs,
+                                u32 neox) {
+    const u32 row = blockIdx.x / heads, head = blockIdx.x % heads;
+    float* h = x + ((u64)row * heads + head) * hd;
+    const float* c = cs + (u64)row * n_rot;
+    const u32 half = n_rot / 2;
+    for (u32 i = threadIdx.x; i < half; i += blockDim.x) {
+        const float cv = c[2 * i], sv = c[2 * i + 1];
+        const u32 a = neox ? i : 2 * i;
+        const u32 b = neox ? i + half : 2 * i + 1;
+        const float x0 = h[a], x1 = h[b];
+        h[a] = x0 * cv - x1 * sv;
+        h[b] = x0 * sv + x1 * cv;
+    }
+}
+
+// dst[i] = src[idx[i]] for rows of `width` (the rows whose logits are wanted). Grid n_out.
+extern "C" __global__ void gather_rows(const float* src, const u32* idx, u32 width, float* dst) {
+    const float* s = src + (u64)idx[blockIdx.x] * width;
+    float* d = dst + (u64)blockIdx.x * width;
+    for (u32 i = threadIdx.x; i < width; i += blockDim.x) d[i] = s[i];
+}
+
+// ---- Attention (model::attention::attend_rows_ext) -----------------------------------------
+//
+// q `[token][heads][hd]`; the keys and values of each (step, kv head) are `hd`-float rows at row
+// `kv_off[step * kv_heads + g]` of `k` / `v` (the ring's view, in view order). Query token t
+// (of step `tok_step[t]`) attends to view rows [tok_first[t], tok_n[t]): causal masking and the
+// sliding window are in those bounds. Score = q.k * scale, then cap * tanh(s / cap) when
+// cap > 0, softmax, weighted sum of values. `scores` is `[token * heads][max_keys]` scratch.
+// Grid tokens * heads (GQA: head h reads kv head h / (heads / kv_heads)), ATT_THREADS threads.
+#define ATT_THREADS 128
+extern "C" __global__ void __launch_bounds__(ATT_THREADS)
+    attention(const float* q, const float* k, const float* v, const u32* kv_off,
+              const u32* tok_step, const u32* tok_first, const u32* tok_n, u32 heads,
+              u32 kv_heads, u32 hd, float scale, float cap, float* scores, u32 max_keys,
+              float* out) {
+    __shared__ float red[32];
+    const u32 t = blockIdx.x / heads, h = blockIdx.x % heads;
+    const u32 g = h / (heads / kv_heads);
+    const u64 base = kv_off[tok_step[t] * kv_heads + g];
+    const float* kb = k + base * hd;
+    const float* vb = v + base * hd;
+    const float* qr = q + ((u64)t * heads + h) * hd;
+    float* sc = scores + ((u64)t * heads + h) * max_keys;
+    const u32 first = tok_first[t], n = tok_n[t];
+
+    float mx = -__int_as_float(0x7f800000);
+    for (u32 j = first + threadIdx.x; j < n; j += blockDim.x) {
+        const float* kr = kb + (u64)j * hd;
+        float dot = 0.0f;
+        for (u32 d = 0; d < hd; d++) dot = fmaf(qr[d], kr[d], dot);
+        float s = dot * scale;
+        if (cap > 0.0f) s = cap * tanhf(s / cap);
+        sc[j] = s;
+        mx = fmaxf(mx, s);
+    }
+    mx = block_max(mx, red);
+    float sum = 0.0f;
+    for (u32 j = first + threadIdx.x; j < n; j += blockDim.x) {
+        const float p = expf(sc[j] - mx);
+        sc[j] = p;
+        sum += p;
+    }
+    // block_sum synchronizes: every thread's probabilities are visible after it.
+    sum = block_sum(sum, red);
+    const float inv = 1.0f / sum;
+    float* o = out + ((u64)t * heads + h) * hd;
+    for (u32 d = threadIdx.x; d < hd; d += blockDim.x) {
+        float acc = 0.0f;
+        for (u32 j = first; j < n; j++) acc = fmaf(sc[j], vb[(u64)j * hd + d], acc);
+        o[d] = acc * inv;
+    }
+}
