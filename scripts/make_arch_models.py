@@ -49,6 +49,7 @@ Deterministic: fixed seeds (numpy default_rng), same gguf/llama.cpp release, sam
 
 usage: make_arch_models.py [--only NAME...]   (NAME as in MODELS / QUANTIZED, e.g. arch-qwen3)
        make_arch_models.py --bench-moe FILE    (not a test model: BENCH_MOE below, ~1.4 GB)
+       make_arch_models.py --bench-dense FILE  (not a test model: BENCH_DENSE below, Q4_K_M ~1.1 GB)
 """
 import json
 import math
@@ -528,6 +529,40 @@ def write_bench_moe(path):
     b.finish()
 
 
+# The benchmark dense model (scripts/bench-vs-llamacpp --model FILE): a Llama of 1.71e9
+# parameters (d 2048, 26 layers, 32 heads of 64 with 8 KV heads, FFN 8192, the 32k llama-spm
+# vocabulary, untied head), written as F16 beside FILE and quantized by llama.cpp's own
+# quantizer into Q4_K_M (llama.cpp's mix: Q4_K with Q6_K for half the ffn_down/attn_v and the
+# head), ~1.1 GB: 30x this machine's L3, the honest case for decode bandwidth.
+BENCH_DENSE = dict(d=2048, ff=8192, nl=26, nh=32, nkv=8)
+
+
+def write_bench_dense(path):
+    c = BENCH_DENSE
+    d, ff, nl, nh, nkv = c["d"], c["ff"], c["nl"], c["nh"], c["nkv"]
+    hd = d // nh
+    f16 = path.with_name(path.stem + ".F16.gguf")
+    b = Builder(f16, "llama", "zerolayer-bench-dense", "llama-spm", SEED + 13)
+    b.common(2048, d, ff, nl, nh, nkv, 1e-5, 10000.0)
+    b.add("token_embd.weight", b.mat(b.vocab, d, EMBD_STD * np.sqrt(d)), F16)
+    for i in range(nl):
+        p = f"blk.{i}."
+        b.add(p + "attn_norm.weight", b.vec(d))
+        b.add(p + "attn_q.weight", b.mat(d, d), F16)
+        b.add(p + "attn_k.weight", b.mat(hd * nkv, d), F16)
+        b.add(p + "attn_v.weight", b.mat(hd * nkv, d), F16)
+        b.add(p + "attn_output.weight", b.mat(d, d, TIED_OUT_SCALE), F16)
+        b.add(p + "ffn_norm.weight", b.vec(d))
+        b.add(p + "ffn_gate.weight", b.mat(ff, d), F16)
+        b.add(p + "ffn_up.weight", b.mat(ff, d), F16)
+        b.add(p + "ffn_down.weight", b.mat(d, ff, TIED_OUT_SCALE), F16)
+    b.add("output_norm.weight", b.vec(d))
+    b.add("output.weight", b.mat(b.vocab, d, 4.0), F16)
+    b.finish()
+    quantize(f16, path, "Q4_K_M", False)
+    f16.unlink()
+
+
 MODELS = {"arch-llama3": write_llama3, "arch-qwen2": write_qwen2, "arch-qwen3": write_qwen3,
           "arch-gemma2": write_gemma2, "arch-gemma3": write_gemma3, "arch-phi3": write_phi3,
           "arch-smollm3": write_smollm3, "arch-qwen3moe": write_qwen3moe,
@@ -539,6 +574,11 @@ def main():
     if "--bench-moe" in sys.argv:
         path = pathlib.Path(sys.argv[sys.argv.index("--bench-moe") + 1])
         write_bench_moe(path)
+        print(f"make-arch-models: {path} ({path.stat().st_size >> 20} MiB)", file=sys.stderr)
+        return
+    if "--bench-dense" in sys.argv:
+        path = pathlib.Path(sys.argv[sys.argv.index("--bench-dense") + 1])
+        write_bench_dense(path)
         print(f"make-arch-models: {path} ({path.stat().st_size >> 20} MiB)", file=sys.stderr)
         return
     only = set(sys.argv[sys.argv.index("--only") + 1:]) if "--only" in sys.argv else None
