@@ -1062,32 +1062,11 @@ fn rows_impl<const F: u8>(
         };
         let ap = acts[t0 * nq..].as_ptr();
         for g in rows.clone().step_by(4) {
-            let mut pf = (w.data.as_ptr(), 0usize, 0usize);
-            if t0 == 0 {
-                // Decode streams the weights from DRAM once: prefetch the group PF_AHEAD ahead
-                // (inside this task's rows), spread over this group's quads; the task's first
-                // groups are prefetched at its start.
-                let d = PF_AHEAD;
-                let lim = rows.end;
-                let pf_start = (g + 4 * d).min(lim) * rb;
-                let pf_end = (g + 4 * d + 4).min(lim) * rb;
-                if pf_end > pf_start {
-                    let len = pf_end - pf_start;
-                    // SAFETY: `pf_start <= w.rows * rb`.
-                    pf = (
-                        unsafe { w.data.as_ptr().add(pf_start) },
-                        len,
-                        len.div_ceil(nq).next_multiple_of(64),
-                    );
-                }
-                if g == rows.start {
-                    let e = (g + 4 * d).min(rows.end) * rb;
-                    for off in ((g + 4) * rb..e).step_by(64) {
-                        // SAFETY: as above.
-                        unsafe { _mm_prefetch::<_MM_HINT_T0>(w.data.as_ptr().add(off).cast()) };
-                    }
-                }
-            }
+            let pf = if t0 == 0 {
+                prefetch_plan(w.data, rb, nq, g, rows.start, rows.end)
+            } else {
+                (w.data.as_ptr(), 0, 0)
+            };
             let rowp = [0, 1, 2, 3].map(|k| {
                 let r = (g + k).min(rows.end - 1);
                 // SAFETY: `r < w.rows`, so the row lies inside `w.data` (asserted above).
@@ -1211,6 +1190,43 @@ pub(crate) unsafe fn quantize_blocks(x: &[f32], out: &mut [ActBlock]) {
         o.sx = d * sum as f32;
         o.sq = sum;
     }
+}
+
+/// The software prefetch of a decode pass (the first over the rows `start..end` of `data`, rows
+/// of `rb` bytes and `nq` quads), for the 4-row group at `g`: the group [`PF_AHEAD`] groups
+/// ahead (inside the rows) is the region `(pointer, length, bytes per quad)` that [`tile`]
+/// prefetches spread over the group's quads; at the first group, the groups up to that one are
+/// prefetched here. Decode streams the weights from DRAM once, faster than the hardware
+/// prefetchers ramp up on each task's rows.
+#[inline]
+#[target_feature(enable = "avx2")]
+pub(crate) fn prefetch_plan(
+    data: &[u8],
+    rb: usize,
+    nq: usize,
+    g: usize,
+    start: usize,
+    end: usize,
+) -> (*const u8, usize, usize) {
+    let d = PF_AHEAD;
+    let pf_start = (g + 4 * d).min(end) * rb;
+    let pf_end = (g + 4 * d + 4).min(end) * rb;
+    if g == start {
+        let e = (g + 4 * d).min(end) * rb;
+        for off in ((g + 4) * rb..e).step_by(64) {
+            // SAFETY: `off < end * rb <= data.len()`; prefetching has no side effects.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(data.as_ptr().add(off).cast()) };
+        }
+    }
+    if pf_end <= pf_start {
+        return (data.as_ptr(), 0, 0);
+    }
+    let len = pf_end - pf_start;
+    (
+        data[pf_start..].as_ptr(),
+        len,
+        len.div_ceil(nq).next_multiple_of(64),
+    )
 }
 
 /// Groups of 4 rows prefetched ahead while decoding (measured best of 1..4 on Zen 4).
