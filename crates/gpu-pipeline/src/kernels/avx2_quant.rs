@@ -380,7 +380,7 @@ unsafe fn iq4xs_scales(rowp: &[*const u8; 4], at: usize, hq: usize) -> [__m256; 
     // sub-block `4hq + L` are bits `2(4hq + L)` of `scales_h`, at `8 + ..` in the dword.
     let low_shr = _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4);
     let h = 8 + 8 * hq as i32;
-    let out = [0, 1].map(|half| {
+    [0, 1].map(|half| {
         let v = x[half];
         let hs = h + 4 * half as i32;
         let high_shr = _mm256_setr_epi32(hs, hs, hs, hs, hs + 2, hs + 2, hs + 2, hs + 2);
@@ -391,8 +391,7 @@ unsafe fn iq4xs_scales(rowp: &[*const u8; 4], at: usize, hq: usize) -> [__m256; 
             _mm256_set1_epi32(32),
         );
         scaled_v(d, ls)
-    });
-    out
+    })
 }
 
 /// `0x10` in the bytes of elements 0..16 of a half (`lo` for its first block, `hi` for its
