@@ -169,21 +169,32 @@ fn perplexity_of_english_text_is_finite_and_plausible() {
     std::fs::create_dir_all(&dir).unwrap();
     let file = dir.join("text.txt");
     std::fs::write(&file, text).unwrap();
-    let (out, _) = ok(zerolayer(&[
-        "perplexity",
-        file.to_str().unwrap(),
-        "--ctx",
-        "64",
-        "--json",
-    ])
-    .output()
-    .unwrap());
-    std::fs::remove_dir_all(&dir).unwrap();
-    let v: Value = serde_json::from_str(&out).unwrap();
-    let ppl = v["perplexity"].as_f64().unwrap();
+    let ppl_with = |split: &str| {
+        let (out, _) = ok(zerolayer(&[
+            "perplexity",
+            file.to_str().unwrap(),
+            "--ctx",
+            "64",
+            "--json",
+            "--activation-split",
+            split,
+        ])
+        .output()
+        .unwrap());
+        let v: Value = serde_json::from_str(&out).unwrap();
+        assert_eq!(v["scored"], v["windows"].as_u64().unwrap() * 31, "{v}");
+        v["perplexity"].as_f64().unwrap()
+    };
+    let ppl = ppl_with("ffn-down");
     // Repeated plain English: far below the vocabulary size (49152), above 1.
-    assert!(ppl > 1.0 && ppl < 200.0, "{v}");
-    assert_eq!(v["scored"], v["windows"].as_u64().unwrap() * 31, "{v}");
+    assert!(ppl > 1.0 && ppl < 200.0, "{ppl}");
+    // The precision flag takes effect: each split computes different logits, all close.
+    let (off, all) = (ppl_with("off"), ppl_with("all"));
+    std::fs::remove_dir_all(&dir).unwrap();
+    for p in [off, all] {
+        assert!(p != ppl && (p / ppl - 1.0).abs() < 0.02, "{p} vs {ppl}");
+    }
+    assert_ne!(off, all);
 }
 
 #[test]

@@ -16,7 +16,7 @@ use std::sync::Arc;
 
 use anyhow::Context as _;
 use clap::{Parser, Subcommand};
-use gpu_pipeline::{Model, ModelOptions, WeightPacking};
+use gpu_pipeline::{ActivationSplit, Model, ModelOptions, WeightPacking};
 use token_stream::Tokenizer;
 
 /// Serve LLMs with almost nothing between the request and the matrix math.
@@ -97,8 +97,30 @@ fn model_path(model: Option<&Path>) -> anyhow::Result<PathBuf> {
     }
 }
 
-/// The model options of the `--threads` and `--no-pack` flags.
-fn model_options(threads: usize, no_pack: bool) -> ModelOptions {
+/// `--activation-split`: see [`ActivationSplit`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub(crate) enum Split {
+    /// 8-bit activations everywhere (llama.cpp's precision).
+    Off,
+    /// Split the MLP down projection's input (the default).
+    #[default]
+    FfnDown,
+    /// Split every product.
+    All,
+}
+
+impl From<Split> for ActivationSplit {
+    fn from(s: Split) -> Self {
+        match s {
+            Split::Off => Self::Off,
+            Split::FfnDown => Self::FfnDown,
+            Split::All => Self::All,
+        }
+    }
+}
+
+/// The model options of the `--threads`, `--no-pack` and `--activation-split` flags.
+fn model_options(threads: usize, no_pack: bool, split: Split) -> ModelOptions {
     let packing = if no_pack {
         WeightPacking::Off
     } else {
@@ -107,6 +129,7 @@ fn model_options(threads: usize, no_pack: bool) -> ModelOptions {
     ModelOptions::default()
         .with_threads(threads)
         .with_packing(packing)
+        .with_activation_split(split.into())
 }
 
 /// A GGUF model mapped with its tokenizer, for the in-process subcommands.
@@ -116,14 +139,19 @@ struct LoadedModel {
 }
 
 /// Maps the GGUF file at `path` and loads its model and tokenizer.
-fn load_gguf(path: &Path, threads: usize, no_pack: bool) -> anyhow::Result<LoadedModel> {
+fn load_gguf(
+    path: &Path,
+    threads: usize,
+    no_pack: bool,
+    split: Split,
+) -> anyhow::Result<LoadedModel> {
     // SAFETY: the model file is not modified while this process maps it.
     let gguf = Arc::new(
         unsafe { weight_cache::Gguf::open(path) }
             .with_context(|| format!("opening {}", path.display()))?,
     );
     let tokenizer = Tokenizer::from_gguf(&gguf).context("loading the tokenizer")?;
-    let model = Model::load(gguf.clone(), model_options(threads, no_pack))?;
+    let model = Model::load(gguf.clone(), model_options(threads, no_pack, split))?;
     // Vocabulary and configuration are built: the header's pages (about 2 MB of a 49K-token
     // vocabulary) need not stay resident. Best effort.
     let _ = gguf.release_header();
