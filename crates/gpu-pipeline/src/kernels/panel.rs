@@ -261,9 +261,12 @@ unsafe fn unpack<const F: u8>(
     }
 }
 
+/// Fills a panel for the 16-row group at a row: its blocks' quants and scale vectors.
+type PackFn<'a> = dyn FnMut(usize, &mut [Quants], &mut [Lanes]) + 'a;
+
 /// The token and row loops shared by both sources: for each token chunk and each 16-row group
-/// `g` of `rows`, `pack(g, panel)` fills the panel, then every tile of the chunk's tokens is
-/// multiplied and emitted.
+/// `g` of `rows`, `pack(g, quants, scales)` fills the panel, then every tile of the chunk's
+/// tokens is multiplied and emitted.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
 fn panel_loop<const F: u8>(
     nblocks: usize,
@@ -271,7 +274,7 @@ fn panel_loop<const F: u8>(
     n: usize,
     rows: Range<usize>,
     out: &mut RowsOut<'_>,
-    pack: &mut dyn FnMut(usize, &mut [Quants], &mut [Lanes]),
+    pack: &mut PackFn<'_>,
 ) {
     PANEL.with(|p| {
         let mut guard = p.borrow_mut();
