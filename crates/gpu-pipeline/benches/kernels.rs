@@ -1,6 +1,6 @@
 //! Kernel throughput: matvec GB/s of weight bytes per dtype on the default model's shapes, matmul
-//! GFLOP/s for n = 8, 64, 512, with 1 and 2 threads, plus all matvecs of one decode step over the
-//! real default model (when present).
+//! GFLOP/s for n = 8, 64, 512 (also on a 1.7B Llama's FFN shapes), with 1 and 2 threads, plus
+//! all matvecs of one decode step over the real default model (when present).
 //!
 //! Run: `cargo bench -p zerolayer-gpu-pipeline --bench kernels [-- FILTER]`; a filter (e.g. `q5_0` or
 //! `q5_0|q2_K`) also restricts the summary to the dtypes it names. The summary measures the
@@ -28,6 +28,16 @@ const SHAPES: [(usize, usize); 5] = [
     (576, 1536),
     (49152, 576),
     (16384, 1536),
+];
+/// Matmul shapes: the default model's, and a ~1.7B Llama's FFN (`ffn_up`/`ffn_gate` 8192 x 2048,
+/// `ffn_down` 2048 x 8192) for the 256-element block formats (the default model's only
+/// K-quant-sized shape is 576 x 1536).
+const MATMUL_SHAPES: [(usize, usize); 5] = [
+    (576, 576),
+    (1536, 576),
+    (576, 1536),
+    (8192, 2048),
+    (2048, 8192),
 ];
 const DTYPES: [GgmlType; 15] = [
     GgmlType::Q4_1,
@@ -190,7 +200,7 @@ fn summary() {
             "dtype", "shape", "n", "GFLOP/s", "ms"
         );
         for dtype in DTYPES.into_iter().filter(|&d| selected(d)) {
-            for (rows, cols) in [(576usize, 576usize), (1536, 576), (576, 1536)] {
+            for (rows, cols) in MATMUL_SHAPES {
                 if dtype.row_bytes(cols).is_none() {
                     continue;
                 }

@@ -524,6 +524,50 @@ proptest! {
     }
 }
 
+/// The K-quants, whose panel kernel (many tokens) unpacks 256-element super-blocks.
+const K_DTYPES: [GgmlType; 6] = [
+    GgmlType::Q4_K,
+    GgmlType::Q6_K,
+    GgmlType::Q5_K,
+    GgmlType::Q2_K,
+    GgmlType::Q3_K,
+    GgmlType::IQ4_XS,
+];
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
+
+    /// The many-token (panel) kernel of the K-quants gives the scalar reference's bits, and each
+    /// token the bits the single-token (4-row) kernel gives it alone: row counts that leave a
+    /// partial 16-row panel, 1 to 4 super-blocks per row, token counts around the panel
+    /// threshold (16), one token chunk (128) and two, 1 and 2 threads.
+    #[test]
+    fn k_quant_panel_equals_scalar_and_single_token(
+        dt in 0usize..6, rows in 1usize..70, supers in 1usize..5,
+        n in prop_oneof![14usize..20, 124usize..136, 250usize..262],
+        threads in 1usize..3, seed in any::<u64>(),
+    ) {
+        let dtype = K_DTYPES[dt];
+        let cols = 256 * supers;
+        let pool = ThreadPool::new(threads);
+        let mut rng = Rng(seed | 1);
+        let data = random_weights(dtype, rows, cols, &mut rng);
+        let x = random_acts(n, cols, &mut rng);
+        let w = WeightMatrix::new(dtype, rows, cols, &data).unwrap();
+        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+        let mut want = vec![0.0f32; n * rows];
+        matmul_with(CpuIsa::Scalar, w, &x, n, &mut want, &pool).unwrap();
+        let mut y = vec![f32::NAN; n * rows];
+        matmul(w, &x, n, &mut y, &pool).unwrap();
+        prop_assert_eq!(bits(&y), bits(&want), "{} {}x{} n {}", dtype.name(), rows, cols, n);
+        for t in [0, n / 2, n - 1] {
+            let mut yt = vec![f32::NAN; rows];
+            matvec(w, &x[t * cols..(t + 1) * cols], &mut yt, &pool).unwrap();
+            prop_assert_eq!(bits(&yt), bits(&y[t * rows..(t + 1) * rows]), "{} token {}", dtype.name(), t);
+        }
+    }
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 96, ..ProptestConfig::default() })]
 

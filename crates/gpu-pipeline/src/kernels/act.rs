@@ -54,7 +54,8 @@ impl ActQuad {
 }
 
 /// One 32-element activation block in the compact layout of the panel kernel (one cache line):
-/// the same `q`, `d`, `d * sum(q)` and `sum(q)` as the block's entries in an [`ActQuad`].
+/// the same `q`, `d`, `d * sum(q)`, `sum(q)` and `sum(q[0..16])` as the block's entries in an
+/// [`ActQuad`].
 // Only the x86_64 panel kernel reads these (the scalar quantizer stays as its tested reference).
 #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 #[repr(C, align(64))]
@@ -68,6 +69,8 @@ pub(crate) struct ActBlock {
     pub(crate) sx: f32,
     /// `sum(q)`.
     pub(crate) sq: i32,
+    /// `sum(q)` over elements 0..16 (the split formats' first half; the second's is `sq - sq0`).
+    pub(crate) sq0: i32,
 }
 
 const _: () = assert!(size_of::<ActBlock>() == 64);
@@ -79,6 +82,7 @@ impl ActBlock {
         d: 0.0,
         sx: 0.0,
         sq: 0,
+        sq0: 0,
     };
 }
 
@@ -98,6 +102,7 @@ pub(crate) fn quantize_blocks(backend: CpuIsa, x: &[f32], out: &mut [ActBlock]) 
                 o.d = d;
                 o.sx = d * (s0 + s1) as f32;
                 o.sq = s0 + s1;
+                o.sq0 = s0;
             }
         }
     }
@@ -216,6 +221,7 @@ mod tests {
                     assert_eq!(blk.d.to_bits(), a.dx[4 * l].to_bits());
                     assert_eq!(blk.sx.to_bits(), a.sx[4 * l].to_bits());
                     assert_eq!(blk.sq, a.sq[4 * l]);
+                    assert_eq!(blk.sq0, a.sq0[4 * l]);
                 }
             }
         }

@@ -1180,7 +1180,8 @@ pub(crate) unsafe fn quantize_blocks(x: &[f32], out: &mut [ActBlock]) {
     for (b, o) in out.iter_mut().enumerate().take(x.len() / 32) {
         // SAFETY: block `b` is inside `x` (32 floats).
         let (d, q0, q1) = unsafe { quant_block(x.as_ptr().add(32 * b)) };
-        let sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+        let sum0 = _mm512_reduce_add_epi32(q0);
+        let sum = sum0 + _mm512_reduce_add_epi32(q1);
         // SAFETY: each store writes 16 bytes inside the 32-byte `q`.
         unsafe {
             _mm_storeu_si128(o.q.as_mut_ptr().cast(), _mm512_cvtepi32_epi8(q0));
@@ -1189,6 +1190,7 @@ pub(crate) unsafe fn quantize_blocks(x: &[f32], out: &mut [ActBlock]) {
         o.d = d;
         o.sx = d * sum as f32;
         o.sq = sum;
+        o.sq0 = sum0;
     }
 }
 

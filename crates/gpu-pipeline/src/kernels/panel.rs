@@ -1,21 +1,31 @@
-//! AVX-512 VNNI matrix-matrix kernel for many tokens (prefill, batched decode) over the 32-element
-//! block formats: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and IQ4_NL.
+//! AVX-512 VNNI matrix-matrix kernel for many tokens (prefill, batched decode) over the
+//! integer-quantized formats: the 32-element block formats Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and
+//! IQ4_NL, and the 256-element K-quants Q2_K, Q3_K, Q4_K, Q5_K, Q6_K and IQ4_XS.
 //!
-//! A task packs 16 rows at a time ("a panel") into a thread-local buffer: per 32-element block,
-//! eight u8 vectors whose lane `r` holds 4 consecutive quants of row `r` (block element `4j..4j+4`
-//! in vector `j`), plus the 16 rows' block scales as f32. The panel is then reused for every token:
-//! `vpdpbusd` of vector `j` with token `t`'s 4 activation bytes broadcast gives 16 rows' partial
-//! sums at once, so no horizontal reductions are needed and each activation load serves 16 rows.
+//! A task packs 16 rows at a time ("a panel") into a thread-local buffer: per 32-element block
+//! (of a K-quant: per 32-element sub-block), eight u8 vectors whose lane `r` holds 4 consecutive
+//! quants of row `r` (block element `4j..4j+4` in vector `j`), plus the 16 rows' effective block
+//! scales as f32 vectors ([`scale_vectors`] of them: the scale, and the minimum of the formats
+//! with one; the split formats Q2_K, Q3_K and Q6_K, whose 16-element halves have their own
+//! scales (and mins), one vector per half). The panel is then reused for every token: `vpdpbusd`
+//! of vector `j` with token `t`'s 4 activation bytes broadcast gives 16 rows' partial sums at
+//! once, so no horizontal reductions are needed and each activation load serves 16 rows.
 //! The activations come as compact [`ActBlock`]s (one cache line per block and token), and tokens
 //! go in chunks of [`TOKEN_CHUNK`] so that a chunk's blocks stay in L2 while the task's panels
-//! pass over them. Packing uses plain loads and dword transposes (one gather per block for the
-//! 16 rows' scales); the next panel's bytes are prefetched while one is packed.
+//! pass over them. Packing uses plain loads and dword transposes (a gather or a transposed header
+//! per block or super-block for the 16 rows' scales); the next panel's bytes are prefetched while
+//! one is packed.
 //!
 //! **Same arithmetic as the 4-row kernel.** Each output element is accumulated exactly as in
-//! [`super::avx512`]: the exact integer block dot product, converted to f32 and added with one
-//! FMA by `d_w * d_x` (then `m_w * d_x * sum(q_x)` for Q4_1 and Q5_1), into one of four f32 chains by block
-//! index modulo 4 (in increasing block order), and the chains summed as `(c0 + c2) + (c1 + c3)`.
-//! So a token's outputs are bit-identical whichever kernel ran it, which keeps `matmul`
+//! [`super::avx512`]: the exact integer block dot product (split formats: one per half, each
+//! offset by its own activation sum), converted to f32 and added with one FMA by `d_w * d_x`
+//! (split: one FMA per half, with the half's scale), then for the formats with a minimum
+//! `m_w * d_x * sum(q_x)` (Q4_1, Q5_1, Q4_K, Q5_K: one FMA of `m_w` by the activations' `d * sum(q)`;
+//! Q2_K: one FMA `sum(q_x half) * (m_w half * d_x)` per half), into one of four f32 chains by
+//! block index modulo 4 (in increasing block order), and the chains summed as
+//! `(c0 + c2) + (c1 + c3)`. The effective scales are computed with the same f32 operations as
+//! weight-cache's [`weight_cache::quant::decode_sub_block`] (`d * sc`, `-(dmin * m)`). So a
+//! token's outputs are bit-identical whichever kernel ran it, which keeps `matmul`
 //! batch-invariant when the batch size picks this kernel.
 
 // The AVX-512 intrinsics are stable since Rust 1.89; the workspace toolchain is 1.95.
@@ -28,7 +38,8 @@ use std::ops::Range;
 
 use super::act::ActBlock;
 use super::avx512::{
-    F_IQ4NL, F_Q4_0, F_Q4_1, F_Q5_0, F_Q5_1, F_Q8_0, IQ4_TABLE, has_min, offset_shift,
+    F_IQ4NL, F_IQ4XS, F_Q2K, F_Q3K, F_Q4_0, F_Q4_1, F_Q4K, F_Q5_0, F_Q5_1, F_Q5K, F_Q6K, F_Q8_0,
+    IQ4_TABLE, has_min, is_split, offset_shift,
 };
 use super::format::Fmt;
 use super::{Layout, RowsOut, WeightMatrix};
@@ -46,27 +57,47 @@ pub(crate) const PANEL_MIN_TOKENS: usize = 16;
 /// instead of two), 3-10% at 200 and 512.
 const TOKEN_CHUNK: usize = 128;
 
-/// One packed block of a panel.
+/// The quants of one packed block of a panel: `w[j]` lane `r` holds the u8 quants of elements
+/// `4j..4j + 4` of row `r` (the formats with an offset: offset by it, as the 4-row kernel's).
 #[repr(C, align(64))]
 #[derive(Clone, Copy)]
-struct PackedBlock {
-    /// `w[j]` lane `r`: the u8 quants of elements `4j..4j + 4` of row `r` (Q8_0 and IQ4_NL:
-    /// offset by 128).
+struct Quants {
     w: [[u8; 64]; 8],
-    /// Row scales.
-    d: [f32; 16],
-    /// Q4_1, Q5_1: row minimums.
-    m: [f32; 16],
 }
 
-const ZERO_BLOCK: PackedBlock = PackedBlock {
-    w: [[0; 64]; 8],
-    d: [0.0; 16],
-    m: [0.0; 16],
-};
+/// One f32 per row of a panel (a block's scales, minimums, ...).
+#[repr(C, align(64))]
+#[derive(Clone, Copy)]
+struct Lanes([f32; 16]);
+
+/// The f32 vectors per packed block: the 16 rows' scales, then for the formats with a minimum
+/// the minimums; the split formats have per-half vectors (scales of elements 0..16 and 16..32,
+/// then Q2_K's minimums likewise).
+pub(crate) const fn scale_vectors(f: u8) -> usize {
+    match (is_split(f), has_min(f)) {
+        (false, false) => 1,
+        (false, true) | (true, false) => 2,
+        (true, true) => 4,
+    }
+}
+
+/// The most [`scale_vectors`] of any format.
+const MAX_SCALE_VECTORS: usize = 4;
+
+/// A task's panel: the packed blocks' quants and their [`scale_vectors`] each (block `b`'s
+/// at `scales[v * b..v * (b + 1)]`).
+struct Panel {
+    quants: Vec<Quants>,
+    scales: Vec<Lanes>,
+}
 
 thread_local! {
-    static PANEL: RefCell<Vec<PackedBlock>> = const { RefCell::new(Vec::new()) };
+    static PANEL: RefCell<Panel> = const {
+        RefCell::new(Panel {
+            quants: Vec::new(),
+            scales: Vec::new(),
+        })
+    };
 }
 
 /// Whether this kernel handles `fmt` at `n` tokens.
@@ -74,7 +105,18 @@ pub(crate) fn applies(fmt: Fmt, n: usize) -> bool {
     n >= PANEL_MIN_TOKENS
         && matches!(
             fmt,
-            Fmt::Q4_0 | Fmt::Q4_1 | Fmt::Q5_0 | Fmt::Q5_1 | Fmt::Q8_0 | Fmt::IQ4NL
+            Fmt::Q4_0
+                | Fmt::Q4_1
+                | Fmt::Q5_0
+                | Fmt::Q5_1
+                | Fmt::Q8_0
+                | Fmt::IQ4NL
+                | Fmt::Q2K
+                | Fmt::Q3K
+                | Fmt::Q4K
+                | Fmt::Q5K
+                | Fmt::Q6K
+                | Fmt::IQ4XS
         )
 }
 
@@ -100,6 +142,12 @@ pub(crate) unsafe fn quant_rows(
         Fmt::Q5_0 => panel_rows::<F_Q5_0>(fmt, w, acts, n, rows, out),
         Fmt::Q5_1 => panel_rows::<F_Q5_1>(fmt, w, acts, n, rows, out),
         Fmt::IQ4NL => panel_rows::<F_IQ4NL>(fmt, w, acts, n, rows, out),
+        Fmt::Q2K => panel_rows::<F_Q2K>(fmt, w, acts, n, rows, out),
+        Fmt::Q3K => panel_rows::<F_Q3K>(fmt, w, acts, n, rows, out),
+        Fmt::Q4K => panel_rows::<F_Q4K>(fmt, w, acts, n, rows, out),
+        Fmt::Q5K => panel_rows::<F_Q5K>(fmt, w, acts, n, rows, out),
+        Fmt::Q6K => panel_rows::<F_Q6K>(fmt, w, acts, n, rows, out),
+        Fmt::IQ4XS => panel_rows::<F_IQ4XS>(fmt, w, acts, n, rows, out),
         _ => unreachable!("panel kernel formats are checked by `applies`"),
     }
 }
@@ -121,7 +169,7 @@ fn panel_rows<const F: u8>(
     assert!(acts.len() >= n * nblocks && rows.end <= w.rows && w.data.len() >= w.rows * rb);
     assert!(!rows.is_empty() && PANEL_ROWS * rb < i32::MAX as usize);
     let end = rows.end;
-    panel_loop::<F>(nblocks, acts, n, rows, out, &mut |g, panel| {
+    panel_loop::<F>(nblocks, acts, n, rows, out, &mut |g, quants, scales| {
         let r0 = g.min(end - 1);
         // Row offsets from row `r0`; rows past the task repeat its last row (not emitted).
         let offs: [i32; 16] =
@@ -133,7 +181,11 @@ fn panel_rows<const F: u8>(
         unsafe {
             let base = w.data.as_ptr();
             let next = (base.add(next_r0 * rb), end - next_r0);
-            pack::<F>(base.add(r0 * rb), next, offs, rb, panel);
+            if fmt.block_elems() == 256 {
+                pack_k::<F>(base.add(r0 * rb), next, offs, rb, quants, scales);
+            } else {
+                pack::<F>(base.add(r0 * rb), next, offs, rb, quants, scales);
+            }
         }
     });
 }
@@ -157,22 +209,30 @@ fn packed_impl<const F: u8>(
         acts.len() >= n * nblocks && rows.end <= w.rows && rows.start.is_multiple_of(PANEL_ROWS)
     );
     assert!(!rows.is_empty() && w.data.len() >= w.rows.div_ceil(PANEL_ROWS) * gb);
-    panel_loop::<F>(nblocks, acts, n, rows, out, &mut |g, panel| {
+    panel_loop::<F>(nblocks, acts, n, rows, out, &mut |g, quants, scales| {
         let group = &w.data[g / PANEL_ROWS * gb..][..gb];
         // SAFETY: `group` holds the group's `nblocks` packed blocks of `bb` bytes.
-        unsafe { unpack::<F>(group, bb, panel) };
+        unsafe { unpack::<F>(group, bb, quants, scales) };
     });
 }
 
-/// Unpacks one packed 16-row group (`panel.len()` blocks of `bb` bytes) into `panel`.
+/// Unpacks one packed 16-row group (`quants.len()` blocks of `bb` bytes) into the panel.
 ///
 /// # Safety
-/// `group` holds `panel.len()` packed blocks of `bb` bytes.
+/// `group` holds `quants.len()` packed blocks of `bb` bytes; `scales` has
+/// [`scale_vectors`] entries per block.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
-unsafe fn unpack<const F: u8>(group: &[u8], bb: usize, panel: &mut [PackedBlock]) {
+unsafe fn unpack<const F: u8>(
+    group: &[u8],
+    bb: usize,
+    quants: &mut [Quants],
+    scales: &mut [Lanes],
+) {
     let lo4 = _mm512_set1_epi8(0x0F);
-    for (b, pb) in panel.iter_mut().enumerate() {
+    let sv = scale_vectors(F);
+    for (b, pb) in quants.iter_mut().enumerate() {
+        let sb = &mut scales[sv * b..sv * (b + 1)];
         let p = group[b * bb..(b + 1) * bb].as_ptr();
         // SAFETY: every load is inside block `b`; the stores fill `pb`'s aligned fields.
         unsafe {
@@ -192,18 +252,21 @@ unsafe fn unpack<const F: u8>(group: &[u8], bb: usize, panel: &mut [PackedBlock]
                 256
             };
             let d = _mm512_cvtph_ps(_mm256_loadu_si256(p.add(at).cast()));
-            _mm512_store_ps(pb.d.as_mut_ptr(), d);
+            _mm512_store_ps(sb[0].0.as_mut_ptr(), d);
             if has_min(F) {
                 let m = _mm512_cvtph_ps(_mm256_loadu_si256(p.add(at + 32).cast()));
-                _mm512_store_ps(pb.m.as_mut_ptr(), m);
+                _mm512_store_ps(sb[1].0.as_mut_ptr(), m);
             }
         }
     }
 }
 
+/// Fills a panel for the 16-row group at a row: its blocks' quants and scale vectors.
+type PackFn<'a> = dyn FnMut(usize, &mut [Quants], &mut [Lanes]) + 'a;
+
 /// The token and row loops shared by both sources: for each token chunk and each 16-row group
-/// `g` of `rows`, `pack(g, panel)` fills the panel, then every tile of the chunk's tokens is
-/// multiplied and emitted.
+/// `g` of `rows`, `pack(g, quants, scales)` fills the panel, then every tile of the chunk's
+/// tokens is multiplied and emitted.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
 fn panel_loop<const F: u8>(
     nblocks: usize,
@@ -211,14 +274,17 @@ fn panel_loop<const F: u8>(
     n: usize,
     rows: Range<usize>,
     out: &mut RowsOut<'_>,
-    pack: &mut dyn FnMut(usize, &mut [PackedBlock]),
+    pack: &mut PackFn<'_>,
 ) {
     PANEL.with(|p| {
-        let mut panel = p.borrow_mut();
-        if panel.len() < nblocks {
-            panel.resize(nblocks, ZERO_BLOCK);
+        let mut guard = p.borrow_mut();
+        let Panel { quants, scales } = &mut *guard;
+        if quants.len() < nblocks {
+            quants.resize(nblocks, Quants { w: [[0; 64]; 8] });
+            scales.resize(MAX_SCALE_VECTORS * nblocks, Lanes([0.0; 16]));
         }
-        let panel = &mut panel[..nblocks];
+        let quants = &mut quants[..nblocks];
+        let scales = &mut scales[..scale_vectors(F) * nblocks];
         // Token chunks small enough that their activations stay in L2 while every panel of
         // the task's rows passes over them (a panel is re-packed per chunk).
         // Equal chunks in whole 8-token tiles (a 200-token batch: 104 + 96, not 100 + 100 with
@@ -227,7 +293,7 @@ fn panel_loop<const F: u8>(
         for tc in (0..n).step_by(chunk) {
             let t_end = (tc + chunk).min(n);
             for g in rows.clone().step_by(PANEL_ROWS) {
-                pack(g, panel);
+                pack(g, quants, scales);
                 let live = (rows.end - g).min(PANEL_ROWS);
                 let mut emit = |t: usize, v: __m512| {
                     let mut o = [0.0f32; 16];
@@ -242,22 +308,34 @@ fn panel_loop<const F: u8>(
                     // SAFETY: `ap` has at least the tile's tokens (`left` of them), `nblocks` blocks each.
                     unsafe {
                         if left >= 8 {
-                            for (t, v) in tile::<F, 8>(panel, ap, nblocks).into_iter().enumerate() {
+                            for (t, v) in tile::<F, 8>(quants, scales, ap, nblocks)
+                                .into_iter()
+                                .enumerate()
+                            {
                                 emit(t0 + t, v);
                             }
                             t0 += 8;
                         } else if left >= 4 {
-                            for (t, v) in tile::<F, 4>(panel, ap, nblocks).into_iter().enumerate() {
+                            for (t, v) in tile::<F, 4>(quants, scales, ap, nblocks)
+                                .into_iter()
+                                .enumerate()
+                            {
                                 emit(t0 + t, v);
                             }
                             t0 += 4;
                         } else if left >= 2 {
-                            for (t, v) in tile::<F, 2>(panel, ap, nblocks).into_iter().enumerate() {
+                            for (t, v) in tile::<F, 2>(quants, scales, ap, nblocks)
+                                .into_iter()
+                                .enumerate()
+                            {
                                 emit(t0 + t, v);
                             }
                             t0 += 2;
                         } else {
-                            for (t, v) in tile::<F, 1>(panel, ap, nblocks).into_iter().enumerate() {
+                            for (t, v) in tile::<F, 1>(quants, scales, ap, nblocks)
+                                .into_iter()
+                                .enumerate()
+                            {
                                 emit(t0 + t, v);
                             }
                             t0 += 1;
@@ -269,12 +347,13 @@ fn panel_loop<const F: u8>(
     });
 }
 
-/// Packs the 16 rows at `base + offs[k]` into `panel` (one entry per block), prefetching the
-/// first `next.1` rows (at most 16) of `rb` bytes at `next.0`.
+/// Packs the 16 rows at `base + offs[k]` into the panel (one entry of `quants` and one of
+/// `scales` per block), prefetching the first `next.1` rows (at most 16) of `rb` bytes at
+/// `next.0`.
 ///
 /// # Safety
-/// Each `base + offs[k]` is the start of a full encoded row of `panel.len()` blocks; `next.0` is
-/// valid for `next.1 * rb` bytes (prefetches only).
+/// Each `base + offs[k]` is the start of a full encoded row of `quants.len()` blocks of a
+/// 32-element format; `next.0` is valid for `next.1 * rb` bytes (prefetches only).
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
 unsafe fn pack<const F: u8>(
@@ -282,8 +361,10 @@ unsafe fn pack<const F: u8>(
     next: (*const u8, usize),
     offs: [i32; 16],
     rb: usize,
-    panel: &mut [PackedBlock],
+    quants: &mut [Quants],
+    scales: &mut [Lanes],
 ) {
+    let panel = quants;
     // SAFETY: `offs` is 16 i32s.
     let vidx = unsafe { _mm512_loadu_si512(offs.as_ptr().cast()) };
     let lo4 = _mm512_set1_epi8(0x0F);
@@ -316,10 +397,10 @@ unsafe fn pack<const F: u8>(
         unsafe {
             let p = base.add(b * bs);
             let h = _mm512_i32gather_epi32::<1>(vidx, p.cast());
-            _mm512_store_ps(pb.d.as_mut_ptr(), _mm512_cvtph_ps(_mm512_cvtepi32_epi16(h)));
+            let sv = scale_vectors(F);
+            store(&mut scales[sv * b], f16_lo(h));
             if has_min(F) {
-                let m = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(h, 16)));
-                _mm512_store_ps(pb.m.as_mut_ptr(), m);
+                store(&mut scales[sv * b + 1], f16_lo(_mm512_srli_epi32(h, 16)));
             }
             let q = p.add(hdr);
             if F == F_Q8_0 {
@@ -353,6 +434,272 @@ unsafe fn pack<const F: u8>(
                     _mm512_store_si512(pb.w[j].as_mut_ptr().cast(), lo);
                     _mm512_store_si512(pb.w[j + 4].as_mut_ptr().cast(), hi);
                 }
+            }
+        }
+    }
+}
+
+/// Stores `v` into `dst`.
+#[inline(always)]
+fn store(dst: &mut Lanes, v: __m512) {
+    // SAFETY: `dst` is 16 aligned f32s; AVX-512F is enabled in every caller.
+    unsafe { _mm512_store_ps(dst.0.as_mut_ptr(), v) }
+}
+
+/// The f16 in the low 16 bits of each dword lane of `v`, as f32.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+fn f16_lo(v: __m512i) -> __m512 {
+    _mm512_cvtph_ps(_mm512_cvtepi32_epi16(v))
+}
+
+/// Byte `k` (0..16) of each row, as u32 lanes, from the 16 bytes per row of [`transpose16`].
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+fn byte_lanes(v: &[__m512i; 4], k: usize) -> __m512i {
+    let shifted = _mm512_srl_epi32(v[k / 4], _mm_cvtsi32_si128(8 * (k % 4) as i32));
+    _mm512_and_si512(shifted, _mm512_set1_epi32(0xFF))
+}
+
+/// `d * v` per lane for the integer lanes `v` (`d * f32::from(v)`, as weight-cache computes a
+/// sub-block's scale).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+fn scaled(d: __m512, v: __m512i) -> __m512 {
+    _mm512_mul_ps(d, _mm512_cvtepi32_ps(v))
+}
+
+/// `-(d * v)` per lane, as `-(dmin * f32::from(m))` computes it.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+fn neg_scaled(d: __m512, v: __m512i) -> __m512 {
+    _mm512_xor_ps(scaled(d, v), _mm512_set1_ps(-0.0))
+}
+
+/// [`pack`] for the 256-element K-quants (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS): each
+/// super-block of the 16 rows fills 8 panel blocks, one per 32-element sub-block, with the
+/// sub-block's quants as u8 and its effective scales (and minimums) as weight-cache's
+/// `decode_sub_block` computes them.
+///
+/// # Safety
+/// Each `base + offs[k]` is the start of a full encoded row of `quants.len() / 8` super-blocks
+/// of format `F`; `next.0` is valid for `next.1 * rb` bytes (prefetches only).
+#[inline]
+#[allow(clippy::needless_range_loop)] // `j` indexes the packed vectors and the sources alike
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+unsafe fn pack_k<const F: u8>(
+    base: *const u8,
+    next: (*const u8, usize),
+    offs: [i32; 16],
+    rb: usize,
+    quants: &mut [Quants],
+    scales: &mut [Lanes],
+) {
+    // SAFETY: `offs` is 16 i32s.
+    let vidx = unsafe { _mm512_loadu_si512(offs.as_ptr().cast()) };
+    let nsb = quants.len() / 8;
+    let bs = rb / nsb.max(1);
+    let sv = scale_vectors(F);
+    let lo4 = _mm512_set1_epi8(0x0F);
+    let m2 = _mm512_set1_epi8(3);
+    let m63 = _mm512_set1_epi32(63);
+    let m15 = _mm512_set1_epi32(0xF);
+    let m3 = _mm512_set1_epi32(3);
+    let k32 = _mm512_set1_epi32(32);
+    // SAFETY: the table is 64 readable bytes.
+    let table = unsafe { _mm512_loadu_si512(IQ4_TABLE.as_ptr().cast()) };
+    let next_len = next.1.min(PANEL_ROWS) * rb;
+    let per = next_len.div_ceil(64).div_ceil(nsb.max(1));
+    let mut pf = 0usize;
+    let srl = |v: __m512i, n: i32| _mm512_srl_epi32(v, _mm_cvtsi32_si128(n));
+    for sb in 0..nsb {
+        for _ in 0..per {
+            if pf < next_len {
+                // SAFETY: `pf < next_len`; prefetching has no side effects.
+                unsafe { _mm_prefetch::<_MM_HINT_T0>(next.0.add(pf).cast()) };
+                pf += 64;
+            }
+        }
+        let qv = &mut quants[8 * sb..8 * sb + 8];
+        let sc = &mut scales[8 * sv * sb..8 * sv * (sb + 1)];
+        // SAFETY (whole block): every load lies inside super-block `sb` of one of the 16 rows
+        // (`transpose16` at `at` reads bytes `at..at + 16`, the gathers a dword).
+        unsafe {
+            let p = base.add(sb * bs);
+            // 32 bytes per row at `at` as 8 vectors: vector `j` lane `r` = bytes `4j..4j + 4`.
+            let bytes32 = |at: usize| -> [__m512i; 8] {
+                let a = transpose16(p.add(at), &offs);
+                let b = transpose16(p.add(at + 16), &offs);
+                [a[0], a[1], a[2], a[3], b[0], b[1], b[2], b[3]]
+            };
+            let store_w = |q: &mut Quants, j: usize, v: __m512i| {
+                _mm512_store_si512(q.w[j].as_mut_ptr().cast(), v);
+            };
+            match F {
+                F_Q4K | F_Q5K => {
+                    // d, dmin, then the 12 scale bytes `q` (`scale_min_k4`).
+                    let hdr = transpose16(p, &offs);
+                    let d = f16_lo(hdr[0]);
+                    let dmin = f16_lo(_mm512_srli_epi32(hdr[0], 16));
+                    let q = |i: usize| byte_lanes(&hdr, 4 + i);
+                    for s in 0..8 {
+                        let (scale, min) = if s < 4 {
+                            (_mm512_and_si512(q(s), m63), _mm512_and_si512(q(s + 4), m63))
+                        } else {
+                            let high = |v: __m512i| _mm512_slli_epi32(srl(v, 6), 4);
+                            (
+                                _mm512_or_si512(_mm512_and_si512(q(s + 4), m15), high(q(s - 4))),
+                                _mm512_or_si512(srl(q(s + 4), 4), high(q(s))),
+                            )
+                        };
+                        store(&mut sc[2 * s], scaled(d, scale));
+                        store(&mut sc[2 * s + 1], neg_scaled(dmin, min));
+                    }
+                    let (qs_at, qh) = if F == F_Q5K {
+                        (48, bytes32(16))
+                    } else {
+                        (16, [_mm512_setzero_si512(); 8])
+                    };
+                    let fifth = _mm512_set1_epi8(0x10);
+                    for g in 0..4 {
+                        // Bytes `32g..32g + 32`: sub-block `2g` in the low nibbles, `2g + 1`
+                        // in the high ones; Q5_K's 5th bits are bits `2g`, `2g + 1` of `qh`.
+                        let v = bytes32(qs_at + 32 * g);
+                        for j in 0..8 {
+                            let mut lo = _mm512_and_si512(v[j], lo4);
+                            let mut hi = _mm512_and_si512(_mm512_srli_epi16(v[j], 4), lo4);
+                            if F == F_Q5K {
+                                let bit = |s: usize| _mm512_set1_epi8(1 << s);
+                                let k0 = _mm512_test_epi8_mask(qh[j], bit(2 * g));
+                                let k1 = _mm512_test_epi8_mask(qh[j], bit(2 * g + 1));
+                                lo = _mm512_mask_add_epi8(lo, k0, lo, fifth);
+                                hi = _mm512_mask_add_epi8(hi, k1, hi, fifth);
+                            }
+                            store_w(&mut qv[2 * g], j, lo);
+                            store_w(&mut qv[2 * g + 1], j, hi);
+                        }
+                    }
+                }
+                F_Q6K => {
+                    // ql (128), qh (64), 16 signed scale bytes, d.
+                    let sbytes = transpose16(p.add(192), &offs);
+                    let d = f16_lo(_mm512_srli_epi32(
+                        _mm512_i32gather_epi32::<1>(vidx, p.add(206).cast()),
+                        16,
+                    ));
+                    for i in 0..16 {
+                        // Sign-extend byte `i` of the row's scales.
+                        let v = sbytes[i / 4];
+                        let sh = _mm_cvtsi32_si128(24 - 8 * (i % 4) as i32);
+                        let x = _mm512_srai_epi32(_mm512_sll_epi32(v, sh), 24);
+                        store(&mut sc[i], scaled(d, x));
+                    }
+                    let m30 = _mm512_set1_epi8(0x30);
+                    for h in 0..2 {
+                        // Sub-block `4h + j`, element `l`: nibble `j / 2` of ql byte
+                        // `64h + 32(j % 2) + l`, bits `2j, 2j + 1` of qh byte `32h + l` above.
+                        let ql = [bytes32(64 * h), bytes32(64 * h + 32)];
+                        let qh = bytes32(128 + 32 * h);
+                        for j in 0..4 {
+                            for i in 0..8 {
+                                let src = ql[j % 2][i];
+                                let lo = if j < 2 {
+                                    _mm512_and_si512(src, lo4)
+                                } else {
+                                    _mm512_and_si512(_mm512_srli_epi16(src, 4), lo4)
+                                };
+                                let high = match j {
+                                    0 => _mm512_slli_epi16(qh[i], 4),
+                                    1 => _mm512_slli_epi16(qh[i], 2),
+                                    2 => qh[i],
+                                    _ => _mm512_srli_epi16(qh[i], 2),
+                                };
+                                let v = _mm512_or_si512(lo, _mm512_and_si512(high, m30));
+                                store_w(&mut qv[4 * h + j], i, v);
+                            }
+                        }
+                    }
+                }
+                F_Q2K => {
+                    // 16 scale bytes (scale: low nibble, min: high), qs (64), d, dmin.
+                    let sbytes = transpose16(p, &offs);
+                    let dd = _mm512_i32gather_epi32::<1>(vidx, p.add(80).cast());
+                    let d = f16_lo(dd);
+                    let dmin = f16_lo(_mm512_srli_epi32(dd, 16));
+                    for s in 0..8 {
+                        for e in 0..2 {
+                            let x = byte_lanes(&sbytes, 2 * s + e);
+                            store(&mut sc[4 * s + e], scaled(d, _mm512_and_si512(x, m15)));
+                            store(&mut sc[4 * s + 2 + e], neg_scaled(dmin, srl(x, 4)));
+                        }
+                    }
+                    for h in 0..2 {
+                        let v = bytes32(16 + 32 * h);
+                        for j in 0..4 {
+                            let sh = _mm_cvtsi32_si128(2 * j as i32);
+                            for i in 0..8 {
+                                let q2 = _mm512_and_si512(_mm512_srl_epi16(v[i], sh), m2);
+                                store_w(&mut qv[4 * h + j], i, q2);
+                            }
+                        }
+                    }
+                }
+                F_Q3K => {
+                    // hmask (32), qs (64), 12 scale bytes `q` (`scale_k3`), d: the 16 bytes
+                    // ending the block are 2 of qs, the scales, d.
+                    let tail = transpose16(p.add(94), &offs);
+                    let d = f16_lo(_mm512_srli_epi32(tail[3], 16));
+                    let q = |i: usize| byte_lanes(&tail, 2 + i);
+                    for i in 0..16 {
+                        let low = if i < 8 {
+                            _mm512_and_si512(q(i), m15)
+                        } else {
+                            srl(q(i - 8), 4)
+                        };
+                        let high = _mm512_and_si512(srl(q(8 + i % 4), 2 * (i / 4) as i32), m3);
+                        let v = _mm512_or_si512(low, _mm512_slli_epi32(high, 4));
+                        store(&mut sc[i], scaled(d, _mm512_sub_epi32(v, k32)));
+                    }
+                    let hmask = bytes32(0);
+                    let third = _mm512_set1_epi8(4);
+                    for h in 0..2 {
+                        let v = bytes32(32 + 32 * h);
+                        for j in 0..4 {
+                            let s = 4 * h + j;
+                            let sh = _mm_cvtsi32_si128(2 * j as i32);
+                            let bit = _mm512_set1_epi8(1 << s);
+                            for i in 0..8 {
+                                let q2 = _mm512_and_si512(_mm512_srl_epi16(v[i], sh), m2);
+                                let k = _mm512_test_epi8_mask(hmask[i], bit);
+                                store_w(&mut qv[s], i, _mm512_mask_add_epi8(q2, k, q2, third));
+                            }
+                        }
+                    }
+                }
+                F_IQ4XS => {
+                    // d, scales_h (u16), scales_l (4 bytes), qs (128): `scale_iq4xs`.
+                    let h0 = _mm512_i32gather_epi32::<1>(vidx, p.cast());
+                    let sl = _mm512_i32gather_epi32::<1>(vidx, p.add(4).cast());
+                    let d = f16_lo(h0);
+                    for s in 0..8 {
+                        let low =
+                            _mm512_and_si512(srl(sl, (8 * (s / 2) + 4 * (s % 2)) as i32), m15);
+                        let high = _mm512_and_si512(srl(h0, 16 + 2 * s as i32), m3);
+                        let ls =
+                            _mm512_sub_epi32(_mm512_or_si512(low, _mm512_slli_epi32(high, 4)), k32);
+                        store(&mut sc[s], scaled(d, ls));
+                        // Elements 0..16 in the low nibbles of qs `16s..16s + 16`, the rest in
+                        // the high ones; code book values + 128.
+                        let v = transpose16(p.add(8 + 16 * s), &offs);
+                        for (j, vj) in v.into_iter().enumerate() {
+                            let lo = _mm512_and_si512(vj, lo4);
+                            let hi = _mm512_and_si512(_mm512_srli_epi16(vj, 4), lo4);
+                            store_w(&mut qv[s], j, _mm512_shuffle_epi8(table, lo));
+                            store_w(&mut qv[s], j + 4, _mm512_shuffle_epi8(table, hi));
+                        }
+                    }
+                }
+                _ => unreachable!("not a K-quant"),
             }
         }
     }
@@ -427,16 +774,18 @@ fn act4(a: &ActBlock, j: usize) -> __m512i {
 /// token): one vector of the 16 rows per token.
 ///
 /// # Safety
-/// `acts` is valid for `T * nb` blocks; `panel` holds the row length's `nb` blocks.
+/// `acts` is valid for `T * nb` blocks; `quants` holds the row length's `nb` blocks and `scales`
+/// their [`scale_vectors`] each.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
 unsafe fn tile<const F: u8, const T: usize>(
-    panel: &[PackedBlock],
+    quants: &[Quants],
+    scales: &[Lanes],
     acts: *const ActBlock,
     nb: usize,
 ) -> [__m512; T] {
     // SAFETY: forwarded.
-    let c = |l: usize| unsafe { chain::<F, T>(panel, acts, nb, l) };
+    let c = |l: usize| unsafe { chain::<F, T>(quants, scales, acts, nb, l) };
     let add = |a: [__m512; T], b: [__m512; T]| std::array::from_fn(|t| _mm512_add_ps(a[t], b[t]));
     let s02 = add(c(0), c(2));
     add(s02, add(c(1), c(3)))
@@ -449,42 +798,85 @@ unsafe fn tile<const F: u8, const T: usize>(
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
 unsafe fn chain<const F: u8, const T: usize>(
-    panel: &[PackedBlock],
+    quants: &[Quants],
+    scales: &[Lanes],
     acts: *const ActBlock,
     nb: usize,
     l: usize,
 ) -> [__m512; T] {
     // SAFETY: `t * nb + b < T * nb` for every `t < T`, block `b < nb`.
     let act = |t: usize, b: usize| unsafe { &*acts.add(t * nb + b) };
+    let sv = scale_vectors(F);
+    let shift = _mm_cvtsi32_si128(offset_shift(F));
     let mut acc = [_mm512_setzero_ps(); T];
     let mut b = l;
-    while b < panel.len() {
-        let pb = &panel[b];
-        let mut isum = [_mm512_setzero_si512(); T];
-        for j in 0..8 {
-            // SAFETY: `w[j]` is 64 aligned bytes.
-            let wj = unsafe { _mm512_load_si512(pb.w[j].as_ptr().cast()) };
-            for (t, s) in isum.iter_mut().enumerate() {
-                *s = _mm512_dpbusd_epi32(*s, wj, act4(act(t, b), j));
+    while b < quants.len() {
+        let pb = &quants[b];
+        // SAFETY: each entry is 16 aligned f32s.
+        let scale = |i: usize| unsafe { _mm512_load_ps(scales[sv * b + i].0.as_ptr()) };
+        // The dot products of vectors `js` with each token, offset by its activation sum
+        // `part` (see [`act_sum`]) times the format's offset, as f32.
+        let dots = |js: Range<usize>, part: usize| -> [__m512; T] {
+            let mut isum = [_mm512_setzero_si512(); T];
+            for j in js {
+                // SAFETY: `w[j]` is 64 aligned bytes.
+                let wj = unsafe { _mm512_load_si512(pb.w[j].as_ptr().cast()) };
+                for (t, s) in isum.iter_mut().enumerate() {
+                    *s = _mm512_dpbusd_epi32(*s, wj, act4(act(t, b), j));
+                }
             }
-        }
-        // SAFETY: `d` and `m` are 16 aligned f32s.
-        let (d, m) = unsafe { (_mm512_load_ps(pb.d.as_ptr()), _mm512_load_ps(pb.m.as_ptr())) };
-        for (t, c) in acc.iter_mut().enumerate() {
-            let a = act(t, b);
-            let mut r = isum[t];
-            if offset_shift(F) != 0 {
-                let offset = _mm512_set1_epi32(a.sq);
-                let shift = _mm_cvtsi32_si128(offset_shift(F));
-                r = _mm512_sub_epi32(r, _mm512_sll_epi32(offset, shift));
+            std::array::from_fn(|t| {
+                let mut r = isum[t];
+                if offset_shift(F) != 0 {
+                    let offset = _mm512_set1_epi32(act_sum(act(t, b), part));
+                    r = _mm512_sub_epi32(r, _mm512_sll_epi32(offset, shift));
+                }
+                _mm512_cvtepi32_ps(r)
+            })
+        };
+        if is_split(F) {
+            // Per half: its own dot product and scale, then (Q2_K) the halves' minimums.
+            for h in 0..2 {
+                let r = dots(4 * h..4 * h + 4, h);
+                let d = scale(h);
+                for (t, c) in acc.iter_mut().enumerate() {
+                    let s = _mm512_mul_ps(d, _mm512_set1_ps(act(t, b).d));
+                    *c = _mm512_fmadd_ps(r[t], s, *c);
+                }
             }
-            let s = _mm512_mul_ps(d, _mm512_set1_ps(a.d));
-            *c = _mm512_fmadd_ps(_mm512_cvtepi32_ps(r), s, *c);
             if has_min(F) {
-                *c = _mm512_fmadd_ps(m, _mm512_set1_ps(a.sx), *c);
+                for h in 0..2 {
+                    let m = scale(2 + h);
+                    for (t, c) in acc.iter_mut().enumerate() {
+                        let a = act(t, b);
+                        let s = _mm512_mul_ps(m, _mm512_set1_ps(a.d));
+                        *c = _mm512_fmadd_ps(_mm512_set1_ps(act_sum(a, h) as f32), s, *c);
+                    }
+                }
+            }
+        } else {
+            let r = dots(0..8, 2);
+            let d = scale(0);
+            for (t, c) in acc.iter_mut().enumerate() {
+                let a = act(t, b);
+                let s = _mm512_mul_ps(d, _mm512_set1_ps(a.d));
+                *c = _mm512_fmadd_ps(r[t], s, *c);
+                if has_min(F) {
+                    *c = _mm512_fmadd_ps(scale(1), _mm512_set1_ps(a.sx), *c);
+                }
             }
         }
         b += 4;
     }
     acc
+}
+
+/// A block's activation sum: of elements 0..16 (`part` 0), 16..32 (1) or all (2).
+#[inline(always)]
+fn act_sum(a: &ActBlock, part: usize) -> i32 {
+    match part {
+        0 => a.sq0,
+        1 => a.sq - a.sq0,
+        _ => a.sq,
+    }
 }
