@@ -7,15 +7,21 @@
 //!    rank order), their probabilities as weights (renormalised to sum 1 where the family does);
 //! 3. the slots are grouped by expert (a counting sort, stable in token order), each expert's
 //!    tokens gathered into contiguous rows, and its gate/up/down products run once over all of
-//!    them: an expert's weights stream once per call, not once per token. An expert's matrices
-//!    are a contiguous row range of the stacked `ffn_*_exps` tensors (of `ffn_gate_up_exps`:
-//!    its gate rows, then its up rows), or tensors of their own (a Hugging Face checkpoint's
-//!    per-expert matrices);
+//!    them: an expert's weights stream once per call, not once per token. The chosen experts'
+//!    gate and up products go to the thread pool as one call ([`kernels::matmul_batch`]), their
+//!    down products as another: a decode step makes two pool calls per layer, not two per
+//!    expert, and each call has every expert's rows to spread over the threads. The experts
+//!    are read in the file's layout (not packed at load), so the weight cache's residency
+//!    budget governs them: under a budget, a cold expert is read from the file on demand. An
+//!    expert's matrices are a contiguous row range of the stacked `ffn_*_exps` tensors (of
+//!    `ffn_gate_up_exps`: its gate rows, then its up rows), or tensors of their own (a Hugging
+//!    Face checkpoint's per-expert matrices);
 //! 4. each token's output is `w_0 * y_0 + w_1 * y_1 + ...` in its rank order, as llama.cpp sums.
 //!
 //! Batch invariance: the kernels' row results do not depend on the other rows of a product, and
 //! a token's sum runs over its own slots in rank order, so a token's output is the same bit for
-//! bit whatever else is in the batch (tested in `tests/moe_models.rs`).
+//! bit whatever else is in the batch (tested in `tests/model_families.rs`, whose families
+//! include the MoE ones).
 
 use super::config::MoeConfig;
 use super::{Lin, Model, ModelError, Touch, grow, lin, lin_stacked, ops, vector};
