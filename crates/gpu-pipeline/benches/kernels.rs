@@ -20,10 +20,12 @@ use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use gpu_pipeline::ThreadPool;
 use gpu_pipeline::kernels::{CpuIsa, GgmlType, PackedWeights, WeightMatrix, matmul_with};
 
-/// The default model's shapes, plus two larger than L3 (the last one for the 256-element
+/// The default model's shapes, a mixture of experts' expert matrix (`scripts/make_arch_models.py
+/// --bench-moe`: 768 x 1024 gate/up), plus two larger than L3 (the last one for the 256-element
 /// block formats, which need rows of a multiple of 256).
-const SHAPES: [(usize, usize); 5] = [
+const SHAPES: [(usize, usize); 6] = [
     (576, 576),
+    (768, 1024),
     (1536, 576),
     (576, 1536),
     (49152, 576),

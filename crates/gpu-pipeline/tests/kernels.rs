@@ -8,8 +8,8 @@
 
 use gpu_pipeline::ThreadPool;
 use gpu_pipeline::kernels::{
-    CpuIsa, GgmlType, KernelError, Layout, PackedWeights, WeightMatrix, dequantize_row, matmul,
-    matmul_many, matmul_with, matvec,
+    CpuIsa, GgmlType, KernelError, Layout, PackedWeights, Product, WeightMatrix, dequantize_row,
+    matmul, matmul_batch, matmul_many, matmul_with, matvec,
 };
 use half::f16;
 use proptest::prelude::*;
@@ -492,6 +492,111 @@ fn matmul_many_equals_separate_products() {
             outputs: 1
         })
     ));
+}
+
+/// `matmul_batch` (a mixture of experts' layer: products over their own runs of one input, in
+/// one pool call) gives each product exactly `matmul`'s bits over its tokens: mixed formats,
+/// packed and file layouts, token runs on both sides of the panel kernel's threshold, empty runs,
+/// more products than fit on the stack; and overlapping outputs are refused.
+#[test]
+fn matmul_batch_equals_separate_products() {
+    let mut rng = Rng(0xba7c4);
+    let pool = ThreadPool::new(2);
+    let cols = 256;
+    let dtypes = [
+        GgmlType::Q8_0,
+        GgmlType::Q4_K,
+        GgmlType::Q4_0,
+        GgmlType::Q8_0,
+        GgmlType::Q6_K,
+        GgmlType::F16,
+    ];
+    let rows = [40usize, 16, 33, 96, 8, 12];
+    let datas: Vec<Vec<u8>> = dtypes
+        .iter()
+        .zip(rows)
+        .map(|(&d, r)| random_weights(d, r, cols, &mut rng))
+        .collect();
+    let files: Vec<WeightMatrix<'_>> = dtypes
+        .iter()
+        .zip(rows)
+        .zip(&datas)
+        .map(|((&d, r), data)| WeightMatrix::new(d, r, cols, data).unwrap())
+        .collect();
+    let packed: Vec<PackedWeights> = files
+        .iter()
+        .filter_map(|w| PackedWeights::pack(*w, &pool).unwrap())
+        .collect();
+    let tokens = 60;
+    let x = random_acts(tokens, cols, &mut rng);
+    // (matrix, first token, tokens): runs of 1, 2, 0, 17 and 40 tokens, overlapping inputs.
+    let runs = [
+        (0usize, 0usize, 1usize),
+        (1, 1, 2),
+        (2, 3, 0),
+        (3, 3, 17),
+        (4, 20, 40),
+    ];
+    for quant_only in [true, false] {
+        for with_packed in [false, true] {
+            let mats: Vec<WeightMatrix<'_>> = files
+                .iter()
+                .copied()
+                .chain(packed.iter().filter(|_| with_packed).map(|p| p.matrix()))
+                .filter(|w| !quant_only || w.dtype != GgmlType::F16)
+                .collect();
+            // Every run on every matrix, repeated past the 32 products described on the stack.
+            let mut products = Vec::new();
+            let mut out = 0;
+            for rep in 0..if quant_only { 3 } else { 1 } {
+                for (i, w) in mats.iter().enumerate() {
+                    let (_, first, n) = runs[(i + rep) % runs.len()];
+                    products.push(Product {
+                        w: *w,
+                        first,
+                        n,
+                        out,
+                    });
+                    out += n * w.rows;
+                }
+            }
+            let mut y = vec![f32::NAN; out + 5];
+            matmul_batch(&products, &x, cols, &mut y, &pool).unwrap();
+            for p in &products {
+                let mut want = vec![0.0f32; p.n * p.w.rows];
+                let xs = &x[p.first * cols..(p.first + p.n) * cols];
+                matmul(p.w, xs, p.n, &mut want, &pool).unwrap();
+                let got = &y[p.out..p.out + want.len()];
+                let same = got
+                    .iter()
+                    .zip(&want)
+                    .all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(same, "{} {:?} n {}", p.w.dtype.name(), p.w.layout, p.n);
+            }
+            // Nothing past the products' outputs is written.
+            assert!(y[out..].iter().all(|v| v.is_nan()));
+        }
+    }
+    let w = files[0];
+    let p = |out| Product {
+        w,
+        first: 0,
+        n: 1,
+        out,
+    };
+    let mut y = vec![0.0f32; 2 * w.rows];
+    let err = matmul_batch(&[p(0), p(w.rows - 1)], &x, cols, &mut y, &pool);
+    assert!(matches!(err, Err(KernelError::OverlappingOutputs { .. })));
+    let err = matmul_batch(&[p(w.rows + 1)], &x, cols, &mut y, &pool);
+    assert!(matches!(err, Err(KernelError::OutputLength { .. })));
+    let far = Product {
+        w,
+        first: tokens,
+        n: 1,
+        out: 0,
+    };
+    let err = matmul_batch(&[far], &x, cols, &mut y, &pool);
+    assert!(matches!(err, Err(KernelError::InputLength { .. })));
 }
 
 proptest! {

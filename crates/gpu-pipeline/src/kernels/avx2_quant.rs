@@ -22,7 +22,7 @@ use std::ops::Range;
 use super::act::{ActQuad, quads_per_token};
 use super::avx512::{
     F_IQ4NL, F_IQ4XS, F_Q2K, F_Q3K, F_Q4_0, F_Q4_1, F_Q4K, F_Q5_0, F_Q5_1, F_Q5K, F_Q6K, F_Q8_0,
-    has_min, is_split, offset_shift, prefetch_plan,
+    PF_AHEAD, has_min, is_split, offset_shift, prefetch_plan,
 };
 use super::format::Fmt;
 use super::{RowsOut, WeightMatrix};
@@ -856,7 +856,7 @@ fn rows_impl<const F: u8>(
             // The first pass over the rows streams them from DRAM: prefetch as the AVX-512
             // kernels do (see `avx512::rows_impl`).
             let pf = if t0 == 0 {
-                prefetch_plan(w.data, rb, nq, g, rows.start, rows.end)
+                prefetch_plan(w.data, rb, nq, g, &rows, (PF_AHEAD, false))
             } else {
                 (w.data.as_ptr(), 0, 0)
             };

@@ -252,6 +252,14 @@ pub enum KernelError {
         /// Rows in the matrix.
         rows: usize,
     },
+    /// Two products of [`matmul_batch`] write overlapping ranges of its output.
+    #[error("products write overlapping output ranges {first:?} and {second:?}")]
+    OverlappingOutputs {
+        /// The earlier product's output range.
+        first: std::ops::Range<usize>,
+        /// The later product's output range.
+        second: std::ops::Range<usize>,
+    },
     /// The requested backend is not supported by this CPU.
     #[error("backend {backend:?} is not available on this CPU")]
     BackendUnavailable {
@@ -454,6 +462,125 @@ pub fn matmul_many(
     }
 }
 
+/// One product of [`matmul_batch`]: `w` times the `n` input tokens from token `first` on, its
+/// `n x w.rows` results written at element `out` of the batch's output.
+#[derive(Clone, Copy, Debug)]
+pub struct Product<'a> {
+    /// The weights (`cols` columns, as the batch's input).
+    pub w: WeightMatrix<'a>,
+    /// First input token (row of the batch's input).
+    pub first: usize,
+    /// Tokens.
+    pub n: usize,
+    /// Where the results start in the batch's output (token-major, `w.rows` per token).
+    pub out: usize,
+}
+
+/// Most products [`matmul_batch`] describes on the stack; more are described in a heap buffer.
+const BATCH_INLINE: usize = 32;
+
+/// Several products over parts of one input, in one pool call: each [`Product`] multiplies its
+/// own run of the `x.len() / cols` tokens of `x` (quantized once, whatever product reads them)
+/// and writes its own range of `y`. This is a mixture of experts' layer: every chosen expert's
+/// gate and up rows over that expert's tokens as one call, then the down rows. Each product's
+/// results equal `matmul(p.w, tokens, ..)` bit for bit (batch invariance). Output ranges must
+/// not overlap. Allocation-free for up to 32 products.
+///
+/// ```
+/// use gpu_pipeline::ThreadPool;
+/// use gpu_pipeline::kernels::{GgmlType, Product, WeightMatrix, matmul_batch};
+///
+/// let a: Vec<f32> = vec![1.0, 2.0, 3.0, 4.0];
+/// let b: Vec<f32> = vec![-1.0, 0.5];
+/// let wa = WeightMatrix::new(GgmlType::F32, 2, 2, bytemuck::cast_slice(&a))?;
+/// let wb = WeightMatrix::new(GgmlType::F32, 1, 2, bytemuck::cast_slice(&b))?;
+/// // Token 0 through `wa` (2 outputs), tokens 1..3 through `wb` (1 output each).
+/// let x = [1.0, 1.0, 2.0, 0.0, 0.0, 2.0];
+/// let mut y = [0.0f32; 4];
+/// let ps = [
+///     Product { w: wa, first: 0, n: 1, out: 0 },
+///     Product { w: wb, first: 1, n: 2, out: 2 },
+/// ];
+/// matmul_batch(&ps, &x, 2, &mut y, &ThreadPool::new(1))?;
+/// assert_eq!(y, [3.0, 7.0, -2.0, 1.0]);
+/// # Ok::<(), gpu_pipeline::kernels::KernelError>(())
+/// ```
+pub fn matmul_batch(
+    products: &[Product<'_>],
+    x: &[f32],
+    cols: usize,
+    y: &mut [f32],
+    pool: &ThreadPool,
+) -> Result<(), KernelError> {
+    let backend = CpuIsa::detect();
+    let tokens = x.len().checked_div(cols).unwrap_or(0);
+    if tokens * cols != x.len() {
+        return Err(KernelError::InputLength {
+            expected: tokens * cols,
+            actual: x.len(),
+        });
+    }
+    // Checks, and whether every product is integer-quantized (one grouped call) or not.
+    let mut grouped = true;
+    for (i, p) in products.iter().enumerate() {
+        check_layout(backend, p.w)?;
+        let fmt = p.w.check()?;
+        if p.w.cols != cols {
+            return Err(KernelError::InputLength {
+                expected: p.w.cols,
+                actual: cols,
+            });
+        }
+        let in_end = p.first.checked_add(p.n).filter(|&e| e <= tokens);
+        let len = p.n.checked_mul(p.w.rows);
+        let out_end = len.and_then(|l| p.out.checked_add(l));
+        if in_end.is_none() {
+            return Err(KernelError::InputLength {
+                expected: (p.first + p.n) * cols,
+                actual: x.len(),
+            });
+        }
+        let Some(out_end) = out_end.filter(|&e| e <= y.len()) else {
+            return Err(KernelError::OutputLength {
+                expected: out_end.unwrap_or(usize::MAX),
+                actual: y.len(),
+            });
+        };
+        // Disjoint outputs (the tasks write them through raw pointers).
+        for q in &products[..i] {
+            let q_end = q.out + q.n * q.w.rows;
+            if p.out < q_end && q.out < out_end && p.n * p.w.rows > 0 && q.n * q.w.rows > 0 {
+                return Err(KernelError::OverlappingOutputs {
+                    first: q.out..q_end,
+                    second: p.out..out_end,
+                });
+            }
+        }
+        grouped &= !fmt.is_float();
+    }
+    if !grouped || cols == 0 {
+        for p in products {
+            let out = &mut y[p.out..p.out + p.n * p.w.rows];
+            let xs = &x[p.first * cols..(p.first + p.n) * cols];
+            matmul_with(backend, p.w, xs, p.n, out, pool)?;
+        }
+        return Ok(());
+    }
+    let _span = tracing::trace_span!("matmul_batch", products = products.len(), tokens).entered();
+    let y_ptr = y.as_mut_ptr();
+    with_jobs(
+        products.len(),
+        |i| {
+            let p = &products[i];
+            // SAFETY: `p.out + p.n * p.w.rows <= y.len()` (checked above), so the pointer stays
+            // inside `y`, and the products' output ranges are disjoint.
+            Job::new(p.w, p.first, p.n, unsafe { y_ptr.add(p.out) })
+        },
+        |jobs| quant_jobs(backend, jobs, x, cols, tokens, pool),
+    );
+    Ok(())
+}
+
 /// Checks that `backend` has a kernel for `w`'s layout.
 fn check_layout(backend: CpuIsa, w: WeightMatrix<'_>) -> Result<(), KernelError> {
     match w.layout {
@@ -517,53 +644,194 @@ fn quant_group(
     ys: &mut [&mut [f32]],
     pool: &ThreadPool,
 ) {
-    let cols = ws[0].cols;
-    // Quantize the activations once, then share them read-only.
-    #[cfg(target_arch = "x86_64")]
-    if backend == CpuIsa::Avx512 && (ws[0].layout == Layout::Rows16 || panel::applies(fmt, n)) {
-        let packed = ws[0].layout == Layout::Rows16;
-        BLOCK_SCRATCH.with(|scratch| {
-            let mut acts = scratch.borrow_mut();
-            let nb = cols / 32;
-            if acts.len() < n * nb {
-                acts.resize(n * nb, ActBlock::ZERO);
-            }
-            let acts = &mut acts[..n * nb];
-            quantize_par(pool, x, cols, n, acts, nb, &|xs, a| {
-                act::quantize_blocks(backend, xs, a)
-            });
-            let acts: &[ActBlock] = acts;
-            run_rows_many(ws, n, ys, pool, &|w, rows, out| {
-                // SAFETY: the AVX-512 backend is available (checked by the caller above); a
-                // packed matrix's format has a packed layout (checked with its length), else
-                // `applies` checked the format.
-                unsafe {
-                    if packed {
-                        packed::quant_rows(fmt, w, acts, n, rows, out)
-                    } else {
-                        panel::quant_rows(fmt, w, acts, n, rows, out)
-                    }
-                }
-            });
-        });
-        return;
-    }
-    ACT_SCRATCH.with(|scratch| {
-        let mut acts = scratch.borrow_mut();
-        let nq = act::quads_per_token(cols);
-        let needed = nq * n;
-        if acts.len() < needed {
-            acts.resize(needed, ActQuad::ZERO);
+    debug_assert!(ws.iter().all(|w| Fmt::of(w.dtype) == Some(fmt)));
+    let mut ys = ys.iter_mut();
+    with_jobs(
+        ws.len(),
+        |i| {
+            Job::new(
+                ws[i],
+                0,
+                n,
+                ys.next().map_or(std::ptr::null_mut(), |y| y.as_mut_ptr()),
+            )
+        },
+        |jobs| quant_jobs(backend, jobs, x, ws[0].cols, n, pool),
+    );
+}
+
+/// One product of a pool call: `w` times the `n` input tokens from token `first` on, into
+/// `out`; `chunk` and `first_task` are set by [`run_jobs`].
+#[derive(Clone, Copy)]
+struct Job<'w, 'y> {
+    w: WeightMatrix<'w>,
+    first: usize,
+    n: usize,
+    out: OutRows<'y>,
+    /// Rows per task.
+    chunk: usize,
+    /// Index of the job's first task.
+    first_task: usize,
+}
+
+impl<'w, 'y> Job<'w, 'y> {
+    const EMPTY: Self = Self::new(
+        WeightMatrix {
+            dtype: GgmlType::F32,
+            rows: 0,
+            cols: 0,
+            data: &[],
+            layout: Layout::File,
+        },
+        0,
+        0,
+        std::ptr::null_mut(),
+    );
+
+    /// The job of `w` over tokens `first..first + n`, writing `n x w.rows` outputs at `out`
+    /// (which must stay valid and unaliased for `'y`).
+    const fn new(w: WeightMatrix<'w>, first: usize, n: usize, out: *mut f32) -> Self {
+        Self {
+            w,
+            first,
+            n,
+            out: OutRows {
+                ptr: out,
+                stride: w.rows,
+                _y: std::marker::PhantomData,
+            },
+            chunk: 1,
+            first_task: 0,
         }
-        let acts = &mut acts[..needed];
-        quantize_par(pool, x, cols, n, acts, nq, &|xs, a| {
-            act::quantize_tokens(backend, xs, cols, a)
-        });
-        let acts: &[ActQuad] = acts;
-        run_rows_many(ws, n, ys, pool, &|w, rows, out| {
-            quant_rows(backend, fmt, w, acts, n, rows, out)
-        });
+    }
+
+    /// Whether the AVX-512 block kernels (packed, panel) run this job, with [`ActBlock`]s;
+    /// otherwise the quad kernels with [`ActQuad`]s.
+    fn uses_blocks(&self, backend: CpuIsa) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        {
+            backend == CpuIsa::Avx512
+                && (self.w.layout == Layout::Rows16
+                    || Fmt::of(self.w.dtype).is_some_and(|f| panel::applies(f, self.n)))
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            let _ = backend;
+            false
+        }
+    }
+}
+
+/// Calls `f` with the `count` jobs `make(0..count)`: on the stack for up to [`BATCH_INLINE`]
+/// (the decode path must not allocate), else in a heap buffer.
+fn with_jobs<'w, 'y, R>(
+    count: usize,
+    mut make: impl FnMut(usize) -> Job<'w, 'y>,
+    f: impl FnOnce(&mut [Job<'w, 'y>]) -> R,
+) -> R {
+    if count <= BATCH_INLINE {
+        let mut inline = [Job::EMPTY; BATCH_INLINE];
+        for (i, slot) in inline[..count].iter_mut().enumerate() {
+            *slot = make(i);
+        }
+        f(&mut inline[..count])
+    } else {
+        let mut heap: Vec<Job<'w, 'y>> = (0..count).map(make).collect();
+        f(&mut heap)
+    }
+}
+
+/// The integer-quantized `jobs` (validated, all with `cols` columns) over the `tokens` tokens of
+/// `x`: the tokens are quantized once (in the layouts the jobs' kernels read), then every job's
+/// rows are split over the pool in one call.
+fn quant_jobs(
+    backend: CpuIsa,
+    jobs: &mut [Job<'_, '_>],
+    x: &[f32],
+    cols: usize,
+    tokens: usize,
+    pool: &ThreadPool,
+) {
+    let blocks = jobs.iter().any(|j| j.uses_blocks(backend));
+    let quads = jobs.iter().any(|j| !j.uses_blocks(backend));
+    let nb = cols / 32;
+    let nq = act::quads_per_token(cols);
+    // Quantize the activations once per layout, then share them read-only.
+    with_block_acts(blocks, tokens * nb, |block_acts| {
+        ACT_SCRATCH.with(|scratch| {
+            let mut quad_acts = scratch.borrow_mut();
+            let quad_len = if quads { tokens * nq } else { 0 };
+            if quad_acts.len() < quad_len {
+                quad_acts.resize(quad_len, ActQuad::ZERO);
+            }
+            let quad_acts = &mut quad_acts[..quad_len];
+            #[cfg(target_arch = "x86_64")]
+            if blocks {
+                quantize_par(pool, x, cols, tokens, block_acts, nb, &|xs, a| {
+                    act::quantize_blocks(backend, xs, a)
+                });
+            }
+            #[cfg(not(target_arch = "x86_64"))]
+            let _ = block_acts;
+            if quads {
+                quantize_par(pool, x, cols, tokens, quad_acts, nq, &|xs, a| {
+                    act::quantize_tokens(backend, xs, cols, a)
+                });
+            }
+            #[cfg(target_arch = "x86_64")]
+            let block_acts: &[ActBlock] = block_acts;
+            let quad_acts: &[ActQuad] = quad_acts;
+            run_jobs(jobs, pool, &|j, rows, out| {
+                let Some(fmt) = Fmt::of(j.w.dtype) else {
+                    return;
+                };
+                #[cfg(target_arch = "x86_64")]
+                if j.uses_blocks(backend) {
+                    let acts = &block_acts[j.first * nb..];
+                    // SAFETY: the AVX-512 backend is available (`uses_blocks` checked it is the
+                    // one picked, and callers check availability); a packed matrix's format has
+                    // a packed layout (checked with its length), else `applies` checked it.
+                    unsafe {
+                        if j.w.layout == Layout::Rows16 {
+                            packed::quant_rows(fmt, j.w, acts, j.n, rows, out)
+                        } else {
+                            panel::quant_rows(fmt, j.w, acts, j.n, rows, out)
+                        }
+                    }
+                    return;
+                }
+                quant_rows(
+                    backend,
+                    fmt,
+                    j.w,
+                    &quad_acts[j.first * nq..],
+                    j.n,
+                    rows,
+                    out,
+                )
+            });
+        })
     });
+}
+
+/// Calls `f` with `len` reusable [`ActBlock`]s of this thread when `needed` (else none).
+#[cfg(target_arch = "x86_64")]
+fn with_block_acts<R>(needed: bool, len: usize, f: impl FnOnce(&mut [ActBlock]) -> R) -> R {
+    if !needed {
+        return f(&mut []);
+    }
+    BLOCK_SCRATCH.with(|scratch| {
+        let mut acts = scratch.borrow_mut();
+        if acts.len() < len {
+            acts.resize(len, ActBlock::ZERO);
+        }
+        f(&mut acts[..len])
+    })
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn with_block_acts<R>(_needed: bool, _len: usize, f: impl FnOnce(&mut [()]) -> R) -> R {
+    f(&mut [])
 }
 
 /// Runs `f` over the `n` tokens of `x` (`cols` each) and their `per_token` entries of `acts`:
@@ -669,100 +937,62 @@ fn run_rows(
     pool: &ThreadPool,
     f: &(dyn Fn(std::ops::Range<usize>, &mut RowsOut<'_>) + Sync),
 ) {
-    run_rows_many(&[w], n, &mut [y], pool, &|_, rows, out| f(rows, out));
+    with_jobs(
+        1,
+        |_| Job::new(w, 0, n, y.as_mut_ptr()),
+        |jobs| run_jobs(jobs, pool, &|_, rows, out| f(rows, out)),
+    );
 }
 
-/// Splits the rows of every matrix of `ws` into tasks (whole 4-row groups, or 16-row panels
-/// for many tokens) and runs them all in one pool call: `f(w, rows, out)`.
-fn run_rows_many(
-    ws: &[WeightMatrix<'_>],
-    n: usize,
-    ys: &mut [&mut [f32]],
+/// Splits the rows of every job into tasks (whole 4-row groups, or 16-row panels for many
+/// tokens or a packed matrix) and runs them all in one pool call: `f(job, rows, out)`.
+fn run_jobs(
+    jobs: &mut [Job<'_, '_>],
     pool: &ThreadPool,
-    f: &(dyn Fn(WeightMatrix<'_>, std::ops::Range<usize>, &mut RowsOut<'_>) + Sync),
+    f: &(dyn Fn(&Job<'_, '_>, std::ops::Range<usize>, &mut RowsOut<'_>) + Sync),
 ) {
     // Chunks of whole 4-row groups; aim for ~8 chunks per thread so a descheduled thread delays
     // an operation by little, but not so small that the claiming overhead shows.
     let threads = pool.n_threads().max(1);
-    let min_rows = if n >= 8 { 16 } else { 32 };
-    // Many tokens: whole 16-row panels (see `panel`).
-    #[cfg(target_arch = "x86_64")]
-    let align = if n >= panel::PANEL_MIN_TOKENS || ws[0].layout == Layout::Rows16 {
-        panel::PANEL_ROWS
-    } else {
-        4
-    };
-    #[cfg(not(target_arch = "x86_64"))]
-    let align = 4;
-    /// One matrix's output, row chunk and first task index.
-    #[derive(Clone, Copy)]
-    struct Part<'y> {
-        out: OutRows<'y>,
-        rows: usize,
-        chunk: usize,
-        first: usize,
-    }
     let mut tasks = 0;
-    let mut part = |w: &WeightMatrix<'_>, y: &mut [f32]| {
-        debug_assert_eq!(y.len(), n * w.rows);
-        let chunk = (w
-            .rows
-            .div_ceil(threads * if n <= 2 { DECODE_TASKS_PER_THREAD } else { 8 }))
-        .max(min_rows)
-        .next_multiple_of(align);
-        let p = Part {
-            out: OutRows {
-                ptr: y.as_mut_ptr(),
-                stride: w.rows,
-                _y: std::marker::PhantomData,
-            },
-            rows: w.rows,
-            chunk,
-            first: tasks,
+    for j in jobs.iter_mut() {
+        let n = j.n;
+        let min_rows = if n >= 8 { 16 } else { 32 };
+        // Many tokens: whole 16-row panels (see `panel`).
+        #[cfg(target_arch = "x86_64")]
+        let align = if n >= panel::PANEL_MIN_TOKENS || j.w.layout == Layout::Rows16 {
+            panel::PANEL_ROWS
+        } else {
+            4
         };
-        tasks += w.rows.div_ceil(chunk);
-        p
-    };
-    // The usual few matrices (one product, or q/k/v) are described on the stack: this runs for
-    // every product of a decode step, which must not allocate.
-    const INLINE: usize = 4;
-    let mut inline = [Part {
-        out: OutRows {
-            ptr: std::ptr::null_mut(),
-            stride: 0,
-            _y: std::marker::PhantomData,
-        },
-        rows: 0,
-        chunk: 1,
-        first: 0,
-    }; INLINE];
-    let heap: Vec<Part<'_>>;
-    let parts: &[Part<'_>] = if ws.len() <= INLINE {
-        for ((slot, w), y) in inline.iter_mut().zip(ws).zip(ys.iter_mut()) {
-            *slot = part(w, y);
+        #[cfg(not(target_arch = "x86_64"))]
+        let align = 4;
+        j.chunk =
+            (j.w.rows
+                .div_ceil(threads * if n <= 2 { DECODE_TASKS_PER_THREAD } else { 8 }))
+            .max(min_rows)
+            .next_multiple_of(align);
+        j.first_task = tasks;
+        // A job without tokens has no tasks.
+        if n > 0 {
+            tasks += j.w.rows.div_ceil(j.chunk);
         }
-        &inline[..ws.len()]
-    } else {
-        heap = ws
-            .iter()
-            .zip(ys.iter_mut())
-            .map(|(w, y)| part(w, y))
-            .collect();
-        &heap
-    };
+    }
+    let jobs: &[Job<'_, '_>] = jobs;
     let task = |t: usize, _thread: usize| {
-        // The matrix whose task range holds `t` (tasks are numbered matrix after matrix).
-        let i = parts.partition_point(|p| p.first <= t) - 1;
-        let p = &parts[i];
-        let start = (t - p.first) * p.chunk;
-        let end = (start + p.chunk).min(p.rows);
+        // The job whose task range holds `t` (tasks are numbered job after job; a job without
+        // tasks shares its `first_task` with the next one, which `partition_point` skips).
+        let i = jobs.partition_point(|j| j.first_task <= t) - 1;
+        let j = &jobs[i];
+        let start = (t - j.first_task) * j.chunk;
+        let end = (start + j.chunk).min(j.w.rows);
         let mut rows_out = RowsOut {
-            base: &p.out,
+            base: &j.out,
             start,
             end,
-            n,
+            n: j.n,
         };
-        f(ws[i], start..end, &mut rows_out);
+        f(j, start..end, &mut rows_out);
     };
     if tasks == 1 {
         task(0, 0);

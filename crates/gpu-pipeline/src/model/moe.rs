@@ -7,20 +7,30 @@
 //!    rank order), their probabilities as weights (renormalised to sum 1 where the family does);
 //! 3. the slots are grouped by expert (a counting sort, stable in token order), each expert's
 //!    tokens gathered into contiguous rows, and its gate/up/down products run once over all of
-//!    them: an expert's weights stream once per call, not once per token. An expert's matrices
-//!    are a contiguous row range of the stacked `ffn_*_exps` tensors (of `ffn_gate_up_exps`:
-//!    its gate rows, then its up rows), or tensors of their own (a Hugging Face checkpoint's
-//!    per-expert matrices);
+//!    them: an expert's weights stream once per call, not once per token. The chosen experts'
+//!    gate and up products go to the thread pool as one call ([`kernels::matmul_batch`]), their
+//!    down products as another: a decode step makes two pool calls per layer, not two per
+//!    expert, and each call has every expert's rows to spread over the threads. The experts
+//!    are read in the file's layout (not packed at load), so the weight cache's residency
+//!    budget governs them: under a budget, a cold expert is read from the file on demand. An
+//!    expert's matrices are a contiguous row range of the stacked `ffn_*_exps` tensors (of
+//!    `ffn_gate_up_exps`: its gate rows, then its up rows), or tensors of their own (a Hugging
+//!    Face checkpoint's per-expert matrices);
 //! 4. each token's output is `w_0 * y_0 + w_1 * y_1 + ...` in its rank order, as llama.cpp sums.
 //!
 //! Batch invariance: the kernels' row results do not depend on the other rows of a product, and
 //! a token's sum runs over its own slots in rank order, so a token's output is the same bit for
-//! bit whatever else is in the batch (tested in `tests/moe_models.rs`).
+//! bit whatever else is in the batch (tested in `tests/model_families.rs`, whose families
+//! include the MoE ones).
 
 use super::config::MoeConfig;
 use super::{Lin, Model, ModelError, Touch, grow, lin, lin_stacked, ops, vector};
-use crate::kernels::KernelError;
+use crate::kernels::{self, GgmlType, KernelError, Layout, Product, WeightMatrix};
 use crate::model::source::WeightSource;
+
+/// Most products of one [`kernels::matmul_batch`] call here (the most it takes without
+/// allocating): the gate and up products of 16 experts.
+const PRODUCTS_PER_CALL: usize = 32;
 
 /// A gated MLP's three matrices: `down(act(gate(x)) * up(x))`.
 #[derive(Debug)]
@@ -184,6 +194,13 @@ pub(super) struct MoeScratch {
     output: Vec<f32>,
     /// Where each slot's row landed in `output`.
     row_of: Vec<u32>,
+    /// The experts' gate rows (`n_ff_expert` per slot, in `order`'s order), then their up rows.
+    gate_up: Vec<f32>,
+    /// The down projections' split inputs (see [`super::ActivationSplit`]): per expert, its
+    /// rows' 8-bit-exact parts, then their residuals (`2 * n_ff_expert` per slot).
+    split: Vec<f32>,
+    /// The down projections' outputs over the split inputs (`2 * n_embd` per slot).
+    split_out: Vec<f32>,
     /// The shared expert's output.
     shared: Vec<f32>,
 }
@@ -203,6 +220,9 @@ impl MoeScratch {
         grow_u32(&mut self.row_of, slots);
         grow(&mut self.input, slots * d);
         grow(&mut self.output, slots * d);
+        grow(&mut self.gate_up, 2 * slots * m.n_ff_expert);
+        grow(&mut self.split, 2 * slots * m.n_ff_expert);
+        grow(&mut self.split_out, 2 * slots * d);
         if m.n_ff_shared.is_some() {
             grow(&mut self.shared, total * d);
         }
@@ -290,21 +310,150 @@ impl Model {
             tmp2,
             touch,
         )?;
-        {
-            let gs = ops::SharedRows::new(&mut gate[..n * inner], inner);
-            let up = &*up;
-            let act = self.cfg.activation;
+        self.activate(&mut gate[..n * inner], &up[..n * inner], inner);
+        self.mm('d', &mlp.down, gate, n, out, hi, tmp2, touch)
+    }
+
+    /// `gate = act(gate) * up`, row by row (`inner` wide) in parallel.
+    fn activate(&self, gate: &mut [f32], up: &[f32], inner: usize) {
+        let gs = ops::SharedRows::new(gate, inner);
+        let act = self.cfg.activation;
+        self.par_rows(gs.len(), &|r| {
+            // SAFETY: tasks get disjoint token ranges.
+            let g = unsafe { gs.rows(r.clone()) };
+            let u = &up[r.start * inner..r.end * inner];
+            match act {
+                super::Activation::Silu => ops::silu_mul_rows(g, u),
+                super::Activation::GeluTanh => ops::gelu_tanh_mul_rows(g, u),
+            }
+        });
+    }
+
+    /// Step 3 of [`experts`](Self::experts) without split gate/up products: every chosen
+    /// expert's gated MLP over its rows of `input` (expert `e`'s are rows `start[e]..start[e +
+    /// 1]`) into the same rows of `output`. The gate and up products of all chosen experts run
+    /// as one pool call, their down products as another (decode: 2 calls per layer instead of
+    /// 2 per expert); each expert's results are the same bit for bit as
+    /// [`gated_mlp`](Self::gated_mlp)'s on its rows (the kernels are batch-invariant, and the
+    /// element-wise steps run on the same row ranges).
+    #[allow(clippy::too_many_arguments)]
+    fn expert_mlps(
+        &self,
+        ex: &Experts,
+        start: &[usize],
+        input: &[f32],
+        gate_up: &mut [f32],
+        split: &mut [f32],
+        split_out: &mut [f32],
+        output: &mut [f32],
+    ) -> Result<(), KernelError> {
+        let d = self.cfg.n_embd;
+        let slots = output.len() / d.max(1);
+        let Some(ff) = ex.experts.first().map(|m| m.gate.rows) else {
+            return Ok(());
+        };
+        // The chosen experts, with their first row and row count.
+        let active = || {
+            (0..ex.experts.len())
+                .filter(move |&e| start[e] < start[e + 1])
+                .map(move |e| (e, start[e], start[e + 1] - start[e]))
+        };
+        // Gate rows of expert `e` at row `s` of the gate half, up rows at row `s` of the up half.
+        let gate_up = &mut gate_up[..2 * slots * ff];
+        self.batch(
+            active().flat_map(|(e, s, n)| {
+                let m = &ex.experts[e];
+                [(&m.gate, s, n, s * ff), (&m.up, s, n, (slots + s) * ff)]
+            }),
+            input,
+            d,
+            gate_up,
+        )?;
+        let (gate, up) = gate_up.split_at_mut(slots * ff);
+        for (_, s, n) in active() {
+            let rows = s * ff..(s + n) * ff;
+            self.activate(&mut gate[rows.clone()], &up[rows], ff);
+        }
+        if !self.split_for('d') {
+            return self.batch(
+                active().map(|(e, s, n)| (&ex.experts[e].down, s, n, s * d)),
+                gate,
+                ff,
+                output,
+            );
+        }
+        // The down products split for precision, as `matmul_split` computes them: per expert,
+        // its rows' parts then residuals as 2n rows of one product, then the two results added.
+        let split = &mut split[..2 * slots * ff];
+        for (_, s, n) in active() {
+            let x = &gate[s * ff..(s + n) * ff];
+            let (h, lo) = split[2 * s * ff..2 * (s + n) * ff].split_at_mut(n * ff);
+            let (hs, ls) = (ops::SharedRows::new(h, ff), ops::SharedRows::new(lo, ff));
             self.par_rows(n, &|r| {
                 // SAFETY: tasks get disjoint token ranges.
-                let g = unsafe { gs.rows(r.clone()) };
-                let u = &up[r.start * inner..r.end * inner];
-                match act {
-                    super::Activation::Silu => ops::silu_mul_rows(g, u),
-                    super::Activation::GeluTanh => ops::gelu_tanh_mul_rows(g, u),
-                }
+                let (h, lo) = unsafe { (hs.rows(r.clone()), ls.rows(r.clone())) };
+                ops::split_q8(&x[r.start * ff..r.end * ff], h, lo);
             });
         }
-        self.mm('d', &mlp.down, gate, n, out, hi, tmp2, touch)
+        let split_out = &mut split_out[..2 * slots * d];
+        self.batch(
+            active().map(|(e, s, n)| (&ex.experts[e].down, 2 * s, 2 * n, 2 * s * d)),
+            split,
+            ff,
+            split_out,
+        )?;
+        for (_, s, n) in active() {
+            let (a, b) = split_out[2 * s * d..2 * (s + n) * d].split_at(n * d);
+            let ys = ops::SharedRows::new(&mut output[s * d..(s + n) * d], d);
+            self.par_rows(n, &|r| {
+                let (a, b) = (&a[r.start * d..r.end * d], &b[r.start * d..r.end * d]);
+                // SAFETY: tasks get disjoint token ranges.
+                ops::add_to(a, b, unsafe { ys.rows(r) });
+            });
+        }
+        Ok(())
+    }
+
+    /// The products `(matrix, first token, tokens, output offset)` over the tokens of `x`
+    /// (`cols` wide) into `y`, [`PRODUCTS_PER_CALL`] per pool call.
+    fn batch<'l>(
+        &self,
+        products: impl Iterator<Item = (&'l Lin, usize, usize, usize)>,
+        x: &[f32],
+        cols: usize,
+        y: &mut [f32],
+    ) -> Result<(), KernelError> {
+        let empty = Product {
+            w: WeightMatrix {
+                dtype: GgmlType::F32,
+                rows: 0,
+                cols,
+                data: &[],
+                layout: Layout::File,
+            },
+            first: 0,
+            n: 0,
+            out: 0,
+        };
+        let mut buf = [empty; PRODUCTS_PER_CALL];
+        let mut len = 0;
+        for (l, first, n, out) in products {
+            buf[len] = Product {
+                w: self.w(l)?,
+                first,
+                n,
+                out,
+            };
+            len += 1;
+            if len == PRODUCTS_PER_CALL {
+                kernels::matmul_batch(&buf, x, cols, y, self.pool())?;
+                len = 0;
+            }
+        }
+        if len > 0 {
+            kernels::matmul_batch(&buf[..len], x, cols, y, self.pool())?;
+        }
+        Ok(())
     }
 
     /// The expert block over the `total` normalized rows `h` into `out` (`total x n_embd`).
@@ -352,28 +501,39 @@ impl Model {
             let t = slot as usize / k;
             sc.input[row * d..(row + 1) * d].copy_from_slice(&h[t * d..(t + 1) * d]);
         }
-        for e in 0..ne {
-            let rows = start[e]..start[e + 1];
-            if rows.is_empty() {
-                continue;
-            }
-            let n = rows.len();
-            // Only this expert's rows of the stacked tensors are read.
-            if let Some((c, r)) = touch {
+        // Only the chosen experts' rows of the stacked tensors are read.
+        if let Some((c, r)) = touch {
+            for e in (0..ne).filter(|&e| start[e] < start[e + 1]) {
                 for &t in &ex.stacks {
                     c.touch_part(t, e, r);
                 }
             }
-            self.gated_mlp(
-                &ex.experts[e],
-                &sc.input[rows.start * d..rows.end * d],
-                n,
-                gate,
-                up,
-                &mut sc.output[rows.start * d..rows.end * d],
-                hi,
-                tmp2,
-                None,
+        }
+        if self.split_for('g') || self.split_for('u') {
+            // Every product split for precision: expert by expert.
+            for e in (0..ne).filter(|&e| start[e] < start[e + 1]) {
+                let rows = start[e]..start[e + 1];
+                self.gated_mlp(
+                    &ex.experts[e],
+                    &sc.input[rows.start * d..rows.end * d],
+                    rows.len(),
+                    gate,
+                    up,
+                    &mut sc.output[rows.start * d..rows.end * d],
+                    hi,
+                    tmp2,
+                    None,
+                )?;
+            }
+        } else {
+            self.expert_mlps(
+                ex,
+                start,
+                &sc.input[..slots * d],
+                &mut sc.gate_up,
+                &mut sc.split,
+                &mut sc.split_out,
+                &mut sc.output[..slots * d],
             )?;
         }
         // 4: each token's weighted sum in rank order.
