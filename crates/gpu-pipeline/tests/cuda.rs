@@ -8,7 +8,8 @@
 //! With a GPU (`ZEROLAYER_REQUIRE_GPU=1`, set by `scripts/gpu-check`; SKIPPED otherwise): the
 //! CUDA logits against the CPU executor's on the default model (top-1 equal wherever the CPU's
 //! top-1/top-2 gap exceeds 0.5, perplexity within 1%), a batched prefill + decode, and the
-//! streamed runs at smaller device budgets bit-identical to the resident CUDA run.
+//! streamed runs at smaller device budgets bit-identical to the resident CUDA run; a KV ring
+//! in device memory (`DeviceKv`, written by `kv_scatter`) holding what a host ring holds.
 #![cfg(feature = "cuda")]
 
 mod common;
@@ -18,10 +19,11 @@ mod synthetic;
 use std::sync::{Arc, OnceLock};
 
 use common::{argmax, ids_of, nll_second_half};
-use gpu_pipeline::executor::cuda::{self, CudaError, kernels};
+use cudarc::driver::{CudaContext, sys};
+use gpu_pipeline::executor::cuda::{self, CudaError, DeviceKv, KvScatter, kernels};
 use gpu_pipeline::executor::{CpuExecutor, CudaExecutor, CudaOptions, Executor};
 use gpu_pipeline::{LogitsWanted, Model, ModelOptions, SeqStep};
-use kv_ring::{KvDtype, KvPool, RingMode};
+use kv_ring::{KvDtype, KvPool, KvRing, KvShape, KvTensor, RingMode};
 use serde_json::Value;
 use weight_cache::Gguf;
 
@@ -440,4 +442,113 @@ fn the_synthetic_models_of_every_format_run_on_the_cpu() {
         let (checked, _, _) = compare(&logits, &logits, dims.vocab);
         assert!(checked > 0, "{fmt:?}: no row with a clear top-1");
     }
+}
+
+/// Every (layer, head, K then V) of `ring` in view order, read back from the device through the
+/// ring's slots.
+fn device_views(ring: &KvRing<DeviceKv>) -> Vec<Vec<f32>> {
+    let stream = ring.pool().allocator();
+    let all: Vec<f32> = stream
+        .clone_dtoh(ring.storage().buffer().expect("live ring"))
+        .unwrap();
+    let shape = ring.pool().shape();
+    let hd = shape.head_dim;
+    let mut out = Vec::new();
+    for layer in 0..shape.n_layers {
+        let slots = ring.layer_slots(layer).unwrap();
+        for head in 0..shape.n_kv_heads {
+            for tensor in [KvTensor::K, KvTensor::V] {
+                let base = ring
+                    .storage()
+                    .block_offset(ring.block_index(layer, head, tensor));
+                out.push(
+                    (0..slots.rows)
+                        .flat_map(|i| &all[base + slots.slot(i) * hd..][..hd])
+                        .copied()
+                        .collect(),
+                );
+            }
+        }
+    }
+    out
+}
+
+fn host_views(ring: &KvRing) -> Vec<Vec<f32>> {
+    let shape = ring.pool().shape();
+    let mut out = Vec::new();
+    for layer in 0..shape.n_layers {
+        for head in 0..shape.n_kv_heads {
+            let view = ring.view(layer, head).unwrap();
+            out.push(view.keys.to_f32_vec());
+            out.push(view.values.to_f32_vec());
+        }
+    }
+    out
+}
+
+#[test]
+fn a_device_kv_ring_written_by_kv_scatter_holds_what_the_host_ring_holds() {
+    if !gpu() {
+        return;
+    }
+    let ctx = CudaContext::new(0).unwrap();
+    let cc = |a| ctx.attribute(a).unwrap();
+    let arch = format!(
+        "sm_{}{}",
+        cc(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR),
+        cc(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)
+    );
+    let module = ctx.load_module(kernels::compile(&arch).unwrap()).unwrap();
+    let stream = ctx.default_stream();
+    let mut scatter = KvScatter::new(&module).unwrap();
+    let shape = KvShape::new(3, 2, 8, KvDtype::F32);
+    let host_pool = KvPool::new(shape, 1 << 20).unwrap();
+    let dev_pool = KvPool::<DeviceKv>::new_in(shape, 1 << 20, Arc::clone(&stream)).unwrap();
+    let mode = RingMode::Sliding { sinks: 2 };
+    let (mut host, mut dev) = (
+        host_pool.alloc(7, mode).unwrap(),
+        dev_pool.alloc(7, mode).unwrap(),
+    );
+    assert_eq!(dev.allocated_bytes(), host.allocated_bytes());
+    let row = shape.n_kv_heads * shape.head_dim;
+    // Chunk sizes; 0 grows both rings by 5 positions (a wrapped sliding ring by then).
+    for (step, n) in [3, 2, 4, 1, 0, 5, 1, 3, 2].into_iter().enumerate() {
+        if n == 0 {
+            host.grow(host.capacity() + 5).unwrap();
+            dev.grow(dev.capacity() + 5).unwrap();
+            assert_eq!(dev_pool.used_bytes(), host_pool.used_bytes());
+        } else {
+            host.begin(n).unwrap();
+            dev.begin(n).unwrap();
+            let pos = host.next_pos() as usize;
+            for layer in 0..shape.n_layers {
+                let k: Vec<f32> = (0..n * row)
+                    .map(|i| (layer * 10_000 + pos * 100 + i) as f32)
+                    .collect();
+                let v: Vec<f32> = k.iter().map(|x| -x).collect();
+                host.write_layer(layer, &k, &v).unwrap();
+                let (kd, vd) = (
+                    stream.clone_htod(&k).unwrap(),
+                    stream.clone_htod(&v).unwrap(),
+                );
+                scatter
+                    .write_layer(&mut dev, layer, &kd.slice(..), &vd.slice(..))
+                    .unwrap();
+            }
+            host.commit().unwrap();
+            dev.commit().unwrap();
+        }
+        assert_eq!((dev.len(), dev.next_pos()), (host.len(), host.next_pos()));
+        assert_eq!(device_views(&dev), host_views(&host), "step {step}");
+    }
+    assert!(host.evicted() > 0, "the sinks moved");
+    let (host_fork, dev_fork) = (host.fork(2).unwrap(), dev.fork(2).unwrap());
+    assert_eq!(device_views(&dev_fork), host_views(&host_fork));
+    let one = stream.alloc_zeros::<f32>(1).unwrap();
+    let none = one.slice(0..0);
+    assert_eq!(
+        scatter.write_layer(&mut dev, 0, &none, &none),
+        Err(kv_ring::KvError::NoPendingChunk),
+        "between chunks"
+    );
 }

@@ -197,4 +197,7 @@ pub enum StorageOp {
     /// [`KvStorage::copy_within`](crate::KvStorage::copy_within) or
     /// [`KvStorage::copy_from`](crate::KvStorage::copy_from).
     Copy,
+    /// The storage's owner writing a layer's new rows at
+    /// [`KvRing::layer_slots`](crate::KvRing::layer_slots) (a device scatter kernel).
+    Write,
 }

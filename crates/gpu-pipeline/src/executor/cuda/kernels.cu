@@ -363,3 +363,17 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
         o[d] = acc * inv;
     }
 }
+
+// ---- Device KV rings (kv_ring::KvRing::write_layer, for a ring in DeviceKv) ---------------
+//
+// Writes one layer's new K (or V) rows of one step into the ring's device buffer. `src` is
+// `[n][kv_heads][hd]` (the projection's rows of the step's n tokens); the block of kv head g
+// starts at element `block_off[g]` of `dst`, and token i goes to row `slots[i]` of every block
+// (the ring's slot arithmetic, `LayerSlots::slot`). Grid n * kv_heads, threads over hd.
+extern "C" __global__ void kv_scatter(const float* src, u32 kv_heads, u32 hd, const u64* block_off,
+                                      const u32* slots, float* dst) {
+    const u32 i = blockIdx.x / kv_heads, g = blockIdx.x % kv_heads;
+    const float* s = src + ((u64)i * kv_heads + g) * hd;
+    float* d = dst + block_off[g] + (u64)slots[i] * hd;
+    for (u32 e = threadIdx.x; e < hd; e += blockDim.x) d[e] = s[e];
+}

@@ -32,6 +32,7 @@ pub const KERNEL_NAMES: &[&str] = &[
     "rope",
     "gather_rows",
     "attention",
+    "kv_scatter",
 ];
 
 /// Threads per block of the matmul kernel (`MM_THREADS`) and its tokens per block

@@ -16,16 +16,21 @@
 //! - The KV cache stays in the sequences' host [`kv_ring::KvRing`]s (the [`Executor`] trait's
 //!   storage): each layer's new K/V rows come back to the host ring (which does the dtype,
 //!   eviction and window bookkeeping), and attention reads the ring's view uploaded for the
-//!   layer. Correct, but O(context) host-device traffic per layer; a device-resident KV store is
-//!   the next step (the kv-ring storage split of issue #21).
+//!   layer. Correct, but O(context) host-device traffic per layer. The device-resident store
+//!   exists ([`DeviceKv`], a [`kv_ring::KvStorage`], written in place by [`KvScatter`]'s
+//!   `kv_scatter` kernel at the ring's slots) but the executor does not use it yet: that needs
+//!   `Executor::Kv` (the engine allocating rings of the executor's storage) and an attention
+//!   kernel that reads ring blocks in place (issue #21).
 //!
 //! [`StreamPlan`]: super::StreamPlan
 
 mod exec;
 pub mod kernels;
+mod kv;
 mod probe;
 
 pub use exec::{CudaExecutor, CudaOptions, DeviceStats};
+pub use kv::{DeviceKv, KvScatter};
 pub use probe::NVRTC_LIB_ENV;
 
 /// Why the CUDA executor could not be created or run.
