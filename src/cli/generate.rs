@@ -219,7 +219,7 @@ pub(crate) fn executor_choice(
 fn cuda_executor(
     model: &Arc<Model>,
     budget: Option<u64>,
-) -> anyhow::Result<Box<dyn gpu_pipeline::executor::Executor>> {
+) -> anyhow::Result<Box<dyn gpu_pipeline::executor::Executor<Kv = kv_ring::HostKv>>> {
     let mut opts = gpu_pipeline::executor::CudaOptions::default();
     opts.budget = budget;
     let exec = gpu_pipeline::executor::CudaExecutor::new(model.clone(), opts)
@@ -236,7 +236,7 @@ fn cuda_executor(
 fn cuda_executor(
     _model: &Arc<Model>,
     _budget: Option<u64>,
-) -> anyhow::Result<Box<dyn gpu_pipeline::executor::Executor>> {
+) -> anyhow::Result<Box<dyn gpu_pipeline::executor::Executor<Kv = kv_ring::HostKv>>> {
     bail!("--executor cuda: this zerolayer was built without the `cuda` feature")
 }
 

@@ -68,7 +68,7 @@ fn ids(n: usize, vocab: usize, seed: usize) -> Vec<u32> {
 }
 
 /// (prefill tok/s of a 512-token prompt, decode tok/s of one sequence over 64 steps).
-fn single(exec: &impl Executor) -> (f64, f64) {
+fn single(exec: &impl Executor<Kv = kv_ring::HostKv>) -> (f64, f64) {
     let vocab = exec.config().vocab_size;
     let shape = exec.kv_shape(KvDtype::F16);
     let pool = KvPool::new(shape, 640 * shape.bytes_per_token()).unwrap();
@@ -105,7 +105,7 @@ fn single(exec: &impl Executor) -> (f64, f64) {
 }
 
 /// Decode tok/s of 100 sequences stepping together (16-token prompts, 32 steps).
-fn concurrent(exec: &impl Executor) -> f64 {
+fn concurrent(exec: &impl Executor<Kv = kv_ring::HostKv>) -> f64 {
     const N: usize = 100;
     let vocab = exec.config().vocab_size;
     let shape = exec.kv_shape(KvDtype::F16);

@@ -156,7 +156,7 @@ fn fixture(name: &str) -> Value {
 }
 
 /// Logits of every position of `ids` (one sequence, fresh f16 ring).
-fn all_logits(exec: &impl Executor, ids: &[u32]) -> Vec<f32> {
+fn all_logits(exec: &impl Executor<Kv = kv_ring::HostKv>, ids: &[u32]) -> Vec<f32> {
     let shape = exec.kv_shape(KvDtype::F16);
     let pool = KvPool::new(shape, ids.len() * shape.bytes_per_token()).unwrap();
     let mut kv = pool.alloc(ids.len(), RingMode::Strict).unwrap();
@@ -235,7 +235,7 @@ fn cuda_logits_match_the_cpu_executor_on_the_default_model() {
 }
 
 /// A 20-token and a 7-token prefill in one step, then 3 decode steps of both.
-fn batch_logits(exec: &impl Executor) -> Vec<f32> {
+fn batch_logits(exec: &impl Executor<Kv = kv_ring::HostKv>) -> Vec<f32> {
     let vocab = exec.config().vocab_size as u32;
     let shape = exec.kv_shape(KvDtype::F16);
     let pool = KvPool::new(shape, 2 * 64 * shape.bytes_per_token()).unwrap();

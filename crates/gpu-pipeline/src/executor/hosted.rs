@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use kv_ring::{KvDtype, KvShape};
+use kv_ring::{HostKv, KvDtype, KvShape};
 use token_stream::Tokenizer;
 use weight_cache::WeightCache;
 
@@ -33,7 +33,7 @@ impl HostedExecutor {
         }
     }
 
-    fn inner(&self) -> &dyn Executor {
+    fn inner(&self) -> &dyn Executor<Kv = HostKv> {
         match self {
             Self::Cpu(e) => e,
             #[cfg(feature = "cuda")]
@@ -56,6 +56,10 @@ impl From<super::CudaExecutor> for HostedExecutor {
 }
 
 impl Executor for HostedExecutor {
+    type Kv = HostKv;
+
+    fn kv_allocator(&self) {}
+
     fn config(&self) -> &ModelConfig {
         self.inner().config()
     }

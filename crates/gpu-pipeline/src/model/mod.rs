@@ -14,7 +14,7 @@ mod source;
 use std::ops::Range;
 use std::sync::{Arc, Mutex, OnceLock};
 
-use kv_ring::{KvDtype, KvError, KvRing, KvShape, RingMode};
+use kv_ring::{HostKv, KvDtype, KvError, KvRing, KvShape, KvStorage, RingMode};
 use token_stream::Tokenizer;
 use weight_cache::{DequantError, GgmlType, Gguf, WeightCache};
 
@@ -287,13 +287,14 @@ impl LogitsWanted {
 }
 
 /// One sequence's part of a batched [`Model::forward`]: new tokens (a prefill chunk or one
-/// decode token) and the sequence's own KV ring.
+/// decode token) and the sequence's own KV ring, in the executor's storage `S` ([`HostKv`]
+/// for the CPU).
 #[derive(Debug)]
-pub struct SeqStep<'a> {
+pub struct SeqStep<'a, S: KvStorage = HostKv> {
     /// The new tokens, appended at `kv.next_pos()`.
     pub tokens: &'a [u32],
     /// The sequence's cache; the step's K/V are appended and committed.
-    pub kv: &'a mut KvRing,
+    pub kv: &'a mut KvRing<S>,
     /// Which logits to return.
     pub logits: LogitsWanted,
 }

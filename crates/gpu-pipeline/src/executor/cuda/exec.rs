@@ -10,7 +10,7 @@ use cudarc::driver::{
     LaunchConfig, PinnedHostSlice, PushKernelArg, ValidAsZeroBits, sys,
 };
 use cudarc::nvrtc::Ptx;
-use kv_ring::{KvDtype, KvShape, KvSlices};
+use kv_ring::{HostKv, KvDtype, KvShape, KvSlices};
 use token_stream::Tokenizer;
 use weight_cache::{GgmlType, WeightCache};
 
@@ -767,6 +767,10 @@ fn rope(
 }
 
 impl Executor for CudaExecutor {
+    type Kv = HostKv;
+
+    fn kv_allocator(&self) {}
+
     fn config(&self) -> &ModelConfig {
         self.model.config()
     }
