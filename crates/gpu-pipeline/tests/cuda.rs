@@ -384,26 +384,40 @@ fn synthetic_families_match_the_cpu_and_stream_at_30_and_10_percent() {
 /// Every weight format the kernels read, through the whole forward pass: the synthetic llama
 /// with its matrices (and token embedding) in Q4_0, Q4_1, Q8_0, F16, BF16 and F32 matches the
 /// CPU executor (top-1 where the gap > 0.5).
+/// The synthetic llama of the weight-format tests: small, its matrices in one format each.
+const FORMAT_DIMS: synthetic::Dims = synthetic::Dims {
+    n_embd: 128,
+    n_ff: 256,
+    n_layers: 4,
+    n_heads: 4,
+    n_kv_heads: 2,
+    head_dim: 32,
+    vocab: 160,
+    ctx: 256,
+};
+
+/// Every weight format the CUDA kernels read.
+const FORMATS: [weight_cache::GgmlType; 6] = {
+    use weight_cache::GgmlType::*;
+    [Q4_0, Q4_1, Q8_0, F16, BF16, F32]
+};
+
+/// The synthetic llama of [`FORMAT_DIMS`] with its matrices in `fmt` (checked), loaded.
+fn format_model(fmt: weight_cache::GgmlType) -> Arc<Model> {
+    let bytes = synthetic::build_in("llama", FORMAT_DIMS, 11, fmt).build();
+    let gguf = Arc::new(Gguf::from_bytes(bytes).unwrap());
+    assert!(gguf.tensors().any(|t| t.dtype == fmt), "{fmt:?}");
+    Arc::new(Model::load(gguf, ModelOptions::default().with_threads(2)).unwrap())
+}
+
 #[test]
 fn every_weight_format_matches_the_cpu_executor() {
     if !gpu() {
         return;
     }
-    let dims = synthetic::Dims {
-        n_embd: 128,
-        n_ff: 256,
-        n_layers: 4,
-        n_heads: 4,
-        n_kv_heads: 2,
-        head_dim: 32,
-        vocab: 160,
-        ctx: 256,
-    };
-    use weight_cache::GgmlType::*;
-    for fmt in [Q4_0, Q4_1, Q8_0, F16, BF16, F32] {
-        let bytes = synthetic::build_in("llama", dims, 11, fmt).build();
-        let gguf = Arc::new(Gguf::from_bytes(bytes).unwrap());
-        let model = Arc::new(Model::load(gguf, ModelOptions::default().with_threads(2)).unwrap());
+    let dims = FORMAT_DIMS;
+    for fmt in FORMATS {
+        let model = format_model(fmt);
         let gpu = CudaExecutor::new(model.clone(), options(None))
             .unwrap_or_else(|e| panic!("{fmt:?}: {e}"));
         let (checked, agree, max_diff) = compare(
@@ -421,22 +435,9 @@ fn every_weight_format_matches_the_cpu_executor() {
 /// only on the GPU's side).
 #[test]
 fn the_synthetic_models_of_every_format_run_on_the_cpu() {
-    let dims = synthetic::Dims {
-        n_embd: 128,
-        n_ff: 256,
-        n_layers: 4,
-        n_heads: 4,
-        n_kv_heads: 2,
-        head_dim: 32,
-        vocab: 160,
-        ctx: 256,
-    };
-    use weight_cache::GgmlType::*;
-    for fmt in [Q4_0, Q4_1, Q8_0, F16, BF16, F32] {
-        let bytes = synthetic::build_in("llama", dims, 11, fmt).build();
-        let gguf = Arc::new(Gguf::from_bytes(bytes).unwrap());
-        assert!(gguf.tensors().any(|t| t.dtype == fmt), "{fmt:?}");
-        let model = Arc::new(Model::load(gguf, ModelOptions::default().with_threads(2)).unwrap());
+    let dims = FORMAT_DIMS;
+    for fmt in FORMATS {
+        let model = format_model(fmt);
         let logits = batch_logits(&CpuExecutor::new(model));
         assert!(logits.iter().all(|v| v.is_finite()), "{fmt:?}");
         let (checked, _, _) = compare(&logits, &logits, dims.vocab);

@@ -63,9 +63,9 @@ fn tokens(n: usize, seed: u32) -> Vec<u32> {
         .collect()
 }
 
-/// A prompt in one step, then teacher-forced decode steps; every decode step's logits (as bits)
-/// and `after(step)` called after each decode step.
-fn run(model: &Model, mut after: impl FnMut(usize)) -> Vec<u32> {
+/// A prompt in one step, then teacher-forced decode steps; every decode step's logits (as bits).
+/// `hook(step, false)` is called just before each decode step, `hook(step, true)` after it.
+fn run(model: &Model, mut hook: impl FnMut(usize, bool)) -> Vec<u32> {
     let pool = KvPool::new(model.kv_shape(KvDtype::F16), 16 << 20).unwrap();
     let mut kv = pool.alloc(PROMPT + DECODE, RingMode::Strict).unwrap();
     let (prompt, decode) = (tokens(PROMPT, 1), tokens(DECODE, 2));
@@ -81,9 +81,10 @@ fn run(model: &Model, mut after: impl FnMut(usize)) -> Vec<u32> {
     };
     step(&prompt, &mut out);
     for (i, t) in decode.iter().enumerate() {
+        hook(i, false);
         step(&[*t], &mut out);
         bits.extend(out.iter().map(|v| v.to_bits()));
-        after(i);
+        hook(i, true);
     }
     bits
 }
@@ -108,7 +109,7 @@ fn profile(path: &PathBuf) -> PathBuf {
     let model = load(&gguf);
     let cache = WeightCache::new(gguf, config()).unwrap();
     model.attach_weight_cache(cache.clone()).unwrap();
-    run(&model, |_| {});
+    run(&model, |_, _| {});
     let out = path.with_extension("profile");
     cache.save_profile(&out).unwrap();
     out
@@ -121,7 +122,7 @@ fn expert_touches_make_the_hot_experts_blocks_hot() {
     let model = load(&gguf);
     let cache = WeightCache::new(gguf, config()).unwrap();
     model.attach_weight_cache(cache.clone()).unwrap();
-    run(&model, |_| {});
+    run(&model, |_, _| {});
     let s = cache.stats();
     assert!(s.part_touches > 0 && s.part_hit_rate.is_some(), "{s:?}");
     let p = cache.profile();
@@ -164,7 +165,7 @@ fn expert_touches_make_the_hot_experts_blocks_hot() {
 #[test]
 fn a_budget_of_30_percent_keeps_results_bit_identical_and_residency_within_bounds() {
     let path = write_model("budget");
-    let reference = run(&load(&open(&path)), |_| {});
+    let reference = run(&load(&open(&path)), |_, _| {});
     let prof = profile(&path);
 
     let gguf = open(&path);
@@ -204,7 +205,10 @@ fn a_budget_of_30_percent_keeps_results_bit_identical_and_residency_within_bound
         })
         .wait();
     let mut peak = 0;
-    let got = run(&model, |_| {
+    let got = run(&model, |_, done| {
+        if !done {
+            return;
+        }
         let before = cache.resident_bytes().unwrap();
         peak = peak.max(before);
         let r = cache.enforce_budget().unwrap();
@@ -250,7 +254,7 @@ fn profile_driven_warm_up_beats_a_cold_start_at_first_touch() {
                 })
                 .wait();
         }
-        run(&model, |_| {});
+        run(&model, |_, _| {});
         let s = cache.stats();
         (s.first_touch_hit_rate.unwrap(), s.part_hit_rate.unwrap())
     };
@@ -358,23 +362,10 @@ fn a_cold_decode_step_reads_the_chosen_experts_not_the_stacks() {
 /// [`run`], with the file made cold before each decode step; `hook(step, false)` is called just
 /// before the step (the file cold), `hook(step, true)` after it.
 fn run_with(model: &Model, cache: &WeightCache, mut hook: impl FnMut(usize, bool)) {
-    let pool = KvPool::new(model.kv_shape(KvDtype::F16), 16 << 20).unwrap();
-    let mut kv = pool.alloc(PROMPT + DECODE, RingMode::Strict).unwrap();
-    let (prompt, decode) = (tokens(PROMPT, 1), tokens(DECODE, 2));
-    let mut out = Vec::new();
-    let mut step = |toks: &[u32], out: &mut Vec<f32>| {
-        let mut s = [SeqStep {
-            tokens: toks,
-            kv: &mut kv,
-            logits: LogitsWanted::Last,
-        }];
-        model.forward(&mut s, out).unwrap();
-    };
-    step(&prompt, &mut out);
-    for (i, t) in decode.iter().enumerate() {
-        cache.make_cold().unwrap();
-        hook(i, false);
-        step(&[*t], &mut out);
-        hook(i, true);
-    }
+    run(model, |i, done| {
+        if !done {
+            cache.make_cold().unwrap();
+        }
+        hook(i, done);
+    });
 }

@@ -411,6 +411,9 @@ impl WeightSource for ArenaSource {
     fn get_u32(&self, key: &str) -> Option<u32> {
         self.inner.get_u32(key)
     }
+    fn get_u32_array(&self, key: &str) -> Option<Vec<u32>> {
+        self.inner.get_u32_array(key)
+    }
     fn get_f32(&self, key: &str) -> Option<f32> {
         self.inner.get_f32(key)
     }

@@ -22,14 +22,14 @@ use std::ops::Range;
 use super::act::{ActQuad, quads_per_token};
 use super::avx512::{
     F_IQ4NL, F_IQ4XS, F_Q2K, F_Q3K, F_Q4_0, F_Q4_1, F_Q4K, F_Q5_0, F_Q5_1, F_Q5K, F_Q6K, F_Q8_0,
-    has_min, is_split, offset_shift,
+    has_min, is_split, offset_shift, prefetch_plan,
 };
 use super::format::Fmt;
 use super::{RowsOut, WeightMatrix};
 use std::mem::offset_of;
 use weight_cache::quant::{
     BlockIQ4NL, BlockIQ4XS, BlockQ2K, BlockQ3K, BlockQ4_0, BlockQ4_1, BlockQ4K, BlockQ5_0,
-    BlockQ5_1, BlockQ5K, BlockQ6K, BlockQ8_0, KVALUES_IQ4NL, scale_iq4xs, scale_k3,
+    BlockQ5_1, BlockQ5K, BlockQ6K, BlockQ8_0, KVALUES_IQ4NL,
 };
 
 /// Whether the format's quants are decoded as signed bytes (`q - 128`), see the module docs.
@@ -56,18 +56,14 @@ struct Quad {
 struct Lanes {
     /// f16 bits of each lane's scale (legacy formats) or its row's super-block scale.
     d: [u16; 16],
-    /// f16 bits of each lane's minimum (Q4_1) or its row's super-block minimum scale (K-quants).
+    /// f16 bits of each lane's minimum (Q4_1, Q5_1).
     m: [u16; 16],
-    /// Integer sub-block scales (K-quants, IQ4_XS; split formats: of elements 0..16, 16..32),
-    /// then Q2_K's integer minimums.
-    sc: [[i32; 16]; 4],
 }
 
 impl Lanes {
     const ZERO: Self = Self {
         d: [0; 16],
         m: [0; 16],
-        sc: [[0; 16]; 4],
     };
 }
 
@@ -88,15 +84,6 @@ fn f16x8(v: &[u16]) -> __m256 {
 #[target_feature(enable = "avx2,fma,f16c")]
 fn f16x16(v: &[u16; 16]) -> [__m256; 2] {
     [f16x8(&v[..8]), f16x8(&v[8..])]
-}
-
-/// Both halves of 16 integer lanes as f32, times `d`, as `d * f32::from(v)` computes them.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-fn scaled(d: [__m256; 2], v: &[i32; 16]) -> [__m256; 2] {
-    // SAFETY: `v` has 16 readable i32s.
-    let ld = |i: usize| unsafe { _mm256_cvtepi32_ps(_mm256_loadu_si256(v[i..].as_ptr().cast())) };
-    [_mm256_mul_ps(d[0], ld(0)), _mm256_mul_ps(d[1], ld(8))]
 }
 
 /// The 16 bytes at `p + off` if `valid`, else zeros.
@@ -281,6 +268,132 @@ unsafe fn q6k_scales(rowp: &[*const u8; 4], at: usize, hq: usize) -> ([__m256; 2
     (one(0), one(1))
 }
 
+/// Q2_K: `d * sc` of elements 0..16 and 16..32, and `-(dmin * m)` of both, of sub-blocks
+/// `4hq + L` of the super-blocks at `rowp[k] + at`, lane `4L + k` (scale byte `2(4hq + L) + e`
+/// of half `e`: scale in its low nibble, min in its high one).
+///
+/// # Safety
+/// Each `rowp[k] + at` is a whole Q2_K block.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q2k_scales(
+    rowp: &[*const u8; 4],
+    at: usize,
+    hq: usize,
+) -> ([__m256; 2], [__m256; 2], [[__m256; 2]; 2]) {
+    let (sc_at, end) = (offset_of!(BlockQ2K, scales), size_of::<BlockQ2K>());
+    // SAFETY: forwarded from the caller (the scales, and the 16 bytes ending the block).
+    let (heads, tails) = unsafe {
+        (
+            rowp.map(|p| _mm_loadu_si128(p.add(at + sc_at).cast())),
+            rowp.map(|p| _mm_loadu_si128(p.add(at + end - 16).cast())),
+        )
+    };
+    // d and dmin are the last two words.
+    let (d, dmin) = (row_f16(&tails, 3, 0), row_f16(&tails, 3, 1));
+    // Dword `L`: scale bytes `8hq + 2L` and `8hq + 2L + 1`.
+    let b = 8 * hq as i8;
+    let idx = _mm_setr_epi8(
+        b,
+        b + 1,
+        -1,
+        -1,
+        b + 2,
+        b + 3,
+        -1,
+        -1,
+        b + 4,
+        b + 5,
+        -1,
+        -1,
+        b + 6,
+        b + 7,
+        -1,
+        -1,
+    );
+    let x = transpose4(heads.map(|h| _mm_shuffle_epi8(h, idx)));
+    let m4 = _mm256_set1_epi32(0xF);
+    let nib = |v: __m256i, shift: i32| {
+        _mm256_and_si256(_mm256_srl_epi32(v, _mm_cvtsi32_si128(shift)), m4)
+    };
+    let neg = _mm256_set1_ps(-0.0);
+    let min = |shift: i32| x.map(|v| _mm256_xor_ps(scaled_v(dmin, nib(v, shift)), neg));
+    (
+        x.map(|v| scaled_v(d, nib(v, 0))),
+        x.map(|v| scaled_v(d, nib(v, 8))),
+        [min(4), min(12)],
+    )
+}
+
+/// Q3_K: `d * scale_k3(8hq + 2L + e)` of half `e` of sub-blocks `4hq + L` of the super-blocks at
+/// `rowp[k] + at`, lane `4L + k`.
+///
+/// # Safety
+/// Each `rowp[k] + at` is a whole Q3_K block.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q3k_scales(rowp: &[*const u8; 4], at: usize, hq: usize) -> ([__m256; 2], [__m256; 2]) {
+    // The 16 bytes ending the block: 2 quant bytes, the 12 scale bytes `q`, d.
+    let end = size_of::<BlockQ3K>();
+    const _: () = assert!(offset_of!(BlockQ3K, scales) + 14 == size_of::<BlockQ3K>());
+    // SAFETY: forwarded from the caller.
+    let tails = rowp.map(|p| unsafe { _mm_loadu_si128(p.add(at + end - 16).cast()) });
+    let d = row_f16(&tails, 3, 1);
+    // Dword `L`: `q[2L], q[2L + 1]` (low bits of halves 0, 1), `q[8 + 2(L % 2)]`, `+ 1` (high).
+    let idx = _mm_setr_epi8(2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 10, 11, 8, 9, 12, 13);
+    let x = transpose4(tails.map(|t| _mm_shuffle_epi8(t, idx)));
+    let srl = |v: __m256i, s: usize| _mm256_srl_epi32(v, _mm_cvtsi32_si128(s as i32));
+    let mut out = [[_mm256_setzero_ps(); 2]; 2];
+    for (e, o) in out.iter_mut().enumerate() {
+        for (half, v) in x.into_iter().enumerate() {
+            // Sub-blocks `L = 2 half, 2 half + 1`: high bits at `2 (2hq + L / 2)` of byte 2 + e.
+            let low = _mm256_and_si256(srl(v, 8 * e + 4 * hq), _mm256_set1_epi32(0xF));
+            let high = _mm256_and_si256(
+                srl(v, 16 + 8 * e + 2 * (2 * hq + half)),
+                _mm256_set1_epi32(3),
+            );
+            let sc = _mm256_sub_epi32(
+                _mm256_or_si256(low, _mm256_slli_epi32::<4>(high)),
+                _mm256_set1_epi32(32),
+            );
+            o[half] = scaled_v(d, sc);
+        }
+    }
+    (out[0], out[1])
+}
+
+/// IQ4_XS: `d * scale_iq4xs(4hq + L)` of the super-blocks at `rowp[k] + at`, lane `4L + k`.
+///
+/// # Safety
+/// Each `rowp[k] + at` has a 16-byte header (d, scales_h, scales_l, ...).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn iq4xs_scales(rowp: &[*const u8; 4], at: usize, hq: usize) -> [__m256; 2] {
+    // SAFETY: forwarded from the caller.
+    let heads = rowp.map(|p| unsafe { _mm_loadu_si128(p.add(at).cast()) });
+    let d = row_f16(&heads, 0, 0);
+    // Dword `L`: `scales_l[2hq + L / 2]`, then the two bytes of `scales_h`.
+    let (l0, l1) = (4 + 2 * hq as i8, 5 + 2 * hq as i8);
+    let idx = _mm_setr_epi8(l0, 2, 3, -1, l0, 2, 3, -1, l1, 2, 3, -1, l1, 2, 3, -1);
+    let x = transpose4(heads.map(|h| _mm_shuffle_epi8(h, idx)));
+    // Lanes 0..4 are even `L` (low nibble), 4..8 odd (high nibble); the high bits of
+    // sub-block `4hq + L` are bits `2(4hq + L)` of `scales_h`, at `8 + ..` in the dword.
+    let low_shr = _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4);
+    let h = 8 + 8 * hq as i32;
+    [0, 1].map(|half| {
+        let v = x[half];
+        let hs = h + 4 * half as i32;
+        let high_shr = _mm256_setr_epi32(hs, hs, hs, hs, hs + 2, hs + 2, hs + 2, hs + 2);
+        let low = _mm256_and_si256(_mm256_srlv_epi32(v, low_shr), _mm256_set1_epi32(0xF));
+        let high = _mm256_and_si256(_mm256_srlv_epi32(v, high_shr), _mm256_set1_epi32(3));
+        let ls = _mm256_sub_epi32(
+            _mm256_or_si256(low, _mm256_slli_epi32::<4>(high)),
+            _mm256_set1_epi32(32),
+        );
+        scaled_v(d, ls)
+    })
+}
+
 /// `0x10` in the bytes of elements 0..16 of a half (`lo` for its first block, `hi` for its
 /// second) whose bit is set in the 16-bit masks.
 #[inline]
@@ -415,14 +528,6 @@ unsafe fn decode<const F: u8>(rowp: &[*const u8; 4], q: usize, nvalid: usize) ->
                         w0[k][h] = _mm256_shuffle_epi8(table, lo);
                         w1[k][h] = _mm256_shuffle_epi8(table, hi);
                     }
-                    let scales_h = u16_at(p, offset_of!(BlockIQ4XS, scales_h));
-                    let at = offset_of!(BlockIQ4XS, scales_l);
-                    let scales_l = std::ptr::read_unaligned(p.add(at).cast::<[u8; 4]>());
-                    for l in 0..4 {
-                        lanes.d[4 * l + k] = u16_at(p, offset_of!(BlockIQ4XS, d));
-                        let ls = scale_iq4xs(4 * hq + l, scales_h, &scales_l);
-                        lanes.sc[0][4 * l + k] = i32::from(ls);
-                    }
                 }
             }
             F_Q2K | F_Q3K => {
@@ -461,26 +566,6 @@ unsafe fn decode<const F: u8>(rowp: &[*const u8; 4], q: usize, nvalid: usize) ->
                             e1 = _mm256_or_si256(e1, set(bcast(at + 16)));
                         }
                         (w0[k][h], w1[k][h]) = (e0, e1);
-                    }
-                    for l in 0..4 {
-                        let sb = 4 * hq + l;
-                        if F == F_Q2K {
-                            lanes.d[4 * l + k] = u16_at(p, offset_of!(BlockQ2K, d));
-                            lanes.m[4 * l + k] = u16_at(p, offset_of!(BlockQ2K, dmin));
-                            for half in 0..2 {
-                                let sc = *p.add(offset_of!(BlockQ2K, scales) + 2 * sb + half);
-                                lanes.sc[half][4 * l + k] = i32::from(sc & 0xF);
-                                lanes.sc[2 + half][4 * l + k] = i32::from(sc >> 4);
-                            }
-                        } else {
-                            lanes.d[4 * l + k] = u16_at(p, offset_of!(BlockQ3K, d));
-                            let at = offset_of!(BlockQ3K, scales);
-                            let scales = std::ptr::read_unaligned(p.add(at).cast::<[u8; 12]>());
-                            for half in 0..2 {
-                                let sc = scale_k3(2 * sb + half, &scales);
-                                lanes.sc[half][4 * l + k] = i32::from(sc);
-                            }
-                        }
                     }
                 }
             }
@@ -559,19 +644,17 @@ unsafe fn decode<const F: u8>(rowp: &[*const u8; 4], q: usize, nvalid: usize) ->
             _ => unreachable!(),
         }
     }
-    let neg = |v: [__m256; 2]| v.map(|v| _mm256_xor_ps(v, _mm256_set1_ps(-0.0)));
     let mut mins = [[_mm256_setzero_ps(); 2]; 2];
     let (d, m) = match F {
         F_Q2K => {
-            let (d, dmin) = (f16x16(&lanes.d), f16x16(&lanes.m));
-            mins = [
-                neg(scaled(dmin, &lanes.sc[2])),
-                neg(scaled(dmin, &lanes.sc[3])),
-            ];
-            (scaled(d, &lanes.sc[0]), scaled(d, &lanes.sc[1]))
+            // SAFETY: the scales, d and dmin are inside the rows' super-block `q / 2`.
+            let (d, m, min) = unsafe { q2k_scales(rowp, (q / 2) * size_of::<BlockQ2K>(), q % 2) };
+            mins = min;
+            (d, m)
         }
         F_IQ4XS => (
-            scaled(f16x16(&lanes.d), &lanes.sc[0]),
+            // SAFETY: the header is inside the rows' super-block `q / 2`.
+            unsafe { iq4xs_scales(rowp, (q / 2) * size_of::<BlockIQ4XS>(), q % 2) },
             [_mm256_setzero_ps(); 2],
         ),
         F_Q4K | F_Q5K => {
@@ -588,8 +671,8 @@ unsafe fn decode<const F: u8>(rowp: &[*const u8; 4], q: usize, nvalid: usize) ->
             unsafe { q6k_scales(rowp, (q / 2) * size_of::<BlockQ6K>(), q % 2) }
         }
         F_Q3K => {
-            let d = f16x16(&lanes.d);
-            (scaled(d, &lanes.sc[0]), scaled(d, &lanes.sc[1]))
+            // SAFETY: the scales and d are inside the rows' super-block `q / 2`.
+            unsafe { q3k_scales(rowp, (q / 2) * size_of::<BlockQ3K>(), q % 2) }
         }
         _ => (f16x16(&lanes.d), f16x16(&lanes.m)),
     };
@@ -694,9 +777,18 @@ unsafe fn tile<const F: u8, const T: usize>(
     acts: *const ActQuad,
     nq: usize,
     nblocks: usize,
+    pf: (*const u8, usize, usize),
 ) -> [[f32; 4]; T] {
     let mut acc = [[_mm256_setzero_ps(); 2]; T];
     for q in 0..nq {
+        let (pp, plen, pstep) = pf;
+        let mut off = q * pstep;
+        let end = (off + pstep).min(plen);
+        while off < end {
+            // SAFETY: `off < plen`, inside the prefetch region; prefetching has no side effects.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(pp.add(off).cast()) };
+            off += 64;
+        }
         let nvalid = (nblocks - 4 * q).min(4);
         // SAFETY: forwarded from the caller.
         let w = unsafe { decode::<F>(rowp, q, nvalid) };
@@ -761,6 +853,13 @@ fn rows_impl<const F: u8>(
         };
         let ap = acts[t0 * nq..].as_ptr();
         for g in rows.clone().step_by(4) {
+            // The first pass over the rows streams them from DRAM: prefetch as the AVX-512
+            // kernels do (see `avx512::rows_impl`).
+            let pf = if t0 == 0 {
+                prefetch_plan(w.data, rb, nq, g, rows.start, rows.end)
+            } else {
+                (w.data.as_ptr(), 0, 0)
+            };
             let rowp = [0, 1, 2, 3].map(|k| {
                 let r = (g + k).min(rows.end - 1);
                 // SAFETY: `r < w.rows`, so the row lies inside `w.data` (asserted above).
@@ -771,15 +870,15 @@ fn rows_impl<const F: u8>(
             // SAFETY: the rows are whole encoded rows of `w.cols` columns, `ap` has `tn` tokens.
             unsafe {
                 match tn {
-                    4 => tile::<F, 4>(&rowp, ap, nq, nblocks)
+                    4 => tile::<F, 4>(&rowp, ap, nq, nblocks, pf)
                         .into_iter()
                         .enumerate()
                         .for_each(|(t, s)| emit(t, s)),
-                    2 => tile::<F, 2>(&rowp, ap, nq, nblocks)
+                    2 => tile::<F, 2>(&rowp, ap, nq, nblocks, pf)
                         .into_iter()
                         .enumerate()
                         .for_each(|(t, s)| emit(t, s)),
-                    _ => tile::<F, 1>(&rowp, ap, nq, nblocks)
+                    _ => tile::<F, 1>(&rowp, ap, nq, nblocks, pf)
                         .into_iter()
                         .enumerate()
                         .for_each(|(t, s)| emit(t, s)),

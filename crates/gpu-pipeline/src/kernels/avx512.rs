@@ -1,11 +1,11 @@
-//! AVX-512 (F/BW/VL/DQ + VNNI + VBMI) kernels for the integer-quantized formats.
+//! AVX-512 (F/BW/VL/DQ + VNNI + VBMI, with GFNI) kernels for the integer-quantized formats.
 //!
 //! The unit of work is 4 rows x 4 consecutive 32-element blocks ("a quad") x T tokens:
 //! - per row, the quad's quants are gathered with one or two `vpermt2b` into two u8 vectors
 //!   `W0` (lane `L` = elements 0..16 of block `L`) and `W1` (elements 16..32), the layout of the
 //!   prepared activations ([`ActQuad`]);
 //!   (5th / 3rd bits are merged with byte-masked adds, IQ4 code book values looked up with
-//!   `vpshufb`, the 2-bit K-quant planes shifted per 128-bit lane);
+//!   `vpshufb`, the 2-bit K-quant planes picked per 128-bit lane with one GF(2) affine transform);
 //! - `vpdpbusd` multiplies them with the q8 activations, giving 4 partial sums per block (two per
 //!   block, of 16 elements each, for Q2_K, Q3_K and Q6_K, whose halves have their own scales);
 //! - a 4x4 transpose-and-add turns the 4 rows' partial sums into one vector whose lane `4L + k`
@@ -48,6 +48,11 @@ pub(crate) const F_IQ4XS: u8 = 11;
 /// Whether the two 16-element halves of a block have their own scales (and mins).
 pub(crate) const fn is_split(f: u8) -> bool {
     matches!(f, F_Q6K | F_Q3K | F_Q2K)
+}
+
+/// Q2_K and Q3_K, decoded a super-block (two quads) at a time ([`decode_k23`]).
+const fn is_k23(f: u8) -> bool {
+    matches!(f, F_Q2K | F_Q3K)
 }
 
 /// Whether the format adds a per-block (split: per-half) minimum.
@@ -97,11 +102,6 @@ static IDX_Q5_1: [u8; 64] = qs_index(24, 8);
 static IDX16_Q5_0: [u16; 32] = hdr16_index(11);
 static IDX32_Q5_1: [u32; 16] = [0, 0, 0, 0, 6, 6, 6, 6, 12, 12, 12, 12, 18, 18, 18, 18];
 static IDX16_Q4_0: [u16; 32] = hdr16_index(9);
-/// Q2_K/Q3_K: 128-bit lane `L` shifts its (16-bit) words right by `2L`, to the 2 bits of
-/// sub-block `4h + L`.
-static K23_SHR: [u16; 32] = [
-    0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2, 4, 4, 4, 4, 4, 4, 4, 4, 6, 6, 6, 6, 6, 6, 6, 6,
-];
 /// Q5_K/Q3_K: byte lane `16L + e` selects bit `4h + L` of a high-bit byte, for quad half `h`.
 static Q5K_BIT: [[u8; 64]; 2] = {
     let mut t = [[0u8; 64]; 2];
@@ -209,7 +209,6 @@ static Q2K_SCALE_IDX: [[u8; 64]; 2] = [
     lane_gather(q2k_scale_bytes(0)),
     lane_gather(q2k_scale_bytes(1)),
 ];
-const Q2K_SCALE_MASK: u64 = lane_gather_mask(q2k_scale_bytes(0));
 /// Q2_K: d and dmin are words 6 and 7 of the 16 bytes ending the block.
 static Q2K_D_IDX: [u16; 32] = f16_pair_index(6, 7);
 /// Q3_K, 16 bytes ending the block (2 quant bytes, 12 scale bytes `q` from byte 2, d): scale
@@ -312,7 +311,9 @@ struct WQuad {
 }
 
 #[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,avx2,fma,f16c")]
+#[target_feature(
+    enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,gfni,avx2,fma,f16c"
+)]
 unsafe fn load_idx(t: &[u8; 64]) -> __m512i {
     // SAFETY: `t` is 64 readable bytes.
     unsafe { _mm512_loadu_si512(t.as_ptr().cast()) }
@@ -323,7 +324,9 @@ unsafe fn load_idx(t: &[u8; 64]) -> __m512i {
 /// # Safety
 /// Each `p[k]` has 16 readable bytes.
 #[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,avx2,fma,f16c")]
+#[target_feature(
+    enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,gfni,avx2,fma,f16c"
+)]
 unsafe fn rows16(p: [*const u8; 4]) -> __m512i {
     // SAFETY: forwarded from the caller.
     unsafe {
@@ -337,7 +340,9 @@ unsafe fn rows16(p: [*const u8; 4]) -> __m512i {
 /// Two f16 values per row of the headers `hdr` (see [`rows16`]) as f32, lane `4L + k` = row `k`'s
 /// (the same for every `L`): words `idx[0..16]` and `idx[16..32]` (see [`f16_pair_index`]).
 #[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,avx2,fma,f16c")]
+#[target_feature(
+    enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,gfni,avx2,fma,f16c"
+)]
 fn f16_pair(hdr: __m512i, idx: &[u16; 32]) -> (__m512, __m512) {
     // SAFETY: `idx` is 64 readable bytes.
     let idx = unsafe { _mm512_loadu_si512(idx.as_ptr().cast()) };
@@ -350,14 +355,18 @@ fn f16_pair(hdr: __m512i, idx: &[u16; 32]) -> (__m512, __m512) {
 
 /// `d * v` per lane for the integer lanes `v`, as `d * f32::from(v)` computes it.
 #[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,avx2,fma,f16c")]
+#[target_feature(
+    enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,gfni,avx2,fma,f16c"
+)]
 fn scaled(d: __m512, v: __m512i) -> __m512 {
     _mm512_mul_ps(d, _mm512_cvtepi32_ps(v))
 }
 
 /// `-(d * v)` per lane, as `-(d * f32::from(v))` computes it.
 #[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,avx2,fma,f16c")]
+#[target_feature(
+    enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,gfni,avx2,fma,f16c"
+)]
 fn neg_scaled(d: __m512, v: __m512i) -> __m512 {
     _mm512_xor_ps(scaled(d, v), _mm512_set1_ps(-0.0))
 }
@@ -369,7 +378,9 @@ fn neg_scaled(d: __m512, v: __m512i) -> __m512 {
 /// `nvalid` the number of its blocks inside the row.
 #[inline]
 #[allow(clippy::needless_range_loop)] // `k` indexes rows, outputs and lane masks alike
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,avx2,fma,f16c")]
+#[target_feature(
+    enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,gfni,avx2,fma,f16c"
+)]
 unsafe fn decode<const F: u8>(rowp: &[*const u8; 4], q: usize, nvalid: usize) -> WQuad {
     let z = _mm512_setzero_si512();
     let mut out = WQuad {
@@ -490,73 +501,7 @@ unsafe fn decode<const F: u8>(rowp: &[*const u8; 4], q: usize, nvalid: usize) ->
                     out.m = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(hdr, 16)));
                 }
             }
-            F_Q2K | F_Q3K => {
-                // 2-bit quants of sub-block `4h + L`: bits `2L..2L + 2` of qs bytes
-                // `32h..32h + 32`; Q3_K adds bit `4h + L` of hmask byte `l` as the third bit.
-                let (blk, h) = (q / 2, q % 2);
-                let (block_bytes, qs_at) = if F == F_Q2K {
-                    (size_of::<BlockQ2K>(), offset_of!(BlockQ2K, qs))
-                } else {
-                    (size_of::<BlockQ3K>(), offset_of!(BlockQ3K, qs))
-                };
-                let shr = _mm512_loadu_si512(K23_SHR.as_ptr().cast());
-                let bit = _mm512_loadu_si512(Q5K_BIT[h].as_ptr().cast());
-                let two = _mm512_set1_epi8(3);
-                let third = _mm512_set1_epi8(4);
-                for k in 0..4 {
-                    let p = rowp[k].add(blk * block_bytes);
-                    let qs = p.add(qs_at + 32 * h);
-                    let v0 = _mm512_broadcast_i32x4(_mm_loadu_si128(qs.cast()));
-                    let v1 = _mm512_broadcast_i32x4(_mm_loadu_si128(qs.add(16).cast()));
-                    let mut w0 = _mm512_and_si512(_mm512_srlv_epi16(v0, shr), two);
-                    let mut w1 = _mm512_and_si512(_mm512_srlv_epi16(v1, shr), two);
-                    if F == F_Q3K {
-                        let h0 = _mm512_broadcast_i32x4(_mm_loadu_si128(p.cast()));
-                        let h1 = _mm512_broadcast_i32x4(_mm_loadu_si128(p.add(16).cast()));
-                        w0 = _mm512_mask_add_epi8(w0, _mm512_test_epi8_mask(h0, bit), w0, third);
-                        w1 = _mm512_mask_add_epi8(w1, _mm512_test_epi8_mask(h1, bit), w1, third);
-                    }
-                    out.w0[k] = w0;
-                    out.w1[k] = w1;
-                }
-                // The scales of sub-blocks `4h + L` of the 4 rows, lane `4L + k`.
-                let m4 = _mm512_set1_epi32(0xF);
-                let tail = rowp.map(|r| r.add(blk * block_bytes + block_bytes - 16));
-                if F == F_Q3K {
-                    // Low 4 bits, high 2 bits, minus 32 (`scale_k3`), times d.
-                    let tails = rows16(tail);
-                    let x = _mm512_permutexvar_epi8(load_idx(&Q3K_SCALE_IDX), tails);
-                    let (d, _) = f16_pair(tails, &Q3K_D_IDX);
-                    let low = if h == 0 { x } else { _mm512_srli_epi32::<4>(x) };
-                    let shr = |e: usize| _mm512_loadu_si512(Q3K_HIGH_SHR[h][e].as_ptr().cast());
-                    let scale = |low: __m512i, e: usize| {
-                        let high =
-                            _mm512_and_si512(_mm512_srlv_epi32(x, shr(e)), _mm512_set1_epi32(3));
-                        let v = _mm512_or_si512(
-                            _mm512_and_si512(low, m4),
-                            _mm512_slli_epi32::<4>(high),
-                        );
-                        _mm512_sub_epi32(v, _mm512_set1_epi32(32))
-                    };
-                    out.d = scaled(d, scale(low, 0));
-                    out.m = scaled(d, scale(_mm512_srli_epi32::<8>(low), 1));
-                } else {
-                    // Per half `e`: scale = low nibble of byte `e`, min = its high nibble.
-                    let heads = rows16(rowp.map(|r| r.add(blk * block_bytes)));
-                    let x = _mm512_maskz_permutexvar_epi8(
-                        Q2K_SCALE_MASK,
-                        load_idx(&Q2K_SCALE_IDX[h]),
-                        heads,
-                    );
-                    let (d, dmin) = f16_pair(rows16(tail), &Q2K_D_IDX);
-                    let nib = |shift: u32| {
-                        _mm512_and_si512(_mm512_srlv_epi32(x, _mm512_set1_epi32(shift as i32)), m4)
-                    };
-                    out.d = scaled(d, nib(0));
-                    out.m = scaled(d, nib(8));
-                    out.mins = [neg_scaled(dmin, nib(4)), neg_scaled(dmin, nib(12))];
-                }
-            }
+            F_Q2K | F_Q3K => return decode_k23::<F>(rowp, q / 2)[q % 2],
             F_IQ4XS => {
                 let (blk, h) = (q / 2, q % 2);
                 let table = _mm512_loadu_si512(IQ4_TABLE.as_ptr().cast());
@@ -703,9 +648,129 @@ unsafe fn decode<const F: u8>(rowp: &[*const u8; 4], q: usize, nvalid: usize) ->
     out
 }
 
+/// Q2_K/Q3_K: GF(2) affine matrices, one per 64-bit lane (see `_mm512_gf2p8affine_epi64_epi8`),
+/// that move bits `2L` and `2L + 1` of every byte of 128-bit lane `L` to bits 0 and 1 and clear
+/// the rest: the 2-bit quants of sub-block `4h + L` in one instruction instead of a shift and a
+/// mask.
+static K23_PLANE: [u64; 8] = {
+    let mut t = [0u64; 8];
+    let mut i = 0;
+    while i < 8 {
+        let l = i / 2;
+        // Result bit `j` is the parity of matrix byte `7 - j` and the source byte.
+        t[i] = ((1u64 << (2 * l)) << 56) | ((1u64 << (2 * l + 1)) << 48);
+        i += 1;
+    }
+    t
+};
+/// `0.0 ..= 15.0`: a 4-bit integer to f32 with one `vpermps` (which reads the low 4 index bits
+/// only, so the nibble needs no mask), the same value `cvtdq2ps` gives.
+static NIBBLE_F32: [f32; 16] = [
+    0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 11.0, 12.0, 13.0, 14.0, 15.0,
+];
+
+/// Decodes both quads (halves `h` = 0, 1) of super-block `blk` of the Q2_K or Q3_K rows at
+/// `rowp`, as [`decode`] does one: the header loads and f16 conversions (and Q3_K's high-bit
+/// vectors) are shared by the two halves.
+///
+/// # Safety
+/// Each `rowp[k]` points at a full encoded row with a super-block `blk`.
+#[inline]
+#[allow(clippy::needless_range_loop)] // `k` indexes rows and outputs alike
+#[target_feature(
+    enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,gfni,avx2,fma,f16c"
+)]
+unsafe fn decode_k23<const F: u8>(rowp: &[*const u8; 4], blk: usize) -> [WQuad; 2] {
+    let z = _mm512_setzero_si512();
+    let zf = _mm512_setzero_ps();
+    let mut out = [WQuad {
+        w0: [z; 4],
+        w1: [z; 4],
+        d: zf,
+        m: zf,
+        mins: [zf; 2],
+    }; 2];
+    let (block_bytes, qs_at) = if F == F_Q2K {
+        (size_of::<BlockQ2K>(), offset_of!(BlockQ2K, qs))
+    } else {
+        (size_of::<BlockQ3K>(), offset_of!(BlockQ3K, qs))
+    };
+    // SAFETY (whole body): every load is inside super-block `blk` of each row.
+    unsafe {
+        // 2-bit quants of sub-block `4h + L`: bits `2L..2L + 2` of qs bytes `32h..32h + 32`;
+        // Q3_K adds bit `4h + L` of hmask byte `e` (element `e` of the sub-block) as the third.
+        let plane = _mm512_loadu_si512(K23_PLANE.as_ptr().cast());
+        let third = _mm512_set1_epi8(4);
+        let bit = Q5K_BIT.map(|b| load_idx(&b));
+        for k in 0..4 {
+            let p = rowp[k].add(blk * block_bytes);
+            let bcast = |off: usize| _mm512_broadcast_i32x4(_mm_loadu_si128(p.add(off).cast()));
+            let hmask = if F == F_Q3K {
+                [bcast(0), bcast(16)]
+            } else {
+                [z, z]
+            };
+            for h in 0..2 {
+                let mut w0 = _mm512_gf2p8affine_epi64_epi8::<0>(bcast(qs_at + 32 * h), plane);
+                let mut w1 = _mm512_gf2p8affine_epi64_epi8::<0>(bcast(qs_at + 32 * h + 16), plane);
+                if F == F_Q3K {
+                    let k0 = _mm512_test_epi8_mask(hmask[0], bit[h]);
+                    let k1 = _mm512_test_epi8_mask(hmask[1], bit[h]);
+                    w0 = _mm512_mask_add_epi8(w0, k0, w0, third);
+                    w1 = _mm512_mask_add_epi8(w1, k1, w1, third);
+                }
+                out[h].w0[k] = w0;
+                out[h].w1[k] = w1;
+            }
+        }
+        // The scales of sub-blocks `4h + L` of the 4 rows, lane `4L + k`.
+        let tail = rowp.map(|r| r.add(blk * block_bytes + block_bytes - 16));
+        if F == F_Q3K {
+            // Low 4 bits, high 2 bits, minus 32 (`scale_k3`), times d.
+            let m4 = _mm512_set1_epi32(0xF);
+            let tails = rows16(tail);
+            let x = _mm512_permutexvar_epi8(load_idx(&Q3K_SCALE_IDX), tails);
+            let (d, _) = f16_pair(tails, &Q3K_D_IDX);
+            for h in 0..2 {
+                let low = if h == 0 { x } else { _mm512_srli_epi32::<4>(x) };
+                let shr = |e: usize| _mm512_loadu_si512(Q3K_HIGH_SHR[h][e].as_ptr().cast());
+                let scale = |low: __m512i, e: usize| {
+                    let high = _mm512_and_si512(_mm512_srlv_epi32(x, shr(e)), _mm512_set1_epi32(3));
+                    let v =
+                        _mm512_or_si512(_mm512_and_si512(low, m4), _mm512_slli_epi32::<4>(high));
+                    _mm512_sub_epi32(v, _mm512_set1_epi32(32))
+                };
+                out[h].d = scaled(d, scale(low, 0));
+                out[h].m = scaled(d, scale(_mm512_srli_epi32::<8>(low), 1));
+            }
+        } else {
+            // Per half `e`: scale = low nibble of byte `e`, min = its high nibble.
+            let heads = rows16(rowp.map(|r| r.add(blk * block_bytes)));
+            let (d, dmin) = f16_pair(rows16(tail), &Q2K_D_IDX);
+            let nibble_f32 = _mm512_loadu_ps(NIBBLE_F32.as_ptr());
+            let neg = _mm512_set1_ps(-0.0);
+            for h in 0..2 {
+                let x = _mm512_permutexvar_epi8(load_idx(&Q2K_SCALE_IDX[h]), heads);
+                let nib = |v: __m512i| _mm512_permutexvar_ps(v, nibble_f32);
+                out[h].d = _mm512_mul_ps(d, nib(x));
+                out[h].m = _mm512_mul_ps(d, nib(_mm512_srli_epi32::<8>(x)));
+                // `-(dmin * m)`, as the reference computes it (also for NaN signs).
+                let min = |v: __m512i| _mm512_xor_ps(_mm512_mul_ps(dmin, nib(v)), neg);
+                out[h].mins = [
+                    min(_mm512_srli_epi32::<4>(x)),
+                    min(_mm512_srli_epi32::<12>(x)),
+                ];
+            }
+        }
+    }
+    out
+}
+
 /// Lane `4L + k` = sum of the 4 dwords of 128-bit lane `L` of `p[k]`.
 #[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,avx2,fma,f16c")]
+#[target_feature(
+    enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,gfni,avx2,fma,f16c"
+)]
 fn reduce4(p: [__m512i; 4]) -> __m512i {
     let s01 = _mm512_add_epi32(
         _mm512_unpacklo_epi32(p[0], p[1]),
@@ -723,7 +788,9 @@ fn reduce4(p: [__m512i; 4]) -> __m512i {
 
 /// Accumulates the products of one decoded quad with one token's activation quad.
 #[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,avx2,fma,f16c")]
+#[target_feature(
+    enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,gfni,avx2,fma,f16c"
+)]
 fn accumulate<const F: u8>(w: &WQuad, a: &ActQuad, acc: __m512) -> __m512 {
     // SAFETY: `ActQuad` is 64-byte aligned and its fields are 64 bytes each.
     let ld = |p: *const u8| unsafe { _mm512_load_si512(p.cast()) };
@@ -766,7 +833,9 @@ fn accumulate<const F: u8>(w: &WQuad, a: &ActQuad, acc: __m512) -> __m512 {
 
 /// Row sums of an accumulator: element `k` = sum over `L` of lane `4L + k`, in a fixed order.
 #[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,avx2,fma,f16c")]
+#[target_feature(
+    enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,gfni,avx2,fma,f16c"
+)]
 fn row_sums(acc: __m512) -> [f32; 4] {
     let h = _mm256_add_ps(_mm512_castps512_ps256(acc), _mm512_extractf32x8_ps(acc, 1));
     let s = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
@@ -782,7 +851,9 @@ fn row_sums(acc: __m512) -> [f32; 4] {
 /// # Safety
 /// As for [`decode`]; `acts` is valid for `T * nq` quads.
 #[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,avx2,fma,f16c")]
+#[target_feature(
+    enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,gfni,avx2,fma,f16c"
+)]
 unsafe fn tile<const F: u8, const T: usize>(
     rowp: &[*const u8; 4],
     acts: *const ActQuad,
@@ -791,7 +862,7 @@ unsafe fn tile<const F: u8, const T: usize>(
     pf: (*const u8, usize, usize),
 ) -> [[f32; 4]; T] {
     let mut acc = [_mm512_setzero_ps(); T];
-    for q in 0..nq {
+    let prefetch = |q: usize| {
         let (pp, plen, pstep) = pf;
         let mut off = q * pstep;
         let end = (off + pstep).min(plen);
@@ -800,6 +871,28 @@ unsafe fn tile<const F: u8, const T: usize>(
             unsafe { _mm_prefetch::<_MM_HINT_T0>(pp.add(off).cast()) };
             off += 64;
         }
+    };
+    let mut q = 0;
+    while q < nq {
+        if is_k23(F) {
+            // Both quads of a super-block at once (a K-quant row is whole super-blocks, so `nq`
+            // is even), accumulated in the same order as one quad at a time.
+            prefetch(q);
+            prefetch(q + 1);
+            // SAFETY: forwarded from the caller.
+            let ws = unsafe { decode_k23::<F>(rowp, q / 2) };
+            for (t, a) in acc.iter_mut().enumerate() {
+                // SAFETY: `t * nq + q + 1 < T * nq`.
+                let aq = unsafe { &*acts.add(t * nq + q) };
+                *a = accumulate::<F>(&ws[0], aq, *a);
+                // SAFETY: as above.
+                let aq = unsafe { &*acts.add(t * nq + q + 1) };
+                *a = accumulate::<F>(&ws[1], aq, *a);
+            }
+            q += 2;
+            continue;
+        }
+        prefetch(q);
         let nvalid = (nblocks - 4 * q).min(4);
         // SAFETY: forwarded from the caller.
         let w = unsafe { decode::<F>(rowp, q, nvalid) };
@@ -808,6 +901,7 @@ unsafe fn tile<const F: u8, const T: usize>(
             let aq = unsafe { &*acts.add(t * nq + q) };
             *a = accumulate::<F>(&w, aq, *a);
         }
+        q += 1;
     }
     acc.map(|a| row_sums(a))
 }
@@ -826,7 +920,9 @@ thread_local! {
 /// # Safety
 /// `acts` is valid for `T * nq` quads; `decoded` holds the group's `nq` quads.
 #[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,avx2,fma,f16c")]
+#[target_feature(
+    enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,gfni,avx2,fma,f16c"
+)]
 unsafe fn tile_decoded<const F: u8, const T: usize>(
     decoded: &[WQuad],
     acts: *const ActQuad,
@@ -847,7 +943,9 @@ unsafe fn tile_decoded<const F: u8, const T: usize>(
 ///
 /// # Safety
 /// The CPU supports the features enabled here; `acts` holds `n` tokens quantized for `w.cols`.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,avx2,fma,f16c")]
+#[target_feature(
+    enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,gfni,avx2,fma,f16c"
+)]
 pub(crate) unsafe fn quant_rows(
     fmt: Fmt,
     w: WeightMatrix<'_>,
@@ -873,7 +971,9 @@ pub(crate) unsafe fn quant_rows(
     }
 }
 
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,avx2,fma,f16c")]
+#[target_feature(
+    enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,gfni,avx2,fma,f16c"
+)]
 fn rows_impl<const F: u8>(
     fmt: Fmt,
     w: WeightMatrix<'_>,
@@ -905,10 +1005,17 @@ fn rows_impl<const F: u8>(
                     unsafe { w.data.as_ptr().add(r * rb) }
                 });
                 decoded.clear();
-                for q in 0..nq {
-                    let nvalid = (nblocks - 4 * q).min(4);
-                    // SAFETY: the rows are whole encoded rows of `w.cols` columns.
-                    decoded.push(unsafe { decode::<F>(&rowp, q, nvalid) });
+                if is_k23(F) {
+                    for blk in 0..nq / 2 {
+                        // SAFETY: the rows are whole encoded rows of `w.cols` columns.
+                        decoded.extend(unsafe { decode_k23::<F>(&rowp, blk) });
+                    }
+                } else {
+                    for q in 0..nq {
+                        let nvalid = (nblocks - 4 * q).min(4);
+                        // SAFETY: the rows are whole encoded rows of `w.cols` columns.
+                        decoded.push(unsafe { decode::<F>(&rowp, q, nvalid) });
+                    }
                 }
                 let live = (rows.end - g).min(4);
                 let mut t0 = tc;
@@ -955,32 +1062,11 @@ fn rows_impl<const F: u8>(
         };
         let ap = acts[t0 * nq..].as_ptr();
         for g in rows.clone().step_by(4) {
-            let mut pf = (w.data.as_ptr(), 0usize, 0usize);
-            if t0 == 0 {
-                // Decode streams the weights from DRAM once: prefetch the group PF_AHEAD ahead
-                // (inside this task's rows), spread over this group's quads; the task's first
-                // groups are prefetched at its start.
-                let d = PF_AHEAD;
-                let lim = rows.end;
-                let pf_start = (g + 4 * d).min(lim) * rb;
-                let pf_end = (g + 4 * d + 4).min(lim) * rb;
-                if pf_end > pf_start {
-                    let len = pf_end - pf_start;
-                    // SAFETY: `pf_start <= w.rows * rb`.
-                    pf = (
-                        unsafe { w.data.as_ptr().add(pf_start) },
-                        len,
-                        len.div_ceil(nq).next_multiple_of(64),
-                    );
-                }
-                if g == rows.start {
-                    let e = (g + 4 * d).min(rows.end) * rb;
-                    for off in ((g + 4) * rb..e).step_by(64) {
-                        // SAFETY: as above.
-                        unsafe { _mm_prefetch::<_MM_HINT_T0>(w.data.as_ptr().add(off).cast()) };
-                    }
-                }
-            }
+            let pf = if t0 == 0 {
+                prefetch_plan(w.data, rb, nq, g, rows.start, rows.end)
+            } else {
+                (w.data.as_ptr(), 0, 0)
+            };
             let rowp = [0, 1, 2, 3].map(|k| {
                 let r = (g + k).min(rows.end - 1);
                 // SAFETY: `r < w.rows`, so the row lies inside `w.data` (asserted above).
@@ -1020,7 +1106,9 @@ fn rows_impl<const F: u8>(
 /// # Safety
 /// `p` has 32 readable floats; the CPU supports the features enabled here.
 #[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,avx2,fma,f16c")]
+#[target_feature(
+    enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,gfni,avx2,fma,f16c"
+)]
 unsafe fn quant_block(p: *const f32) -> (f32, __m512i, __m512i) {
     // SAFETY: forwarded from the caller.
     let (v0, v1) = unsafe { (_mm512_loadu_ps(p), _mm512_loadu_ps(p.add(16))) };
@@ -1037,7 +1125,9 @@ unsafe fn quant_block(p: *const f32) -> (f32, __m512i, __m512i) {
 ///
 /// # Safety
 /// The CPU supports the features enabled here.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,avx2,fma,f16c")]
+#[target_feature(
+    enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,gfni,avx2,fma,f16c"
+)]
 pub(crate) unsafe fn quantize_token(x: &[f32], acts: &mut [ActQuad]) {
     let nblocks = x.len() / 32;
     // Lane `4L + k` takes element `L`.
@@ -1083,7 +1173,9 @@ pub(crate) unsafe fn quantize_token(x: &[f32], acts: &mut [ActQuad]) {
 ///
 /// # Safety
 /// The CPU supports the features enabled here.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,avx2,fma,f16c")]
+#[target_feature(
+    enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,gfni,avx2,fma,f16c"
+)]
 pub(crate) unsafe fn quantize_blocks(x: &[f32], out: &mut [ActBlock]) {
     for (b, o) in out.iter_mut().enumerate().take(x.len() / 32) {
         // SAFETY: block `b` is inside `x` (32 floats).
@@ -1098,6 +1190,43 @@ pub(crate) unsafe fn quantize_blocks(x: &[f32], out: &mut [ActBlock]) {
         o.sx = d * sum as f32;
         o.sq = sum;
     }
+}
+
+/// The software prefetch of a decode pass (the first over the rows `start..end` of `data`, rows
+/// of `rb` bytes and `nq` quads), for the 4-row group at `g`: the group [`PF_AHEAD`] groups
+/// ahead (inside the rows) is the region `(pointer, length, bytes per quad)` that [`tile`]
+/// prefetches spread over the group's quads; at the first group, the groups up to that one are
+/// prefetched here. Decode streams the weights from DRAM once, faster than the hardware
+/// prefetchers ramp up on each task's rows.
+#[inline]
+#[target_feature(enable = "avx2")]
+pub(crate) fn prefetch_plan(
+    data: &[u8],
+    rb: usize,
+    nq: usize,
+    g: usize,
+    start: usize,
+    end: usize,
+) -> (*const u8, usize, usize) {
+    let d = PF_AHEAD;
+    let pf_start = (g + 4 * d).min(end) * rb;
+    let pf_end = (g + 4 * d + 4).min(end) * rb;
+    if g == start {
+        let e = (g + 4 * d).min(end) * rb;
+        for off in ((g + 4) * rb..e).step_by(64) {
+            // SAFETY: `off < end * rb <= data.len()`; prefetching has no side effects.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(data.as_ptr().add(off).cast()) };
+        }
+    }
+    if pf_end <= pf_start {
+        return (data.as_ptr(), 0, 0);
+    }
+    let len = pf_end - pf_start;
+    (
+        data[pf_start..].as_ptr(),
+        len,
+        len.div_ceil(nq).next_multiple_of(64),
+    )
 }
 
 /// Groups of 4 rows prefetched ahead while decoding (measured best of 1..4 on Zen 4).

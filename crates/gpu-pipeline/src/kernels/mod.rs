@@ -10,7 +10,7 @@
 //! CPU has it), with the block scales applied in f32. Float weights (F32, F16, BF16) are multiplied
 //! with the f32 activations directly.
 //!
-//! Backends are picked at run time ([`CpuIsa::detect`]): AVX-512 (F, BW, VL, VNNI, VBMI), AVX2 +
+//! Backends are picked at run time ([`CpuIsa::detect`]): AVX-512 (F, BW, VL, VNNI, VBMI, GFNI), AVX2 +
 //! FMA (every format, without VNNI), and a
 //! portable scalar backend that computes the same quantities with the same operations in the
 //! same order (it is the reference the SIMD code is tested against, bit for bit). Block layouts
@@ -278,7 +278,8 @@ pub enum CpuIsa {
     Scalar,
     /// x86-64 AVX2 + FMA + F16C.
     Avx2,
-    /// x86-64 AVX-512 F/BW/VL/DQ + VNNI + VBMI.
+    /// x86-64 AVX-512 F/BW/VL/DQ + VNNI + VBMI, and GFNI (which the CPUs with that set, Ice Lake
+    /// and Zen 4 onwards, all have).
     Avx512,
 }
 
@@ -302,6 +303,7 @@ impl CpuIsa {
                     && is_x86_feature_detected!("avx512dq")
                     && is_x86_feature_detected!("avx512vnni")
                     && is_x86_feature_detected!("avx512vbmi")
+                    && is_x86_feature_detected!("gfni")
             }
             #[cfg(not(target_arch = "x86_64"))]
             _ => false,

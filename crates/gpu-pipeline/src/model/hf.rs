@@ -413,6 +413,11 @@ impl WeightSource for HfModel {
             _ => None,
         }
     }
+    fn get_u32_array(&self, key: &str) -> Option<Vec<u32>> {
+        // config.json translates to no integer arrays (one `num_experts_per_tok` for all layers).
+        let _ = key;
+        None
+    }
     fn tensor(&self, name: &str) -> Option<SourceTensor<'_>> {
         let r = self.tensors.get(name)?;
         let t = self.files[r.file].tensor(&r.hf_name)?;

@@ -85,12 +85,9 @@ pub trait WeightSource: Send + Sync + Debug {
     fn get_bool_array(&self, key: &str) -> Option<Vec<bool>>;
     /// An array of floats.
     fn get_f32_array(&self, key: &str) -> Option<Vec<f32>>;
-    /// An array of unsigned integers (e.g. a per-layer `{arch}.expert_used_count`). The default:
-    /// none.
-    fn get_u32_array(&self, key: &str) -> Option<Vec<u32>> {
-        let _ = key;
-        None
-    }
+    /// An array of unsigned integers (e.g. a per-layer `{arch}.expert_used_count`). Required,
+    /// not defaulted, so that a wrapping source cannot drop it by forgetting to forward it.
+    fn get_u32_array(&self, key: &str) -> Option<Vec<u32>>;
     /// The tensor named `name` (llama.cpp's name), if present.
     fn tensor(&self, name: &str) -> Option<SourceTensor<'_>>;
     /// The bytes of file `file` (tensor data are sub-slices of these).
