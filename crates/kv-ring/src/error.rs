@@ -184,6 +184,13 @@ pub enum KvError {
         /// The backend's own error, as it displays itself (its types are not this crate's).
         reason: String,
     },
+    /// [`KvRing::write_layer`](crate::KvRing::write_layer) or
+    /// [`KvRing::view`](crate::KvRing::view) on a ring whose storage keeps its elements on a
+    /// device ([`HostKvStorage::block`](crate::HostKvStorage::block) is `None`): such a ring
+    /// is written and read by its storage's owner, at
+    /// [`KvRing::layer_slots`](crate::KvRing::layer_slots).
+    #[error("the KV ring's elements are not in host memory (a device ring)")]
+    NotInHostMemory,
 }
 
 /// The [`KvStorage`](crate::KvStorage) operation a [`KvError::StorageFailed`] is about.

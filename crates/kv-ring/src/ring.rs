@@ -678,7 +678,7 @@ impl<S: HostKvStorage> KvRing<S> {
     /// the pool's dtype.
     ///
     /// Errors (nothing is written): [`KvError::NoPendingChunk`], [`KvError::LayerOutOfRange`],
-    /// [`KvError::SliceLength`].
+    /// [`KvError::SliceLength`], [`KvError::NotInHostMemory`].
     pub fn write_layer(&mut self, layer: usize, k: &[f32], v: &[f32]) -> Result<(), KvError> {
         if !self.in_chunk {
             return Err(KvError::NoPendingChunk);
@@ -703,9 +703,13 @@ impl<S: HostKvStorage> KvRing<S> {
                 let rows = src
                     .chunks_exact(row)
                     .map(|tok| &tok[head * hd..(head + 1) * hd]);
+                let block = self.block_index(layer, head, tensor);
+                // All of a storage value's blocks are in host memory or none: a `None` comes
+                // at the first block, before anything is written.
                 match self
                     .storage
-                    .block_mut(self.block_index(layer, head, tensor))
+                    .block_mut(block)
+                    .ok_or(KvError::NotInHostMemory)?
                 {
                     KvBlockMut::F32(block) => {
                         for (i, r) in rows.enumerate() {
@@ -765,7 +769,8 @@ impl<S: HostKvStorage> KvRing<S> {
     /// Keys and values of `(layer, head)` in position order: the committed rows, plus the
     /// pending chunk's rows if this layer was written since `begin`. At most two slices each.
     ///
-    /// Errors: [`KvError::LayerOutOfRange`], [`KvError::HeadOutOfRange`].
+    /// Errors: [`KvError::LayerOutOfRange`], [`KvError::HeadOutOfRange`],
+    /// [`KvError::NotInHostMemory`].
     pub fn view(&self, layer: usize, head: usize) -> Result<KvView<'_>, KvError> {
         self.check_layer(layer)?;
         if head >= self.n_kv_heads {
@@ -783,7 +788,10 @@ impl<S: HostKvStorage> KvRing<S> {
         let b = 0..(rows - first) * hd;
         let kb = self.block_index(layer, head, KvTensor::K);
         let vb = self.block_index(layer, head, KvTensor::V);
-        let (keys, values) = match (self.storage.block(kb), self.storage.block(vb)) {
+        let (Some(k), Some(v)) = (self.storage.block(kb), self.storage.block(vb)) else {
+            return Err(KvError::NotInHostMemory);
+        };
+        let (keys, values) = match (k, v) {
             (KvBlock::F32(k), KvBlock::F32(v)) => (
                 KvSlices::F32([&k[a.clone()], &k[b.clone()]]),
                 KvSlices::F32([&v[a], &v[b]]),

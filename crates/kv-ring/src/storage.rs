@@ -82,15 +82,21 @@ pub trait KvStorage: Sized + Send + Sync + 'static {
     ) -> Result<(), KvError>;
 }
 
-/// A [`KvStorage`] in host memory whose blocks the ring can read and write as slices: what
+/// A [`KvStorage`] whose blocks the ring can read and write as host slices: what
 /// [`KvRing::write_layer`](crate::KvRing::write_layer) and [`KvRing::view`](crate::KvRing::view)
 /// need.
+///
+/// A storage whose place is chosen at run time (an executor's enum of a host and a device
+/// storage) returns `None` for a value whose elements are not in host memory (for every block
+/// of that value, or for none); the ring then reports [`KvError::NotInHostMemory`]. [`HostKv`]
+/// always returns `Some`.
 pub trait HostKvStorage: KvStorage {
-    /// Block `block`'s elements (all `block_lens[block]` of them).
-    fn block(&self, block: usize) -> KvBlock<'_>;
+    /// Block `block`'s elements (all `block_lens[block]` of them), or `None` when this value
+    /// does not keep them in host memory.
+    fn block(&self, block: usize) -> Option<KvBlock<'_>>;
 
-    /// Block `block`'s elements, writable.
-    fn block_mut(&mut self, block: usize) -> KvBlockMut<'_>;
+    /// Block `block`'s elements, writable (`None` as for [`block`](Self::block)).
+    fn block_mut(&mut self, block: usize) -> Option<KvBlockMut<'_>>;
 }
 
 /// One block of a host storage, typed by the pool's dtype.
@@ -246,20 +252,20 @@ impl KvStorage for HostKv {
 
 impl HostKvStorage for HostKv {
     #[inline]
-    fn block(&self, block: usize) -> KvBlock<'_> {
+    fn block(&self, block: usize) -> Option<KvBlock<'_>> {
         let r = self.bounds[block]..self.bounds[block + 1];
-        match &self.data {
+        Some(match &self.data {
             HostData::F32(v) => KvBlock::F32(&v[r]),
             HostData::F16(v) => KvBlock::F16(bytemuck::cast_slice(&v[r])),
-        }
+        })
     }
 
     #[inline]
-    fn block_mut(&mut self, block: usize) -> KvBlockMut<'_> {
+    fn block_mut(&mut self, block: usize) -> Option<KvBlockMut<'_>> {
         let r = self.bounds[block]..self.bounds[block + 1];
-        match &mut self.data {
+        Some(match &mut self.data {
             HostData::F32(v) => KvBlockMut::F32(&mut v[r]),
             HostData::F16(v) => KvBlockMut::F16(bytemuck::cast_slice_mut(&mut v[r])),
-        }
+        })
     }
 }

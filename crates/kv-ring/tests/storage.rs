@@ -120,23 +120,74 @@ impl KvStorage for ChunkedKv {
 }
 
 impl HostKvStorage for ChunkedKv {
-    fn block(&self, block: usize) -> KvBlock<'_> {
-        match self {
+    fn block(&self, block: usize) -> Option<KvBlock<'_>> {
+        Some(match self {
             Self::F32(c) => KvBlock::F32(&c[block]),
             Self::F16(c) => KvBlock::F16(&c[block]),
-        }
+        })
     }
 
-    fn block_mut(&mut self, block: usize) -> KvBlockMut<'_> {
-        match self {
+    fn block_mut(&mut self, block: usize) -> Option<KvBlockMut<'_>> {
+        Some(match self {
             Self::F32(c) => KvBlockMut::F32(&mut c[block]),
             Self::F16(c) => KvBlockMut::F16(&mut c[block]),
-        }
+        })
+    }
+}
+
+/// A storage whose elements are "elsewhere" (as a device ring's are): the blocks of a
+/// [`ChunkedKv`] the ring may copy but never sees as host slices.
+#[derive(Debug)]
+struct ElsewhereKv(ChunkedKv);
+
+impl KvStorage for ElsewhereKv {
+    type Allocator = AtomicUsize;
+
+    fn zeroed(a: &AtomicUsize, dtype: KvDtype, block_lens: &[usize]) -> Result<Self, KvError> {
+        ChunkedKv::zeroed(a, dtype, block_lens).map(Self)
+    }
+
+    fn empty(dtype: KvDtype) -> Self {
+        Self(ChunkedKv::empty(dtype))
+    }
+
+    fn allocated_bytes(&self) -> usize {
+        self.0.allocated_bytes()
+    }
+
+    fn grow_blocks(&mut self, a: &AtomicUsize, block_lens: &[usize]) -> Result<(), KvError> {
+        self.0.grow_blocks(a, block_lens)
+    }
+
+    fn copy_within(&mut self, b: usize, src: usize, dst: usize, len: usize) -> Result<(), KvError> {
+        self.0.copy_within(b, src, dst, len)
+    }
+
+    fn copy_from(
+        &mut self,
+        b: usize,
+        dst: usize,
+        other: &Self,
+        src_block: usize,
+        src: usize,
+        len: usize,
+    ) -> Result<(), KvError> {
+        self.0.copy_from(b, dst, &other.0, src_block, src, len)
+    }
+}
+
+impl HostKvStorage for ElsewhereKv {
+    fn block(&self, _: usize) -> Option<KvBlock<'_>> {
+        None
+    }
+
+    fn block_mut(&mut self, _: usize) -> Option<KvBlockMut<'_>> {
+        None
     }
 }
 
 fn block_f32<S: HostKvStorage>(s: &S, b: usize) -> Vec<f32> {
-    match s.block(b) {
+    match s.block(b).expect("host storage") {
         KvBlock::F32(x) => x.to_vec(),
         KvBlock::F16(x) => x.iter().map(|v| v.to_f32()).collect(),
         _ => unreachable!(),
@@ -144,7 +195,7 @@ fn block_f32<S: HostKvStorage>(s: &S, b: usize) -> Vec<f32> {
 }
 
 fn fill<S: HostKvStorage>(s: &mut S, b: usize, seed: f32) {
-    match s.block_mut(b) {
+    match s.block_mut(b).expect("host storage") {
         KvBlockMut::F32(x) => x
             .iter_mut()
             .enumerate()
@@ -393,7 +444,7 @@ fn an_owner_writing_at_layer_slots_matches_write_layer() {
                 let src = rows(pos, n, layer, t == 1);
                 for head in 0..HEADS {
                     let b = by_owner.block_index(layer, head, tensor);
-                    let KvBlockMut::F32(block) = by_owner.storage_mut().block_mut(b) else {
+                    let Some(KvBlockMut::F32(block)) = by_owner.storage_mut().block_mut(b) else {
                         unreachable!()
                     };
                     for i in 0..n {
@@ -423,4 +474,27 @@ fn an_owner_writing_at_layer_slots_matches_write_layer() {
         by_owner.commit(),
         Err(KvError::LayerNotWritten { layer: 0, .. })
     ));
+}
+
+/// A storage that does not keep its elements in host memory refuses host writes and views with
+/// a typed error, writing nothing; its owner writes at the slots and the bookkeeping goes on.
+#[test]
+fn a_ring_not_in_host_memory_refuses_host_writes_and_views() {
+    let s = shape(KvDtype::F32);
+    let pool = KvPool::<ElsewhereKv>::new_in(s, 1 << 20, AtomicUsize::new(0)).unwrap();
+    let mut ring = pool.alloc(4, RingMode::Strict).unwrap();
+    ring.begin(1).unwrap();
+    let (k, v) = (rows(0, 1, 0, false), rows(0, 1, 0, true));
+    assert_eq!(ring.write_layer(0, &k, &v), Err(KvError::NotInHostMemory));
+    assert_eq!(
+        ring.layer_slots(0).unwrap().rows,
+        0,
+        "nothing marked written"
+    );
+    assert_eq!(ring.view(0, 0).err(), Some(KvError::NotInHostMemory));
+    for layer in 0..LAYERS {
+        ring.mark_layer_written(layer).unwrap();
+    }
+    ring.commit().unwrap();
+    assert_eq!((ring.len(), ring.next_pos()), (1, 1));
 }
