@@ -10,9 +10,11 @@
 //!
 //! Each executor names the [`KvStorage`] its sequences' rings keep their elements in
 //! ([`Executor::Kv`]); the engine allocates the rings from a [`kv_ring::KvPool`] of that storage
-//! ([`Executor::kv_allocator`]). Every executor takes host rings ([`HostKv`](kv_ring::HostKv)) today; the CUDA
-//! module has the device storage ([`cuda::DeviceKv`], feature `cuda`) that its executor will
-//! name once its attention reads rings in place.
+//! ([`Executor::kv_allocator`]). The CPU and streaming executors take host rings
+//! ([`HostKv`](kv_ring::HostKv)), whose views the CPU attention reads as slices; the CUDA
+//! executor takes device rings ([`cuda::DeviceKv`], feature `cuda`), written and read in place
+//! by its kernels; [`HostedExecutor`] (either, chosen at run time) takes [`HostedKv`], an enum
+//! of the two whose variant its pool's allocator picks.
 
 mod cpu;
 #[cfg(feature = "cuda")]
@@ -24,7 +26,7 @@ mod streaming;
 pub use cpu::CpuExecutor;
 #[cfg(feature = "cuda")]
 pub use cuda::{CudaError, CudaExecutor, CudaOptions, DeviceStats};
-pub use hosted::HostedExecutor;
+pub use hosted::{HostedExecutor, HostedKv, HostedKvAllocator};
 pub use plan::{
     LayerPlan, LayerWeights, Placed, Placement, PlanError, PlanOptions, StreamPlan, WeightSpan,
 };
@@ -40,8 +42,9 @@ use crate::threadpool::ThreadPool;
 /// Runs a model's forward pass for the engine. Implementations are shared between the engine's
 /// handle and its worker thread, hence `Send + Sync`.
 pub trait Executor: Send + Sync + 'static {
-    /// Where the sequences' KV rings keep their elements: [`HostKv`](kv_ring::HostKv) for an executor whose
-    /// attention reads host views, a device buffer type for one that keeps KV on its device.
+    /// Where the sequences' KV rings keep their elements: [`HostKv`](kv_ring::HostKv) for an
+    /// executor whose attention reads host views, a device buffer type for one that keeps KV
+    /// on its device.
     type Kv: KvStorage;
 
     /// The allocator the engine's KV pool passes to every buffer of [`Kv`](Self::Kv) (`()` for
