@@ -16,10 +16,10 @@ use crate::{KvError, KvShape, RingMode};
 ///
 /// # Allocation design
 ///
-/// Each ring owns one contiguous buffer of exactly `capacity * shape.bytes_per_token()` bytes,
-/// allocated whole by [`alloc`](Self::alloc), so appending and viewing never allocate.
-/// Budget accounting is exact: [`used_bytes`](Self::used_bytes) is the sum of live rings'
-/// buffer sizes (small fixed per-ring metadata, about a hundred bytes plus one flag per layer,
+/// Each ring owns one storage of exactly `capacity * shape.bytes_per_token()` bytes (for
+/// [`HostKv`], one contiguous host buffer), allocated whole by [`alloc`](Self::alloc), so
+/// appending and viewing never allocate. Budget accounting is exact:
+/// [`used_bytes`](Self::used_bytes) is the sum of live rings' storage sizes (small fixed per-ring metadata, about a hundred bytes plus one flag per layer,
 /// is not counted).
 ///
 /// - **Recycling.** A dropped ring's buffer goes to a free list keyed by size; the next `alloc` of
@@ -29,10 +29,11 @@ use crate::{KvError, KvShape, RingMode};
 ///   an `alloc` that needs a fresh buffer first releases cached ones (largest first).
 ///   [`trim`](Self::trim) releases them all; [`set_recycling`](Self::set_recycling)`(false)`
 ///   turns the free list off.
-/// - **Fresh buffers** come from `alloc_zeroed` (`calloc`; large sizes are lazily mapped zero
-///   pages), so their cost does not grow with capacity; pages are faulted in on first write.
-///   The budget is the guard against OOM: the allocation itself, like any Rust allocation,
-///   aborts if the OS refuses.
+/// - **Fresh buffers** come from [`KvStorage::zeroed`]. For [`HostKv`] that is `alloc_zeroed`
+///   (`calloc`; large sizes are lazily mapped zero pages), so their cost does not grow with
+///   capacity; pages are faulted in on first write. The budget is the guard against OOM: the
+///   host allocation itself, like any Rust allocation, aborts if the OS refuses; a storage
+///   whose backend refuses (device memory) returns [`KvError::StorageFailed`].
 ///
 /// Shared pages between rings were rejected: a (layer, head) view must stay at most two
 /// contiguous slices, which per-ring contiguous storage gives for free (see [`KvRing::fork`]).
@@ -319,7 +320,9 @@ impl<S: KvStorage> KvPool<S> {
     ///
     /// O(1): reuses a cached buffer of the same size when there is one, else one zeroed
     /// allocation (see the type docs). Errors: [`KvError::ZeroCapacity`],
-    /// [`KvError::SinksTooLarge`], [`KvError::CapacityOverflow`], [`KvError::OverBudget`].
+    /// [`KvError::WindowedNotStrict`], [`KvError::SinksTooLarge`],
+    /// [`KvError::CapacityOverflow`], [`KvError::OverBudget`], [`KvError::StorageFailed`] (the
+    /// storage's backend refused; nothing is reserved).
     pub fn alloc(
         self: &Arc<Self>,
         capacity_tokens: usize,

@@ -449,13 +449,17 @@ impl<S: KvStorage> KvRing<S> {
     ///
     /// This is how an engine reserves KV by what a sequence uses: start at prompt + a chunk and
     /// grow by a chunk when the sequence reaches it (once per chunk, never per step). The cost is
-    /// one reallocation of the buffer (`realloc`: the old contents are moved, usually without a
-    /// copy for large buffers) plus one `memmove` per (layer, head, K/V) block to re-space the
-    /// blocks. A sliding ring whose contents wrap keeps them wrapped: the run at the end of each
-    /// block moves to the new end, so views stay at most two slices.
+    /// the storage's [`grow_blocks`](KvStorage::grow_blocks) (for [`HostKv`]: one `realloc`,
+    /// the old contents moved, usually without a copy for large buffers, plus one `memmove` per
+    /// (layer, head, K/V) block to re-space the blocks). A sliding ring whose contents wrap keeps
+    /// them wrapped: the run at the end of each block moves to the new end, so views stay at
+    /// most two slices. A ring with window layers is copied into a new storage instead.
     ///
     /// Errors (the ring is unchanged): [`KvError::ChunkPending`] (grow between chunks only),
-    /// [`KvError::CapacityOverflow`], [`KvError::OverBudget`] (`requested` is the extra bytes).
+    /// [`KvError::CapacityOverflow`], [`KvError::OverBudget`] (`requested` is the extra bytes),
+    /// [`KvError::StorageFailed`] from the storage's allocation. A storage copy that fails
+    /// after the allocation (a device error; [`HostKv`] never fails) leaves the capacity and
+    /// budget consistent but the cached rows unspecified: reset or drop the ring.
     ///
     /// ```
     /// use kv_ring::{KvDtype, KvPool, KvShape, RingMode};

@@ -62,7 +62,8 @@ use prefix::PrefixCache;
 #[non_exhaustive]
 #[derive(Clone, Debug)]
 pub struct EngineConfig {
-    /// KV pool budget in bytes.
+    /// KV pool budget in bytes (of the executor's KV storage: host memory for the CPU, device
+    /// memory for the CUDA executor).
     pub kv_budget_bytes: usize,
     /// KV element type.
     pub kv_dtype: KvDtype,
