@@ -12,7 +12,11 @@ use gpu_pipeline::{LogitsWanted, Model, ModelOptions, SeqStep};
 use kv_ring::{KvDtype, KvPool, RingMode};
 
 /// Decode tok/s over `steps` steps of `batch` sequences (after a 16-token prefill each).
-fn decode_tok_s(exec: &impl Executor, batch: usize, steps: usize) -> anyhow::Result<f64> {
+fn decode_tok_s(
+    exec: &impl Executor<Kv = kv_ring::HostKv>,
+    batch: usize,
+    steps: usize,
+) -> anyhow::Result<f64> {
     let shape = exec.kv_shape(KvDtype::F16);
     let cap = 16 + steps;
     let pool = KvPool::new(shape, batch * cap * shape.bytes_per_token())?;

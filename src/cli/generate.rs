@@ -14,6 +14,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::bail;
+use gpu_pipeline::executor::Executor;
 use gpu_pipeline::{GenerateOptions, LogitsWanted, Model, SamplingParams, SeqStep};
 use kv_ring::{KvDtype, KvPool, KvRing, RingMode};
 use serde_json::json;
@@ -240,7 +241,7 @@ pub(crate) fn executor_choice(
 fn cuda_executor(
     model: &Arc<Model>,
     budget: Option<u64>,
-) -> anyhow::Result<Box<dyn gpu_pipeline::executor::Executor>> {
+) -> anyhow::Result<gpu_pipeline::executor::HostedExecutor> {
     let mut opts = gpu_pipeline::executor::CudaOptions::default();
     opts.budget = budget;
     let exec = gpu_pipeline::executor::CudaExecutor::new(model.clone(), opts)
@@ -250,14 +251,14 @@ fn cuda_executor(
         "cuda: {} ({}), {} of {} weight bytes on the device, {} streamed per step",
         st.device, st.arch, st.weight_device_bytes, st.weight_bytes, st.streamed_bytes_per_step
     );
-    Ok(Box::new(exec))
+    Ok(exec.into())
 }
 
 #[cfg(not(feature = "cuda"))]
 fn cuda_executor(
     _model: &Arc<Model>,
     _budget: Option<u64>,
-) -> anyhow::Result<Box<dyn gpu_pipeline::executor::Executor>> {
+) -> anyhow::Result<gpu_pipeline::executor::HostedExecutor> {
     bail!("--executor cuda: this zerolayer was built without the `cuda` feature")
 }
 
@@ -380,7 +381,6 @@ fn generate(a: &Args, loaded: LoadedModel, prompt: &[u32]) -> anyhow::Result<()>
     let cap = (prompt.len() + a.max_tokens)
         .min(model.config().context_length)
         .max(prompt.len() + 1);
-    let mut kv = new_ring(&model, cap, KvDtype::F16)?;
     let stream = !a.json;
     let mut pending = Vec::new();
     let mut out = std::io::stdout();
@@ -398,9 +398,16 @@ fn generate(a: &Args, loaded: LoadedModel, prompt: &[u32]) -> anyhow::Result<()>
         }
     };
     let g = match &device {
-        None => model.generate(&mut kv, prompt, &opts, Some(tok), &mut on_token)?,
+        None => {
+            let mut kv = new_ring(&model, cap, KvDtype::F16)?;
+            model.generate(&mut kv, prompt, &opts, Some(tok), &mut on_token)?
+        }
         Some(exec) => {
-            gpu_pipeline::generate_with(&**exec, &mut kv, prompt, &opts, Some(tok), &mut on_token)?
+            // The executor's own storage (device memory for CUDA).
+            let shape = exec.kv_shape(KvDtype::F16);
+            let pool = KvPool::new_in(shape, cap * shape.bytes_per_token(), exec.kv_allocator())?;
+            let mut kv = pool.alloc(cap, RingMode::Strict)?;
+            gpu_pipeline::generate_with(exec, &mut kv, prompt, &opts, Some(tok), &mut on_token)?
         }
     };
     if a.json {

@@ -68,10 +68,10 @@ fn ids(n: usize, vocab: usize, seed: usize) -> Vec<u32> {
 }
 
 /// (prefill tok/s of a 512-token prompt, decode tok/s of one sequence over 64 steps).
-fn single(exec: &impl Executor) -> (f64, f64) {
+fn single<E: Executor>(exec: &E) -> (f64, f64) {
     let vocab = exec.config().vocab_size;
     let shape = exec.kv_shape(KvDtype::F16);
-    let pool = KvPool::new(shape, 640 * shape.bytes_per_token()).unwrap();
+    let pool = KvPool::new_in(shape, 640 * shape.bytes_per_token(), exec.kv_allocator()).unwrap();
     let prompt = ids(512, vocab, 1);
     let mut out = Vec::new();
     let prefill = rate(3, prompt.len(), || {
@@ -105,17 +105,18 @@ fn single(exec: &impl Executor) -> (f64, f64) {
 }
 
 /// Decode tok/s of 100 sequences stepping together (16-token prompts, 32 steps).
-fn concurrent(exec: &impl Executor) -> f64 {
+fn concurrent<E: Executor>(exec: &E) -> f64 {
     const N: usize = 100;
     let vocab = exec.config().vocab_size;
     let shape = exec.kv_shape(KvDtype::F16);
-    let pool = KvPool::new(shape, N * 64 * shape.bytes_per_token()).unwrap();
+    let pool =
+        KvPool::new_in(shape, N * 64 * shape.bytes_per_token(), exec.kv_allocator()).unwrap();
     let mut rings: Vec<_> = (0..N)
         .map(|_| pool.alloc(64, RingMode::Strict).unwrap())
         .collect();
     let prompts: Vec<Vec<u32>> = (0..N).map(|s| ids(16, vocab, s)).collect();
     let mut out = Vec::new();
-    let mut steps: Vec<SeqStep<'_>> = rings
+    let mut steps: Vec<SeqStep<'_, E::Kv>> = rings
         .iter_mut()
         .zip(&prompts)
         .map(|(kv, p)| SeqStep {
@@ -131,7 +132,7 @@ fn concurrent(exec: &impl Executor) -> f64 {
         .collect();
     let t0 = Instant::now();
     for _ in 0..32 {
-        let mut steps: Vec<SeqStep<'_>> = rings
+        let mut steps: Vec<SeqStep<'_, E::Kv>> = rings
             .iter_mut()
             .zip(&toks)
             .map(|(kv, t)| SeqStep {

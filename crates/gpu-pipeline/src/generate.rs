@@ -2,7 +2,7 @@
 
 use std::time::{Duration, Instant};
 
-use kv_ring::KvRing;
+use kv_ring::{KvRing, KvStorage};
 use token_stream::Tokenizer;
 
 use crate::executor::Executor;
@@ -141,7 +141,7 @@ impl Model {
 /// stop rules.
 pub fn generate_with<E: Executor + ?Sized>(
     exec: &E,
-    kv: &mut KvRing,
+    kv: &mut KvRing<E::Kv>,
     prompt: &[u32],
     opts: &GenerateOptions,
     tokenizer: Option<&Tokenizer>,
@@ -159,14 +159,15 @@ pub fn generate_with<E: Executor + ?Sized>(
 }
 
 /// A forward pass over a batch of steps.
-type ForwardFn<'a> = dyn Fn(&mut [SeqStep<'_>], &mut Vec<f32>) -> Result<(), ForwardError> + 'a;
+type ForwardFn<'a, S> =
+    dyn Fn(&mut [SeqStep<'_, S>], &mut Vec<f32>) -> Result<(), ForwardError> + 'a;
 
 /// The generation loop over `forward`; `default_stops` gives the stop tokens when `opts` has
 /// none.
-fn run(
-    forward: &ForwardFn<'_>,
+fn run<S: KvStorage>(
+    forward: &ForwardFn<'_, S>,
     default_stops: &dyn Fn(Option<&Tokenizer>) -> Vec<u32>,
-    kv: &mut KvRing,
+    kv: &mut KvRing<S>,
     prompt: &[u32],
     opts: &GenerateOptions,
     tokenizer: Option<&Tokenizer>,

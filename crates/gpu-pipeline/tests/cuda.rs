@@ -8,7 +8,10 @@
 //! With a GPU (`ZEROLAYER_REQUIRE_GPU=1`, set by `scripts/gpu-check`; SKIPPED otherwise): the
 //! CUDA logits against the CPU executor's on the default model (top-1 equal wherever the CPU's
 //! top-1/top-2 gap exceeds 0.5, perplexity within 1%), a batched prefill + decode, and the
-//! streamed runs at smaller device budgets bit-identical to the resident CUDA run.
+//! streamed runs at smaller device budgets bit-identical to the resident CUDA run; KV rings in
+//! device memory (`DeviceKv`) holding what host rings hold through eviction, growth and forks,
+//! and the executor's logits over such rings (`kv_scatter` writing them, `attention_ring`
+//! reading them in place) matching the CPU's across ring wraps, sinks and window layers.
 #![cfg(feature = "cuda")]
 
 mod common;
@@ -18,10 +21,11 @@ mod synthetic;
 use std::sync::{Arc, OnceLock};
 
 use common::{argmax, ids_of, nll_second_half};
-use gpu_pipeline::executor::cuda::{self, CudaError, kernels};
-use gpu_pipeline::executor::{CpuExecutor, CudaExecutor, CudaOptions, Executor};
+use cudarc::driver::CudaContext;
+use gpu_pipeline::executor::cuda::{self, CudaError, DeviceKv, kernels};
+use gpu_pipeline::executor::{CpuExecutor, CudaExecutor, CudaOptions, Executor, HostedExecutor};
 use gpu_pipeline::{LogitsWanted, Model, ModelOptions, SeqStep};
-use kv_ring::{KvDtype, KvPool, RingMode};
+use kv_ring::{KvDtype, KvPool, KvRing, KvShape, KvTensor, RingMode};
 use serde_json::Value;
 use weight_cache::Gguf;
 
@@ -153,10 +157,29 @@ fn fixture(name: &str) -> Value {
     serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap()
 }
 
+/// A pool of `exec`'s ring storage for `tokens` positions of `dtype` (the engine's way: the
+/// executor's allocator and windows, chunks of up to 32 tokens).
+fn pool_of<E: Executor>(exec: &E, dtype: KvDtype, tokens: usize) -> Arc<KvPool<E::Kv>> {
+    let shape = exec.kv_shape(dtype);
+    KvPool::with_layer_windows_in(
+        shape,
+        tokens * shape.bytes_per_token(),
+        exec.kv_windows(),
+        32,
+        exec.kv_allocator(),
+    )
+    .unwrap()
+}
+
 /// Logits of every position of `ids` (one sequence, fresh f16 ring).
-fn all_logits(exec: &impl Executor, ids: &[u32]) -> Vec<f32> {
+fn all_logits<E: Executor>(exec: &E, ids: &[u32]) -> Vec<f32> {
     let shape = exec.kv_shape(KvDtype::F16);
-    let pool = KvPool::new(shape, ids.len() * shape.bytes_per_token()).unwrap();
+    let pool = KvPool::new_in(
+        shape,
+        ids.len() * shape.bytes_per_token(),
+        exec.kv_allocator(),
+    )
+    .unwrap();
     let mut kv = pool.alloc(ids.len(), RingMode::Strict).unwrap();
     let mut out = Vec::new();
     exec.forward(
@@ -233,10 +256,9 @@ fn cuda_logits_match_the_cpu_executor_on_the_default_model() {
 }
 
 /// A 20-token and a 7-token prefill in one step, then 3 decode steps of both.
-fn batch_logits(exec: &impl Executor) -> Vec<f32> {
+fn batch_logits<E: Executor>(exec: &E) -> Vec<f32> {
     let vocab = exec.config().vocab_size as u32;
-    let shape = exec.kv_shape(KvDtype::F16);
-    let pool = KvPool::new(shape, 2 * 64 * shape.bytes_per_token()).unwrap();
+    let pool = pool_of(exec, KvDtype::F16, 2 * 64);
     let mut a = pool.alloc(64, RingMode::Strict).unwrap();
     let mut b = pool.alloc(64, RingMode::Strict).unwrap();
     let ids: Vec<u32> = (0..27u32).map(|i| (i * 977 + 13) % vocab).collect();
@@ -441,4 +463,365 @@ fn the_synthetic_models_of_every_format_run_on_the_cpu() {
         let (checked, _, _) = compare(&logits, &logits, dims.vocab);
         assert!(checked > 0, "{fmt:?}: no row with a clear top-1");
     }
+}
+
+/// Every (layer, head, K then V) of `ring` in view order, read back from the device through the
+/// ring's slots, as f32.
+fn device_views(ring: &KvRing<DeviceKv>) -> Vec<Vec<f32>> {
+    let stream = ring.pool().allocator();
+    let bytes: Vec<u8> = stream
+        .clone_dtoh(ring.storage().buffer().expect("live ring"))
+        .unwrap();
+    let all: Vec<f32> = match ring.storage().dtype() {
+        KvDtype::F32 => bytes
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+            .collect(),
+        _ => bytes
+            .chunks_exact(2)
+            .map(|b| half::f16::from_le_bytes(b.try_into().unwrap()).to_f32())
+            .collect(),
+    };
+    let shape = ring.pool().shape();
+    let hd = shape.head_dim;
+    let mut out = Vec::new();
+    for layer in 0..shape.n_layers {
+        let slots = ring.layer_slots(layer).unwrap();
+        for head in 0..shape.n_kv_heads {
+            for tensor in [KvTensor::K, KvTensor::V] {
+                let base = ring
+                    .storage()
+                    .block_offset(ring.block_index(layer, head, tensor));
+                out.push(
+                    (0..slots.rows)
+                        .flat_map(|i| &all[base + slots.slot(i) * hd..][..hd])
+                        .copied()
+                        .collect(),
+                );
+            }
+        }
+    }
+    out
+}
+
+fn host_views(ring: &KvRing) -> Vec<Vec<f32>> {
+    let shape = ring.pool().shape();
+    let mut out = Vec::new();
+    for layer in 0..shape.n_layers {
+        for head in 0..shape.n_kv_heads {
+            let view = ring.view(layer, head).unwrap();
+            out.push(view.keys.to_f32_vec());
+            out.push(view.values.to_f32_vec());
+        }
+    }
+    out
+}
+
+/// Writes the pending rows `k`/`v` (`[n][kv heads][head_dim]`) of `layer` into a device ring
+/// from the host, row by row at the slots the ring names (what `kv_scatter` does on the
+/// device), and marks the layer written.
+fn write_device_layer(ring: &mut KvRing<DeviceKv>, layer: usize, k: &[f32], v: &[f32]) {
+    let shape = ring.pool().shape();
+    let (heads, hd) = (shape.n_kv_heads, shape.head_dim);
+    let slots = ring.layer_slots(layer).unwrap();
+    let stream = Arc::clone(ring.pool().allocator());
+    let elem = shape.dtype.elem_bytes();
+    for (tensor, src) in [(KvTensor::K, k), (KvTensor::V, v)] {
+        for head in 0..heads {
+            let base = ring
+                .storage()
+                .block_offset(ring.block_index(layer, head, tensor));
+            for i in 0..slots.pending {
+                let row = &src[(i * heads + head) * hd..][..hd];
+                let bytes: Vec<u8> = match shape.dtype {
+                    KvDtype::F32 => row.iter().flat_map(|x| x.to_le_bytes()).collect(),
+                    _ => row
+                        .iter()
+                        .flat_map(|x| half::f16::from_f32(*x).to_le_bytes())
+                        .collect(),
+                };
+                let at = (base + slots.slot(slots.committed + i) * hd) * elem;
+                let buf = ring.storage_mut().buffer_mut().expect("live ring");
+                stream
+                    .memcpy_htod(&bytes, &mut buf.slice_mut(at..at + bytes.len()))
+                    .unwrap();
+            }
+        }
+    }
+    ring.mark_layer_written(layer).unwrap();
+}
+
+/// The storage contract on the device: a `DeviceKv` ring (rows written at the ring's slots)
+/// holds what a host ring holds through sliding eviction (the sinks moved on the device),
+/// growth of a wrapped ring and forks, in f32 and f16.
+#[test]
+fn a_device_kv_ring_holds_what_the_host_ring_holds_through_eviction_growth_and_forks() {
+    if !gpu() {
+        return;
+    }
+    let ctx = CudaContext::new(0).unwrap();
+    let stream = ctx.default_stream();
+    for dtype in [KvDtype::F32, KvDtype::F16] {
+        let shape = KvShape::new(3, 2, 8, dtype);
+        let host_pool = KvPool::new(shape, 1 << 20).unwrap();
+        let dev_pool = KvPool::<DeviceKv>::new_in(shape, 1 << 20, Arc::clone(&stream)).unwrap();
+        let mode = RingMode::Sliding { sinks: 2 };
+        let (mut host, mut dev) = (
+            host_pool.alloc(7, mode).unwrap(),
+            dev_pool.alloc(7, mode).unwrap(),
+        );
+        assert_eq!(dev.allocated_bytes(), host.allocated_bytes());
+        let row = shape.n_kv_heads * shape.head_dim;
+        // Chunk sizes; 0 grows both rings by 5 positions (a wrapped sliding ring by then).
+        for (step, n) in [3, 2, 4, 1, 0, 5, 1, 3, 2].into_iter().enumerate() {
+            if n == 0 {
+                host.grow(host.capacity() + 5).unwrap();
+                dev.grow(dev.capacity() + 5).unwrap();
+                assert_eq!(dev_pool.used_bytes(), host_pool.used_bytes());
+            } else {
+                host.begin(n).unwrap();
+                dev.begin(n).unwrap();
+                let pos = host.next_pos() as usize;
+                for layer in 0..shape.n_layers {
+                    // Small integers: exact in f16 too.
+                    let k: Vec<f32> = (0..n * row)
+                        .map(|i| ((layer * 97 + pos * 13 + i) % 1000) as f32)
+                        .collect();
+                    let v: Vec<f32> = k.iter().map(|x| -x).collect();
+                    host.write_layer(layer, &k, &v).unwrap();
+                    write_device_layer(&mut dev, layer, &k, &v);
+                }
+                host.commit().unwrap();
+                dev.commit().unwrap();
+            }
+            assert_eq!((dev.len(), dev.next_pos()), (host.len(), host.next_pos()));
+            assert_eq!(
+                device_views(&dev),
+                host_views(&host),
+                "{dtype:?} step {step}"
+            );
+        }
+        assert!(host.evicted() > 0, "the sinks moved");
+        let (host_fork, dev_fork) = (host.fork(2).unwrap(), dev.fork(2).unwrap());
+        assert_eq!(device_views(&dev_fork), host_views(&host_fork));
+    }
+}
+
+/// Deterministic token ids below `vocab`.
+fn tokens(n: usize, seed: u32, vocab: u32) -> Vec<u32> {
+    (0..n as u32)
+        .map(|i| (i * 977 + seed * 131 + 13) % vocab)
+        .collect()
+}
+
+/// A long run through the engine's kind of pool: sequence `a` is prefilled in chunks of 16
+/// up to 64 tokens, grown, forked into `b` (its first 4 positions); then one batch of `a`'s
+/// last 16-token chunk and `b`'s first decode token, and 30 decode steps of both. A model without window layers runs sliding rings of 24 positions with 4 sinks
+/// (evicting and wrapping from the second chunk on); a model with window layers (48) runs
+/// strict rings whose window layers keep their last 79 rows (48 - 1 + the pool's chunk of
+/// 32), so those wrap during the decode while the window masks keys from position 48 on.
+/// Returns every logits row.
+fn wrapping_run<E: Executor>(exec: &E, dtype: KvDtype) -> Vec<f32> {
+    let vocab = exec.config().vocab_size as u32;
+    let pool = pool_of(exec, dtype, 1024);
+    let windowed = pool.max_chunk().is_some();
+    let (mode, cap, grown) = if windowed {
+        (RingMode::Strict, 100, 140)
+    } else {
+        (RingMode::Sliding { sinks: 4 }, 24, 32)
+    };
+    let mut a = pool.alloc(cap, mode).unwrap();
+    let (mut all, mut out) = (Vec::new(), Vec::new());
+    for c in 0..4 {
+        let chunk = tokens(16, c, vocab);
+        exec.forward(
+            &mut [SeqStep {
+                tokens: &chunk,
+                kv: &mut a,
+                logits: LogitsWanted::All,
+            }],
+            &mut out,
+        )
+        .unwrap();
+        all.extend_from_slice(&out);
+    }
+    a.grow(grown).unwrap();
+    let mut b = a.fork(4).unwrap();
+    // A prefill chunk and a decode token in one batch.
+    let (chunk, first) = (tokens(16, 4, vocab), [7 % vocab]);
+    exec.forward(
+        &mut [
+            SeqStep {
+                tokens: &chunk,
+                kv: &mut a,
+                logits: LogitsWanted::All,
+            },
+            SeqStep {
+                tokens: &first,
+                kv: &mut b,
+                logits: LogitsWanted::Last,
+            },
+        ],
+        &mut out,
+    )
+    .unwrap();
+    all.extend_from_slice(&out);
+    for t in 0..30u32 {
+        let (ta, tb) = ([(t * 31 + 5) % vocab], [(t * 71 + 9) % vocab]);
+        exec.forward(
+            &mut [
+                SeqStep {
+                    tokens: &ta,
+                    kv: &mut a,
+                    logits: LogitsWanted::Last,
+                },
+                SeqStep {
+                    tokens: &tb,
+                    kv: &mut b,
+                    logits: LogitsWanted::Last,
+                },
+            ],
+            &mut out,
+        )
+        .unwrap();
+        all.extend_from_slice(&out);
+    }
+    if windowed {
+        let layers = exec.kv_shape(dtype).n_layers;
+        assert!(
+            (0..layers).any(|l| a.layer_len(l) < a.len()),
+            "the window layers dropped rows"
+        );
+    } else {
+        assert!(a.evicted() > 0 && b.evicted() > 0, "both rings wrapped");
+    }
+    all
+}
+
+/// The synthetic llama of the ring-wrap tests, as is and with a window of 48 on every other
+/// layer (Mistral's kind of window; the window families gemma2/3 are not covered by the CUDA
+/// kernels).
+fn wrap_models() -> Vec<(&'static str, Arc<Model>)> {
+    let dims = synthetic::Dims {
+        n_embd: 64,
+        n_ff: 128,
+        n_layers: 4,
+        n_heads: 4,
+        n_kv_heads: 2,
+        head_dim: 16,
+        vocab: 96,
+        ctx: 256,
+    };
+    let windows = [
+        ("llama.attention.sliding_window", synthetic::Meta::U32(48)),
+        (
+            "llama.attention.sliding_window_pattern",
+            synthetic::Meta::U32(2),
+        ),
+    ];
+    [("llama", &[][..]), ("llama with windows", &windows[..])]
+        .into_iter()
+        .map(|(name, set)| {
+            let gguf = synthetic::build_with("llama", dims, 5, &[], set).build();
+            let gguf = Arc::new(Gguf::from_bytes(gguf).unwrap());
+            let model = Model::load(gguf, ModelOptions::default().with_threads(2)).unwrap();
+            let n_windows = model.kv_windows().iter().filter(|w| w.is_some()).count();
+            assert_eq!(n_windows, if set.is_empty() { 0 } else { 2 }, "{name}");
+            (name, Arc::new(model))
+        })
+        .collect()
+}
+
+/// The ring-wrap runs work on the CPU (so a GPU run fails only on the GPU's side), and the
+/// run-time choice's CPU arm (`HostedExecutor`, rings of `HostedKv` in host memory) gives the
+/// CPU executor's logits bit for bit.
+#[test]
+fn the_wrapping_runs_wrap_on_the_cpu_and_the_hosted_cpu_arm_is_the_cpu_executor() {
+    for (name, model) in wrap_models() {
+        let cpu = CpuExecutor::new(model.clone());
+        let want = wrapping_run(&cpu, KvDtype::F16);
+        let got = wrapping_run(&HostedExecutor::from(cpu), KvDtype::F16);
+        assert!(
+            want.iter()
+                .zip(&got)
+                .all(|(a, b)| a.to_bits() == b.to_bits()),
+            "{name}"
+        );
+    }
+}
+
+/// The executor's own rings (`DeviceKv`: new rows written by `kv_scatter`, attention reading
+/// the rings in place) across ring wraps, sink moves, growth, forks and window layers, in f16
+/// and f32: the CUDA logits match the CPU executor's over host rings (top-1 where the gap >
+/// 0.5), and the run-time choice (`HostedExecutor`, rings of `HostedKv`) gives the CUDA
+/// executor's logits bit for bit.
+#[test]
+fn device_rings_match_the_cpu_across_wraps_sinks_growth_forks_and_windows() {
+    if !gpu() {
+        return;
+    }
+    for (name, model) in wrap_models() {
+        let vocab = model.config().vocab_size;
+        let gpu = CudaExecutor::new(model.clone(), options(None)).unwrap_or_else(|e| panic!("{e}"));
+        let cpu = CpuExecutor::new(model);
+        for dtype in [KvDtype::F16, KvDtype::F32] {
+            let want = wrapping_run(&cpu, dtype);
+            let got = wrapping_run(&gpu, dtype);
+            let (checked, agree, max_diff) = compare(&want, &got, vocab);
+            eprintln!("{name} {dtype:?}: top-1 {agree}/{checked}, max |logit diff| {max_diff}");
+            assert!(checked > 0, "{name}: no row with a clear top-1");
+            assert_eq!(
+                agree, checked,
+                "{name} {dtype:?}: top-1 differs from the CPU's"
+            );
+        }
+        let hosted = HostedExecutor::from(gpu);
+        let via_enum = wrapping_run(&hosted, KvDtype::F16);
+        let HostedExecutor::Cuda(gpu) = hosted else {
+            unreachable!("built from a CUDA executor")
+        };
+        let direct = wrapping_run(&*gpu, KvDtype::F16);
+        assert!(
+            direct
+                .iter()
+                .zip(&via_enum)
+                .all(|(a, b)| a.to_bits() == b.to_bits()),
+            "{name}: HostedExecutor's CUDA arm differs from the CUDA executor"
+        );
+    }
+}
+
+/// A ring from another kind of pool is a typed error, not a panic or a wild address: host
+/// rings on the CUDA executor.
+#[test]
+fn the_cuda_executor_refuses_rings_not_in_its_device_memory() {
+    if !gpu() {
+        return;
+    }
+    let gpu = CudaExecutor::new(format_model(weight_cache::GgmlType::Q8_0), options(None))
+        .unwrap_or_else(|e| panic!("{e}"));
+    let hosted = HostedExecutor::from(gpu);
+    let shape = hosted.kv_shape(KvDtype::F16);
+    let host_pool = KvPool::<gpu_pipeline::executor::HostedKv>::new_in(
+        shape,
+        64 * shape.bytes_per_token(),
+        gpu_pipeline::executor::HostedKvAllocator::Host,
+    )
+    .unwrap();
+    let mut ring = host_pool.alloc(16, RingMode::Strict).unwrap();
+    let err = hosted
+        .forward(
+            &mut [SeqStep {
+                tokens: &[1, 2, 3],
+                kv: &mut ring,
+                logits: LogitsWanted::Last,
+            }],
+            &mut Vec::new(),
+        )
+        .unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("not in this executor's device memory"),
+        "{err}"
+    );
 }

@@ -30,7 +30,7 @@ fn default_gguf() -> Arc<Gguf> {
 
 /// All logits of a two-sequence batch: a 20-token and a 7-token prefill in one step (every
 /// row of the first, the last row of the second), then 3 decode steps of both.
-fn batch_logits(exec: &impl Executor) -> Vec<f32> {
+fn batch_logits(exec: &impl Executor<Kv = kv_ring::HostKv>) -> Vec<f32> {
     let vocab = exec.config().vocab_size as u32;
     let shape = exec.kv_shape(KvDtype::F16);
     let pool = KvPool::new(shape, 2 * 64 * shape.bytes_per_token()).unwrap();

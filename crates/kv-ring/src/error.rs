@@ -173,4 +173,38 @@ pub enum KvError {
         /// Capacity of the new ring.
         capacity: usize,
     },
+    /// A [`KvStorage`](crate::KvStorage) backend (a device buffer) failed to allocate or copy;
+    /// host storage never does.
+    #[error("KV storage {op:?} of {bytes} B failed: {reason}")]
+    StorageFailed {
+        /// What the storage was doing.
+        op: StorageOp,
+        /// Bytes involved (allocated, or copied).
+        bytes: usize,
+        /// The backend's own error, as it displays itself (its types are not this crate's).
+        reason: String,
+    },
+    /// [`KvRing::write_layer`](crate::KvRing::write_layer) or
+    /// [`KvRing::view`](crate::KvRing::view) on a ring whose storage keeps its elements on a
+    /// device ([`HostKvStorage::block`](crate::HostKvStorage::block) is `None`): such a ring
+    /// is written and read by its storage's owner, at
+    /// [`KvRing::layer_slots`](crate::KvRing::layer_slots).
+    #[error("the KV ring's elements are not in host memory (a device ring)")]
+    NotInHostMemory,
+}
+
+/// The [`KvStorage`](crate::KvStorage) operation a [`KvError::StorageFailed`] is about.
+#[non_exhaustive]
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
+pub enum StorageOp {
+    /// [`KvStorage::zeroed`](crate::KvStorage::zeroed).
+    Alloc,
+    /// [`KvStorage::grow_blocks`](crate::KvStorage::grow_blocks).
+    Grow,
+    /// [`KvStorage::copy_within`](crate::KvStorage::copy_within) or
+    /// [`KvStorage::copy_from`](crate::KvStorage::copy_from).
+    Copy,
+    /// The storage's owner writing a layer's new rows at
+    /// [`KvRing::layer_slots`](crate::KvRing::layer_slots) (a device scatter kernel).
+    Write,
 }

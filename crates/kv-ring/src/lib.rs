@@ -56,9 +56,11 @@ mod shape;
 mod storage;
 mod view;
 
-pub use error::{KvError, KvTensor};
+pub use error::{KvError, KvTensor, StorageOp};
 pub use half;
 pub use pool::{KvPool, PoolStats};
 pub use ring::KvRing;
+pub use ring::LayerSlots;
 pub use shape::{KvDtype, KvShape, RingMode};
+pub use storage::{HostKv, HostKvStorage, KvBlock, KvBlockMut, KvStorage};
 pub use view::{KvSlices, KvView};

@@ -5,19 +5,21 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use crate::ring::KvRing;
-use crate::storage::Storage;
+use crate::storage::{HostKv, KvStorage};
 use crate::{KvError, KvShape, RingMode};
 
-/// A memory budget for the KV caches of many streams, sharing one [`KvShape`].
+/// A memory budget for the KV caches of many streams, sharing one [`KvShape`], whose rings keep
+/// their elements in a [`KvStorage`] `S` (host memory, [`HostKv`], by default; a device buffer
+/// type for an executor that keeps KV on its device: [`new_in`](Self::new_in)).
 ///
 /// `KvPool` is `Send + Sync`; share it as `Arc<KvPool>` (what [`KvPool::new`] returns).
 ///
 /// # Allocation design
 ///
-/// Each ring owns one contiguous buffer of exactly `capacity * shape.bytes_per_token()` bytes,
-/// allocated whole by [`alloc`](Self::alloc), so appending and viewing never allocate.
-/// Budget accounting is exact: [`used_bytes`](Self::used_bytes) is the sum of live rings'
-/// buffer sizes (small fixed per-ring metadata, about a hundred bytes plus one flag per layer,
+/// Each ring owns one storage of exactly `capacity * shape.bytes_per_token()` bytes (for
+/// [`HostKv`], one contiguous host buffer), allocated whole by [`alloc`](Self::alloc), so
+/// appending and viewing never allocate. Budget accounting is exact:
+/// [`used_bytes`](Self::used_bytes) is the sum of live rings' storage sizes (small fixed per-ring metadata, about a hundred bytes plus one flag per layer,
 /// is not counted).
 ///
 /// - **Recycling.** A dropped ring's buffer goes to a free list keyed by size; the next `alloc` of
@@ -27,21 +29,23 @@ use crate::{KvError, KvShape, RingMode};
 ///   an `alloc` that needs a fresh buffer first releases cached ones (largest first).
 ///   [`trim`](Self::trim) releases them all; [`set_recycling`](Self::set_recycling)`(false)`
 ///   turns the free list off.
-/// - **Fresh buffers** come from `alloc_zeroed` (`calloc`; large sizes are lazily mapped zero
-///   pages), so their cost does not grow with capacity; pages are faulted in on first write.
-///   The budget is the guard against OOM: the allocation itself, like any Rust allocation,
-///   aborts if the OS refuses.
+/// - **Fresh buffers** come from [`KvStorage::zeroed`]. For [`HostKv`] that is `alloc_zeroed`
+///   (`calloc`; large sizes are lazily mapped zero pages), so their cost does not grow with
+///   capacity; pages are faulted in on first write. The budget is the guard against OOM: the
+///   host allocation itself, like any Rust allocation, aborts if the OS refuses; a storage
+///   whose backend refuses (device memory) returns [`KvError::StorageFailed`].
 ///
 /// Shared pages between rings were rejected: a (layer, head) view must stay at most two
 /// contiguous slices, which per-ring contiguous storage gives for free (see [`KvRing::fork`]).
-pub struct KvPool {
+pub struct KvPool<S: KvStorage = HostKv> {
+    allocator: S::Allocator,
     shape: KvShape,
     bytes_per_token: usize,
     /// Per-layer sliding windows (see [`KvPool::with_layer_windows`]).
     windows: Option<LayerWindows>,
     budget: usize,
     recycle: AtomicBool,
-    state: Mutex<PoolState>,
+    state: Mutex<PoolState<S>>,
     fresh_allocs: AtomicU64,
     recycled_allocs: AtomicU64,
     rejected_allocs: AtomicU64,
@@ -58,15 +62,25 @@ pub(crate) struct LayerWindows {
     pub(crate) max_chunk: usize,
 }
 
-#[derive(Default)]
-struct PoolState {
+struct PoolState<S> {
     /// Bytes held by live rings.
     used: usize,
     /// Bytes held by cached free buffers.
     cached: usize,
     live: usize,
-    /// Free buffers by element count.
-    free: BTreeMap<usize, Vec<Storage>>,
+    /// Free buffers by size in bytes (one size is one block layout: see `take_storage`).
+    free: BTreeMap<usize, Vec<S>>,
+}
+
+impl<S> Default for PoolState<S> {
+    fn default() -> Self {
+        Self {
+            used: 0,
+            cached: 0,
+            live: 0,
+            free: BTreeMap::new(),
+        }
+    }
 }
 
 /// Counters of a pool, for metrics.
@@ -91,7 +105,7 @@ pub struct PoolStats {
     pub grows: u64,
 }
 
-impl std::fmt::Debug for KvPool {
+impl<S: KvStorage> std::fmt::Debug for KvPool<S> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("KvPool")
             .field("shape", &self.shape)
@@ -102,39 +116,18 @@ impl std::fmt::Debug for KvPool {
 }
 
 impl KvPool {
-    /// A pool for `shape` that never holds more than `budget_bytes` of KV buffers.
+    /// A pool for `shape` that never holds more than `budget_bytes` of KV buffers in host
+    /// memory.
     ///
     /// Allocates nothing up front. Errors: [`KvError::ZeroDimension`],
     /// [`KvError::ShapeOverflow`].
     pub fn new(shape: KvShape, budget_bytes: usize) -> Result<Arc<Self>, KvError> {
-        if shape.n_layers == 0 || shape.n_kv_heads == 0 || shape.head_dim == 0 {
-            return Err(KvError::ZeroDimension { shape });
-        }
-        let Some(bytes_per_token) = shape.checked_bytes_per_token() else {
-            return Err(KvError::ShapeOverflow { shape });
-        };
-        Ok(Arc::new(Self {
-            shape,
-            bytes_per_token,
-            windows: None,
-            budget: budget_bytes,
-            recycle: AtomicBool::new(true),
-            state: Mutex::new(PoolState::default()),
-            fresh_allocs: AtomicU64::new(0),
-            recycled_allocs: AtomicU64::new(0),
-            rejected_allocs: AtomicU64::new(0),
-            frees: AtomicU64::new(0),
-            grows: AtomicU64::new(0),
-        }))
+        Self::new_in(shape, budget_bytes, ())
     }
 
-    /// A pool whose rings keep, for each layer with a sliding window `w`, only the last
-    /// `w - 1 + max_chunk` positions (the most a chunk of up to `max_chunk` tokens can attend
-    /// to): a ring of capacity `c` holds `min(c, w - 1 + max_chunk)` rows for that layer and
-    /// `c` for the others, and costs that much of the budget. `windows` has one entry per
-    /// layer. Rings of such a pool are strict ([`RingMode::Strict`]), `begin` refuses chunks
-    /// over `max_chunk`, and a window layer's [`KvRing::view`] holds its last rows only
-    /// ([`KvRing::layer_len`] of them; position `next_pos() - layer_len(l) + i` at index `i`).
+    /// A host pool whose rings keep, for each layer with a sliding window `w`, only the last
+    /// `w - 1 + max_chunk` positions; see
+    /// [`with_layer_windows_in`](Self::with_layer_windows_in).
     ///
     /// ```
     /// use kv_ring::{KvDtype, KvPool, KvShape, RingMode};
@@ -152,7 +145,58 @@ impl KvPool {
         windows: Vec<Option<usize>>,
         max_chunk: usize,
     ) -> Result<Arc<Self>, KvError> {
-        let pool = Self::new(shape, budget_bytes)?;
+        Self::with_layer_windows_in(shape, budget_bytes, windows, max_chunk, ())
+    }
+}
+
+impl<S: KvStorage> KvPool<S> {
+    /// A pool for `shape` that never holds more than `budget_bytes` of KV buffers, each
+    /// allocated by `allocator` ([`KvStorage::zeroed`]).
+    ///
+    /// Allocates nothing up front. Errors: [`KvError::ZeroDimension`],
+    /// [`KvError::ShapeOverflow`].
+    pub fn new_in(
+        shape: KvShape,
+        budget_bytes: usize,
+        allocator: S::Allocator,
+    ) -> Result<Arc<Self>, KvError> {
+        if shape.n_layers == 0 || shape.n_kv_heads == 0 || shape.head_dim == 0 {
+            return Err(KvError::ZeroDimension { shape });
+        }
+        let Some(bytes_per_token) = shape.checked_bytes_per_token() else {
+            return Err(KvError::ShapeOverflow { shape });
+        };
+        Ok(Arc::new(Self {
+            allocator,
+            shape,
+            bytes_per_token,
+            windows: None,
+            budget: budget_bytes,
+            recycle: AtomicBool::new(true),
+            state: Mutex::new(PoolState::default()),
+            fresh_allocs: AtomicU64::new(0),
+            recycled_allocs: AtomicU64::new(0),
+            rejected_allocs: AtomicU64::new(0),
+            frees: AtomicU64::new(0),
+            grows: AtomicU64::new(0),
+        }))
+    }
+
+    /// A pool (storage from `allocator`) whose rings keep, for each layer with a sliding window
+    /// `w`, only the last `w - 1 + max_chunk` positions (the most a chunk of up to `max_chunk` tokens can attend
+    /// to): a ring of capacity `c` holds `min(c, w - 1 + max_chunk)` rows for that layer and
+    /// `c` for the others, and costs that much of the budget. `windows` has one entry per
+    /// layer. Rings of such a pool are strict ([`RingMode::Strict`]), `begin` refuses chunks
+    /// over `max_chunk`, and a window layer's [`KvRing::view`] holds its last rows only
+    /// ([`KvRing::layer_len`] of them; position `next_pos() - layer_len(l) + i` at index `i`).
+    pub fn with_layer_windows_in(
+        shape: KvShape,
+        budget_bytes: usize,
+        windows: Vec<Option<usize>>,
+        max_chunk: usize,
+        allocator: S::Allocator,
+    ) -> Result<Arc<Self>, KvError> {
+        let pool = Self::new_in(shape, budget_bytes, allocator)?;
         if windows.len() != shape.n_layers || max_chunk == 0 || windows.contains(&Some(0)) {
             return Err(KvError::BadLayerWindows {
                 layers: windows.len(),
@@ -167,7 +211,7 @@ impl KvPool {
         Ok(Arc::new(pool))
     }
 
-    /// The per-layer windows of [`with_layer_windows`](Self::with_layer_windows), if any layer
+    /// The per-layer windows of [`with_layer_windows_in`](Self::with_layer_windows_in), if any layer
     /// has one.
     pub fn layer_windows(&self) -> Option<&[Option<usize>]> {
         self.windows.as_ref().map(|w| &w.windows[..])
@@ -267,7 +311,7 @@ impl KvPool {
         released
             .values()
             .flatten()
-            .map(Storage::allocated_bytes)
+            .map(KvStorage::allocated_bytes)
             .sum()
     }
 
@@ -276,12 +320,14 @@ impl KvPool {
     ///
     /// O(1): reuses a cached buffer of the same size when there is one, else one zeroed
     /// allocation (see the type docs). Errors: [`KvError::ZeroCapacity`],
-    /// [`KvError::SinksTooLarge`], [`KvError::CapacityOverflow`], [`KvError::OverBudget`].
+    /// [`KvError::WindowedNotStrict`], [`KvError::SinksTooLarge`],
+    /// [`KvError::CapacityOverflow`], [`KvError::OverBudget`], [`KvError::StorageFailed`] (the
+    /// storage's backend refused; nothing is reserved).
     pub fn alloc(
         self: &Arc<Self>,
         capacity_tokens: usize,
         mode: RingMode,
-    ) -> Result<KvRing, KvError> {
+    ) -> Result<KvRing<S>, KvError> {
         if capacity_tokens == 0 {
             return Err(KvError::ZeroCapacity);
         }
@@ -306,14 +352,13 @@ impl KvPool {
     }
 
     /// Reserves budget for and obtains a buffer of `capacity` tokens.
-    fn take_storage(&self, capacity: usize) -> Result<Storage, KvError> {
+    fn take_storage(&self, capacity: usize) -> Result<S, KvError> {
         let Some(bytes) = self.ring_bytes(capacity) else {
             return Err(KvError::CapacityOverflow {
                 capacity,
                 bytes_per_token: self.bytes_per_token,
             });
         };
-        let elems = bytes / self.shape.dtype.elem_bytes();
         let mut to_release = Vec::new();
         {
             let mut st = self.lock();
@@ -329,10 +374,13 @@ impl KvPool {
             }
             st.used += bytes;
             st.live += 1;
-            if let Some(list) = st.free.get_mut(&elems) {
+            // Rings of one size have one block layout: each layer's rows kept,
+            // `min(capacity, window cap)`, never decreases with the capacity, so equal sums
+            // mean equal terms.
+            if let Some(list) = st.free.get_mut(&bytes) {
                 let storage = list.pop();
                 if list.is_empty() {
-                    st.free.remove(&elems);
+                    st.free.remove(&bytes);
                 }
                 if let Some(storage) = storage {
                     st.cached -= bytes;
@@ -347,9 +395,42 @@ impl KvPool {
         }
         drop(to_release); // outside the lock: large frees are munmap calls
         self.fresh_allocs.fetch_add(1, Ordering::Relaxed);
-        let storage = Storage::zeroed(self.shape.dtype, elems);
+        let lens = self
+            .block_lens(capacity)
+            .expect("ring_bytes did not overflow, so no block length does");
+        let storage = S::zeroed(&self.allocator, self.shape.dtype, &lens).inspect_err(|_| {
+            let mut st = self.lock();
+            st.used -= bytes;
+            st.live -= 1;
+        })?;
         debug_assert_eq!(storage.allocated_bytes(), bytes);
         Ok(storage)
+    }
+
+    /// Elements of each block of a ring of `capacity` positions, in the block order of
+    /// [`KvStorage`] (`None` on overflow).
+    pub(crate) fn block_lens(&self, capacity: usize) -> Option<Vec<usize>> {
+        let (heads, hd) = (self.shape.n_kv_heads, self.shape.head_dim);
+        let caps = self.layer_caps(capacity)?;
+        let mut lens = Vec::with_capacity(caps.len() * heads * 2);
+        for cap in caps {
+            let len = cap.checked_mul(hd)?;
+            lens.extend(std::iter::repeat_n(len, 2 * heads));
+        }
+        Some(lens)
+    }
+
+    /// The allocator the pool's storages come from.
+    pub fn allocator(&self) -> &S::Allocator {
+        &self.allocator
+    }
+
+    /// Gives back `extra` bytes reserved by [`reserve_growth`](Self::reserve_growth) for a
+    /// growth whose storage then failed.
+    pub(crate) fn unreserve_growth(&self, extra: usize) {
+        let mut st = self.lock();
+        debug_assert!(st.used >= extra);
+        st.used -= extra;
     }
 
     /// Reserves `extra` more bytes of the budget for a live ring that grows in place
@@ -378,7 +459,7 @@ impl KvPool {
     }
 
     /// Returns a dropped ring's buffer and its budget.
-    pub(crate) fn release(&self, storage: Storage) {
+    pub(crate) fn release(&self, storage: S) {
         let bytes = storage.allocated_bytes();
         self.frees.fetch_add(1, Ordering::Relaxed);
         let keep = self.recycle.load(Ordering::Relaxed);
@@ -388,7 +469,7 @@ impl KvPool {
         st.live -= 1;
         if keep {
             st.cached += bytes;
-            st.free.entry(storage.elems()).or_default().push(storage);
+            st.free.entry(bytes).or_default().push(storage);
         } else {
             drop(st);
             drop(storage);
@@ -397,7 +478,7 @@ impl KvPool {
 
     /// Moves cached free buffers, largest first, into `to_release` until used plus cached bytes
     /// fit the budget again (the caller frees them outside the lock).
-    fn evict_cached(&self, st: &mut PoolState, to_release: &mut Vec<Storage>) {
+    fn evict_cached(&self, st: &mut PoolState<S>, to_release: &mut Vec<S>) {
         while st.used + st.cached > self.budget {
             let Some(mut entry) = st.free.last_entry() else {
                 break;
@@ -414,7 +495,7 @@ impl KvPool {
         debug_assert!(st.used + st.cached <= self.budget);
     }
 
-    fn lock(&self) -> MutexGuard<'_, PoolState> {
+    fn lock(&self) -> MutexGuard<'_, PoolState<S>> {
         // The critical sections run no user code and cannot leave the state inconsistent.
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }

@@ -2,10 +2,9 @@
 
 use std::sync::Arc;
 
-use half::f16;
 use half::slice::HalfFloatSliceExt;
 
-use crate::storage::Storage;
+use crate::storage::{HostKv, HostKvStorage, KvBlock, KvBlockMut, KvStorage};
 use crate::{KvError, KvPool, KvSlices, KvTensor, KvView, RingMode};
 
 /// One stream's KV cache: a fixed-capacity ring of positions, obtained from a [`KvPool`] and
@@ -39,22 +38,23 @@ use crate::{KvError, KvPool, KvSlices, KvTensor, KvView, RingMode};
 ///
 /// # Layout
 ///
-/// One buffer; per layer, per kv head: K as `[capacity][head_dim]`, then V likewise. View
-/// index `i` lives in slot `(start + i) % capacity`, so every view is at most two slices.
+/// The elements live in a [`KvStorage`] `S` ([`HostKv`], one host buffer, by default) as one
+/// block per (layer, kv head, K or V): `[capacity][head_dim]`. View index `i` lives in slot
+/// `(start + i) % capacity`, so every view is at most two slices. The ring does all the slot
+/// arithmetic; a host storage ([`HostKvStorage`]) is written and viewed by the ring itself, any
+/// other (a device buffer) by its owner at the slots [`layer_slots`](Self::layer_slots) gives.
 /// Sinks stay in position order just before the oldest window entry: an evicting `begin(n)`
 /// moves the `sinks` rows forward by the evicted count (O(sinks) row copies per layer and head,
 /// independent of capacity) and the new rows take the freed slots.
-pub struct KvRing {
-    pool: Arc<KvPool>,
-    storage: Storage,
+pub struct KvRing<S: KvStorage = HostKv> {
+    pool: Arc<KvPool<S>>,
+    storage: S,
     capacity: usize,
     mode: RingMode,
     sinks: usize,
     n_layers: usize,
     n_kv_heads: usize,
     head_dim: usize,
-    /// Elements of one (layer, head, K-or-V) block: `capacity * head_dim`.
-    block: usize,
     /// Slot of view index 0.
     start: usize,
     len: usize,
@@ -69,29 +69,21 @@ pub struct KvRing {
 }
 
 /// Per-layer layout and state of a ring whose pool has sliding-window layers: layer `l` keeps
-/// `caps[l]` rows (its blocks start at element `offs[l]`), view index 0 in slot `start[l]`,
+/// `caps[l]` rows, view index 0 in slot `start[l]`,
 /// `len[l]` committed rows (the last ones: positions `next_pos - len[l]..next_pos`).
 #[derive(Debug, Clone)]
 struct Win {
     caps: Vec<usize>,
-    offs: Vec<usize>,
     start: Vec<usize>,
     len: Vec<usize>,
     max_chunk: usize,
 }
 
 impl Win {
-    fn new(caps: Vec<usize>, heads: usize, hd: usize, max_chunk: usize) -> Self {
-        let mut offs = Vec::with_capacity(caps.len());
-        let mut o = 0;
-        for &c in &caps {
-            offs.push(o);
-            o += 2 * heads * c * hd;
-        }
+    fn new(caps: Vec<usize>, max_chunk: usize) -> Self {
         let n = caps.len();
         Self {
             caps,
-            offs,
             start: vec![0; n],
             len: vec![0; n],
             max_chunk,
@@ -99,7 +91,36 @@ impl Win {
     }
 }
 
-impl std::fmt::Debug for KvRing {
+/// Where one layer's rows sit in its blocks, for a writer or reader of a storage the ring does
+/// not access itself (a device buffer): from [`KvRing::layer_slots`].
+///
+/// Every (head, K or V) block of the layer ([`KvRing::block_index`]) has `rows_kept` slots of
+/// `head_dim` elements. View index `i < rows` is in slot `(start + i) % rows_kept`; pending
+/// token `i < pending` goes to slot `(start + committed + i) % rows_kept`.
+#[non_exhaustive]
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub struct LayerSlots {
+    /// Slots per block of this layer (the ring's capacity, or a window layer's cap).
+    pub rows_kept: usize,
+    /// Slot of view index 0.
+    pub start: usize,
+    /// Committed rows of the layer ([`KvRing::layer_len`]).
+    pub committed: usize,
+    /// Rows a view of the layer has now: `committed`, plus the pending tokens once the layer
+    /// was written ([`KvRing::mark_layer_written`]).
+    pub rows: usize,
+    /// Tokens of the pending chunk (0 outside `begin`..`commit`).
+    pub pending: usize,
+}
+
+impl LayerSlots {
+    /// Slot of view index `i` (also of pending token `i - committed`).
+    pub fn slot(&self, i: usize) -> usize {
+        (self.start + i) % self.rows_kept
+    }
+}
+
+impl<S: KvStorage> std::fmt::Debug for KvRing<S> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("KvRing")
             .field("capacity", &self.capacity)
@@ -111,36 +132,16 @@ impl std::fmt::Debug for KvRing {
     }
 }
 
-impl KvRing {
-    pub(crate) fn new(
-        pool: Arc<KvPool>,
-        storage: Storage,
-        capacity: usize,
-        mode: RingMode,
-    ) -> Self {
+impl<S: KvStorage> KvRing<S> {
+    pub(crate) fn new(pool: Arc<KvPool<S>>, storage: S, capacity: usize, mode: RingMode) -> Self {
         let shape = pool.shape();
-        let block = capacity * shape.head_dim;
         let win = pool.windowed().map(|lw| {
             let caps = pool
                 .layer_caps(capacity)
                 .expect("the pool sized this ring, so its caps do not overflow");
-            Box::new(Win::new(
-                caps,
-                shape.n_kv_heads,
-                shape.head_dim,
-                lw.max_chunk,
-            ))
+            Box::new(Win::new(caps, lw.max_chunk))
         });
-        debug_assert_eq!(
-            storage.elems(),
-            win.as_ref()
-                .map_or(2 * shape.n_layers * shape.n_kv_heads * block, |w| {
-                    w.caps
-                        .iter()
-                        .map(|c| 2 * shape.n_kv_heads * c * shape.head_dim)
-                        .sum()
-                })
-        );
+        debug_assert_eq!(Some(storage.allocated_bytes()), pool.ring_bytes(capacity));
         Self {
             win,
             storage,
@@ -150,7 +151,6 @@ impl KvRing {
             n_layers: shape.n_layers,
             n_kv_heads: shape.n_kv_heads,
             head_dim: shape.head_dim,
-            block,
             start: 0,
             len: 0,
             next_pos: 0,
@@ -211,7 +211,7 @@ impl KvRing {
     }
 
     /// The pool this ring's memory belongs to.
-    pub fn pool(&self) -> &Arc<KvPool> {
+    pub fn pool(&self) -> &Arc<KvPool<S>> {
         &self.pool
     }
 
@@ -263,7 +263,7 @@ impl KvRing {
                             window,
                         });
                     }
-                    self.evict(self.len + n - self.capacity);
+                    self.evict(self.len + n - self.capacity)?;
                 }
             }
         }
@@ -293,8 +293,9 @@ impl KvRing {
         Ok(())
     }
 
-    /// Drops the `e` oldest non-sink entries; moves the sinks forward by `e` slots.
-    fn evict(&mut self, e: usize) {
+    /// Drops the `e` oldest non-sink entries; moves the sinks forward by `e` slots. A storage
+    /// error leaves the sinks partly moved (host storage never fails).
+    fn evict(&mut self, e: usize) -> Result<(), KvError> {
         debug_assert!(e > 0 && self.len >= self.sinks + e);
         let (cap, hd, s) = (self.capacity, self.head_dim, self.sinks);
         if s > 0 {
@@ -302,33 +303,94 @@ impl KvRing {
             // Neither run wraps: one memmove of `s` rows per block.
             let contiguous = src0 + s <= cap && dst0 + s <= cap;
             for b in 0..2 * self.n_layers * self.n_kv_heads {
-                let base = b * self.block;
                 if contiguous {
-                    self.storage
-                        .copy_within(base + src0 * hd, base + dst0 * hd, s * hd);
+                    self.storage.copy_within(b, src0 * hd, dst0 * hd, s * hd)?;
                     continue;
                 }
                 // Back to front: a row's destination is the source of a later sink, already moved.
                 for i in (0..s).rev() {
                     let src = (src0 + i) % cap;
                     let dst = (src0 + e + i) % cap;
-                    self.storage
-                        .copy_within(base + src * hd, base + dst * hd, hd);
+                    self.storage.copy_within(b, src * hd, dst * hd, hd)?;
                 }
             }
         }
         self.start = (self.start + e) % cap;
         self.len -= e;
+        Ok(())
     }
 
-    fn block_base(&self, layer: usize, head: usize, tensor: KvTensor) -> usize {
+    /// The storage block of `(layer, head, tensor)`: `(layer * n_kv_heads + head) * 2` plus 0
+    /// for K, 1 for V (see [`KvStorage`]).
+    pub fn block_index(&self, layer: usize, head: usize, tensor: KvTensor) -> usize {
         let kv = match tensor {
             KvTensor::K => 0,
             KvTensor::V => 1,
         };
-        match &self.win {
-            Some(w) => w.offs[layer] + (head * 2 + kv) * w.caps[layer] * self.head_dim,
-            None => ((layer * self.n_kv_heads + head) * 2 + kv) * self.block,
+        (layer * self.n_kv_heads + head) * 2 + kv
+    }
+
+    /// The ring's storage (for its owner's kernels; host rings are read through
+    /// [`view`](Self::view)).
+    pub fn storage(&self) -> &S {
+        &self.storage
+    }
+
+    /// The ring's storage, writable: a device writer places the pending rows of a layer at
+    /// [`layer_slots`](Self::layer_slots), then calls
+    /// [`mark_layer_written`](Self::mark_layer_written).
+    pub fn storage_mut(&mut self) -> &mut S {
+        &mut self.storage
+    }
+
+    /// Where layer `layer`'s rows are (see [`LayerSlots`]).
+    ///
+    /// Errors: [`KvError::LayerOutOfRange`].
+    pub fn layer_slots(&self, layer: usize) -> Result<LayerSlots, KvError> {
+        self.check_layer(layer)?;
+        let (rows_kept, start, committed) = self.layer_geometry(layer);
+        Ok(LayerSlots {
+            rows_kept,
+            start,
+            committed,
+            rows: committed + self.pending_rows(layer),
+            pending: self.pending(),
+        })
+    }
+
+    /// Records that the pending rows of `layer` were written into the storage by its owner
+    /// (what [`write_layer`](Self::write_layer) does for host storage after copying them):
+    /// views include them from now on, and [`commit`](Self::commit) needs every layer marked.
+    ///
+    /// Errors: [`KvError::NoPendingChunk`], [`KvError::LayerOutOfRange`].
+    pub fn mark_layer_written(&mut self, layer: usize) -> Result<(), KvError> {
+        if !self.in_chunk {
+            return Err(KvError::NoPendingChunk);
+        }
+        self.check_layer(layer)?;
+        if !self.written[layer] {
+            self.written[layer] = true;
+            self.n_written += 1;
+        }
+        Ok(())
+    }
+
+    fn check_layer(&self, layer: usize) -> Result<(), KvError> {
+        if layer >= self.n_layers {
+            return Err(KvError::LayerOutOfRange {
+                layer,
+                n_layers: self.n_layers,
+            });
+        }
+        Ok(())
+    }
+
+    /// Pending rows a view of `layer` includes (those of a written layer).
+    fn pending_rows(&self, layer: usize) -> usize {
+        if self.in_chunk && self.written[layer] {
+            self.pending
+        } else {
+            0
         }
     }
 
@@ -338,164 +400,6 @@ impl KvRing {
             Some(w) => (w.caps[layer], w.start[layer], w.len[layer]),
             None => (self.capacity, self.start, self.len),
         }
-    }
-
-    /// Writes K and V of the pending tokens for one layer. `k` and `v` are
-    /// `[pending][n_kv_heads][head_dim]` row-major `f32` (keys already rotated), converted to
-    /// the pool's dtype.
-    ///
-    /// Errors (nothing is written): [`KvError::NoPendingChunk`], [`KvError::LayerOutOfRange`],
-    /// [`KvError::SliceLength`].
-    pub fn write_layer(&mut self, layer: usize, k: &[f32], v: &[f32]) -> Result<(), KvError> {
-        if !self.in_chunk {
-            return Err(KvError::NoPendingChunk);
-        }
-        if layer >= self.n_layers {
-            return Err(KvError::LayerOutOfRange {
-                layer,
-                n_layers: self.n_layers,
-            });
-        }
-        let row = self.n_kv_heads * self.head_dim;
-        let expected = self.pending * row;
-        for (tensor, s) in [(KvTensor::K, k), (KvTensor::V, v)] {
-            if s.len() != expected {
-                return Err(KvError::SliceLength {
-                    tensor,
-                    expected,
-                    actual: s.len(),
-                });
-            }
-        }
-        let (hd, heads) = (self.head_dim, self.n_kv_heads);
-        let (cap, start, len) = self.layer_geometry(layer);
-        let first = start + len;
-        let k_base = self.block_base(layer, 0, KvTensor::K);
-        let block = cap * hd;
-        // Head h of tensor t (0 = K, 1 = V) starts at k_base + (2 * h + t) * block.
-        let dst_of = move |t: usize, h: usize, i: usize| {
-            k_base + (2 * h + t) * block + ((first + i) % cap) * hd
-        };
-        match &mut self.storage {
-            Storage::F32(buf) => {
-                for (t, src) in [k, v].into_iter().enumerate() {
-                    for (i, tok) in src.chunks_exact(row).enumerate() {
-                        for (h, r) in tok.chunks_exact(hd).enumerate().take(heads) {
-                            let d = dst_of(t, h, i);
-                            buf[d..d + hd].copy_from_slice(r);
-                        }
-                    }
-                }
-            }
-            Storage::F16(bits) => {
-                let buf: &mut [f16] = bytemuck::cast_slice_mut(bits);
-                for (t, src) in [k, v].into_iter().enumerate() {
-                    for (i, tok) in src.chunks_exact(row).enumerate() {
-                        for (h, r) in tok.chunks_exact(hd).enumerate().take(heads) {
-                            let d = dst_of(t, h, i);
-                            buf[d..d + hd].convert_from_f32_slice(r);
-                        }
-                    }
-                }
-            }
-        }
-        if !self.written[layer] {
-            self.written[layer] = true;
-            self.n_written += 1;
-        }
-        Ok(())
-    }
-
-    /// Writes all layers of the pending tokens at once: `k` and `v` are
-    /// `[n_layers][pending][n_kv_heads][head_dim]` row-major `f32`.
-    ///
-    /// Errors as [`write_layer`](Self::write_layer); lengths are checked before anything is
-    /// written.
-    pub fn write_all_layers(&mut self, k: &[f32], v: &[f32]) -> Result<(), KvError> {
-        if !self.in_chunk {
-            return Err(KvError::NoPendingChunk);
-        }
-        let per_layer = self.pending * self.n_kv_heads * self.head_dim;
-        let expected = per_layer * self.n_layers;
-        for (tensor, s) in [(KvTensor::K, k), (KvTensor::V, v)] {
-            if s.len() != expected {
-                return Err(KvError::SliceLength {
-                    tensor,
-                    expected,
-                    actual: s.len(),
-                });
-            }
-        }
-        if per_layer == 0 {
-            for layer in 0..self.n_layers {
-                self.write_layer(layer, &[], &[])?;
-            }
-            return Ok(());
-        }
-        for (layer, (kl, vl)) in k
-            .chunks_exact(per_layer)
-            .zip(v.chunks_exact(per_layer))
-            .enumerate()
-        {
-            self.write_layer(layer, kl, vl)?;
-        }
-        Ok(())
-    }
-
-    /// Keys and values of `(layer, head)` in position order: the committed rows, plus the
-    /// pending chunk's rows if this layer was written since `begin`. At most two slices each.
-    ///
-    /// Errors: [`KvError::LayerOutOfRange`], [`KvError::HeadOutOfRange`].
-    pub fn view(&self, layer: usize, head: usize) -> Result<KvView<'_>, KvError> {
-        if layer >= self.n_layers {
-            return Err(KvError::LayerOutOfRange {
-                layer,
-                n_layers: self.n_layers,
-            });
-        }
-        if head >= self.n_kv_heads {
-            return Err(KvError::HeadOutOfRange {
-                head,
-                n_kv_heads: self.n_kv_heads,
-            });
-        }
-        let (cap, start, len) = self.layer_geometry(layer);
-        let rows = len
-            + if self.in_chunk && self.written[layer] {
-                self.pending
-            } else {
-                0
-            };
-        debug_assert!(rows <= cap && start < cap);
-        let hd = self.head_dim;
-        let block = cap * hd;
-        let first = rows.min(cap - start);
-        let a = start * hd..(start + first) * hd;
-        let b = 0..(rows - first) * hd;
-        let kb = self.block_base(layer, head, KvTensor::K);
-        let vb = kb + block;
-        let (keys, values) = match &self.storage {
-            Storage::F32(s) => {
-                let (k, v) = (&s[kb..kb + block], &s[vb..vb + block]);
-                (
-                    KvSlices::F32([&k[a.clone()], &k[b.clone()]]),
-                    KvSlices::F32([&v[a], &v[b]]),
-                )
-            }
-            Storage::F16(s) => {
-                let k: &[f16] = bytemuck::cast_slice(&s[kb..kb + block]);
-                let v: &[f16] = bytemuck::cast_slice(&s[vb..vb + block]);
-                (
-                    KvSlices::F16([&k[a.clone()], &k[b.clone()]]),
-                    KvSlices::F16([&v[a], &v[b]]),
-                )
-            }
-        };
-        Ok(KvView {
-            keys,
-            values,
-            len: rows,
-        })
     }
 
     /// Finishes the pending chunk: `len += n`, `next_pos += n`.
@@ -545,13 +449,17 @@ impl KvRing {
     ///
     /// This is how an engine reserves KV by what a sequence uses: start at prompt + a chunk and
     /// grow by a chunk when the sequence reaches it (once per chunk, never per step). The cost is
-    /// one reallocation of the buffer (`realloc`: the old contents are moved, usually without a
-    /// copy for large buffers) plus one `memmove` per (layer, head, K/V) block to re-space the
-    /// blocks. A sliding ring whose contents wrap keeps them wrapped: the run at the end of each
-    /// block moves to the new end, so views stay at most two slices.
+    /// the storage's [`grow_blocks`](KvStorage::grow_blocks) (for [`HostKv`]: one `realloc`,
+    /// the old contents moved, usually without a copy for large buffers, plus one `memmove` per
+    /// (layer, head, K/V) block to re-space the blocks). A sliding ring whose contents wrap keeps
+    /// them wrapped: the run at the end of each block moves to the new end, so views stay at
+    /// most two slices. A ring with window layers is copied into a new storage instead.
     ///
     /// Errors (the ring is unchanged): [`KvError::ChunkPending`] (grow between chunks only),
-    /// [`KvError::CapacityOverflow`], [`KvError::OverBudget`] (`requested` is the extra bytes).
+    /// [`KvError::CapacityOverflow`], [`KvError::OverBudget`] (`requested` is the extra bytes),
+    /// [`KvError::StorageFailed`] from the storage's allocation. A storage copy that fails
+    /// after the allocation (a device error; [`HostKv`] never fails) leaves the capacity and
+    /// budget consistent but the cached rows unspecified: reset or drop the ring.
     ///
     /// ```
     /// use kv_ring::{KvDtype, KvPool, KvShape, RingMode};
@@ -590,31 +498,27 @@ impl KvRing {
         }
         let hd = self.head_dim;
         let blocks = 2 * self.n_layers * self.n_kv_heads;
-        let new_block = new_capacity * hd;
-        let Some(new_elems) = new_block.checked_mul(blocks) else {
+        let Some(lens) = self.pool.block_lens(new_capacity) else {
             return Err(overflow);
         };
-        let old_bytes = self.storage.allocated_bytes();
-        self.pool
-            .reserve_growth(new_bytes.saturating_sub(old_bytes))?;
-        self.storage.grow_to(new_elems);
-        // Re-space the blocks, last first: block b moves from b * block to b * new_block
-        // (never left), so a later block's source is never overwritten before it moves.
-        // Slots [start, capacity) hold view indices 0..; they go to the end of the new block
-        // and the wrapped slots [0, start) stay at its beginning.
+        let extra = new_bytes.saturating_sub(self.storage.allocated_bytes());
+        self.pool.reserve_growth(extra)?;
+        if let Err(e) = self.storage.grow_blocks(self.pool.allocator(), &lens) {
+            self.pool.unreserve_growth(extra);
+            return Err(e);
+        }
+        // Each block kept its slots at its front. Slots [start, capacity) hold view indices
+        // 0..; they go to the end of the new block and the wrapped slots [0, start) stay.
         let (cap, start) = (self.capacity, self.start);
         let head = cap - start;
         let new_start = if start == 0 { 0 } else { new_capacity - head };
-        for b in (0..blocks).rev() {
-            let (old, new) = (b * self.block, b * new_block);
-            self.storage
-                .copy_within(old + start * hd, new + new_start * hd, head * hd);
-            if start > 0 {
-                self.storage.copy_within(old, new, start * hd);
+        if start > 0 {
+            for b in 0..blocks {
+                self.storage
+                    .copy_within(b, start * hd, new_start * hd, head * hd)?;
             }
         }
         self.capacity = new_capacity;
-        self.block = new_block;
         self.start = new_start;
         Ok(())
     }
@@ -664,11 +568,10 @@ impl KvRing {
         let hd = self.head_dim;
         let first = n.min(self.capacity - self.start);
         for b in 0..2 * self.n_layers * self.n_kv_heads {
-            let (src, dst) = (b * self.block, b * out.block);
             out.storage
-                .copy_from(dst, &self.storage, src + self.start * hd, first * hd);
+                .copy_from(b, 0, &self.storage, b, self.start * hd, first * hd)?;
             out.storage
-                .copy_from(dst + first * hd, &self.storage, src, (n - first) * hd);
+                .copy_from(b, first * hd, &self.storage, b, 0, (n - first) * hd)?;
         }
         out.len = n;
         out.next_pos = n as u64;
@@ -676,7 +579,7 @@ impl KvRing {
     }
 }
 
-impl KvRing {
+impl<S: KvStorage> KvRing<S> {
     /// [`grow`](Self::grow) of a ring with window layers: a new buffer with the new per-layer
     /// caps, each layer's rows copied in view order (layers whose cap does not change are
     /// copied too: grows happen once per chunk of positions, not per step).
@@ -690,29 +593,46 @@ impl KvRing {
         let Some(caps) = self.pool.layer_caps(new_capacity) else {
             return Err(overflow);
         };
-        let old_bytes = self.storage.allocated_bytes();
-        self.pool
-            .reserve_growth(new_bytes.saturating_sub(old_bytes))?;
+        let Some(lens) = self.pool.block_lens(new_capacity) else {
+            return Err(overflow);
+        };
+        let extra = new_bytes.saturating_sub(self.storage.allocated_bytes());
+        self.pool.reserve_growth(extra)?;
         let w = self.win.as_ref().expect("windowed ring");
-        let nw = Win::new(caps, heads, hd, w.max_chunk);
-        let elems = new_bytes / self.pool.shape().dtype.elem_bytes();
-        let mut storage = Storage::zeroed(self.pool.shape().dtype, elems);
-        for l in 0..self.n_layers {
-            let (cap, start, len) = (w.caps[l], w.start[l], w.len[l]);
-            let first = len.min(cap - start);
-            for b in 0..2 * heads {
-                let (src, dst) = (w.offs[l] + b * cap * hd, nw.offs[l] + b * nw.caps[l] * hd);
-                storage.copy_from(dst, &self.storage, src + start * hd, first * hd);
-                storage.copy_from(dst + first * hd, &self.storage, src, (len - first) * hd);
+        let nw = Win::new(caps, w.max_chunk);
+        let copied = S::zeroed(self.pool.allocator(), self.pool.shape().dtype, &lens).and_then(
+            |mut storage| {
+                for l in 0..self.n_layers {
+                    let (cap, start, len) = (w.caps[l], w.start[l], w.len[l]);
+                    let first = len.min(cap - start);
+                    for b in l * 2 * heads..(l + 1) * 2 * heads {
+                        storage.copy_from(b, 0, &self.storage, b, start * hd, first * hd)?;
+                        storage.copy_from(
+                            b,
+                            first * hd,
+                            &self.storage,
+                            b,
+                            0,
+                            (len - first) * hd,
+                        )?;
+                    }
+                }
+                Ok(storage)
+            },
+        );
+        let storage = match copied {
+            Ok(storage) => storage,
+            Err(e) => {
+                self.pool.unreserve_growth(extra);
+                return Err(e);
             }
-        }
+        };
         let mut nw = nw;
         nw.len.clone_from(&w.len);
         let old = std::mem::replace(&mut self.storage, storage);
         drop(old); // its bytes stay counted: `used` grew by the difference only
         self.win = Some(Box::new(nw));
         self.capacity = new_capacity;
-        self.block = new_capacity * hd;
         Ok(())
     }
 
@@ -741,12 +661,11 @@ impl KvRing {
             let cap = w.caps[l];
             let s0 = (w.start[l] + i0) % cap;
             let first = k.min(cap - s0);
-            for b in 0..2 * heads {
-                let (src, dst) = (w.offs[l] + b * cap * hd, ow.offs[l] + b * ow.caps[l] * hd);
+            for b in l * 2 * heads..(l + 1) * 2 * heads {
                 out.storage
-                    .copy_from(dst, &self.storage, src + s0 * hd, first * hd);
+                    .copy_from(b, 0, &self.storage, b, s0 * hd, first * hd)?;
                 out.storage
-                    .copy_from(dst + first * hd, &self.storage, src, (k - first) * hd);
+                    .copy_from(b, first * hd, &self.storage, b, 0, (k - first) * hd)?;
             }
             ow.len[l] = k;
         }
@@ -756,9 +675,148 @@ impl KvRing {
     }
 }
 
-impl Drop for KvRing {
+/// Writing and viewing: the ring copies rows into a host storage itself.
+impl<S: HostKvStorage> KvRing<S> {
+    /// Writes K and V of the pending tokens for one layer. `k` and `v` are
+    /// `[pending][n_kv_heads][head_dim]` row-major `f32` (keys already rotated), converted to
+    /// the pool's dtype.
+    ///
+    /// Errors (nothing is written): [`KvError::NoPendingChunk`], [`KvError::LayerOutOfRange`],
+    /// [`KvError::SliceLength`], [`KvError::NotInHostMemory`].
+    pub fn write_layer(&mut self, layer: usize, k: &[f32], v: &[f32]) -> Result<(), KvError> {
+        if !self.in_chunk {
+            return Err(KvError::NoPendingChunk);
+        }
+        self.check_layer(layer)?;
+        let row = self.n_kv_heads * self.head_dim;
+        let expected = self.pending * row;
+        for (tensor, s) in [(KvTensor::K, k), (KvTensor::V, v)] {
+            if s.len() != expected {
+                return Err(KvError::SliceLength {
+                    tensor,
+                    expected,
+                    actual: s.len(),
+                });
+            }
+        }
+        let hd = self.head_dim;
+        let (cap, start, len) = self.layer_geometry(layer);
+        let first = start + len;
+        for (tensor, src) in [(KvTensor::K, k), (KvTensor::V, v)] {
+            for head in 0..self.n_kv_heads {
+                let rows = src
+                    .chunks_exact(row)
+                    .map(|tok| &tok[head * hd..(head + 1) * hd]);
+                let block = self.block_index(layer, head, tensor);
+                // All of a storage value's blocks are in host memory or none: a `None` comes
+                // at the first block, before anything is written.
+                match self
+                    .storage
+                    .block_mut(block)
+                    .ok_or(KvError::NotInHostMemory)?
+                {
+                    KvBlockMut::F32(block) => {
+                        for (i, r) in rows.enumerate() {
+                            let d = ((first + i) % cap) * hd;
+                            block[d..d + hd].copy_from_slice(r);
+                        }
+                    }
+                    KvBlockMut::F16(block) => {
+                        for (i, r) in rows.enumerate() {
+                            let d = ((first + i) % cap) * hd;
+                            block[d..d + hd].convert_from_f32_slice(r);
+                        }
+                    }
+                }
+            }
+        }
+        self.mark_layer_written(layer)?;
+        Ok(())
+    }
+
+    /// Writes all layers of the pending tokens at once: `k` and `v` are
+    /// `[n_layers][pending][n_kv_heads][head_dim]` row-major `f32`.
+    ///
+    /// Errors as [`write_layer`](Self::write_layer); lengths are checked before anything is
+    /// written.
+    pub fn write_all_layers(&mut self, k: &[f32], v: &[f32]) -> Result<(), KvError> {
+        if !self.in_chunk {
+            return Err(KvError::NoPendingChunk);
+        }
+        let per_layer = self.pending * self.n_kv_heads * self.head_dim;
+        let expected = per_layer * self.n_layers;
+        for (tensor, s) in [(KvTensor::K, k), (KvTensor::V, v)] {
+            if s.len() != expected {
+                return Err(KvError::SliceLength {
+                    tensor,
+                    expected,
+                    actual: s.len(),
+                });
+            }
+        }
+        if per_layer == 0 {
+            for layer in 0..self.n_layers {
+                self.write_layer(layer, &[], &[])?;
+            }
+            return Ok(());
+        }
+        for (layer, (kl, vl)) in k
+            .chunks_exact(per_layer)
+            .zip(v.chunks_exact(per_layer))
+            .enumerate()
+        {
+            self.write_layer(layer, kl, vl)?;
+        }
+        Ok(())
+    }
+
+    /// Keys and values of `(layer, head)` in position order: the committed rows, plus the
+    /// pending chunk's rows if this layer was written since `begin`. At most two slices each.
+    ///
+    /// Errors: [`KvError::LayerOutOfRange`], [`KvError::HeadOutOfRange`],
+    /// [`KvError::NotInHostMemory`].
+    pub fn view(&self, layer: usize, head: usize) -> Result<KvView<'_>, KvError> {
+        self.check_layer(layer)?;
+        if head >= self.n_kv_heads {
+            return Err(KvError::HeadOutOfRange {
+                head,
+                n_kv_heads: self.n_kv_heads,
+            });
+        }
+        let (cap, start, len) = self.layer_geometry(layer);
+        let rows = len + self.pending_rows(layer);
+        debug_assert!(rows <= cap && start < cap);
+        let hd = self.head_dim;
+        let first = rows.min(cap - start);
+        let a = start * hd..(start + first) * hd;
+        let b = 0..(rows - first) * hd;
+        let kb = self.block_index(layer, head, KvTensor::K);
+        let vb = self.block_index(layer, head, KvTensor::V);
+        let (Some(k), Some(v)) = (self.storage.block(kb), self.storage.block(vb)) else {
+            return Err(KvError::NotInHostMemory);
+        };
+        let (keys, values) = match (k, v) {
+            (KvBlock::F32(k), KvBlock::F32(v)) => (
+                KvSlices::F32([&k[a.clone()], &k[b.clone()]]),
+                KvSlices::F32([&v[a], &v[b]]),
+            ),
+            (KvBlock::F16(k), KvBlock::F16(v)) => (
+                KvSlices::F16([&k[a.clone()], &k[b.clone()]]),
+                KvSlices::F16([&v[a], &v[b]]),
+            ),
+            _ => unreachable!("one storage has one dtype"),
+        };
+        Ok(KvView {
+            keys,
+            values,
+            len: rows,
+        })
+    }
+}
+
+impl<S: KvStorage> Drop for KvRing<S> {
     fn drop(&mut self) {
-        let storage = std::mem::replace(&mut self.storage, Storage::empty(self.pool.shape().dtype));
+        let storage = std::mem::replace(&mut self.storage, S::empty(self.pool.shape().dtype));
         self.pool.release(storage);
     }
 }

@@ -1,81 +1,271 @@
-//! Typed backing buffers of a ring.
+//! Where a ring's elements live: the [`KvStorage`] trait and its host implementation.
+//!
+//! The ring keeps all the bookkeeping (positions, slots, eviction, windows); a storage only holds
+//! elements. A ring's elements are split into **blocks**, one per (layer, kv head, K or V) in the
+//! order `(layer * n_kv_heads + head) * 2 + (0 for K, 1 for V)`; block `b` holds `block_lens[b]`
+//! elements (`rows kept by that layer * head_dim`). Every address the ring hands a storage is
+//! `(block, element offset inside the block)`, and every run it copies or views lies inside one
+//! block, so a storage may place blocks anywhere (one host `Vec`, separate chunks, a device
+//! buffer).
 
-use crate::KvDtype;
+use half::f16;
 
-/// One ring's K and V elements for all layers and heads.
+use crate::{KvDtype, KvError};
+
+/// The element store of a [`KvRing`](crate::KvRing), allocated by its [`KvPool`](crate::KvPool).
+///
+/// Implementations: [`HostKv`] (host memory; what the CPU attention reads through
+/// [`KvRing::view`](crate::KvRing::view)) and device buffers in executor crates. Host storages
+/// that the ring can write and view also implement [`HostKvStorage`]; others are written by
+/// their owner at the slots [`KvRing::layer_slots`](crate::KvRing::layer_slots) names.
+///
+/// Contract (checked for [`HostKv`] and a chunked store in `tests/storage.rs`):
+/// - `allocated_bytes` is exact: the pool's budget accounting relies on it being
+///   `sum(block_lens) * dtype.elem_bytes()` after [`zeroed`](Self::zeroed) and
+///   [`grow_blocks`](Self::grow_blocks).
+/// - Copies move `len` elements as `memmove` would (overlapping runs inside one block are fine).
+/// - Nothing here is called on the decode path except through the ring's eviction (sliding
+///   rings only); none of the host methods allocates except `zeroed` and `grow_blocks`.
+pub trait KvStorage: Sized + Send + Sync + 'static {
+    /// What allocates buffers: `()` for host memory, a device context for device buffers.
+    /// The pool owns one and passes it to every allocation.
+    type Allocator: Send + Sync + 'static;
+
+    /// A buffer of `block_lens.len()` blocks of `block_lens[b]` elements of `dtype`. Contents
+    /// are unspecified (the ring never reads a row before writing it); host memory comes
+    /// zeroed from `alloc_zeroed`.
+    ///
+    /// Errors: [`KvError::StorageFailed`] when the backend refuses.
+    fn zeroed(
+        allocator: &Self::Allocator,
+        dtype: KvDtype,
+        block_lens: &[usize],
+    ) -> Result<Self, KvError>;
+
+    /// A storage holding nothing (no allocation): the placeholder a dropped ring leaves.
+    fn empty(dtype: KvDtype) -> Self;
+
+    /// Bytes actually allocated.
+    fn allocated_bytes(&self) -> usize;
+
+    /// Lengthens the blocks to `block_lens` (same count, each at least its old length). Block
+    /// `b` keeps its old elements at offsets `0..old_len`; the elements after them are
+    /// unspecified. Allocates exactly the new size (no amortized slack escapes the budget).
+    ///
+    /// Errors: [`KvError::StorageFailed`] (the storage is unchanged).
+    fn grow_blocks(
+        &mut self,
+        allocator: &Self::Allocator,
+        block_lens: &[usize],
+    ) -> Result<(), KvError>;
+
+    /// Copies elements `src..src + len` of `block` to `dst..dst + len` of the same block
+    /// (overlap allowed).
+    fn copy_within(
+        &mut self,
+        block: usize,
+        src: usize,
+        dst: usize,
+        len: usize,
+    ) -> Result<(), KvError>;
+
+    /// Copies `other`'s block `src_block` elements `src..src + len` to this storage's block
+    /// `block` at `dst` (same dtype: both come from one pool).
+    fn copy_from(
+        &mut self,
+        block: usize,
+        dst: usize,
+        other: &Self,
+        src_block: usize,
+        src: usize,
+        len: usize,
+    ) -> Result<(), KvError>;
+}
+
+/// A [`KvStorage`] whose blocks the ring can read and write as host slices: what
+/// [`KvRing::write_layer`](crate::KvRing::write_layer) and [`KvRing::view`](crate::KvRing::view)
+/// need.
+///
+/// A storage whose place is chosen at run time (an executor's enum of a host and a device
+/// storage) returns `None` for a value whose elements are not in host memory (for every block
+/// of that value, or for none); the ring then reports [`KvError::NotInHostMemory`]. [`HostKv`]
+/// always returns `Some`.
+pub trait HostKvStorage: KvStorage {
+    /// Block `block`'s elements (all `block_lens[block]` of them), or `None` when this value
+    /// does not keep them in host memory.
+    fn block(&self, block: usize) -> Option<KvBlock<'_>>;
+
+    /// Block `block`'s elements, writable (`None` as for [`block`](Self::block)).
+    fn block_mut(&mut self, block: usize) -> Option<KvBlockMut<'_>>;
+}
+
+/// One block of a host storage, typed by the pool's dtype.
+#[non_exhaustive]
+#[derive(Debug)]
+pub enum KvBlock<'a> {
+    /// `f32` storage.
+    F32(&'a [f32]),
+    /// `f16` storage.
+    F16(&'a [f16]),
+}
+
+/// One writable block of a host storage.
+#[non_exhaustive]
+#[derive(Debug)]
+pub enum KvBlockMut<'a> {
+    /// `f32` storage.
+    F32(&'a mut [f32]),
+    /// `f16` storage.
+    F16(&'a mut [f16]),
+}
+
+/// Host storage: one contiguous zero-allocated buffer, blocks back to back (the default storage
+/// of [`KvRing`](crate::KvRing) and [`KvPool`](crate::KvPool)).
 ///
 /// `F16` is kept as raw `u16` bits so a fresh buffer comes from `alloc_zeroed` (lazily mapped
 /// zero pages, no memset) and is viewed as `f16` through `bytemuck`.
 #[derive(Debug)]
-pub(crate) enum Storage {
+pub struct HostKv {
+    data: HostData,
+    /// Block `b` is `data[bounds[b]..bounds[b + 1]]`.
+    bounds: Box<[usize]>,
+}
+
+#[derive(Debug)]
+enum HostData {
     F32(Vec<f32>),
     F16(Vec<u16>),
 }
 
-impl Storage {
-    /// A zeroed buffer of `elems` elements (`vec![0; n]` uses `alloc_zeroed`, so this costs
-    /// no memset; pages are faulted in on first write).
-    pub(crate) fn zeroed(dtype: KvDtype, elems: usize) -> Self {
-        match dtype {
-            KvDtype::F32 => Self::F32(vec![0.0; elems]),
-            KvDtype::F16 => Self::F16(vec![0; elems]),
-        }
-    }
+fn prefix_bounds(block_lens: &[usize]) -> Box<[usize]> {
+    std::iter::once(0)
+        .chain(block_lens.iter().scan(0usize, |end, &len| {
+            *end += len;
+            Some(*end)
+        }))
+        .collect()
+}
 
-    /// An empty buffer (no allocation), the placeholder left in a dropped ring.
-    pub(crate) fn empty(dtype: KvDtype) -> Self {
-        match dtype {
-            KvDtype::F32 => Self::F32(Vec::new()),
-            KvDtype::F16 => Self::F16(Vec::new()),
-        }
-    }
-
-    pub(crate) fn elems(&self) -> usize {
-        match self {
-            Self::F32(v) => v.len(),
-            Self::F16(v) => v.len(),
-        }
-    }
-
-    /// Bytes actually allocated (from the vector's capacity, not its length).
-    pub(crate) fn allocated_bytes(&self) -> usize {
-        match self {
-            Self::F32(v) => v.capacity() * size_of::<f32>(),
-            Self::F16(v) => v.capacity() * size_of::<u16>(),
-        }
-    }
-
-    /// Lengthens the buffer to `elems` elements (zero-filled tail), reallocating to exactly that
-    /// size: `allocated_bytes` stays exact, and no amortized over-allocation escapes the budget.
-    pub(crate) fn grow_to(&mut self, elems: usize) {
-        match self {
-            Self::F32(v) => {
-                v.reserve_exact(elems.saturating_sub(v.len()));
-                v.resize(elems, 0.0);
-            }
-            Self::F16(v) => {
-                v.reserve_exact(elems.saturating_sub(v.len()));
-                v.resize(elems, 0);
-            }
-        }
-    }
-
-    /// `copy_within` for either element type.
+impl HostKv {
     #[inline]
-    pub(crate) fn copy_within(&mut self, src: usize, dst: usize, len: usize) {
-        match self {
-            Self::F32(v) => v.copy_within(src..src + len, dst),
-            Self::F16(v) => v.copy_within(src..src + len, dst),
+    fn range(&self, block: usize, at: usize, len: usize) -> std::ops::Range<usize> {
+        let base = self.bounds[block];
+        debug_assert!(base + at + len <= self.bounds[block + 1]);
+        base + at..base + at + len
+    }
+}
+
+impl KvStorage for HostKv {
+    type Allocator = ();
+
+    /// `vec![0; n]` uses `alloc_zeroed`, so this costs no memset; pages are faulted in on first
+    /// write.
+    fn zeroed(_: &(), dtype: KvDtype, block_lens: &[usize]) -> Result<Self, KvError> {
+        let bounds = prefix_bounds(block_lens);
+        let elems = bounds[bounds.len() - 1];
+        let data = match dtype {
+            KvDtype::F32 => HostData::F32(vec![0.0; elems]),
+            KvDtype::F16 => HostData::F16(vec![0; elems]),
+        };
+        Ok(Self { data, bounds })
+    }
+
+    fn empty(dtype: KvDtype) -> Self {
+        let data = match dtype {
+            KvDtype::F32 => HostData::F32(Vec::new()),
+            KvDtype::F16 => HostData::F16(Vec::new()),
+        };
+        Self {
+            data,
+            bounds: Box::new([0]),
         }
     }
 
-    /// Copies `other[src..src + len]` into `self[dst..]` (same dtype; checked by the caller).
+    /// From the vector's capacity, not its length.
+    fn allocated_bytes(&self) -> usize {
+        match &self.data {
+            HostData::F32(v) => v.capacity() * size_of::<f32>(),
+            HostData::F16(v) => v.capacity() * size_of::<u16>(),
+        }
+    }
+
+    /// One exact-size reallocation, then one `memmove` per block, last block first (a block only
+    /// moves right, so a later block's source is never overwritten before it moves).
+    fn grow_blocks(&mut self, _: &(), block_lens: &[usize]) -> Result<(), KvError> {
+        assert_eq!(block_lens.len() + 1, self.bounds.len(), "same block count");
+        let bounds = prefix_bounds(block_lens);
+        fn respace<T: Copy + Default>(v: &mut Vec<T>, old: &[usize], new: &[usize]) {
+            let elems = new[new.len() - 1];
+            v.reserve_exact(elems.saturating_sub(v.len()));
+            v.resize(elems, T::default());
+            for b in (0..old.len() - 1).rev() {
+                let len = old[b + 1] - old[b];
+                debug_assert!(len <= new[b + 1] - new[b], "blocks only grow");
+                v.copy_within(old[b]..old[b] + len, new[b]);
+            }
+        }
+        match &mut self.data {
+            HostData::F32(v) => respace(v, &self.bounds, &bounds),
+            HostData::F16(v) => respace(v, &self.bounds, &bounds),
+        }
+        self.bounds = bounds;
+        Ok(())
+    }
+
     #[inline]
-    pub(crate) fn copy_from(&mut self, dst: usize, other: &Self, src: usize, len: usize) {
-        match (self, other) {
-            (Self::F32(d), Self::F32(s)) => d[dst..dst + len].copy_from_slice(&s[src..src + len]),
-            (Self::F16(d), Self::F16(s)) => d[dst..dst + len].copy_from_slice(&s[src..src + len]),
+    fn copy_within(
+        &mut self,
+        block: usize,
+        src: usize,
+        dst: usize,
+        len: usize,
+    ) -> Result<(), KvError> {
+        let from = self.range(block, src, len);
+        let to = self.range(block, dst, len).start;
+        match &mut self.data {
+            HostData::F32(v) => v.copy_within(from, to),
+            HostData::F16(v) => v.copy_within(from, to),
+        }
+        Ok(())
+    }
+
+    #[inline]
+    fn copy_from(
+        &mut self,
+        block: usize,
+        dst: usize,
+        other: &Self,
+        src_block: usize,
+        src: usize,
+        len: usize,
+    ) -> Result<(), KvError> {
+        let to = self.range(block, dst, len);
+        let from = other.range(src_block, src, len);
+        match (&mut self.data, &other.data) {
+            (HostData::F32(d), HostData::F32(s)) => d[to].copy_from_slice(&s[from]),
+            (HostData::F16(d), HostData::F16(s)) => d[to].copy_from_slice(&s[from]),
             _ => unreachable!("rings of one pool share a dtype"),
         }
+        Ok(())
+    }
+}
+
+impl HostKvStorage for HostKv {
+    #[inline]
+    fn block(&self, block: usize) -> Option<KvBlock<'_>> {
+        let r = self.bounds[block]..self.bounds[block + 1];
+        Some(match &self.data {
+            HostData::F32(v) => KvBlock::F32(&v[r]),
+            HostData::F16(v) => KvBlock::F16(bytemuck::cast_slice(&v[r])),
+        })
+    }
+
+    #[inline]
+    fn block_mut(&mut self, block: usize) -> Option<KvBlockMut<'_>> {
+        let r = self.bounds[block]..self.bounds[block + 1];
+        Some(match &mut self.data {
+            HostData::F32(v) => KvBlockMut::F32(&mut v[r]),
+            HostData::F16(v) => KvBlockMut::F16(bytemuck::cast_slice_mut(&mut v[r])),
+        })
     }
 }

@@ -39,7 +39,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use kv_ring::{KvDtype, KvError, KvPool, KvRing, RingMode};
+use kv_ring::{KvDtype, KvError, KvPool, KvRing, KvStorage, RingMode};
 use token_stream::{StreamDecoder, Tokenizer};
 
 use crate::constraint::{
@@ -62,7 +62,8 @@ use prefix::PrefixCache;
 #[non_exhaustive]
 #[derive(Clone, Debug)]
 pub struct EngineConfig {
-    /// KV pool budget in bytes.
+    /// KV pool budget in bytes (of the executor's KV storage: host memory for the CPU, device
+    /// memory for the CUDA executor).
     pub kv_budget_bytes: usize,
     /// KV element type.
     pub kv_dtype: KvDtype,
@@ -441,7 +442,7 @@ impl Shared {
 pub struct Engine<E: Executor = CpuExecutor> {
     shared: Arc<Shared>,
     model: Arc<E>,
-    pool: Arc<KvPool>,
+    pool: Arc<KvPool<E::Kv>>,
     tokenizer: Option<Arc<Tokenizer>>,
     next_id: AtomicU64,
     thread: Option<JoinHandle<()>>,
@@ -491,11 +492,12 @@ impl<E: Executor> Engine<E> {
     ) -> Result<Self, EngineInitError> {
         // Window layers (Gemma, Mistral, ...) keep only the rows a chunk of up to
         // `prefill_chunk` tokens can still attend to.
-        let pool = KvPool::with_layer_windows(
+        let pool = KvPool::with_layer_windows_in(
             model.kv_shape(cfg.kv_dtype),
             cfg.kv_budget_bytes,
             model.kv_windows(),
             cfg.prefill_chunk.max(1),
+            model.kv_allocator(),
         )?;
         let bpt = pool.bytes_per_token().max(1);
         let sched = Scheduler::new(SchedulerConfig {
@@ -559,7 +561,7 @@ impl<E: Executor> Engine<E> {
     }
 
     /// The KV pool.
-    pub fn kv_pool(&self) -> &Arc<KvPool> {
+    pub fn kv_pool(&self) -> &Arc<KvPool<E::Kv>> {
         &self.pool
     }
 
@@ -716,11 +718,11 @@ impl SampleJob<'_> {
 }
 
 /// A sequence in the batch, owned by the scheduler thread.
-struct Active<'t> {
+struct Active<'t, S: KvStorage> {
     id: SeqId,
     req: GenerationRequest,
     chan: Arc<Chan>,
-    kv: KvRing,
+    kv: KvRing<S>,
     sampler: Sampler,
     constrained: Option<SharedConstrained>,
     history: Vec<u32>,
@@ -764,11 +766,11 @@ enum Outcome {
     Failed,
 }
 
-struct Worker<E> {
+struct Worker<E: Executor> {
     shared: Arc<Shared>,
     model: Arc<E>,
-    pool: Arc<KvPool>,
-    prefix: PrefixCache,
+    pool: Arc<KvPool<E::Kv>>,
+    prefix: PrefixCache<E::Kv>,
     /// Fills constrained sequences' masks during the forward pass (started by the first
     /// constrained step).
     masks: Option<MaskFiller>,
@@ -778,7 +780,7 @@ impl<E: Executor> Worker<E> {
     /// Starts filling the masks of the constrained sequences that sample this step, on the
     /// mask thread while the forward pass runs; whether it started (if not, each mask is
     /// filled when its row samples). No allocation without constrained sequences.
-    fn begin_masks(&mut self, seqs: &[(WorkItem, Active<'_>)]) -> bool {
+    fn begin_masks(&mut self, seqs: &[(WorkItem, Active<'_, E::Kv>)]) -> bool {
         let ahead: Vec<SharedConstrained> = seqs
             .iter()
             .filter(|(w, _)| w.samples())
@@ -802,7 +804,7 @@ impl<E: Executor> Worker<E> {
     /// row.
     fn sample_rows(
         &self,
-        seqs: &mut [(WorkItem, Active<'_>)],
+        seqs: &mut [(WorkItem, Active<'_, E::Kv>)],
         logits: &[f32],
         vocab: usize,
     ) -> Vec<Sampled> {
@@ -839,7 +841,7 @@ impl<E: Executor> Worker<E> {
     }
 
     fn run(mut self, tok: Option<&Tokenizer>) {
-        let mut active: HashMap<SeqId, Active<'_>> = HashMap::new();
+        let mut active: HashMap<SeqId, Active<'_, E::Kv>> = HashMap::new();
         let mut parked: HashMap<SeqId, Parked<'_>> = HashMap::new();
         let mut logits = Vec::new();
         let vocab = self.model.config().vocab_size;
@@ -893,13 +895,13 @@ impl<E: Executor> Worker<E> {
 
             // ---- the step
             let t0 = Instant::now();
-            let mut seqs: Vec<(WorkItem, Active<'_>)> = batch
+            let mut seqs: Vec<(WorkItem, Active<'_, E::Kv>)> = batch
                 .iter()
                 .filter_map(|w| active.remove(&w.id()).map(|a| (*w, a)))
                 .collect();
             let filling = self.begin_masks(&seqs);
             let result = {
-                let mut steps: Vec<SeqStep<'_>> = seqs
+                let mut steps: Vec<SeqStep<'_, E::Kv>> = seqs
                     .iter_mut()
                     .map(|(w, a)| {
                         let (tokens, logits) = match *w {
@@ -1045,12 +1047,13 @@ impl<E: Executor> Worker<E> {
     fn plan_kv<'t>(
         &mut self,
         st: &mut State,
-        active: &mut HashMap<SeqId, Active<'t>>,
+        active: &mut HashMap<SeqId, Active<'t, E::Kv>>,
         parked: &mut HashMap<SeqId, Parked<'t>>,
         tok: Option<&'t Tokenizer>,
     ) {
         let bpt = self.pool.bytes_per_token().max(1);
-        let free = |pool: &KvPool| pool.budget_bytes().saturating_sub(pool.used_bytes()) / bpt;
+        let free =
+            |pool: &KvPool<E::Kv>| pool.budget_bytes().saturating_sub(pool.used_bytes()) / bpt;
         let want = st.sched.kv_wanted();
         while free(&self.pool) < want && self.prefix.evict_lru() {}
         let plan = st.sched.schedule(free(&self.pool));
@@ -1116,7 +1119,7 @@ impl<E: Executor> Worker<E> {
         capacity: usize,
         resumed: Option<Parked<'t>>,
         tok: Option<&'t Tokenizer>,
-    ) -> Result<Active<'t>, StartFailed<'t>> {
+    ) -> Result<Active<'t, E::Kv>, StartFailed<'t>> {
         let cap = capacity.max(p.req.prompt.len() + 1);
         let forked = match self.prefix.lookup(&p.req.prompt) {
             Some((ring, n)) => ring
@@ -1187,7 +1190,7 @@ impl<E: Executor> Worker<E> {
     }
 
     /// Keeps a copy of a just-prefilled prompt's KV for later requests with the same prefix.
-    fn remember_prefix(&mut self, a: &Active<'_>) {
+    fn remember_prefix(&mut self, a: &Active<'_, E::Kv>) {
         let n = a.req.prompt.len();
         // A resumed sequence's prompt holds its own generated tokens: nobody else's prefix.
         let resumed = n != a.input_tokens;
@@ -1202,7 +1205,11 @@ impl<E: Executor> Worker<E> {
 
 /// Frees a preempted sequence's KV and keeps the rest for its readmission: its pending request
 /// now has prompt + generated tokens as prompt (what the scheduler queued it with).
-fn park<'t>(st: &mut State, parked: &mut HashMap<SeqId, Parked<'t>>, a: Active<'t>) {
+fn park<'t, S: KvStorage>(
+    st: &mut State,
+    parked: &mut HashMap<SeqId, Parked<'t>>,
+    a: Active<'t, S>,
+) {
     let Active {
         id,
         mut req,
@@ -1246,7 +1253,7 @@ fn park<'t>(st: &mut State, parked: &mut HashMap<SeqId, Parked<'t>>, a: Active<'
     );
 }
 
-impl Active<'_> {
+impl<S: KvStorage> Active<'_, S> {
     /// Takes a sampled token: emits it, or stops.
     fn accept(&mut self, token: u32, logprobs: Option<Box<TokenLogprobs>>) -> Outcome {
         if self.stop_tokens.contains(&token) {

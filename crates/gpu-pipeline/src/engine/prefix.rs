@@ -4,18 +4,18 @@
 //! common token prefix (a linear scan: the cache holds a few entries), so requests sharing a
 //! system prompt but not the user turn still reuse the shared part.
 
-use kv_ring::KvRing;
+use kv_ring::{HostKv, KvRing, KvStorage};
 
-pub(crate) struct PrefixCache {
-    entries: Vec<Entry>,
+pub(crate) struct PrefixCache<S: KvStorage = HostKv> {
+    entries: Vec<Entry<S>>,
     max_entries: usize,
     min_tokens: usize,
     clock: u64,
 }
 
-struct Entry {
+struct Entry<S: KvStorage> {
     tokens: Vec<u32>,
-    ring: KvRing,
+    ring: KvRing<S>,
     last_used: u64,
 }
 
@@ -23,7 +23,7 @@ fn common_prefix(a: &[u32], b: &[u32]) -> usize {
     a.iter().zip(b).take_while(|(x, y)| x == y).count()
 }
 
-impl PrefixCache {
+impl<S: KvStorage> PrefixCache<S> {
     pub(crate) fn new(max_entries: usize, min_tokens: usize) -> Self {
         Self {
             entries: Vec::new(),
@@ -43,7 +43,7 @@ impl PrefixCache {
 
     /// The entry sharing the longest prefix with `prompt`, capped at `prompt.len() - 1` (the
     /// last prompt token must be computed for its logits); `None` below `min_tokens`.
-    pub(crate) fn lookup(&mut self, prompt: &[u32]) -> Option<(&KvRing, usize)> {
+    pub(crate) fn lookup(&mut self, prompt: &[u32]) -> Option<(&KvRing<S>, usize)> {
         let cap = prompt.len().saturating_sub(1);
         let (i, n) = self
             .entries
@@ -69,7 +69,7 @@ impl PrefixCache {
 
     /// Adds an entry (the least recently used one goes when full). `ring` must hold exactly the
     /// KV of `tokens`.
-    pub(crate) fn insert(&mut self, tokens: Vec<u32>, ring: KvRing) {
+    pub(crate) fn insert(&mut self, tokens: Vec<u32>, ring: KvRing<S>) {
         if self.max_entries == 0 || tokens.len() < self.min_tokens {
             return;
         }

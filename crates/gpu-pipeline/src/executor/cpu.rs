@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use kv_ring::{KvDtype, KvShape};
+use kv_ring::{HostKv, KvDtype, KvShape};
 use token_stream::Tokenizer;
 use weight_cache::WeightCache;
 
@@ -51,6 +51,10 @@ impl From<Arc<Model>> for CpuExecutor {
 }
 
 impl Executor for CpuExecutor {
+    type Kv = HostKv;
+
+    fn kv_allocator(&self) {}
+
     fn config(&self) -> &ModelConfig {
         self.model.config()
     }

@@ -8,9 +8,13 @@
 //! [`StreamPlan`] decides, for a device budget smaller than the weights, which tensors stay
 //! resident and which stream layer by layer through two double-buffered slots.
 //!
-//! Today every executor takes its sequences' KV as host [`kv_ring::KvRing`]s (the engine
-//! allocates them from one [`kv_ring::KvPool`]); a device-resident KV store is not part of the
-//! trait yet.
+//! Each executor names the [`KvStorage`] its sequences' rings keep their elements in
+//! ([`Executor::Kv`]); the engine allocates the rings from a [`kv_ring::KvPool`] of that storage
+//! ([`Executor::kv_allocator`]). The CPU and streaming executors take host rings
+//! ([`HostKv`](kv_ring::HostKv)), whose views the CPU attention reads as slices; the CUDA
+//! executor takes device rings ([`cuda::DeviceKv`], feature `cuda`), written and read in place
+//! by its kernels; [`HostedExecutor`] (either, chosen at run time) takes [`HostedKv`], an enum
+//! of the two whose variant its pool's allocator picks.
 
 mod cpu;
 #[cfg(feature = "cuda")]
@@ -22,13 +26,13 @@ mod streaming;
 pub use cpu::CpuExecutor;
 #[cfg(feature = "cuda")]
 pub use cuda::{CudaError, CudaExecutor, CudaOptions, DeviceStats};
-pub use hosted::HostedExecutor;
+pub use hosted::{HostedExecutor, HostedKv, HostedKvAllocator};
 pub use plan::{
     LayerPlan, LayerWeights, Placed, Placement, PlanError, PlanOptions, StreamPlan, WeightSpan,
 };
 pub use streaming::{StreamStats, StreamingError, StreamingExecutor};
 
-use kv_ring::{KvDtype, KvShape};
+use kv_ring::{KvDtype, KvShape, KvStorage};
 use token_stream::Tokenizer;
 use weight_cache::WeightCache;
 
@@ -38,6 +42,15 @@ use crate::threadpool::ThreadPool;
 /// Runs a model's forward pass for the engine. Implementations are shared between the engine's
 /// handle and its worker thread, hence `Send + Sync`.
 pub trait Executor: Send + Sync + 'static {
+    /// Where the sequences' KV rings keep their elements: [`HostKv`](kv_ring::HostKv) for an
+    /// executor whose attention reads host views, a device buffer type for one that keeps KV
+    /// on its device.
+    type Kv: KvStorage;
+
+    /// The allocator the engine's KV pool passes to every buffer of [`Kv`](Self::Kv) (`()` for
+    /// host memory; a device stream).
+    fn kv_allocator(&self) -> <Self::Kv as KvStorage>::Allocator;
+
     /// The model's configuration (vocabulary, context length, layer shapes).
     fn config(&self) -> &ModelConfig;
 
@@ -62,6 +75,9 @@ pub trait Executor: Send + Sync + 'static {
     /// One batched step: appends every step's tokens to its KV ring and writes the wanted
     /// logits rows (`vocab_size` floats each, in step order) to `logits`. A row's result does
     /// not depend on the other steps in the batch.
-    fn forward(&self, steps: &mut [SeqStep<'_>], logits: &mut Vec<f32>)
-    -> Result<(), ForwardError>;
+    fn forward(
+        &self,
+        steps: &mut [SeqStep<'_, Self::Kv>],
+        logits: &mut Vec<f32>,
+    ) -> Result<(), ForwardError>;
 }

@@ -21,7 +21,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use kv_ring::{KvDtype, KvShape};
+use kv_ring::{HostKv, KvDtype, KvShape};
 use token_stream::Tokenizer;
 use weight_cache::{AccessProfile, Gguf, WeightCache};
 
@@ -584,6 +584,10 @@ impl Drop for StreamingExecutor {
 }
 
 impl Executor for StreamingExecutor {
+    type Kv = HostKv;
+
+    fn kv_allocator(&self) {}
+
     fn config(&self) -> &ModelConfig {
         self.model.config()
     }

@@ -14,7 +14,7 @@ mod source;
 use std::ops::Range;
 use std::sync::{Arc, Mutex, OnceLock};
 
-use kv_ring::{KvDtype, KvError, KvRing, KvShape, RingMode};
+use kv_ring::{HostKv, HostKvStorage, KvDtype, KvError, KvRing, KvShape, KvStorage, RingMode};
 use token_stream::Tokenizer;
 use weight_cache::{DequantError, GgmlType, Gguf, WeightCache};
 
@@ -294,13 +294,14 @@ impl LogitsWanted {
 }
 
 /// One sequence's part of a batched [`Model::forward`]: new tokens (a prefill chunk or one
-/// decode token) and the sequence's own KV ring.
+/// decode token) and the sequence's own KV ring, in the executor's storage `S` ([`HostKv`]
+/// for the CPU).
 #[derive(Debug)]
-pub struct SeqStep<'a> {
+pub struct SeqStep<'a, S: KvStorage = HostKv> {
     /// The new tokens, appended at `kv.next_pos()`.
     pub tokens: &'a [u32],
     /// The sequence's cache; the step's K/V are appended and committed.
-    pub kv: &'a mut KvRing,
+    pub kv: &'a mut KvRing<S>,
     /// Which logits to return.
     pub logits: LogitsWanted,
 }
@@ -989,9 +990,13 @@ impl Model {
     ///
     /// Validation (empty steps, token ids, ring shapes, context room, pending chunks) happens
     /// before anything is computed; on such an error no ring is changed.
-    pub fn forward(
+    ///
+    /// Generic over the rings' storage: any [`HostKvStorage`] (monomorphized; the attention
+    /// reads host slices through [`KvRing::view`]). A ring whose elements are not in host
+    /// memory fails with [`KvError::NotInHostMemory`].
+    pub fn forward<S: HostKvStorage>(
         &self,
-        steps: &mut [SeqStep<'_>],
+        steps: &mut [SeqStep<'_, S>],
         out: &mut Vec<f32>,
     ) -> Result<(), ForwardError> {
         out.clear();
@@ -1026,7 +1031,10 @@ impl Model {
     }
 
     /// Checks every step before anything is computed or any ring changed.
-    pub(crate) fn validate(&self, steps: &[SeqStep<'_>]) -> Result<(), ForwardError> {
+    pub(crate) fn validate<S: KvStorage>(
+        &self,
+        steps: &[SeqStep<'_, S>],
+    ) -> Result<(), ForwardError> {
         let cfg = &self.cfg;
         for (i, s) in steps.iter().enumerate() {
             let n = s.tokens.len();
@@ -1143,9 +1151,9 @@ impl Model {
 
     /// Stage 1: begins each step's chunk on its ring, looks up (dequantizes) and scales the
     /// token embeddings into `x`, and fills the RoPE tables for the tokens' positions.
-    fn embed(
+    fn embed<S: KvStorage>(
         &self,
-        steps: &mut [SeqStep<'_>],
+        steps: &mut [SeqStep<'_, S>],
         sc: &mut Scratch,
         touch: Touch<'_>,
     ) -> Result<(), ForwardError> {
@@ -1210,11 +1218,11 @@ impl Model {
     /// RMSNorm, Q/K/V (+ biases, per-head Q/K norms, RoPE), K/V appended to each ring,
     /// attention per sequence (window and soft-cap per the layer), the output projection into
     /// `tmp` (post-normed when the family has post-norms).
-    fn attention_block(
+    fn attention_block<S: HostKvStorage>(
         &self,
         li: usize,
         layer: &Layer,
-        steps: &mut [SeqStep<'_>],
+        steps: &mut [SeqStep<'_, S>],
         sc: &mut Scratch,
         total: usize,
         touch: Touch<'_>,
@@ -1328,11 +1336,11 @@ impl Model {
 
     /// Attention of every step's new tokens against its ring (layer `li`), into `att`: one
     /// pool task per (query block, KV head).
-    fn attend(
+    fn attend<S: HostKvStorage>(
         &self,
         li: usize,
         layer: &Layer,
-        steps: &[SeqStep<'_>],
+        steps: &[SeqStep<'_, S>],
         sc: &mut Scratch,
         total: usize,
     ) -> Result<(), ForwardError> {
@@ -1453,9 +1461,9 @@ impl Model {
 
     /// Stage 4: on the rows whose logits are wanted only, the last residual add, the final
     /// RMSNorm and the output head (then the final soft-cap); commits every step's ring.
-    fn head(
+    fn head<S: KvStorage>(
         &self,
-        steps: &mut [SeqStep<'_>],
+        steps: &mut [SeqStep<'_, S>],
         sc: &mut Scratch,
         out: &mut Vec<f32>,
         touch: Touch<'_>,

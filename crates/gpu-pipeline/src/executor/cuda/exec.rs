@@ -10,13 +10,14 @@ use cudarc::driver::{
     LaunchConfig, PinnedHostSlice, PushKernelArg, ValidAsZeroBits, sys,
 };
 use cudarc::nvrtc::Ptx;
-use kv_ring::{KvDtype, KvShape, KvSlices};
+use kv_ring::{KvDtype, KvShape};
 use token_stream::Tokenizer;
 use weight_cache::{GgmlType, WeightCache};
 
 use super::super::Executor;
 use super::super::plan::{LayerWeights, Placement, PlanOptions, StreamPlan, WeightSpan};
-use super::kernels::{self, ATT_THREADS, MM_THREADS, MM_TOKENS, NORM_THREADS};
+use super::kernels::{self, MM_THREADS, MM_TOKENS, NORM_THREADS};
+use super::kv::{DeviceKv, DeviceRing, RingTables, StepError, kv_err};
 use super::{CudaError, probe};
 use crate::model::device::{DeviceGraph, DeviceTensor};
 use crate::model::{Activation, ForwardError, LogitsWanted, Model, ModelConfig, SeqStep};
@@ -103,6 +104,8 @@ pub struct DeviceStats {
 /// ```
 pub struct CudaExecutor {
     model: Arc<Model>,
+    /// The compute stream: the sequences' KV rings are allocated and used on it.
+    kv_stream: Arc<CudaStream>,
     device: Mutex<Device>,
 }
 
@@ -196,14 +199,8 @@ struct Scratch {
     seln: CudaSlice<f32>,
     logits: CudaSlice<f32>,
     cs: CudaSlice<f32>,
-    kv_k: CudaSlice<f32>,
-    kv_v: CudaSlice<f32>,
     scores: CudaSlice<f32>,
     tokens: CudaSlice<u32>,
-    kv_off: CudaSlice<u32>,
-    tok_step: CudaSlice<u32>,
-    tok_first: CudaSlice<u32>,
-    tok_n: CudaSlice<u32>,
     sel_idx: CudaSlice<u32>,
 }
 
@@ -212,14 +209,6 @@ struct Scratch {
 struct HostScratch {
     tokens: Vec<u32>,
     cs: Vec<f32>,
-    k: Vec<f32>,
-    v: Vec<f32>,
-    kv_k: Vec<f32>,
-    kv_v: Vec<f32>,
-    kv_off: Vec<u32>,
-    tok_step: Vec<u32>,
-    tok_first: Vec<u32>,
-    tok_n: Vec<u32>,
     sel_idx: Vec<u32>,
     /// Per step: first token row.
     rows: Vec<usize>,
@@ -240,6 +229,10 @@ struct Device {
     weights: Weights,
     s: Scratch,
     hs: HostScratch,
+    /// Where each step's rows are in its device ring, per layer.
+    rings: RingTables,
+    /// Per layer, its attention window.
+    windows: Vec<Option<usize>>,
     stats: DeviceStats,
 }
 
@@ -404,14 +397,8 @@ impl CudaExecutor {
             seln: z32()?,
             logits: z32()?,
             cs: z32()?,
-            kv_k: z32()?,
-            kv_v: z32()?,
             scores: z32()?,
             tokens: zu()?,
-            kv_off: zu()?,
-            tok_step: zu()?,
-            tok_first: zu()?,
-            tok_n: zu()?,
             sel_idx: zu()?,
         };
         let weight_bytes = std::iter::once(&graph.embd)
@@ -433,8 +420,11 @@ impl CudaExecutor {
             steps: 0,
             uploaded_bytes: 0,
         };
+        let rings = RingTables::new(&compute)?;
+        let windows = graph.layers.iter().map(|l| l.window).collect();
         Ok(Self {
             model,
+            kv_stream: Arc::clone(&compute),
             device: Mutex::new(Device {
                 core: Core {
                     compute,
@@ -447,6 +437,8 @@ impl CudaExecutor {
                 weights,
                 s,
                 hs: HostScratch::default(),
+                rings,
+                windows,
                 stats,
             }),
         })
@@ -767,6 +759,13 @@ fn rope(
 }
 
 impl Executor for CudaExecutor {
+    type Kv = DeviceKv;
+
+    /// The compute stream: rings are allocated, written and read in its order.
+    fn kv_allocator(&self) -> Arc<CudaStream> {
+        Arc::clone(&self.kv_stream)
+    }
+
     fn config(&self) -> &ModelConfig {
         self.model.config()
     }
@@ -793,7 +792,19 @@ impl Executor for CudaExecutor {
 
     fn forward(
         &self,
-        steps: &mut [SeqStep<'_>],
+        steps: &mut [SeqStep<'_, DeviceKv>],
+        logits: &mut Vec<f32>,
+    ) -> Result<(), ForwardError> {
+        self.forward_on(steps, logits)
+    }
+}
+
+impl CudaExecutor {
+    /// [`Executor::forward`] over rings of any storage that holds a [`DeviceKv`] on this
+    /// executor's stream (the [`HostedExecutor`](crate::executor::HostedExecutor)'s enum too).
+    pub(crate) fn forward_on<S: DeviceRing>(
+        &self,
+        steps: &mut [SeqStep<'_, S>],
         logits: &mut Vec<f32>,
     ) -> Result<(), ForwardError> {
         logits.clear();
@@ -807,50 +818,21 @@ impl Executor for CudaExecutor {
     }
 }
 
-/// A ring error of step `step`.
-fn kv_err(step: usize) -> impl FnOnce(kv_ring::KvError) -> StepError {
-    move |source| StepError::Kv(ForwardError::Kv { step, source })
-}
-
-/// A forward pass's failure: the device's, or a ring's (reported as the CPU does).
-#[derive(Debug)]
-enum StepError {
-    Device(CudaError),
-    Kv(ForwardError),
-}
-
-impl From<CudaError> for StepError {
-    fn from(e: CudaError) -> Self {
-        Self::Device(e)
-    }
-}
-
 impl From<StepError> for ForwardError {
     fn from(e: StepError) -> Self {
         match e {
             StepError::Device(e) => Self::Device(Box::new(e)),
-            StepError::Kv(e) => e,
+            StepError::Kv(step, source) => Self::Kv { step, source },
         }
-    }
-}
-
-/// Appends a view part to `out` as f32.
-fn extend_f32(out: &mut Vec<f32>, part: &KvSlices<'_>) {
-    match part {
-        KvSlices::F32(parts) => parts.iter().for_each(|p| out.extend_from_slice(p)),
-        KvSlices::F16(parts) => parts
-            .iter()
-            .for_each(|p| out.extend(p.iter().map(|h| h.to_f32()))),
-        other => out.extend((0..other.len()).map(|i| other.get(i).unwrap_or(0.0))),
     }
 }
 
 impl Device {
     /// One batched step (the stages of `Model::forward`).
-    fn forward(
+    fn forward<S: DeviceRing>(
         &mut self,
         model: &Model,
-        steps: &mut [SeqStep<'_>],
+        steps: &mut [SeqStep<'_, S>],
         out: &mut Vec<f32>,
     ) -> Result<(), StepError> {
         let Self {
@@ -858,6 +840,8 @@ impl Device {
             weights,
             s: sc,
             hs,
+            rings,
+            windows,
             stats,
         } = self;
         let cfg = model.config();
@@ -890,6 +874,9 @@ impl Device {
             }
             row += n;
         }
+        // Where every ring's rows are, per layer, for kv_scatter and attention_ring (the slots
+        // stay put until commit).
+        rings.build(steps, windows, &st)?;
         for (buf, n) in [
             (&mut sc.x, total * d),
             (&mut sc.h, total * d),
@@ -975,82 +962,23 @@ impl Device {
                     neox,
                 )?;
             }
-            // The step's K/V rows into the host rings, then each ring's view back up.
-            hs.k.resize(total * kvd, 0.0);
-            hs.v.resize(total * kvd, 0.0);
-            st.memcpy_dtoh(&sc.k.slice(0..total * kvd), &mut hs.k[..])
-                .map_err(CudaError::driver("copy K"))?;
-            st.memcpy_dtoh(&sc.v.slice(0..total * kvd), &mut hs.v[..])
-                .map_err(CudaError::driver("copy V"))?;
-            st.synchronize().map_err(CudaError::driver("synchronize"))?;
-            hs.kv_k.clear();
-            hs.kv_v.clear();
-            hs.kv_off.clear();
-            hs.tok_step.clear();
-            hs.tok_first.clear();
-            hs.tok_n.clear();
-            let mut kv_rows = 0usize;
-            let mut max_keys = 0usize;
+            // The step's K/V rows into the rings' slots, then attention over the rings in
+            // place (no host copy of either).
+            rings.scatter(&st, core.kernels.get("kv_scatter"), li, &sc.k, &sc.v, hd)?;
             for (i, s) in steps.iter_mut().enumerate() {
-                let (r0, n) = (hs.rows[i], s.tokens.len());
-                s.kv.write_layer(
-                    li,
-                    &hs.k[r0 * kvd..(r0 + n) * kvd],
-                    &hs.v[r0 * kvd..(r0 + n) * kvd],
-                )
-                .map_err(kv_err(i))?;
-                let ring = &*s.kv;
-                let len_before = ring.layer_len(li);
-                for g in 0..nkv {
-                    let view = ring.view(li, g).map_err(kv_err(i))?;
-                    hs.kv_off.push(u32_of("KV rows", kv_rows)?);
-                    extend_f32(&mut hs.kv_k, &view.keys);
-                    extend_f32(&mut hs.kv_v, &view.values);
-                    kv_rows += view.len;
-                }
-                for j in 0..n {
-                    let keys = len_before + j + 1;
-                    hs.tok_step.push(i as u32);
-                    hs.tok_n.push(u32_of("keys", keys)?);
-                    hs.tok_first
-                        .push(layer.window.map_or(0, |w| keys.saturating_sub(w)) as u32);
-                    max_keys = max_keys.max(keys);
-                }
+                s.kv.mark_layer_written(li).map_err(kv_err(i))?;
             }
-            upload(&st, &hs.kv_k, &mut sc.kv_k)?;
-            upload(&st, &hs.kv_v, &mut sc.kv_v)?;
-            upload(&st, &hs.kv_off, &mut sc.kv_off)?;
-            upload(&st, &hs.tok_step, &mut sc.tok_step)?;
-            upload(&st, &hs.tok_first, &mut sc.tok_first)?;
-            upload(&st, &hs.tok_n, &mut sc.tok_n)?;
-            ensure(&st, &mut sc.scores, total * nh * max_keys)?;
-            {
-                let (h32, kv32, hd32, mk32) =
-                    (nh as u32, nkv as u32, hd as u32, u32_of("keys", max_keys)?);
-                let (scale, cap) = (cfg.attention_scale, cfg.attn_softcap.unwrap_or(0.0));
-                let mut b = st.launch_builder(core.kernels.get("attention"));
-                b.arg(&sc.q)
-                    .arg(&sc.kv_k)
-                    .arg(&sc.kv_v)
-                    .arg(&sc.kv_off)
-                    .arg(&sc.tok_step)
-                    .arg(&sc.tok_first)
-                    .arg(&sc.tok_n)
-                    .arg(&h32)
-                    .arg(&kv32)
-                    .arg(&hd32)
-                    .arg(&scale)
-                    .arg(&cap)
-                    .arg(&mut sc.scores)
-                    .arg(&mk32)
-                    .arg(&mut sc.att);
-                // SAFETY: the arguments match `attention`'s signature; every token's key range
-                // lies inside its (step, kv head) run of the uploaded views (`tok_n` is at most
-                // the view's length), `scores` holds `total * nh * max_keys` floats and `att`
-                // `total * nh * hd`.
-                unsafe { b.launch(blocks(u32_of("rows", total * nh)?, ATT_THREADS)) }
-                    .map_err(CudaError::driver("attention"))?;
-            }
+            ensure(&st, &mut sc.scores, total * nh * rings.max_keys())?;
+            rings.attend(
+                &st,
+                core.kernels.get("attention_ring"),
+                li,
+                &sc.q,
+                (nh, hd),
+                (cfg.attention_scale, cfg.attn_softcap.unwrap_or(0.0)),
+                &mut sc.scores,
+                &mut sc.att,
+            )?;
             matmul(core, weights, &layer.wo, &sc.att, total, &mut sc.tmp)?;
             if let Some(b) = &vecs.biases[3] {
                 add_bias(core, &mut sc.tmp, b, total * d)?;

@@ -312,39 +312,92 @@ extern "C" __global__ void gather_rows(const float* src, const u32* idx, u32 wid
     for (u32 i = threadIdx.x; i < width; i += blockDim.x) d[i] = s[i];
 }
 
-// ---- Attention (model::attention::attend_rows_ext) -----------------------------------------
+// ---- Device KV rings (kv_ring::KvRing in a DeviceKv, read and written in place) -------------
 //
-// q `[token][heads][hd]`; the keys and values of each (step, kv head) are `hd`-float rows at row
-// `kv_off[step * kv_heads + g]` of `k` / `v` (the ring's view, in view order). Query token t
-// (of step `tok_step[t]`) attends to view rows [tok_first[t], tok_n[t]): causal masking and the
-// sliding window are in those bounds. Score = q.k * scale, then cap * tanh(s / cap) when
-// cap > 0, softmax, weighted sum of values. `scores` is `[token * heads][max_keys]` scratch.
-// Grid tokens * heads (GQA: head h reads kv head h / (heads / kv_heads)), ATT_THREADS threads.
+// A ring keeps, per (layer, kv head, K or V), a block of `rows` slots of `hd` elements (f32, or
+// f16 bits when the step's `f16` flag is set); view index i (position order) is in slot
+// (start + i) % rows (kv_ring::LayerSlots). Per layer the host passes, for step s:
+//   blocks[(s * kv_heads + g) * 2 + 0 / 1]  device addresses of kv head g's K / V block,
+//   geom[s * 3 + 0 / 1 / 2]                 start, rows, f16,
+// and for token t (of step tok_step[t]): toks[t * 2 + 0 / 1] = first, keys: the token attends
+// to view indices [first, keys) (causal bound and sliding window), and is itself view index
+// keys - 1. start < rows and keys <= rows, so start + j < 2 rows for every j < keys.
+
+__device__ __forceinline__ u16 f32_to_f16_bits(float f) {
+    u16 h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+
+// Element i of a KV block (as f32).
+__device__ __forceinline__ float kv_load(u64 block, u64 i, u32 f16) {
+    return f16 ? f16_bits_to_f32(((const u16*)block)[i]) : ((const float*)block)[i];
+}
+
+// Stores x at element i of a KV block, rounded to nearest even for f16 (the host ring's
+// `convert_from_f32_slice`).
+__device__ __forceinline__ void kv_store(u64 block, u64 i, u32 f16, float x) {
+    if (f16) {
+        ((u16*)block)[i] = f32_to_f16_bits(x);
+    } else {
+        ((float*)block)[i] = x;
+    }
+}
+
+// Slot of view index j of a ring with `start`, `rows`.
+__device__ __forceinline__ u64 ring_slot(u32 start, u32 rows, u32 j) {
+    const u64 s = (u64)start + j;
+    return s >= rows ? s - rows : s;
+}
+
+// Writes one layer's new K and V rows into the rings (kv_ring::KvRing::write_layer): `k` and
+// `v` are `[token][kv_heads][hd]` f32; token t goes to view index keys - 1 of its ring.
+// Grid tokens * kv_heads, threads over hd.
+extern "C" __global__ void kv_scatter(const float* k, const float* v, u32 kv_heads, u32 hd,
+                                      const u64* blocks, const u32* geom, const u32* tok_step,
+                                      const u32* toks) {
+    const u32 t = blockIdx.x / kv_heads, g = blockIdx.x % kv_heads;
+    const u32 s = tok_step[t];
+    const u32 f16 = geom[s * 3 + 2];
+    const u64 row = ring_slot(geom[s * 3], geom[s * 3 + 1], toks[t * 2 + 1] - 1) * hd;
+    const u64 kb = blocks[((u64)s * kv_heads + g) * 2], vb = blocks[((u64)s * kv_heads + g) * 2 + 1];
+    const float* ks = k + ((u64)t * kv_heads + g) * hd;
+    const float* vs = v + ((u64)t * kv_heads + g) * hd;
+    for (u32 e = threadIdx.x; e < hd; e += blockDim.x) {
+        kv_store(kb, row + e, f16, ks[e]);
+        kv_store(vb, row + e, f16, vs[e]);
+    }
+}
+
+// Attention (model::attention::attend_rows_ext) of query token t, head h against its ring:
+// score = q.k * scale, then cap * tanh(s / cap) when cap > 0, softmax over view indices
+// [first, keys), weighted sum of values. q and out `[token][heads][hd]`; `scores` is
+// `[token * heads][max_keys]` scratch. Grid tokens * heads (GQA: head h reads kv head
+// h / (heads / kv_heads)), ATT_THREADS threads.
 #define ATT_THREADS 128
 extern "C" __global__ void __launch_bounds__(ATT_THREADS)
-    attention(const float* q, const float* k, const float* v, const u32* kv_off,
-              const u32* tok_step, const u32* tok_first, const u32* tok_n, u32 heads,
-              u32 kv_heads, u32 hd, float scale, float cap, float* scores, u32 max_keys,
-              float* out) {
+    attention_ring(const float* q, const u64* blocks, const u32* geom, const u32* tok_step,
+                   const u32* toks, u32 heads, u32 kv_heads, u32 hd, float scale, float cap,
+                   float* scores, u32 max_keys, float* out) {
     __shared__ float red[32];
     const u32 t = blockIdx.x / heads, h = blockIdx.x % heads;
     const u32 g = h / (heads / kv_heads);
-    const u64 base = kv_off[tok_step[t] * kv_heads + g];
-    const float* kb = k + base * hd;
-    const float* vb = v + base * hd;
+    const u32 s = tok_step[t];
+    const u64 kb = blocks[((u64)s * kv_heads + g) * 2], vb = blocks[((u64)s * kv_heads + g) * 2 + 1];
+    const u32 start = geom[s * 3], rows = geom[s * 3 + 1], f16 = geom[s * 3 + 2];
+    const u32 first = toks[t * 2], n = toks[t * 2 + 1];
     const float* qr = q + ((u64)t * heads + h) * hd;
     float* sc = scores + ((u64)t * heads + h) * max_keys;
-    const u32 first = tok_first[t], n = tok_n[t];
 
     float mx = -__int_as_float(0x7f800000);
     for (u32 j = first + threadIdx.x; j < n; j += blockDim.x) {
-        const float* kr = kb + (u64)j * hd;
+        const u64 kr = ring_slot(start, rows, j) * hd;
         float dot = 0.0f;
-        for (u32 d = 0; d < hd; d++) dot = fmaf(qr[d], kr[d], dot);
-        float s = dot * scale;
-        if (cap > 0.0f) s = cap * tanhf(s / cap);
-        sc[j] = s;
-        mx = fmaxf(mx, s);
+        for (u32 d = 0; d < hd; d++) dot = fmaf(qr[d], kv_load(kb, kr + d, f16), dot);
+        float sv = dot * scale;
+        if (cap > 0.0f) sv = cap * tanhf(sv / cap);
+        sc[j] = sv;
+        mx = fmaxf(mx, sv);
     }
     mx = block_max(mx, red);
     float sum = 0.0f;
@@ -359,7 +412,9 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
     float* o = out + ((u64)t * heads + h) * hd;
     for (u32 d = threadIdx.x; d < hd; d += blockDim.x) {
         float acc = 0.0f;
-        for (u32 j = first; j < n; j++) acc = fmaf(sc[j], vb[(u64)j * hd + d], acc);
+        for (u32 j = first; j < n; j++) {
+            acc = fmaf(sc[j], kv_load(vb, ring_slot(start, rows, j) * hd + d, f16), acc);
+        }
         o[d] = acc * inv;
     }
 }

@@ -31,14 +31,15 @@ pub const KERNEL_NAMES: &[&str] = &[
     "softcap",
     "rope",
     "gather_rows",
-    "attention",
+    "kv_scatter",
+    "attention_ring",
 ];
 
 /// Threads per block of the matmul kernel (`MM_THREADS`) and its tokens per block
 /// (`MM_TOKENS`).
 pub(crate) const MM_THREADS: u32 = 128;
 pub(crate) const MM_TOKENS: u32 = 8;
-/// Threads per block of `rmsnorm` (`NORM_THREADS`) and `attention` (`ATT_THREADS`).
+/// Threads per block of `rmsnorm` (`NORM_THREADS`) and `attention_ring` (`ATT_THREADS`).
 pub(crate) const NORM_THREADS: u32 = 256;
 pub(crate) const ATT_THREADS: u32 = 128;
 

@@ -13,19 +13,25 @@
 //!   tensors stay resident; the others stream per step through two slots: layer `l + 2`'s
 //!   upload (mmap -> pinned staging -> device, on a copy stream) starts once layer `l` has
 //!   finished with its slot (an event), and layer `l`'s compute waits for its upload (an event).
-//! - The KV cache stays in the sequences' host [`kv_ring::KvRing`]s (the [`Executor`] trait's
-//!   storage): each layer's new K/V rows come back to the host ring (which does the dtype,
-//!   eviction and window bookkeeping), and attention reads the ring's view uploaded for the
-//!   layer. Correct, but O(context) host-device traffic per layer; a device-resident KV store is
-//!   the next step (the kv-ring storage split of issue #21).
+//! - The KV cache stays on the device: the executor's rings keep their elements in a
+//!   [`DeviceKv`] ([`Executor::Kv`](super::Executor::Kv)), allocated by the engine's pool on the
+//!   compute stream. The ring on the host does the bookkeeping (positions, slots, eviction,
+//!   windows, growth, forks as device-to-device copies); per forward pass the executor uploads
+//!   one small table of where each step's rows are per layer (O(layers x (steps + tokens))
+//!   words, independent of the context), then per layer `kv_scatter` writes the new K/V rows
+//!   at the ring's slots and `attention_ring` reads the rings in place. No K/V crosses the
+//!   PCIe bus.
 //!
 //! [`StreamPlan`]: super::StreamPlan
 
 mod exec;
 pub mod kernels;
+mod kv;
 mod probe;
 
 pub use exec::{CudaExecutor, CudaOptions, DeviceStats};
+pub use kv::DeviceKv;
+pub(crate) use kv::DeviceRing;
 pub use probe::NVRTC_LIB_ENV;
 
 /// Why the CUDA executor could not be created or run.
@@ -91,6 +97,14 @@ pub enum CudaError {
     /// The device budget does not fit the weights' minimum working set.
     #[error(transparent)]
     Plan(#[from] super::PlanError),
+    /// A step's KV ring is not a device ring on this executor's stream (a host ring, or one
+    /// from another executor's pool): rings come from a pool of [`DeviceKv`] whose allocator
+    /// is this executor's `kv_allocator()`.
+    #[error("step {step}: its KV ring is not in this executor's device memory")]
+    RingNotOnDevice {
+        /// The step.
+        step: usize,
+    },
     /// A size does not fit the kernels' 32-bit indices.
     #[error("{what} = {value} does not fit the kernels' 32-bit sizes")]
     TooLarge {
