@@ -666,26 +666,7 @@ fn wrapping_run<E: Executor>(exec: &E, dtype: KvDtype) -> Vec<f32> {
     )
     .unwrap();
     all.extend_from_slice(&out);
-    for t in 0..30u32 {
-        let (ta, tb) = ([(t * 31 + 5) % vocab], [(t * 71 + 9) % vocab]);
-        exec.forward(
-            &mut [
-                SeqStep {
-                    tokens: &ta,
-                    kv: &mut a,
-                    logits: LogitsWanted::Last,
-                },
-                SeqStep {
-                    tokens: &tb,
-                    kv: &mut b,
-                    logits: LogitsWanted::Last,
-                },
-            ],
-            &mut out,
-        )
-        .unwrap();
-        all.extend_from_slice(&out);
-    }
+    common::decode_pair(exec, &mut a, &mut b, 30, &mut all);
     if windowed {
         let layers = exec.kv_shape(dtype).n_layers;
         assert!(

@@ -22,6 +22,8 @@ use gpu_pipeline::{
 use kv_ring::{KvDtype, KvPool, RingMode};
 use weight_cache::Gguf;
 
+mod common;
+
 fn default_gguf() -> Arc<Gguf> {
     let path = weight_cache::locate_default_model().unwrap_or_else(|e| panic!("{e}"));
     // SAFETY: the model file is not modified while the test runs.
@@ -56,26 +58,7 @@ fn batch_logits(exec: &impl Executor<Kv = kv_ring::HostKv>) -> Vec<f32> {
     )
     .unwrap();
     all.extend_from_slice(&out);
-    for t in 0..3u32 {
-        let (ta, tb) = ([(t * 31 + 5) % vocab], [(t * 71 + 9) % vocab]);
-        exec.forward(
-            &mut [
-                SeqStep {
-                    tokens: &ta,
-                    kv: &mut a,
-                    logits: LogitsWanted::Last,
-                },
-                SeqStep {
-                    tokens: &tb,
-                    kv: &mut b,
-                    logits: LogitsWanted::Last,
-                },
-            ],
-            &mut out,
-        )
-        .unwrap();
-        all.extend_from_slice(&out);
-    }
+    common::decode_pair(exec, &mut a, &mut b, 3, &mut all);
     all
 }
 

@@ -1,6 +1,8 @@
-//! Helpers shared by the model-correctness tests (`model_logits.rs`, `quant_models.rs`).
+//! Helpers shared by the model-correctness tests (`model_logits.rs`, `quant_models.rs`) and the
+//! executor tests (`streaming.rs`, `cuda.rs`).
 #![allow(dead_code, unreachable_pub)]
 
+use gpu_pipeline::executor::Executor;
 use gpu_pipeline::{LogitsWanted, Model, SeqStep};
 use kv_ring::{KvDtype, KvPool, KvRing, RingMode};
 use serde_json::Value;
@@ -167,3 +169,36 @@ macro_rules! fixture_tests {
 }
 #[allow(unused_imports)]
 pub(crate) use fixture_tests;
+
+/// `steps` decode steps of two sequences batched together (step `t` feeds `a` token
+/// `(31t + 5) % vocab` and `b` token `(71t + 9) % vocab`), every step's logits appended to `all`.
+pub fn decode_pair<E: Executor>(
+    exec: &E,
+    a: &mut KvRing<E::Kv>,
+    b: &mut KvRing<E::Kv>,
+    steps: u32,
+    all: &mut Vec<f32>,
+) {
+    let vocab = exec.config().vocab_size as u32;
+    let mut out = Vec::new();
+    for t in 0..steps {
+        let (ta, tb) = ([(t * 31 + 5) % vocab], [(t * 71 + 9) % vocab]);
+        exec.forward(
+            &mut [
+                SeqStep {
+                    tokens: &ta,
+                    kv: a,
+                    logits: LogitsWanted::Last,
+                },
+                SeqStep {
+                    tokens: &tb,
+                    kv: b,
+                    logits: LogitsWanted::Last,
+                },
+            ],
+            &mut out,
+        )
+        .unwrap();
+        all.extend_from_slice(&out);
+    }
+}
