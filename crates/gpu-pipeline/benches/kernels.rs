@@ -202,7 +202,10 @@ fn summary() {
             "dtype", "shape", "n", "GFLOP/s", "ms"
         );
         for dtype in DTYPES.into_iter().filter(|&d| selected(d)) {
-            for (rows, cols) in MATMUL_SHAPES {
+            // `cargo test` runs this summary as a smoke test (no `--bench` argument): the
+            // default model's shapes only, not the 1.7B ones (minutes of set-up on 2 cores).
+            let full = std::env::args().any(|a| a == "--bench");
+            for (rows, cols) in MATMUL_SHAPES.into_iter().take(if full { 5 } else { 3 }) {
                 if dtype.row_bytes(cols).is_none() {
                     continue;
                 }
