@@ -244,15 +244,19 @@ impl ThreadPool {
         let width = sh.width.load(Ordering::Relaxed);
         // The workers that join operations at this width (the caller's thread may change
         // between operations, so it is not measured).
-        let joined = width.saturating_sub(1).min(self.workers.len());
         let waits = |w: usize| sh.stat_paths[w].get().and_then(|p| read_wait(p));
-        let Some((start, measured)) = a.window else {
+        // Opens a window at `now` over the workers that join at `width`: their waits so far.
+        let open = |a: &mut Adapt, width: usize| {
+            let joined = width.saturating_sub(1).min(self.workers.len());
             a.base
                 .iter_mut()
                 .take(joined)
                 .enumerate()
                 .for_each(|(w, b)| *b = waits(w));
             a.window = Some((now, joined));
+        };
+        let Some((start, measured)) = a.window else {
+            open(a, width);
             return;
         };
         let elapsed = now.duration_since(start);
@@ -278,13 +282,7 @@ impl ThreadPool {
             a.strikes = STRIKES - 1;
         }
         sh.width.store(next, Ordering::SeqCst);
-        let joined = next.saturating_sub(1).min(self.workers.len());
-        a.base
-            .iter_mut()
-            .take(joined)
-            .enumerate()
-            .for_each(|(w, b)| *b = waits(w));
-        a.window = Some((now, joined));
+        open(a, next);
     }
 
     /// The thread count used by [`new(0)`](Self::new) and [`global`](Self::global):
