@@ -1,9 +1,14 @@
 //! A fleet on loopback: three server processes on the default model behind the claudelink
 //! replica pool, 60 concurrent streams for 30 s; one replica is drained (SIGTERM) at 8 s, one
 //! killed (SIGKILL) at 14 s and restarted at 17 s. Counted: no request lost before its first
-//! token (re-sent elsewhere), every mid-stream failure reported within 2 s of its last event,
-//! streams spread within 20% across the live replicas, the restarted replica back in rotation
-//! within 10 s.
+//! token (re-sent elsewhere), every mid-stream failure reported within 2 s of the later of its
+//! last event and its replica's disruption (the kill, or the end of the drain), streams spread
+//! within 20% across the live replicas, the restarted replica back in rotation within 10 s (a
+//! probe opens a stream every 250 ms from the restart until the pool sends one there).
+//!
+//! Nothing here depends on how fast the machine decodes: on a slow machine one request can
+//! outlast the whole run, so lateness counts from the disruption rather than from a stream's
+//! last token, and rotation is probed rather than read from the clients' next requests.
 
 use std::net::{SocketAddr, TcpStream, UdpSocket};
 use std::path::Path;
@@ -14,7 +19,7 @@ use std::time::{Duration, Instant};
 use zerolayer::claudelink_proto::futures::StreamExt as _;
 use zerolayer::claudelink_proto::{
     CertFingerprint, ChatMessage, ChatRole, Client, ClientConfig, InferenceEvent, InferenceRequest,
-    Pool, PoolConfig, Prompt, Replicas, Trust,
+    Pool, PoolConfig, PoolStream, Prompt, Replicas, Trust,
 };
 
 const CLIENTS: usize = 60;
@@ -22,6 +27,8 @@ const RUN: Duration = Duration::from_secs(30);
 const DRAIN_AT: Duration = Duration::from_secs(8);
 const KILL_AT: Duration = Duration::from_secs(14);
 const RESTART_AT: Duration = Duration::from_secs(17);
+/// `--drain-secs` of every replica.
+const DRAIN_SECS: u64 = 5;
 
 /// `zerolayer serve`.
 fn server_command() -> Command {
@@ -62,7 +69,7 @@ impl Replica {
                 "--threads",
                 "1",
                 "--drain-secs",
-                "5",
+                &DRAIN_SECS.to_string(),
             ])
             .args([
                 "--http-listen",
@@ -111,8 +118,10 @@ struct Outcome {
     replica: Option<SocketAddr>,
     ok: bool,
     first_token: bool,
-    /// For a failure: how long after the last event it was reported.
-    reported_after: Duration,
+    /// When its last event (or the stream) arrived, since the start of the run.
+    last_event: Duration,
+    /// When it ended (finished, or its failure was reported), since the start of the run.
+    ended: Duration,
 }
 
 async fn one(pool: &Pool, req: &InferenceRequest, start: Instant) -> Outcome {
@@ -122,30 +131,61 @@ async fn one(pool: &Pool, req: &InferenceRequest, start: Instant) -> Outcome {
         replica: None,
         ok: false,
         first_token: false,
-        reported_after: Duration::ZERO,
+        last_event: t0 - start,
+        ended: t0 - start,
     };
-    let mut stream = match pool.request(req).await {
-        Ok(s) => s,
-        Err(_) => {
-            out.reported_after = t0.elapsed();
-            return out;
-        }
-    };
-    let mut last = Instant::now();
+    let stream = pool.request(req).await;
+    out.ended = start.elapsed();
+    let Ok(stream) = stream else { return out };
+    out.last_event = out.ended;
+    finish(stream, &mut out, start).await;
+    out
+}
+
+/// Reads `stream` to its end into `out`.
+async fn finish(mut stream: PoolStream, out: &mut Outcome, start: Instant) {
     while let Some(ev) = stream.next().await {
         out.replica = stream.replicas_tried().last().copied();
+        out.ended = start.elapsed();
         match ev {
             Ok(InferenceEvent::Delta { ids, .. }) => out.first_token |= !ids.is_empty(),
             Ok(InferenceEvent::Finished { .. }) => out.ok = true,
-            Ok(InferenceEvent::Error { .. }) | Err(_) => {
-                out.reported_after = last.elapsed();
-                return out;
-            }
+            Ok(InferenceEvent::Error { .. }) | Err(_) => return,
             Ok(_) => {}
         }
-        last = Instant::now();
+        out.last_event = out.ended;
     }
-    out
+}
+
+/// From the restart on, opens a stream every 250 ms until the pool sends one to `restarted`
+/// (the others are dropped at once, which cancels them) or `within` has passed; reads that one
+/// to its end.
+async fn probe_rotation(
+    pool: &Pool,
+    req: &InferenceRequest,
+    restarted: SocketAddr,
+    start: Instant,
+    within: Duration,
+) -> Option<Outcome> {
+    while start.elapsed() < RESTART_AT + within {
+        let t0 = start.elapsed();
+        if let Ok(stream) = pool.request(req).await
+            && stream.replicas_tried().last() == Some(&restarted)
+        {
+            let mut out = Outcome {
+                started: t0,
+                replica: Some(restarted),
+                ok: false,
+                first_token: false,
+                last_event: start.elapsed(),
+                ended: start.elapsed(),
+            };
+            finish(stream, &mut out, start).await;
+            return Some(out);
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    None
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -230,20 +270,44 @@ async fn a_fleet_survives_a_drain_and_a_kill() {
     let _ = replicas[1].child.as_mut().unwrap().wait();
     let (model_path, cert_path2, key_path2) = (model.clone(), cert_path.clone(), key_path.clone());
     replicas[1].start(&model_path, &cert_path2, &key_path2);
+    let back = probe_rotation(&pool, &req, addrs[1], start, Duration::from_secs(10)).await;
     for t in tasks {
         t.await.unwrap();
     }
     let outcomes = outcomes.lock().unwrap().clone();
 
     let failed: Vec<&Outcome> = outcomes.iter().filter(|o| !o.ok).collect();
+    let mut took: Vec<Duration> = outcomes
+        .iter()
+        .filter(|o| o.ok)
+        .map(|o| o.ended - o.started)
+        .collect();
+    took.sort();
+    println!(
+        "{} requests, {} ok (median {:?} each), {} failed mid-stream; rotation probe: {back:?}",
+        outcomes.len(),
+        took.len(),
+        took.get(took.len() / 2),
+        failed.len(),
+    );
     let lost_early: Vec<&&Outcome> = failed.iter().filter(|o| !o.first_token).collect();
     assert!(
         lost_early.is_empty(),
         "requests lost before their first token: {lost_early:?}"
     );
+    // A failure is reported within 2 s of the later of its last event and its replica's
+    // disruption: the kill, or the drain's deadline (streams still running then end with an
+    // error). Nothing happens to the third replica, so nothing fails there.
     for o in &failed {
+        let disrupted = if o.replica == Some(addrs[1]) {
+            KILL_AT
+        } else if o.replica == Some(addrs[0]) {
+            DRAIN_AT + Duration::from_secs(DRAIN_SECS)
+        } else {
+            panic!("a failure on the undisturbed replica: {o:?}")
+        };
         assert!(
-            o.reported_after <= Duration::from_secs(2),
+            o.ended.saturating_sub(o.last_event.max(disrupted)) <= Duration::from_secs(2),
             "a failure reported late: {o:?}"
         );
     }
@@ -253,21 +317,17 @@ async fn a_fleet_survives_a_drain_and_a_kill() {
         .map(|i| samples.iter().map(|s| s[i] as f64).sum::<f64>() / samples.len() as f64)
         .collect();
     let mean = means.iter().sum::<f64>() / 3.0;
+    println!("mean outstanding streams per replica before the drain: {means:?}");
     for m in &means {
         assert!(
             (m - mean).abs() <= 0.2 * mean,
             "uneven spread: mean outstanding {means:?}"
         );
     }
-    // The restarted replica serves again within 10 s.
-    let back = outcomes
-        .iter()
-        .filter(|o| o.ok && o.replica == Some(addrs[1]) && o.started >= RESTART_AT)
-        .map(|o| o.started)
-        .min();
+    // The restarted replica is sent a stream within 10 s of the restart, and serves it.
     assert!(
-        back.is_some_and(|t| t < RESTART_AT + Duration::from_secs(10)),
-        "restarted replica not back in rotation: first request at {back:?}"
+        back.as_ref().is_some_and(|o| o.ok),
+        "restarted replica not back in rotation within 10 s: {back:?}"
     );
     // After the drain nothing new went to the drained replica.
     let after_drain = outcomes
@@ -277,13 +337,6 @@ async fn a_fleet_survives_a_drain_and_a_kill() {
         })
         .count();
     assert_eq!(after_drain, 0);
-    println!(
-        "{} requests, {} ok, {} failed mid-stream; mean outstanding streams before the drain {means:?}; restarted replica back after {:?}",
-        outcomes.len(),
-        outcomes.iter().filter(|o| o.ok).count(),
-        failed.len(),
-        back.map(|t| t - RESTART_AT)
-    );
 }
 
 /// The model id the fleet serves: the default model's `general.name`, as the server names it.
