@@ -123,9 +123,25 @@ pub(crate) fn quantize_tokens(backend: CpuIsa, x: &[f32], cols: usize, acts: &mu
                 // SAFETY: the caller checked that the AVX-512 backend is available.
                 unsafe { super::avx512::quantize_token(xt, at) }
             }
+            #[cfg(target_arch = "x86_64")]
+            CpuIsa::Avx2 => {
+                // SAFETY: the caller checked that the AVX2 backend is available.
+                unsafe { quantize_token_avx2(xt, at) }
+            }
             _ => quantize_token(xt, at),
         }
     }
+}
+
+/// [`quantize_token`] compiled for AVX2 (rounding is `vroundps`, not a libm call; measured
+/// 5% of prompt processing on an AVX2-only host).
+///
+/// # Safety
+/// The CPU supports AVX2 and FMA.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn quantize_token_avx2(x: &[f32], acts: &mut [ActQuad]) {
+    quantize_token(x, acts);
 }
 
 /// Scale and reciprocal of a block with maximum magnitude `amax`.
@@ -138,6 +154,7 @@ pub(crate) fn block_scale(amax: f32) -> (f32, f32) {
 
 /// Scale, quants and the sums of quants 0..16 and 16..32 of one 32-element block (the scalar
 /// reference of every quantizer).
+#[inline(always)]
 fn quant_block(blk: &[f32]) -> (f32, [i8; 32], i32, i32) {
     let amax = blk.iter().fold(0.0f32, |m, v| m.max(v.abs()));
     let (d, id) = block_scale(amax);
@@ -147,6 +164,7 @@ fn quant_block(blk: &[f32]) -> (f32, [i8; 32], i32, i32) {
 }
 
 /// Scalar quantization of one token.
+#[inline(always)]
 pub(crate) fn quantize_token(x: &[f32], acts: &mut [ActQuad]) {
     for (qi, a) in acts.iter_mut().enumerate() {
         *a = ActQuad::ZERO;

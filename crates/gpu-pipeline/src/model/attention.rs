@@ -50,12 +50,29 @@ impl<'a> Rows<'a> {
         }
     }
 
-    /// Element `i` of row `j`, as f32.
-    #[inline(always)]
+    /// Element `i` of row `j`, as f32 (the tests' references).
+    #[cfg(test)]
     fn get(&self, j: usize, hd: usize, i: usize) -> f32 {
         match self {
             Rows::F32(p) => row_of(p, j, hd)[i],
             Rows::F16(p) => row_of(p, j, hd)[i].to_f32(),
+        }
+    }
+
+    /// Row `j` as f32: the stored row itself, or (f16 storage) `buf[..hd]` converted into.
+    #[inline(always)]
+    fn row<'b>(&self, j: usize, hd: usize, buf: &'b mut [f32]) -> &'b [f32]
+    where
+        'a: 'b,
+    {
+        match self {
+            Rows::F32(p) => row_of(p, j, hd),
+            Rows::F16(p) => {
+                use half::slice::HalfFloatSliceExt as _;
+                let buf = &mut buf[..hd];
+                row_of(p, j, hd).convert_to_f32_slice(buf);
+                buf
+            }
         }
     }
 }
@@ -229,18 +246,28 @@ fn portable_body(
 ) {
     let (keys, values) = (Rows::new(&view.keys), Rows::new(&view.values));
     let nmax = n_keys.iter().copied().max().unwrap_or(0);
-    if scratch.len() < nmax {
-        scratch.resize(nmax, 0.0);
+    // Scores, then one converted key or value row (f16 storage).
+    if scratch.len() < nmax + hd {
+        scratch.resize(nmax + hd, 0.0);
     }
+    let (scores, buf) = scratch.split_at_mut(nmax);
+    let whole = hd / 16 * 16;
     for (r, &n) in n_keys.iter().enumerate() {
         let f = first.map_or(0, |f| f[r]);
         let qr = &q[r * hd..][..hd];
-        let s = &mut scratch[..n - f];
+        let s = &mut scores[..n - f];
         for (jj, sj) in s.iter_mut().enumerate() {
-            let j = f + jj;
+            let kr = keys.row(f + jj, hd, buf);
+            // Lane l holds elements i ≡ l (mod 16) in ascending order: whole chunks of 16
+            // (vectorized), then the tail's lanes.
             let mut a = [0.0f32; 16];
-            for (i, &qv) in qr.iter().enumerate() {
-                a[i % 16] = qv.mul_add(keys.get(j, hd, i), a[i % 16]);
+            for (qc, kc) in qr.chunks_exact(16).zip(kr.chunks_exact(16)) {
+                for l in 0..16 {
+                    a[l] = qc[l].mul_add(kc[l], a[l]);
+                }
+            }
+            for i in whole..hd {
+                a[i - whole] = qr[i].mul_add(kr[i], a[i - whole]);
             }
             *sj = tree16(a) * scale;
             if let Some(cap) = softcap {
@@ -259,8 +286,9 @@ fn portable_body(
         let o = &mut out[r * hd..][..hd];
         o.fill(0.0);
         for (jj, &p) in s.iter().enumerate() {
-            for (i, ov) in o.iter_mut().enumerate() {
-                *ov = p.mul_add(values.get(f + jj, hd, i), *ov);
+            let vr = values.row(f + jj, hd, buf);
+            for (ov, &v) in o.iter_mut().zip(vr) {
+                *ov = p.mul_add(v, *ov);
             }
         }
         o.iter_mut().for_each(|v| *v *= inv);
