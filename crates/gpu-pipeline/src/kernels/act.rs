@@ -158,7 +158,12 @@ pub(crate) fn block_scale(amax: f32) -> (f32, f32) {
 fn quant_block(blk: &[f32]) -> (f32, [i8; 32], i32, i32) {
     let amax = blk.iter().fold(0.0f32, |m, v| m.max(v.abs()));
     let (d, id) = block_scale(amax);
-    let q: [i8; 32] = std::array::from_fn(|e| (blk[e] * id).round_ties_even() as i8);
+    // A plain loop, not `array::from_fn`: its closure is not inlined into the AVX2 caller,
+    // and would round with a libm call.
+    let mut q = [0i8; 32];
+    for (qe, &x) in q.iter_mut().zip(blk) {
+        *qe = (x * id).round_ties_even() as i8;
+    }
     let sum = |r: std::ops::Range<usize>| q[r].iter().map(|&v| i32::from(v)).sum::<i32>();
     (d, q, sum(0..16), sum(16..32))
 }
