@@ -732,10 +732,19 @@ fn accumulate<const F: u8>(w: &Quad, a: &ActQuad, acc: [__m256; 2]) -> [__m256; 
                 acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sq1), min1, acc);
             }
         } else {
-            let i =
-                reduce4([0, 1, 2, 3].map(|k| {
+            let i = reduce4([0, 1, 2, 3].map(|k| {
+                if is_signed(F) {
                     _mm256_add_epi32(dot4::<F>(w.w0[k][h], x0), dot4::<F>(w.w1[k][h], x1))
-                }));
+                } else {
+                    // The unsigned quants of the unsplit formats are at most 31 (Q5_*), the
+                    // activations at most 127 in magnitude: two `vpmaddubsw` pair sums add
+                    // within 4 * 31 * 127 (no i16 overflow), so one `vpmaddwd` serves both
+                    // halves, exactly.
+                    let p0 = _mm256_maddubs_epi16(w.w0[k][h], x0);
+                    let p1 = _mm256_maddubs_epi16(w.w1[k][h], x1);
+                    _mm256_madd_epi16(_mm256_add_epi16(p0, p1), _mm256_set1_epi16(1))
+                }
+            }));
             let i = if offset_shift(F) != 0 && !is_signed(F) {
                 _mm256_sub_epi32(i, _mm256_sll_epi32(ld(a.sq.as_ptr().cast(), h), shift))
             } else {
@@ -847,7 +856,8 @@ fn rows_impl<const F: u8>(
     let mut t0 = 0;
     while t0 < n {
         let tn = match n - t0 {
-            4.. => 4,
+            8.. => 8,
+            4..=7 => 4,
             2..=3 => 2,
             _ => 1,
         };
@@ -870,6 +880,10 @@ fn rows_impl<const F: u8>(
             // SAFETY: the rows are whole encoded rows of `w.cols` columns, `ap` has `tn` tokens.
             unsafe {
                 match tn {
+                    8 => tile::<F, 8>(&rowp, ap, nq, nblocks, pf)
+                        .into_iter()
+                        .enumerate()
+                        .for_each(|(t, s)| emit(t, s)),
                     4 => tile::<F, 4>(&rowp, ap, nq, nblocks, pf)
                         .into_iter()
                         .enumerate()
