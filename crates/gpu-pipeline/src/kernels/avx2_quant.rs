@@ -849,6 +849,9 @@ fn rows_impl<const F: u8>(
     rows: Range<usize>,
     out: &mut RowsOut<'_>,
 ) {
+    if n >= PANEL_MIN_TOKENS && !is_split(F) && !rows.is_empty() {
+        return panel_rows::<F>(fmt, w, acts, n, rows, out);
+    }
     let rb = fmt.row_bytes(w.cols);
     let nq = quads_per_token(w.cols);
     let nblocks = w.cols / 32;
@@ -901,4 +904,263 @@ fn rows_impl<const F: u8>(
         }
         t0 += tn;
     }
+}
+
+/// Smallest token count the 8-row panel kernel is used for (the packing pass is amortized over
+/// the tokens; the AVX-512 panel kernel's crossover).
+const PANEL_MIN_TOKENS: usize = 16;
+/// Tokens per panel packing: their activation quads (448 bytes per 128 columns) stay in L2 while
+/// the task's panels pass over them.
+const PANEL_TOKEN_CHUNK: usize = 64;
+
+/// One 32-element block of an 8-row panel: `w[j]` lane `r` holds the quants of elements
+/// `4j..4j + 4` of row `r` (as the 4-row kernel decodes them: offset unsigned, or signed for
+/// Q8_0/IQ4), then the 8 rows' scales and (formats with a minimum) minimums.
+#[repr(C, align(32))]
+#[derive(Clone, Copy)]
+struct PanelBlock {
+    w: [__m256i; 8],
+    d: __m256,
+    m: __m256,
+}
+
+thread_local! {
+    static PANEL: std::cell::RefCell<Vec<PanelBlock>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Many tokens of an unsplit format: 8 rows at a time are decoded once per token chunk (two
+/// [`decode`] calls per quad, then dword transposes) into a panel whose vectors hold one row
+/// per 32-bit lane, and every token's 4 activation bytes are broadcast against it, so no
+/// horizontal sums are needed. Each output element gets exactly [`accumulate`]'s float
+/// operations in the same order (the exact integer block sum, one FMA by `d_w * d_x`, one FMA
+/// by `m_w` and `d_x * sum(q_x)` for the formats with a minimum, chains by block index modulo 4
+/// summed as `(c0 + c2) + (c1 + c3)`), so the results are the 4-row kernel's bits.
+#[target_feature(enable = "avx2,fma,f16c")]
+fn panel_rows<const F: u8>(
+    fmt: Fmt,
+    w: WeightMatrix<'_>,
+    acts: &[ActQuad],
+    n: usize,
+    rows: Range<usize>,
+    out: &mut RowsOut<'_>,
+) {
+    let rb = fmt.row_bytes(w.cols);
+    let nq = quads_per_token(w.cols);
+    let nblocks = w.cols / 32;
+    assert!(acts.len() >= n * nq && rows.end <= w.rows && w.data.len() >= w.rows * rb);
+    PANEL.with(|p| {
+        let mut panel = p.borrow_mut();
+        if panel.len() < nblocks {
+            let z = PanelBlock {
+                w: [_mm256_setzero_si256(); 8],
+                d: _mm256_setzero_ps(),
+                m: _mm256_setzero_ps(),
+            };
+            panel.resize(nblocks, z);
+        }
+        let panel = &mut panel[..nblocks];
+        for tc in (0..n).step_by(PANEL_TOKEN_CHUNK) {
+            let t_end = (tc + PANEL_TOKEN_CHUNK).min(n);
+            for g in rows.clone().step_by(8) {
+                // Rows past the task repeat its last row (decoded, not emitted).
+                let rowp = |k: usize| {
+                    let r = (g + k).min(rows.end - 1);
+                    // SAFETY: `r < w.rows`, so the row lies inside `w.data` (asserted above).
+                    unsafe { w.data.as_ptr().add(r * rb) }
+                };
+                let (ra, rbp) = ([0, 1, 2, 3].map(rowp), [4, 5, 6, 7].map(rowp));
+                // SAFETY: the rows are whole encoded rows of `w.cols` columns.
+                unsafe { pack_panel::<F>(&ra, &rbp, nblocks, panel) };
+                let live = (rows.end - g).min(8);
+                let mut emit = |t: usize, v: __m256| {
+                    let mut o = [0.0f32; 8];
+                    // SAFETY: `o` has room for 8 floats.
+                    unsafe { _mm256_storeu_ps(o.as_mut_ptr(), v) };
+                    out.set_run(t, g, &o[..live]);
+                };
+                let mut t0 = tc;
+                while t0 < t_end {
+                    let ap = acts[t0 * nq..].as_ptr();
+                    // SAFETY: `ap` has the tile's tokens, `nq` quads each.
+                    unsafe {
+                        if t_end - t0 >= 2 {
+                            let v = panel_tile::<F, 2>(panel, ap, nq);
+                            emit(t0, v[0]);
+                            emit(t0 + 1, v[1]);
+                            t0 += 2;
+                        } else {
+                            emit(t0, panel_tile::<F, 1>(panel, ap, nq)[0]);
+                            t0 += 1;
+                        }
+                    }
+                }
+            }
+        }
+    });
+}
+
+/// Dwords `j` of the 4 vectors, per 128-bit lane: `out[j]` lane `k` (and `4 + k`) is dword `j`
+/// of `v[k]`'s low (high) 128 bits.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn transpose_lanes(v: [__m256i; 4]) -> [__m256i; 4] {
+    let t0 = _mm256_unpacklo_epi32(v[0], v[1]);
+    let t1 = _mm256_unpacklo_epi32(v[2], v[3]);
+    let t2 = _mm256_unpackhi_epi32(v[0], v[1]);
+    let t3 = _mm256_unpackhi_epi32(v[2], v[3]);
+    [
+        _mm256_unpacklo_epi64(t0, t1),
+        _mm256_unpackhi_epi64(t0, t1),
+        _mm256_unpacklo_epi64(t2, t3),
+        _mm256_unpackhi_epi64(t2, t3),
+    ]
+}
+
+/// Rows 0..4 from `a`'s and rows 4..8 from `b`'s 128-bit half `l` (block `2h + l` of a half).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn halves(a: __m256i, b: __m256i, l: usize) -> __m256i {
+    if l == 0 {
+        _mm256_permute2x128_si256::<0x20>(a, b)
+    } else {
+        _mm256_permute2x128_si256::<0x31>(a, b)
+    }
+}
+
+/// Decodes the 8 rows `ra` (rows 0..4) and `rb` (rows 4..8) into the panel's `nblocks` blocks.
+///
+/// # Safety
+/// As for [`decode`], for every quad of the rows.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn pack_panel<const F: u8>(
+    ra: &[*const u8; 4],
+    rb: &[*const u8; 4],
+    nblocks: usize,
+    panel: &mut [PanelBlock],
+) {
+    for q in 0..nblocks.div_ceil(4) {
+        let nvalid = (nblocks - 4 * q).min(4);
+        // SAFETY: forwarded from the caller; `q` is a quad of the rows.
+        let (a, b) = unsafe { (decode::<F>(ra, q, nvalid), decode::<F>(rb, q, nvalid)) };
+        for h in 0..2 {
+            let a0 = transpose_lanes([0, 1, 2, 3].map(|k| a.w0[k][h]));
+            let a1 = transpose_lanes([0, 1, 2, 3].map(|k| a.w1[k][h]));
+            let b0 = transpose_lanes([0, 1, 2, 3].map(|k| b.w0[k][h]));
+            let b1 = transpose_lanes([0, 1, 2, 3].map(|k| b.w1[k][h]));
+            for l in 0..2 {
+                let bi = 4 * q + 2 * h + l;
+                if bi >= nblocks {
+                    continue;
+                }
+                let pb = &mut panel[bi];
+                for j in 0..4 {
+                    pb.w[j] = halves(a0[j], b0[j], l);
+                    pb.w[j + 4] = halves(a1[j], b1[j], l);
+                }
+                let ps = |x: __m256, y: __m256| {
+                    _mm256_castsi256_ps(halves(_mm256_castps_si256(x), _mm256_castps_si256(y), l))
+                };
+                pb.d = ps(a.d[h], b.d[h]);
+                pb.m = ps(a.m[h], b.m[h]);
+            }
+        }
+    }
+}
+
+/// Products of the panel's 8 rows with `T` tokens (`acts` at token 0's first quad, tokens `nq`
+/// quads apart): the row sums, lane `r` = row `r`.
+///
+/// # Safety
+/// `acts` is valid for `T * nq` quads; `panel` has the row length's blocks (`nq` quads' worth).
+#[inline]
+#[allow(clippy::needless_range_loop)] // `j` indexes the weight vectors and activation dwords alike
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn panel_tile<const F: u8, const T: usize>(
+    panel: &[PanelBlock],
+    acts: *const ActQuad,
+    nq: usize,
+) -> [__m256; T] {
+    let ones = _mm256_set1_epi16(1);
+    let shift = _mm_cvtsi32_si128(if is_signed(F) { 0 } else { offset_shift(F) });
+    // The unsigned quants of 4-bit formats are at most 15: 8 `vpmaddubsw` pair sums add within
+    // 8 * 2 * 15 * 127 in i16. 5-bit ones (at most 31) add 4 at a time.
+    let four_bit = matches!(F, F_Q4_0 | F_Q4_1 | F_Q4K);
+    // One block `l` of quad `qi` into the chain accumulators `ct` (one per token).
+    let step = |qi: usize, l: usize, pb: &PanelBlock, ct: &mut [__m256; T]| {
+        let wv = pb.w;
+        let wa = if is_signed(F) {
+            wv.map(|v| _mm256_abs_epi8(v))
+        } else {
+            wv
+        };
+        for (t, acc) in ct.iter_mut().enumerate() {
+            // SAFETY: `t * nq + qi < T * nq`.
+            let aq = unsafe { &*acts.add(t * nq + qi) };
+            let x = |j: usize| {
+                let src = if j < 4 {
+                    aq.x0.as_ptr()
+                } else {
+                    aq.x1.as_ptr()
+                };
+                // SAFETY: bytes `16l + 4(j % 4)..+ 4` of the 64-byte field.
+                _mm256_set1_epi32(unsafe {
+                    src.add(16 * l + 4 * (j % 4)).cast::<i32>().read_unaligned()
+                })
+            };
+            let i = if is_signed(F) {
+                let mut s = _mm256_setzero_si256();
+                for j in 0..8 {
+                    let p = _mm256_maddubs_epi16(wa[j], _mm256_sign_epi8(x(j), wv[j]));
+                    s = _mm256_add_epi32(s, _mm256_madd_epi16(p, ones));
+                }
+                s
+            } else if four_bit {
+                let mut p = _mm256_setzero_si256();
+                for j in 0..8 {
+                    p = _mm256_add_epi16(p, _mm256_maddubs_epi16(wv[j], x(j)));
+                }
+                _mm256_madd_epi16(p, ones)
+            } else {
+                let (mut p0, mut p1) = (_mm256_setzero_si256(), _mm256_setzero_si256());
+                for j in 0..4 {
+                    p0 = _mm256_add_epi16(p0, _mm256_maddubs_epi16(wv[j], x(j)));
+                    p1 = _mm256_add_epi16(p1, _mm256_maddubs_epi16(wv[j + 4], x(j + 4)));
+                }
+                _mm256_add_epi32(_mm256_madd_epi16(p0, ones), _mm256_madd_epi16(p1, ones))
+            };
+            let i = if offset_shift(F) != 0 && !is_signed(F) {
+                _mm256_sub_epi32(i, _mm256_sll_epi32(_mm256_set1_epi32(aq.sq[4 * l]), shift))
+            } else {
+                i
+            };
+            let dx = _mm256_set1_ps(aq.dx[4 * l]);
+            *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i), _mm256_mul_ps(pb.d, dx), *acc);
+            if has_min(F) {
+                *acc = _mm256_fmadd_ps(pb.m, _mm256_set1_ps(aq.sx[4 * l]), *acc);
+            }
+        }
+    };
+    // The four chains (block index modulo 4) in separate variables, each quad's blocks with
+    // constant `l`, so the accumulators stay in registers.
+    let z = [_mm256_setzero_ps(); T];
+    let (mut c0, mut c1, mut c2, mut c3) = (z, z, z, z);
+    for (qi, quad) in panel.chunks(4).enumerate() {
+        if let [b0, b1, b2, b3] = quad {
+            step(qi, 0, b0, &mut c0);
+            step(qi, 1, b1, &mut c1);
+            step(qi, 2, b2, &mut c2);
+            step(qi, 3, b3, &mut c3);
+        } else {
+            for (l, pb) in quad.iter().enumerate() {
+                let c = match l {
+                    0 => &mut c0,
+                    1 => &mut c1,
+                    _ => &mut c2,
+                };
+                step(qi, l, pb, c);
+            }
+        }
+    }
+    std::array::from_fn(|t| _mm256_add_ps(_mm256_add_ps(c0[t], c2[t]), _mm256_add_ps(c1[t], c3[t])))
 }
