@@ -852,10 +852,7 @@ fn rows_impl<const F: u8>(
     if n >= PANEL_MIN_TOKENS && !is_split(F) && !rows.is_empty() {
         return panel_rows::<F>(fmt, w, acts, n, rows, out);
     }
-    let rb = fmt.row_bytes(w.cols);
-    let nq = quads_per_token(w.cols);
-    let nblocks = w.cols / 32;
-    assert!(acts.len() >= n * nq && rows.end <= w.rows && w.data.len() >= w.rows * rb);
+    let (rb, nq, nblocks) = checked_shape(fmt, w, acts, n, &rows);
     let mut t0 = 0;
     while t0 < n {
         let tn = match n - t0 {
@@ -906,6 +903,21 @@ fn rows_impl<const F: u8>(
     }
 }
 
+/// Row bytes, activation quads per token and 32-element blocks per row of `w`, after checking
+/// that `acts` holds `n` tokens and `rows` and the data fit the matrix.
+fn checked_shape(
+    fmt: Fmt,
+    w: WeightMatrix<'_>,
+    acts: &[ActQuad],
+    n: usize,
+    rows: &Range<usize>,
+) -> (usize, usize, usize) {
+    let rb = fmt.row_bytes(w.cols);
+    let nq = quads_per_token(w.cols);
+    assert!(acts.len() >= n * nq && rows.end <= w.rows && w.data.len() >= w.rows * rb);
+    (rb, nq, w.cols / 32)
+}
+
 /// Smallest token count the 8-row panel kernel is used for (the packing pass is amortized over
 /// the tokens; the AVX-512 panel kernel's crossover).
 const PANEL_MIN_TOKENS: usize = 16;
@@ -944,10 +956,7 @@ fn panel_rows<const F: u8>(
     rows: Range<usize>,
     out: &mut RowsOut<'_>,
 ) {
-    let rb = fmt.row_bytes(w.cols);
-    let nq = quads_per_token(w.cols);
-    let nblocks = w.cols / 32;
-    assert!(acts.len() >= n * nq && rows.end <= w.rows && w.data.len() >= w.rows * rb);
+    let (rb, nq, nblocks) = checked_shape(fmt, w, acts, n, &rows);
     PANEL.with(|p| {
         let mut panel = p.borrow_mut();
         if panel.len() < nblocks {
