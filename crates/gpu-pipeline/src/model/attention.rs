@@ -278,52 +278,80 @@ fn portable_body(
 ) {
     let (keys, values) = (Rows::new(&view.keys), Rows::new(&view.values));
     let nmax = n_keys.iter().copied().max().unwrap_or(0);
-    // Scores, then one converted key or value row (f16 storage).
-    if scratch.len() < nmax + hd {
-        scratch.resize(nmax + hd, 0.0);
+    // Rows go in blocks of up to BLOCK that share each converted key and value row (prefill);
+    // every row still gets its own operations in its own order. Scratch: the block's scores
+    // (`nmax` per row), then one converted row (f16 storage).
+    const BLOCK: usize = 16;
+    let rows = n_keys.len();
+    let need = BLOCK.min(rows) * nmax + hd;
+    if scratch.len() < need {
+        scratch.resize(need, 0.0);
     }
-    let (scores, buf) = scratch.split_at_mut(nmax);
+    let (scores, buf) = scratch.split_at_mut(need - hd);
     let whole = hd / 16 * 16;
-    for (r, &n) in n_keys.iter().enumerate() {
-        let f = first.map_or(0, |f| f[r]);
-        let qr = &q[r * hd..][..hd];
-        let s = &mut scores[..n - f];
-        for (jj, sj) in s.iter_mut().enumerate() {
-            let kr = keys.row(f + jj, hd, buf);
-            // Lane l holds elements i ≡ l (mod 16) in ascending order: whole chunks of 16
-            // (vectorized), then the tail's lanes.
-            let mut a = [0.0f32; 16];
-            for (qc, kc) in qr.chunks_exact(16).zip(kr.chunks_exact(16)) {
-                for l in 0..16 {
-                    a[l] = qc[l].mul_add(kc[l], a[l]);
+    let first_of = |r: usize| first.map_or(0, |f| f[r]);
+    for r0 in (0..rows).step_by(BLOCK) {
+        let r1 = (r0 + BLOCK).min(rows);
+        let lo = (r0..r1).map(first_of).min().unwrap_or(0);
+        let hi = n_keys[r0..r1].iter().copied().max().unwrap_or(0);
+        for j in lo..hi {
+            let kr = keys.row(j, hd, buf);
+            for r in r0..r1 {
+                let f = first_of(r);
+                if j < f || j >= n_keys[r] {
+                    continue;
+                }
+                let qr = &q[r * hd..][..hd];
+                // Lane l holds elements i ≡ l (mod 16) in ascending order: whole chunks of 16
+                // (vectorized), then the tail's lanes.
+                let mut a = [0.0f32; 16];
+                for (qc, kc) in qr.chunks_exact(16).zip(kr.chunks_exact(16)) {
+                    for l in 0..16 {
+                        a[l] = qc[l].mul_add(kc[l], a[l]);
+                    }
+                }
+                for i in whole..hd {
+                    a[i - whole] = qr[i].mul_add(kr[i], a[i - whole]);
+                }
+                let mut sj = tree16(a) * scale;
+                if let Some(cap) = softcap {
+                    sj = cap * crate::kernels::tanh_f(sj / cap);
+                }
+                scores[(r - r0) * nmax + j - f] = sj;
+            }
+        }
+        let mut inv = [0.0f32; BLOCK];
+        for r in r0..r1 {
+            let f = first_of(r);
+            let s = &mut scores[(r - r0) * nmax..][..n_keys[r] - f];
+            let max = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let mut part = [0.0f32; 16];
+            for (jj, sj) in s.iter_mut().enumerate() {
+                *sj = exp_f(*sj - max);
+                // Keys j ≡ l (mod 16) in partial sum l, whatever the first key: the result does
+                // not depend on how rows with different windows are blocked together.
+                part[(f + jj) % 16] += *sj;
+            }
+            inv[r - r0] = 1.0 / tree16(part);
+            out[r * hd..][..hd].fill(0.0);
+        }
+        for j in lo..hi {
+            let vr = values.row(j, hd, buf);
+            for r in r0..r1 {
+                let f = first_of(r);
+                if j < f || j >= n_keys[r] {
+                    continue;
+                }
+                let p = scores[(r - r0) * nmax + j - f];
+                for (ov, &v) in out[r * hd..][..hd].iter_mut().zip(vr) {
+                    *ov = p.mul_add(v, *ov);
                 }
             }
-            for i in whole..hd {
-                a[i - whole] = qr[i].mul_add(kr[i], a[i - whole]);
-            }
-            *sj = tree16(a) * scale;
-            if let Some(cap) = softcap {
-                *sj = cap * crate::kernels::tanh_f(*sj / cap);
-            }
         }
-        let max = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let mut part = [0.0f32; 16];
-        for (jj, sj) in s.iter_mut().enumerate() {
-            *sj = exp_f(*sj - max);
-            // Keys j ≡ l (mod 16) in partial sum l, whatever the first key: the result does not
-            // depend on how rows with different windows are blocked together.
-            part[(f + jj) % 16] += *sj;
+        for r in r0..r1 {
+            let i = inv[r - r0];
+            out[r * hd..][..hd].iter_mut().for_each(|v| *v *= i);
         }
-        let inv = 1.0 / tree16(part);
-        let o = &mut out[r * hd..][..hd];
-        o.fill(0.0);
-        for (jj, &p) in s.iter().enumerate() {
-            let vr = values.row(f + jj, hd, buf);
-            for (ov, &v) in o.iter_mut().zip(vr) {
-                *ov = p.mul_add(v, *ov);
-            }
-        }
-        o.iter_mut().for_each(|v| *v *= inv);
     }
 }
 
