@@ -294,13 +294,15 @@ fn portable_body(
         let r1 = (r0 + BLOCK).min(rows);
         let lo = (r0..r1).map(first_of).min().unwrap_or(0);
         let hi = n_keys[r0..r1].iter().copied().max().unwrap_or(0);
+        // Where row `r`'s score for key `j` lives, if the row sees that key.
+        let slot = |r: usize, j: usize| {
+            let f = first_of(r);
+            (f..n_keys[r]).contains(&j).then(|| (r - r0) * nmax + j - f)
+        };
         for j in lo..hi {
             let kr = keys.row(j, hd, buf);
             for r in r0..r1 {
-                let f = first_of(r);
-                if j < f || j >= n_keys[r] {
-                    continue;
-                }
+                let Some(at) = slot(r, j) else { continue };
                 let qr = &q[r * hd..][..hd];
                 // Lane l holds elements i ≡ l (mod 16) in ascending order: whole chunks of 16
                 // (vectorized), then the tail's lanes.
@@ -317,7 +319,7 @@ fn portable_body(
                 if let Some(cap) = softcap {
                     sj = cap * crate::kernels::tanh_f(sj / cap);
                 }
-                scores[(r - r0) * nmax + j - f] = sj;
+                scores[at] = sj;
             }
         }
         let mut inv = [0.0f32; BLOCK];
@@ -338,11 +340,8 @@ fn portable_body(
         for j in lo..hi {
             let vr = values.row(j, hd, buf);
             for r in r0..r1 {
-                let f = first_of(r);
-                if j < f || j >= n_keys[r] {
-                    continue;
-                }
-                let p = scores[(r - r0) * nmax + j - f];
+                let Some(at) = slot(r, j) else { continue };
+                let p = scores[at];
                 for (ov, &v) in out[r * hd..][..hd].iter_mut().zip(vr) {
                     *ov = p.mul_add(v, *ov);
                 }
