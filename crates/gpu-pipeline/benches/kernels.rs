@@ -265,12 +265,12 @@ fn packed_matvec(
     let mut i = 0;
     let t = time(Duration::from_millis(300), || {
         let m = if i == 0 { &first } else { &many[i - 1] };
-        matmul_with(CpuIsa::Avx512, m.matrix(), black_box(x), 1, &mut y, pool).unwrap();
+        matmul_with(CpuIsa::detect(), m.matrix(), black_box(x), 1, &mut y, pool).unwrap();
         i = (i + 1) % copies;
     });
     let hot = time(Duration::from_millis(100), || {
         matmul_with(
-            CpuIsa::Avx512,
+            CpuIsa::detect(),
             first.matrix(),
             black_box(x),
             1,

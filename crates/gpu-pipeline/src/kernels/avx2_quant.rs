@@ -25,7 +25,7 @@ use super::avx512::{
     PF_AHEAD, has_min, is_split, offset_shift, prefetch_plan,
 };
 use super::format::Fmt;
-use super::{RowsOut, WeightMatrix};
+use super::{Layout, RowsOut, WeightMatrix};
 use std::mem::offset_of;
 use weight_cache::quant::{
     BlockIQ4NL, BlockIQ4XS, BlockQ2K, BlockQ3K, BlockQ4_0, BlockQ4_1, BlockQ4K, BlockQ5_0,
@@ -810,10 +810,12 @@ unsafe fn tile<const F: u8, const T: usize>(
     acc.map(|a| row_sums(a))
 }
 
-/// Rows `rows` x all `n` tokens of an integer-quantized matrix.
+/// Rows `rows` x all `n` tokens of an integer-quantized matrix, in the file layout or packed
+/// ([`Layout::Rows16`], see [`super::avx2_packed`]).
 ///
 /// # Safety
-/// The CPU supports AVX2, FMA and F16C; `acts` holds `n` tokens quantized for `w.cols`.
+/// The CPU supports AVX2, FMA and F16C; `acts` holds `n` tokens quantized for `w.cols`; a packed
+/// matrix has a packed format and its checked length, and `rows.start` is a multiple of 16.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(crate) unsafe fn quant_rows(
     fmt: Fmt,
@@ -823,6 +825,10 @@ pub(crate) unsafe fn quant_rows(
     rows: Range<usize>,
     out: &mut RowsOut<'_>,
 ) {
+    if w.layout == Layout::Rows16 {
+        // SAFETY: forwarded (same contract); the caller checked the packed matrix's length.
+        return unsafe { super::avx2_packed::quant_rows(fmt, w, acts, n, rows, out) };
+    }
     match fmt {
         Fmt::Q4_0 => rows_impl::<F_Q4_0>(fmt, w, acts, n, rows, out),
         Fmt::Q4_1 => rows_impl::<F_Q4_1>(fmt, w, acts, n, rows, out),
@@ -920,24 +926,24 @@ fn checked_shape(
 
 /// Smallest token count the 8-row panel kernel is used for (the packing pass is amortized over
 /// the tokens; the AVX-512 panel kernel's crossover).
-const PANEL_MIN_TOKENS: usize = 16;
+pub(super) const PANEL_MIN_TOKENS: usize = 16;
 /// Tokens per panel packing: their activation quads (448 bytes per 128 columns) stay in L2 while
 /// the task's panels pass over them.
-const PANEL_TOKEN_CHUNK: usize = 64;
+pub(super) const PANEL_TOKEN_CHUNK: usize = 64;
 
 /// One 32-element block of an 8-row panel: `w[j]` lane `r` holds the quants of elements
 /// `4j..4j + 4` of row `r` (as the 4-row kernel decodes them: offset unsigned, or signed for
 /// Q8_0/IQ4), then the 8 rows' scales and (formats with a minimum) minimums.
 #[repr(C, align(32))]
 #[derive(Clone, Copy)]
-struct PanelBlock {
-    w: [__m256i; 8],
-    d: __m256,
-    m: __m256,
+pub(super) struct PanelBlock {
+    pub(super) w: [__m256i; 8],
+    pub(super) d: __m256,
+    pub(super) m: __m256,
 }
 
 thread_local! {
-    static PANEL: std::cell::RefCell<Vec<PanelBlock>> = const { std::cell::RefCell::new(Vec::new()) };
+    pub(super) static PANEL: std::cell::RefCell<Vec<PanelBlock>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// Many tokens of an unsplit format: 8 rows at a time are decoded once per token chunk (two
@@ -993,12 +999,12 @@ fn panel_rows<const F: u8>(
                     // SAFETY: `ap` has the tile's tokens, `nq` quads each.
                     unsafe {
                         if t_end - t0 >= 2 {
-                            let v = panel_tile::<F, 2>(panel, ap, nq);
+                            let v = panel_tile::<F, 2>(nblocks, |b| panel[b], ap, nq);
                             emit(t0, v[0]);
                             emit(t0 + 1, v[1]);
                             t0 += 2;
                         } else {
-                            emit(t0, panel_tile::<F, 1>(panel, ap, nq)[0]);
+                            emit(t0, panel_tile::<F, 1>(nblocks, |b| panel[b], ap, nq)[0]);
                             t0 += 1;
                         }
                     }
@@ -1077,16 +1083,18 @@ unsafe fn pack_panel<const F: u8>(
     }
 }
 
-/// Products of the panel's 8 rows with `T` tokens (`acts` at token 0's first quad, tokens `nq`
-/// quads apart): the row sums, lane `r` = row `r`.
+/// Products of 8 rows with `T` tokens (`acts` at token 0's first quad, tokens `nq` quads apart):
+/// the row sums, lane `r` = row `r`. `block(b)` gives the rows' block `b` (`b < nblocks`, in
+/// order): from a decoded panel, or straight from a packed matrix.
 ///
 /// # Safety
-/// `acts` is valid for `T * nq` quads; `panel` has the row length's blocks (`nq` quads' worth).
+/// `acts` is valid for `T * nq` quads; `nblocks` is the row length's blocks (`nq` quads' worth).
 #[inline]
 #[allow(clippy::needless_range_loop)] // `j` indexes the weight vectors and activation dwords alike
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn panel_tile<const F: u8, const T: usize>(
-    panel: &[PanelBlock],
+pub(super) unsafe fn panel_tile<const F: u8, const T: usize>(
+    nblocks: usize,
+    block: impl Fn(usize) -> PanelBlock,
     acts: *const ActQuad,
     nq: usize,
 ) -> [__m256; T] {
@@ -1154,22 +1162,20 @@ unsafe fn panel_tile<const F: u8, const T: usize>(
     // constant `l`, so the accumulators stay in registers.
     let z = [_mm256_setzero_ps(); T];
     let (mut c0, mut c1, mut c2, mut c3) = (z, z, z, z);
-    for (qi, quad) in panel.chunks(4).enumerate() {
-        if let [b0, b1, b2, b3] = quad {
-            step(qi, 0, b0, &mut c0);
-            step(qi, 1, b1, &mut c1);
-            step(qi, 2, b2, &mut c2);
-            step(qi, 3, b3, &mut c3);
-        } else {
-            for (l, pb) in quad.iter().enumerate() {
-                let c = match l {
-                    0 => &mut c0,
-                    1 => &mut c1,
-                    _ => &mut c2,
-                };
-                step(qi, l, pb, c);
-            }
-        }
+    let quads = nblocks / 4;
+    for qi in 0..quads {
+        step(qi, 0, &block(4 * qi), &mut c0);
+        step(qi, 1, &block(4 * qi + 1), &mut c1);
+        step(qi, 2, &block(4 * qi + 2), &mut c2);
+        step(qi, 3, &block(4 * qi + 3), &mut c3);
+    }
+    for b in 4 * quads..nblocks {
+        let c = match b % 4 {
+            0 => &mut c0,
+            1 => &mut c1,
+            _ => &mut c2,
+        };
+        step(quads, b % 4, &block(b), c);
     }
     std::array::from_fn(|t| _mm256_add_ps(_mm256_add_ps(c0[t], c2[t]), _mm256_add_ps(c1[t], c3[t])))
 }

@@ -1,13 +1,13 @@
 //! CPU kernels over quantized weights in place (matrix-vector and matrix-matrix products).
 //!
-//! The weights stay in their ggml block encoding, nothing is dequantized to a copy: read in
-//! place from the GGUF mapping, or (Q4_0, Q4_1, Q8_0 on AVX-512) from a [`PackedWeights`] copy
-//! made once at load, whose 16-row interleaving lets the decode kernel skip the per-pass
-//! shuffles (same bytes per weight, bit-identical results). For the integer-quantized types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K,
-//! Q6_K, IQ4_NL, IQ4_XS) the f32 activations are
-//! quantized on the fly to 8 bits per 32-element block (one f32 scale per block, as llama.cpp's
-//! q8 formats do) and the products run as integer dot products (AVX-512 VNNI `vpdpbusd` where the
-//! CPU has it), with the block scales applied in f32. Float weights (F32, F16, BF16) are multiplied
+//! The weights stay in their ggml block encoding, nothing is dequantized to a copy: read in place
+//! from the GGUF mapping, or (Q4_0, Q4_1, Q8_0 on AVX-512 and AVX2) from a [`PackedWeights`] copy
+//! made once at load, whose 16-row interleaving lets the decode kernel skip the per-pass shuffles
+//! (same bytes per weight, bit-identical results). For the integer-quantized types (Q4_0, Q4_1,
+//! Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS) the f32 activations are
+//! quantized on the fly to 8 bits per 32-element block (one f32 scale per block, as llama.cpp's q8
+//! formats do) and the products run as integer dot products (AVX-512 VNNI `vpdpbusd` where the CPU
+//! has it), with the block scales applied in f32. Float weights (F32, F16, BF16) are multiplied
 //! with the f32 activations directly.
 //!
 //! Backends are picked at run time ([`CpuIsa::detect`]): AVX-512 (F, BW, VL, VNNI, VBMI, GFNI), AVX2 +
@@ -38,6 +38,8 @@
 mod act;
 #[cfg(target_arch = "x86_64")]
 mod avx2;
+#[cfg(target_arch = "x86_64")]
+mod avx2_packed;
 #[cfg(target_arch = "x86_64")]
 mod avx2_quant;
 #[cfg(target_arch = "x86_64")]
@@ -85,7 +87,7 @@ pub enum Layout {
     /// As in the model file: row after row, each row its ggml blocks in order.
     #[default]
     File,
-    /// Row-interleaved for the AVX-512 16-row kernel ([`PackedWeights`]).
+    /// Row-interleaved for the AVX-512 and AVX2 packed kernels ([`PackedWeights`]).
     Rows16,
 }
 
@@ -266,7 +268,7 @@ pub enum KernelError {
         /// The backend.
         backend: CpuIsa,
     },
-    /// The backend has no kernel for the matrix's layout (packed weights need AVX-512).
+    /// The backend has no kernel for the matrix's layout (packed weights need AVX-512 or AVX2).
     #[error("backend {backend:?} has no kernel for {} weights in layout {layout:?}", dtype.name())]
     LayoutUnsupported {
         /// The backend.
@@ -585,7 +587,7 @@ pub fn matmul_batch(
 fn check_layout(backend: CpuIsa, w: WeightMatrix<'_>) -> Result<(), KernelError> {
     match w.layout {
         Layout::File => Ok(()),
-        Layout::Rows16 if backend == CpuIsa::Avx512 => Ok(()),
+        Layout::Rows16 if matches!(backend, CpuIsa::Avx512 | CpuIsa::Avx2) => Ok(()),
         layout => Err(KernelError::LayoutUnsupported {
             backend,
             dtype: w.dtype,

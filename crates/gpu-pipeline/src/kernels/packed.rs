@@ -1,4 +1,5 @@
-//! Weights re-arranged once, at load time, for the AVX-512 16-row kernel ("row-interleaved").
+//! Weights re-arranged once, at load time, for the packed 16-row kernels ("row-interleaved":
+//! AVX-512, and AVX2 in `avx2_packed.rs`).
 //!
 //! In a ggml file a row's blocks follow each other, so a kernel that wants 16 rows' block `b` in
 //! one vector (lane `r` = row `r`, the layout `vpdpbusd` with broadcast activations needs) must
@@ -31,7 +32,7 @@ pub(crate) const GROUP_ROWS: usize = 16;
 #[derive(Clone, Copy)]
 struct Line([u8; 64]);
 
-/// A weight matrix in the row-interleaved layout of the AVX-512 16-row kernel (see the module
+/// A weight matrix in the row-interleaved layout of the packed 16-row kernels (see the module
 /// docs), owned. Built once per matrix at load time; [`matrix`](Self::matrix) lends it to the
 /// products ([`super::matmul`], [`super::matmul_many`]), which give bit-identical results to
 /// the file layout, faster.
@@ -97,11 +98,15 @@ pub(crate) fn packed_len(fmt: Fmt, rows: usize, cols: usize) -> Option<usize> {
 
 impl PackedWeights {
     /// Whether matrices of `dtype` can be packed, and the kernels that read the layout run on
-    /// this CPU (AVX-512 with VNNI, selected by [`super::CpuIsa::detect`]).
+    /// this CPU (the AVX-512 or AVX2 backend, selected by [`super::CpuIsa::detect`]).
     pub fn supported(dtype: GgmlType) -> bool {
         #[cfg(target_arch = "x86_64")]
         {
-            Fmt::of(dtype).and_then(block_bytes).is_some() && super::has_avx512()
+            Fmt::of(dtype).and_then(block_bytes).is_some()
+                && matches!(
+                    super::CpuIsa::detect(),
+                    super::CpuIsa::Avx512 | super::CpuIsa::Avx2
+                )
         }
         #[cfg(not(target_arch = "x86_64"))]
         {

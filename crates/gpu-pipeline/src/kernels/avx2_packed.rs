@@ -1,0 +1,243 @@
+//! AVX2 + FMA + F16C kernels for matrices in the row-interleaved layout
+//! ([`super::PackedWeights`]: Q4_0, Q4_1, Q8_0).
+//!
+//! A packed block holds 16 rows' quants as 64-byte vectors, lane `r` (4 bytes) = row `r`; its
+//! low 32 bytes are rows 0..8, the high 32 bytes rows 8..16. So one 256-bit load gives 8 rows'
+//! quants of 4 elements each, the layout of the AVX2 panel kernel's decoded blocks
+//! ([`PanelBlock`]): each broadcast activation dword meets 8 rows at once and no horizontal sums
+//! are needed, where the file-layout decode kernel reduces 4 rows horizontally for every block
+//! (three `vphaddd` rounds per 8 block sums) and gathers the scales with scalar loads. Decode
+//! reads the packed block straight into registers ([`half_block`]) and runs the panel kernel's
+//! block step on it ([`panel_tile`]); many tokens unpack each half group once into the panel
+//! buffer, as the file-layout panel kernel does.
+//!
+//! **Same arithmetic.** A half block carries exactly what the panel kernel decodes from the file
+//! layout (the same quant bytes, scales and minimums), and the step is the same code, so a
+//! packed matrix gives the file layout's bits (and those of the 4-row kernel, the scalar
+//! reference and the AVX-512 kernels).
+
+use std::arch::x86_64::*;
+use std::ops::Range;
+
+use super::act::{ActQuad, quads_per_token};
+use super::avx2_quant::{PANEL, PANEL_MIN_TOKENS, PANEL_TOKEN_CHUNK, PanelBlock, panel_tile};
+use super::avx512::{F_Q4_0, F_Q4_1, F_Q8_0};
+use super::format::Fmt;
+use super::packed::{GROUP_ROWS, block_bytes};
+use super::{RowsOut, WeightMatrix};
+
+/// How far ahead (bytes) decode prefetches the group bytes it streams, into L2 (as the AVX-512
+/// packed kernel does).
+const PF_AHEAD: usize = 8192;
+
+/// Rows `rows` x all `n` tokens of a packed matrix.
+///
+/// # Safety
+/// The CPU supports AVX2, FMA and F16C; `w` is a packed matrix (checked length) of format `fmt`,
+/// one of [`block_bytes`]'s; `acts` holds `n` tokens quantized for `w.cols`; `rows.start` is a
+/// multiple of [`GROUP_ROWS`].
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn quant_rows(
+    fmt: Fmt,
+    w: WeightMatrix<'_>,
+    acts: &[ActQuad],
+    n: usize,
+    rows: Range<usize>,
+    out: &mut RowsOut<'_>,
+) {
+    match fmt {
+        Fmt::Q4_0 => rows_impl::<F_Q4_0>(fmt, w, acts, n, rows, out),
+        Fmt::Q4_1 => rows_impl::<F_Q4_1>(fmt, w, acts, n, rows, out),
+        Fmt::Q8_0 => rows_impl::<F_Q8_0>(fmt, w, acts, n, rows, out),
+        _ => unreachable!("packed formats are checked by the caller"),
+    }
+}
+
+/// Rows `8h..8h + 8` of the packed block at `p`, as the panel kernel decodes them from the file
+/// layout: `w[j]` lane `r` = the quants of elements `4j..4j + 4` (Q4_0/Q4_1: nibble bytes
+/// `4c..4c + 4` hold elements `4c..` in the low nibbles and `16 + 4c..` in the high ones; Q8_0:
+/// the packed quants are offset by 128, flipped back to signed), then the scales and minimums.
+///
+/// # Safety
+/// `p` has a whole packed block of the format; `h < 2`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn half_block<const F: u8>(p: *const u8, h: usize) -> PanelBlock {
+    // SAFETY (whole body): every load is inside the block (`64j + 32h + 32 <= 64 * 8`, the
+    // scales `16h + 16` bytes into their 32-byte field).
+    unsafe {
+        let ld = |off: usize| _mm256_loadu_si256(p.add(off + 32 * h).cast());
+        let f16s = |off: usize| _mm256_cvtph_ps(_mm_loadu_si128(p.add(off + 16 * h).cast()));
+        let mut w = [_mm256_setzero_si256(); 8];
+        if F == F_Q8_0 {
+            let flip = _mm256_set1_epi8(-128);
+            for (j, wj) in w.iter_mut().enumerate() {
+                *wj = _mm256_xor_si256(ld(64 * j), flip);
+            }
+            PanelBlock {
+                w,
+                d: f16s(512),
+                m: _mm256_setzero_ps(),
+            }
+        } else {
+            let lo4 = _mm256_set1_epi8(0x0F);
+            for c in 0..4 {
+                let v = ld(64 * c);
+                w[c] = _mm256_and_si256(v, lo4);
+                w[c + 4] = _mm256_and_si256(_mm256_srli_epi16::<4>(v), lo4);
+            }
+            PanelBlock {
+                w,
+                d: f16s(256),
+                m: if F == F_Q4_1 {
+                    f16s(288)
+                } else {
+                    _mm256_setzero_ps()
+                },
+            }
+        }
+    }
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+fn rows_impl<const F: u8>(
+    fmt: Fmt,
+    w: WeightMatrix<'_>,
+    acts: &[ActQuad],
+    n: usize,
+    rows: Range<usize>,
+    out: &mut RowsOut<'_>,
+) {
+    let bb = block_bytes(fmt).unwrap_or(0);
+    let nb = w.cols / 32;
+    let nq = quads_per_token(w.cols);
+    let gb = nb * bb;
+    assert!(
+        acts.len() >= n * nq
+            && rows.end <= w.rows
+            && rows.start.is_multiple_of(GROUP_ROWS)
+            && !rows.is_empty()
+    );
+    assert!(bb > 0 && w.data.len() >= w.rows.div_ceil(GROUP_ROWS) * gb);
+    // The task's bytes: prefetches stay inside them.
+    let task = &w.data[rows.start / GROUP_ROWS * gb..rows.end.div_ceil(GROUP_ROWS) * gb];
+    if n >= PANEL_MIN_TOKENS {
+        return panel_rows::<F>(task, bb, nb, nq, acts, n, rows, out);
+    }
+    for g in rows.clone().step_by(GROUP_ROWS) {
+        let at = (g - rows.start) / GROUP_ROWS * gb;
+        let group = task[at..at + gb].as_ptr();
+        for h in 0..2 {
+            let r0 = g + 8 * h;
+            if r0 >= rows.end {
+                break;
+            }
+            let live = (rows.end - r0).min(8);
+            let mut emit = |t: usize, v: __m256| {
+                let mut o = [0.0f32; 8];
+                // SAFETY: `o` has room for 8 floats.
+                unsafe { _mm256_storeu_ps(o.as_mut_ptr(), v) };
+                out.set_run(t, r0, &o[..live]);
+            };
+            let mut t0 = 0;
+            while t0 < n {
+                // The first pass over the group (rows 0..8, first tokens) streams it from DRAM:
+                // prefetch ahead in the task. The second half's bytes share its cache lines.
+                let prefetch = h == 0 && t0 == 0;
+                let block = |b: usize| {
+                    if prefetch && b.is_multiple_of(4) {
+                        let from = at + b * bb + PF_AHEAD;
+                        for off in (from..(from + 4 * bb).min(task.len())).step_by(64) {
+                            // A hint inside `task` (no side effects).
+                            _mm_prefetch::<_MM_HINT_T2>(task[off..].as_ptr().cast());
+                        }
+                    }
+                    // SAFETY: block `b < nb` of the group is whole.
+                    unsafe { half_block::<F>(group.add(b * bb), h) }
+                };
+                let ap = acts[t0 * nq..].as_ptr();
+                // SAFETY: `ap` has the tile's tokens, `nq` quads each.
+                unsafe {
+                    if n - t0 >= 2 {
+                        let v = panel_tile::<F, 2>(nb, block, ap, nq);
+                        emit(t0, v[0]);
+                        emit(t0 + 1, v[1]);
+                        t0 += 2;
+                    } else {
+                        emit(t0, panel_tile::<F, 1>(nb, block, ap, nq)[0]);
+                        t0 += 1;
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Many tokens: each half group is unpacked once per token chunk into the panel buffer (as the
+/// file-layout panel kernel decodes its rows), then every token pair runs over it.
+#[allow(clippy::too_many_arguments)]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn panel_rows<const F: u8>(
+    task: &[u8],
+    bb: usize,
+    nb: usize,
+    nq: usize,
+    acts: &[ActQuad],
+    n: usize,
+    rows: Range<usize>,
+    out: &mut RowsOut<'_>,
+) {
+    let gb = nb * bb;
+    PANEL.with(|p| {
+        let mut panel = p.borrow_mut();
+        if panel.len() < nb {
+            let z = PanelBlock {
+                w: [_mm256_setzero_si256(); 8],
+                d: _mm256_setzero_ps(),
+                m: _mm256_setzero_ps(),
+            };
+            panel.resize(nb, z);
+        }
+        let panel = &mut panel[..nb];
+        for tc in (0..n).step_by(PANEL_TOKEN_CHUNK) {
+            let t_end = (tc + PANEL_TOKEN_CHUNK).min(n);
+            for g in rows.clone().step_by(GROUP_ROWS) {
+                let at = (g - rows.start) / GROUP_ROWS * gb;
+                let group = task[at..at + gb].as_ptr();
+                for h in 0..2 {
+                    let r0 = g + 8 * h;
+                    if r0 >= rows.end {
+                        break;
+                    }
+                    for (b, pb) in panel.iter_mut().enumerate() {
+                        // SAFETY: block `b < nb` of the group is whole.
+                        *pb = unsafe { half_block::<F>(group.add(b * bb), h) };
+                    }
+                    let live = (rows.end - r0).min(8);
+                    let mut emit = |t: usize, v: __m256| {
+                        let mut o = [0.0f32; 8];
+                        // SAFETY: `o` has room for 8 floats.
+                        unsafe { _mm256_storeu_ps(o.as_mut_ptr(), v) };
+                        out.set_run(t, r0, &o[..live]);
+                    };
+                    let mut t0 = tc;
+                    while t0 < t_end {
+                        let ap = acts[t0 * nq..].as_ptr();
+                        // SAFETY: `ap` has the tile's tokens, `nq` quads each.
+                        unsafe {
+                            if t_end - t0 >= 2 {
+                                let v = panel_tile::<F, 2>(nb, |b| panel[b], ap, nq);
+                                emit(t0, v[0]);
+                                emit(t0 + 1, v[1]);
+                                t0 += 2;
+                            } else {
+                                emit(t0, panel_tile::<F, 1>(nb, |b| panel[b], ap, nq)[0]);
+                                t0 += 1;
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    });
+}
