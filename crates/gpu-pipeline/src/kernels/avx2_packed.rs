@@ -20,7 +20,9 @@ use std::arch::x86_64::*;
 use std::ops::Range;
 
 use super::act::{ActQuad, quads_per_token};
-use super::avx2_quant::{PANEL, PANEL_MIN_TOKENS, PANEL_TOKEN_CHUNK, PanelBlock, panel_tile};
+use super::avx2_quant::{
+    PANEL_MIN_TOKENS, PANEL_TOKEN_CHUNK, PanelBlock, emit8, token_tiles, with_panel,
+};
 use super::avx512::{F_Q4_0, F_Q4_1, F_Q8_0};
 use super::format::Fmt;
 use super::packed::{GROUP_ROWS, block_bytes};
@@ -133,42 +135,20 @@ fn rows_impl<const F: u8>(
                 break;
             }
             let live = (rows.end - r0).min(8);
-            let mut emit = |t: usize, v: __m256| {
-                let mut o = [0.0f32; 8];
-                // SAFETY: `o` has room for 8 floats.
-                unsafe { _mm256_storeu_ps(o.as_mut_ptr(), v) };
-                out.set_run(t, r0, &o[..live]);
-            };
-            let mut t0 = 0;
-            while t0 < n {
-                // The first pass over the group (rows 0..8, first tokens) streams it from DRAM:
-                // prefetch ahead in the task. The second half's bytes share its cache lines.
-                let prefetch = h == 0 && t0 == 0;
-                let block = |b: usize| {
-                    if prefetch && b.is_multiple_of(4) {
-                        let from = at + b * bb + PF_AHEAD;
-                        for off in (from..(from + 4 * bb).min(task.len())).step_by(64) {
-                            // A hint inside `task` (no side effects).
-                            _mm_prefetch::<_MM_HINT_T2>(task[off..].as_ptr().cast());
-                        }
-                    }
-                    // SAFETY: block `b < nb` of the group is whole.
-                    unsafe { half_block::<F>(group.add(b * bb), h) }
-                };
-                let ap = acts[t0 * nq..].as_ptr();
-                // SAFETY: `ap` has the tile's tokens, `nq` quads each.
-                unsafe {
-                    if n - t0 >= 2 {
-                        let v = panel_tile::<F, 2>(nb, block, ap, nq);
-                        emit(t0, v[0]);
-                        emit(t0 + 1, v[1]);
-                        t0 += 2;
-                    } else {
-                        emit(t0, panel_tile::<F, 1>(nb, block, ap, nq)[0]);
-                        t0 += 1;
+            // The first pass over the group (rows 0..8, first tokens) streams it from DRAM:
+            // prefetch ahead in the task. The second half's bytes share its cache lines.
+            let block = |t0: usize, b: usize| {
+                if h == 0 && t0 == 0 && b.is_multiple_of(4) {
+                    let from = at + b * bb + PF_AHEAD;
+                    for off in (from..(from + 4 * bb).min(task.len())).step_by(64) {
+                        // A hint inside `task` (no side effects).
+                        _mm_prefetch::<_MM_HINT_T2>(task[off..].as_ptr().cast());
                     }
                 }
-            }
+                // SAFETY: block `b < nb` of the group is whole.
+                unsafe { half_block::<F>(group.add(b * bb), h) }
+            };
+            token_tiles::<F>(nb, block, acts, nq, 0..n, |t, v| emit8(out, t, r0, live, v));
         }
     }
 }
@@ -188,17 +168,7 @@ fn panel_rows<const F: u8>(
     out: &mut RowsOut<'_>,
 ) {
     let gb = nb * bb;
-    PANEL.with(|p| {
-        let mut panel = p.borrow_mut();
-        if panel.len() < nb {
-            let z = PanelBlock {
-                w: [_mm256_setzero_si256(); 8],
-                d: _mm256_setzero_ps(),
-                m: _mm256_setzero_ps(),
-            };
-            panel.resize(nb, z);
-        }
-        let panel = &mut panel[..nb];
+    with_panel(nb, |panel| {
         for tc in (0..n).step_by(PANEL_TOKEN_CHUNK) {
             let t_end = (tc + PANEL_TOKEN_CHUNK).min(n);
             for g in rows.clone().step_by(GROUP_ROWS) {
@@ -214,28 +184,15 @@ fn panel_rows<const F: u8>(
                         *pb = unsafe { half_block::<F>(group.add(b * bb), h) };
                     }
                     let live = (rows.end - r0).min(8);
-                    let mut emit = |t: usize, v: __m256| {
-                        let mut o = [0.0f32; 8];
-                        // SAFETY: `o` has room for 8 floats.
-                        unsafe { _mm256_storeu_ps(o.as_mut_ptr(), v) };
-                        out.set_run(t, r0, &o[..live]);
-                    };
-                    let mut t0 = tc;
-                    while t0 < t_end {
-                        let ap = acts[t0 * nq..].as_ptr();
-                        // SAFETY: `ap` has the tile's tokens, `nq` quads each.
-                        unsafe {
-                            if t_end - t0 >= 2 {
-                                let v = panel_tile::<F, 2>(nb, |b| panel[b], ap, nq);
-                                emit(t0, v[0]);
-                                emit(t0 + 1, v[1]);
-                                t0 += 2;
-                            } else {
-                                emit(t0, panel_tile::<F, 1>(nb, |b| panel[b], ap, nq)[0]);
-                                t0 += 1;
-                            }
-                        }
-                    }
+                    let panel: &[PanelBlock] = panel;
+                    token_tiles::<F>(
+                        nb,
+                        |_, b| panel[b],
+                        acts,
+                        nq,
+                        tc..t_end,
+                        |t, v| emit8(out, t, r0, live, v),
+                    );
                 }
             }
         }

@@ -943,7 +943,20 @@ pub(super) struct PanelBlock {
 }
 
 thread_local! {
-    pub(super) static PANEL: std::cell::RefCell<Vec<PanelBlock>> = const { std::cell::RefCell::new(Vec::new()) };
+    static PANEL: std::cell::RefCell<Vec<PanelBlock>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Calls `f` with this thread's panel buffer of `nblocks` blocks.
+pub(super) fn with_panel<R>(nblocks: usize, f: impl FnOnce(&mut [PanelBlock]) -> R) -> R {
+    PANEL.with(|p| {
+        let mut panel = p.borrow_mut();
+        if panel.len() < nblocks {
+            // SAFETY: all-zero bits are valid vectors.
+            let z: PanelBlock = unsafe { std::mem::zeroed() };
+            panel.resize(nblocks, z);
+        }
+        f(&mut panel[..nblocks])
+    })
 }
 
 /// Many tokens of an unsplit format: 8 rows at a time are decoded once per token chunk (two
@@ -963,17 +976,7 @@ fn panel_rows<const F: u8>(
     out: &mut RowsOut<'_>,
 ) {
     let (rb, nq, nblocks) = checked_shape(fmt, w, acts, n, &rows);
-    PANEL.with(|p| {
-        let mut panel = p.borrow_mut();
-        if panel.len() < nblocks {
-            let z = PanelBlock {
-                w: [_mm256_setzero_si256(); 8],
-                d: _mm256_setzero_ps(),
-                m: _mm256_setzero_ps(),
-            };
-            panel.resize(nblocks, z);
-        }
-        let panel = &mut panel[..nblocks];
+    with_panel(nblocks, |panel| {
         for tc in (0..n).step_by(PANEL_TOKEN_CHUNK) {
             let t_end = (tc + PANEL_TOKEN_CHUNK).min(n);
             for g in rows.clone().step_by(8) {
@@ -987,28 +990,15 @@ fn panel_rows<const F: u8>(
                 // SAFETY: the rows are whole encoded rows of `w.cols` columns.
                 unsafe { pack_panel::<F>(&ra, &rbp, nblocks, panel) };
                 let live = (rows.end - g).min(8);
-                let mut emit = |t: usize, v: __m256| {
-                    let mut o = [0.0f32; 8];
-                    // SAFETY: `o` has room for 8 floats.
-                    unsafe { _mm256_storeu_ps(o.as_mut_ptr(), v) };
-                    out.set_run(t, g, &o[..live]);
-                };
-                let mut t0 = tc;
-                while t0 < t_end {
-                    let ap = acts[t0 * nq..].as_ptr();
-                    // SAFETY: `ap` has the tile's tokens, `nq` quads each.
-                    unsafe {
-                        if t_end - t0 >= 2 {
-                            let v = panel_tile::<F, 2>(nblocks, |b| panel[b], ap, nq);
-                            emit(t0, v[0]);
-                            emit(t0 + 1, v[1]);
-                            t0 += 2;
-                        } else {
-                            emit(t0, panel_tile::<F, 1>(nblocks, |b| panel[b], ap, nq)[0]);
-                            t0 += 1;
-                        }
-                    }
-                }
+                let panel: &[PanelBlock] = panel;
+                token_tiles::<F>(
+                    nblocks,
+                    |_, b| panel[b],
+                    acts,
+                    nq,
+                    tc..t_end,
+                    |t, v| emit8(out, t, g, live, v),
+                );
             }
         }
     });
@@ -1081,6 +1071,51 @@ unsafe fn pack_panel<const F: u8>(
             }
         }
     }
+}
+
+/// [`panel_tile`] over the tokens `tokens` in pairs (then one), calling `emit(token, row sums)`;
+/// `block(t0, b)` gives block `b` for the tile starting at token `t0`.
+///
+/// # Panics
+/// If `acts` has fewer than `tokens.end * nq` quads.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) fn token_tiles<const F: u8>(
+    nblocks: usize,
+    block: impl Fn(usize, usize) -> PanelBlock,
+    acts: &[ActQuad],
+    nq: usize,
+    tokens: Range<usize>,
+    mut emit: impl FnMut(usize, __m256),
+) {
+    assert!(acts.len() >= tokens.end * nq && nblocks <= 4 * nq);
+    let mut t0 = tokens.start;
+    while t0 < tokens.end {
+        let ap = acts[t0 * nq..].as_ptr();
+        let tile_block = |b: usize| block(t0, b);
+        // SAFETY: `ap` has the tile's tokens, `nq` quads each (asserted); `nblocks` fit `nq`.
+        unsafe {
+            if tokens.end - t0 >= 2 {
+                let v = panel_tile::<F, 2>(nblocks, tile_block, ap, nq);
+                emit(t0, v[0]);
+                emit(t0 + 1, v[1]);
+                t0 += 2;
+            } else {
+                emit(t0, panel_tile::<F, 1>(nblocks, tile_block, ap, nq)[0]);
+                t0 += 1;
+            }
+        }
+    }
+}
+
+/// Stores the first `live` lanes of `v` as rows `r0..r0 + live` of token `t`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) fn emit8(out: &mut RowsOut<'_>, t: usize, r0: usize, live: usize, v: __m256) {
+    let mut o = [0.0f32; 8];
+    // SAFETY: `o` has room for 8 floats.
+    unsafe { _mm256_storeu_ps(o.as_mut_ptr(), v) };
+    out.set_run(t, r0, &o[..live]);
 }
 
 /// Products of 8 rows with `T` tokens (`acts` at token 0's first quad, tokens `nq` quads apart):
