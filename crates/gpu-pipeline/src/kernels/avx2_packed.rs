@@ -1,5 +1,6 @@
 //! AVX2 + FMA + F16C kernels for matrices in the row-interleaved layout
-//! ([`super::PackedWeights`]: Q4_0, Q4_1, Q8_0).
+//! ([`super::PackedWeights`]: Q4_0, Q4_1, Q8_0), dispatched from the AVX2 backend for
+//! [`super::Layout::Rows16`] matrices.
 //!
 //! A packed block holds 16 rows' quants as 64-byte vectors, lane `r` (4 bytes) = row `r`; its
 //! low 32 bytes are rows 0..8, the high 32 bytes rows 8..16. So one 256-bit load gives 8 rows'
@@ -101,6 +102,15 @@ unsafe fn half_block<const F: u8>(p: *const u8, h: usize) -> PanelBlock {
     }
 }
 
+/// The halves of the 16-row group at row `g` that hold rows before `end`: `(h, first row,
+/// rows)`.
+fn live_halves(g: usize, end: usize) -> impl Iterator<Item = (usize, usize, usize)> {
+    (0..2)
+        .map(move |h| (h, g + 8 * h))
+        .take_while(move |&(_, r0)| r0 < end)
+        .map(move |(h, r0)| (h, r0, (end - r0).min(8)))
+}
+
 #[target_feature(enable = "avx2,fma,f16c")]
 fn rows_impl<const F: u8>(
     fmt: Fmt,
@@ -129,12 +139,7 @@ fn rows_impl<const F: u8>(
     for g in rows.clone().step_by(GROUP_ROWS) {
         let at = (g - rows.start) / GROUP_ROWS * gb;
         let group = task[at..at + gb].as_ptr();
-        for h in 0..2 {
-            let r0 = g + 8 * h;
-            if r0 >= rows.end {
-                break;
-            }
-            let live = (rows.end - r0).min(8);
+        for (h, r0, live) in live_halves(g, rows.end) {
             // The first pass over the group (rows 0..8, first tokens) streams it from DRAM:
             // prefetch ahead in the task. The second half's bytes share its cache lines.
             let block = |t0: usize, b: usize| {
@@ -174,16 +179,11 @@ fn panel_rows<const F: u8>(
             for g in rows.clone().step_by(GROUP_ROWS) {
                 let at = (g - rows.start) / GROUP_ROWS * gb;
                 let group = task[at..at + gb].as_ptr();
-                for h in 0..2 {
-                    let r0 = g + 8 * h;
-                    if r0 >= rows.end {
-                        break;
-                    }
+                for (h, r0, live) in live_halves(g, rows.end) {
                     for (b, pb) in panel.iter_mut().enumerate() {
                         // SAFETY: block `b < nb` of the group is whole.
                         *pb = unsafe { half_block::<F>(group.add(b * bb), h) };
                     }
-                    let live = (rows.end - r0).min(8);
                     let panel: &[PanelBlock] = panel;
                     token_tiles::<F>(
                         nb,

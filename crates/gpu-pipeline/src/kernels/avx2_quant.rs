@@ -25,7 +25,7 @@ use super::avx512::{
     PF_AHEAD, has_min, is_split, offset_shift, prefetch_plan,
 };
 use super::format::Fmt;
-use super::{Layout, RowsOut, WeightMatrix};
+use super::{RowsOut, WeightMatrix};
 use std::mem::offset_of;
 use weight_cache::quant::{
     BlockIQ4NL, BlockIQ4XS, BlockQ2K, BlockQ3K, BlockQ4_0, BlockQ4_1, BlockQ4K, BlockQ5_0,
@@ -810,12 +810,10 @@ unsafe fn tile<const F: u8, const T: usize>(
     acc.map(|a| row_sums(a))
 }
 
-/// Rows `rows` x all `n` tokens of an integer-quantized matrix, in the file layout or packed
-/// ([`Layout::Rows16`], see [`super::avx2_packed`]).
+/// Rows `rows` x all `n` tokens of an integer-quantized matrix in the file layout.
 ///
 /// # Safety
-/// The CPU supports AVX2, FMA and F16C; `acts` holds `n` tokens quantized for `w.cols`; a packed
-/// matrix has a packed format and its checked length, and `rows.start` is a multiple of 16.
+/// The CPU supports AVX2, FMA and F16C; `acts` holds `n` tokens quantized for `w.cols`.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(crate) unsafe fn quant_rows(
     fmt: Fmt,
@@ -825,10 +823,6 @@ pub(crate) unsafe fn quant_rows(
     rows: Range<usize>,
     out: &mut RowsOut<'_>,
 ) {
-    if w.layout == Layout::Rows16 {
-        // SAFETY: forwarded (same contract); the caller checked the packed matrix's length.
-        return unsafe { super::avx2_packed::quant_rows(fmt, w, acts, n, rows, out) };
-    }
     match fmt {
         Fmt::Q4_0 => rows_impl::<F_Q4_0>(fmt, w, acts, n, rows, out),
         Fmt::Q4_1 => rows_impl::<F_Q4_1>(fmt, w, acts, n, rows, out),

@@ -1038,6 +1038,13 @@ fn quant_rows(
             unsafe { avx512::quant_rows(fmt, w, acts, n, rows, out) }
         }
         #[cfg(target_arch = "x86_64")]
+        CpuIsa::Avx2 if w.layout == Layout::Rows16 => {
+            // SAFETY: `backend.is_available()` was checked by the caller; a packed matrix's
+            // format has a packed layout (checked with its length) and its tasks start on whole
+            // 16-row groups (`run_jobs`).
+            unsafe { avx2_packed::quant_rows(fmt, w, acts, n, rows, out) }
+        }
+        #[cfg(target_arch = "x86_64")]
         CpuIsa::Avx2 => {
             // SAFETY: `backend.is_available()` was checked by the caller.
             unsafe { avx2::quant_rows(fmt, w, acts, n, rows, out) }
