@@ -176,6 +176,45 @@ fn perplexity(model: &Model, fx: &Value, entry: &Value) -> f64 {
     (nll / count as f64).exp()
 }
 
+/// Packing at load (on AVX2 hosts: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K; on AVX-512: Q4_0,
+/// Q4_1, Q8_0) changes no bit of the logits, in a prefill (panel kernels) and in single-token
+/// decode steps (the packed decode kernels), including a tied embedding looked up in a packed
+/// Q6_K table (smollm2.Q6_K) and mixed K-quant files.
+#[test]
+fn packing_changes_no_logit() {
+    let bits = |v: Vec<f32>| v.into_iter().map(f32::to_bits).collect::<Vec<_>>();
+    for name in [
+        "tiny-tied.Q5_1",
+        "tiny-untied.Q5_0",
+        "tiny-untied.Q4_K_M",
+        "tiny-untied.Q6_K",
+        "smollm2.Q6_K",
+    ] {
+        let entry = &fixture()["models"][name];
+        let gguf = common::open_test_model(
+            name,
+            &format!("{name}.gguf"),
+            entry["sha256"].as_str().unwrap(),
+        );
+        let packed = Model::load(gguf.clone(), ModelOptions::default()).unwrap();
+        let file = Model::load(
+            gguf,
+            ModelOptions::default().with_packing(gpu_pipeline::WeightPacking::Off),
+        )
+        .unwrap();
+        let ids: Vec<u32> = (0..20u32).map(|i| 7 + 131 * i).collect();
+        assert!(
+            bits(all_logits(&packed, KV_DTYPE, &ids)) == bits(all_logits(&file, KV_DTYPE, &ids)),
+            "{name}: prefill logits differ"
+        );
+        let steps = |m: &Model| common::chunked_logits(m, KV_DTYPE, &ids[..4], 1);
+        assert!(
+            bits(steps(&packed)) == bits(steps(&file)),
+            "{name}: decode logits differ"
+        );
+    }
+}
+
 common::fixture_tests! {
     tiny_untied_q4_0 => "tiny-untied.Q4_0",
     tiny_untied_q4_1 => "tiny-untied.Q4_1",

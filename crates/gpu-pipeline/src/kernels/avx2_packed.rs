@@ -1,5 +1,5 @@
 //! AVX2 + FMA + F16C kernels for matrices in the row-interleaved layout
-//! ([`super::PackedWeights`]: Q4_0, Q4_1, Q8_0), dispatched from the AVX2 backend for
+//! ([`super::PackedWeights`]: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K), dispatched from the AVX2 backend for
 //! [`super::Layout::Rows16`] matrices.
 //!
 //! A packed block holds 16 rows' quants as 64-byte vectors, lane `r` (4 bytes) = row `r`; its
@@ -24,9 +24,12 @@ use super::act::{ActQuad, quads_per_token};
 use super::avx2_quant::{
     PANEL_MIN_TOKENS, PANEL_TOKEN_CHUNK, PanelBlock, emit8, token_tiles, with_panel,
 };
-use super::avx512::{F_Q4_0, F_Q4_1, F_Q8_0};
+use super::avx512::{F_Q4_0, F_Q4_1, F_Q4K, F_Q5_0, F_Q5_1, F_Q6K, F_Q8_0};
 use super::format::Fmt;
-use super::packed::{GROUP_ROWS, block_bytes};
+use super::packed::{
+    GROUP_ROWS, Q4K_D, Q4K_DMIN, Q4K_SCALES, Q4K_SUPER, Q6K_D, Q6K_SCALES, Q6K_SUB, Q6K_SUPER,
+    block_bytes,
+};
 use super::{RowsOut, WeightMatrix};
 
 /// How far ahead (bytes) decode prefetches the group bytes it streams, into L2 (as the AVX-512
@@ -52,23 +55,38 @@ pub(crate) unsafe fn quant_rows(
         Fmt::Q4_0 => rows_impl::<F_Q4_0>(fmt, w, acts, n, rows, out),
         Fmt::Q4_1 => rows_impl::<F_Q4_1>(fmt, w, acts, n, rows, out),
         Fmt::Q8_0 => rows_impl::<F_Q8_0>(fmt, w, acts, n, rows, out),
+        Fmt::Q4K => rows_impl::<F_Q4K>(fmt, w, acts, n, rows, out),
+        Fmt::Q6K => rows_impl::<F_Q6K>(fmt, w, acts, n, rows, out),
+        Fmt::Q5_0 => rows_impl::<F_Q5_0>(fmt, w, acts, n, rows, out),
+        Fmt::Q5_1 => rows_impl::<F_Q5_1>(fmt, w, acts, n, rows, out),
         _ => unreachable!("packed formats are checked by the caller"),
     }
 }
 
-/// Rows `8h..8h + 8` of the packed block at `p`, as the panel kernel decodes them from the file
-/// layout: `w[j]` lane `r` = the quants of elements `4j..4j + 4` (Q4_0/Q4_1: nibble bytes
-/// `4c..4c + 4` hold elements `4c..` in the low nibbles and `16 + 4c..` in the high ones; Q8_0:
-/// the packed quants are offset by 128, flipped back to signed), then the scales and minimums.
+/// Rows `8h..8h + 8` of block `b` of the packed group at `group`, as the panel kernel decodes
+/// them from the file layout: `w[j]` lane `r` = the quants of elements `4j..4j + 4` (Q4_0, Q4_1,
+/// Q5_0, Q5_1 and Q4_K's sub-blocks: nibble bytes `4c..4c + 4` hold elements `4c..` in the low
+/// nibbles and `16 + 4c..` in the high ones, Q5's fifth bits OR-ed in from the packed `qh`
+/// lane; Q8_0: the packed quants are offset by 128, flipped back to signed), then the scales and
+/// minimums (Q4_K: the sub-block's `d * sc` and `-(dmin * m)`; Q6_K: `d * sc` of its two halves,
+/// in `d` and `m`; as weight-cache computes them).
 ///
 /// # Safety
-/// `p` has a whole packed block of the format; `h < 2`.
+/// `group` has whole packed blocks of the format up to block `b`; `h < 2`.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn half_block<const F: u8>(p: *const u8, h: usize) -> PanelBlock {
+unsafe fn half_block<const F: u8>(group: *const u8, b: usize, h: usize) -> PanelBlock {
     // SAFETY (whole body): every load is inside the block (`64j + 32h + 32 <= 64 * 8`, the
-    // scales `16h + 16` bytes into their 32-byte field).
+    // scales `16h + 16` bytes into their 32-byte field; Q4_K: inside its super-block, whose
+    // fields are laid out in `packed`).
     unsafe {
+        let (p, s) = if F == F_Q4K {
+            (group.add(b / 8 * Q4K_SUPER), b % 8)
+        } else if F == F_Q6K {
+            (group.add(b / 8 * Q6K_SUPER), b % 8)
+        } else {
+            (group.add(b * block_bytes_of::<F>()), 0)
+        };
         let ld = |off: usize| _mm256_loadu_si256(p.add(off + 32 * h).cast());
         let f16s = |off: usize| _mm256_cvtph_ps(_mm_loadu_si128(p.add(off + 16 * h).cast()));
         let mut w = [_mm256_setzero_si256(); 8];
@@ -77,28 +95,101 @@ unsafe fn half_block<const F: u8>(p: *const u8, h: usize) -> PanelBlock {
             for (j, wj) in w.iter_mut().enumerate() {
                 *wj = _mm256_xor_si256(ld(64 * j), flip);
             }
-            PanelBlock {
+            return PanelBlock {
                 w,
                 d: f16s(512),
                 m: _mm256_setzero_ps(),
-            }
-        } else {
-            let lo4 = _mm256_set1_epi8(0x0F);
-            for c in 0..4 {
-                let v = ld(64 * c);
-                w[c] = _mm256_and_si256(v, lo4);
-                w[c + 4] = _mm256_and_si256(_mm256_srli_epi16::<4>(v), lo4);
-            }
-            PanelBlock {
-                w,
-                d: f16s(256),
-                m: if F == F_Q4_1 {
-                    f16s(288)
+            };
+        }
+        let lo4 = _mm256_set1_epi8(0x0F);
+        let sub = if F == F_Q6K { Q6K_SUB * s } else { 256 * s };
+        for c in 0..4 {
+            let v = ld(sub + 64 * c);
+            w[c] = _mm256_and_si256(v, lo4);
+            w[c + 4] = _mm256_and_si256(_mm256_srli_epi16::<4>(v), lo4);
+        }
+        if matches!(F, F_Q5_0 | F_Q5_1) {
+            // Vector `j`'s fifth bits sit at bits `8k + j` of the lane (`packed::q5_bit`).
+            let (qh, bit4) = (ld(256), _mm256_set1_epi8(0x10));
+            for (j, wj) in w.iter_mut().enumerate() {
+                let at = if j <= 4 {
+                    _mm256_sll_epi32(qh, _mm_cvtsi32_si128(4 - j as i32))
                 } else {
-                    _mm256_setzero_ps()
-                },
+                    _mm256_srl_epi32(qh, _mm_cvtsi32_si128(j as i32 - 4))
+                };
+                *wj = _mm256_or_si256(*wj, _mm256_and_si256(at, bit4));
             }
         }
+        if F == F_Q6K {
+            // Vector `j`'s high bits sit at bits `8k + 2(j % 4)` of lane vector `j / 4`
+            // (`packed::q6_bit`).
+            let (hi, bits45) = ([ld(sub + 256), ld(sub + 320)], _mm256_set1_epi8(0x30));
+            for (j, wj) in w.iter_mut().enumerate() {
+                let (v, at) = (hi[j / 4], 2 * (j % 4) as i32);
+                let v = if at <= 4 {
+                    _mm256_sll_epi32(v, _mm_cvtsi32_si128(4 - at))
+                } else {
+                    _mm256_srl_epi32(v, _mm_cvtsi32_si128(at - 4))
+                };
+                *wj = _mm256_or_si256(*wj, _mm256_and_si256(v, bits45));
+            }
+        }
+        let (d, m) = match F {
+            F_Q6K => {
+                // The scales of elements 0..16 and 16..32: signed bytes `2s`, `2s + 1`.
+                let v = ld(Q6K_SCALES + 64 * (s / 2));
+                let byte = |i: usize| {
+                    let up = _mm256_sll_epi32(v, _mm_cvtsi32_si128(24 - 8 * i as i32));
+                    _mm256_cvtepi32_ps(_mm256_srai_epi32::<24>(up))
+                };
+                let d = f16s(Q6K_D);
+                let i = 2 * (s % 2);
+                (_mm256_mul_ps(d, byte(i)), _mm256_mul_ps(d, byte(i + 1)))
+            }
+            F_Q4K => {
+                let (sc, mn) = q4k_scale_min(|k| ld(Q4K_SCALES + 64 * k), s);
+                let sign = _mm256_set1_ps(-0.0);
+                (
+                    _mm256_mul_ps(f16s(Q4K_D), _mm256_cvtepi32_ps(sc)),
+                    _mm256_xor_ps(_mm256_mul_ps(f16s(Q4K_DMIN), _mm256_cvtepi32_ps(mn)), sign),
+                )
+            }
+            F_Q4_1 => (f16s(256), f16s(288)),
+            F_Q5_0 => (f16s(320), _mm256_setzero_ps()),
+            F_Q5_1 => (f16s(320), f16s(352)),
+            _ => (f16s(256), _mm256_setzero_ps()),
+        };
+        PanelBlock { w, d, m }
+    }
+}
+
+/// Bytes of a packed block of a 32-element format.
+const fn block_bytes_of<const F: u8>() -> usize {
+    match F {
+        F_Q4_0 => 256 + 32,
+        F_Q4_1 => 256 + 64,
+        F_Q5_0 => 256 + 64 + 32,
+        F_Q5_1 => 256 + 64 + 64,
+        _ => 512 + 32,
+    }
+}
+
+/// Q4_K sub-block `s`'s 6-bit scale and minimum per lane, from the 3 scale vectors `v(k)`
+/// (lane = bytes `4k..4k + 4` of the row's `scales`): ggml's `get_scale_min_k4`, 8 rows at once.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn q4k_scale_min(v: impl Fn(usize) -> __m256i, s: usize) -> (__m256i, __m256i) {
+    let srl = |x: __m256i, n: usize| _mm256_srl_epi32(x, _mm_cvtsi32_si128(n as i32));
+    let and = |x: __m256i, m: i32| _mm256_and_si256(x, _mm256_set1_epi32(m));
+    if s < 4 {
+        (and(srl(v(0), 8 * s), 63), and(srl(v(1), 8 * s), 63))
+    } else {
+        // Low 4 bits from bytes 8..12, high 2 bits from the top of bytes 0..4 (scale) and
+        // 4..8 (minimum).
+        let (i, v2) = (s - 4, v(2));
+        let sc = _mm256_or_si256(and(srl(v2, 8 * i), 15), and(srl(v(0), 8 * i + 2), 0x30));
+        let m = _mm256_or_si256(and(srl(v2, 8 * i + 4), 15), and(srl(v(1), 8 * i + 2), 0x30));
+        (sc, m)
     }
 }
 
@@ -151,7 +242,7 @@ fn rows_impl<const F: u8>(
                     }
                 }
                 // SAFETY: block `b < nb` of the group is whole.
-                unsafe { half_block::<F>(group.add(b * bb), h) }
+                unsafe { half_block::<F>(group, b, h) }
             };
             token_tiles::<F>(nb, block, acts, nq, 0..n, |t, v| emit8(out, t, r0, live, v));
         }
@@ -182,7 +273,7 @@ fn panel_rows<const F: u8>(
                 for (h, r0, live) in live_halves(g, rows.end) {
                     for (b, pb) in panel.iter_mut().enumerate() {
                         // SAFETY: block `b < nb` of the group is whole.
-                        *pb = unsafe { half_block::<F>(group.add(b * bb), h) };
+                        *pb = unsafe { half_block::<F>(group, b, h) };
                     }
                     let panel: &[PanelBlock] = panel;
                     token_tiles::<F>(

@@ -849,7 +849,7 @@ fn rows_impl<const F: u8>(
     rows: Range<usize>,
     out: &mut RowsOut<'_>,
 ) {
-    if n >= PANEL_MIN_TOKENS && !is_split(F) && !rows.is_empty() {
+    if n >= PANEL_MIN_TOKENS && (!is_split(F) || F == F_Q6K) && !rows.is_empty() {
         return panel_rows::<F>(fmt, w, acts, n, rows, out);
     }
     let (rb, nq, nblocks) = checked_shape(fmt, w, acts, n, &rows);
@@ -953,7 +953,8 @@ pub(super) fn with_panel<R>(nblocks: usize, f: impl FnOnce(&mut [PanelBlock]) ->
     })
 }
 
-/// Many tokens of an unsplit format: 8 rows at a time are decoded once per token chunk (two
+/// Many tokens of an unsplit format or Q6_K (split scales, no minimums: two integer sums per
+/// block, each with its FMA, as [`accumulate`] does): 8 rows at a time are decoded once per token chunk (two
 /// [`decode`] calls per quad, then dword transposes) into a panel whose vectors hold one row
 /// per 32-bit lane, and every token's 4 activation bytes are broadcast against it, so no
 /// horizontal sums are needed. Each output element gets exactly [`accumulate`]'s float
@@ -1154,6 +1155,28 @@ pub(super) unsafe fn panel_tile<const F: u8, const T: usize>(
                     src.add(16 * l + 4 * (j % 4)).cast::<i32>().read_unaligned()
                 })
             };
+            if is_split(F) {
+                // Q6_K: elements 0..16 (vectors 0..4) and 16..32 have their own scales, in `d`
+                // and `m`. 6-bit quants (at most 63): two pair sums add within 2 * 2 * 63 * 127.
+                let half = |j0: usize| {
+                    let pa = _mm256_add_epi16(
+                        _mm256_maddubs_epi16(wv[j0], x(j0)),
+                        _mm256_maddubs_epi16(wv[j0 + 1], x(j0 + 1)),
+                    );
+                    let pb = _mm256_add_epi16(
+                        _mm256_maddubs_epi16(wv[j0 + 2], x(j0 + 2)),
+                        _mm256_maddubs_epi16(wv[j0 + 3], x(j0 + 3)),
+                    );
+                    _mm256_add_epi32(_mm256_madd_epi16(pa, ones), _mm256_madd_epi16(pb, ones))
+                };
+                let sq = |v: i32| _mm256_sll_epi32(_mm256_set1_epi32(v), shift);
+                let i0 = _mm256_sub_epi32(half(0), sq(aq.sq0[4 * l]));
+                let i1 = _mm256_sub_epi32(half(4), sq(aq.sq1[4 * l]));
+                let dx = _mm256_set1_ps(aq.dx[4 * l]);
+                *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i0), _mm256_mul_ps(pb.d, dx), *acc);
+                *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i1), _mm256_mul_ps(pb.m, dx), *acc);
+                continue;
+            }
             let i = if is_signed(F) {
                 let mut s = _mm256_setzero_si256();
                 for j in 0..8 {

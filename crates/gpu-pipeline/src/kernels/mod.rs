@@ -1,7 +1,8 @@
 //! CPU kernels over quantized weights in place (matrix-vector and matrix-matrix products).
 //!
 //! The weights stay in their ggml block encoding, nothing is dequantized to a copy: read in place
-//! from the GGUF mapping, or (Q4_0, Q4_1, Q8_0 on AVX-512 and AVX2) from a [`PackedWeights`] copy
+//! from the GGUF mapping, or (Q4_0, Q4_1, Q8_0 on AVX-512; those and Q5_0, Q5_1, Q4_K, Q6_K on
+//! AVX2) from a [`PackedWeights`] copy
 //! made once at load, whose 16-row interleaving lets the decode kernel skip the per-pass shuffles
 //! (same bytes per weight, bit-identical results). For the integer-quantized types (Q4_0, Q4_1,
 //! Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS) the f32 activations are
@@ -587,7 +588,8 @@ pub fn matmul_batch(
 fn check_layout(backend: CpuIsa, w: WeightMatrix<'_>) -> Result<(), KernelError> {
     match w.layout {
         Layout::File => Ok(()),
-        Layout::Rows16 if matches!(backend, CpuIsa::Avx512 | CpuIsa::Avx2) => Ok(()),
+        #[cfg(target_arch = "x86_64")]
+        Layout::Rows16 if Fmt::of(w.dtype).is_some_and(|f| packed::runs_on(f, backend)) => Ok(()),
         layout => Err(KernelError::LayoutUnsupported {
             backend,
             dtype: w.dtype,

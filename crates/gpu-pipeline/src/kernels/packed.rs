@@ -12,6 +12,15 @@
 //! `16 + 4c..16 + 4c + 4` in the high ones; Q8_0 quants `4j..4j + 4`, offset by 128 to u8), then
 //! the 16 f16 scales (and Q4_1's 16 f16 minimums). Same bytes per weight as the file.
 //!
+//! The AVX2 backend also reads packed Q5_0/Q5_1 (the nibbles as Q4_0's, then each row's 32 fifth
+//! bits in one lane, ordered so that a shift and a mask give a weight vector's, [`q5_bit`]) and
+//! the K-quants that Q4_K_M/Q5_K_M/Q6_K files are made of, Q4_K and Q6_K, packed per 256-element
+//! super-block ([`Q4K_SUPER`], [`Q6K_SUPER`]): each 32-element sub-block's low 4 bits as a packed
+//! Q4_0 block (Q6_K's high 2 bits in two more lanes per row, [`q6_bit`]), then the 16 rows'
+//! super-block scales and their 6-bit (Q4_K) or 8-bit (Q6_K) sub-block scales side by side, so
+//! one load gives 8 rows' scale fields. Those layouts have no AVX-512 kernel yet: on AVX-512
+//! hosts such matrices stay in the file layout ([`runs_on`]).
+//!
 //! **Same arithmetic.** The kernel accumulates each output exactly as the other AVX-512 kernels
 //! do (exact integer block dot product, one FMA by `d_w * d_x`, then `m_w * d_x * sum(q_x)` for
 //! Q4_1, four f32 chains by block index modulo 4, summed as `(c0 + c2) + (c1 + c3)`), so a
@@ -78,14 +87,85 @@ impl std::fmt::Debug for PackedWeights {
     }
 }
 
-/// Bytes of one packed block (16 rows x 32 elements) of `fmt`, if the layout exists for it.
+/// Bytes of one packed block (16 rows x 32 elements) of `fmt`, if the layout exists for it
+/// (Q4_K: an eighth of a packed super-block, see [`Q4K_SUPER`]).
 pub(crate) fn block_bytes(fmt: Fmt) -> Option<usize> {
     match fmt {
         Fmt::Q4_0 => Some(256 + 32),
         Fmt::Q4_1 => Some(256 + 64),
         Fmt::Q8_0 => Some(512 + 32),
+        Fmt::Q4K => Some(Q4K_SUPER / 8),
+        Fmt::Q6K => Some(Q6K_SUPER / 8),
+        Fmt::Q5_0 => Some(256 + 64 + 32),
+        Fmt::Q5_1 => Some(256 + 64 + 64),
         _ => None,
     }
+}
+
+/// Bytes of one packed Q6_K super-block (16 rows x 256 elements, as many bytes as the file's 16
+/// blocks): per sub-block, [`Q6K_SUB`] bytes: the low 4 bits as a packed Q4_0 block's quants
+/// (256 bytes), then the high 2 bits as two 64-byte vectors (lane `r` = row `r`, see
+/// [`q6_bit`]); then the 16 rows' `d` as f16 ([`Q6K_D`]), then their 16 signed 8-bit scales as 4
+/// vectors ([`Q6K_SCALES`]: vector `v` lane `r` = scales `4v..4v + 4` of row `r`).
+pub(crate) const Q6K_SUPER: usize = 8 * Q6K_SUB + 32 + 4 * 64;
+/// Bytes of one sub-block's quants in a packed Q6_K super-block.
+pub(crate) const Q6K_SUB: usize = 256 + 128;
+/// Offset of the `d` values in a packed Q6_K super-block.
+pub(crate) const Q6K_D: usize = 8 * Q6K_SUB;
+/// Offset of the scale vectors in a packed Q6_K super-block.
+pub(crate) const Q6K_SCALES: usize = Q6K_D + 32;
+
+/// Q6_K: where the high 2 bits of element `e` (0..32) of a sub-block go among the row's 64 packed
+/// bits (two 32-bit lanes, the first for the kernel's weight vectors 0..4, the second for 4..8):
+/// bits `8k + 2(j % 4)..+2` of lane `j / 4`, for the element in byte `k` of weight vector `j`, so
+/// that one shift by `4 - 2(j % 4)` and a mask put them at bits 4..6 of each byte.
+pub(crate) fn q6_bit(e: usize) -> usize {
+    let (j, k) = if e < 16 {
+        (e / 4, e % 4)
+    } else {
+        (4 + (e - 16) / 4, e % 4)
+    };
+    32 * (j / 4) + 8 * k + 2 * (j % 4)
+}
+
+/// Q5_0/Q5_1: where the fifth bit of element `e` (0..32) of a block goes in the row's packed
+/// 32-bit `qh` lane: bit `8k + j` for the element in byte `k` of the kernel's weight vector `j`
+/// (elements `4j + k`, `j < 4`, from the low nibbles; `16 + 4(j - 4) + k` from the high ones), so
+/// that one shift by `4 - j` and a mask put vector `j`'s fifth bits at bit 4 of each byte.
+pub(crate) fn q5_bit(e: usize) -> usize {
+    let (j, k) = if e < 16 {
+        (e / 4, e % 4)
+    } else {
+        (4 + (e - 16) / 4, e % 4)
+    };
+    8 * k + j
+}
+
+/// Bytes of one packed Q4_K super-block (16 rows x 256 elements, as many bytes as the file's 16
+/// blocks): the 8 sub-blocks' quants, 256 bytes each and laid out as a packed Q4_0 block's (lane
+/// `r` = 4 nibble bytes of row `r`, nibble byte `i` = elements `i` and `16 + i` of the
+/// sub-block), then the 16 rows' `d` ([`Q4K_D`]) and `dmin` ([`Q4K_DMIN`]) as f16, then the
+/// 12 bytes of 6-bit scales and minimums as 3 vectors ([`Q4K_SCALES`]): vector `k` lane `r` =
+/// bytes `4k..4k + 4` of row `r`'s `scales` (the file's packing, see
+/// [`weight_cache::quant::scale_min_k4`]).
+pub(crate) const Q4K_SUPER: usize = 8 * 256 + 32 + 32 + 3 * 64;
+/// Offset of the `d` values in a packed Q4_K super-block.
+pub(crate) const Q4K_D: usize = 8 * 256;
+/// Offset of the `dmin` values in a packed Q4_K super-block.
+pub(crate) const Q4K_DMIN: usize = Q4K_D + 32;
+/// Offset of the scale vectors in a packed Q4_K super-block.
+pub(crate) const Q4K_SCALES: usize = Q4K_DMIN + 32;
+
+/// Whether `isa` has a kernel for packed matrices of `fmt` (packed Q4_K, Q6_K, Q5_0 and Q5_1
+/// have only the AVX2 one).
+#[cfg(target_arch = "x86_64")]
+pub(crate) fn runs_on(fmt: Fmt, isa: super::CpuIsa) -> bool {
+    block_bytes(fmt).is_some()
+        && match isa {
+            super::CpuIsa::Avx512 => matches!(fmt, Fmt::Q4_0 | Fmt::Q4_1 | Fmt::Q8_0),
+            super::CpuIsa::Avx2 => true,
+            _ => false,
+        }
 }
 
 /// Bytes of a `rows x cols` matrix of `fmt` in the packed layout (rows rounded up to whole groups).
@@ -98,15 +178,12 @@ pub(crate) fn packed_len(fmt: Fmt, rows: usize, cols: usize) -> Option<usize> {
 
 impl PackedWeights {
     /// Whether matrices of `dtype` can be packed, and the kernels that read the layout run on
-    /// this CPU (the AVX-512 or AVX2 backend, selected by [`super::CpuIsa::detect`]).
+    /// this CPU (the AVX-512 backend for Q4_0, Q4_1 and Q8_0, the AVX2 backend for those and
+    /// Q4_K, Q6_K, Q5_0, Q5_1; the backend [`super::CpuIsa::detect`] selects).
     pub fn supported(dtype: GgmlType) -> bool {
         #[cfg(target_arch = "x86_64")]
         {
-            Fmt::of(dtype).and_then(block_bytes).is_some()
-                && matches!(
-                    super::CpuIsa::detect(),
-                    super::CpuIsa::Avx512 | super::CpuIsa::Avx2
-                )
+            Fmt::of(dtype).is_some_and(|f| runs_on(f, super::CpuIsa::detect()))
         }
         #[cfg(not(target_arch = "x86_64"))]
         {
@@ -209,10 +286,43 @@ impl PackedWeights {
         let nb = self.cols / 32;
         let (g, r) = (row / GROUP_ROWS, row % GROUP_ROWS);
         let group = &self.bytes()[g * nb * bb..(g + 1) * nb * bb];
+        if fmt == Fmt::Q4K {
+            let mut blk = [0u8; 144];
+            for (sb, y) in out.chunks_exact_mut(256).enumerate() {
+                q4k_unpack(&group[sb * Q4K_SUPER..][..Q4K_SUPER], r, &mut blk);
+                weight_cache::dequantize(self.dtype, &blk, y)
+                    .map_err(|_| KernelError::UnsupportedDtype { dtype: self.dtype })?;
+            }
+            return Ok(());
+        }
+        if fmt == Fmt::Q6K {
+            let mut blk = [0u8; 210];
+            for (sb, y) in out.chunks_exact_mut(256).enumerate() {
+                q6k_unpack(&group[sb * Q6K_SUPER..][..Q6K_SUPER], r, &mut blk);
+                weight_cache::dequantize(self.dtype, &blk, y)
+                    .map_err(|_| KernelError::UnsupportedDtype { dtype: self.dtype })?;
+            }
+            return Ok(());
+        }
         let mut blk = [0u8; 34];
         for (b, y) in out.chunks_exact_mut(32).enumerate() {
             let pb = &group[b * bb..(b + 1) * bb];
             let len = match fmt {
+                Fmt::Q5_0 | Fmt::Q5_1 => {
+                    // d, (Q5_1: m,) qh as a little-endian u32, then the 16 nibble bytes.
+                    let hdr = if fmt == Fmt::Q5_1 { 4 } else { 2 };
+                    blk[0..2].copy_from_slice(&pb[320 + 2 * r..][..2]);
+                    if fmt == Fmt::Q5_1 {
+                        blk[2..4].copy_from_slice(&pb[352 + 2 * r..][..2]);
+                    }
+                    let packed = u32::from_le_bytes(pb[256 + 4 * r..][..4].try_into().unwrap());
+                    let qh = (0..32).fold(0u32, |h, e| h | (((packed >> q5_bit(e)) & 1) << e));
+                    blk[hdr..hdr + 4].copy_from_slice(&qh.to_le_bytes());
+                    for c in 0..4 {
+                        blk[hdr + 4 + 4 * c..][..4].copy_from_slice(&pb[64 * c + 4 * r..][..4]);
+                    }
+                    hdr + 20
+                }
                 Fmt::Q4_0 | Fmt::Q4_1 => {
                     let hdr = if fmt == Fmt::Q4_1 { 4 } else { 2 };
                     blk[0..2].copy_from_slice(&pb[256 + 2 * r..][..2]);
@@ -259,12 +369,133 @@ fn bytemuck_lines(lines: &mut [Line]) -> &mut [u8] {
     unsafe { std::slice::from_raw_parts_mut(lines.as_mut_ptr().cast::<u8>(), lines.len() * 64) }
 }
 
+/// Packs row `r` of a group's Q4_K super-block `blk` (the file's 144 bytes) into the packed
+/// super-block `out`.
+fn q4k_pack(blk: &[u8], r: usize, out: &mut [u8]) {
+    let mut q = [0u8; 32];
+    for s in 0..8 {
+        super::format::decode_sub(Fmt::Q4K, blk, s, &mut q);
+        for c in 0..4 {
+            for i in 0..4 {
+                let e = 4 * c + i;
+                out[256 * s + 64 * c + 4 * r + i] = q[e] | (q[16 + e] << 4);
+            }
+        }
+    }
+    let f = |at: usize| at + 2 * r;
+    out[f(Q4K_D)..][..2].copy_from_slice(&blk[0..2]);
+    out[f(Q4K_DMIN)..][..2].copy_from_slice(&blk[2..4]);
+    for k in 0..3 {
+        out[Q4K_SCALES + 64 * k + 4 * r..][..4].copy_from_slice(&blk[4 + 4 * k..][..4]);
+    }
+}
+
+/// Row `r` of the packed Q4_K super-block `sup`, back in the file's encoding (`blk`, 144
+/// bytes): [`q4k_pack`]'s inverse.
+fn q4k_unpack(sup: &[u8], r: usize, blk: &mut [u8; 144]) {
+    blk[0..2].copy_from_slice(&sup[Q4K_D + 2 * r..][..2]);
+    blk[2..4].copy_from_slice(&sup[Q4K_DMIN + 2 * r..][..2]);
+    for k in 0..3 {
+        blk[4 + 4 * k..][..4].copy_from_slice(&sup[Q4K_SCALES + 64 * k + 4 * r..][..4]);
+    }
+    // The file's quants: byte `32j + l` holds element `l` of sub-block `2j` (low nibble) and of
+    // sub-block `2j + 1` (high nibble).
+    let qs = &mut blk[16..];
+    qs.fill(0);
+    for s in 0..8 {
+        for e in 0..32 {
+            let byte = sup[256 * s + 64 * (e % 16 / 4) + 4 * r + e % 4];
+            let q = if e < 16 { byte & 0xF } else { byte >> 4 };
+            qs[32 * (s / 2) + e] |= q << (4 * (s % 2));
+        }
+    }
+}
+
+/// Packs row `r` of a group's Q6_K super-block `blk` (the file's 210 bytes) into the packed
+/// super-block `out`.
+fn q6k_pack(blk: &[u8], r: usize, out: &mut [u8]) {
+    use weight_cache::quant::BlockQ6K;
+    let mut q = [0u8; 32];
+    for s in 0..8 {
+        super::format::decode_sub(Fmt::Q6K, blk, s, &mut q);
+        let sub = &mut out[Q6K_SUB * s..][..Q6K_SUB];
+        for c in 0..4 {
+            for i in 0..4 {
+                let e = 4 * c + i;
+                sub[64 * c + 4 * r + i] = (q[e] & 0xF) | ((q[16 + e] & 0xF) << 4);
+            }
+        }
+        let hi = (0..32).fold(0u64, |h, e| h | (u64::from(q[e] >> 4) << q6_bit(e)));
+        sub[256 + 4 * r..][..4].copy_from_slice(&(hi as u32).to_le_bytes());
+        sub[320 + 4 * r..][..4].copy_from_slice(&((hi >> 32) as u32).to_le_bytes());
+    }
+    let d = std::mem::offset_of!(BlockQ6K, d);
+    out[Q6K_D + 2 * r..][..2].copy_from_slice(&blk[d..d + 2]);
+    let sc = std::mem::offset_of!(BlockQ6K, scales);
+    for v in 0..4 {
+        out[Q6K_SCALES + 64 * v + 4 * r..][..4].copy_from_slice(&blk[sc + 4 * v..][..4]);
+    }
+}
+
+/// Row `r` of the packed Q6_K super-block `sup`, back in the file's encoding (`blk`, 210
+/// bytes): [`q6k_pack`]'s inverse.
+fn q6k_unpack(sup: &[u8], r: usize, blk: &mut [u8; 210]) {
+    use std::mem::offset_of;
+    use weight_cache::quant::BlockQ6K;
+    blk.fill(0);
+    let (ql, qh) = (offset_of!(BlockQ6K, ql), offset_of!(BlockQ6K, qh));
+    for s in 0..8 {
+        let sub = &sup[Q6K_SUB * s..][..Q6K_SUB];
+        let lane = |at: usize| u32::from_le_bytes(sub[at + 4 * r..][..4].try_into().unwrap());
+        let hi = u64::from(lane(256)) | (u64::from(lane(320)) << 32);
+        // The file's element `l` of sub-block `s = 4 half + j` (weight-cache's decoder): low
+        // bits in `ql[64 half + l + 32 (j % 2)]` (low nibble for j < 2), high bits at `2j` of
+        // `qh[32 half + l]`.
+        let (half, j) = (s / 4, s % 4);
+        for e in 0..32 {
+            let byte = sub[64 * (e % 16 / 4) + 4 * r + e % 4];
+            let lo = if e < 16 { byte & 0xF } else { byte >> 4 };
+            let h = ((hi >> q6_bit(e)) & 3) as u8;
+            blk[ql + 64 * half + e + 32 * (j % 2)] |= lo << (4 * (j / 2));
+            blk[qh + 32 * half + e] |= h << (2 * j);
+        }
+    }
+    let d = offset_of!(BlockQ6K, d);
+    blk[d..d + 2].copy_from_slice(&sup[Q6K_D + 2 * r..][..2]);
+    let sc = offset_of!(BlockQ6K, scales);
+    for v in 0..4 {
+        blk[sc + 4 * v..][..4].copy_from_slice(&sup[Q6K_SCALES + 64 * v + 4 * r..][..4]);
+    }
+}
+
 /// Packs group `g` (rows `16g..16g + 16`, missing rows as zero blocks) of `w` into `out`
 /// (`nb` packed blocks).
 fn pack_group(fmt: Fmt, w: WeightMatrix<'_>, g: usize, out: &mut [u8]) {
     let Some(bb) = block_bytes(fmt) else { return };
     let rb = fmt.row_bytes(w.cols);
     let bs = fmt.block_bytes();
+    if matches!(fmt, Fmt::Q4K | Fmt::Q6K) {
+        let sup_bytes = if fmt == Fmt::Q4K {
+            Q4K_SUPER
+        } else {
+            Q6K_SUPER
+        };
+        for (sb, sup) in out.chunks_exact_mut(sup_bytes).enumerate() {
+            for r in 0..GROUP_ROWS {
+                let row = g * GROUP_ROWS + r;
+                if row >= w.rows {
+                    break; // zero rows: all quants, scales and minimums 0
+                }
+                let blk = &w.data[row * rb + sb * bs..][..bs];
+                if fmt == Fmt::Q4K {
+                    q4k_pack(blk, r, sup);
+                } else {
+                    q6k_pack(blk, r, sup);
+                }
+            }
+        }
+        return;
+    }
     for (b, pb) in out.chunks_exact_mut(bb).enumerate() {
         for r in 0..GROUP_ROWS {
             let row = g * GROUP_ROWS + r;
@@ -282,6 +513,22 @@ fn pack_group(fmt: Fmt, w: WeightMatrix<'_>, g: usize, out: &mut [u8]) {
                     pb[256 + 2 * r..][..2].copy_from_slice(&blk[0..2]);
                     if fmt == Fmt::Q4_1 {
                         pb[288 + 2 * r..][..2].copy_from_slice(&blk[2..4]);
+                    }
+                }
+                Fmt::Q5_0 | Fmt::Q5_1 => {
+                    let mut q = [0u8; 32];
+                    super::format::decode_sub(fmt, blk, 0, &mut q);
+                    for c in 0..4 {
+                        for i in 0..4 {
+                            let e = 4 * c + i;
+                            pb[64 * c + 4 * r + i] = (q[e] & 0xF) | ((q[16 + e] & 0xF) << 4);
+                        }
+                    }
+                    let qh = (0..32).fold(0u32, |h, e| h | (u32::from(q[e] >> 4) << q5_bit(e)));
+                    pb[256 + 4 * r..][..4].copy_from_slice(&qh.to_le_bytes());
+                    pb[320 + 2 * r..][..2].copy_from_slice(&blk[0..2]);
+                    if fmt == Fmt::Q5_1 {
+                        pb[352 + 2 * r..][..2].copy_from_slice(&blk[2..4]);
                     }
                 }
                 Fmt::Q8_0 => {
