@@ -370,23 +370,28 @@ fn bytemuck_lines(lines: &mut [Line]) -> &mut [u8] {
 }
 
 /// Packs row `r` of a group's Q4_K super-block `blk` (the file's 144 bytes) into the packed
-/// super-block `out`.
+/// super-block `out`. The file's quants: byte `32j + l` holds element `l` of sub-block `2j` (low
+/// nibble) and of sub-block `2j + 1` (high nibble), as weight-cache's decoder reads them.
 fn q4k_pack(blk: &[u8], r: usize, out: &mut [u8]) {
-    let mut q = [0u8; 32];
+    use std::mem::offset_of;
+    use weight_cache::quant::BlockQ4K;
+    let qs = &blk[offset_of!(BlockQ4K, qs)..][..128];
     for s in 0..8 {
-        super::format::decode_sub(Fmt::Q4K, blk, s, &mut q);
+        let (chunk, shift) = (&qs[32 * (s / 2)..][..32], 4 * (s % 2));
+        let q = |e: usize| (chunk[e] >> shift) & 0xF;
         for c in 0..4 {
             for i in 0..4 {
                 let e = 4 * c + i;
-                out[256 * s + 64 * c + 4 * r + i] = q[e] | (q[16 + e] << 4);
+                out[256 * s + 64 * c + 4 * r + i] = q(e) | (q(16 + e) << 4);
             }
         }
     }
     let f = |at: usize| at + 2 * r;
-    out[f(Q4K_D)..][..2].copy_from_slice(&blk[0..2]);
-    out[f(Q4K_DMIN)..][..2].copy_from_slice(&blk[2..4]);
+    out[f(Q4K_D)..][..2].copy_from_slice(&blk[offset_of!(BlockQ4K, d)..][..2]);
+    out[f(Q4K_DMIN)..][..2].copy_from_slice(&blk[offset_of!(BlockQ4K, dmin)..][..2]);
+    let sc = offset_of!(BlockQ4K, scales);
     for k in 0..3 {
-        out[Q4K_SCALES + 64 * k + 4 * r..][..4].copy_from_slice(&blk[4 + 4 * k..][..4]);
+        out[Q4K_SCALES + 64 * k + 4 * r..][..4].copy_from_slice(&blk[sc + 4 * k..][..4]);
     }
 }
 
@@ -412,26 +417,32 @@ fn q4k_unpack(sup: &[u8], r: usize, blk: &mut [u8; 144]) {
 }
 
 /// Packs row `r` of a group's Q6_K super-block `blk` (the file's 210 bytes) into the packed
-/// super-block `out`.
+/// super-block `out`. The file's element `l` of sub-block `s = 4 half + j` (weight-cache's
+/// decoder): low bits in `ql[64 half + l + 32 (j % 2)]` (low nibble for `j < 2`), high bits at
+/// `2j` of `qh[32 half + l]`.
 fn q6k_pack(blk: &[u8], r: usize, out: &mut [u8]) {
+    use std::mem::offset_of;
     use weight_cache::quant::BlockQ6K;
-    let mut q = [0u8; 32];
+    let ql = &blk[offset_of!(BlockQ6K, ql)..][..128];
+    let qh = &blk[offset_of!(BlockQ6K, qh)..][..64];
     for s in 0..8 {
-        super::format::decode_sub(Fmt::Q6K, blk, s, &mut q);
+        let (half, j) = (s / 4, s % 4);
+        let lo = |e: usize| (ql[64 * half + e + 32 * (j % 2)] >> (4 * (j / 2))) & 0xF;
+        let hi = |e: usize| (qh[32 * half + e] >> (2 * j)) & 3;
         let sub = &mut out[Q6K_SUB * s..][..Q6K_SUB];
         for c in 0..4 {
             for i in 0..4 {
                 let e = 4 * c + i;
-                sub[64 * c + 4 * r + i] = (q[e] & 0xF) | ((q[16 + e] & 0xF) << 4);
+                sub[64 * c + 4 * r + i] = lo(e) | (lo(16 + e) << 4);
             }
         }
-        let hi = (0..32).fold(0u64, |h, e| h | (u64::from(q[e] >> 4) << q6_bit(e)));
-        sub[256 + 4 * r..][..4].copy_from_slice(&(hi as u32).to_le_bytes());
-        sub[320 + 4 * r..][..4].copy_from_slice(&((hi >> 32) as u32).to_le_bytes());
+        let bits = (0..32).fold(0u64, |h, e| h | (u64::from(hi(e)) << q6_bit(e)));
+        sub[256 + 4 * r..][..4].copy_from_slice(&(bits as u32).to_le_bytes());
+        sub[320 + 4 * r..][..4].copy_from_slice(&((bits >> 32) as u32).to_le_bytes());
     }
-    let d = std::mem::offset_of!(BlockQ6K, d);
+    let d = offset_of!(BlockQ6K, d);
     out[Q6K_D + 2 * r..][..2].copy_from_slice(&blk[d..d + 2]);
-    let sc = std::mem::offset_of!(BlockQ6K, scales);
+    let sc = offset_of!(BlockQ6K, scales);
     for v in 0..4 {
         out[Q6K_SCALES + 64 * v + 4 * r..][..4].copy_from_slice(&blk[sc + 4 * v..][..4]);
     }
