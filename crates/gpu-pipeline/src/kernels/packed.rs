@@ -286,20 +286,23 @@ impl PackedWeights {
         let nb = self.cols / 32;
         let (g, r) = (row / GROUP_ROWS, row % GROUP_ROWS);
         let group = &self.bytes()[g * nb * bb..(g + 1) * nb * bb];
-        if fmt == Fmt::Q4K {
-            let mut blk = [0u8; 144];
-            for (sb, y) in out.chunks_exact_mut(256).enumerate() {
-                q4k_unpack(&group[sb * Q4K_SUPER..][..Q4K_SUPER], r, &mut blk);
-                weight_cache::dequantize(self.dtype, &blk, y)
-                    .map_err(|_| KernelError::UnsupportedDtype { dtype: self.dtype })?;
-            }
-            return Ok(());
-        }
-        if fmt == Fmt::Q6K {
+        if matches!(fmt, Fmt::Q4K | Fmt::Q6K) {
+            // The file's super-blocks: 144 (Q4_K) or 210 (Q6_K) bytes.
             let mut blk = [0u8; 210];
+            let (sup_bytes, len) = if fmt == Fmt::Q4K {
+                (Q4K_SUPER, 144)
+            } else {
+                (Q6K_SUPER, 210)
+            };
             for (sb, y) in out.chunks_exact_mut(256).enumerate() {
-                q6k_unpack(&group[sb * Q6K_SUPER..][..Q6K_SUPER], r, &mut blk);
-                weight_cache::dequantize(self.dtype, &blk, y)
+                let sup = &group[sb * sup_bytes..][..sup_bytes];
+                let blk = &mut blk[..len];
+                if fmt == Fmt::Q4K {
+                    q4k_unpack(sup, r, blk);
+                } else {
+                    q6k_unpack(sup, r, blk);
+                }
+                weight_cache::dequantize(self.dtype, blk, y)
                     .map_err(|_| KernelError::UnsupportedDtype { dtype: self.dtype })?;
             }
             return Ok(());
@@ -397,7 +400,7 @@ fn q4k_pack(blk: &[u8], r: usize, out: &mut [u8]) {
 
 /// Row `r` of the packed Q4_K super-block `sup`, back in the file's encoding (`blk`, 144
 /// bytes): [`q4k_pack`]'s inverse.
-fn q4k_unpack(sup: &[u8], r: usize, blk: &mut [u8; 144]) {
+fn q4k_unpack(sup: &[u8], r: usize, blk: &mut [u8]) {
     blk[0..2].copy_from_slice(&sup[Q4K_D + 2 * r..][..2]);
     blk[2..4].copy_from_slice(&sup[Q4K_DMIN + 2 * r..][..2]);
     for k in 0..3 {
@@ -450,7 +453,7 @@ fn q6k_pack(blk: &[u8], r: usize, out: &mut [u8]) {
 
 /// Row `r` of the packed Q6_K super-block `sup`, back in the file's encoding (`blk`, 210
 /// bytes): [`q6k_pack`]'s inverse.
-fn q6k_unpack(sup: &[u8], r: usize, blk: &mut [u8; 210]) {
+fn q6k_unpack(sup: &[u8], r: usize, blk: &mut [u8]) {
     use std::mem::offset_of;
     use weight_cache::quant::BlockQ6K;
     blk.fill(0);
