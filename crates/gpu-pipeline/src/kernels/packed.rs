@@ -488,29 +488,13 @@ fn pack_group(fmt: Fmt, w: WeightMatrix<'_>, g: usize, out: &mut [u8]) {
     let Some(bb) = block_bytes(fmt) else { return };
     let rb = fmt.row_bytes(w.cols);
     let bs = fmt.block_bytes();
-    if matches!(fmt, Fmt::Q4K | Fmt::Q6K) {
-        let sup_bytes = if fmt == Fmt::Q4K {
-            Q4K_SUPER
-        } else {
-            Q6K_SUPER
-        };
-        for (sb, sup) in out.chunks_exact_mut(sup_bytes).enumerate() {
-            for r in 0..GROUP_ROWS {
-                let row = g * GROUP_ROWS + r;
-                if row >= w.rows {
-                    break; // zero rows: all quants, scales and minimums 0
-                }
-                let blk = &w.data[row * rb + sb * bs..][..bs];
-                if fmt == Fmt::Q4K {
-                    q4k_pack(blk, r, sup);
-                } else {
-                    q6k_pack(blk, r, sup);
-                }
-            }
-        }
-        return;
-    }
-    for (b, pb) in out.chunks_exact_mut(bb).enumerate() {
+    // One packed unit per file block: 32 elements, or a K-quant's 256-element super-block.
+    let unit = match fmt {
+        Fmt::Q4K => Q4K_SUPER,
+        Fmt::Q6K => Q6K_SUPER,
+        _ => bb,
+    };
+    for (b, pb) in out.chunks_exact_mut(unit).enumerate() {
         for r in 0..GROUP_ROWS {
             let row = g * GROUP_ROWS + r;
             if row >= w.rows {
@@ -518,6 +502,8 @@ fn pack_group(fmt: Fmt, w: WeightMatrix<'_>, g: usize, out: &mut [u8]) {
             }
             let blk = &w.data[row * rb + b * bs..][..bs];
             match fmt {
+                Fmt::Q4K => q4k_pack(blk, r, pb),
+                Fmt::Q6K => q6k_pack(blk, r, pb),
                 Fmt::Q4_0 | Fmt::Q4_1 => {
                     let hdr = if fmt == Fmt::Q4_1 { 4 } else { 2 };
                     let qs = &blk[hdr..hdr + 16];
