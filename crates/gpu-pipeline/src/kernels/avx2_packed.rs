@@ -27,8 +27,7 @@ use super::avx2_quant::{
 use super::avx512::{F_Q4_0, F_Q4_1, F_Q4K, F_Q5_0, F_Q5_1, F_Q6K, F_Q8_0};
 use super::format::Fmt;
 use super::packed::{
-    GROUP_ROWS, Q4K_D, Q4K_DMIN, Q4K_SCALES, Q4K_SUPER, Q6K_D, Q6K_SCALES, Q6K_SUB, Q6K_SUPER,
-    block_bytes,
+    GROUP_ROWS, Q4K_D, Q4K_DMIN, Q4K_SCALES, Q6K_D, Q6K_SCALES, Q6K_SUB, block_bytes,
 };
 use super::{RowsOut, WeightMatrix};
 
@@ -72,20 +71,20 @@ pub(crate) unsafe fn quant_rows(
 /// in `d` and `m`; as weight-cache computes them).
 ///
 /// # Safety
-/// `group` has whole packed blocks of the format up to block `b`; `h < 2`.
+/// `group` has whole packed blocks of the format (`bb` bytes each, [`block_bytes`]) up to block
+/// `b`; `h < 2`.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn half_block<const F: u8>(group: *const u8, b: usize, h: usize) -> PanelBlock {
+unsafe fn half_block<const F: u8>(group: *const u8, b: usize, bb: usize, h: usize) -> PanelBlock {
     // SAFETY (whole body): every load is inside the block (`64j + 32h + 32 <= 64 * 8`, the
     // scales `16h + 16` bytes into their 32-byte field; Q4_K: inside its super-block, whose
     // fields are laid out in `packed`).
     unsafe {
-        let (p, s) = if F == F_Q4K {
-            (group.add(b / 8 * Q4K_SUPER), b % 8)
-        } else if F == F_Q6K {
-            (group.add(b / 8 * Q6K_SUPER), b % 8)
+        // K-quants: sub-block `s` of the super-block (8 blocks' bytes) holding block `b`.
+        let (p, s) = if matches!(F, F_Q4K | F_Q6K) {
+            (group.add(b / 8 * 8 * bb), b % 8)
         } else {
-            (group.add(b * block_bytes_of::<F>()), 0)
+            (group.add(b * bb), 0)
         };
         let ld = |off: usize| _mm256_loadu_si256(p.add(off + 32 * h).cast());
         let f16s = |off: usize| _mm256_cvtph_ps(_mm_loadu_si128(p.add(off + 16 * h).cast()));
@@ -163,17 +162,6 @@ unsafe fn half_block<const F: u8>(group: *const u8, b: usize, h: usize) -> Panel
     }
 }
 
-/// Bytes of a packed block of a 32-element format.
-const fn block_bytes_of<const F: u8>() -> usize {
-    match F {
-        F_Q4_0 => 256 + 32,
-        F_Q4_1 => 256 + 64,
-        F_Q5_0 => 256 + 64 + 32,
-        F_Q5_1 => 256 + 64 + 64,
-        _ => 512 + 32,
-    }
-}
-
 /// Q4_K sub-block `s`'s 6-bit scale and minimum per lane, from the 3 scale vectors `v(k)`
 /// (lane = bytes `4k..4k + 4` of the row's `scales`): ggml's `get_scale_min_k4`, 8 rows at once.
 #[inline]
@@ -242,7 +230,7 @@ fn rows_impl<const F: u8>(
                     }
                 }
                 // SAFETY: block `b < nb` of the group is whole.
-                unsafe { half_block::<F>(group, b, h) }
+                unsafe { half_block::<F>(group, b, bb, h) }
             };
             token_tiles::<F>(nb, block, acts, nq, 0..n, |t, v| emit8(out, t, r0, live, v));
         }
@@ -273,7 +261,7 @@ fn panel_rows<const F: u8>(
                 for (h, r0, live) in live_halves(g, rows.end) {
                     for (b, pb) in panel.iter_mut().enumerate() {
                         // SAFETY: block `b < nb` of the group is whole.
-                        *pb = unsafe { half_block::<F>(group, b, h) };
+                        *pb = unsafe { half_block::<F>(group, b, bb, h) };
                     }
                     let panel: &[PanelBlock] = panel;
                     token_tiles::<F>(

@@ -120,12 +120,14 @@ pub(crate) const Q6K_SCALES: usize = Q6K_D + 32;
 /// bits `8k + 2(j % 4)..+2` of lane `j / 4`, for the element in byte `k` of weight vector `j`, so
 /// that one shift by `4 - 2(j % 4)` and a mask put them at bits 4..6 of each byte.
 pub(crate) fn q6_bit(e: usize) -> usize {
-    let (j, k) = if e < 16 {
-        (e / 4, e % 4)
-    } else {
-        (4 + (e - 16) / 4, e % 4)
-    };
+    let (j, k) = vector_byte(e);
     32 * (j / 4) + 8 * k + 2 * (j % 4)
+}
+
+/// The kernel's weight vector `j` and byte `k` of its lane that hold element `e` (0..32) of a
+/// block: vectors 0..4 take elements `4j + k` (the low nibbles), 4..8 elements `16 + 4(j - 4) + k`.
+fn vector_byte(e: usize) -> (usize, usize) {
+    (e % 16 / 4 + 4 * (e / 16), e % 4)
 }
 
 /// Q5_0/Q5_1: where the fifth bit of element `e` (0..32) of a block goes in the row's packed
@@ -133,11 +135,7 @@ pub(crate) fn q6_bit(e: usize) -> usize {
 /// (elements `4j + k`, `j < 4`, from the low nibbles; `16 + 4(j - 4) + k` from the high ones), so
 /// that one shift by `4 - j` and a mask put vector `j`'s fifth bits at bit 4 of each byte.
 pub(crate) fn q5_bit(e: usize) -> usize {
-    let (j, k) = if e < 16 {
-        (e / 4, e % 4)
-    } else {
-        (4 + (e - 16) / 4, e % 4)
-    };
+    let (j, k) = vector_byte(e);
     8 * k + j
 }
 
@@ -286,68 +284,12 @@ impl PackedWeights {
         let nb = self.cols / 32;
         let (g, r) = (row / GROUP_ROWS, row % GROUP_ROWS);
         let group = &self.bytes()[g * nb * bb..(g + 1) * nb * bb];
-        if matches!(fmt, Fmt::Q4K | Fmt::Q6K) {
-            // The file's super-blocks: 144 (Q4_K) or 210 (Q6_K) bytes.
-            let mut blk = [0u8; 210];
-            let (sup_bytes, len) = if fmt == Fmt::Q4K {
-                (Q4K_SUPER, 144)
-            } else {
-                (Q6K_SUPER, 210)
-            };
-            for (sb, y) in out.chunks_exact_mut(256).enumerate() {
-                let sup = &group[sb * sup_bytes..][..sup_bytes];
-                let blk = &mut blk[..len];
-                if fmt == Fmt::Q4K {
-                    q4k_unpack(sup, r, blk);
-                } else {
-                    q6k_unpack(sup, r, blk);
-                }
-                weight_cache::dequantize(self.dtype, blk, y)
-                    .map_err(|_| KernelError::UnsupportedDtype { dtype: self.dtype })?;
-            }
-            return Ok(());
-        }
-        let mut blk = [0u8; 34];
-        for (b, y) in out.chunks_exact_mut(32).enumerate() {
-            let pb = &group[b * bb..(b + 1) * bb];
-            let len = match fmt {
-                Fmt::Q5_0 | Fmt::Q5_1 => {
-                    // d, (Q5_1: m,) qh as a little-endian u32, then the 16 nibble bytes.
-                    let hdr = if fmt == Fmt::Q5_1 { 4 } else { 2 };
-                    blk[0..2].copy_from_slice(&pb[320 + 2 * r..][..2]);
-                    if fmt == Fmt::Q5_1 {
-                        blk[2..4].copy_from_slice(&pb[352 + 2 * r..][..2]);
-                    }
-                    let packed = u32::from_le_bytes(pb[256 + 4 * r..][..4].try_into().unwrap());
-                    let qh = (0..32).fold(0u32, |h, e| h | (((packed >> q5_bit(e)) & 1) << e));
-                    blk[hdr..hdr + 4].copy_from_slice(&qh.to_le_bytes());
-                    for c in 0..4 {
-                        blk[hdr + 4 + 4 * c..][..4].copy_from_slice(&pb[64 * c + 4 * r..][..4]);
-                    }
-                    hdr + 20
-                }
-                Fmt::Q4_0 | Fmt::Q4_1 => {
-                    let hdr = if fmt == Fmt::Q4_1 { 4 } else { 2 };
-                    blk[0..2].copy_from_slice(&pb[256 + 2 * r..][..2]);
-                    if fmt == Fmt::Q4_1 {
-                        blk[2..4].copy_from_slice(&pb[288 + 2 * r..][..2]);
-                    }
-                    for c in 0..4 {
-                        blk[hdr + 4 * c..][..4].copy_from_slice(&pb[64 * c + 4 * r..][..4]);
-                    }
-                    hdr + 16
-                }
-                _ => {
-                    blk[0..2].copy_from_slice(&pb[512 + 2 * r..][..2]);
-                    for j in 0..8 {
-                        for i in 0..4 {
-                            blk[2 + 4 * j + i] = pb[64 * j + 4 * r + i] ^ 0x80;
-                        }
-                    }
-                    34
-                }
-            };
-            weight_cache::dequantize(self.dtype, &blk[..len], y)
+        let (unit, fb) = (unit_bytes(fmt, bb), fmt.block_bytes());
+        let mut blk = [0u8; 210]; // the largest file block (Q6_K)
+        for (b, y) in out.chunks_exact_mut(fmt.block_elems()).enumerate() {
+            let blk = &mut blk[..fb];
+            unpack(fmt, &group[b * unit..][..unit], r, blk);
+            weight_cache::dequantize(self.dtype, blk, y)
                 .map_err(|_| KernelError::UnsupportedDtype { dtype: self.dtype })?;
         }
         Ok(())
@@ -370,6 +312,53 @@ impl PackedWeights {
 fn bytemuck_lines(lines: &mut [Line]) -> &mut [u8] {
     // SAFETY: `Line` is 64 plain bytes with no padding and any bit pattern is valid.
     unsafe { std::slice::from_raw_parts_mut(lines.as_mut_ptr().cast::<u8>(), lines.len() * 64) }
+}
+
+/// Bytes of the packed unit that holds one file block of 16 rows: a 32-element block, or a
+/// K-quant's 256-element super-block (`bb` is [`block_bytes`]).
+fn unit_bytes(fmt: Fmt, bb: usize) -> usize {
+    bb * fmt.block_elems() / 32
+}
+
+/// Row `r` of the packed unit `pu`, back in the file's block encoding (`blk`, one file block):
+/// [`pack_group`]'s inverse.
+fn unpack(fmt: Fmt, pu: &[u8], r: usize, blk: &mut [u8]) {
+    match fmt {
+        Fmt::Q4K => q4k_unpack(pu, r, blk),
+        Fmt::Q6K => q6k_unpack(pu, r, blk),
+        Fmt::Q5_0 | Fmt::Q5_1 => {
+            // d, (Q5_1: m,) qh as a little-endian u32, then the 16 nibble bytes.
+            let hdr = if fmt == Fmt::Q5_1 { 4 } else { 2 };
+            blk[0..2].copy_from_slice(&pu[320 + 2 * r..][..2]);
+            if fmt == Fmt::Q5_1 {
+                blk[2..4].copy_from_slice(&pu[352 + 2 * r..][..2]);
+            }
+            let packed = u32::from_le_bytes(pu[256 + 4 * r..][..4].try_into().unwrap());
+            let qh = (0..32).fold(0u32, |h, e| h | (((packed >> q5_bit(e)) & 1) << e));
+            blk[hdr..hdr + 4].copy_from_slice(&qh.to_le_bytes());
+            for c in 0..4 {
+                blk[hdr + 4 + 4 * c..][..4].copy_from_slice(&pu[64 * c + 4 * r..][..4]);
+            }
+        }
+        Fmt::Q4_0 | Fmt::Q4_1 => {
+            let hdr = if fmt == Fmt::Q4_1 { 4 } else { 2 };
+            blk[0..2].copy_from_slice(&pu[256 + 2 * r..][..2]);
+            if fmt == Fmt::Q4_1 {
+                blk[2..4].copy_from_slice(&pu[288 + 2 * r..][..2]);
+            }
+            for c in 0..4 {
+                blk[hdr + 4 * c..][..4].copy_from_slice(&pu[64 * c + 4 * r..][..4]);
+            }
+        }
+        _ => {
+            blk[0..2].copy_from_slice(&pu[512 + 2 * r..][..2]);
+            for j in 0..8 {
+                for i in 0..4 {
+                    blk[2 + 4 * j + i] = pu[64 * j + 4 * r + i] ^ 0x80;
+                }
+            }
+        }
+    }
 }
 
 /// Packs row `r` of a group's Q4_K super-block `blk` (the file's 144 bytes) into the packed
@@ -401,14 +390,17 @@ fn q4k_pack(blk: &[u8], r: usize, out: &mut [u8]) {
 /// Row `r` of the packed Q4_K super-block `sup`, back in the file's encoding (`blk`, 144
 /// bytes): [`q4k_pack`]'s inverse.
 fn q4k_unpack(sup: &[u8], r: usize, blk: &mut [u8]) {
-    blk[0..2].copy_from_slice(&sup[Q4K_D + 2 * r..][..2]);
-    blk[2..4].copy_from_slice(&sup[Q4K_DMIN + 2 * r..][..2]);
+    use std::mem::offset_of;
+    use weight_cache::quant::BlockQ4K;
+    blk[offset_of!(BlockQ4K, d)..][..2].copy_from_slice(&sup[Q4K_D + 2 * r..][..2]);
+    blk[offset_of!(BlockQ4K, dmin)..][..2].copy_from_slice(&sup[Q4K_DMIN + 2 * r..][..2]);
+    let sc = offset_of!(BlockQ4K, scales);
     for k in 0..3 {
-        blk[4 + 4 * k..][..4].copy_from_slice(&sup[Q4K_SCALES + 64 * k + 4 * r..][..4]);
+        blk[sc + 4 * k..][..4].copy_from_slice(&sup[Q4K_SCALES + 64 * k + 4 * r..][..4]);
     }
     // The file's quants: byte `32j + l` holds element `l` of sub-block `2j` (low nibble) and of
     // sub-block `2j + 1` (high nibble).
-    let qs = &mut blk[16..];
+    let qs = &mut blk[offset_of!(BlockQ4K, qs)..][..128];
     qs.fill(0);
     for s in 0..8 {
         for e in 0..32 {
@@ -488,13 +480,7 @@ fn pack_group(fmt: Fmt, w: WeightMatrix<'_>, g: usize, out: &mut [u8]) {
     let Some(bb) = block_bytes(fmt) else { return };
     let rb = fmt.row_bytes(w.cols);
     let bs = fmt.block_bytes();
-    // One packed unit per file block: 32 elements, or a K-quant's 256-element super-block.
-    let unit = match fmt {
-        Fmt::Q4K => Q4K_SUPER,
-        Fmt::Q6K => Q6K_SUPER,
-        _ => bb,
-    };
-    for (b, pb) in out.chunks_exact_mut(unit).enumerate() {
+    for (b, pb) in out.chunks_exact_mut(unit_bytes(fmt, bb)).enumerate() {
         for r in 0..GROUP_ROWS {
             let row = g * GROUP_ROWS + r;
             if row >= w.rows {
