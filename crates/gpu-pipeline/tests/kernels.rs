@@ -690,7 +690,6 @@ proptest! {
             GgmlType::Q5_1, GgmlType::Q6_K,
         ][dt];
         let k_quant = matches!(dtype, GgmlType::Q4_K | GgmlType::Q6_K);
-        let avx2_only = k_quant || matches!(dtype, GgmlType::Q5_0 | GgmlType::Q5_1);
         // K-quants: 1 to 3 super-blocks per row.
         let cols = if k_quant { 256 * (1 + units % 3) } else { 32 * units };
         let pool = ThreadPool::new(threads);
@@ -701,11 +700,8 @@ proptest! {
         let w = WeightMatrix::new(dtype, rows, cols, &data).unwrap();
         let w2 = WeightMatrix::new(dtype, 7, cols, &data2).unwrap();
         let Some(p) = PackedWeights::pack(w, &pool).unwrap() else {
-            // Packed Q4_K and Q5 have an AVX2 kernel only (AVX-512 hosts keep the file layout).
-            prop_assert!(
-                CpuIsa::detect() == CpuIsa::Scalar
-                    || (avx2_only && CpuIsa::detect() == CpuIsa::Avx512)
-            );
+            // Every packable format has an AVX-512 and an AVX2 kernel.
+            prop_assert_eq!(CpuIsa::detect(), CpuIsa::Scalar);
             return Ok(());
         };
         let p2 = PackedWeights::pack(w2, &pool).unwrap().unwrap();
@@ -730,10 +726,7 @@ proptest! {
         prop_assert_eq!(bits(&ya), bits(&want));
         prop_assert_eq!(bits(&yb), bits(&want2));
         // Every SIMD backend here reads the layout (AVX2 as well as AVX-512 on a Zen 4).
-        for backend in CpuIsa::available()
-            .into_iter()
-            .filter(|&b| b != CpuIsa::Scalar && (b == CpuIsa::Avx2 || !avx2_only))
-        {
+        for backend in CpuIsa::available().into_iter().filter(|&b| b != CpuIsa::Scalar) {
             let mut yk = vec![f32::NAN; n * rows];
             matmul_with(backend, p.matrix(), &x, n, &mut yk, &pool).unwrap();
             prop_assert_eq!(bits(&yk), bits(&want), "{:?} {} {}x{} n {}", backend, dtype.name(), rows, cols, n);

@@ -12,19 +12,20 @@
 //! `16 + 4c..16 + 4c + 4` in the high ones; Q8_0 quants `4j..4j + 4`, offset by 128 to u8), then
 //! the 16 f16 scales (and Q4_1's 16 f16 minimums). Same bytes per weight as the file.
 //!
-//! The AVX2 backend also reads packed Q5_0/Q5_1 (the nibbles as Q4_0's, then each row's 32 fifth
-//! bits in one lane, ordered so that a shift and a mask give a weight vector's, [`q5_bit`]) and
-//! the K-quants that Q4_K_M/Q5_K_M/Q6_K files are made of, Q4_K and Q6_K, packed per 256-element
+//! Q5_0/Q5_1 pack as well (the nibbles as Q4_0's, then each row's 32 fifth bits in one lane,
+//! ordered so that a shift and a mask give a weight vector's, [`q5_bit`]), and so do the
+//! K-quants that Q4_K_M/Q5_K_M/Q6_K files are made of, Q4_K and Q6_K, packed per 256-element
 //! super-block ([`Q4K_SUPER`], [`Q6K_SUPER`]): each 32-element sub-block's low 4 bits as a packed
 //! Q4_0 block (Q6_K's high 2 bits in two more lanes per row, [`q6_bit`]), then the 16 rows'
 //! super-block scales and their 6-bit (Q4_K) or 8-bit (Q6_K) sub-block scales side by side, so
-//! one load gives 8 rows' scale fields. Those layouts have no AVX-512 kernel yet: on AVX-512
-//! hosts such matrices stay in the file layout ([`runs_on`]).
+//! one load gives 16 (AVX2: 8) rows' scale fields. Both backends decode a packed block the same
+//! way ([`block16`], and 8 rows at a time `avx2_packed`'s `half_block`).
 //!
 //! **Same arithmetic.** The kernel accumulates each output exactly as the other AVX-512 kernels
 //! do (exact integer block dot product, one FMA by `d_w * d_x`, then `m_w * d_x * sum(q_x)` for
-//! Q4_1, four f32 chains by block index modulo 4, summed as `(c0 + c2) + (c1 + c3)`), so a
-//! packed matrix gives bit-identical results to its file layout, and batch invariance holds.
+//! the formats with a minimum; Q6_K one product and FMA per 16-element half; four f32 chains by
+//! block index modulo 4, summed as `(c0 + c2) + (c1 + c3)`), so a packed matrix gives
+//! bit-identical results to its file layout, and batch invariance holds.
 
 // The AVX-512 intrinsics are stable since Rust 1.89; the workspace toolchain is 1.95.
 #![allow(clippy::incompatible_msrv)]
@@ -154,16 +155,11 @@ pub(crate) const Q4K_DMIN: usize = Q4K_D + 32;
 /// Offset of the scale vectors in a packed Q4_K super-block.
 pub(crate) const Q4K_SCALES: usize = Q4K_DMIN + 32;
 
-/// Whether `isa` has a kernel for packed matrices of `fmt` (packed Q4_K, Q6_K, Q5_0 and Q5_1
-/// have only the AVX2 one).
+/// Whether `isa` has a kernel for packed matrices of `fmt` (the AVX-512 and AVX2 backends read
+/// every packed layout).
 #[cfg(target_arch = "x86_64")]
 pub(crate) fn runs_on(fmt: Fmt, isa: super::CpuIsa) -> bool {
-    block_bytes(fmt).is_some()
-        && match isa {
-            super::CpuIsa::Avx512 => matches!(fmt, Fmt::Q4_0 | Fmt::Q4_1 | Fmt::Q8_0),
-            super::CpuIsa::Avx2 => true,
-            _ => false,
-        }
+    block_bytes(fmt).is_some() && matches!(isa, super::CpuIsa::Avx512 | super::CpuIsa::Avx2)
 }
 
 /// Bytes of a `rows x cols` matrix of `fmt` in the packed layout (rows rounded up to whole groups).
@@ -175,9 +171,9 @@ pub(crate) fn packed_len(fmt: Fmt, rows: usize, cols: usize) -> Option<usize> {
 }
 
 impl PackedWeights {
-    /// Whether matrices of `dtype` can be packed, and the kernels that read the layout run on
-    /// this CPU (the AVX-512 backend for Q4_0, Q4_1 and Q8_0, the AVX2 backend for those and
-    /// Q4_K, Q6_K, Q5_0, Q5_1; the backend [`super::CpuIsa::detect`] selects).
+    /// Whether matrices of `dtype` can be packed (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K), and
+    /// the kernels that read the layout run on this CPU (the AVX-512 or AVX2 backend, whichever
+    /// [`super::CpuIsa::detect`] selects).
     pub fn supported(dtype: GgmlType) -> bool {
         #[cfg(target_arch = "x86_64")]
         {
@@ -538,7 +534,7 @@ fn pack_group(fmt: Fmt, w: WeightMatrix<'_>, g: usize, out: &mut [u8]) {
 }
 
 #[cfg(target_arch = "x86_64")]
-pub(crate) use avx512::quant_rows;
+pub(crate) use avx512::{block16, quant_rows};
 
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
@@ -546,10 +542,12 @@ mod avx512 {
     use std::ops::Range;
 
     use super::super::act::ActBlock;
-    use super::super::avx512::{F_Q4_0, F_Q4_1, F_Q8_0, has_min, offset_shift};
+    use super::super::avx512::{
+        F_Q4_0, F_Q4_1, F_Q4K, F_Q5_0, F_Q5_1, F_Q6K, F_Q8_0, has_min, is_split, offset_shift,
+    };
     use super::super::format::Fmt;
     use super::super::{RowsOut, WeightMatrix};
-    use super::{GROUP_ROWS, block_bytes};
+    use super::{GROUP_ROWS, Q4K_D, Q4K_DMIN, Q4K_SCALES, Q6K_D, Q6K_SCALES, Q6K_SUB, block_bytes};
 
     /// How far ahead (bytes) decode prefetches the weights it streams, into L2
     /// (`_MM_HINT_T2`). Measured on Zen 4 (default model, 2 threads, `zerolayer bench
@@ -578,6 +576,10 @@ mod avx512 {
             Fmt::Q4_0 => rows_impl::<F_Q4_0>(fmt, w, acts, n, rows, out),
             Fmt::Q4_1 => rows_impl::<F_Q4_1>(fmt, w, acts, n, rows, out),
             Fmt::Q8_0 => rows_impl::<F_Q8_0>(fmt, w, acts, n, rows, out),
+            Fmt::Q5_0 => rows_impl::<F_Q5_0>(fmt, w, acts, n, rows, out),
+            Fmt::Q5_1 => rows_impl::<F_Q5_1>(fmt, w, acts, n, rows, out),
+            Fmt::Q4K => rows_impl::<F_Q4K>(fmt, w, acts, n, rows, out),
+            Fmt::Q6K => rows_impl::<F_Q6K>(fmt, w, acts, n, rows, out),
             _ => unreachable!("packed formats are checked by the caller"),
         }
     }
@@ -645,50 +647,121 @@ mod avx512 {
         T
     }
 
-    /// The 8 weight vectors of packed block `p`: vector `j` lane `r` = elements `4j..4j + 4` of
-    /// row `r` as u8.
-    ///
-    /// # Safety
-    /// `p` has the packed block's bytes.
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
-    unsafe fn weights<const F: u8>(p: *const u8) -> [__m512i; 8] {
-        // SAFETY: forwarded; every load is inside the block.
-        unsafe {
-            if F == F_Q8_0 {
-                std::array::from_fn(|j| _mm512_loadu_si512(p.add(64 * j).cast()))
-            } else {
-                let lo4 = _mm512_set1_epi8(0x0F);
-                let v: [__m512i; 4] =
-                    std::array::from_fn(|c| _mm512_loadu_si512(p.add(64 * c).cast()));
-                std::array::from_fn(|j| {
-                    if j < 4 {
-                        _mm512_and_si512(v[j], lo4)
-                    } else {
-                        _mm512_and_si512(_mm512_srli_epi16(v[j - 4], 4), lo4)
-                    }
-                })
-            }
-        }
+    /// Block `b` of a packed 16-row group, decoded for the VNNI kernels: `w[j]` lane `r` = the
+    /// u8 quants of elements `4j..4j + 4` of row `r` (offset as the file's, Q8_0's by 128; Q5's
+    /// fifth bits and Q6_K's high bits OR-ed in from their packed lanes, [`q5_bit`],
+    /// [`q6_bit`]), then the 16 rows' scales `d` and `m`: the minimums (Q4_1, Q5_1; Q4_K: the
+    /// sub-block's `d * sc` and `-(dmin * m)`) or Q6_K's second-half scale (`d * sc` of elements
+    /// 0..16 in `d`, 16..32 in `m`), computed as weight-cache computes them. The AVX2 kernel's
+    /// `half_block` decodes the same fields 8 rows at a time.
+    pub(crate) struct Block16 {
+        pub(crate) w: [__m512i; 8],
+        pub(crate) d: __m512,
+        pub(crate) m: __m512,
     }
 
-    /// The 16 rows' scales (and Q4_1 minimums) of packed block `p` as f32.
+    /// Decodes block `b` of the packed group at `group` (see [`Block16`]).
     ///
     /// # Safety
-    /// `p` has the packed block's bytes.
+    /// `group` has whole packed blocks of the format (`bb` bytes each, [`block_bytes`]; K-quants:
+    /// whole super-blocks) up to block `b`.
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
-    unsafe fn scales<const F: u8>(p: *const u8) -> (__m512, __m512) {
-        let at = if F == F_Q8_0 { 512 } else { 256 };
-        // SAFETY: forwarded; the scales (and minimums) end the block.
+    pub(crate) unsafe fn block16<const F: u8>(group: *const u8, b: usize, bb: usize) -> Block16 {
+        // SAFETY (whole body): every load is inside the block (K-quants: inside its
+        // super-block, whose fields are laid out in `super`).
         unsafe {
-            let d = _mm512_cvtph_ps(_mm256_loadu_si256(p.add(at).cast()));
-            let m = if has_min(F) {
-                _mm512_cvtph_ps(_mm256_loadu_si256(p.add(at + 32).cast()))
+            // K-quants: sub-block `s` of the super-block (8 blocks' bytes) holding block `b`.
+            let (p, s) = if matches!(F, F_Q4K | F_Q6K) {
+                (group.add(b / 8 * 8 * bb), b % 8)
             } else {
-                _mm512_setzero_ps()
+                (group.add(b * bb), 0)
             };
-            (d, m)
+            let ld = |off: usize| _mm512_loadu_si512(p.add(off).cast());
+            let f16s = |off: usize| _mm512_cvtph_ps(_mm256_loadu_si256(p.add(off).cast()));
+            let shl = |v: __m512i, n: i32| {
+                if n >= 0 {
+                    _mm512_sll_epi32(v, _mm_cvtsi32_si128(n))
+                } else {
+                    _mm512_srl_epi32(v, _mm_cvtsi32_si128(-n))
+                }
+            };
+            if F == F_Q8_0 {
+                return Block16 {
+                    w: std::array::from_fn(|j| ld(64 * j)),
+                    d: f16s(512),
+                    m: _mm512_setzero_ps(),
+                };
+            }
+            let lo4 = _mm512_set1_epi8(0x0F);
+            let sub = if F == F_Q6K { Q6K_SUB * s } else { 256 * s };
+            let v: [__m512i; 4] = std::array::from_fn(|c| ld(sub + 64 * c));
+            let mut w: [__m512i; 8] = std::array::from_fn(|j| {
+                if j < 4 {
+                    _mm512_and_si512(v[j], lo4)
+                } else {
+                    _mm512_and_si512(_mm512_srli_epi16(v[j - 4], 4), lo4)
+                }
+            });
+            if matches!(F, F_Q5_0 | F_Q5_1) {
+                // Vector `j`'s fifth bits sit at bits `8k + j` of the lane (`q5_bit`).
+                let (qh, bit4) = (ld(256), _mm512_set1_epi8(0x10));
+                for (j, wj) in w.iter_mut().enumerate() {
+                    let at = shl(qh, 4 - j as i32);
+                    *wj = _mm512_or_si512(*wj, _mm512_and_si512(at, bit4));
+                }
+            }
+            if F == F_Q6K {
+                // Vector `j`'s high bits sit at bits `8k + 2(j % 4)` of lane vector `j / 4`
+                // (`q6_bit`).
+                let (hi, bits45) = ([ld(sub + 256), ld(sub + 320)], _mm512_set1_epi8(0x30));
+                for (j, wj) in w.iter_mut().enumerate() {
+                    let at = shl(hi[j / 4], 4 - 2 * (j % 4) as i32);
+                    *wj = _mm512_or_si512(*wj, _mm512_and_si512(at, bits45));
+                }
+            }
+            let (d, m) = match F {
+                F_Q6K => {
+                    // The scales of elements 0..16 and 16..32: signed bytes `2s`, `2s + 1`.
+                    let v = ld(Q6K_SCALES + 64 * (s / 2));
+                    let byte = |i: usize| {
+                        let up = shl(v, 24 - 8 * i as i32);
+                        _mm512_cvtepi32_ps(_mm512_srai_epi32::<24>(up))
+                    };
+                    let (d, i) = (f16s(Q6K_D), 2 * (s % 2));
+                    (_mm512_mul_ps(d, byte(i)), _mm512_mul_ps(d, byte(i + 1)))
+                }
+                F_Q4K => {
+                    // ggml's `get_scale_min_k4`, 16 rows at once (lane = bytes `4k..4k + 4` of
+                    // the row's scales in vector `k`).
+                    let and = |x: __m512i, m: i32| _mm512_and_si512(x, _mm512_set1_epi32(m));
+                    let k = |i: usize| ld(Q4K_SCALES + 64 * i);
+                    let (sc, mn) = if s < 4 {
+                        let at = -8 * s as i32;
+                        (and(shl(k(0), at), 63), and(shl(k(1), at), 63))
+                    } else {
+                        // Low 4 bits from bytes 8..12, high 2 bits from the top of bytes 0..4
+                        // (scale) and 4..8 (minimum).
+                        let (i, v2) = (s as i32 - 4, k(2));
+                        let top = |x: __m512i| and(shl(x, -(8 * i + 2)), 0x30);
+                        (
+                            _mm512_or_si512(and(shl(v2, -8 * i), 15), top(k(0))),
+                            _mm512_or_si512(and(shl(v2, -(8 * i + 4)), 15), top(k(1))),
+                        )
+                    };
+                    let sign = _mm512_set1_ps(-0.0);
+                    let dm = _mm512_mul_ps(f16s(Q4K_DMIN), _mm512_cvtepi32_ps(mn));
+                    (
+                        _mm512_mul_ps(f16s(Q4K_D), _mm512_cvtepi32_ps(sc)),
+                        _mm512_xor_ps(dm, sign),
+                    )
+                }
+                F_Q4_1 => (f16s(256), f16s(288)),
+                F_Q5_0 => (f16s(320), _mm512_setzero_ps()),
+                F_Q5_1 => (f16s(320), f16s(352)),
+                _ => (f16s(256), _mm512_setzero_ps()),
+            };
+            Block16 { w, d, m }
         }
     }
 
@@ -706,44 +779,54 @@ mod avx512 {
     }
 
     /// One block's contribution to a chain, for each of `T` tokens: `c += cvt(isum) * (d * d_x)`,
-    /// then (Q4_1) `c += m * (d_x * sum(q_x))`, exactly as the other AVX-512 kernels compute it.
-    /// The integer sums run over the 8 weight vectors in the outer loop (each weight vector
-    /// serves every token), in two partial sums per token for few tokens (shorter chains).
+    /// then (Q4_1, Q5_1, Q4_K) `c += m * (d_x * sum(q_x))`; Q6_K (split): per 16-element half,
+    /// its own offset sum and `c += cvt(isum_h) * (scale_h * d_x)`; exactly as the other AVX-512
+    /// kernels compute it. The integer sums run over the 8 weight vectors in the outer loop (each
+    /// weight vector serves every token), in two partial sums per token for few tokens (shorter
+    /// chains; split formats: one per half).
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
-    fn step<const F: u8, const T: usize>(
-        w: &[__m512i; 8],
-        d: __m512,
-        m: __m512,
-        a: [&ActBlock; T],
-        c: &mut [__m512; T],
-    ) {
+    fn step<const F: u8, const T: usize>(blk: &Block16, a: [&ActBlock; T], c: &mut [__m512; T]) {
         let z = _mm512_setzero_si512();
         let (mut even, mut odd) = ([z; T], [z; T]);
-        for (j, wj) in w.iter().enumerate() {
+        let split = is_split(F);
+        for (j, wj) in blk.w.iter().enumerate() {
             for t in 0..T {
-                if T <= 2 && j % 2 == 1 {
+                let second = if split { j >= 4 } else { T <= 2 && j % 2 == 1 };
+                if second {
                     odd[t] = _mm512_dpbusd_epi32(odd[t], *wj, act4(a[t], j));
                 } else {
                     even[t] = _mm512_dpbusd_epi32(even[t], *wj, act4(a[t], j));
                 }
             }
         }
+        let shift = _mm_cvtsi32_si128(offset_shift(F));
+        let offset = |v: __m512i, sum: i32| {
+            if offset_shift(F) != 0 {
+                _mm512_sub_epi32(v, _mm512_sll_epi32(_mm512_set1_epi32(sum), shift))
+            } else {
+                v
+            }
+        };
         for t in 0..T {
-            let mut isum = if T <= 2 {
+            let dx = _mm512_set1_ps(a[t].d);
+            if split {
+                let i0 = offset(even[t], a[t].sq0);
+                let i1 = offset(odd[t], a[t].sq - a[t].sq0);
+                c[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i0), _mm512_mul_ps(blk.d, dx), c[t]);
+                c[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i1), _mm512_mul_ps(blk.m, dx), c[t]);
+                continue;
+            }
+            let isum = if T <= 2 {
                 _mm512_add_epi32(even[t], odd[t])
             } else {
                 even[t]
             };
-            if offset_shift(F) != 0 {
-                let shift = _mm_cvtsi32_si128(offset_shift(F));
-                let sq = _mm512_sll_epi32(_mm512_set1_epi32(a[t].sq), shift);
-                isum = _mm512_sub_epi32(isum, sq);
-            }
-            let s = _mm512_mul_ps(d, _mm512_set1_ps(a[t].d));
+            let isum = offset(isum, a[t].sq);
+            let s = _mm512_mul_ps(blk.d, dx);
             c[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), s, c[t]);
             if has_min(F) {
-                c[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(a[t].sx), c[t]);
+                c[t] = _mm512_fmadd_ps(blk.m, _mm512_set1_ps(a[t].sx), c[t]);
             }
         }
     }
@@ -766,13 +849,10 @@ mod avx512 {
         // One block into chain `l` (a constant in the unrolled loop below, so the chains stay in
         // registers).
         let block = |acc: &mut [[__m512; T]; 4], b: usize, l: usize| {
-            let p = group[b * bb..(b + 1) * bb].as_ptr();
-            // SAFETY: `p` has the block's `bb` bytes.
-            let (wv, (d, m)) = unsafe { (weights::<F>(p), scales::<F>(p)) };
+            // SAFETY: `group` holds the group's `nb` whole blocks (K-quants: super-blocks).
+            let blk = unsafe { block16::<F>(group.as_ptr(), b, bb) };
             step::<F, T>(
-                &wv,
-                d,
-                m,
+                &blk,
                 std::array::from_fn(|t| &acts[t * nb + b]),
                 &mut acc[l],
             );

@@ -216,11 +216,12 @@ fn packed_impl<const F: u8>(
     });
 }
 
-/// Unpacks one packed 16-row group (`quants.len()` blocks of `bb` bytes) into the panel.
+/// Unpacks one packed 16-row group (`quants.len()` blocks of `bb` bytes) into the panel: each
+/// block as the decode kernel reads it ([`super::packed::block16`]).
 ///
 /// # Safety
-/// `group` holds `quants.len()` packed blocks of `bb` bytes; `scales` has
-/// [`scale_vectors`] entries per block.
+/// `group` holds `quants.len()` packed blocks of `bb` bytes (K-quants: whole super-blocks);
+/// `scales` has [`scale_vectors`] entries per block.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
 unsafe fn unpack<const F: u8>(
@@ -229,33 +230,21 @@ unsafe fn unpack<const F: u8>(
     quants: &mut [Quants],
     scales: &mut [Lanes],
 ) {
-    let lo4 = _mm512_set1_epi8(0x0F);
     let sv = scale_vectors(F);
     for (b, pb) in quants.iter_mut().enumerate() {
         let sb = &mut scales[sv * b..sv * (b + 1)];
-        let p = group[b * bb..(b + 1) * bb].as_ptr();
-        // SAFETY: every load is inside block `b`; the stores fill `pb`'s aligned fields.
+        // SAFETY: block `b` of the group is whole (forwarded); the stores fill `pb`'s aligned
+        // fields.
         unsafe {
-            let at = if F == F_Q8_0 {
-                for j in 0..8 {
-                    let v = _mm512_loadu_si512(p.add(64 * j).cast());
-                    _mm512_store_si512(pb.w[j].as_mut_ptr().cast(), v);
-                }
-                512
-            } else {
-                for c in 0..4 {
-                    let v = _mm512_loadu_si512(p.add(64 * c).cast());
-                    let hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo4);
-                    _mm512_store_si512(pb.w[c].as_mut_ptr().cast(), _mm512_and_si512(v, lo4));
-                    _mm512_store_si512(pb.w[c + 4].as_mut_ptr().cast(), hi);
-                }
-                256
-            };
-            let d = _mm512_cvtph_ps(_mm256_loadu_si256(p.add(at).cast()));
-            _mm512_store_ps(sb[0].0.as_mut_ptr(), d);
-            if has_min(F) {
-                let m = _mm512_cvtph_ps(_mm256_loadu_si256(p.add(at + 32).cast()));
-                _mm512_store_ps(sb[1].0.as_mut_ptr(), m);
+            let blk = super::packed::block16::<F>(group.as_ptr(), b, bb);
+            for (j, wj) in blk.w.iter().enumerate() {
+                _mm512_store_si512(pb.w[j].as_mut_ptr().cast(), *wj);
+            }
+            // `d`, then the minimums (Q4_1, Q5_1, Q4_K) or Q6_K's second-half scales: the
+            // panel's second scale vector either way.
+            _mm512_store_ps(sb[0].0.as_mut_ptr(), blk.d);
+            if sv > 1 {
+                _mm512_store_ps(sb[1].0.as_mut_ptr(), blk.m);
             }
         }
     }
