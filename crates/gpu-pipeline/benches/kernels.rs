@@ -8,8 +8,8 @@
 //! AVX-512 machine. A summary table (medians, effective
 //! bandwidth as a share of the machine's read bandwidth measured in the same run by
 //! `gpu_pipeline::read_bandwidth` (read-only sum over 3 x 1 GiB, best of 5, same threads), ratios to the scalar backend) is printed first; criterion
-//! groups follow. Matvec inputs cycle over enough copies of the weights (>= 256 MiB) that they
-//! come from DRAM, as in decoding, not from the 100+ MiB L3 cache.
+//! groups follow. Matvec inputs cycle over enough copies of the weights (>= 256 MiB and twice the
+//! L3 cache) that they come from DRAM, as in decoding, not from the L3 cache.
 
 #![allow(missing_docs)] // criterion_group! generates an undocumented pub fn
 
@@ -110,6 +110,25 @@ fn weights(dtype: GgmlType, rows: usize, cols: usize, seed: u64) -> Vec<u8> {
     }
 }
 
+/// Bytes the matvec inputs cycle over so that they come from DRAM: at least 256 MiB and twice
+/// the last-level cache (a 300 MiB L3 holds 256 MiB).
+fn dram_bytes() -> usize {
+    let l3 = std::fs::read_to_string("/sys/devices/system/cpu/cpu0/cache/index3/size")
+        .ok()
+        .and_then(|s| {
+            let s = s.trim();
+            let (num, unit) = s.split_at(s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len()));
+            let k = match unit {
+                "K" => 1 << 10,
+                "M" => 1 << 20,
+                _ => 1,
+            };
+            num.parse::<usize>().ok().map(|n| n * k)
+        })
+        .unwrap_or(0);
+    (256usize << 20).max(2 * l3)
+}
+
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     v[v.len() / 2]
@@ -156,7 +175,7 @@ fn summary() {
                 }
                 let one = weights(dtype, rows, cols, 1);
                 let bytes = one.len();
-                let copies = (256usize << 20).div_ceil(bytes).max(2);
+                let copies = dram_bytes().div_ceil(bytes).max(2);
                 let all: Vec<u8> = one.iter().copied().cycle().take(bytes * copies).collect();
                 let x: Vec<f32> = (0..cols).map(|i| (i as f32 * 0.01).sin()).collect();
                 let mut y = vec![0.0f32; rows];
