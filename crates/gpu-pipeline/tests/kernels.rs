@@ -682,14 +682,14 @@ proptest! {
     /// grouped with another packed matrix; and their rows dequantize to the file's values.
     #[test]
     fn packed_weights_equal_scalar_bit_for_bit(
-        dt in 0usize..7, rows in 1usize..70, units in 1usize..24, n in prop_oneof![1usize..20, 120usize..140],
+        dt in 0usize..8, rows in 1usize..70, units in 1usize..24, n in prop_oneof![1usize..20, 120usize..140],
         threads in 1usize..3, seed in any::<u64>(),
     ) {
         let dtype = [
             GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0, GgmlType::Q4_K, GgmlType::Q5_0,
-            GgmlType::Q5_1, GgmlType::Q6_K,
+            GgmlType::Q5_1, GgmlType::Q6_K, GgmlType::Q5_K,
         ][dt];
-        let k_quant = matches!(dtype, GgmlType::Q4_K | GgmlType::Q6_K);
+        let k_quant = matches!(dtype, GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q6_K);
         // K-quants: 1 to 3 super-blocks per row.
         let cols = if k_quant { 256 * (1 + units % 3) } else { 32 * units };
         let pool = ThreadPool::new(threads);

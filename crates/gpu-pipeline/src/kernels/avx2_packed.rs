@@ -1,5 +1,5 @@
 //! AVX2 + FMA + F16C kernels for matrices in the row-interleaved layout
-//! ([`super::PackedWeights`]: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K), dispatched from the AVX2 backend for
+//! ([`super::PackedWeights`]: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K), dispatched from the AVX2 backend for
 //! [`super::Layout::Rows16`] matrices.
 //!
 //! A packed block holds 16 rows' quants as 64-byte vectors, lane `r` (4 bytes) = row `r`; its
@@ -24,11 +24,9 @@ use super::act::{ActQuad, quads_per_token};
 use super::avx2_quant::{
     PANEL_MIN_TOKENS, PANEL_TOKEN_CHUNK, PanelBlock, emit8, token_tiles, with_panel,
 };
-use super::avx512::{F_Q4_0, F_Q4_1, F_Q4K, F_Q5_0, F_Q5_1, F_Q6K, F_Q8_0};
+use super::avx512::{F_Q4_0, F_Q4_1, F_Q4K, F_Q5_0, F_Q5_1, F_Q5K, F_Q6K, F_Q8_0};
 use super::format::Fmt;
-use super::packed::{
-    GROUP_ROWS, Q4K_D, Q4K_DMIN, Q4K_SCALES, Q6K_D, Q6K_SCALES, Q6K_SUB, block_bytes,
-};
+use super::packed::{GROUP_ROWS, Q5K_SUB, Q6K_D, Q6K_SCALES, Q6K_SUB, block_bytes, k45_fields};
 use super::{RowsOut, WeightMatrix};
 
 /// How far ahead (bytes) decode prefetches the group bytes it streams, into L2 (as the AVX-512
@@ -55,6 +53,7 @@ pub(crate) unsafe fn quant_rows(
         Fmt::Q4_1 => rows_impl::<F_Q4_1>(fmt, w, acts, n, rows, out),
         Fmt::Q8_0 => rows_impl::<F_Q8_0>(fmt, w, acts, n, rows, out),
         Fmt::Q4K => rows_impl::<F_Q4K>(fmt, w, acts, n, rows, out),
+        Fmt::Q5K => rows_impl::<F_Q5K>(fmt, w, acts, n, rows, out),
         Fmt::Q6K => rows_impl::<F_Q6K>(fmt, w, acts, n, rows, out),
         Fmt::Q5_0 => rows_impl::<F_Q5_0>(fmt, w, acts, n, rows, out),
         Fmt::Q5_1 => rows_impl::<F_Q5_1>(fmt, w, acts, n, rows, out),
@@ -81,7 +80,7 @@ unsafe fn half_block<const F: u8>(group: *const u8, b: usize, bb: usize, h: usiz
     // fields are laid out in `packed`).
     unsafe {
         // K-quants: sub-block `s` of the super-block (8 blocks' bytes) holding block `b`.
-        let (p, s) = if matches!(F, F_Q4K | F_Q6K) {
+        let (p, s) = if matches!(F, F_Q4K | F_Q5K | F_Q6K) {
             (group.add(b / 8 * 8 * bb), b % 8)
         } else {
             (group.add(b * bb), 0)
@@ -101,15 +100,19 @@ unsafe fn half_block<const F: u8>(group: *const u8, b: usize, bb: usize, h: usiz
             };
         }
         let lo4 = _mm256_set1_epi8(0x0F);
-        let sub = if F == F_Q6K { Q6K_SUB * s } else { 256 * s };
+        let sub = s * match F {
+            F_Q6K => Q6K_SUB,
+            F_Q5K => Q5K_SUB,
+            _ => 256,
+        };
         for c in 0..4 {
             let v = ld(sub + 64 * c);
             w[c] = _mm256_and_si256(v, lo4);
             w[c + 4] = _mm256_and_si256(_mm256_srli_epi16::<4>(v), lo4);
         }
-        if matches!(F, F_Q5_0 | F_Q5_1) {
+        if matches!(F, F_Q5_0 | F_Q5_1 | F_Q5K) {
             // Vector `j`'s fifth bits sit at bits `8k + j` of the lane (`packed::q5_bit`).
-            let (qh, bit4) = (ld(256), _mm256_set1_epi8(0x10));
+            let (qh, bit4) = (ld(sub + 256), _mm256_set1_epi8(0x10));
             for (j, wj) in w.iter_mut().enumerate() {
                 let at = if j <= 4 {
                     _mm256_sll_epi32(qh, _mm_cvtsi32_si128(4 - j as i32))
@@ -145,12 +148,13 @@ unsafe fn half_block<const F: u8>(group: *const u8, b: usize, bb: usize, h: usiz
                 let i = 2 * (s % 2);
                 (_mm256_mul_ps(d, byte(i)), _mm256_mul_ps(d, byte(i + 1)))
             }
-            F_Q4K => {
-                let (sc, mn) = q4k_scale_min(|k| ld(Q4K_SCALES + 64 * k), s);
+            F_Q4K | F_Q5K => {
+                let (_, d_at, dmin_at, sc_at) = k45_fields(F == F_Q5K);
+                let (sc, mn) = q4k_scale_min(|k| ld(sc_at + 64 * k), s);
                 let sign = _mm256_set1_ps(-0.0);
                 (
-                    _mm256_mul_ps(f16s(Q4K_D), _mm256_cvtepi32_ps(sc)),
-                    _mm256_xor_ps(_mm256_mul_ps(f16s(Q4K_DMIN), _mm256_cvtepi32_ps(mn)), sign),
+                    _mm256_mul_ps(f16s(d_at), _mm256_cvtepi32_ps(sc)),
+                    _mm256_xor_ps(_mm256_mul_ps(f16s(dmin_at), _mm256_cvtepi32_ps(mn)), sign),
                 )
             }
             F_Q4_1 => (f16s(256), f16s(288)),

@@ -14,10 +14,11 @@
 //!
 //! Q5_0/Q5_1 pack as well (the nibbles as Q4_0's, then each row's 32 fifth bits in one lane,
 //! ordered so that a shift and a mask give a weight vector's, [`q5_bit`]), and so do the
-//! K-quants that Q4_K_M/Q5_K_M/Q6_K files are made of, Q4_K and Q6_K, packed per 256-element
-//! super-block ([`Q4K_SUPER`], [`Q6K_SUPER`]): each 32-element sub-block's low 4 bits as a packed
-//! Q4_0 block (Q6_K's high 2 bits in two more lanes per row, [`q6_bit`]), then the 16 rows'
-//! super-block scales and their 6-bit (Q4_K) or 8-bit (Q6_K) sub-block scales side by side, so
+//! K-quants that Q4_K_M/Q5_K_M/Q6_K files are made of, Q4_K, Q5_K and Q6_K, packed per
+//! 256-element super-block ([`Q4K_SUPER`], [`Q5K_SUPER`], [`Q6K_SUPER`]): each 32-element
+//! sub-block's low 4 bits as a packed Q4_0 block (Q5_K's fifth bits in one more lane per row, as
+//! Q5_0's; Q6_K's high 2 bits in two, [`q6_bit`]), then the 16 rows' super-block scales and
+//! their 6-bit (Q4_K, Q5_K) or 8-bit (Q6_K) sub-block scales side by side, so
 //! one load gives 16 (AVX2: 8) rows' scale fields. Both backends decode a packed block the same
 //! way ([`block16`], and 8 rows at a time `avx2_packed`'s `half_block`).
 //!
@@ -96,6 +97,7 @@ pub(crate) fn block_bytes(fmt: Fmt) -> Option<usize> {
         Fmt::Q4_1 => Some(256 + 64),
         Fmt::Q8_0 => Some(512 + 32),
         Fmt::Q4K => Some(Q4K_SUPER / 8),
+        Fmt::Q5K => Some(Q5K_SUPER / 8),
         Fmt::Q6K => Some(Q6K_SUPER / 8),
         Fmt::Q5_0 => Some(256 + 64 + 32),
         Fmt::Q5_1 => Some(256 + 64 + 64),
@@ -155,6 +157,30 @@ pub(crate) const Q4K_DMIN: usize = Q4K_D + 32;
 /// Offset of the scale vectors in a packed Q4_K super-block.
 pub(crate) const Q4K_SCALES: usize = Q4K_DMIN + 32;
 
+/// Bytes of one packed Q5_K super-block (16 rows x 256 elements, as many bytes as the file's 16
+/// blocks): a packed Q4_K super-block whose sub-blocks each add the 16 rows' fifth bits as one
+/// more 64-byte vector (lane `r` = row `r`'s 32 fifth bits, ordered as Q5_0's, [`q5_bit`]), so a
+/// sub-block takes [`Q5K_SUB`] bytes; then `d`, `dmin` and the scale vectors as Q4_K's.
+pub(crate) const Q5K_SUPER: usize = 8 * Q5K_SUB + 32 + 32 + 3 * 64;
+/// Bytes of one sub-block's quants in a packed Q5_K super-block.
+pub(crate) const Q5K_SUB: usize = 256 + 64;
+/// Offset of the `d` values in a packed Q5_K super-block.
+pub(crate) const Q5K_D: usize = 8 * Q5K_SUB;
+/// Offset of the `dmin` values in a packed Q5_K super-block.
+pub(crate) const Q5K_DMIN: usize = Q5K_D + 32;
+/// Offset of the scale vectors in a packed Q5_K super-block.
+pub(crate) const Q5K_SCALES: usize = Q5K_DMIN + 32;
+
+/// Q4_K (`five` false) and Q5_K: bytes per packed sub-block, and the offsets of `d`, `dmin` and
+/// the scale vectors in the packed super-block.
+pub(crate) const fn k45_fields(five: bool) -> (usize, usize, usize, usize) {
+    if five {
+        (Q5K_SUB, Q5K_D, Q5K_DMIN, Q5K_SCALES)
+    } else {
+        (256, Q4K_D, Q4K_DMIN, Q4K_SCALES)
+    }
+}
+
 /// Whether `isa` has a kernel for packed matrices of `fmt` (the AVX-512 and AVX2 backends read
 /// every packed layout).
 #[cfg(target_arch = "x86_64")]
@@ -171,7 +197,7 @@ pub(crate) fn packed_len(fmt: Fmt, rows: usize, cols: usize) -> Option<usize> {
 }
 
 impl PackedWeights {
-    /// Whether matrices of `dtype` can be packed (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K), and
+    /// Whether matrices of `dtype` can be packed (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K), and
     /// the kernels that read the layout run on this CPU (the AVX-512 or AVX2 backend, whichever
     /// [`super::CpuIsa::detect`] selects).
     pub fn supported(dtype: GgmlType) -> bool {
@@ -320,7 +346,7 @@ fn unit_bytes(fmt: Fmt, bb: usize) -> usize {
 /// [`pack_group`]'s inverse.
 fn unpack(fmt: Fmt, pu: &[u8], r: usize, blk: &mut [u8]) {
     match fmt {
-        Fmt::Q4K => q4k_unpack(pu, r, blk),
+        Fmt::Q4K | Fmt::Q5K => k45_unpack(fmt == Fmt::Q5K, pu, r, blk),
         Fmt::Q6K => q6k_unpack(pu, r, blk),
         Fmt::Q5_0 | Fmt::Q5_1 => {
             // d, (Q5_1: m,) qh as a little-endian u32, then the 16 nibble bytes.
@@ -357,52 +383,73 @@ fn unpack(fmt: Fmt, pu: &[u8], r: usize, blk: &mut [u8]) {
     }
 }
 
-/// Packs row `r` of a group's Q4_K super-block `blk` (the file's 144 bytes) into the packed
-/// super-block `out`. The file's quants: byte `32j + l` holds element `l` of sub-block `2j` (low
-/// nibble) and of sub-block `2j + 1` (high nibble), as weight-cache's decoder reads them.
-fn q4k_pack(blk: &[u8], r: usize, out: &mut [u8]) {
+/// Packs row `r` of a group's Q4_K (`five` false: the file's 144 bytes) or Q5_K (176 bytes)
+/// super-block `blk` into the packed super-block `out`. The file's quants: byte `32j + l` of
+/// `qs` holds element `l` of sub-block `2j` (low nibble) and of sub-block `2j + 1` (high
+/// nibble); Q5_K's fifth bit of element `l` of sub-block `s` is bit `s` of `qh[l]`, as
+/// weight-cache's decoder reads them. Both files start with `d`, `dmin` and the 12 scale bytes.
+fn k45_pack(five: bool, blk: &[u8], r: usize, out: &mut [u8]) {
     use std::mem::offset_of;
-    use weight_cache::quant::BlockQ4K;
-    let qs = &blk[offset_of!(BlockQ4K, qs)..][..128];
+    use weight_cache::quant::{BlockQ4K, BlockQ5K};
+    let (sub, d_at, dmin_at, sc_at) = k45_fields(five);
+    let qs_at = if five {
+        offset_of!(BlockQ5K, qs)
+    } else {
+        offset_of!(BlockQ4K, qs)
+    };
+    let qs = &blk[qs_at..][..128];
     for s in 0..8 {
         let (chunk, shift) = (&qs[32 * (s / 2)..][..32], 4 * (s % 2));
         let q = |e: usize| (chunk[e] >> shift) & 0xF;
+        let out = &mut out[sub * s..][..sub];
         for c in 0..4 {
             for i in 0..4 {
                 let e = 4 * c + i;
-                out[256 * s + 64 * c + 4 * r + i] = q(e) | (q(16 + e) << 4);
+                out[64 * c + 4 * r + i] = q(e) | (q(16 + e) << 4);
             }
         }
+        if five {
+            let qh = &blk[offset_of!(BlockQ5K, qh)..][..32];
+            let bits = (0..32).fold(0u32, |h, e| h | (u32::from((qh[e] >> s) & 1) << q5_bit(e)));
+            out[256 + 4 * r..][..4].copy_from_slice(&bits.to_le_bytes());
+        }
     }
-    let f = |at: usize| at + 2 * r;
-    out[f(Q4K_D)..][..2].copy_from_slice(&blk[offset_of!(BlockQ4K, d)..][..2]);
-    out[f(Q4K_DMIN)..][..2].copy_from_slice(&blk[offset_of!(BlockQ4K, dmin)..][..2]);
+    out[d_at + 2 * r..][..2].copy_from_slice(&blk[offset_of!(BlockQ4K, d)..][..2]);
+    out[dmin_at + 2 * r..][..2].copy_from_slice(&blk[offset_of!(BlockQ4K, dmin)..][..2]);
     let sc = offset_of!(BlockQ4K, scales);
     for k in 0..3 {
-        out[Q4K_SCALES + 64 * k + 4 * r..][..4].copy_from_slice(&blk[sc + 4 * k..][..4]);
+        out[sc_at + 64 * k + 4 * r..][..4].copy_from_slice(&blk[sc + 4 * k..][..4]);
     }
 }
 
-/// Row `r` of the packed Q4_K super-block `sup`, back in the file's encoding (`blk`, 144
-/// bytes): [`q4k_pack`]'s inverse.
-fn q4k_unpack(sup: &[u8], r: usize, blk: &mut [u8]) {
+/// Row `r` of the packed Q4_K or Q5_K (`five`) super-block `sup`, back in the file's encoding
+/// (`blk`, 144 or 176 bytes): [`k45_pack`]'s inverse.
+fn k45_unpack(five: bool, sup: &[u8], r: usize, blk: &mut [u8]) {
     use std::mem::offset_of;
-    use weight_cache::quant::BlockQ4K;
-    blk[offset_of!(BlockQ4K, d)..][..2].copy_from_slice(&sup[Q4K_D + 2 * r..][..2]);
-    blk[offset_of!(BlockQ4K, dmin)..][..2].copy_from_slice(&sup[Q4K_DMIN + 2 * r..][..2]);
+    use weight_cache::quant::{BlockQ4K, BlockQ5K};
+    let (sub, d_at, dmin_at, sc_at) = k45_fields(five);
+    blk.fill(0);
+    blk[offset_of!(BlockQ4K, d)..][..2].copy_from_slice(&sup[d_at + 2 * r..][..2]);
+    blk[offset_of!(BlockQ4K, dmin)..][..2].copy_from_slice(&sup[dmin_at + 2 * r..][..2]);
     let sc = offset_of!(BlockQ4K, scales);
     for k in 0..3 {
-        blk[sc + 4 * k..][..4].copy_from_slice(&sup[Q4K_SCALES + 64 * k + 4 * r..][..4]);
+        blk[sc + 4 * k..][..4].copy_from_slice(&sup[sc_at + 64 * k + 4 * r..][..4]);
     }
-    // The file's quants: byte `32j + l` holds element `l` of sub-block `2j` (low nibble) and of
-    // sub-block `2j + 1` (high nibble).
-    let qs = &mut blk[offset_of!(BlockQ4K, qs)..][..128];
-    qs.fill(0);
+    let (qs_at, qh_at) = if five {
+        (offset_of!(BlockQ5K, qs), offset_of!(BlockQ5K, qh))
+    } else {
+        (offset_of!(BlockQ4K, qs), 0)
+    };
     for s in 0..8 {
+        let sup = &sup[sub * s..][..sub];
         for e in 0..32 {
-            let byte = sup[256 * s + 64 * (e % 16 / 4) + 4 * r + e % 4];
+            let byte = sup[64 * (e % 16 / 4) + 4 * r + e % 4];
             let q = if e < 16 { byte & 0xF } else { byte >> 4 };
-            qs[32 * (s / 2) + e] |= q << (4 * (s % 2));
+            blk[qs_at + 32 * (s / 2) + e] |= q << (4 * (s % 2));
+            if five {
+                let lane = u32::from_le_bytes(sup[256 + 4 * r..][..4].try_into().unwrap());
+                blk[qh_at + e] |= (((lane >> q5_bit(e)) & 1) as u8) << s;
+            }
         }
     }
 }
@@ -484,7 +531,7 @@ fn pack_group(fmt: Fmt, w: WeightMatrix<'_>, g: usize, out: &mut [u8]) {
             }
             let blk = &w.data[row * rb + b * bs..][..bs];
             match fmt {
-                Fmt::Q4K => q4k_pack(blk, r, pb),
+                Fmt::Q4K | Fmt::Q5K => k45_pack(fmt == Fmt::Q5K, blk, r, pb),
                 Fmt::Q6K => q6k_pack(blk, r, pb),
                 Fmt::Q4_0 | Fmt::Q4_1 => {
                     let hdr = if fmt == Fmt::Q4_1 { 4 } else { 2 };
@@ -543,11 +590,12 @@ mod avx512 {
 
     use super::super::act::ActBlock;
     use super::super::avx512::{
-        F_Q4_0, F_Q4_1, F_Q4K, F_Q5_0, F_Q5_1, F_Q6K, F_Q8_0, has_min, is_split, offset_shift,
+        F_Q4_0, F_Q4_1, F_Q4K, F_Q5_0, F_Q5_1, F_Q5K, F_Q6K, F_Q8_0, has_min, is_split,
+        offset_shift,
     };
     use super::super::format::Fmt;
     use super::super::{RowsOut, WeightMatrix};
-    use super::{GROUP_ROWS, Q4K_D, Q4K_DMIN, Q4K_SCALES, Q6K_D, Q6K_SCALES, Q6K_SUB, block_bytes};
+    use super::{GROUP_ROWS, Q5K_SUB, Q6K_D, Q6K_SCALES, Q6K_SUB, block_bytes, k45_fields};
 
     /// How far ahead (bytes) decode prefetches the weights it streams, into L2
     /// (`_MM_HINT_T2`). Measured on Zen 4 (default model, 2 threads, `zerolayer bench
@@ -579,6 +627,7 @@ mod avx512 {
             Fmt::Q5_0 => rows_impl::<F_Q5_0>(fmt, w, acts, n, rows, out),
             Fmt::Q5_1 => rows_impl::<F_Q5_1>(fmt, w, acts, n, rows, out),
             Fmt::Q4K => rows_impl::<F_Q4K>(fmt, w, acts, n, rows, out),
+            Fmt::Q5K => rows_impl::<F_Q5K>(fmt, w, acts, n, rows, out),
             Fmt::Q6K => rows_impl::<F_Q6K>(fmt, w, acts, n, rows, out),
             _ => unreachable!("packed formats are checked by the caller"),
         }
@@ -672,7 +721,7 @@ mod avx512 {
         // super-block, whose fields are laid out in `super`).
         unsafe {
             // K-quants: sub-block `s` of the super-block (8 blocks' bytes) holding block `b`.
-            let (p, s) = if matches!(F, F_Q4K | F_Q6K) {
+            let (p, s) = if matches!(F, F_Q4K | F_Q5K | F_Q6K) {
                 (group.add(b / 8 * 8 * bb), b % 8)
             } else {
                 (group.add(b * bb), 0)
@@ -694,7 +743,11 @@ mod avx512 {
                 };
             }
             let lo4 = _mm512_set1_epi8(0x0F);
-            let sub = if F == F_Q6K { Q6K_SUB * s } else { 256 * s };
+            let sub = s * match F {
+                F_Q6K => Q6K_SUB,
+                F_Q5K => Q5K_SUB,
+                _ => 256,
+            };
             let v: [__m512i; 4] = std::array::from_fn(|c| ld(sub + 64 * c));
             let mut w: [__m512i; 8] = std::array::from_fn(|j| {
                 if j < 4 {
@@ -703,9 +756,9 @@ mod avx512 {
                     _mm512_and_si512(_mm512_srli_epi16(v[j - 4], 4), lo4)
                 }
             });
-            if matches!(F, F_Q5_0 | F_Q5_1) {
+            if matches!(F, F_Q5_0 | F_Q5_1 | F_Q5K) {
                 // Vector `j`'s fifth bits sit at bits `8k + j` of the lane (`q5_bit`).
-                let (qh, bit4) = (ld(256), _mm512_set1_epi8(0x10));
+                let (qh, bit4) = (ld(sub + 256), _mm512_set1_epi8(0x10));
                 for (j, wj) in w.iter_mut().enumerate() {
                     let at = shl(qh, 4 - j as i32);
                     *wj = _mm512_or_si512(*wj, _mm512_and_si512(at, bit4));
@@ -731,11 +784,12 @@ mod avx512 {
                     let (d, i) = (f16s(Q6K_D), 2 * (s % 2));
                     (_mm512_mul_ps(d, byte(i)), _mm512_mul_ps(d, byte(i + 1)))
                 }
-                F_Q4K => {
+                F_Q4K | F_Q5K => {
                     // ggml's `get_scale_min_k4`, 16 rows at once (lane = bytes `4k..4k + 4` of
                     // the row's scales in vector `k`).
+                    let (_, d_at, dmin_at, sc_at) = k45_fields(F == F_Q5K);
                     let and = |x: __m512i, m: i32| _mm512_and_si512(x, _mm512_set1_epi32(m));
-                    let k = |i: usize| ld(Q4K_SCALES + 64 * i);
+                    let k = |i: usize| ld(sc_at + 64 * i);
                     let (sc, mn) = if s < 4 {
                         let at = -8 * s as i32;
                         (and(shl(k(0), at), 63), and(shl(k(1), at), 63))
@@ -750,9 +804,9 @@ mod avx512 {
                         )
                     };
                     let sign = _mm512_set1_ps(-0.0);
-                    let dm = _mm512_mul_ps(f16s(Q4K_DMIN), _mm512_cvtepi32_ps(mn));
+                    let dm = _mm512_mul_ps(f16s(dmin_at), _mm512_cvtepi32_ps(mn));
                     (
-                        _mm512_mul_ps(f16s(Q4K_D), _mm512_cvtepi32_ps(sc)),
+                        _mm512_mul_ps(f16s(d_at), _mm512_cvtepi32_ps(sc)),
                         _mm512_xor_ps(dm, sign),
                     )
                 }
