@@ -20,10 +20,7 @@
 //! Q5_0's; Q6_K's high 2 bits in two, [`q6_bit`]), then the 16 rows' super-block scales and
 //! their 6-bit (Q4_K, Q5_K) or 8-bit (Q6_K) sub-block scales side by side, so
 //! one load gives 16 (AVX2: 8) rows' scale fields. Both backends decode a packed block the same
-//! way ([`block16`], and 8 rows at a time `avx2_packed`'s `half_block`). Q2_K and Q3_K (AVX-512
-//! only, [`runs_on`]) pack their 2-bit quants as two lanes per row and sub-block ([`q2_bit`]),
-//! Q3_K's third bits in one more, then the rows' scale bytes side by side ([`Q2K_SUPER`],
-//! [`Q3K_SUPER`]).
+//! way ([`block16`], and 8 rows at a time `avx2_packed`'s `half_block`).
 //!
 //! **Same arithmetic.** The kernel accumulates each output exactly as the other AVX-512 kernels
 //! do (exact integer block dot product, one FMA by `d_w * d_x`, then `m_w * d_x * sum(q_x)` for
@@ -101,8 +98,6 @@ pub(crate) fn block_bytes(fmt: Fmt) -> Option<usize> {
         Fmt::Q8_0 => Some(512 + 32),
         Fmt::Q4K => Some(Q4K_SUPER / 8),
         Fmt::Q5K => Some(Q5K_SUPER / 8),
-        Fmt::Q2K => Some(Q2K_SUPER / 8),
-        Fmt::Q3K => Some(Q3K_SUPER / 8),
         Fmt::Q6K => Some(Q6K_SUPER / 8),
         Fmt::Q5_0 => Some(256 + 64 + 32),
         Fmt::Q5_1 => Some(256 + 64 + 64),
@@ -176,43 +171,6 @@ pub(crate) const Q5K_DMIN: usize = Q5K_D + 32;
 /// Offset of the scale vectors in a packed Q5_K super-block.
 pub(crate) const Q5K_SCALES: usize = Q5K_DMIN + 32;
 
-/// Bytes of one packed Q2_K super-block (16 rows x 256 elements, as many bytes as the file's 16
-/// blocks): per sub-block the 2-bit quants as two 64-byte vectors ([`Q2K_SUB`]; vector `h` lane
-/// `r` byte `k`, bits `2m..2m + 2` = element `16h + 4m + k` of row `r`, so one shift and a mask
-/// give the kernel's weight vector `4h + m`), then the 16 rows' scale bytes as 4 vectors
-/// ([`Q2K_SCALES`]: vector `v` lane `r` = the file's scale bytes `4v..4v + 4` of row `r`), then
-/// their `d` and `dmin` as f16 ([`Q2K_D`], [`Q2K_DMIN`]).
-pub(crate) const Q2K_SUPER: usize = 8 * Q2K_SUB + 4 * 64 + 32 + 32;
-/// Bytes of one sub-block's quants in a packed Q2_K (Q3_K: [`Q3K_SUB`]) super-block.
-pub(crate) const Q2K_SUB: usize = 128;
-/// Offset of the scale vectors in a packed Q2_K super-block.
-pub(crate) const Q2K_SCALES: usize = 8 * Q2K_SUB;
-/// Offset of the `d` values in a packed Q2_K super-block.
-pub(crate) const Q2K_D: usize = Q2K_SCALES + 4 * 64;
-/// Offset of the `dmin` values in a packed Q2_K super-block.
-pub(crate) const Q2K_DMIN: usize = Q2K_D + 32;
-
-/// Bytes of one packed Q3_K super-block (16 rows x 256 elements, as many bytes as the file's 16
-/// blocks): per sub-block the low 2 bits as Q2_K's, then the third bits as one more 64-byte
-/// vector (lane `r` = row `r`'s 32 bits, ordered as Q5_0's fifth bits, [`q5_bit`]), then the 16
-/// rows' 12 scale bytes as 3 vectors ([`Q3K_SCALES`]: vector `k` lane `r` = bytes `4k..4k + 4`
-/// of row `r`'s, packed as the file's, see [`weight_cache::quant::scale_k3`]), then their `d`.
-pub(crate) const Q3K_SUPER: usize = 8 * Q3K_SUB + 3 * 64 + 32;
-/// Bytes of one sub-block's quants in a packed Q3_K super-block.
-pub(crate) const Q3K_SUB: usize = Q2K_SUB + 64;
-/// Offset of the scale vectors in a packed Q3_K super-block.
-pub(crate) const Q3K_SCALES: usize = 8 * Q3K_SUB;
-/// Offset of the `d` values in a packed Q3_K super-block.
-pub(crate) const Q3K_D: usize = Q3K_SCALES + 3 * 64;
-
-/// Q2_K/Q3_K: where the 2-bit quant of element `e` (0..32) of a sub-block goes among a row's 64
-/// packed bits (two 32-bit lanes, elements 0..16 in the first): bits `8k + 2m` of lane `e / 16`
-/// for `e % 16 = 4m + k`.
-fn q2_bit(e: usize) -> usize {
-    let (m, k) = (e % 16 / 4, e % 4);
-    32 * (e / 16) + 8 * k + 2 * m
-}
-
 /// Q4_K (`five` false) and Q5_K: bytes per packed sub-block, and the offsets of `d`, `dmin` and
 /// the scale vectors in the packed super-block.
 pub(crate) const fn k45_fields(five: bool) -> (usize, usize, usize, usize) {
@@ -223,16 +181,11 @@ pub(crate) const fn k45_fields(five: bool) -> (usize, usize, usize, usize) {
     }
 }
 
-/// Whether `isa` has a kernel for packed matrices of `fmt` (the AVX-512 backend reads every
-/// packed layout, AVX2 all but Q2_K's and Q3_K's).
+/// Whether `isa` has a kernel for packed matrices of `fmt` (the AVX-512 and AVX2 backends read
+/// every packed layout).
 #[cfg(target_arch = "x86_64")]
 pub(crate) fn runs_on(fmt: Fmt, isa: super::CpuIsa) -> bool {
-    block_bytes(fmt).is_some()
-        && match isa {
-            super::CpuIsa::Avx512 => true,
-            super::CpuIsa::Avx2 => !matches!(fmt, Fmt::Q2K | Fmt::Q3K),
-            _ => false,
-        }
+    block_bytes(fmt).is_some() && matches!(isa, super::CpuIsa::Avx512 | super::CpuIsa::Avx2)
 }
 
 /// Bytes of a `rows x cols` matrix of `fmt` in the packed layout (rows rounded up to whole groups).
@@ -244,9 +197,9 @@ pub(crate) fn packed_len(fmt: Fmt, rows: usize, cols: usize) -> Option<usize> {
 }
 
 impl PackedWeights {
-    /// Whether matrices of `dtype` can be packed, and the kernels that read the layout run on
-    /// this CPU (the backend [`super::CpuIsa::detect`] selects): Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
-    /// Q4_K, Q5_K and Q6_K on AVX-512 and AVX2 hosts, Q2_K and Q3_K on AVX-512 ones.
+    /// Whether matrices of `dtype` can be packed (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K), and
+    /// the kernels that read the layout run on this CPU (the AVX-512 or AVX2 backend, whichever
+    /// [`super::CpuIsa::detect`] selects).
     pub fn supported(dtype: GgmlType) -> bool {
         #[cfg(target_arch = "x86_64")]
         {
@@ -394,7 +347,6 @@ fn unit_bytes(fmt: Fmt, bb: usize) -> usize {
 fn unpack(fmt: Fmt, pu: &[u8], r: usize, blk: &mut [u8]) {
     match fmt {
         Fmt::Q4K | Fmt::Q5K => k45_unpack(fmt == Fmt::Q5K, pu, r, blk),
-        Fmt::Q2K | Fmt::Q3K => k23_unpack(fmt == Fmt::Q3K, pu, r, blk),
         Fmt::Q6K => q6k_unpack(pu, r, blk),
         Fmt::Q5_0 | Fmt::Q5_1 => {
             // d, (Q5_1: m,) qh as a little-endian u32, then the 16 nibble bytes.
@@ -502,92 +454,6 @@ fn k45_unpack(five: bool, sup: &[u8], r: usize, blk: &mut [u8]) {
     }
 }
 
-/// Packs row `r` of a group's Q2_K (`three` false: the file's 84 bytes) or Q3_K (110 bytes)
-/// super-block `blk` into the packed super-block `out`. The file's element `l` of sub-block
-/// `s = 4n + j` (weight-cache's decoder): 2 bits at `2j` of `qs[32n + l]`; Q3_K's third bit is
-/// bit `s` of `hmask[l]`.
-fn k23_pack(three: bool, blk: &[u8], r: usize, out: &mut [u8]) {
-    use std::mem::offset_of;
-    use weight_cache::quant::{BlockQ2K, BlockQ3K};
-    let qs_at = if three {
-        offset_of!(BlockQ3K, qs)
-    } else {
-        offset_of!(BlockQ2K, qs)
-    };
-    let sub = if three { Q3K_SUB } else { Q2K_SUB };
-    for s in 0..8 {
-        let q = |e: usize| (blk[qs_at + 32 * (s / 4) + e] >> (2 * (s % 4))) & 3;
-        let bits = (0..32).fold(0u64, |h, e| h | (u64::from(q(e)) << q2_bit(e)));
-        let out = &mut out[sub * s..][..sub];
-        out[4 * r..][..4].copy_from_slice(&(bits as u32).to_le_bytes());
-        out[64 + 4 * r..][..4].copy_from_slice(&((bits >> 32) as u32).to_le_bytes());
-        if three {
-            let hm = &blk[offset_of!(BlockQ3K, hmask)..][..32];
-            let third = (0..32).fold(0u32, |h, e| h | (u32::from((hm[e] >> s) & 1) << q5_bit(e)));
-            out[128 + 4 * r..][..4].copy_from_slice(&third.to_le_bytes());
-        }
-    }
-    if three {
-        let sc = offset_of!(BlockQ3K, scales);
-        for k in 0..3 {
-            out[Q3K_SCALES + 64 * k + 4 * r..][..4].copy_from_slice(&blk[sc + 4 * k..][..4]);
-        }
-        let d = offset_of!(BlockQ3K, d);
-        out[Q3K_D + 2 * r..][..2].copy_from_slice(&blk[d..d + 2]);
-    } else {
-        let sc = offset_of!(BlockQ2K, scales);
-        for v in 0..4 {
-            out[Q2K_SCALES + 64 * v + 4 * r..][..4].copy_from_slice(&blk[sc + 4 * v..][..4]);
-        }
-        let (d, dmin) = (offset_of!(BlockQ2K, d), offset_of!(BlockQ2K, dmin));
-        out[Q2K_D + 2 * r..][..2].copy_from_slice(&blk[d..d + 2]);
-        out[Q2K_DMIN + 2 * r..][..2].copy_from_slice(&blk[dmin..dmin + 2]);
-    }
-}
-
-/// Row `r` of the packed Q2_K or Q3_K (`three`) super-block `sup`, back in the file's encoding
-/// (`blk`, 84 or 110 bytes): [`k23_pack`]'s inverse.
-fn k23_unpack(three: bool, sup: &[u8], r: usize, blk: &mut [u8]) {
-    use std::mem::offset_of;
-    use weight_cache::quant::{BlockQ2K, BlockQ3K};
-    blk.fill(0);
-    let qs_at = if three {
-        offset_of!(BlockQ3K, qs)
-    } else {
-        offset_of!(BlockQ2K, qs)
-    };
-    let sub = if three { Q3K_SUB } else { Q2K_SUB };
-    for s in 0..8 {
-        let lane =
-            |at: usize| u32::from_le_bytes(sup[sub * s + at + 4 * r..][..4].try_into().unwrap());
-        let bits = u64::from(lane(0)) | (u64::from(lane(64)) << 32);
-        for e in 0..32 {
-            let q = ((bits >> q2_bit(e)) & 3) as u8;
-            blk[qs_at + 32 * (s / 4) + e] |= q << (2 * (s % 4));
-            if three {
-                let h = ((lane(128) >> q5_bit(e)) & 1) as u8;
-                blk[offset_of!(BlockQ3K, hmask) + e] |= h << s;
-            }
-        }
-    }
-    if three {
-        let sc = offset_of!(BlockQ3K, scales);
-        for k in 0..3 {
-            blk[sc + 4 * k..][..4].copy_from_slice(&sup[Q3K_SCALES + 64 * k + 4 * r..][..4]);
-        }
-        let d = offset_of!(BlockQ3K, d);
-        blk[d..d + 2].copy_from_slice(&sup[Q3K_D + 2 * r..][..2]);
-    } else {
-        let sc = offset_of!(BlockQ2K, scales);
-        for v in 0..4 {
-            blk[sc + 4 * v..][..4].copy_from_slice(&sup[Q2K_SCALES + 64 * v + 4 * r..][..4]);
-        }
-        let (d, dmin) = (offset_of!(BlockQ2K, d), offset_of!(BlockQ2K, dmin));
-        blk[d..d + 2].copy_from_slice(&sup[Q2K_D + 2 * r..][..2]);
-        blk[dmin..dmin + 2].copy_from_slice(&sup[Q2K_DMIN + 2 * r..][..2]);
-    }
-}
-
 /// Packs row `r` of a group's Q6_K super-block `blk` (the file's 210 bytes) into the packed
 /// super-block `out`. The file's element `l` of sub-block `s = 4 half + j` (weight-cache's
 /// decoder): low bits in `ql[64 half + l + 32 (j % 2)]` (low nibble for `j < 2`), high bits at
@@ -666,7 +532,6 @@ fn pack_group(fmt: Fmt, w: WeightMatrix<'_>, g: usize, out: &mut [u8]) {
             let blk = &w.data[row * rb + b * bs..][..bs];
             match fmt {
                 Fmt::Q4K | Fmt::Q5K => k45_pack(fmt == Fmt::Q5K, blk, r, pb),
-                Fmt::Q2K | Fmt::Q3K => k23_pack(fmt == Fmt::Q3K, blk, r, pb),
                 Fmt::Q6K => q6k_pack(blk, r, pb),
                 Fmt::Q4_0 | Fmt::Q4_1 => {
                     let hdr = if fmt == Fmt::Q4_1 { 4 } else { 2 };
@@ -725,15 +590,12 @@ mod avx512 {
 
     use super::super::act::ActBlock;
     use super::super::avx512::{
-        F_Q2K, F_Q3K, F_Q4_0, F_Q4_1, F_Q4K, F_Q5_0, F_Q5_1, F_Q5K, F_Q6K, F_Q8_0, has_min,
-        is_split, offset_shift,
+        F_Q4_0, F_Q4_1, F_Q4K, F_Q5_0, F_Q5_1, F_Q5K, F_Q6K, F_Q8_0, has_min, is_split,
+        offset_shift,
     };
     use super::super::format::Fmt;
     use super::super::{RowsOut, WeightMatrix};
-    use super::{
-        GROUP_ROWS, Q2K_D, Q2K_DMIN, Q2K_SCALES, Q2K_SUB, Q3K_D, Q3K_SCALES, Q3K_SUB, Q5K_SUB,
-        Q6K_D, Q6K_SCALES, Q6K_SUB, block_bytes, k45_fields,
-    };
+    use super::{GROUP_ROWS, Q5K_SUB, Q6K_D, Q6K_SCALES, Q6K_SUB, block_bytes, k45_fields};
 
     /// How far ahead (bytes) decode prefetches the weights it streams, into L2
     /// (`_MM_HINT_T2`). Measured on Zen 4 (default model, 2 threads, `zerolayer bench
@@ -764,8 +626,6 @@ mod avx512 {
             Fmt::Q8_0 => rows_impl::<F_Q8_0>(fmt, w, acts, n, rows, out),
             Fmt::Q5_0 => rows_impl::<F_Q5_0>(fmt, w, acts, n, rows, out),
             Fmt::Q5_1 => rows_impl::<F_Q5_1>(fmt, w, acts, n, rows, out),
-            Fmt::Q2K => rows_impl::<F_Q2K>(fmt, w, acts, n, rows, out),
-            Fmt::Q3K => rows_impl::<F_Q3K>(fmt, w, acts, n, rows, out),
             Fmt::Q4K => rows_impl::<F_Q4K>(fmt, w, acts, n, rows, out),
             Fmt::Q5K => rows_impl::<F_Q5K>(fmt, w, acts, n, rows, out),
             Fmt::Q6K => rows_impl::<F_Q6K>(fmt, w, acts, n, rows, out),
@@ -847,8 +707,6 @@ mod avx512 {
         pub(crate) w: [__m512i; 8],
         pub(crate) d: __m512,
         pub(crate) m: __m512,
-        /// Q2_K: the halves' minimums, `-(dmin * m)` (zero for the other formats).
-        pub(crate) mins: [__m512; 2],
     }
 
     /// Decodes block `b` of the packed group at `group` (see [`Block16`]).
@@ -863,7 +721,7 @@ mod avx512 {
         // super-block, whose fields are laid out in `super`).
         unsafe {
             // K-quants: sub-block `s` of the super-block (8 blocks' bytes) holding block `b`.
-            let (p, s) = if matches!(F, F_Q2K | F_Q3K | F_Q4K | F_Q5K | F_Q6K) {
+            let (p, s) = if matches!(F, F_Q4K | F_Q5K | F_Q6K) {
                 (group.add(b / 8 * 8 * bb), b % 8)
             } else {
                 (group.add(b * bb), 0)
@@ -877,17 +735,12 @@ mod avx512 {
                     _mm512_srl_epi32(v, _mm_cvtsi32_si128(-n))
                 }
             };
-            let zero = _mm512_setzero_ps();
             if F == F_Q8_0 {
                 return Block16 {
                     w: std::array::from_fn(|j| ld(64 * j)),
                     d: f16s(512),
-                    m: zero,
-                    mins: [zero; 2],
+                    m: _mm512_setzero_ps(),
                 };
-            }
-            if matches!(F, F_Q2K | F_Q3K) {
-                return k23_block::<F>(p, s);
             }
             let lo4 = _mm512_set1_epi8(0x0F);
             let sub = s * match F {
@@ -962,84 +815,7 @@ mod avx512 {
                 F_Q5_1 => (f16s(320), f16s(352)),
                 _ => (f16s(256), _mm512_setzero_ps()),
             };
-            Block16 {
-                w,
-                d,
-                m,
-                mins: [zero; 2],
-            }
-        }
-    }
-
-    /// [`block16`] for Q2_K and Q3_K: sub-block `s` of the packed super-block at `p`.
-    ///
-    /// # Safety
-    /// `p` has the packed super-block's bytes.
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
-    unsafe fn k23_block<const F: u8>(p: *const u8, s: usize) -> Block16 {
-        // SAFETY (whole body): every load is inside the super-block (fields laid out in
-        // `super`).
-        unsafe {
-            let ld = |off: usize| _mm512_loadu_si512(p.add(off).cast());
-            let f16s = |off: usize| _mm512_cvtph_ps(_mm256_loadu_si256(p.add(off).cast()));
-            let shl = |v: __m512i, n: i32| {
-                if n >= 0 {
-                    _mm512_sll_epi32(v, _mm_cvtsi32_si128(n))
-                } else {
-                    _mm512_srl_epi32(v, _mm_cvtsi32_si128(-n))
-                }
-            };
-            let and = |x: __m512i, m: i32| _mm512_and_si512(x, _mm512_set1_epi32(m));
-            let three = F == F_Q3K;
-            let sub = s * if three { Q3K_SUB } else { Q2K_SUB };
-            // Vector `h` holds elements `16h..16h + 16`: weight vector `4h + m` at bits `2m`.
-            let (v, m3) = ([ld(sub), ld(sub + 64)], _mm512_set1_epi8(3));
-            let mut w: [__m512i; 8] =
-                std::array::from_fn(|j| _mm512_and_si512(shl(v[j / 4], -2 * (j % 4) as i32), m3));
-            // Byte `i` of a row's scale bytes, one per 32-bit lane (vector `i / 4` at `at`).
-            let byte =
-                |at: usize, i: usize| and(shl(ld(at + 64 * (i / 4)), -8 * (i % 4) as i32), 0xFF);
-            let scaled = |d: __m512, v: __m512i| _mm512_mul_ps(d, _mm512_cvtepi32_ps(v));
-            if three {
-                // Vector `j`'s third bits sit at bits `8k + j` of the lane (`q5_bit`).
-                let (hi, bit2) = (ld(sub + 128), _mm512_set1_epi8(4));
-                for (j, wj) in w.iter_mut().enumerate() {
-                    *wj = _mm512_or_si512(*wj, _mm512_and_si512(shl(hi, 2 - j as i32), bit2));
-                }
-                // Scale `i` (`weight_cache::quant::scale_k3`): low 4 bits from byte `i` (`i <
-                // 8`) or the high nibble of byte `i - 8`, high 2 bits at `2(i / 4)` of byte
-                // `8 + i % 4`; minus 32.
-                let scale = |i: usize| {
-                    let low = if i < 8 {
-                        and(byte(Q3K_SCALES, i), 15)
-                    } else {
-                        and(shl(byte(Q3K_SCALES, i - 8), -4), 15)
-                    };
-                    let high = and(shl(byte(Q3K_SCALES, 8 + i % 4), -2 * (i / 4) as i32), 3);
-                    let v = _mm512_or_si512(low, _mm512_slli_epi32::<4>(high));
-                    _mm512_sub_epi32(v, _mm512_set1_epi32(32))
-                };
-                let d = f16s(Q3K_D);
-                let zero = _mm512_setzero_ps();
-                return Block16 {
-                    w,
-                    d: scaled(d, scale(2 * s)),
-                    m: scaled(d, scale(2 * s + 1)),
-                    mins: [zero; 2],
-                };
-            }
-            // Q2_K: scale byte `2s + e` of half `e`, the scale in its low nibble, the minimum in
-            // its high one.
-            let (d, dmin, sign) = (f16s(Q2K_D), f16s(Q2K_DMIN), _mm512_set1_ps(-0.0));
-            let x = |e: usize| byte(Q2K_SCALES, 2 * s + e);
-            let min = |e: usize| _mm512_xor_ps(scaled(dmin, shl(x(e), -4)), sign);
-            Block16 {
-                w,
-                d: scaled(d, and(x(0), 15)),
-                m: scaled(d, and(x(1), 15)),
-                mins: [min(0), min(1)],
-            }
+            Block16 { w, d, m }
         }
     }
 
@@ -1089,18 +865,10 @@ mod avx512 {
         for t in 0..T {
             let dx = _mm512_set1_ps(a[t].d);
             if split {
-                let sums = [a[t].sq0, a[t].sq - a[t].sq0];
-                let i0 = offset(even[t], sums[0]);
-                let i1 = offset(odd[t], sums[1]);
+                let i0 = offset(even[t], a[t].sq0);
+                let i1 = offset(odd[t], a[t].sq - a[t].sq0);
                 c[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i0), _mm512_mul_ps(blk.d, dx), c[t]);
                 c[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i1), _mm512_mul_ps(blk.m, dx), c[t]);
-                if has_min(F) {
-                    // Q2_K: each half's minimum times its activation sum.
-                    for (h, &sum) in sums.iter().enumerate() {
-                        let m = _mm512_mul_ps(blk.mins[h], dx);
-                        c[t] = _mm512_fmadd_ps(_mm512_set1_ps(sum as f32), m, c[t]);
-                    }
-                }
                 continue;
             }
             let isum = if T <= 2 {

@@ -240,16 +240,11 @@ unsafe fn unpack<const F: u8>(
             for (j, wj) in blk.w.iter().enumerate() {
                 _mm512_store_si512(pb.w[j].as_mut_ptr().cast(), *wj);
             }
-            // `d`, then the minimums (Q4_1, Q5_1, Q4_K, Q5_K) or the split formats'
-            // second-half scales: the panel's second scale vector either way.
+            // `d`, then the minimums (Q4_1, Q5_1, Q4_K) or Q6_K's second-half scales: the
+            // panel's second scale vector either way.
             _mm512_store_ps(sb[0].0.as_mut_ptr(), blk.d);
             if sv > 1 {
                 _mm512_store_ps(sb[1].0.as_mut_ptr(), blk.m);
-            }
-            if sv == 4 {
-                // Q2_K: the halves' minimums.
-                _mm512_store_ps(sb[2].0.as_mut_ptr(), blk.mins[0]);
-                _mm512_store_ps(sb[3].0.as_mut_ptr(), blk.mins[1]);
             }
         }
     }
