@@ -26,7 +26,7 @@ use super::avx2_quant::{
 };
 use super::avx512::{F_Q4_0, F_Q4_1, F_Q4K, F_Q5_0, F_Q5_1, F_Q5K, F_Q6K, F_Q8_0};
 use super::format::Fmt;
-use super::packed::{GROUP_ROWS, Q5K_SUB, Q6K_D, Q6K_SCALES, Q6K_SUB, block_bytes, k45_fields};
+use super::packed::{GROUP_ROWS, Q6K_D, Q6K_SCALES, block_bytes, k45_fields, locate};
 use super::{RowsOut, WeightMatrix};
 
 /// How far ahead (bytes) decode prefetches the group bytes it streams, into L2 (as the AVX-512
@@ -79,12 +79,7 @@ unsafe fn half_block<const F: u8>(group: *const u8, b: usize, bb: usize, h: usiz
     // scales `16h + 16` bytes into their 32-byte field; Q4_K: inside its super-block, whose
     // fields are laid out in `packed`).
     unsafe {
-        // K-quants: sub-block `s` of the super-block (8 blocks' bytes) holding block `b`.
-        let (p, s) = if matches!(F, F_Q4K | F_Q5K | F_Q6K) {
-            (group.add(b / 8 * 8 * bb), b % 8)
-        } else {
-            (group.add(b * bb), 0)
-        };
+        let (p, s, sub) = locate::<F>(group, b, bb);
         let ld = |off: usize| _mm256_loadu_si256(p.add(off + 32 * h).cast());
         let f16s = |off: usize| _mm256_cvtph_ps(_mm_loadu_si128(p.add(off + 16 * h).cast()));
         let mut w = [_mm256_setzero_si256(); 8];
@@ -100,11 +95,6 @@ unsafe fn half_block<const F: u8>(group: *const u8, b: usize, bb: usize, h: usiz
             };
         }
         let lo4 = _mm256_set1_epi8(0x0F);
-        let sub = s * match F {
-            F_Q6K => Q6K_SUB,
-            F_Q5K => Q5K_SUB,
-            _ => 256,
-        };
         for c in 0..4 {
             let v = ld(sub + 64 * c);
             w[c] = _mm256_and_si256(v, lo4);

@@ -90,7 +90,7 @@ impl std::fmt::Debug for PackedWeights {
 }
 
 /// Bytes of one packed block (16 rows x 32 elements) of `fmt`, if the layout exists for it
-/// (Q4_K: an eighth of a packed super-block, see [`Q4K_SUPER`]).
+/// (K-quants: an eighth of a packed super-block, see [`Q4K_SUPER`]).
 pub(crate) fn block_bytes(fmt: Fmt) -> Option<usize> {
     match fmt {
         Fmt::Q4_0 => Some(256 + 32),
@@ -442,12 +442,17 @@ fn k45_unpack(five: bool, sup: &[u8], r: usize, blk: &mut [u8]) {
     };
     for s in 0..8 {
         let sup = &sup[sub * s..][..sub];
+        // Q5_K: the row's fifth-bit lane of this sub-block.
+        let lane = if five {
+            u32::from_le_bytes(sup[256 + 4 * r..][..4].try_into().unwrap())
+        } else {
+            0
+        };
         for e in 0..32 {
             let byte = sup[64 * (e % 16 / 4) + 4 * r + e % 4];
             let q = if e < 16 { byte & 0xF } else { byte >> 4 };
             blk[qs_at + 32 * (s / 2) + e] |= q << (4 * (s % 2));
             if five {
-                let lane = u32::from_le_bytes(sup[256 + 4 * r..][..4].try_into().unwrap());
                 blk[qh_at + e] |= (((lane >> q5_bit(e)) & 1) as u8) << s;
             }
         }
@@ -581,7 +586,7 @@ fn pack_group(fmt: Fmt, w: WeightMatrix<'_>, g: usize, out: &mut [u8]) {
 }
 
 #[cfg(target_arch = "x86_64")]
-pub(crate) use avx512::{block16, quant_rows};
+pub(crate) use avx512::{block16, locate, quant_rows};
 
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
@@ -595,7 +600,7 @@ mod avx512 {
     };
     use super::super::format::Fmt;
     use super::super::{RowsOut, WeightMatrix};
-    use super::{GROUP_ROWS, Q5K_SUB, Q6K_D, Q6K_SCALES, Q6K_SUB, block_bytes, k45_fields};
+    use super::{GROUP_ROWS, Q6K_D, Q6K_SCALES, Q6K_SUB, block_bytes, k45_fields};
 
     /// How far ahead (bytes) decode prefetches the weights it streams, into L2
     /// (`_MM_HINT_T2`). Measured on Zen 4 (default model, 2 threads, `zerolayer bench
@@ -709,6 +714,30 @@ mod avx512 {
         pub(crate) m: __m512,
     }
 
+    /// Where block `b` of a packed group (`bb` bytes per block) lies: the unit holding it (a
+    /// 32-element format's block, a K-quant's super-block), the K-quant sub-block index `s`
+    /// (0 otherwise), and the offset of that sub-block's quants in the unit. Shared by the
+    /// AVX-512 and AVX2 block decoders.
+    ///
+    /// # Safety
+    /// `group` has the group's blocks up to `b`.
+    #[inline(always)]
+    pub(crate) unsafe fn locate<const F: u8>(
+        group: *const u8,
+        b: usize,
+        bb: usize,
+    ) -> (*const u8, usize, usize) {
+        let sub_bytes = match F {
+            F_Q4K | F_Q5K => k45_fields(F == F_Q5K).0,
+            F_Q6K => Q6K_SUB,
+            // SAFETY: block `b` is inside the group (forwarded).
+            _ => return (unsafe { group.add(b * bb) }, 0, 0),
+        };
+        let s = b % 8;
+        // SAFETY: the super-block of 8 blocks holding `b` is inside the group (forwarded).
+        (unsafe { group.add(b / 8 * 8 * bb) }, s, s * sub_bytes)
+    }
+
     /// Decodes block `b` of the packed group at `group` (see [`Block16`]).
     ///
     /// # Safety
@@ -720,12 +749,7 @@ mod avx512 {
         // SAFETY (whole body): every load is inside the block (K-quants: inside its
         // super-block, whose fields are laid out in `super`).
         unsafe {
-            // K-quants: sub-block `s` of the super-block (8 blocks' bytes) holding block `b`.
-            let (p, s) = if matches!(F, F_Q4K | F_Q5K | F_Q6K) {
-                (group.add(b / 8 * 8 * bb), b % 8)
-            } else {
-                (group.add(b * bb), 0)
-            };
+            let (p, s, sub) = locate::<F>(group, b, bb);
             let ld = |off: usize| _mm512_loadu_si512(p.add(off).cast());
             let f16s = |off: usize| _mm512_cvtph_ps(_mm256_loadu_si256(p.add(off).cast()));
             let shl = |v: __m512i, n: i32| {
@@ -743,11 +767,6 @@ mod avx512 {
                 };
             }
             let lo4 = _mm512_set1_epi8(0x0F);
-            let sub = s * match F {
-                F_Q6K => Q6K_SUB,
-                F_Q5K => Q5K_SUB,
-                _ => 256,
-            };
             let v: [__m512i; 4] = std::array::from_fn(|c| ld(sub + 64 * c));
             let mut w: [__m512i; 8] = std::array::from_fn(|j| {
                 if j < 4 {
