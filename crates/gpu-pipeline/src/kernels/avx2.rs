@@ -3,11 +3,15 @@
 //!
 //! Per (row, token): two 8-lane FMA accumulators over 16-column chunks, a fixed horizontal sum,
 //! then the `cols % 16` tail added in column order. The same sequence runs for any number of
-//! tokens, so results are batch-invariant.
+//! tokens, so results are batch-invariant. Few tokens (decode) go 4 rows at a time, the next
+//! groups' rows prefetched: 4 independent accumulation chains per activation load, and the
+//! weights streamed ahead of the hardware prefetchers (one row at a time read 55-65% of the
+//! read bandwidth from DRAM); each row's sequence of operations is the same as one at a time.
 
 use std::arch::x86_64::*;
 use std::ops::Range;
 
+use super::avx512::{PF_AHEAD, prefetch_plan};
 use super::format::{Fmt, bf16_at, f16_at};
 use super::{RowsOut, WeightMatrix};
 
@@ -83,6 +87,29 @@ fn hsum(v: __m256) -> f32 {
     _mm_cvtss_f32(s)
 }
 
+/// `acc`'s horizontal sum plus the `cols % 16` tail of row `row` times `xt`, in column order:
+/// one (row, token) result.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn finish<const F: u8>(acc: [__m256; 2], row: &[u8], xt: &[f32], main: usize) -> f32 {
+    let mut s = hsum(_mm256_add_ps(acc[0], acc[1]));
+    for (c, &xc) in xt.iter().enumerate().skip(main) {
+        let wv = match F {
+            F_F32 => {
+                f32::from_le_bytes([row[4 * c], row[4 * c + 1], row[4 * c + 2], row[4 * c + 3]])
+            }
+            F_F16 => f16_at(row, 2 * c),
+            _ => bf16_at(row, 2 * c),
+        };
+        s += wv * xc;
+    }
+    s
+}
+
+/// Tokens up to which [`rows_impl`] takes the 4-row path (each token streams the group's rows
+/// from L1/L2 again, so the weights are read from memory once per group).
+const FEW_TOKENS: usize = 2;
+
 #[target_feature(enable = "avx2,fma,f16c")]
 fn rows_impl<const F: u8>(
     w: WeightMatrix<'_>,
@@ -97,6 +124,50 @@ fn rows_impl<const F: u8>(
     let rb = cols * esize;
     let main = cols / 16 * 16;
     assert!(rows.end <= w.rows && w.data.len() >= w.rows * rb && x.len() >= n * cols);
+    let mut rows = rows;
+    if n <= FEW_TOKENS && main > 0 {
+        let chunks = main / 16;
+        let (start, end) = (rows.start, rows.start + (rows.len() / 4) * 4);
+        for g in (start..end).step_by(4) {
+            let (pp, plen, pstep) =
+                prefetch_plan(w.data, rb, chunks, g, &(start..end), (PF_AHEAD, false));
+            let rowp: [*const u8; 4] = std::array::from_fn(|k| w.data[(g + k) * rb..].as_ptr());
+            for t in 0..n {
+                let xt = &x[t * cols..(t + 1) * cols];
+                let mut acc = [[_mm256_setzero_ps(); 2]; 4];
+                for i in 0..chunks {
+                    let c = 16 * i;
+                    if t == 0 {
+                        let mut off = i * pstep;
+                        let e = (off + pstep).min(plen);
+                        while off < e {
+                            // SAFETY: `off < plen`, inside the prefetch region (a hint only).
+                            unsafe { _mm_prefetch::<_MM_HINT_T0>(pp.add(off).cast()) };
+                            off += 64;
+                        }
+                    }
+                    // SAFETY: `c + 16 <= main <= cols`, inside `xt`.
+                    let (x0, x1) = unsafe {
+                        (
+                            _mm256_loadu_ps(xt.as_ptr().add(c)),
+                            _mm256_loadu_ps(xt.as_ptr().add(c + 8)),
+                        )
+                    };
+                    for (a, &p) in acc.iter_mut().zip(&rowp) {
+                        // SAFETY: columns `c..c + 16` are inside the row at `p` (`g + 3 < end`).
+                        let (w0, w1) = unsafe { (load8::<F>(p, c), load8::<F>(p, c + 8)) };
+                        a[0] = _mm256_fmadd_ps(w0, x0, a[0]);
+                        a[1] = _mm256_fmadd_ps(w1, x1, a[1]);
+                    }
+                }
+                for (k, a) in acc.into_iter().enumerate() {
+                    let row = &w.data[(g + k) * rb..(g + k + 1) * rb];
+                    out.set(t, g + k, finish::<F>(a, row, xt, main));
+                }
+            }
+        }
+        rows = end..rows.end;
+    }
     for r in rows {
         let row = &w.data[r * rb..(r + 1) * rb];
         let p = row.as_ptr();
@@ -118,21 +189,7 @@ fn rows_impl<const F: u8>(
             }
             for (t, a) in acc.iter().enumerate().take(tn) {
                 let xt = &x[(t0 + t) * cols..(t0 + t + 1) * cols];
-                let mut s = hsum(_mm256_add_ps(a[0], a[1]));
-                for c in main..cols {
-                    let wv = match F {
-                        F_F32 => f32::from_le_bytes([
-                            row[4 * c],
-                            row[4 * c + 1],
-                            row[4 * c + 2],
-                            row[4 * c + 3],
-                        ]),
-                        F_F16 => f16_at(row, 2 * c),
-                        _ => bf16_at(row, 2 * c),
-                    };
-                    s += wv * xt[c];
-                }
-                out.set(t0 + t, r, s);
+                out.set(t0 + t, r, finish::<F>(*a, row, xt, main));
             }
         }
     }
