@@ -3,13 +3,20 @@
 Each side runs in its own subprocess (so peak RSS is its own): prompt processing of a 512-token
 prompt, generation of 128 tokens, time to first token of a 42-token chat prompt. Around each
 phase the CPU time of all processes (/proc/stat) minus the measured process's own (getrusage
-of the child) gives the CPU time others used; a phase where others used > 10% of a core is
-flagged "CONTAMINATED".
+of the child) gives the CPU time others used, and /proc/stat's steal column the time the
+hypervisor gave this VM's CPUs to other guests; a phase where either exceeds 1 s is flagged
+"CONTAMINATED".
+
+`--rounds N` runs both sides N times, alternated (zerolayer, llama.cpp, zerolayer, ...), and
+reports each figure's median with the per-round values, each ratio as the ratio of the medians;
+with `--probe BIN` (examples/bandwidth) the read bandwidth is measured before every round and its
+median used for the shares of the ceiling.
 """
 
 import argparse
 import json
 import os
+import statistics
 import pathlib
 import subprocess
 import tempfile
@@ -42,27 +49,40 @@ print(json.dumps(out))
 
 
 def cpu_total():
+    """(CPU seconds busy in all processes, CPU seconds stolen by the hypervisor) so far."""
     with open("/proc/stat") as f:
-        v = [int(x) for x in f.readline().split()[1:8]]
-    return (v[0] + v[1] + v[2] + v[5] + v[6]) / HZ  # user nice system irq softirq
+        v = [int(x) for x in f.readline().split()[1:9]]
+    # user nice system irq softirq; steal
+    return (v[0] + v[1] + v[2] + v[5] + v[6]) / HZ, v[7] / HZ
+
+
+class Others:
+    """CPU time other processes used and the hypervisor stole while one phase ran."""
+
+    def __init__(self, busy, steal):
+        self.busy, self.steal = busy, steal
+
+    def worst(self, other):
+        return Others(max(self.busy, other.busy), max(self.steal, other.steal))
 
 
 def run_measured(cmd):
-    """Runs `cmd`; returns (result with stdout/stderr, other processes' CPU seconds meanwhile,
-    this child's own peak RSS in MiB, from wait4: not the maximum over all children so far)."""
-    before = cpu_total()
+    """Runs `cmd`; returns (result with stdout/stderr, `Others` meanwhile, this child's own peak
+    RSS in MiB, from wait4: not the maximum over all children so far)."""
+    before, steal_before = cpu_total()
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         p = subprocess.Popen(cmd, stdout=out, stderr=err, text=True)
         _, status, ru = os.wait4(p.pid, 0)
         p.returncode = os.waitstatus_to_exitcode(status)
-        after = cpu_total()
+        after, steal_after = cpu_total()
         out.seek(0)
         err.seek(0)
         res = subprocess.CompletedProcess(cmd, p.returncode, out.read(), err.read())
     if res.returncode != 0:
         sys.exit(f"{cmd[0]} failed: {res.stderr[-2000:]}")
     own = ru.ru_utime + ru.ru_stime
-    return res, max(0.0, after - before - own), ru.ru_maxrss / 1024
+    others = Others(max(0.0, after - before - own), steal_after - steal_before)
+    return res, others, ru.ru_maxrss / 1024
 
 
 def ours(a, pp_ids, chat_ids):
@@ -134,7 +154,7 @@ def budgeted(a, chat_ids, unbudgeted, total_bytes):
     print(f"generation with residency <= {100 * a.budget:.0f}% of {total_bytes / 1e6:.0f} MB: "
           f"{gen:.1f} tok/s vs {unbudgeted['gen_tok_s']:.1f} unbudgeted (ratio "
           f"{gen / unbudgeted['gen_tok_s']:.2f}); other processes' CPU "
-          f"{other:.2f} s\n  {cache}")
+          f"{other.busy:.2f} s, steal {other.steal:.2f} s\n  {cache}")
     prof.unlink(missing_ok=True)
 
 
@@ -148,6 +168,8 @@ def main():
     ap.add_argument("--bandwidth", default="", help="examples/bandwidth's JSON line")
     ap.add_argument("--budget", type=float, default=0.0,
                     help="also generate with the model file's residency within this fraction")
+    ap.add_argument("--rounds", type=int, default=1, help="alternated runs per side; medians reported")
+    ap.add_argument("--probe", default="", help="examples/bandwidth: measure the read bandwidth each round")
     ap.add_argument("--facts", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.facts:
@@ -165,15 +187,35 @@ def main():
     chat_ids = (chat + fx["ci_ids"])[:42] if len(chat) < 42 else chat[:42]
     # The fixtures are the default model's ids: folded into a smaller vocabulary.
     pp_ids, chat_ids = [i % vocab for i in pp_ids], [i % vocab for i in chat_ids]
-    o, o_oth = ours(a, pp_ids, chat_ids)
-    l, l_oth = llama(a, pp_ids, chat_ids)
-    print(f"threads {a.threads}; model {os.path.basename(a.model)}; busy competitor: {bool(a.busy_pid)}")
+    rounds_o, rounds_l, bws = [], [], []
+    o_oth, l_oth = {}, {}
+    for _ in range(max(1, a.rounds)):
+        if a.probe:
+            bws.append(json.loads(subprocess.run([a.probe, str(a.threads)], capture_output=True, text=True,
+                                                 check=True).stdout.strip().splitlines()[-1])["best_gbs"])
+        r, oth = ours(a, pp_ids, chat_ids)
+        rounds_o.append(r)
+        o_oth = {k: v.worst(o_oth[k]) if k in o_oth else v for k, v in oth.items()}
+        r, oth = llama(a, pp_ids, chat_ids)
+        rounds_l.append(r)
+        l_oth = {k: v.worst(l_oth[k]) if k in l_oth else v for k, v in oth.items()}
+    o = {k: statistics.median(r[k] for r in rounds_o) for k in rounds_o[0]}
+    l = {k: statistics.median(r[k] for r in rounds_l) for k in rounds_l[0]}
+    n = len(rounds_o)
+    print(f"threads {a.threads}; model {os.path.basename(a.model)}; busy competitor: {bool(a.busy_pid)}"
+          + (f"; medians of {n} alternated rounds" if n > 1 else ""))
     print(f"{'metric':<28}{'zerolayer':>12}{'llama.cpp':>12}{'ratio':>8}")
     for k, name, better in [("pp_tok_s", "prompt 512 tok/s", "hi"), ("gen_tok_s", f"generation {a.gen} tok/s", "hi"),
                             ("ttft_ms", "time to first token (ms)", "lo"), ("rss_mib", "peak RSS (MiB)", "lo")]:
         print(f"{name:<28}{o[k]:>12.1f}{l[k]:>12.1f}{o[k] / l[k]:>8.2f}")
-    if a.bandwidth:
-        bw = json.loads(a.bandwidth)["best_gbs"]
+    if n > 1:
+        for k in ["pp_tok_s", "gen_tok_s", "ttft_ms"]:
+            print(f"  rounds {k}: zerolayer {' '.join(f'{r[k]:.1f}' for r in rounds_o)}; "
+                  f"llama.cpp {' '.join(f'{r[k]:.1f}' for r in rounds_l)}")
+    if bws:
+        print(f"read bandwidth per round (GB/s): {' '.join(f'{b:.1f}' for b in bws)}")
+    if bws or a.bandwidth:
+        bw = statistics.median(bws) if bws else json.loads(a.bandwidth)["best_gbs"]
         print(f"decode reads {per_token / 1e6:.1f} MB of weights per token (active parameters; "
               f"{100 * per_token / total_bytes:.1f}% of the {total_bytes / 1e6:.0f} MB of tensors); "
               f"machine read bandwidth "
@@ -184,9 +226,12 @@ def main():
     if a.budget > 0:
         budgeted(a, chat_ids, o, total_bytes)
     for side, oth in [("zerolayer", o_oth), ("llama.cpp", l_oth)]:
-        for phase, cpu in oth.items():
-            flag = "" if a.busy_pid else (" CONTAMINATED" if cpu > 1.0 else "")
-            print(f"other processes' CPU during {side} {phase}: {cpu:.2f} s{flag}")
+        for phase, x in oth.items():
+            flag = "" if a.busy_pid else (" CONTAMINATED" if x.busy > 1.0 else "")
+            flag += " CONTAMINATED (steal)" if x.steal > 1.0 else ""
+            worst = " (worst round)" if n > 1 else ""
+            print(f"other processes' CPU during {side} {phase}{worst}: {x.busy:.2f} s, "
+                  f"hypervisor steal {x.steal:.2f} s{flag}")
 
 
 if __name__ == "__main__":
