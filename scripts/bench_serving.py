@@ -352,23 +352,39 @@ class LlamaServer(ServerProc):
 class NativeLlamaServer(ServerProc):
     """llama.cpp's own `llama-server`: one slot per concurrent client (up to 100, as a user
     serving many streams would configure it), continuous batching, a context of `slot_ctx` tokens
-    per slot (prompt + output of the scenario, rounded up), same threads as ours."""
+    per slot (prompt + output of the scenario, rounded up), same threads as ours.
+
+    llama.cpp's weight repacking (its extra CPU buffer types) is on, as a user gets it; where it
+    dies at start-up with SIGILL (its AMX buffer type on a VM that does not grant AMX state:
+    seen on an Intel Xeon VM, the same crash `scripts/bench_vs_llamacpp.py` avoids with
+    use_extra_bufts off), it is restarted with `--no-repack` and the tables say so."""
     GRACE = 3.0
 
     def __init__(self, a, sc, tag):
         self.log = a.out / "logs" / f"llama-server-{tag}.log"
-        port = free_port("tcp")
-        self.http = f"127.0.0.1:{port}"
         slots = min(sc["concurrency"], 100)
         slot_ctx = 1536 if sc["prompt"] == "doc" else 256
-        self.cmd = [a.llama_server_bin, "-m", a.model, "--host", "127.0.0.1", "--port", str(port),
-                    "-t", str(a.threads), "-tb", str(a.threads), "-np", str(slots), "-cb",
-                    "-c", str(slots * slot_ctx), "--alias", MODEL_ID, "--jinja"]
+        for extra in ([], ["--no-repack"]):
+            port = free_port("tcp")
+            self.http = f"127.0.0.1:{port}"
+            self.cmd = [a.llama_server_bin, "-m", a.model, "--host", "127.0.0.1", "--port", str(port),
+                        "-t", str(a.threads), "-tb", str(a.threads), "-np", str(slots), "-cb",
+                        "-c", str(slots * slot_ctx), "--alias", MODEL_ID, "--jinja"] + extra
+            if self.start(slots) != -signal.SIGILL:
+                return
+            log("llama-server died of SIGILL with weight repacking on; again with --no-repack")
+
+    def start(self, slots):
+        """Starts the server; returns None once it is ready, or the exit status it died with."""
         self.logf = open(self.log, "wb")
         t0 = time.monotonic()
         self.p = spawn(self.cmd, self.logf, subprocess.STDOUT)
         while not http_ok(f"http://{self.http}/health"):
             if self.p.poll() is not None:
+                if self.p.returncode == -signal.SIGILL and "--no-repack" not in self.cmd:
+                    stop(self.p)
+                    self.logf.close()
+                    return -signal.SIGILL
                 raise RuntimeError(f"llama-server exited ({self.p.returncode}); log {self.log}:\n"
                                    f"{tail(self.log)}")
             if time.monotonic() - t0 > 180:
@@ -376,6 +392,7 @@ class NativeLlamaServer(ServerProc):
             time.sleep(0.25)
         self.ready_s = time.monotonic() - t0
         log(f"llama-server ready in {self.ready_s:.1f} s (http {self.http}, {slots} slots)")
+        return None
 
 
 # ---------------------------------------------------------------- prompts
