@@ -8,7 +8,8 @@ hypervisor gave this VM's CPUs to other guests; a phase where either exceeds 1 s
 "CONTAMINATED".
 
 `--rounds N` runs both sides N times, alternated (zerolayer, llama.cpp, zerolayer, ...), and
-reports each figure's median with the per-round values, each ratio as the ratio of the medians;
+reports each figure's median with the per-round values, each ratio as the ratio of the medians
+(and, per figure, the median of the same-round ratios: a round's two sides ran back to back);
 with `--probe BIN` (examples/bandwidth) the read bandwidth is measured before every round and its
 median used for the shares of the ceiling.
 """
@@ -210,8 +211,10 @@ def main():
         print(f"{name:<28}{o[k]:>12.1f}{l[k]:>12.1f}{o[k] / l[k]:>8.2f}")
     if n > 1:
         for k in ["pp_tok_s", "gen_tok_s", "ttft_ms"]:
+            paired = statistics.median(o_r[k] / l_r[k] for o_r, l_r in zip(rounds_o, rounds_l))
             print(f"  rounds {k}: zerolayer {' '.join(f'{r[k]:.1f}' for r in rounds_o)}; "
-                  f"llama.cpp {' '.join(f'{r[k]:.1f}' for r in rounds_l)}")
+                  f"llama.cpp {' '.join(f'{r[k]:.1f}' for r in rounds_l)}; "
+                  f"median of the same-round ratios {paired:.2f}")
     if bws:
         print(f"read bandwidth per round (GB/s): {' '.join(f'{b:.1f}' for b in bws)}")
     if bws or a.bandwidth:
