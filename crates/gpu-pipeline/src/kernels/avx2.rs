@@ -11,7 +11,7 @@
 use std::arch::x86_64::*;
 use std::ops::Range;
 
-use super::avx512::{PF_AHEAD, prefetch_plan};
+use super::avx512::{PF_AHEAD, prefetch_plan, prefetch_step};
 use super::format::{Fmt, bf16_at, f16_at};
 use super::{RowsOut, WeightMatrix};
 
@@ -129,8 +129,7 @@ fn rows_impl<const F: u8>(
         let chunks = main / 16;
         let (start, end) = (rows.start, rows.start + (rows.len() / 4) * 4);
         for g in (start..end).step_by(4) {
-            let (pp, plen, pstep) =
-                prefetch_plan(w.data, rb, chunks, g, &(start..end), (PF_AHEAD, false));
+            let pf = prefetch_plan(w.data, rb, chunks, g, &(start..end), (PF_AHEAD, false));
             let rowp: [*const u8; 4] = std::array::from_fn(|k| w.data[(g + k) * rb..].as_ptr());
             for t in 0..n {
                 let xt = &x[t * cols..(t + 1) * cols];
@@ -138,13 +137,7 @@ fn rows_impl<const F: u8>(
                 for i in 0..chunks {
                     let c = 16 * i;
                     if t == 0 {
-                        let mut off = i * pstep;
-                        let e = (off + pstep).min(plen);
-                        while off < e {
-                            // SAFETY: `off < plen`, inside the prefetch region (a hint only).
-                            unsafe { _mm_prefetch::<_MM_HINT_T0>(pp.add(off).cast()) };
-                            off += 64;
-                        }
+                        prefetch_step(pf, i, false);
                     }
                     // SAFETY: `c + 16 <= main <= cols`, inside `xt`.
                     let (x0, x1) = unsafe {

@@ -22,7 +22,7 @@ use std::ops::Range;
 use super::act::{ActQuad, quads_per_token};
 use super::avx512::{
     F_IQ4NL, F_IQ4XS, F_Q2K, F_Q3K, F_Q4_0, F_Q4_1, F_Q4K, F_Q5_0, F_Q5_1, F_Q5K, F_Q6K, F_Q8_0,
-    PF_AHEAD, has_min, is_split, offset_shift, prefetch_plan,
+    PF_AHEAD, has_min, is_split, offset_shift, prefetch_plan, prefetch_step,
 };
 use super::format::Fmt;
 use super::{RowsOut, WeightMatrix};
@@ -790,14 +790,7 @@ unsafe fn tile<const F: u8, const T: usize>(
 ) -> [[f32; 4]; T] {
     let mut acc = [[_mm256_setzero_ps(); 2]; T];
     for q in 0..nq {
-        let (pp, plen, pstep) = pf;
-        let mut off = q * pstep;
-        let end = (off + pstep).min(plen);
-        while off < end {
-            // SAFETY: `off < plen`, inside the prefetch region; prefetching has no side effects.
-            unsafe { _mm_prefetch::<_MM_HINT_T0>(pp.add(off).cast()) };
-            off += 64;
-        }
+        prefetch_step(pf, q, false);
         let nvalid = (nblocks - 4 * q).min(4);
         // SAFETY: forwarded from the caller.
         let w = unsafe { decode::<F>(rowp, q, nvalid) };

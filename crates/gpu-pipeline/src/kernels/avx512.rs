@@ -862,16 +862,7 @@ unsafe fn tile<const F: u8, const T: usize>(
     pf: (*const u8, usize, usize),
 ) -> [[f32; 4]; T] {
     let mut acc = [_mm512_setzero_ps(); T];
-    let prefetch = |q: usize| {
-        let (pp, plen, pstep) = pf;
-        let mut off = q * pstep;
-        let end = (off + pstep).min(plen);
-        while off < end {
-            // SAFETY: `off < plen`, inside the prefetch region; prefetching has no side effects.
-            unsafe { prefetch_line(pp.add(off), into_l2(F)) };
-            off += 64;
-        }
-    };
+    let prefetch = |q: usize| prefetch_step(pf, q, into_l2(F));
     let mut q = 0;
     while q < nq {
         if is_k23(F) {
@@ -1229,6 +1220,19 @@ pub(crate) fn prefetch_plan(
         len,
         len.div_ceil(nq).next_multiple_of(64),
     )
+}
+
+/// Step `q` of a prefetch plan (`(start, len, step)` from [`prefetch_plan`]): the lines of
+/// bytes `q * step .. (q + 1) * step` of the region (none past its end), into L2 or L1.
+#[inline(always)]
+pub(crate) fn prefetch_step((pp, plen, pstep): (*const u8, usize, usize), q: usize, into_l2: bool) {
+    let mut off = q * pstep;
+    let end = (off + pstep).min(plen);
+    while off < end {
+        // `off < plen`: inside the prefetch region (and a prefetch has no side effects anyway).
+        prefetch_line(pp.wrapping_add(off), into_l2);
+        off += 64;
+    }
 }
 
 /// A software prefetch of the line at `p`, into L2 (`_MM_HINT_T2`) or L1.
