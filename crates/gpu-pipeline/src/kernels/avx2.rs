@@ -91,8 +91,13 @@ fn hsum(v: __m256) -> f32 {
 /// one (row, token) result.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn finish<const F: u8>(acc: [__m256; 2], row: &[u8], xt: &[f32], main: usize) -> f32 {
-    let mut s = hsum(_mm256_add_ps(acc[0], acc[1]));
+pub(crate) fn finish<const F: u8>(acc: [__m256; 2], row: &[u8], xt: &[f32], main: usize) -> f32 {
+    tail::<F>(hsum(_mm256_add_ps(acc[0], acc[1])), row, xt, main)
+}
+
+/// `s` plus the `cols % 16` tail (columns `main..`) of row `row` times `xt`, in column order.
+#[inline]
+pub(crate) fn tail<const F: u8>(mut s: f32, row: &[u8], xt: &[f32], main: usize) -> f32 {
     for (c, &xc) in xt.iter().enumerate().skip(main) {
         let wv = match F {
             F_F32 => {
@@ -108,7 +113,7 @@ fn finish<const F: u8>(acc: [__m256; 2], row: &[u8], xt: &[f32], main: usize) ->
 
 /// Tokens up to which [`rows_impl`] takes the 4-row path (each token streams the group's rows
 /// from L1/L2 again, so the weights are read from memory once per group).
-const FEW_TOKENS: usize = 2;
+pub(crate) const FEW_TOKENS: usize = 2;
 
 #[target_feature(enable = "avx2,fma,f16c")]
 fn rows_impl<const F: u8>(

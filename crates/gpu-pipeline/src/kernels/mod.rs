@@ -45,6 +45,8 @@ mod avx2_packed;
 mod avx2_quant;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
+#[cfg(target_arch = "x86_64")]
+mod float512;
 mod format;
 mod ops;
 mod packed;
@@ -1015,6 +1017,11 @@ fn float_rows(
     out: &mut RowsOut<'_>,
 ) {
     match backend {
+        #[cfg(target_arch = "x86_64")]
+        CpuIsa::Avx512 if n > avx2::FEW_TOKENS => {
+            // SAFETY: `backend.is_available()` was checked by the caller.
+            unsafe { float512::float_rows(fmt, w, x, n, rows, out) }
+        }
         #[cfg(target_arch = "x86_64")]
         CpuIsa::Avx512 | CpuIsa::Avx2 => {
             // SAFETY: `backend.is_available()` was checked by the caller (AVX-512 implies AVX2).
