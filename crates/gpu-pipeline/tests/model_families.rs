@@ -9,9 +9,11 @@ mod synthetic;
 
 use std::sync::Arc;
 
-use gpu_pipeline::{LayerRope, LogitsWanted, Model, ModelError, ModelOptions, SeqStep};
+use gpu_pipeline::{
+    ActivationSplit, LayerRope, LogitsWanted, Model, ModelError, ModelOptions, SeqStep,
+};
 use kv_ring::{KvDtype, KvPool, RingMode};
-use synthetic::{ARCHES, Dims, Meta, build, build_with, build_without};
+use synthetic::{ARCHES, Dims, Meta, build, build_in, build_with, build_without};
 use weight_cache::Gguf;
 
 const DIMS: Dims = Dims {
@@ -83,6 +85,37 @@ fn every_family_loads_runs_and_is_chunking_invariant() {
                 "{arch}: chunks of {chunk} differ from one step"
             );
         }
+    }
+}
+
+/// The activation split recovers the precision of the 8-bit activations of integer-quantized
+/// weights; float weights take f32 activations, so it must leave their products alone: an F16
+/// model's logits are the same bits with every product split as with none (a dense and a
+/// mixture-of-experts family), while its Q8_0 twin's differ.
+#[test]
+fn activation_split_leaves_float_weights_alone() {
+    let with = |bytes: Vec<u8>, split: ActivationSplit| {
+        let g = Gguf::from_bytes(bytes).expect("valid GGUF image");
+        let opts = ModelOptions::default()
+            .with_threads(2)
+            .with_activation_split(split);
+        let model = Model::load(Arc::new(g), opts).expect("loads");
+        logits(&model, &tokens(40, 5), 40)
+    };
+    let bits = |v: Vec<f32>| v.into_iter().map(f32::to_bits).collect::<Vec<_>>();
+    for arch in ["llama", "qwen3moe"] {
+        let f16 = || build_in(arch, DIMS, 2, weight_cache::GgmlType::F16).build();
+        assert_eq!(
+            bits(with(f16(), ActivationSplit::All)),
+            bits(with(f16(), ActivationSplit::Off)),
+            "{arch} F16: the split changed float products"
+        );
+        let q8 = || build(arch, DIMS, 2).build();
+        assert_ne!(
+            bits(with(q8(), ActivationSplit::All)),
+            bits(with(q8(), ActivationSplit::Off)),
+            "{arch} Q8_0: the split should change quantized products"
+        );
     }
 }
 

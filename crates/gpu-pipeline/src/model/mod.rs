@@ -80,6 +80,9 @@ pub enum WeightPacking {
 /// besides the smaller logit error, with `Off` a random-weight Gemma 3 Q8_0 file misses
 /// llama.cpp's top-1 at a decisive gap (`tests/arch_models.rs`), with `FfnDown` nowhere. `Off`
 /// is the fast choice (the CLI's `--activation-split off`).
+///
+/// Only products over integer-quantized weights are split: float weights (F32, F16, BF16)
+/// multiply the f32 activations as they are, with nothing to recover.
 #[non_exhaustive]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum ActivationSplit {
@@ -323,6 +326,12 @@ struct Lin {
 }
 
 impl Lin {
+    /// Whether the kernels quantize the activations of this matrix's products to 8 bits
+    /// (integer-quantized weights; float weights take f32 activations).
+    fn quantizes_activations(&self) -> bool {
+        !matches!(self.dtype, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16)
+    }
+
     /// Rows `r` of this matrix (one part of a fused tensor such as `attn_qkv`).
     fn slice_rows(&self, r: Range<usize>) -> Self {
         let rb = self.bytes.len() / self.rows.max(1);
@@ -914,14 +923,16 @@ impl Model {
         Ok(())
     }
 
-    /// Whether product `c` (one of `qkvogud`: q, k, v, output, gate, up, down) gets the
-    /// activation split.
-    fn split_for(&self, c: char) -> bool {
-        match self.split {
+    /// Whether product `c` (one of `qkvogud`: q, k, v, output, gate, up, down) of matrix `w`
+    /// gets the activation split. Only integer-quantized weights do: float weights multiply
+    /// the f32 activations as they are, so a split would only double the work.
+    fn split_for(&self, c: char, w: &Lin) -> bool {
+        let wanted = match self.split {
             ActivationSplit::Off => false,
             ActivationSplit::FfnDown => c == 'd',
             ActivationSplit::All => true,
-        }
+        };
+        wanted && w.quantizes_activations()
     }
 
     /// One product `y = x · wᵀ` over `n` rows, split for precision when configured.
@@ -938,7 +949,7 @@ impl Model {
         touch: Touch<'_>,
     ) -> Result<(), KernelError> {
         w.touch(touch);
-        if self.split_for(c) {
+        if self.split_for(c, w) {
             self.matmul_split(w, x, n, y, hi, tmp2)
         } else {
             self.matmul(w, x, n, y)
@@ -958,7 +969,7 @@ impl Model {
         tmp2: &mut Vec<f32>,
         touch: Touch<'_>,
     ) -> Result<(), KernelError> {
-        if ws.iter().any(|&(c, _)| self.split_for(c)) {
+        if ws.iter().any(|&(c, w)| self.split_for(c, w)) {
             for (&(c, w), y) in ws.iter().zip(ys) {
                 self.mm(c, w, x, n, y, hi, tmp2, touch)?;
             }
@@ -1505,7 +1516,7 @@ impl Model {
         }
         if n_out > 0 {
             out.resize(n_out * cfg.vocab_size, 0.0);
-            if self.split == ActivationSplit::All {
+            if self.split_for('o', &self.output) {
                 self.matmul_split(&self.output, &sc.sel, n_out, out, &mut sc.hi, &mut sc.tmp2)?;
             } else {
                 self.matmul(&self.output, &sc.sel, n_out, out)?;

@@ -374,7 +374,7 @@ impl Model {
             let rows = s * ff..(s + n) * ff;
             self.activate(&mut gate[rows.clone()], &up[rows], ff);
         }
-        if !self.split_for('d') {
+        if !ex.experts.iter().all(|m| self.split_for('d', &m.down)) {
             return self.batch(
                 active().map(|(e, s, n)| (&ex.experts[e].down, s, n, s * d)),
                 gate,
@@ -509,7 +509,11 @@ impl Model {
                 }
             }
         }
-        if self.split_for('g') || self.split_for('u') {
+        if ex
+            .experts
+            .iter()
+            .any(|m| self.split_for('g', &m.gate) || self.split_for('u', &m.up))
+        {
             // Every product split for precision: expert by expert.
             for e in (0..ne).filter(|&e| start[e] < start[e + 1]) {
                 let rows = start[e]..start[e + 1];
