@@ -123,7 +123,6 @@ fn rows_impl<const F: u8>(
     rows: Range<usize>,
     out: &mut RowsOut<'_>,
 ) {
-    const T: usize = 4;
     let cols = w.cols;
     let esize = if F == F_F32 { 4 } else { 2 };
     let rb = cols * esize;
@@ -166,29 +165,119 @@ fn rows_impl<const F: u8>(
         }
         rows = end..rows.end;
     }
-    for r in rows {
-        let row = &w.data[r * rb..(r + 1) * rb];
-        let p = row.as_ptr();
-        for t0 in (0..n).step_by(T) {
-            let tn = T.min(n - t0);
-            let mut acc = [[_mm256_setzero_ps(); 2]; T];
-            for c in (0..main).step_by(16) {
-                // SAFETY: `c + 16 <= main <= cols`.
-                let (w0, w1) = unsafe { (load8::<F>(p, c), load8::<F>(p, c + 8)) };
-                for (t, a) in acc.iter_mut().enumerate().take(tn) {
-                    // SAFETY: token `t0 + t < n`, columns `c..c + 16` inside the row of `x`.
-                    let (x0, x1) = unsafe {
-                        let xp = x.as_ptr().add((t0 + t) * cols + c);
-                        (_mm256_loadu_ps(xp), _mm256_loadu_ps(xp.add(8)))
-                    };
-                    a[0] = _mm256_fmadd_ps(w0, x0, a[0]);
-                    a[1] = _mm256_fmadd_ps(w1, x1, a[1]);
+    // Many tokens (and rows the 4-row path left): register tiles of `MR` rows x `MT` tokens.
+    many::<F>(w, x, n, rows, out);
+}
+
+/// The many-token path over rows `rows`. (Converting F16/BF16 row groups to f32 first, to take
+/// the conversions out of the inner loop, measured no faster.)
+#[target_feature(enable = "avx2,fma,f16c")]
+fn many<const F: u8>(
+    w: WeightMatrix<'_>,
+    x: &[f32],
+    n: usize,
+    rows: Range<usize>,
+    out: &mut RowsOut<'_>,
+) {
+    let cols = w.cols;
+    let rb = cols * if F == F_F32 { 4 } else { 2 };
+    // Token chunks whose activations stay in L2 while the rows pass.
+    let chunk = (MANY_CHUNK_BYTES / (4 * cols).max(1) / MT).max(1) * MT;
+    for t0 in (0..n).step_by(chunk) {
+        let t_end = t0 + chunk.min(n - t0);
+        let mut r = rows.start;
+        while r < rows.end {
+            let rr = if rows.end - r >= MR { MR } else { 1 };
+            let raw: [&[u8]; MR] =
+                std::array::from_fn(|k| &w.data[(r + k.min(rr - 1)) * rb..][..rb]);
+            let mut t = t0;
+            while t < t_end {
+                t += tiles::<F>(raw, rr, x, cols, t, t_end, r, out);
+            }
+            r += rr;
+        }
+    }
+}
+
+/// One tile of rows `r..r + rr` (`rr` is `MR` or 1; `wr` their bytes in format `F`) from token
+/// `t` (at most `MT` tokens, up to `t_end`); returns the tokens it took.
+#[allow(clippy::too_many_arguments)]
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn tiles<const F: u8>(
+    wr: [&[u8]; MR],
+    rr: usize,
+    x: &[f32],
+    cols: usize,
+    t: usize,
+    t_end: usize,
+    r: usize,
+    out: &mut RowsOut<'_>,
+) -> usize {
+    let left = t_end - t;
+    assert!(x.len() >= (t + left.min(MT)) * cols);
+    // SAFETY (all arms): the features are enabled here; each row of `wr` holds `cols` columns
+    // of format `F` (sliced by the caller), `x` holds the tile's tokens (asserted).
+    unsafe {
+        match (rr, left) {
+            (MR, 1) => tile::<F, MR, 1>(wr, x, cols, t, r, out),
+            (MR, 2) => tile::<F, MR, 2>(wr, x, cols, t, r, out),
+            (MR, _) => tile::<F, MR, MT>(wr, x, cols, t, r, out),
+            (_, 1) => tile::<F, 1, 1>([wr[0]], x, cols, t, r, out),
+            (_, 2) => tile::<F, 1, 2>([wr[0]], x, cols, t, r, out),
+            _ => tile::<F, 1, MT>([wr[0]], x, cols, t, r, out),
+        }
+    }
+    left.min(MT)
+}
+
+/// Rows per register tile of the many-token path.
+const MR: usize = 2;
+/// Tokens per register tile: `MR * MT` outputs of two 8-lane accumulators each (12 of the 16
+/// registers), `MR` weight and one activation register.
+const MT: usize = 3;
+/// Activation bytes per token chunk of the many-token path.
+const MANY_CHUNK_BYTES: usize = 256 << 10;
+
+/// One register tile of the many-token path: rows `r..r + RR` (bytes `wr`, format `F`) x tokens
+/// `t..t + TT`, each output accumulated exactly as the 4-row path does (two 8-lane chains over
+/// 16-column chunks, then [`finish`]).
+///
+/// # Safety
+/// AVX2, FMA and F16C are available; each row of `wr` holds `cols` columns of format `F`; `x`
+/// holds tokens `t..t + TT` of `cols` columns.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+#[allow(clippy::needless_range_loop)] // the indices are the register tile's coordinates
+unsafe fn tile<const F: u8, const RR: usize, const TT: usize>(
+    wr: [&[u8]; RR],
+    x: &[f32],
+    cols: usize,
+    t: usize,
+    r: usize,
+    out: &mut RowsOut<'_>,
+) {
+    let main = cols / 16 * 16;
+    let xp: [*const f32; TT] = std::array::from_fn(|j| x[(t + j) * cols..].as_ptr());
+    let mut acc = [[[_mm256_setzero_ps(); 2]; TT]; RR];
+    for c in (0..main).step_by(16) {
+        for h in 0..2 {
+            // SAFETY: `c + 16 <= main <= cols`: inside each row and each token's activations.
+            let wv: [__m256; RR] =
+                std::array::from_fn(|k| unsafe { load8::<F>(wr[k].as_ptr(), c + 8 * h) });
+            for j in 0..TT {
+                // SAFETY: as above.
+                let xv = unsafe { _mm256_loadu_ps(xp[j].add(c + 8 * h)) };
+                for k in 0..RR {
+                    acc[k][j][h] = _mm256_fmadd_ps(wv[k], xv, acc[k][j][h]);
                 }
             }
-            for (t, a) in acc.iter().enumerate().take(tn) {
-                let xt = &x[(t0 + t) * cols..(t0 + t + 1) * cols];
-                out.set(t0 + t, r, finish::<F>(*a, row, xt, main));
-            }
+        }
+    }
+    for (k, a) in acc.iter().enumerate() {
+        for (j, v) in a.iter().enumerate() {
+            let xt = &x[(t + j) * cols..(t + j + 1) * cols];
+            out.set(t + j, r + k, finish::<F>(*v, wr[k], xt, main));
         }
     }
 }

@@ -10,8 +10,8 @@
 //! batch-invariant when the token count picks this kernel.
 //!
 //! The AVX2 loop took one row at a time against 4 tokens with a run-time token count, and ran
-//! at 20-30 GFLOP/s per core; a 4 x 5 tile has 20 independent chains, loads each weight vector
-//! once per 5 tokens and each activation vector once per 4 rows, and its tails are
+//! at 20-30 GFLOP/s per core; a 4 x 4 tile has 16 independent chains, loads each weight vector
+//! once per 4 tokens and each activation vector once per 4 rows, and its tails are
 //! separate instantiations (no run-time branches in the inner loop).
 
 // The AVX-512 intrinsics are stable since Rust 1.89; the workspace toolchain is 1.95.
