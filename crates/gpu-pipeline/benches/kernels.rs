@@ -215,11 +215,16 @@ fn summary() {
                 );
             }
         }
+        // The int8 peak, measured before and after the table (it moves with the machine's
+        // load); each integer product's share is of the mean of the two.
+        let int8 = || gpu_pipeline::int8_peak(&pool, 5).map(|p| p.best_gops);
+        let int8_before = int8();
         println!("\n== matmul (prefill), {threads} thread(s): GFLOP/s (2*rows*cols*n / s) ==");
         println!(
             "{:<6} {:>12} {:>5} {:>9} {:>11}",
             "dtype", "shape", "n", "GFLOP/s", "ms"
         );
+        let mut shares: Vec<(String, f64)> = Vec::new();
         for dtype in DTYPES.into_iter().filter(|&d| selected(d)) {
             // `cargo test` runs this summary as a smoke test (no `--bench` argument): the
             // default model's shapes only, not the 1.7B ones (minutes of set-up on 2 cores).
@@ -242,6 +247,13 @@ fn summary() {
                     };
                     let t = t_of(w);
                     let tp = p.as_ref().map(|p| t_of(p.matrix()));
+                    if !matches!(dtype, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16) {
+                        let best_t = tp.map_or(t, |tp| tp.min(t));
+                        shares.push((
+                            format!("{} {rows}x{cols} n={n}", dtype.name()),
+                            flops / best_t / 1e9,
+                        ));
+                    }
                     println!(
                         "{:<6} {:>12} {:>5} {:>9.1} {:>11.3}{}",
                         dtype.name(),
@@ -255,6 +267,19 @@ fn summary() {
                         ))
                     );
                 }
+            }
+        }
+        if let (Some(a), Some(b)) = (int8_before, int8())
+            && !shares.is_empty()
+        {
+            let peak8 = (a + b) / 2.0;
+            println!(
+                "\nint8 peak, {threads} thread(s): {a:.0} / {b:.0} GOP/s before / after the table \
+                 (vpdpbusd zmm on registers, best of 5); integer products (faster of file / packed \
+                 layout) as a share of their mean {peak8:.0}:"
+            );
+            for (what, g) in &shares {
+                println!("  {what:<26} {g:>7.1} GOP/s {:>5.0}%", 100.0 * g / peak8);
             }
         }
         if std::env::args().skip(1).all(|a| a.starts_with('-')) {

@@ -1,6 +1,7 @@
-//! The machine's read bandwidth, measured the way every decode figure is judged: a read-only sum
-//! (STREAM-style) over arrays far larger than the last-level cache, split across the threads of
-//! a [`ThreadPool`], best of N passes.
+//! The machine's ceilings, measured the way the kernels' figures are judged: the read bandwidth
+//! (a read-only sum, STREAM-style, over arrays far larger than the last-level cache, split
+//! across the threads of a [`ThreadPool`], best of N passes), the ceiling of decode; and the
+//! int8 multiply-accumulate peak ([`int8_peak`]), the ceiling of batched products.
 
 use std::time::Instant;
 
@@ -68,6 +69,95 @@ pub fn read_bandwidth(
         threads,
         bytes_per_pass: words * 8 * data.len(),
     }
+}
+
+/// What [`int8_peak`] measured.
+#[derive(Clone, Copy, Debug, PartialEq)]
+#[non_exhaustive]
+pub struct Int8Peak {
+    /// Best pass, int8 operations per second / 1e9 (a multiply-add counts as 2).
+    pub best_gops: f64,
+    /// Median pass, GOP/s.
+    pub median_gops: f64,
+    /// Threads that ran.
+    pub threads: usize,
+}
+
+/// The int8 multiply-accumulate peak of the instruction the AVX-512 kernels' integer products
+/// run on (`vpdpbusd` on 512-bit registers, 64 multiply-adds each): every thread of `pool` runs
+/// a register-only loop of independent `vpdpbusd` chains; best and median of `passes`. `None`
+/// where the CPU lacks AVX-512 VNNI. On a shared machine (a sibling hyperthread busy) it moves
+/// with the load, like the kernels, so the benches report products as a share of the peak
+/// measured in the same run.
+///
+/// ```
+/// use gpu_pipeline::{ThreadPool, int8_peak};
+/// if let Some(p) = int8_peak(&ThreadPool::new(1), 2) {
+///     assert!(p.best_gops > 0.0 && p.best_gops >= p.median_gops);
+/// }
+/// ```
+pub fn int8_peak(pool: &ThreadPool, passes: usize) -> Option<Int8Peak> {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if !(is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512vnni")) {
+            return None;
+        }
+        const ITERS: usize = 1 << 21;
+        let threads = pool.n_threads();
+        let sink = std::sync::atomic::AtomicI64::new(0);
+        let mut rates = Vec::with_capacity(passes.max(1));
+        for _ in 0..passes.max(1) {
+            let start = Instant::now();
+            pool.run(threads, &|task, _| {
+                // SAFETY: AVX-512F and VNNI were detected above.
+                let v = unsafe { vnni_loop(ITERS, task as i32) };
+                sink.fetch_add(v, std::sync::atomic::Ordering::Relaxed);
+            });
+            let secs = start.elapsed().as_secs_f64();
+            let ops = (threads * ITERS * VNNI_CHAINS * 64 * 2) as f64;
+            rates.push(ops / secs / 1e9);
+        }
+        std::hint::black_box(sink.into_inner());
+        rates.sort_by(f64::total_cmp);
+        Some(Int8Peak {
+            best_gops: rates[rates.len() - 1],
+            median_gops: rates[rates.len() / 2],
+            threads,
+        })
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (pool, passes);
+        None
+    }
+}
+
+/// Independent `vpdpbusd` chains per iteration of [`vnni_loop`] (more than latency x
+/// throughput, so the loop runs at the instruction's throughput).
+#[cfg(target_arch = "x86_64")]
+const VNNI_CHAINS: usize = 12;
+
+/// `iters` x [`VNNI_CHAINS`] `vpdpbusd` on registers; returns a value depending on all of them.
+///
+/// # Safety
+/// The CPU supports AVX-512F and AVX-512 VNNI.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512vnni")]
+#[allow(clippy::incompatible_msrv)] // AVX-512 intrinsics are stable since 1.89; toolchain 1.95
+unsafe fn vnni_loop(iters: usize, seed: i32) -> i64 {
+    use std::arch::x86_64::*;
+    let a = _mm512_set1_epi32(0x0102_0304 ^ seed);
+    let b = _mm512_set1_epi32(0x0101_0101);
+    // Distinct starting values, so no two chains are the same computation.
+    let mut acc: [__m512i; VNNI_CHAINS] = std::array::from_fn(|i| _mm512_set1_epi32(i as i32));
+    for _ in 0..iters {
+        for c in acc.iter_mut() {
+            *c = _mm512_dpbusd_epi32(*c, a, b);
+        }
+    }
+    acc.iter()
+        .map(|&c| i64::from(_mm512_reduce_add_epi32(c)))
+        .sum()
 }
 
 /// Eight independent accumulators so the loads, not an add chain, set the pace.

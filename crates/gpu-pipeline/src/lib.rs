@@ -14,7 +14,7 @@ mod model;
 mod sampling;
 mod threadpool;
 
-pub use bandwidth::{Bandwidth, read_bandwidth};
+pub use bandwidth::{Bandwidth, Int8Peak, int8_peak, read_bandwidth};
 pub use constraint::{Constraint, ConstraintError, ConstraintFactory};
 pub use engine::{
     Engine, EngineConfig, EngineEvent, GenerationRequest, RequestHandle, SubmitError,
