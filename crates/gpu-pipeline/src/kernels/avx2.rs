@@ -15,9 +15,63 @@ use super::avx512::{PF_AHEAD, prefetch_plan, prefetch_step};
 use super::format::{Fmt, bf16_at, f16_at};
 use super::{RowsOut, WeightMatrix};
 
-const F_F32: u8 = 0;
-const F_F16: u8 = 1;
-const F_BF16: u8 = 2;
+/// Format codes of the float kernels' const parameter.
+pub(crate) const F_F32: u8 = 0;
+pub(crate) const F_F16: u8 = 1;
+pub(crate) const F_BF16: u8 = 2;
+
+/// `$f::<F>(args)` with `F` the format code of the float format `$fmt` (F32, F16 or BF16).
+macro_rules! by_float_format {
+    ($fmt:expr, $f:ident($($arg:expr),* $(,)?)) => {
+        match $fmt {
+            Fmt::F32 => $f::<{ $crate::kernels::avx2::F_F32 }>($($arg),*),
+            Fmt::F16 => $f::<{ $crate::kernels::avx2::F_F16 }>($($arg),*),
+            Fmt::BF16 => $f::<{ $crate::kernels::avx2::F_BF16 }>($($arg),*),
+            _ => unreachable!("quantized formats use quant_rows"),
+        }
+    };
+}
+pub(crate) use by_float_format;
+
+/// `(cols, row bytes)` of a float matrix of format `F`, its rows `rows` and `n` tokens of `x`
+/// checked to be in bounds.
+pub(crate) fn float_shape<const F: u8>(
+    w: WeightMatrix<'_>,
+    x: &[f32],
+    n: usize,
+    rows: &Range<usize>,
+) -> (usize, usize) {
+    let cols = w.cols;
+    let rb = cols * if F == F_F32 { 4 } else { 2 };
+    assert!(rows.end <= w.rows && w.data.len() >= w.rows * rb && x.len() >= n * cols);
+    (cols, rb)
+}
+
+/// The many-token float kernels' loop (AVX2 and AVX-512): token chunks of whole `tile`-token
+/// tiles whose activations (`4 * cols` bytes a token) stay within `chunk_bytes`, and in each
+/// chunk the rows in groups of `group` (the remainder one at a time):
+/// `f(first token, end token, first row, rows in the group)`.
+#[inline(always)]
+pub(crate) fn many_tokens(
+    cols: usize,
+    n: usize,
+    rows: Range<usize>,
+    group: usize,
+    tile: usize,
+    chunk_bytes: usize,
+    mut f: impl FnMut(usize, usize, usize, usize),
+) {
+    let chunk = (chunk_bytes / (4 * cols).max(1) / tile).max(1) * tile;
+    for t0 in (0..n).step_by(chunk) {
+        let t_end = t0 + chunk.min(n - t0);
+        let mut r = rows.start;
+        while r < rows.end {
+            let rr = if rows.end - r >= group { group } else { 1 };
+            f(t0, t_end, r, rr);
+            r += rr;
+        }
+    }
+}
 
 /// Rows `rows` x all `n` tokens of a float matrix.
 ///
@@ -32,12 +86,7 @@ pub(crate) unsafe fn float_rows(
     rows: Range<usize>,
     out: &mut RowsOut<'_>,
 ) {
-    match fmt {
-        Fmt::F32 => rows_impl::<F_F32>(w, x, n, rows, out),
-        Fmt::F16 => rows_impl::<F_F16>(w, x, n, rows, out),
-        Fmt::BF16 => rows_impl::<F_BF16>(w, x, n, rows, out),
-        _ => unreachable!("quantized formats use quant_rows"),
-    }
+    by_float_format!(fmt, rows_impl(w, x, n, rows, out))
 }
 
 /// Rows `rows` x all `n` tokens of an integer-quantized matrix ([`super::avx2_quant`]): the
@@ -123,11 +172,8 @@ fn rows_impl<const F: u8>(
     rows: Range<usize>,
     out: &mut RowsOut<'_>,
 ) {
-    let cols = w.cols;
-    let esize = if F == F_F32 { 4 } else { 2 };
-    let rb = cols * esize;
+    let (cols, rb) = float_shape::<F>(w, x, n, &rows);
     let main = cols / 16 * 16;
-    assert!(rows.end <= w.rows && w.data.len() >= w.rows * rb && x.len() >= n * cols);
     let mut rows = rows;
     if n <= FEW_TOKENS && main > 0 {
         let chunks = main / 16;
@@ -166,37 +212,24 @@ fn rows_impl<const F: u8>(
         rows = end..rows.end;
     }
     // Many tokens (and rows the 4-row path left): register tiles of `MR` rows x `MT` tokens.
-    many::<F>(w, x, n, rows, out);
-}
-
-/// The many-token path over rows `rows`. (Converting F16/BF16 row groups to f32 first, to take
-/// the conversions out of the inner loop, measured no faster.)
-#[target_feature(enable = "avx2,fma,f16c")]
-fn many<const F: u8>(
-    w: WeightMatrix<'_>,
-    x: &[f32],
-    n: usize,
-    rows: Range<usize>,
-    out: &mut RowsOut<'_>,
-) {
-    let cols = w.cols;
-    let rb = cols * if F == F_F32 { 4 } else { 2 };
-    // Token chunks whose activations stay in L2 while the rows pass.
-    let chunk = (MANY_CHUNK_BYTES / (4 * cols).max(1) / MT).max(1) * MT;
-    for t0 in (0..n).step_by(chunk) {
-        let t_end = t0 + chunk.min(n - t0);
-        let mut r = rows.start;
-        while r < rows.end {
-            let rr = if rows.end - r >= MR { MR } else { 1 };
+    // (Converting F16/BF16 row groups to f32 first, to take the conversions out of the inner
+    // loop, measured no faster.)
+    many_tokens(
+        cols,
+        n,
+        rows,
+        MR,
+        MT,
+        MANY_CHUNK_BYTES,
+        |t0, t_end, r, rr| {
             let raw: [&[u8]; MR] =
                 std::array::from_fn(|k| &w.data[(r + k.min(rr - 1)) * rb..][..rb]);
             let mut t = t0;
             while t < t_end {
                 t += tiles::<F>(raw, rr, x, cols, t, t_end, r, out);
             }
-            r += rr;
-        }
-    }
+        },
+    );
 }
 
 /// One tile of rows `r..r + rr` (`rr` is `MR` or 1; `wr` their bytes in format `F`) from token

@@ -20,13 +20,9 @@
 use std::arch::x86_64::*;
 use std::ops::Range;
 
-use super::avx2::{finish, tail};
+use super::avx2::{F_F16, F_F32, by_float_format, finish, float_shape, many_tokens, tail};
 use super::format::Fmt;
 use super::{RowsOut, WeightMatrix};
-
-const F_F32: u8 = 0;
-const F_F16: u8 = 1;
-const F_BF16: u8 = 2;
 
 /// Rows per register tile.
 const R: usize = 4;
@@ -48,12 +44,7 @@ pub(crate) unsafe fn float_rows(
     rows: Range<usize>,
     out: &mut RowsOut<'_>,
 ) {
-    match fmt {
-        Fmt::F32 => rows_impl::<F_F32>(w, x, n, rows, out),
-        Fmt::F16 => rows_impl::<F_F16>(w, x, n, rows, out),
-        Fmt::BF16 => rows_impl::<F_BF16>(w, x, n, rows, out),
-        _ => unreachable!("quantized formats use quant_rows"),
-    }
+    by_float_format!(fmt, rows_impl(w, x, n, rows, out))
 }
 
 /// 16 weights of the row at `p` from column `c`, as f32 (exact conversions).
@@ -83,25 +74,14 @@ fn rows_impl<const F: u8>(
     rows: Range<usize>,
     out: &mut RowsOut<'_>,
 ) {
-    let cols = w.cols;
-    let esize = if F == F_F32 { 4 } else { 2 };
-    let rb = cols * esize;
-    assert!(rows.end <= w.rows && w.data.len() >= w.rows * rb && x.len() >= n * cols);
-    // Whole tiles of tokens per chunk, at least one tile.
-    let chunk = (CHUNK_BYTES / (4 * cols).max(1) / T).max(1) * T;
-    for t0 in (0..n).step_by(chunk) {
-        let tn = chunk.min(n - t0);
-        let mut r = rows.start;
-        while r < rows.end {
-            if rows.end - r >= R {
-                tokens::<F, R>(w, x, t0..t0 + tn, r, out);
-                r += R;
-            } else {
-                tokens::<F, 1>(w, x, t0..t0 + tn, r, out);
-                r += 1;
-            }
+    let (cols, _) = float_shape::<F>(w, x, n, &rows);
+    many_tokens(cols, n, rows, R, T, CHUNK_BYTES, |t0, t_end, r, rr| {
+        if rr == R {
+            tokens::<F, R>(w, x, t0..t_end, r, out);
+        } else {
+            tokens::<F, 1>(w, x, t0..t_end, r, out);
         }
-    }
+    });
 }
 
 /// Rows `r..r + RR` x tokens `ts`, in tiles of [`T`] tokens (the tail as one smaller tile).
