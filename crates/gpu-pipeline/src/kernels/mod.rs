@@ -352,6 +352,13 @@ impl CpuIsa {
     }
 }
 
+/// Whether the products of a `dtype` matrix quantize their activations to 8 bits (the
+/// integer-quantized formats) rather than taking them as f32 (F32, F16, BF16): the same test
+/// [`matmul`] picks its path by.
+pub(crate) fn quantizes_activations(dtype: GgmlType) -> bool {
+    Fmt::of(dtype).is_some_and(|f| !f.is_float())
+}
+
 /// `y = W x` for one token: `x` has `cols` elements, `y` has `rows`.
 pub fn matvec(
     w: WeightMatrix<'_>,

@@ -329,7 +329,7 @@ impl Lin {
     /// Whether the kernels quantize the activations of this matrix's products to 8 bits
     /// (integer-quantized weights; float weights take f32 activations).
     fn quantizes_activations(&self) -> bool {
-        !matches!(self.dtype, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16)
+        kernels::quantizes_activations(self.dtype)
     }
 
     /// Rows `r` of this matrix (one part of a fused tensor such as `attn_qkv`).
