@@ -30,7 +30,11 @@ pub struct GenerateOptions {
     /// Token ids that end the generation (`None`: the model's EOS/EOT and the tokenizer's
     /// end-of-generation ids, [`Model::stop_tokens_with`]).
     pub stop_tokens: Option<Vec<u32>>,
-    /// The prompt is prefilled in chunks of at most this many tokens. Default 256, as the engine's (the scratch of a chunk is part of the peak RSS).
+    /// The prompt is prefilled in chunks of at most this many tokens. Default 128: a chunk's
+    /// activation scratch (~70 KB per token on SmolLM2-135M) is part of the peak RSS, and the
+    /// batched kernels multiply at most 128 tokens per weight-panel packing anyway, so larger
+    /// chunks only cost memory (default model, 512-token prompt, 2 threads: 128 vs 256 tokens
+    /// per chunk 1100-1269 vs 977-1285 tok/s, peak RSS 140.5-141.1 vs 147.3-147.8 MB).
     pub prefill_chunk: usize,
 }
 
@@ -41,7 +45,7 @@ impl Default for GenerateOptions {
             sampling: SamplingParams::default(),
             stop_sequences: Vec::new(),
             stop_tokens: None,
-            prefill_chunk: 256,
+            prefill_chunk: 128,
         }
     }
 }
