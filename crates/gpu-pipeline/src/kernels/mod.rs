@@ -56,7 +56,7 @@ mod panel;
 pub(crate) use ops::has_avx2;
 pub(crate) use ops::{
     EXP_C, EXP_MIN, LN2_HI, LN2_LO, LOG2E, add_rows, exp_f, gelu_tanh_mul_rows, multiversion,
-    rmsnorm_rows, silu_mul_rows, softcap_rows, tanh_f,
+    rmsnorm_rows, silu_mul_rows, softcap_rows, split_q8, tanh_f,
 };
 
 /// Whether the AVX-512 kernels run on this machine (detected, and not overridden by
@@ -415,6 +415,67 @@ pub fn matmul_with(
     Ok(())
 }
 
+/// The two products of an activation split: with `(hi, lo)` the [`split_q8`] parts of the `n`
+/// tokens of `x` (per 32-element block an 8-bit-exact part and its rounding residual), `y`
+/// (`2n x w.rows`) gets `matmul(w, [hi; lo], 2n)`, bit for bit; `y`'s two halves summed are
+/// `x · wᵀ` with about 15 bits of activation precision instead of the kernels' 8. For the
+/// integer-quantized formats each token is split and quantized on the fly, so the parts are
+/// never stored (no `2n x cols` buffer, no separate pass over it).
+///
+/// ```
+/// use gpu_pipeline::ThreadPool;
+/// use gpu_pipeline::kernels::{GgmlType, WeightMatrix, matmul_split_parts};
+///
+/// // One Q8_0 row of 32 ones (f16 scale 1.0, then 32 quants of 1).
+/// let mut row = half::f16::from_f32(1.0).to_le_bytes().to_vec();
+/// row.extend([1u8; 32]);
+/// let w = WeightMatrix::new(GgmlType::Q8_0, 1, 32, &row)?;
+/// let x: Vec<f32> = (0..32).map(|i| 0.01 * i as f32 + 0.001).collect();
+/// let mut y = [0.0f32; 2];
+/// matmul_split_parts(w, &x, 1, &mut y, &ThreadPool::new(1))?;
+/// let exact: f32 = x.iter().sum();
+/// assert!((y[0] + y[1] - exact).abs() < 1e-5 && (y[0] - exact).abs() > 1e-5);
+/// # Ok::<(), gpu_pipeline::kernels::KernelError>(())
+/// ```
+pub fn matmul_split_parts(
+    w: WeightMatrix<'_>,
+    x: &[f32],
+    n: usize,
+    y: &mut [f32],
+    pool: &ThreadPool,
+) -> Result<(), KernelError> {
+    let backend = CpuIsa::detect();
+    check_layout(backend, w)?;
+    let half = n.saturating_mul(w.rows);
+    if y.len() != 2 * half {
+        return Err(KernelError::OutputLength {
+            expected: 2 * half,
+            actual: y.len(),
+        });
+    }
+    let Some(fmt) = validate(w, x, n, &mut y[..half])? else {
+        return Ok(());
+    };
+    if fmt.is_float() {
+        // Float weights never quantize their activations: the parts as they are.
+        let mut parts = vec![0.0; 2 * x.len()];
+        let (hi, lo) = parts.split_at_mut(x.len());
+        split_q8(x, hi, lo);
+        return matmul_with(backend, w, &parts, 2 * n, y, pool);
+    }
+    let _span = tracing::trace_span!(
+        "matmul_split",
+        dtype = w.dtype.name(),
+        rows = w.rows,
+        cols = w.cols,
+        n
+    )
+    .entered();
+    let job = Job::new(w, 0, 2 * n, y.as_mut_ptr());
+    quant_jobs(backend, &mut [job], Input::Split(x), w.cols, 2 * n, pool);
+    Ok(())
+}
+
 /// Several [`matmul`]s of the same input (`ws` share `cols`; `ys[i]` is `n x ws[i].rows`), e.g.
 /// the query, key and value projections: the activations are quantized once and all rows of
 /// all matrices are split over the pool in one go. Each `ys[i]` equals `matmul(ws[i], ..)` bit
@@ -588,7 +649,7 @@ pub fn matmul_batch(
             // inside `y`, and the products' output ranges are disjoint.
             Job::new(p.w, p.first, p.n, unsafe { y_ptr.add(p.out) })
         },
-        |jobs| quant_jobs(backend, jobs, x, cols, tokens, pool),
+        |jobs| quant_jobs(backend, jobs, Input::Plain(x), cols, tokens, pool),
     );
     Ok(())
 }
@@ -669,7 +730,7 @@ fn quant_group(
                 ys.next().map_or(std::ptr::null_mut(), |y| y.as_mut_ptr()),
             )
         },
-        |jobs| quant_jobs(backend, jobs, x, ws[0].cols, n, pool),
+        |jobs| quant_jobs(backend, jobs, Input::Plain(x), ws[0].cols, n, pool),
     );
 }
 
@@ -754,13 +815,23 @@ fn with_jobs<'w, 'y, R>(
     }
 }
 
+/// The activations of a [`quant_jobs`] call.
+#[derive(Clone, Copy)]
+enum Input<'a> {
+    /// The tokens as they are.
+    Plain(&'a [f32]),
+    /// `n` tokens whose [`split_q8`] parts are the call's `2n` tokens: every token's 8-bit-exact
+    /// part, then every token's residual.
+    Split(&'a [f32]),
+}
+
 /// The integer-quantized `jobs` (validated, all with `cols` columns) over the `tokens` tokens of
-/// `x`: the tokens are quantized once (in the layouts the jobs' kernels read), then every job's
-/// rows are split over the pool in one call.
+/// `input`: the tokens are quantized once (in the layouts the jobs' kernels read), then every
+/// job's rows are split over the pool in one call.
 fn quant_jobs(
     backend: CpuIsa,
     jobs: &mut [Job<'_, '_>],
-    x: &[f32],
+    input: Input<'_>,
     cols: usize,
     tokens: usize,
     pool: &ThreadPool,
@@ -780,14 +851,14 @@ fn quant_jobs(
             let quad_acts = &mut quad_acts[..quad_len];
             #[cfg(target_arch = "x86_64")]
             if blocks {
-                quantize_par(pool, x, cols, tokens, block_acts, nb, &|xs, a| {
+                quantize_par(pool, input, cols, block_acts, nb, &|xs, a| {
                     act::quantize_blocks(backend, xs, a)
                 });
             }
             #[cfg(not(target_arch = "x86_64"))]
             let _ = block_acts;
             if quads {
-                quantize_par(pool, x, cols, tokens, quad_acts, nq, &|xs, a| {
+                quantize_par(pool, input, cols, quad_acts, nq, &|xs, a| {
                     act::quantize_tokens(backend, xs, cols, a)
                 });
             }
@@ -847,32 +918,74 @@ fn with_block_acts<R>(_needed: bool, _len: usize, f: impl FnOnce(&mut [()]) -> R
     f(&mut [])
 }
 
-/// Runs `f` over the `n` tokens of `x` (`cols` each) and their `per_token` entries of `acts`:
+/// Runs `f` over the tokens of `input` (`cols` each) and their `per_token` entries of `acts`:
 /// in parallel chunks of tokens for 16+ tokens, else on this thread. Each token's result is the
-/// same either way.
+/// same either way. A split input's tokens are split into their two parts one at a time (in a
+/// per-thread row pair), each part quantized into its own half of `acts`, so the parts are
+/// never stored whole.
 fn quantize_par<A: Send>(
     pool: &ThreadPool,
-    x: &[f32],
+    input: Input<'_>,
     cols: usize,
-    n: usize,
     acts: &mut [A],
     per_token: usize,
     f: &(dyn Fn(&[f32], &mut [A]) + Sync),
 ) {
     let threads = pool.n_threads();
-    if n < 16 || threads < 2 {
-        return f(x, acts);
-    }
-    let per = n.div_ceil(2 * threads);
-    // Each task takes the next chunk of tokens (no per-call allocation: batched decode runs
-    // this for every product).
-    let chunks = Mutex::new(x.chunks(per * cols).zip(acts.chunks_mut(per * per_token)));
-    pool.run(n.div_ceil(per), &|_, _| {
-        let next = chunks.lock().unwrap_or_else(|e| e.into_inner()).next();
-        if let Some((xs, a)) = next {
-            f(xs, a);
+    let x = match input {
+        Input::Plain(x) | Input::Split(x) => x,
+    };
+    let n = x.len() / cols.max(1);
+    match input {
+        Input::Plain(_) => {
+            if n < 16 || threads < 2 {
+                return f(x, acts);
+            }
+            let per = n.div_ceil(2 * threads);
+            // Each task takes the next chunk of tokens (no per-call allocation: batched decode
+            // runs this for every product).
+            let chunks = Mutex::new(x.chunks(per * cols).zip(acts.chunks_mut(per * per_token)));
+            pool.run(n.div_ceil(per), &|_, _| {
+                let next = chunks.lock().unwrap_or_else(|e| e.into_inner()).next();
+                if let Some((xs, a)) = next {
+                    f(xs, a);
+                }
+            });
         }
-    });
+        Input::Split(_) => {
+            let (hi, lo) = acts.split_at_mut(n * per_token);
+            let split = |xs: &[f32], hi: &mut [A], lo: &mut [A]| {
+                SPLIT_SCRATCH.with(|s| {
+                    let mut s = s.borrow_mut();
+                    if s.len() < 2 * cols {
+                        s.resize(2 * cols, 0.0);
+                    }
+                    let (h, l) = s[..2 * cols].split_at_mut(cols);
+                    let tokens = xs.chunks_exact(cols).zip(hi.chunks_exact_mut(per_token));
+                    for ((xt, ht), lt) in tokens.zip(lo.chunks_exact_mut(per_token)) {
+                        split_q8(xt, h, l);
+                        f(h, ht);
+                        f(l, lt);
+                    }
+                })
+            };
+            if 2 * n < 16 || threads < 2 {
+                return split(x, hi, lo);
+            }
+            let per = n.div_ceil(2 * threads);
+            let chunks = Mutex::new(
+                x.chunks(per * cols)
+                    .zip(hi.chunks_mut(per * per_token))
+                    .zip(lo.chunks_mut(per * per_token)),
+            );
+            pool.run(n.div_ceil(per), &|_, _| {
+                let next = chunks.lock().unwrap_or_else(|e| e.into_inner()).next();
+                if let Some(((xs, h), l)) = next {
+                    split(xs, h, l);
+                }
+            });
+        }
+    }
 }
 
 thread_local! {
@@ -881,6 +994,8 @@ thread_local! {
     /// The compact activation blocks of the panel kernel, likewise.
     #[cfg(target_arch = "x86_64")]
     static BLOCK_SCRATCH: RefCell<Vec<ActBlock>> = const { RefCell::new(Vec::new()) };
+    /// One token's two [`split_q8`] parts, while [`quantize_par`] quantizes them.
+    static SPLIT_SCRATCH: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
 }
 
 /// Output rows `rows` for all `n` tokens; `out` writes `y[t * w.rows + r]`.

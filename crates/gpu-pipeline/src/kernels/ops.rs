@@ -186,6 +186,34 @@ multiversion! {
 }
 
 multiversion! {
+    /// Splits `x` into `hi + lo` per 32-element block: `hi` is exactly representable with 8-bit
+    /// integers and one scale (`amax / 127`), `lo = x - hi` is the rounding residual.
+    pub(crate) fn split_q8(x: &[f32], hi: &mut [f32], lo: &mut [f32]) -> () {
+        for ((xb, hb), lb) in x.chunks(32).zip(hi.chunks_mut(32)).zip(lo.chunks_mut(32)) {
+            // max |v| on the bit patterns (for non-negative floats the integer order is the
+            // float order; NaN counts as 0, as in a float `max` fold from 0): the same value as
+            // `fold(0.0, |m, v| m.max(v.abs()))`, as an integer reduction that vectorizes.
+            let key = |v: &f32| {
+                let b = v.to_bits() & 0x7FFF_FFFF;
+                if b > 0x7F80_0000 { 0 } else { b }
+            };
+            // A whole block as a fixed-size array, so the reduction is unrolled into vectors.
+            let bits = match <&[f32; 32]>::try_from(xb) {
+                Ok(blk) => blk.iter().map(key).fold(0u32, u32::max),
+                Err(_) => xb.iter().map(key).fold(0u32, u32::max),
+            };
+            let amax = f32::from_bits(bits);
+            let d = amax / 127.0;
+            let id = if d > 0.0 { 1.0 / d } else { 0.0 };
+            for ((&v, h), l) in xb.iter().zip(hb.iter_mut()).zip(lb.iter_mut()) {
+                *h = (v * id).round_ties_even() * d;
+                *l = v - *h;
+            }
+        }
+    }
+}
+
+multiversion! {
     /// `y += x` element by element (over the shorter length).
     pub(crate) fn add_rows(y: &mut [f32], x: &[f32]) -> () {
         y.iter_mut().zip(x).for_each(|(a, b)| *a += b);

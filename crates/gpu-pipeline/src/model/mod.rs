@@ -502,7 +502,6 @@ struct Scratch {
     gate: Vec<f32>,
     up: Vec<f32>,
     sel: Vec<f32>,
-    hi: Vec<f32>,
     tmp2: Vec<f32>,
     /// The expert block's buffers.
     moe: MoeScratch,
@@ -891,28 +890,19 @@ impl Model {
         x: &[f32],
         n: usize,
         y: &mut [f32],
-        buf: &mut Vec<f32>,
         tmp: &mut Vec<f32>,
     ) -> Result<(), KernelError> {
         // One product over 2n rows [hi; lo]: the weights stream once (decode is bandwidth
         // bound), and row results are batch-invariant, so the sum is too.
-        let len = n * l.cols;
-        grow(buf, 2 * len);
-        grow(tmp, 2 * n * l.rows);
-        let (c, o) = (l.cols, l.rows);
-        {
-            let (h, rest) = buf.split_at_mut(len);
-            let (hs, ls) = (
-                ops::SharedRows::new(h, c),
-                ops::SharedRows::new(&mut rest[..len], c),
-            );
-            self.par_rows(n, &|r| {
-                // SAFETY: tasks get disjoint token ranges.
-                let (h, lo) = unsafe { (hs.rows(r.clone()), ls.rows(r.clone())) };
-                ops::split_q8(&x[r.start * c..r.end * c], h, lo);
-            });
-        }
-        self.matmul(l, buf, 2 * n, tmp)?;
+        let o = l.rows;
+        grow(tmp, 2 * n * o);
+        kernels::matmul_split_parts(
+            self.w(l)?,
+            &x[..n * l.cols],
+            n,
+            &mut tmp[..2 * n * o],
+            self.pool(),
+        )?;
         let (a, b) = tmp[..2 * n * o].split_at(n * o);
         let ys = ops::SharedRows::new(&mut y[..n * o], o);
         self.par_rows(n, &|r| {
@@ -944,13 +934,12 @@ impl Model {
         x: &[f32],
         n: usize,
         y: &mut [f32],
-        hi: &mut Vec<f32>,
         tmp2: &mut Vec<f32>,
         touch: Touch<'_>,
     ) -> Result<(), KernelError> {
         w.touch(touch);
         if self.split_for(c, w) {
-            self.matmul_split(w, x, n, y, hi, tmp2)
+            self.matmul_split(w, x, n, y, tmp2)
         } else {
             self.matmul(w, x, n, y)
         }
@@ -965,13 +954,12 @@ impl Model {
         x: &[f32],
         n: usize,
         ys: [&mut [f32]; N],
-        hi: &mut Vec<f32>,
         tmp2: &mut Vec<f32>,
         touch: Touch<'_>,
     ) -> Result<(), KernelError> {
         if ws.iter().any(|&(c, w)| self.split_for(c, w)) {
             for (&(c, w), y) in ws.iter().zip(ys) {
-                self.mm(c, w, x, n, y, hi, tmp2, touch)?;
+                self.mm(c, w, x, n, y, tmp2, touch)?;
             }
             return Ok(());
         }
@@ -1253,7 +1241,6 @@ impl Model {
             &sc.h,
             total,
             [&mut sc.q[..], &mut sc.k[..], &mut sc.v[..]],
-            &mut sc.hi,
             &mut sc.tmp2,
             touch,
         )?;
@@ -1330,7 +1317,6 @@ impl Model {
             &sc.att,
             total,
             &mut sc.tmp,
-            &mut sc.hi,
             &mut sc.tmp2,
             touch,
         )?;
@@ -1455,14 +1441,13 @@ impl Model {
             gate,
             up,
             tmp,
-            hi,
             tmp2,
             moe,
             ..
         } = sc;
         match &layer.ffn {
-            Ffn::Dense(mlp) => self.gated_mlp(mlp, h, total, gate, up, tmp, hi, tmp2, touch)?,
-            Ffn::Moe(ex) => self.experts(ex, h, total, moe, gate, up, tmp, hi, tmp2, touch)?,
+            Ffn::Dense(mlp) => self.gated_mlp(mlp, h, total, gate, up, tmp, tmp2, touch)?,
+            Ffn::Moe(ex) => self.experts(ex, h, total, moe, gate, up, tmp, tmp2, touch)?,
         }
         if let Some(w) = &layer.ffn_post_norm {
             self.norm_in_place(&mut sc.tmp[..total * d], w, &mut sc.h[..total * d]);
@@ -1517,7 +1502,7 @@ impl Model {
         if n_out > 0 {
             out.resize(n_out * cfg.vocab_size, 0.0);
             if self.split_for('o', &self.output) {
-                self.matmul_split(&self.output, &sc.sel, n_out, out, &mut sc.hi, &mut sc.tmp2)?;
+                self.matmul_split(&self.output, &sc.sel, n_out, out, &mut sc.tmp2)?;
             } else {
                 self.matmul(&self.output, &sc.sel, n_out, out)?;
             }

@@ -296,7 +296,6 @@ impl Model {
         gate: &mut [f32],
         up: &mut [f32],
         out: &mut [f32],
-        hi: &mut Vec<f32>,
         tmp2: &mut Vec<f32>,
         touch: Touch<'_>,
     ) -> Result<(), KernelError> {
@@ -306,12 +305,11 @@ impl Model {
             x,
             n,
             [&mut *gate, &mut *up],
-            hi,
             tmp2,
             touch,
         )?;
         self.activate(&mut gate[..n * inner], &up[..n * inner], inner);
-        self.mm('d', &mlp.down, gate, n, out, hi, tmp2, touch)
+        self.mm('d', &mlp.down, gate, n, out, tmp2, touch)
     }
 
     /// `gate = act(gate) * up`, row by row (`inner` wide) in parallel.
@@ -467,7 +465,6 @@ impl Model {
         gate: &mut [f32],
         up: &mut [f32],
         out: &mut [f32],
-        hi: &mut Vec<f32>,
         tmp2: &mut Vec<f32>,
         touch: Touch<'_>,
     ) -> Result<(), KernelError> {
@@ -524,7 +521,6 @@ impl Model {
                     gate,
                     up,
                     &mut sc.output[rows.start * d..rows.end * d],
-                    hi,
                     tmp2,
                     None,
                 )?;
@@ -555,7 +551,7 @@ impl Model {
             }
         }
         if let Some((mlp, gate_inp)) = &ex.shared {
-            self.shared_expert(mlp, gate_inp, h, total, sc, gate, up, out, hi, tmp2, touch)?;
+            self.shared_expert(mlp, gate_inp, h, total, sc, gate, up, out, tmp2, touch)?;
         }
         Ok(())
     }
@@ -572,12 +568,11 @@ impl Model {
         gate: &mut [f32],
         up: &mut [f32],
         out: &mut [f32],
-        hi: &mut Vec<f32>,
         tmp2: &mut Vec<f32>,
         touch: Touch<'_>,
     ) -> Result<(), KernelError> {
         let d = self.cfg.n_embd;
-        self.gated_mlp(mlp, h, total, gate, up, &mut sc.shared, hi, tmp2, touch)?;
+        self.gated_mlp(mlp, h, total, gate, up, &mut sc.shared, tmp2, touch)?;
         for t in 0..total {
             let x: f32 = h[t * d..(t + 1) * d]
                 .iter()
