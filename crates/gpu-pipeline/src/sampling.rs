@@ -5,6 +5,8 @@
 //! same [`SamplingParams`] (seed included), the same logits and the same history a [`Sampler`]
 //! picks the same tokens on every run and platform (the RNG is a PCG32 of our own, not the OS).
 
+use crate::kernels::{exp_f, multiversion};
+
 /// Parameters of a [`Sampler`]. `Default` is greedy decoding.
 ///
 /// ```
@@ -184,8 +186,8 @@ impl Pcg32 {
 pub struct Sampler {
     params: SamplingParams,
     rng: Pcg32,
-    /// (logit or probability, token id) candidates.
-    cand: Vec<(f32, u32)>,
+    /// The draw's buffers.
+    scratch: PickScratch,
     /// Penalized copy of the logits when a penalty applies.
     penalized: Vec<f32>,
     /// Per-token occurrence counts of the generated tokens (zero between calls).
@@ -199,7 +201,7 @@ impl Sampler {
         Self {
             params,
             rng,
-            cand: Vec::new(),
+            scratch: PickScratch::default(),
             penalized: Vec::new(),
             counts: Vec::new(),
         }
@@ -252,13 +254,13 @@ impl Sampler {
             let Self {
                 params,
                 rng,
-                cand,
+                scratch,
                 penalized,
                 ..
             } = self;
-            pick(params, rng, cand, penalized)
+            pick(params, rng, scratch, penalized)
         } else {
-            pick(&self.params, &mut self.rng, &mut self.cand, logits)
+            pick(&self.params, &mut self.rng, &mut self.scratch, logits)
         }
     }
 
@@ -302,11 +304,11 @@ impl Sampler {
         let Self {
             params,
             rng,
-            cand,
+            scratch,
             penalized,
             ..
         } = self;
-        Some(pick(params, rng, cand, penalized))
+        Some(pick(params, rng, scratch, penalized))
     }
 }
 
@@ -433,63 +435,221 @@ fn log_sum_exp(logits: &[f32]) -> f64 {
         + f64::from(max)
 }
 
+/// Weights per block sum of a full-row draw (see [`draw`]).
+const DRAW_BLOCK: usize = 256;
+
+/// Buffers of [`pick`], grown to the vocabulary once and then reused (no allocation per token).
+#[derive(Clone, Debug, Default)]
+struct PickScratch {
+    /// (probability weight, token id) candidates of a top-k / top-p draw.
+    cand: Vec<(f32, u32)>,
+    /// One weight per token of the row.
+    weights: Vec<f32>,
+    /// The sums of every [`DRAW_BLOCK`] weights.
+    blocks: Vec<f64>,
+}
+
+multiversion! {
+    /// The largest value of `xs` that is not NaN (minus infinity when there is none).
+    fn max_valid(xs: &[f32]) -> f32 {
+        let mut m = [f32::NEG_INFINITY; 16];
+        let mut it = xs.chunks_exact(16);
+        for c in &mut it {
+            for l in 0..16 {
+                m[l] = m[l].max(c[l]);
+            }
+        }
+        m.into_iter().chain(it.remainder().iter().copied()).fold(f32::NEG_INFINITY, f32::max)
+    }
+}
+
+multiversion! {
+    /// The unnormalised softmax weights `w[i] = e^((l[i] - max) * inv_t)` of a row whose largest
+    /// non-NaN value is the finite `max` (0 for NaN and minus infinity, and for weights below
+    /// `floor`: min-p, relative to the largest weight, which is 1), and the f64 sums of every
+    /// [`DRAW_BLOCK`] of them into `blocks`.
+    fn softmax_weights(l: &[f32], max: f32, inv_t: f32, floor: f32, w: &mut [f32], blocks: &mut [f64]) -> () {
+        let parts = l.chunks(DRAW_BLOCK).zip(w.chunks_mut(DRAW_BLOCK));
+        for ((lb, wb), sum) in parts.zip(blocks.iter_mut()) {
+            for (wi, &li) in wb.iter_mut().zip(lb) {
+                let e = exp_f((li - max) * inv_t);
+                *wi = if e >= floor { e } else { 0.0 };
+            }
+            let mut acc = [0.0f64; 8];
+            let mut it = wb.chunks_exact(8);
+            for c in &mut it {
+                for k in 0..8 {
+                    acc[k] += f64::from(c[k]);
+                }
+            }
+            let tail: f64 = it.remainder().iter().map(|&v| f64::from(v)).sum();
+            *sum = ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7])) + tail;
+        }
+    }
+}
+
+/// The token at uniform `u` (in [0, 1)) of the cumulative weights `w` (block sums `blocks`):
+/// the block whose range holds `u * total`, then the token inside it. `None` when every weight
+/// is 0. Rounding that leaves the running rest just short picks the last weighted token.
+fn draw(w: &[f32], blocks: &[f64], u: f64) -> Option<usize> {
+    let total: f64 = blocks.iter().sum();
+    if total.is_nan() || total <= 0.0 {
+        return None;
+    }
+    let last_in = |b: usize| {
+        let start = b * DRAW_BLOCK;
+        let end = (start + DRAW_BLOCK).min(w.len());
+        (start..end).rev().find(|&i| w[i] > 0.0)
+    };
+    let mut r = u * total;
+    let mut last = None;
+    for (b, &sum) in blocks.iter().enumerate() {
+        if sum > 0.0 {
+            last = Some(b);
+        }
+        if r < sum {
+            let start = b * DRAW_BLOCK;
+            let end = (start + DRAW_BLOCK).min(w.len());
+            for (i, &wi) in w[start..end].iter().enumerate() {
+                r -= f64::from(wi);
+                if wi > 0.0 && r < 0.0 {
+                    return Some(start + i);
+                }
+            }
+            return last_in(b);
+        }
+        r -= sum;
+    }
+    last.and_then(last_in)
+}
+
+/// Orders candidates most likely first, ties by token id.
+fn by_desc(a: &(f32, u32), b: &(f32, u32)) -> std::cmp::Ordering {
+    b.0.total_cmp(&a.0).then(a.1.cmp(&b.1))
+}
+
+/// The `m` largest values of `xs` with their indices (ties: the lower index), unsorted, into
+/// `cand`; NaN and minus infinity never count, so fewer than `m` when fewer are left. One scan
+/// that keeps values above the current m-th largest: a buffer of `2m + 64` is cut back to `m`
+/// with `select_nth` whenever it fills (a later value equal to the m-th ranks after it, by
+/// index, so skipping it is exact).
+fn top_m(xs: &[f32], m: usize, cand: &mut Vec<(f32, u32)>) {
+    cand.clear();
+    if m == 0 {
+        return;
+    }
+    let cap = m.saturating_mul(2).saturating_add(64);
+    let mut thr = f32::NEG_INFINITY;
+    for (i, &x) in xs.iter().enumerate() {
+        if x > thr {
+            cand.push((x, i as u32));
+            if cand.len() == cap {
+                cand.select_nth_unstable_by(m - 1, by_desc);
+                cand.truncate(m);
+                thr = cand[m - 1].0;
+            }
+        }
+    }
+    if cand.len() > m {
+        cand.select_nth_unstable_by(m - 1, by_desc);
+        cand.truncate(m);
+    }
+}
+
 /// Picks a token from a (penalized) row: greedy argmax, or temperature, top-k, softmax, top-p,
 /// min-p and one uniform draw (see [`Sampler::sample_after`]).
-fn pick(p: &SamplingParams, rng: &mut Pcg32, cand: &mut Vec<(f32, u32)>, logits: &[f32]) -> u32 {
+///
+/// Without top-k and top-p (temperature and min-p only) nothing is sorted: the weights of the
+/// whole row are computed in one vectorized pass with their block sums, and the draw walks the
+/// blocks, then one block. With top-k, `select_nth` keeps the k largest logits and only their
+/// weights are computed; with top-p the candidates are sorted only as far as the nucleus
+/// reaches (64 first, then 8x more each time).
+/// A row with a `+inf` logit (or a temperature so small that `1 / t` overflows) picks its
+/// argmax: that token has all the probability.
+fn pick(p: &SamplingParams, rng: &mut Pcg32, sc: &mut PickScratch, logits: &[f32]) -> u32 {
     if p.is_greedy() {
         return argmax(logits);
     }
     let inv_t = 1.0 / p.temperature;
-    cand.clear();
-    cand.extend(
-        logits
-            .iter()
-            .enumerate()
-            .filter(|(_, l)| !l.is_nan() && **l != f32::NEG_INFINITY)
-            .map(|(i, &l)| (l * inv_t, i as u32)),
-    );
-    if cand.is_empty() {
+    let max = max_valid(logits);
+    if !max.is_finite() || !inv_t.is_finite() {
         return argmax(logits);
     }
-    let by_desc = |a: &(f32, u32), b: &(f32, u32)| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1));
-    if p.top_k > 0 && p.top_k < cand.len() {
-        cand.select_nth_unstable_by(p.top_k - 1, by_desc);
-        cand.truncate(p.top_k);
-    }
-    cand.sort_unstable_by(by_desc);
-    // softmax in f64 for the running sums
-    let max = cand[0].0;
-    let mut sum = 0.0f64;
-    for c in cand.iter_mut() {
-        let e = f64::from(c.0 - max).exp();
-        c.0 = e as f32;
-        sum += e;
-    }
-    let mut keep = cand.len();
-    if p.top_p < 1.0 {
-        let mut acc = 0.0f64;
-        for (i, c) in cand.iter().enumerate() {
-            acc += f64::from(c.0) / sum;
-            if acc >= f64::from(p.top_p) {
-                keep = i + 1;
+    let PickScratch {
+        cand,
+        weights,
+        blocks,
+    } = sc;
+    if p.top_k > 0 {
+        // The k largest logits (NaN and minus infinity are never candidates), then their weights.
+        top_m(logits, p.top_k, cand);
+        for c in cand.iter_mut() {
+            c.0 = exp_f((c.0 - max) * inv_t);
+        }
+    } else {
+        let nb = logits.len().div_ceil(DRAW_BLOCK);
+        weights.resize(logits.len(), 0.0);
+        blocks.resize(nb, 0.0);
+        let (w, bs) = (&mut weights[..logits.len()], &mut blocks[..nb]);
+        let floor = if p.top_p < 1.0 { 0.0 } else { p.min_p.max(0.0) };
+        softmax_weights(logits, max, inv_t, floor, w, bs);
+        if p.top_p >= 1.0 {
+            let u = rng.next_f64();
+            return draw(w, bs, u).map_or_else(|| argmax(logits), |i| i as u32);
+        }
+        // Top-p over the whole row: the 64, 512, 4096 most likely tokens, then all of them,
+        // until a most-likely-first prefix holds `top_p` of the mass.
+        let need = f64::from(p.top_p) * bs.iter().sum::<f64>();
+        for m in [64, 512, 4096, usize::MAX] {
+            top_m(w, m.min(w.len()), cand);
+            cand.sort_unstable_by(by_desc);
+            let mut acc = 0.0f64;
+            if let Some(i) = cand.iter().position(|c| {
+                acc += f64::from(c.0);
+                acc >= need
+            }) {
+                cand.truncate(i + 1);
+                break;
+            }
+            if cand.len() < m {
+                // Every weighted token is here: rounding kept the sum short of `need`.
                 break;
             }
         }
     }
-    if p.min_p > 0.0 {
-        let floor = cand[0].0 * p.min_p;
-        keep = keep.min(cand.iter().take_while(|c| c.0 >= floor).count().max(1));
+    if p.top_k > 0 && p.top_p < 1.0 {
+        // Top-p within the top k.
+        cand.sort_unstable_by(by_desc);
+        let need = f64::from(p.top_p) * cand.iter().map(|c| f64::from(c.0)).sum::<f64>();
+        let mut acc = 0.0f64;
+        if let Some(i) = cand.iter().position(|c| {
+            acc += f64::from(c.0);
+            acc >= need
+        }) {
+            cand.truncate(i + 1);
+        }
     }
-    cand.truncate(keep.max(1));
+    if p.min_p > 0.0 {
+        // Relative to the largest weight (1: top-k and top-p keep the maximum).
+        let floor = p.min_p;
+        if cand.iter().all(|c| c.0 < floor) {
+            return argmax(logits);
+        }
+        cand.retain(|c| c.0 >= floor);
+    }
     let total: f64 = cand.iter().map(|c| f64::from(c.0)).sum();
     let mut r = rng.next_f64() * total;
     for c in cand.iter() {
         r -= f64::from(c.0);
-        if r < 0.0 {
+        if c.0 > 0.0 && r < 0.0 {
             return c.1;
         }
     }
-    cand[cand.len() - 1].1
+    // Rounding: the last weighted candidate.
+    cand.iter()
+        .rev()
+        .find(|c| c.0 > 0.0)
+        .map_or(cand[0].1, |c| c.1)
 }
 
 /// The tokens allowed at one step of a constrained generation: a bitset over the
@@ -563,19 +723,32 @@ impl TokenMask {
     }
 }
 
-/// Index of the largest value (the lowest index among exact ties; NaN never wins).
+/// Index of the largest value (the lowest index among exact ties; NaN never wins; 0 for an
+/// empty or all-NaN row): the maximum in one vectorized pass, then its first position.
 pub(crate) fn argmax(xs: &[f32]) -> u32 {
-    let mut best = 0usize;
-    let mut best_v = f32::NEG_INFINITY;
-    let mut found = false;
-    for (i, &v) in xs.iter().enumerate() {
-        if v > best_v || (!found && !v.is_nan()) {
-            best = i;
-            best_v = v;
-            found = true;
+    let m = max_valid(xs);
+    let i = first_equal(xs, m);
+    if i < xs.len() { i as u32 } else { 0 }
+}
+
+multiversion! {
+    /// The first index of `m` in `xs` (`xs.len()` when absent), 16 values per step.
+    fn first_equal(xs: &[f32], m: f32) -> usize {
+        let mut it = xs.chunks_exact(16);
+        let mut base = 0;
+        for c in &mut it {
+            let mut hit = false;
+            for &v in c {
+                hit |= v == m;
+            }
+            if hit {
+                return base + c.iter().position(|&v| v == m).unwrap_or(0);
+            }
+            base += 16;
         }
+        let rest = it.remainder();
+        base + rest.iter().position(|&v| v == m).unwrap_or(rest.len())
     }
-    best as u32
 }
 
 /// Why a generation stopped.
@@ -820,6 +993,173 @@ mod tests {
                 "token {i}: want {want} got {got}"
             );
         }
+    }
+
+    /// A row of `n` logits with NaN and minus infinity sprinkled in (never drawn).
+    fn big_row(n: usize) -> Vec<f32> {
+        (0..n)
+            .map(|i| match i % 97 {
+                13 => f32::NAN,
+                41 => f32::NEG_INFINITY,
+                _ => ((i * 7919) % 1000) as f32 * 0.01 - 5.0 + if i == 1234 { 4.0 } else { 0.0 },
+            })
+            .collect()
+    }
+
+    /// Draw frequencies over a 5000-token row (20 draw blocks) against the softmax, for
+    /// temperature alone (the unsorted full-row draw), with top-k, with top-p (a nucleus of
+    /// hundreds of tokens, beyond the first sorted 64) and with min-p.
+    #[test]
+    fn large_rows_sample_the_softmax() {
+        let logits = big_row(5000);
+        let t = 0.7f64;
+        let valid = |i: usize| !logits[i].is_nan() && logits[i] != f32::NEG_INFINITY;
+        let probs = |keep: &dyn Fn(usize) -> bool| -> Vec<f64> {
+            let w: Vec<f64> = (0..logits.len())
+                .map(|i| {
+                    if valid(i) && keep(i) {
+                        (f64::from(logits[i]) / t).exp()
+                    } else {
+                        0.0
+                    }
+                })
+                .collect();
+            let z: f64 = w.iter().sum();
+            w.into_iter().map(|x| x / z).collect()
+        };
+        let mut order: Vec<usize> = (0..logits.len()).filter(|&i| valid(i)).collect();
+        order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
+        let all = probs(&|_| true);
+        // The nucleus of 0.5 in most-likely-first order.
+        let mut acc = 0.0;
+        let nucleus = order
+            .iter()
+            .take_while(|&&i| {
+                let before = acc;
+                acc += all[i];
+                before < 0.5
+            })
+            .count();
+        assert!(nucleus > 200, "{nucleus}");
+        let top: Vec<usize> = order[..nucleus].to_vec();
+        let top5: Vec<usize> = order[..5].to_vec();
+        let floor = all[order[0]] * 0.3;
+        // Top-k 5 then top-p 0.5 of those: the first tokens of the top 5 reaching half their mass.
+        let p5 = probs(&|i| top5.contains(&i));
+        let mut acc = 0.0;
+        let k5p: Vec<usize> = top5
+            .iter()
+            .copied()
+            .take_while(|&i| {
+                let before = acc;
+                acc += p5[i];
+                before < 0.5
+            })
+            .collect();
+        let cases: Vec<(SamplingParams, Vec<f64>)> = vec![
+            (
+                SamplingParams::default().with_top_k(5).with_top_p(0.5),
+                probs(&|i| k5p.contains(&i)),
+            ),
+            (SamplingParams::default(), all.clone()),
+            (
+                SamplingParams::default().with_top_k(5),
+                probs(&|i| top5.contains(&i)),
+            ),
+            (
+                SamplingParams::default().with_top_p(0.5),
+                probs(&|i| top.contains(&i)),
+            ),
+            (
+                SamplingParams::default().with_min_p(0.3),
+                probs(&|i| all[i] >= floor),
+            ),
+        ];
+        let n = 40_000;
+        for (params, want) in cases {
+            let mut s = Sampler::new(params.clone().with_temperature(t as f32).with_seed(11));
+            let mut seen = vec![0usize; logits.len()];
+            for _ in 0..n {
+                seen[s.sample(&logits, &[]) as usize] += 1;
+            }
+            for (i, (&c, &p)) in seen.iter().zip(&want).enumerate() {
+                if p == 0.0 {
+                    assert_eq!(c, 0, "{params:?}: token {i} is outside the kept set");
+                }
+                let sd = (p * (1.0 - p) / n as f64).sqrt();
+                let got = c as f64 / n as f64;
+                assert!(
+                    (got - p).abs() <= 5.0 * sd + 1e-4,
+                    "{params:?}: token {i} want {p} got {got}"
+                );
+            }
+            // The most likely token's share, a check with power.
+            let best = order[0];
+            assert!(seen[best] > 0 && want[best] > 0.0);
+        }
+    }
+
+    /// The vectorized argmax against the obvious loop, on rows with ties, NaN, infinities and
+    /// signed zeros, of lengths around the 16-value steps.
+    #[test]
+    fn argmax_equals_the_first_maximum() {
+        let reference = |xs: &[f32]| -> u32 {
+            let mut best: Option<usize> = None;
+            for (i, &v) in xs.iter().enumerate() {
+                if !v.is_nan() && best.is_none_or(|b| v > xs[b]) {
+                    best = Some(i);
+                }
+            }
+            best.unwrap_or(0) as u32
+        };
+        let pool = [
+            0.0,
+            -0.0,
+            1.5,
+            -2.0,
+            f32::NAN,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            1.5,
+            3.25,
+        ];
+        let mut s = 0x9E37_79B9u64;
+        for len in (0..70).chain([255, 256, 257, 1000]) {
+            for _ in 0..40 {
+                let xs: Vec<f32> = (0..len)
+                    .map(|_| {
+                        s = s.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
+                        pool[(s >> 33) as usize % pool.len()]
+                    })
+                    .collect();
+                assert_eq!(argmax(&xs), reference(&xs), "{xs:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn infinite_logits_and_tiny_temperatures_pick_the_argmax() {
+        let mut row = big_row(1000);
+        row[777] = f32::INFINITY;
+        let mut s = Sampler::new(SamplingParams::default().with_temperature(1.0).with_seed(2));
+        assert!((0..20).all(|_| s.sample(&row, &[]) == 777));
+        let row = big_row(1000);
+        let mut s = Sampler::new(
+            SamplingParams::default()
+                .with_temperature(1e-45)
+                .with_seed(2),
+        );
+        assert_eq!(s.sample(&row, &[]), argmax(&row));
+        // Nothing drawable: the argmax rule (token 0 for an all-NaN row).
+        let mut s = Sampler::new(SamplingParams::default().with_temperature(1.0));
+        assert_eq!(s.sample(&[f32::NAN, f32::NEG_INFINITY], &[]), 1);
+        // min-p above 1 keeps only the most likely token.
+        let mut s = Sampler::new(
+            SamplingParams::default()
+                .with_temperature(1.0)
+                .with_min_p(2.0),
+        );
+        assert_eq!(s.sample(&row, &[]), argmax(&row));
     }
 
     #[test]
