@@ -1,13 +1,15 @@
 //! Sampling cost per token over a full vocabulary row: greedy, temperature alone, temperature
 //! with top-p, top-k and min-p, for SmolLM2's 49152 tokens and Qwen2.5's 151936, against a
 //! straightforward sort-everything sampler (what `Sampler` did before the unsorted full-row
-//! draw: every candidate sorted, an f64 `exp` each) in the same run. Median over 2000 draws.
+//! draw: every candidate sorted, an f64 `exp` each) in the same run; and the log-probabilities
+//! of a token with the top 5 (`TokenLogprobs::of`) against an f64, collect-everything version.
+//! Median over 2000 draws.
 //!
 //! `cargo bench -p zerolayer-gpu-pipeline --bench sampling`
 
 use std::time::Instant;
 
-use gpu_pipeline::{Sampler, SamplingParams};
+use gpu_pipeline::{Sampler, SamplingParams, TokenLogprobs};
 
 /// A logit row like a language model's: a smooth body around -2 with a few strong tokens.
 fn row(n: usize, seed: u64) -> Vec<f32> {
@@ -76,6 +78,37 @@ fn sort_everything(p: &SamplingParams, logits: &[f32], u: f64, cand: &mut Vec<(f
     cand[cand.len() - 1].1
 }
 
+/// The reference log-probabilities: f64 `exp` over the row, every entry collected, the top
+/// `n` selected and sorted (what `TokenLogprobs::of` did before).
+fn logprobs_reference(logits: &[f32], token: u32, n: usize) -> (f32, Vec<(u32, f32)>) {
+    let max = logits
+        .iter()
+        .copied()
+        .filter(|l| !l.is_nan())
+        .fold(f32::NEG_INFINITY, f32::max);
+    let lse = logits
+        .iter()
+        .filter(|l| !l.is_nan())
+        .map(|&l| f64::from(l - max).exp())
+        .sum::<f64>()
+        .ln()
+        + f64::from(max);
+    let mut all: Vec<(f32, u32)> = logits
+        .iter()
+        .enumerate()
+        .map(|(i, &l)| (l, i as u32))
+        .collect();
+    let by_desc = |a: &(f32, u32), b: &(f32, u32)| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1));
+    all.select_nth_unstable_by(n - 1, by_desc);
+    all.truncate(n);
+    all.sort_unstable_by(by_desc);
+    let lp = |l: f32| (f64::from(l) - lse) as f32;
+    (
+        lp(logits[token as usize]),
+        all.into_iter().map(|(l, i)| (i, lp(l))).collect(),
+    )
+}
+
 fn median_us(mut f: impl FnMut(usize) -> u32) -> f64 {
     let mut times = Vec::with_capacity(2000);
     let mut sink = 0u64;
@@ -130,5 +163,11 @@ fn main() {
                 reference / ours
             );
         }
+        let ours = median_us(|i| TokenLogprobs::of(&rows[i % rows.len()], 7, 5).top[0].0);
+        let reference = median_us(|i| logprobs_reference(&rows[i % rows.len()], 7, 5).1[0].0);
+        println!(
+            "| {vocab} | log-probabilities, top 5 | {ours:.1} | {reference:.1} | {:.1}x |",
+            reference / ours
+        );
     }
 }
