@@ -56,7 +56,7 @@ mod panel;
 pub(crate) use ops::has_avx2;
 pub(crate) use ops::{
     EXP_C, EXP_MIN, LN2_HI, LN2_LO, LOG2E, add_rows, exp_f, gelu_tanh_mul_rows, multiversion,
-    rmsnorm_rows, silu_mul_rows, softcap_rows, split_q8, tanh_f,
+    rmsnorm_rows, silu_mul_rows, softcap_rows, split_residual, tanh_f,
 };
 
 /// Whether the AVX-512 kernels run on this machine (detected, and not overridden by
@@ -415,12 +415,14 @@ pub fn matmul_with(
     Ok(())
 }
 
-/// The two products of an activation split: with `(hi, lo)` the [`split_q8`] parts of the `n`
-/// tokens of `x` (per 32-element block an 8-bit-exact part and its rounding residual), `y`
-/// (`2n x w.rows`) gets `matmul(w, [hi; lo], 2n)`, bit for bit; `y`'s two halves summed are
-/// `x · wᵀ` with about 15 bits of activation precision instead of the kernels' 8. For the
-/// integer-quantized formats each token is split and quantized on the fly, so the parts are
-/// never stored (no `2n x cols` buffer, no separate pass over it).
+/// The two products of an activation split, for about 15 bits of activation precision instead
+/// of the kernels' 8: `y` (`2n x w.rows`) gets `matmul(w, x, n)` in its first half, bit for
+/// bit, and in its second the product of the residual that the 8-bit quantization of `x` leaves
+/// ([`split_residual`]: per 32-element block `x - d * round(x / d)`, `d = amax / 127`), so the
+/// two halves summed are `x · wᵀ` with the activations' rounding error multiplied too. Each
+/// token is quantized once, and its residual computed from those quants, on the fly (no stored
+/// parts, no separate pass). Float weights, whose products take the activations as they are,
+/// get their product and a zero second half.
 ///
 /// ```
 /// use gpu_pipeline::ThreadPool;
@@ -457,11 +459,10 @@ pub fn matmul_split_parts(
         return Ok(());
     };
     if fmt.is_float() {
-        // Float weights never quantize their activations: the parts as they are.
-        let mut parts = vec![0.0; 2 * x.len()];
-        let (hi, lo) = parts.split_at_mut(x.len());
-        split_q8(x, hi, lo);
-        return matmul_with(backend, w, &parts, 2 * n, y, pool);
+        // Float weights never quantize their activations: nothing is left to multiply.
+        let (hi, lo) = y.split_at_mut(half);
+        lo.fill(0.0);
+        return matmul_with(backend, w, x, n, hi, pool);
     }
     let _span = tracing::trace_span!(
         "matmul_split",
@@ -820,8 +821,7 @@ fn with_jobs<'w, 'y, R>(
 enum Input<'a> {
     /// The tokens as they are.
     Plain(&'a [f32]),
-    /// `n` tokens whose [`split_q8`] parts are the call's `2n` tokens: every token's 8-bit-exact
-    /// part, then every token's residual.
+    /// `n` tokens, then their [`split_residual`]s: the call's `2n` tokens.
     Split(&'a [f32]),
 }
 
@@ -851,16 +851,26 @@ fn quant_jobs(
             let quad_acts = &mut quad_acts[..quad_len];
             #[cfg(target_arch = "x86_64")]
             if blocks {
-                quantize_par(pool, input, cols, block_acts, nb, &|xs, a| {
-                    act::quantize_blocks(backend, xs, a)
-                });
+                quantize_par(
+                    pool,
+                    input,
+                    cols,
+                    (block_acts, nb),
+                    &|xs, a| act::quantize_blocks(backend, xs, a),
+                    &act::block_residual,
+                );
             }
             #[cfg(not(target_arch = "x86_64"))]
             let _ = block_acts;
             if quads {
-                quantize_par(pool, input, cols, quad_acts, nq, &|xs, a| {
-                    act::quantize_tokens(backend, xs, cols, a)
-                });
+                quantize_par(
+                    pool,
+                    input,
+                    cols,
+                    (quad_acts, nq),
+                    &|xs, a| act::quantize_tokens(backend, xs, cols, a),
+                    &|xt, _, lo| split_residual(xt, lo),
+                );
             }
             #[cfg(target_arch = "x86_64")]
             let block_acts: &[ActBlock] = block_acts;
@@ -920,16 +930,17 @@ fn with_block_acts<R>(_needed: bool, _len: usize, f: impl FnOnce(&mut [()]) -> R
 
 /// Runs `f` over the tokens of `input` (`cols` each) and their `per_token` entries of `acts`:
 /// in parallel chunks of tokens for 16+ tokens, else on this thread. Each token's result is the
-/// same either way. A split input's tokens are split into their two parts one at a time (in a
-/// per-thread row pair), each part quantized into its own half of `acts`, so the parts are
-/// never stored whole.
-fn quantize_par<A: Send>(
+/// same either way. A split input's tokens are quantized into the first half of `acts`, and
+/// the residual each leaves (`residual(token, its entries, out)`, computed into a per-thread
+/// row) into the second: the residuals are never stored whole.
+#[allow(clippy::type_complexity)]
+fn quantize_par<A: Send + Sync>(
     pool: &ThreadPool,
     input: Input<'_>,
     cols: usize,
-    acts: &mut [A],
-    per_token: usize,
+    (acts, per_token): (&mut [A], usize),
     f: &(dyn Fn(&[f32], &mut [A]) + Sync),
+    residual: &(dyn Fn(&[f32], &[A], &mut [f32]) + Sync),
 ) {
     let threads = pool.n_threads();
     let x = match input {
@@ -957,14 +968,14 @@ fn quantize_par<A: Send>(
             let split = |xs: &[f32], hi: &mut [A], lo: &mut [A]| {
                 SPLIT_SCRATCH.with(|s| {
                     let mut s = s.borrow_mut();
-                    if s.len() < 2 * cols {
-                        s.resize(2 * cols, 0.0);
+                    if s.len() < cols {
+                        s.resize(cols, 0.0);
                     }
-                    let (h, l) = s[..2 * cols].split_at_mut(cols);
+                    let l = &mut s[..cols];
                     let tokens = xs.chunks_exact(cols).zip(hi.chunks_exact_mut(per_token));
                     for ((xt, ht), lt) in tokens.zip(lo.chunks_exact_mut(per_token)) {
-                        split_q8(xt, h, l);
-                        f(h, ht);
+                        f(xt, ht);
+                        residual(xt, ht, l);
                         f(l, lt);
                     }
                 })
@@ -994,7 +1005,7 @@ thread_local! {
     /// The compact activation blocks of the panel kernel, likewise.
     #[cfg(target_arch = "x86_64")]
     static BLOCK_SCRATCH: RefCell<Vec<ActBlock>> = const { RefCell::new(Vec::new()) };
-    /// One token's two [`split_q8`] parts, while [`quantize_par`] quantizes them.
+    /// One token's [`split_residual`], while [`quantize_par`] quantizes it.
     static SPLIT_SCRATCH: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
 }
 

@@ -186,10 +186,12 @@ multiversion! {
 }
 
 multiversion! {
-    /// Splits `x` into `hi + lo` per 32-element block: `hi` is exactly representable with 8-bit
-    /// integers and one scale (`amax / 127`), `lo = x - hi` is the rounding residual.
-    pub(crate) fn split_q8(x: &[f32], hi: &mut [f32], lo: &mut [f32]) -> () {
-        for ((xb, hb), lb) in x.chunks(32).zip(hi.chunks_mut(32)).zip(lo.chunks_mut(32)) {
+    /// The rounding residual of the kernels' 8-bit activation quantization, per 32-element
+    /// block: `lo = x - round(x / d) * d` with `d = amax / 127` (as `act::quantize_blocks` and
+    /// `quantize_token` compute `d` and the quants), so `x = d * q + lo` with `q` the quants the
+    /// kernels multiply.
+    pub(crate) fn split_residual(x: &[f32], lo: &mut [f32]) -> () {
+        for (xb, lb) in x.chunks(32).zip(lo.chunks_mut(32)) {
             // max |v| on the bit patterns (for non-negative floats the integer order is the
             // float order; NaN counts as 0, as in a float `max` fold from 0): the same value as
             // `fold(0.0, |m, v| m.max(v.abs()))`, as an integer reduction that vectorizes.
@@ -205,9 +207,8 @@ multiversion! {
             let amax = f32::from_bits(bits);
             let d = amax / 127.0;
             let id = if d > 0.0 { 1.0 / d } else { 0.0 };
-            for ((&v, h), l) in xb.iter().zip(hb.iter_mut()).zip(lb.iter_mut()) {
-                *h = (v * id).round_ties_even() * d;
-                *l = v - *h;
+            for (&v, l) in xb.iter().zip(lb.iter_mut()) {
+                *l = v - (v * id).round_ties_even() * d;
             }
         }
     }

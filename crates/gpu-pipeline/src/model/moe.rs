@@ -381,7 +381,8 @@ impl Model {
             );
         }
         // The down products split for precision, as `matmul_split` computes them: per expert,
-        // its rows' parts then residuals as 2n rows of one product, then the two results added.
+        // its rows as they are, then the residuals their 8-bit quantization leaves, as 2n rows
+        // of one product, then the two results added.
         let split = &mut split[..2 * slots * ff];
         for (_, s, n) in active() {
             let x = &gate[s * ff..(s + n) * ff];
@@ -390,7 +391,9 @@ impl Model {
             self.par_rows(n, &|r| {
                 // SAFETY: tasks get disjoint token ranges.
                 let (h, lo) = unsafe { (hs.rows(r.clone()), ls.rows(r.clone())) };
-                ops::split_q8(&x[r.start * ff..r.end * ff], h, lo);
+                let x = &x[r.start * ff..r.end * ff];
+                h.copy_from_slice(x);
+                ops::split_residual(x, lo);
             });
         }
         let split_out = &mut split_out[..2 * slots * d];

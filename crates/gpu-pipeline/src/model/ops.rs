@@ -64,7 +64,7 @@ pub(super) fn rope_apply(layout: RopeLayout, cs: &[f32], head: &mut [f32]) {
 
 use crate::kernels::multiversion;
 pub(super) use crate::kernels::{
-    add_rows, gelu_tanh_mul_rows, rmsnorm_rows, silu_mul_rows, softcap_rows, split_q8,
+    add_rows, gelu_tanh_mul_rows, rmsnorm_rows, silu_mul_rows, softcap_rows, split_residual,
 };
 
 multiversion! {
@@ -211,32 +211,33 @@ mod tests {
     }
 
     #[test]
-    fn split_q8_block_max_ignores_nan_like_a_float_fold() {
+    fn split_residual_block_max_ignores_nan_like_a_float_fold() {
         let mut x = vec![0.5f32; 32];
         x[3] = -2.0;
         x[7] = f32::NAN;
         x[9] = -0.0;
-        let (mut hi, mut lo) = (vec![0.0; 32], vec![0.0; 32]);
-        split_q8(&x, &mut hi, &mut lo);
-        // d = 2 / 127: -2 is exactly -127 d.
-        assert_eq!(hi[3], -127.0 * (2.0f32 / 127.0));
-        assert_eq!(hi[0] + lo[0], 0.5);
+        let mut lo = vec![0.0; 32];
+        split_residual(&x, &mut lo);
+        // d = 2 / 127: -2 is exactly -127 d, 0.5 is 31.75 d (rounds to 32).
+        let d = 2.0f32 / 127.0;
+        assert_eq!(lo[3], -2.0 - (-127.0 * d));
+        assert_eq!(lo[0], 0.5 - 32.0 * d);
     }
 
     #[test]
-    fn split_q8_parts_sum_back_and_hi_is_8_bit() {
+    fn split_residual_is_what_8_bit_quantization_leaves() {
         let x: Vec<f32> = (0..96)
             .map(|i| ((i * 37 % 101) as f32 - 50.0) * 0.013)
             .collect();
-        let (mut hi, mut lo) = (vec![0.0; 96], vec![0.0; 96]);
-        split_q8(&x, &mut hi, &mut lo);
+        let mut lo = vec![0.0; 96];
+        split_residual(&x, &mut lo);
         for b in 0..3 {
             let blk = &x[32 * b..32 * (b + 1)];
             let d = blk.iter().fold(0.0f32, |m, v| m.max(v.abs())) / 127.0;
             for i in 32 * b..32 * (b + 1) {
-                assert_eq!(hi[i] + lo[i], x[i]);
-                let q = hi[i] / d;
+                let q = (x[i] - lo[i]) / d;
                 assert!((q - q.round()).abs() < 1e-3 && q.abs() <= 127.5, "{q}");
+                assert!(lo[i].abs() <= d / 2.0 * 1.0001, "{} {d}", lo[i]);
             }
         }
     }
