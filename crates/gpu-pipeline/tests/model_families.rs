@@ -508,3 +508,39 @@ mod fuzz {
         }
     }
 }
+
+/// `forward` sets `out` to exactly the wanted rows' logits whatever it held (it is not
+/// zero-filled first: a longer buffer of NaN is cut to length and every logit written), and an
+/// error leaves it empty.
+#[test]
+fn forward_overwrites_whatever_the_logits_buffer_held() {
+    let model = load(build("llama", DIMS, 1).build()).unwrap();
+    let toks = tokens(12, 3);
+    let fresh = logits(&model, &toks, 12);
+    let pool = KvPool::new(model.kv_shape(KvDtype::F32), 64 << 20).unwrap();
+    let mut kv = pool.alloc(toks.len(), RingMode::Strict).unwrap();
+    let mut out = vec![f32::NAN; 100 * DIMS.vocab];
+    model
+        .forward(
+            &mut [SeqStep {
+                tokens: &toks,
+                kv: &mut kv,
+                logits: LogitsWanted::All,
+            }],
+            &mut out,
+        )
+        .unwrap();
+    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+    assert_eq!(bits(&out), bits(&fresh));
+    let mut kv2 = pool.alloc(4, RingMode::Strict).unwrap();
+    let bad = [DIMS.vocab as u32];
+    let r = model.forward(
+        &mut [SeqStep {
+            tokens: &bad,
+            kv: &mut kv2,
+            logits: LogitsWanted::All,
+        }],
+        &mut out,
+    );
+    assert!(r.is_err() && out.is_empty());
+}

@@ -418,7 +418,7 @@ pub fn matmul_with(
 /// The two products of an activation split, for about 15 bits of activation precision instead
 /// of the kernels' 8: `y` (`2n x w.rows`) gets `matmul(w, x, n)` in its first half, bit for
 /// bit, and in its second the product of the residual that the 8-bit quantization of `x` leaves
-/// ([`split_residual`]: per 32-element block `x - d * round(x / d)`, `d = amax / 127`), so the
+/// (per 32-element block `x - d * round(x / d)`, `d = amax / 127`), so the
 /// two halves summed are `x · wᵀ` with the activations' rounding error multiplied too. Each
 /// token is quantized once, and its residual computed from those quants, on the fly (no stored
 /// parts, no separate pass). Float weights, whose products take the activations as they are,
