@@ -397,14 +397,7 @@ pub fn matmul_with(
     let Some(fmt) = validate(w, x, n, y)? else {
         return Ok(());
     };
-    let _span = tracing::trace_span!(
-        "matmul",
-        dtype = w.dtype.name(),
-        rows = w.rows,
-        cols = w.cols,
-        n
-    )
-    .entered();
+    let _span = matmul_span(w, n, false);
     if fmt.is_float() {
         run_rows(w, n, y, pool, &|rows, out| {
             float_rows(backend, fmt, w, x, n, rows, out)
@@ -413,6 +406,19 @@ pub fn matmul_with(
     }
     quant_group(backend, fmt, &[w], x, n, &mut [y], pool);
     Ok(())
+}
+
+/// The trace span of one product (`split`: [`matmul_split_parts`]).
+fn matmul_span(w: WeightMatrix<'_>, n: usize, split: bool) -> tracing::span::EnteredSpan {
+    tracing::trace_span!(
+        "matmul",
+        dtype = w.dtype.name(),
+        rows = w.rows,
+        cols = w.cols,
+        n,
+        split
+    )
+    .entered()
 }
 
 /// The two products of an activation split, for about 15 bits of activation precision instead
@@ -464,14 +470,7 @@ pub fn matmul_split_parts(
         lo.fill(0.0);
         return matmul_with(backend, w, x, n, hi, pool);
     }
-    let _span = tracing::trace_span!(
-        "matmul_split",
-        dtype = w.dtype.name(),
-        rows = w.rows,
-        cols = w.cols,
-        n
-    )
-    .entered();
+    let _span = matmul_span(w, n, true);
     let job = Job::new(w, 0, 2 * n, y.as_mut_ptr());
     quant_jobs(backend, &mut [job], Input::Split(x), w.cols, 2 * n, pool);
     Ok(())
