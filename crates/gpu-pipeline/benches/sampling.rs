@@ -5,7 +5,8 @@
 //! of a token with the top 5 (`TokenLogprobs::of`) against an f64, collect-everything version.
 //! Median over 2000 draws.
 //!
-//! `cargo bench -p zerolayer-gpu-pipeline --bench sampling`
+//! `cargo bench -p zerolayer-gpu-pipeline --bench sampling` (`cargo test --all-targets` runs it with 5
+//! draws per figure).
 
 use std::time::Instant;
 
@@ -109,10 +110,10 @@ fn logprobs_reference(logits: &[f32], token: u32, n: usize) -> (f32, Vec<(u32, f
     )
 }
 
-fn median_us(mut f: impl FnMut(usize) -> u32) -> f64 {
-    let mut times = Vec::with_capacity(2000);
+fn median_us(draws: usize, mut f: impl FnMut(usize) -> u32) -> f64 {
+    let mut times = Vec::with_capacity(draws);
     let mut sink = 0u64;
-    for i in 0..2000 {
+    for i in 0..draws {
         let t = Instant::now();
         sink += u64::from(f(i));
         times.push(t.elapsed().as_secs_f64() * 1e6);
@@ -123,6 +124,12 @@ fn median_us(mut f: impl FnMut(usize) -> u32) -> f64 {
 }
 
 fn main() {
+    // `cargo test --all-targets` runs this without `--bench`: then 5 draws per figure.
+    let draws = if std::env::args().any(|a| a == "--bench") {
+        2000
+    } else {
+        5
+    };
     let settings: [(&str, SamplingParams); 5] = [
         ("greedy", SamplingParams::default()),
         ("t=1.0", SamplingParams::default().with_temperature(1.0)),
@@ -151,20 +158,26 @@ fn main() {
         let rows: Vec<Vec<f32>> = (0..8).map(|s| row(vocab, 0x5EED + s)).collect();
         for (name, params) in &settings {
             let mut s = Sampler::new(params.clone().with_seed(1));
-            let ours = median_us(|i| s.sample(&rows[i % rows.len()], &[]));
+            let ours = median_us(draws, |i| s.sample(&rows[i % rows.len()], &[]));
             let reference = if params.is_greedy() {
                 f64::NAN
             } else {
                 let mut cand = Vec::new();
-                median_us(|i| sort_everything(params, &rows[i % rows.len()], 0.37, &mut cand))
+                median_us(draws, |i| {
+                    sort_everything(params, &rows[i % rows.len()], 0.37, &mut cand)
+                })
             };
             println!(
                 "| {vocab} | {name} | {ours:.1} | {reference:.1} | {:.1}x |",
                 reference / ours
             );
         }
-        let ours = median_us(|i| TokenLogprobs::of(&rows[i % rows.len()], 7, 5).top[0].0);
-        let reference = median_us(|i| logprobs_reference(&rows[i % rows.len()], 7, 5).1[0].0);
+        let ours = median_us(draws, |i| {
+            TokenLogprobs::of(&rows[i % rows.len()], 7, 5).top[0].0
+        });
+        let reference = median_us(draws, |i| {
+            logprobs_reference(&rows[i % rows.len()], 7, 5).1[0].0
+        });
         println!(
             "| {vocab} | log-probabilities, top 5 | {ours:.1} | {reference:.1} | {:.1}x |",
             reference / ours
