@@ -1183,8 +1183,11 @@ mod tests {
         let svc = load_default();
         let schema = serde_json::json!({
             "type": "object",
+            // Bounded (at most 20 characters and 9 digits): every reply fits in 48 tokens
+            // whatever the sampler draws, so the test does not depend on a seed's luck (an
+            // unbounded integer can run on for as long as the model keeps drawing digits).
             "properties": {"city": {"type": "string", "maxLength": 20},
-                           "population": {"type": "integer", "minimum": 0}},
+                           "population": {"type": "integer", "minimum": 0, "maximum": 100_000_000}},
             "required": ["city", "population"], "additionalProperties": false,
         });
         for (i, q) in [
