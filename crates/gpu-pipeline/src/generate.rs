@@ -34,7 +34,7 @@ pub struct GenerateOptions {
     /// activation scratch (~70 KB per token on SmolLM2-135M) is part of the peak RSS, and the
     /// batched kernels multiply at most 128 tokens per weight-panel packing anyway, so larger
     /// chunks only cost memory (default model, 512-token prompt, 2 threads: 128 vs 256 tokens
-    /// per chunk 1100-1269 vs 977-1285 tok/s, peak RSS 140.5-141.1 vs 147.3-147.8 MB).
+    /// per chunk 1100-1269 vs 977-1285 tok/s, peak RSS 137.2-137.8 vs 143.9-144.3 MiB).
     pub prefill_chunk: usize,
 }
 
