@@ -584,6 +584,21 @@ fn top_m(xs: &[f32], m: usize, cand: &mut Vec<(f32, u32)>) {
     }
 }
 
+/// Sorts `cand` most likely first and cuts it after the shortest prefix whose weights sum to
+/// `need`; false (nothing cut) when all of them do not reach it.
+fn cut_nucleus(cand: &mut Vec<(f32, u32)>, need: f64) -> bool {
+    cand.sort_unstable_by(by_desc);
+    let mut acc = 0.0f64;
+    let end = cand.iter().position(|c| {
+        acc += f64::from(c.0);
+        acc >= need
+    });
+    if let Some(i) = end {
+        cand.truncate(i + 1);
+    }
+    end.is_some()
+}
+
 /// Picks a token from a (penalized) row: greedy argmax, or temperature, top-k, softmax, top-p,
 /// min-p and one uniform draw (see [`Sampler::sample_after`]).
 ///
@@ -630,32 +645,17 @@ fn pick(p: &SamplingParams, rng: &mut Pcg32, sc: &mut PickScratch, logits: &[f32
         let need = f64::from(p.top_p) * bs.iter().sum::<f64>();
         for m in [64, 512, 4096, usize::MAX] {
             top_m(w, m.min(w.len()), cand);
-            cand.sort_unstable_by(by_desc);
-            let mut acc = 0.0f64;
-            if let Some(i) = cand.iter().position(|c| {
-                acc += f64::from(c.0);
-                acc >= need
-            }) {
-                cand.truncate(i + 1);
-                break;
-            }
-            if cand.len() < m {
-                // Every weighted token is here: rounding kept the sum short of `need`.
+            // Done when the prefix is found, or when every weighted token is here (rounding
+            // kept the sum short of `need`).
+            if cut_nucleus(cand, need) || cand.len() < m {
                 break;
             }
         }
     }
     if p.top_k > 0 && p.top_p < 1.0 {
         // Top-p within the top k.
-        cand.sort_unstable_by(by_desc);
         let need = f64::from(p.top_p) * cand.iter().map(|c| f64::from(c.0)).sum::<f64>();
-        let mut acc = 0.0f64;
-        if let Some(i) = cand.iter().position(|c| {
-            acc += f64::from(c.0);
-            acc >= need
-        }) {
-            cand.truncate(i + 1);
-        }
+        cut_nucleus(cand, need);
     }
     if p.min_p > 0.0 {
         // Relative to the largest weight (1: top-k and top-p keep the maximum).

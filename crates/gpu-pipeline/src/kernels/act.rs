@@ -108,21 +108,18 @@ pub(crate) fn quantize_blocks(backend: CpuIsa, x: &[f32], out: &mut [ActBlock]) 
     }
 }
 
-/// `lo = x - d * q` for the blocks of one or more tokens quantized into `acts`: what their
-/// 8-bit quantization of `x` left, the same values [`super::split_residual`] computes, from
-/// the quants already there.
-#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
-pub(crate) fn block_residual(x: &[f32], acts: &[ActBlock], lo: &mut [f32]) {
-    super::multiversion! {
-        fn run(x: &[f32], acts: &[ActBlock], lo: &mut [f32]) -> () {
-            for ((xb, a), lb) in x.chunks_exact(32).zip(acts).zip(lo.chunks_exact_mut(32)) {
-                for i in 0..32 {
-                    lb[i] = xb[i] - f32::from(a.q[i]) * a.d;
-                }
+super::multiversion! {
+    /// `lo = x - d * q` for the blocks of one or more tokens quantized into `acts`: what their
+    /// 8-bit quantization of `x` left, the same values [`super::split_residual`] computes, from
+    /// the quants already there.
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+    pub(crate) fn block_residual(x: &[f32], acts: &[ActBlock], lo: &mut [f32]) -> () {
+        for ((xb, a), lb) in x.chunks_exact(32).zip(acts).zip(lo.chunks_exact_mut(32)) {
+            for i in 0..32 {
+                lb[i] = xb[i] - f32::from(a.q[i]) * a.d;
             }
         }
     }
-    run(x, acts, lo)
 }
 
 /// Activation quads per token of `cols` columns.

@@ -942,60 +942,51 @@ fn quantize_par<A: Send + Sync>(
     residual: &(dyn Fn(&[f32], &[A], &mut [f32]) + Sync),
 ) {
     let threads = pool.n_threads();
-    let x = match input {
-        Input::Plain(x) | Input::Split(x) => x,
+    let (x, split) = match input {
+        Input::Plain(x) => (x, false),
+        Input::Split(x) => (x, true),
     };
     let n = x.len() / cols.max(1);
-    match input {
-        Input::Plain(_) => {
-            if n < 16 || threads < 2 {
-                return f(x, acts);
-            }
-            let per = n.div_ceil(2 * threads);
-            // Each task takes the next chunk of tokens (no per-call allocation: batched decode
-            // runs this for every product).
-            let chunks = Mutex::new(x.chunks(per * cols).zip(acts.chunks_mut(per * per_token)));
-            pool.run(n.div_ceil(per), &|_, _| {
-                let next = chunks.lock().unwrap_or_else(|e| e.into_inner()).next();
-                if let Some((xs, a)) = next {
-                    f(xs, a);
-                }
-            });
+    // Split: the tokens' entries, then their residuals'.
+    let (hi, lo) = acts.split_at_mut(if split { n * per_token } else { acts.len() });
+    let work = |xs: &[f32], hi: &mut [A], lo: &mut [A]| {
+        if !split {
+            return f(xs, hi);
         }
-        Input::Split(_) => {
-            let (hi, lo) = acts.split_at_mut(n * per_token);
-            let split = |xs: &[f32], hi: &mut [A], lo: &mut [A]| {
-                SPLIT_SCRATCH.with(|s| {
-                    let mut s = s.borrow_mut();
-                    if s.len() < cols {
-                        s.resize(cols, 0.0);
-                    }
-                    let l = &mut s[..cols];
-                    let tokens = xs.chunks_exact(cols).zip(hi.chunks_exact_mut(per_token));
-                    for ((xt, ht), lt) in tokens.zip(lo.chunks_exact_mut(per_token)) {
-                        f(xt, ht);
-                        residual(xt, ht, l);
-                        f(l, lt);
-                    }
-                })
-            };
-            if 2 * n < 16 || threads < 2 {
-                return split(x, hi, lo);
+        SPLIT_SCRATCH.with(|s| {
+            let mut s = s.borrow_mut();
+            if s.len() < cols {
+                s.resize(cols, 0.0);
             }
-            let per = n.div_ceil(2 * threads);
-            let chunks = Mutex::new(
-                x.chunks(per * cols)
-                    .zip(hi.chunks_mut(per * per_token))
-                    .zip(lo.chunks_mut(per * per_token)),
-            );
-            pool.run(n.div_ceil(per), &|_, _| {
-                let next = chunks.lock().unwrap_or_else(|e| e.into_inner()).next();
-                if let Some(((xs, h), l)) = next {
-                    split(xs, h, l);
-                }
-            });
-        }
+            let l = &mut s[..cols];
+            let tokens = xs.chunks_exact(cols).zip(hi.chunks_exact_mut(per_token));
+            for ((xt, ht), lt) in tokens.zip(lo.chunks_exact_mut(per_token)) {
+                f(xt, ht);
+                residual(xt, ht, l);
+                f(l, lt);
+            }
+        })
+    };
+    if n * (1 + usize::from(split)) < 16 || threads < 2 {
+        return work(x, hi, lo);
     }
+    let per = n.div_ceil(2 * threads);
+    // Each task takes the next chunk of tokens (no per-call allocation: batched decode runs
+    // this for every product); a plain input has no residual chunks (empty ones instead).
+    let lo_chunks = lo
+        .chunks_mut(per * per_token)
+        .chain(std::iter::repeat_with(|| &mut [][..]));
+    let chunks = Mutex::new(
+        x.chunks(per * cols)
+            .zip(hi.chunks_mut(per * per_token))
+            .zip(lo_chunks),
+    );
+    pool.run(n.div_ceil(per), &|_, _| {
+        let next = chunks.lock().unwrap_or_else(|e| e.into_inner()).next();
+        if let Some(((xs, h), l)) = next {
+            work(xs, h, l);
+        }
+    });
 }
 
 thread_local! {

@@ -187,8 +187,8 @@ multiversion! {
 
 multiversion! {
     /// The rounding residual of the kernels' 8-bit activation quantization, per 32-element
-    /// block: `lo = x - round(x / d) * d` with `d = amax / 127` (as `act::quantize_blocks` and
-    /// `quantize_token` compute `d` and the quants), so `x = d * q + lo` with `q` the quants the
+    /// block: `lo = x - round(x / d) * d` with `d = amax / 127` (`act::block_scale`, as the
+    /// activation quantizers compute `d` and the quants), so `x = d * q + lo` with `q` the quants the
     /// kernels multiply.
     pub(crate) fn split_residual(x: &[f32], lo: &mut [f32]) -> () {
         for (xb, lb) in x.chunks(32).zip(lo.chunks_mut(32)) {
@@ -204,9 +204,7 @@ multiversion! {
                 Ok(blk) => blk.iter().map(key).fold(0u32, u32::max),
                 Err(_) => xb.iter().map(key).fold(0u32, u32::max),
             };
-            let amax = f32::from_bits(bits);
-            let d = amax / 127.0;
-            let id = if d > 0.0 { 1.0 / d } else { 0.0 };
+            let (d, id) = super::act::block_scale(f32::from_bits(bits));
             for (&v, l) in xb.iter().zip(lb.iter_mut()) {
                 *l = v - (v * id).round_ties_even() * d;
             }
