@@ -159,6 +159,28 @@ def budgeted(a, chat_ids, unbudgeted, total_bytes):
     prof.unlink(missing_ok=True)
 
 
+def peer_isa(generic_ok):
+    """Prints the peer's build (llama.cpp's system info) and refuses a peer compiled without the
+    AVX-512 this CPU has: pip reuses a cached wheel whatever CMAKE_ARGS say, e.g. the
+    GGML_NATIVE=OFF build scripts/make-test-models makes for its quantizer (AVX2 only), and
+    every ratio measured against it would flatter zerolayer. --generic-peer measures against
+    it anyway (labelled)."""
+    info = subprocess.run([sys.executable, "-c", "import llama_cpp; print(llama_cpp.llama_print_system_info().decode())"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    flags = pathlib.Path("/proc/cpuinfo").read_text().split("\nflags", 1)[-1].split("\n", 1)[0].split()
+    host = "AVX-512" if "avx512f" in flags else "no AVX-512"
+    print(f"llama.cpp peer ({sys.executable}): {info}")
+    if "avx512f" in flags and "AVX512 = 1" not in info:
+        msg = ("the llama.cpp peer was built without AVX-512, which this CPU has: rebuild it natively "
+               "(CMAKE_ARGS=-DGGML_NATIVE=ON pip install --no-cache-dir --no-binary llama-cpp-python "
+               "llama-cpp-python==0.3.36) or pass --generic-peer")
+        if not generic_ok:
+            sys.exit(f"bench_vs_llamacpp: {msg}")
+        print(f"WARNING: {msg}; measuring against it anyway (--generic-peer)")
+    else:
+        print(f"host CPU: {host}; the peer's build matches it")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
@@ -172,10 +194,13 @@ def main():
     ap.add_argument("--rounds", type=int, default=1, help="alternated runs per side; medians reported")
     ap.add_argument("--probe", default="", help="examples/bandwidth: measure the read bandwidth each round")
     ap.add_argument("--facts", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--generic-peer", action="store_true",
+                    help="accept a llama.cpp built without this CPU's AVX-512 (see peer_isa)")
     a = ap.parse_args()
     if a.facts:
         print(json.dumps(model_facts(a.model)))
         return
+    peer_isa(a.generic_peer)
     # In a child: reading the GGUF grows this process, and a child's peak RSS (ru_maxrss)
     # starts from its parent's at fork, which would then inflate every figure measured below.
     facts = subprocess.run([sys.executable, __file__, "--facts", "--model", a.model, "--bin", a.bin],
