@@ -85,10 +85,11 @@ pub(crate) const fn scale_vectors(f: u8) -> usize {
 const MAX_SCALE_VECTORS: usize = 4;
 
 /// A task's panel: the packed blocks' quants and their [`scale_vectors`] each (block `b`'s
-/// at `scales[v * b..v * (b + 1)]`).
+/// at `scales[v * b..v * (b + 1)]`), and the token chunk's [`offsets`].
 struct Panel {
     quants: Vec<Quants>,
     scales: Vec<Lanes>,
+    offsets: Vec<[i32; 2]>,
 }
 
 thread_local! {
@@ -96,8 +97,27 @@ thread_local! {
         RefCell::new(Panel {
             quants: Vec::new(),
             scales: Vec::new(),
+            offsets: Vec::new(),
         })
     };
+}
+
+/// The formats with an offset subtract `offset * sum(q_x)` from each integer dot product (per
+/// half for the split formats). It is computed here once per token chunk for every block,
+/// negated, and each tile starts its integer sums from it: a broadcast load instead of a shift
+/// and a subtraction per block, token and panel, with the same integer result.
+/// `out[t * nb + b]` = `[-(sum(q_x half 0) << shift), -(sum(q_x half 1) << shift)]` (split
+/// formats) or `[-(sum(q_x) << shift), 0]`.
+fn offsets<const F: u8>(acts: &[ActBlock], out: &mut Vec<[i32; 2]>) {
+    let s = offset_shift(F);
+    out.clear();
+    out.extend(acts.iter().map(|a| {
+        if is_split(F) {
+            [-(act_sum(a, 0) << s), -(act_sum(a, 1) << s)]
+        } else {
+            [-(act_sum(a, 2) << s), 0]
+        }
+    }));
 }
 
 /// Whether this kernel handles `fmt` at `n` tokens.
@@ -267,7 +287,11 @@ fn panel_loop<const F: u8>(
 ) {
     PANEL.with(|p| {
         let mut guard = p.borrow_mut();
-        let Panel { quants, scales } = &mut *guard;
+        let Panel {
+            quants,
+            scales,
+            offsets: offs,
+        } = &mut *guard;
         if quants.len() < nblocks {
             quants.resize(nblocks, Quants { w: [[0; 64]; 8] });
             scales.resize(MAX_SCALE_VECTORS * nblocks, Lanes([0.0; 16]));
@@ -281,6 +305,9 @@ fn panel_loop<const F: u8>(
         let chunk = n.div_ceil(n.div_ceil(TOKEN_CHUNK)).next_multiple_of(8);
         for tc in (0..n).step_by(chunk) {
             let t_end = (tc + chunk).min(n);
+            if offset_shift(F) != 0 {
+                offsets::<F>(&acts[tc * nblocks..t_end * nblocks], offs);
+            }
             for g in rows.clone().step_by(PANEL_ROWS) {
                 pack(g, quants, scales);
                 let live = (rows.end - g).min(PANEL_ROWS);
@@ -294,10 +321,12 @@ fn panel_loop<const F: u8>(
                 while t0 < t_end {
                     let left = t_end - t0;
                     let ap = acts[t0 * nblocks..].as_ptr();
+                    // The tile's offsets (an empty slice for the formats without one).
+                    let op = offs[((t0 - tc) * nblocks).min(offs.len())..].as_ptr();
                     // SAFETY: `ap` has at least the tile's tokens (`left` of them), `nblocks` blocks each.
                     unsafe {
                         if left >= 8 {
-                            for (t, v) in tile::<F, 8>(quants, scales, ap, nblocks)
+                            for (t, v) in tile::<F, 8>(quants, scales, ap, op, nblocks)
                                 .into_iter()
                                 .enumerate()
                             {
@@ -305,7 +334,7 @@ fn panel_loop<const F: u8>(
                             }
                             t0 += 8;
                         } else if left >= 4 {
-                            for (t, v) in tile::<F, 4>(quants, scales, ap, nblocks)
+                            for (t, v) in tile::<F, 4>(quants, scales, ap, op, nblocks)
                                 .into_iter()
                                 .enumerate()
                             {
@@ -313,7 +342,7 @@ fn panel_loop<const F: u8>(
                             }
                             t0 += 4;
                         } else if left >= 2 {
-                            for (t, v) in tile::<F, 2>(quants, scales, ap, nblocks)
+                            for (t, v) in tile::<F, 2>(quants, scales, ap, op, nblocks)
                                 .into_iter()
                                 .enumerate()
                             {
@@ -321,7 +350,7 @@ fn panel_loop<const F: u8>(
                             }
                             t0 += 2;
                         } else {
-                            for (t, v) in tile::<F, 1>(quants, scales, ap, nblocks)
+                            for (t, v) in tile::<F, 1>(quants, scales, ap, op, nblocks)
                                 .into_iter()
                                 .enumerate()
                             {
@@ -771,10 +800,11 @@ unsafe fn tile<const F: u8, const T: usize>(
     quants: &[Quants],
     scales: &[Lanes],
     acts: *const ActBlock,
+    offs: *const [i32; 2],
     nb: usize,
 ) -> [__m512; T] {
     // SAFETY: forwarded.
-    let c = |l: usize| unsafe { chain::<F, T>(quants, scales, acts, nb, l) };
+    let c = |l: usize| unsafe { chain::<F, T>(quants, scales, acts, offs, nb, l) };
     let add = |a: [__m512; T], b: [__m512; T]| std::array::from_fn(|t| _mm512_add_ps(a[t], b[t]));
     let s02 = add(c(0), c(2));
     add(s02, add(c(1), c(3)))
@@ -790,13 +820,16 @@ unsafe fn chain<const F: u8, const T: usize>(
     quants: &[Quants],
     scales: &[Lanes],
     acts: *const ActBlock,
+    offs: *const [i32; 2],
     nb: usize,
     l: usize,
 ) -> [__m512; T] {
     // SAFETY: `t * nb + b < T * nb` for every `t < T`, block `b < nb`.
     let act = |t: usize, b: usize| unsafe { &*acts.add(t * nb + b) };
+    // SAFETY: as for `act`; read only for the formats with an offset, whose `offs` has an entry
+    // per token and block of the tile.
+    let off = |t: usize, b: usize, h: usize| unsafe { (*offs.add(t * nb + b))[h] };
     let sv = scale_vectors(F);
-    let shift = _mm_cvtsi32_si128(offset_shift(F));
     let mut acc = [_mm512_setzero_ps(); T];
     let mut b = l;
     while b < quants.len() {
@@ -804,9 +837,16 @@ unsafe fn chain<const F: u8, const T: usize>(
         // SAFETY: each entry is 16 aligned f32s.
         let scale = |i: usize| unsafe { _mm512_load_ps(scales[sv * b + i].0.as_ptr()) };
         // The dot products of vectors `js` with each token, offset by its activation sum
-        // `part` (see [`act_sum`]) times the format's offset, as f32.
+        // `part` (see [`act_sum`]) times the format's offset, as f32: the sums start from the
+        // negated offset ([`offsets`]; half `part` of a split format, else entry 0).
         let dots = |js: Range<usize>, part: usize| -> [__m512; T] {
-            let mut isum = [_mm512_setzero_si512(); T];
+            let mut isum: [__m512i; T] = std::array::from_fn(|t| {
+                if offset_shift(F) != 0 {
+                    _mm512_set1_epi32(off(t, b, part % 2))
+                } else {
+                    _mm512_setzero_si512()
+                }
+            });
             for j in js {
                 // SAFETY: `w[j]` is 64 aligned bytes.
                 let wj = unsafe { _mm512_load_si512(pb.w[j].as_ptr().cast()) };
@@ -814,14 +854,7 @@ unsafe fn chain<const F: u8, const T: usize>(
                     *s = _mm512_dpbusd_epi32(*s, wj, act4(act(t, b), j));
                 }
             }
-            std::array::from_fn(|t| {
-                let mut r = isum[t];
-                if offset_shift(F) != 0 {
-                    let offset = _mm512_set1_epi32(act_sum(act(t, b), part));
-                    r = _mm512_sub_epi32(r, _mm512_sll_epi32(offset, shift));
-                }
-                _mm512_cvtepi32_ps(r)
-            })
+            isum.map(|r| _mm512_cvtepi32_ps(r))
         };
         if is_split(F) {
             // Per half: its own dot product and scale, then (Q2_K) the halves' minimums.
