@@ -860,9 +860,26 @@ mod avx512 {
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
     fn step<const F: u8, const T: usize>(blk: &Block16, a: [&ActBlock; T], c: &mut [__m512; T]) {
-        let z = _mm512_setzero_si512();
-        let (mut even, mut odd) = ([z; T], [z; T]);
         let split = is_split(F);
+        // The formats with an offset start the integer sums from `-(offset * sum(q_x))` (of
+        // each half for the split formats, else of the block in the first sum): one broadcast
+        // instead of a broadcast, shift and subtraction after the sums; the same integers.
+        let start = |sum: i32| {
+            if offset_shift(F) != 0 {
+                _mm512_set1_epi32(-(sum << offset_shift(F)))
+            } else {
+                _mm512_setzero_si512()
+            }
+        };
+        let mut even: [__m512i; T] =
+            std::array::from_fn(|t| start(if split { a[t].sq0 } else { a[t].sq }));
+        let mut odd: [__m512i; T] = std::array::from_fn(|t| {
+            if split {
+                start(a[t].sq - a[t].sq0)
+            } else {
+                _mm512_setzero_si512()
+            }
+        });
         for (j, wj) in blk.w.iter().enumerate() {
             for t in 0..T {
                 let second = if split { j >= 4 } else { T <= 2 && j % 2 == 1 };
@@ -873,19 +890,10 @@ mod avx512 {
                 }
             }
         }
-        let shift = _mm_cvtsi32_si128(offset_shift(F));
-        let offset = |v: __m512i, sum: i32| {
-            if offset_shift(F) != 0 {
-                _mm512_sub_epi32(v, _mm512_sll_epi32(_mm512_set1_epi32(sum), shift))
-            } else {
-                v
-            }
-        };
         for t in 0..T {
             let dx = _mm512_set1_ps(a[t].d);
             if split {
-                let i0 = offset(even[t], a[t].sq0);
-                let i1 = offset(odd[t], a[t].sq - a[t].sq0);
+                let (i0, i1) = (even[t], odd[t]);
                 c[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i0), _mm512_mul_ps(blk.d, dx), c[t]);
                 c[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i1), _mm512_mul_ps(blk.m, dx), c[t]);
                 continue;
@@ -895,7 +903,6 @@ mod avx512 {
             } else {
                 even[t]
             };
-            let isum = offset(isum, a[t].sq);
             let s = _mm512_mul_ps(blk.d, dx);
             c[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), s, c[t]);
             if has_min(F) {
