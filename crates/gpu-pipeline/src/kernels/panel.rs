@@ -323,7 +323,9 @@ fn panel_loop<const F: u8>(
                     let ap = acts[t0 * nblocks..].as_ptr();
                     // The tile's offsets (an empty slice for the formats without one).
                     let op = offs[((t0 - tc) * nblocks).min(offs.len())..].as_ptr();
-                    // SAFETY: `ap` has at least the tile's tokens (`left` of them), `nblocks` blocks each.
+                    // SAFETY: `ap` has at least the tile's tokens (`left` of them), `nblocks`
+                    // blocks each, and so has `op` for the formats with an offset (the only
+                    // ones that read it).
                     unsafe {
                         if left >= 8 {
                             for (t, v) in tile::<F, 8>(quants, scales, ap, op, nblocks)
