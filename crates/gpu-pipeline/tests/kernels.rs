@@ -771,6 +771,40 @@ proptest! {
     }
 }
 
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
+
+    /// Tasks of 32 rows and more, where the AVX-512 panel kernel multiplies two 16-row panels
+    /// at a time (smaller matrices get 16-row tasks: one panel): every integer-quantized format,
+    /// file layout and packed, ragged row counts (an odd last panel, a partial one), token counts
+    /// on every tile size of both kernels, 1 and 2 threads: the scalar reference's bits.
+    #[test]
+    fn panel_pairs_equal_scalar_bit_for_bit(
+        dt in 0usize..12, rows in 257usize..340, units in 1usize..4, n in 16usize..40,
+        threads in 1usize..3, seed in any::<u64>(),
+    ) {
+        let dtype = QUANT_DTYPES[dt];
+        let cols = cols_for(dtype, units);
+        let pool = ThreadPool::new(threads);
+        let mut rng = Rng(seed | 1);
+        let data = random_weights(dtype, rows, cols, &mut rng);
+        let x = random_acts(n, cols, &mut rng);
+        let w = WeightMatrix::new(dtype, rows, cols, &data).unwrap();
+        let mut want = vec![0.0f32; n * rows];
+        matmul_with(CpuIsa::Scalar, w, &x, n, &mut want, &pool).unwrap();
+        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+        let packed = PackedWeights::pack(w, &pool).unwrap();
+        for m in std::iter::once(w).chain(packed.as_ref().map(|p| p.matrix())) {
+            for backend in CpuIsa::available().into_iter().filter(|&b| b != CpuIsa::Scalar) {
+                let mut y = vec![f32::NAN; n * rows];
+                matmul_with(backend, m, &x, n, &mut y, &pool).unwrap();
+                prop_assert_eq!(bits(&y), bits(&want), "{:?} {} {:?} {}x{} n {}",
+                    backend, dtype.name(), m.layout, rows, cols, n);
+            }
+        }
+    }
+}
+
 /// The residual of 8-bit activation quantization computed here, independently of the kernels:
 /// per 32-element block `x - round(x / d) * d` with `d = max|x| / 127`.
 fn residual(x: &[f32]) -> Vec<f32> {

@@ -10,6 +10,8 @@
 //! scales (and mins), one vector per half). The panel is then reused for every token: `vpdpbusd`
 //! of vector `j` with token `t`'s 4 activation bytes broadcast gives 16 rows' partial sums at
 //! once, so no horizontal reductions are needed and each activation load serves 16 rows.
+//! Panels go in pairs (a task's last odd panel alone): each broadcast activation word feeds
+//! both panels' `vpdpbusd`, which halves the activation loads per instruction.
 //! The activations come as compact [`ActBlock`]s (one cache line per block and token), and tokens
 //! go in chunks of [`TOKEN_CHUNK`] so that a chunk's blocks stay in L2 while the task's panels
 //! pass over them. Packing uses plain loads and dword transposes (a gather or a transposed header
@@ -273,9 +275,9 @@ unsafe fn unpack<const F: u8>(
 /// Fills a panel for the 16-row group at a row: its blocks' quants and scale vectors.
 type PackFn<'a> = dyn FnMut(usize, &mut [Quants], &mut [Lanes]) + 'a;
 
-/// The token and row loops shared by both sources: for each token chunk and each 16-row group
-/// `g` of `rows`, `pack(g, quants, scales)` fills the panel, then every tile of the chunk's
-/// tokens is multiplied and emitted.
+/// The token and row loops shared by both sources: for each token chunk and each pair of 16-row
+/// groups `g`, `g + 16` of `rows` (a last odd group alone), `pack(g, quants, scales)` fills the
+/// panels, then every tile of the chunk's tokens is multiplied and emitted.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
 fn panel_loop<const F: u8>(
     nblocks: usize,
@@ -292,12 +294,13 @@ fn panel_loop<const F: u8>(
             scales,
             offsets: offs,
         } = &mut *guard;
-        if quants.len() < nblocks {
-            quants.resize(nblocks, Quants { w: [[0; 64]; 8] });
-            scales.resize(MAX_SCALE_VECTORS * nblocks, Lanes([0.0; 16]));
+        if quants.len() < 2 * nblocks {
+            quants.resize(2 * nblocks, Quants { w: [[0; 64]; 8] });
+            scales.resize(2 * MAX_SCALE_VECTORS * nblocks, Lanes([0.0; 16]));
         }
-        let quants = &mut quants[..nblocks];
-        let scales = &mut scales[..scale_vectors(F) * nblocks];
+        let sv = scale_vectors(F);
+        let (q0, q1) = quants[..2 * nblocks].split_at_mut(nblocks);
+        let (s0, s1) = scales[..2 * sv * nblocks].split_at_mut(sv * nblocks);
         // Token chunks small enough that their activations stay in L2 while every panel of
         // the task's rows passes over them (a panel is re-packed per chunk).
         // Equal chunks in whole 8-token tiles (a 200-token batch: 104 + 96, not 100 + 100 with
@@ -308,14 +311,20 @@ fn panel_loop<const F: u8>(
             if offset_shift(F) != 0 {
                 offsets::<F>(&acts[tc * nblocks..t_end * nblocks], offs);
             }
-            for g in rows.clone().step_by(PANEL_ROWS) {
-                pack(g, quants, scales);
-                let live = (rows.end - g).min(PANEL_ROWS);
-                let mut emit = |t: usize, v: __m512| {
+            let mut g = rows.start;
+            while g < rows.end {
+                let pair = g + PANEL_ROWS < rows.end;
+                pack(g, q0, s0);
+                if pair {
+                    pack(g + PANEL_ROWS, q1, s1);
+                }
+                let mut emit = |p: usize, t: usize, v: __m512| {
+                    let r0 = g + p * PANEL_ROWS;
+                    let live = (rows.end - r0).min(PANEL_ROWS);
                     let mut o = [0.0f32; 16];
                     // SAFETY: `o` has room for 16 floats.
                     unsafe { _mm512_storeu_ps(o.as_mut_ptr(), v) };
-                    out.set_run(t, g, &o[..live]);
+                    out.set_run(t, r0, &o[..live]);
                 };
                 let mut t0 = tc;
                 while t0 < t_end {
@@ -325,46 +334,60 @@ fn panel_loop<const F: u8>(
                     let op = offs[((t0 - tc) * nblocks).min(offs.len())..].as_ptr();
                     // SAFETY: `ap` has at least the tile's tokens (`left` of them), `nblocks`
                     // blocks each, and so has `op` for the formats with an offset (the only
-                    // ones that read it).
-                    unsafe {
-                        if left >= 8 {
-                            for (t, v) in tile::<F, 8>(quants, scales, ap, op, nblocks)
-                                .into_iter()
-                                .enumerate()
-                            {
-                                emit(t0 + t, v);
+                    // ones that read it); the panels hold `nblocks` packed blocks each.
+                    let done = unsafe {
+                        if pair {
+                            let (q, s) = ([&*q0, &*q1], [&*s0, &*s1]);
+                            match left {
+                                4.. => {
+                                    emit_tile(tile::<F, 2, 4>(q, s, ap, op, nblocks), t0, &mut emit)
+                                }
+                                2.. => {
+                                    emit_tile(tile::<F, 2, 2>(q, s, ap, op, nblocks), t0, &mut emit)
+                                }
+                                _ => {
+                                    emit_tile(tile::<F, 2, 1>(q, s, ap, op, nblocks), t0, &mut emit)
+                                }
                             }
-                            t0 += 8;
-                        } else if left >= 4 {
-                            for (t, v) in tile::<F, 4>(quants, scales, ap, op, nblocks)
-                                .into_iter()
-                                .enumerate()
-                            {
-                                emit(t0 + t, v);
-                            }
-                            t0 += 4;
-                        } else if left >= 2 {
-                            for (t, v) in tile::<F, 2>(quants, scales, ap, op, nblocks)
-                                .into_iter()
-                                .enumerate()
-                            {
-                                emit(t0 + t, v);
-                            }
-                            t0 += 2;
                         } else {
-                            for (t, v) in tile::<F, 1>(quants, scales, ap, op, nblocks)
-                                .into_iter()
-                                .enumerate()
-                            {
-                                emit(t0 + t, v);
+                            let (q, s) = ([&*q0], [&*s0]);
+                            match left {
+                                8.. => {
+                                    emit_tile(tile::<F, 1, 8>(q, s, ap, op, nblocks), t0, &mut emit)
+                                }
+                                4.. => {
+                                    emit_tile(tile::<F, 1, 4>(q, s, ap, op, nblocks), t0, &mut emit)
+                                }
+                                2.. => {
+                                    emit_tile(tile::<F, 1, 2>(q, s, ap, op, nblocks), t0, &mut emit)
+                                }
+                                _ => {
+                                    emit_tile(tile::<F, 1, 1>(q, s, ap, op, nblocks), t0, &mut emit)
+                                }
                             }
-                            t0 += 1;
                         }
-                    }
+                    };
+                    t0 += done;
                 }
+                g += if pair { 2 * PANEL_ROWS } else { PANEL_ROWS };
             }
         }
     });
+}
+
+/// Emits a tile's outputs (panel `p`, token `t0 + t`) and returns its token count.
+#[inline(always)]
+fn emit_tile<const P: usize, const T: usize>(
+    v: [[__m512; T]; P],
+    t0: usize,
+    emit: &mut impl FnMut(usize, usize, __m512),
+) -> usize {
+    for (p, vp) in v.into_iter().enumerate() {
+        for (t, x) in vp.into_iter().enumerate() {
+            emit(p, t0 + t, x);
+        }
+    }
+    T
 }
 
 /// Packs the 16 rows at `base + offs[k]` into the panel (one entry of `quants` and one of
@@ -790,24 +813,34 @@ fn act4(a: &ActBlock, j: usize) -> __m512i {
     unsafe { _mm512_set1_epi32(v) }
 }
 
-/// Outputs of the packed panel for `T` tokens (`acts` at token 0's first block, `nb` blocks per
-/// token): one vector of the 16 rows per token.
+/// Outputs of `P` packed panels (16 rows each) for `T` tokens (`acts` at token 0's first block,
+/// `nb` blocks per token): per panel, one vector of its 16 rows per token. With two panels each
+/// activation broadcast serves two `vpdpbusd` (one load per 2 instead of one per instruction);
+/// their 4-token tiles keep the 8 integer and 8 float accumulators in registers (6 tokens spill
+/// and measured slower).
 ///
 /// # Safety
-/// `acts` is valid for `T * nb` blocks; `quants` holds the row length's `nb` blocks and `scales`
-/// their [`scale_vectors`] each.
+/// `acts` is valid for `T * nb` blocks; each `quants[p]` holds the row length's `nb` blocks and
+/// `scales[p]` their [`scale_vectors`] each.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
-unsafe fn tile<const F: u8, const T: usize>(
-    quants: &[Quants],
-    scales: &[Lanes],
+unsafe fn tile<const F: u8, const P: usize, const T: usize>(
+    quants: [&[Quants]; P],
+    scales: [&[Lanes]; P],
     acts: *const ActBlock,
     offs: *const [i32; 2],
     nb: usize,
-) -> [__m512; T] {
+) -> [[__m512; T]; P] {
     // SAFETY: forwarded.
-    let c = |l: usize| unsafe { chain::<F, T>(quants, scales, acts, offs, nb, l) };
-    let add = |a: [__m512; T], b: [__m512; T]| std::array::from_fn(|t| _mm512_add_ps(a[t], b[t]));
+    let c = |l: usize| unsafe { chain::<F, P, T>(quants, scales, acts, offs, nb, l) };
+    let add = |mut a: [[__m512; T]; P], b: [[__m512; T]; P]| {
+        for p in 0..P {
+            for t in 0..T {
+                a[p][t] = _mm512_add_ps(a[p][t], b[p][t]);
+            }
+        }
+        a
+    };
     let s02 = add(c(0), c(2));
     add(s02, add(c(1), c(3)))
 }
@@ -817,76 +850,95 @@ unsafe fn tile<const F: u8, const T: usize>(
 /// # Safety
 /// As for [`tile`].
 #[inline]
+#[allow(clippy::needless_range_loop)] // `p`, `t` index the sums, accumulators and inputs alike
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
-unsafe fn chain<const F: u8, const T: usize>(
-    quants: &[Quants],
-    scales: &[Lanes],
+unsafe fn chain<const F: u8, const P: usize, const T: usize>(
+    quants: [&[Quants]; P],
+    scales: [&[Lanes]; P],
     acts: *const ActBlock,
     offs: *const [i32; 2],
     nb: usize,
     l: usize,
-) -> [__m512; T] {
+) -> [[__m512; T]; P] {
     // SAFETY: `t * nb + b < T * nb` for every `t < T`, block `b < nb`.
     let act = |t: usize, b: usize| unsafe { &*acts.add(t * nb + b) };
     // SAFETY: as for `act`; read only for the formats with an offset, whose `offs` has an entry
     // per token and block of the tile.
     let off = |t: usize, b: usize, h: usize| unsafe { (*offs.add(t * nb + b))[h] };
     let sv = scale_vectors(F);
-    let mut acc = [_mm512_setzero_ps(); T];
+    let mut acc = [[_mm512_setzero_ps(); T]; P];
     let mut b = l;
-    while b < quants.len() {
-        let pb = &quants[b];
+    while b < nb {
         // SAFETY: each entry is 16 aligned f32s.
-        let scale = |i: usize| unsafe { _mm512_load_ps(scales[sv * b + i].0.as_ptr()) };
-        // The dot products of vectors `js` with each token, offset by its activation sum
-        // `part` (see [`act_sum`]) times the format's offset, as f32: the sums start from the
-        // negated offset ([`offsets`]; half `part` of a split format, else entry 0).
-        let dots = |js: Range<usize>, part: usize| -> [__m512; T] {
-            let mut isum: [__m512i; T] = std::array::from_fn(|t| {
-                if offset_shift(F) != 0 {
-                    _mm512_set1_epi32(off(t, b, part % 2))
-                } else {
-                    _mm512_setzero_si512()
-                }
-            });
-            for j in js {
-                // SAFETY: `w[j]` is 64 aligned bytes.
-                let wj = unsafe { _mm512_load_si512(pb.w[j].as_ptr().cast()) };
-                for (t, s) in isum.iter_mut().enumerate() {
-                    *s = _mm512_dpbusd_epi32(*s, wj, act4(act(t, b), j));
+        let scale =
+            |p: usize, i: usize| unsafe { _mm512_load_ps(scales[p][sv * b + i].0.as_ptr()) };
+        // The integer dot products of vectors `js` with each token, offset by its activation
+        // sum `part` (see [`act_sum`]) times the format's offset: the sums start from the
+        // negated offset ([`offsets`]; half `part` of a split format, else entry 0). Each is
+        // converted to f32 where it is used (converting all first costs registers).
+        let dots = |js: Range<usize>, part: usize| -> [[__m512i; T]; P] {
+            let mut isum = [[_mm512_setzero_si512(); T]; P];
+            if offset_shift(F) != 0 {
+                for t in 0..T {
+                    let o = _mm512_set1_epi32(off(t, b, part % 2));
+                    for sum in &mut isum {
+                        sum[t] = o;
+                    }
                 }
             }
-            isum.map(|r| _mm512_cvtepi32_ps(r))
+            for j in js {
+                let mut w = [_mm512_setzero_si512(); P];
+                for (wp, q) in w.iter_mut().zip(quants) {
+                    // SAFETY: `w[j]` is 64 aligned bytes.
+                    *wp = unsafe { _mm512_load_si512(q[b].w[j].as_ptr().cast()) };
+                }
+                for t in 0..T {
+                    let a = act4(act(t, b), j);
+                    for p in 0..P {
+                        isum[p][t] = _mm512_dpbusd_epi32(isum[p][t], w[p], a);
+                    }
+                }
+            }
+            isum
         };
         if is_split(F) {
             // Per half: its own dot product and scale, then (Q2_K) the halves' minimums.
             for h in 0..2 {
                 let r = dots(4 * h..4 * h + 4, h);
-                let d = scale(h);
-                for (t, c) in acc.iter_mut().enumerate() {
-                    let s = _mm512_mul_ps(d, _mm512_set1_ps(act(t, b).d));
-                    *c = _mm512_fmadd_ps(r[t], s, *c);
+                for t in 0..T {
+                    let ad = _mm512_set1_ps(act(t, b).d);
+                    for p in 0..P {
+                        let s = _mm512_mul_ps(scale(p, h), ad);
+                        let x = _mm512_cvtepi32_ps(r[p][t]);
+                        acc[p][t] = _mm512_fmadd_ps(x, s, acc[p][t]);
+                    }
                 }
             }
             if has_min(F) {
                 for h in 0..2 {
-                    let m = scale(2 + h);
-                    for (t, c) in acc.iter_mut().enumerate() {
+                    for t in 0..T {
                         let a = act(t, b);
-                        let s = _mm512_mul_ps(m, _mm512_set1_ps(a.d));
-                        *c = _mm512_fmadd_ps(_mm512_set1_ps(act_sum(a, h) as f32), s, *c);
+                        let ad = _mm512_set1_ps(a.d);
+                        let sum = _mm512_set1_ps(act_sum(a, h) as f32);
+                        for p in 0..P {
+                            let s = _mm512_mul_ps(scale(p, 2 + h), ad);
+                            acc[p][t] = _mm512_fmadd_ps(sum, s, acc[p][t]);
+                        }
                     }
                 }
             }
         } else {
             let r = dots(0..8, 2);
-            let d = scale(0);
-            for (t, c) in acc.iter_mut().enumerate() {
+            for t in 0..T {
                 let a = act(t, b);
-                let s = _mm512_mul_ps(d, _mm512_set1_ps(a.d));
-                *c = _mm512_fmadd_ps(r[t], s, *c);
-                if has_min(F) {
-                    *c = _mm512_fmadd_ps(scale(1), _mm512_set1_ps(a.sx), *c);
+                let ad = _mm512_set1_ps(a.d);
+                for p in 0..P {
+                    let s = _mm512_mul_ps(scale(p, 0), ad);
+                    let x = _mm512_cvtepi32_ps(r[p][t]);
+                    acc[p][t] = _mm512_fmadd_ps(x, s, acc[p][t]);
+                    if has_min(F) {
+                        acc[p][t] = _mm512_fmadd_ps(scale(p, 1), _mm512_set1_ps(a.sx), acc[p][t]);
+                    }
                 }
             }
         }
