@@ -138,7 +138,7 @@ pub(crate) fn quantize_tokens(backend: CpuIsa, x: &[f32], cols: usize, acts: &mu
                 unsafe { super::avx512::quantize_token(xt, at) }
             }
             #[cfg(target_arch = "x86_64")]
-            CpuIsa::Avx2 => {
+            CpuIsa::Avx2 | CpuIsa::Avx2Vnni => {
                 // SAFETY: the caller checked that the AVX2 backend is available.
                 unsafe { quantize_token_avx2(xt, at) }
             }

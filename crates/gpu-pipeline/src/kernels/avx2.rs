@@ -102,9 +102,10 @@ pub(crate) unsafe fn quant_rows(
     n: usize,
     rows: Range<usize>,
     out: &mut RowsOut<'_>,
+    vnni: super::avx2_quant::Vnni,
 ) {
-    // SAFETY: the caller guarantees the features.
-    unsafe { super::avx2_quant::quant_rows(fmt, w, acts, n, rows, out) }
+    // SAFETY: the caller guarantees the features (and `vnni` proves AVX-VNNI).
+    unsafe { super::avx2_quant::quant_rows(fmt, w, acts, n, rows, out, vnni) }
 }
 
 /// 8 weights of row `p` starting at column `c` as f32.

@@ -22,7 +22,7 @@ use std::ops::Range;
 
 use super::act::{ActQuad, quads_per_token};
 use super::avx2_quant::{
-    PANEL_MIN_TOKENS, PANEL_TOKEN_CHUNK, PanelBlock, emit8, token_tiles, with_panel,
+    PANEL_MIN_TOKENS, PANEL_TOKEN_CHUNK, PanelBlock, Vnni, emit8, token_tiles, with_panel,
 };
 use super::avx512::{F_Q4_0, F_Q4_1, F_Q4K, F_Q5_0, F_Q5_1, F_Q5K, F_Q6K, F_Q8_0};
 use super::format::Fmt;
@@ -47,16 +47,17 @@ pub(crate) unsafe fn quant_rows(
     n: usize,
     rows: Range<usize>,
     out: &mut RowsOut<'_>,
+    vnni: Vnni,
 ) {
     match fmt {
-        Fmt::Q4_0 => rows_impl::<F_Q4_0>(fmt, w, acts, n, rows, out),
-        Fmt::Q4_1 => rows_impl::<F_Q4_1>(fmt, w, acts, n, rows, out),
-        Fmt::Q8_0 => rows_impl::<F_Q8_0>(fmt, w, acts, n, rows, out),
-        Fmt::Q4K => rows_impl::<F_Q4K>(fmt, w, acts, n, rows, out),
-        Fmt::Q5K => rows_impl::<F_Q5K>(fmt, w, acts, n, rows, out),
-        Fmt::Q6K => rows_impl::<F_Q6K>(fmt, w, acts, n, rows, out),
-        Fmt::Q5_0 => rows_impl::<F_Q5_0>(fmt, w, acts, n, rows, out),
-        Fmt::Q5_1 => rows_impl::<F_Q5_1>(fmt, w, acts, n, rows, out),
+        Fmt::Q4_0 => rows_impl::<F_Q4_0>(fmt, w, acts, n, rows, out, vnni),
+        Fmt::Q4_1 => rows_impl::<F_Q4_1>(fmt, w, acts, n, rows, out, vnni),
+        Fmt::Q8_0 => rows_impl::<F_Q8_0>(fmt, w, acts, n, rows, out, vnni),
+        Fmt::Q4K => rows_impl::<F_Q4K>(fmt, w, acts, n, rows, out, vnni),
+        Fmt::Q5K => rows_impl::<F_Q5K>(fmt, w, acts, n, rows, out, vnni),
+        Fmt::Q6K => rows_impl::<F_Q6K>(fmt, w, acts, n, rows, out, vnni),
+        Fmt::Q5_0 => rows_impl::<F_Q5_0>(fmt, w, acts, n, rows, out, vnni),
+        Fmt::Q5_1 => rows_impl::<F_Q5_1>(fmt, w, acts, n, rows, out, vnni),
         _ => unreachable!("packed formats are checked by the caller"),
     }
 }
@@ -192,6 +193,7 @@ fn rows_impl<const F: u8>(
     n: usize,
     rows: Range<usize>,
     out: &mut RowsOut<'_>,
+    vnni: Vnni,
 ) {
     let bb = block_bytes(fmt).unwrap_or(0);
     let nb = w.cols / 32;
@@ -207,7 +209,7 @@ fn rows_impl<const F: u8>(
     // The task's bytes: prefetches stay inside them.
     let task = &w.data[rows.start / GROUP_ROWS * gb..rows.end.div_ceil(GROUP_ROWS) * gb];
     if n >= PANEL_MIN_TOKENS {
-        return panel_rows::<F>(task, bb, nb, nq, acts, n, rows, out);
+        return panel_rows::<F>(task, bb, nb, nq, acts, n, rows, out, vnni);
     }
     for g in rows.clone().step_by(GROUP_ROWS) {
         let at = (g - rows.start) / GROUP_ROWS * gb;
@@ -226,7 +228,9 @@ fn rows_impl<const F: u8>(
                 // SAFETY: block `b < nb` of the group is whole.
                 unsafe { half_block::<F>(group, b, bb, h) }
             };
-            token_tiles::<F>(nb, block, acts, nq, 0..n, |t, v| emit8(out, t, r0, live, v));
+            token_tiles::<F>(nb, block, acts, nq, 0..n, vnni, |t, v| {
+                emit8(out, t, r0, live, v)
+            });
         }
     }
 }
@@ -244,6 +248,7 @@ fn panel_rows<const F: u8>(
     n: usize,
     rows: Range<usize>,
     out: &mut RowsOut<'_>,
+    vnni: Vnni,
 ) {
     let gb = nb * bb;
     with_panel(nb, |panel| {
@@ -264,6 +269,7 @@ fn panel_rows<const F: u8>(
                         acts,
                         nq,
                         tc..t_end,
+                        vnni,
                         |t, v| emit8(out, t, r0, live, v),
                     );
                 }

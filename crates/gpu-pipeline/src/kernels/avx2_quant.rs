@@ -815,20 +815,21 @@ pub(crate) unsafe fn quant_rows(
     n: usize,
     rows: Range<usize>,
     out: &mut RowsOut<'_>,
+    vnni: Vnni,
 ) {
     match fmt {
-        Fmt::Q4_0 => rows_impl::<F_Q4_0>(fmt, w, acts, n, rows, out),
-        Fmt::Q4_1 => rows_impl::<F_Q4_1>(fmt, w, acts, n, rows, out),
-        Fmt::Q8_0 => rows_impl::<F_Q8_0>(fmt, w, acts, n, rows, out),
-        Fmt::IQ4NL => rows_impl::<F_IQ4NL>(fmt, w, acts, n, rows, out),
-        Fmt::Q4K => rows_impl::<F_Q4K>(fmt, w, acts, n, rows, out),
-        Fmt::Q5K => rows_impl::<F_Q5K>(fmt, w, acts, n, rows, out),
-        Fmt::Q6K => rows_impl::<F_Q6K>(fmt, w, acts, n, rows, out),
-        Fmt::Q5_0 => rows_impl::<F_Q5_0>(fmt, w, acts, n, rows, out),
-        Fmt::Q5_1 => rows_impl::<F_Q5_1>(fmt, w, acts, n, rows, out),
-        Fmt::Q2K => rows_impl::<F_Q2K>(fmt, w, acts, n, rows, out),
-        Fmt::Q3K => rows_impl::<F_Q3K>(fmt, w, acts, n, rows, out),
-        Fmt::IQ4XS => rows_impl::<F_IQ4XS>(fmt, w, acts, n, rows, out),
+        Fmt::Q4_0 => rows_impl::<F_Q4_0>(fmt, w, acts, n, rows, out, vnni),
+        Fmt::Q4_1 => rows_impl::<F_Q4_1>(fmt, w, acts, n, rows, out, vnni),
+        Fmt::Q8_0 => rows_impl::<F_Q8_0>(fmt, w, acts, n, rows, out, vnni),
+        Fmt::IQ4NL => rows_impl::<F_IQ4NL>(fmt, w, acts, n, rows, out, vnni),
+        Fmt::Q4K => rows_impl::<F_Q4K>(fmt, w, acts, n, rows, out, vnni),
+        Fmt::Q5K => rows_impl::<F_Q5K>(fmt, w, acts, n, rows, out, vnni),
+        Fmt::Q6K => rows_impl::<F_Q6K>(fmt, w, acts, n, rows, out, vnni),
+        Fmt::Q5_0 => rows_impl::<F_Q5_0>(fmt, w, acts, n, rows, out, vnni),
+        Fmt::Q5_1 => rows_impl::<F_Q5_1>(fmt, w, acts, n, rows, out, vnni),
+        Fmt::Q2K => rows_impl::<F_Q2K>(fmt, w, acts, n, rows, out, vnni),
+        Fmt::Q3K => rows_impl::<F_Q3K>(fmt, w, acts, n, rows, out, vnni),
+        Fmt::IQ4XS => rows_impl::<F_IQ4XS>(fmt, w, acts, n, rows, out, vnni),
         Fmt::F32 | Fmt::F16 | Fmt::BF16 => unreachable!("float formats use float_rows"),
     }
 }
@@ -841,9 +842,10 @@ fn rows_impl<const F: u8>(
     n: usize,
     rows: Range<usize>,
     out: &mut RowsOut<'_>,
+    vnni: Vnni,
 ) {
     if n >= PANEL_MIN_TOKENS && (!is_split(F) || F == F_Q6K) && !rows.is_empty() {
-        return panel_rows::<F>(fmt, w, acts, n, rows, out);
+        return panel_rows::<F>(fmt, w, acts, n, rows, out, vnni);
     }
     let (rb, nq, nblocks) = checked_shape(fmt, w, acts, n, &rows);
     let mut t0 = 0;
@@ -962,6 +964,7 @@ fn panel_rows<const F: u8>(
     n: usize,
     rows: Range<usize>,
     out: &mut RowsOut<'_>,
+    vnni: Vnni,
 ) {
     let (rb, nq, nblocks) = checked_shape(fmt, w, acts, n, &rows);
     with_panel(nblocks, |panel| {
@@ -985,6 +988,7 @@ fn panel_rows<const F: u8>(
                     acts,
                     nq,
                     tc..t_end,
+                    vnni,
                     |t, v| emit8(out, t, g, live, v),
                 );
             }
@@ -1068,12 +1072,14 @@ unsafe fn pack_panel<const F: u8>(
 /// If `acts` has fewer than `tokens.end * nq` quads.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
 pub(super) fn token_tiles<const F: u8>(
     nblocks: usize,
     block: impl Fn(usize, usize) -> PanelBlock,
     acts: &[ActQuad],
     nq: usize,
     tokens: Range<usize>,
+    vnni: Vnni,
     mut emit: impl FnMut(usize, __m256),
 ) {
     assert!(acts.len() >= tokens.end * nq && nblocks <= 4 * nq);
@@ -1081,18 +1087,45 @@ pub(super) fn token_tiles<const F: u8>(
     while t0 < tokens.end {
         let ap = acts[t0 * nq..].as_ptr();
         let tile_block = |b: usize| block(t0, b);
-        // SAFETY: `ap` has the tile's tokens, `nq` quads each (asserted); `nblocks` fit `nq`.
+        // SAFETY: `ap` has the tile's tokens, `nq` quads each (asserted); `nblocks` fit `nq`;
+        // `vnni` is `Some` only where the CPU has AVX-VNNI (its constructor checks).
         unsafe {
             if tokens.end - t0 >= 2 {
-                let v = panel_tile::<F, 2>(nblocks, tile_block, ap, nq);
+                let v = match vnni {
+                    Some(_) => panel_tile_vnni::<F, 2>(nblocks, tile_block, ap, nq),
+                    None => panel_tile::<F, 2>(nblocks, tile_block, ap, nq),
+                };
                 emit(t0, v[0]);
                 emit(t0 + 1, v[1]);
                 t0 += 2;
             } else {
-                emit(t0, panel_tile::<F, 1>(nblocks, tile_block, ap, nq)[0]);
+                let v = match vnni {
+                    Some(_) => panel_tile_vnni::<F, 1>(nblocks, tile_block, ap, nq),
+                    None => panel_tile::<F, 1>(nblocks, tile_block, ap, nq),
+                };
+                emit(t0, v[0]);
                 t0 += 1;
             }
         }
+    }
+}
+
+/// Proof that the CPU has AVX-VNNI (the VEX-encoded 256-bit `vpdpbusd`): [`panel_tile_vnni`]
+/// runs only with one. `None`: the plain AVX2 integer dot products.
+pub(crate) type Vnni = Option<HasAvxVnni>;
+
+/// See [`Vnni`]; made only by [`HasAvxVnni::detect`].
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct HasAvxVnni(());
+
+impl HasAvxVnni {
+    /// `Some` if this CPU has AVX-VNNI (and AVX2, FMA, F16C).
+    pub(crate) fn detect() -> Option<Self> {
+        (is_x86_feature_detected!("avx2")
+            && is_x86_feature_detected!("fma")
+            && is_x86_feature_detected!("f16c")
+            && is_x86_feature_detected!("avxvnni"))
+        .then_some(Self(()))
     }
 }
 
@@ -1106,21 +1139,11 @@ pub(super) fn emit8(out: &mut RowsOut<'_>, t: usize, r0: usize, live: usize, v: 
     out.set_run(t, r0, &o[..live]);
 }
 
-/// Products of 8 rows with `T` tokens (`acts` at token 0's first quad, tokens `nq` quads apart):
-/// the row sums, lane `r` = row `r`. `block(b)` gives the rows' block `b` (`b < nblocks`, in
-/// order): from a decoded panel, or straight from a packed matrix.
-///
-/// # Safety
-/// `acts` is valid for `T * nq` quads; `nblocks` is the row length's blocks (`nq` quads' worth).
-#[inline]
-#[allow(clippy::needless_range_loop)] // `j` indexes the weight vectors and activation dwords alike
-#[target_feature(enable = "avx2,fma,f16c")]
-pub(super) unsafe fn panel_tile<const F: u8, const T: usize>(
-    nblocks: usize,
-    block: impl Fn(usize) -> PanelBlock,
-    acts: *const ActQuad,
-    nq: usize,
-) -> [__m256; T] {
+/// The body of [`panel_tile`] and [`panel_tile_vnni`] (`$vnni`: whether the integer sums use
+/// AVX-VNNI's `vpdpbusd`; the same exact integers either way, so the same bits).
+macro_rules! panel_tile_body {
+    ($vnni:expr, $nblocks:ident, $block:ident, $acts:ident, $nq:ident) => {{
+        let (nblocks, block, acts, nq) = ($nblocks, $block, $acts, $nq);
     let ones = _mm256_set1_epi16(1);
     let shift = _mm_cvtsi32_si128(if is_signed(F) { 0 } else { offset_shift(F) });
     // The unsigned quants of 4-bit formats are at most 15: 8 `vpmaddubsw` pair sums add within
@@ -1152,6 +1175,14 @@ pub(super) unsafe fn panel_tile<const F: u8, const T: usize>(
                 // Q6_K: elements 0..16 (vectors 0..4) and 16..32 have their own scales, in `d`
                 // and `m`. 6-bit quants (at most 63): two pair sums add within 2 * 2 * 63 * 127.
                 let half = |j0: usize| {
+                    if $vnni {
+                        let mut s = _mm256_setzero_si256();
+                        for j in j0..j0 + 4 {
+                            // SAFETY: AVX-VNNI is enabled where `$vnni` is true.
+                            s = unsafe { _mm256_dpbusd_avx_epi32(s, wv[j], x(j)) };
+                        }
+                        return s;
+                    }
                     let pa = _mm256_add_epi16(
                         _mm256_maddubs_epi16(wv[j0], x(j0)),
                         _mm256_maddubs_epi16(wv[j0 + 1], x(j0 + 1)),
@@ -1170,7 +1201,21 @@ pub(super) unsafe fn panel_tile<const F: u8, const T: usize>(
                 *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i1), _mm256_mul_ps(pb.m, dx), *acc);
                 continue;
             }
-            let i = if is_signed(F) {
+            let i = if $vnni {
+                // Exact `i32` sums of the 32 products (`|w| * sign(x, w)` for the signed
+                // formats), one instruction per 4: the same integers as below.
+                let mut s = _mm256_setzero_si256();
+                for j in 0..8 {
+                    let (a, b) = if is_signed(F) {
+                        (wa[j], _mm256_sign_epi8(x(j), wv[j]))
+                    } else {
+                        (wv[j], x(j))
+                    };
+                    // SAFETY: AVX-VNNI is enabled where `$vnni` is true.
+                    s = unsafe { _mm256_dpbusd_avx_epi32(s, a, b) };
+                }
+                s
+            } else if is_signed(F) {
                 let mut s = _mm256_setzero_si256();
                 for j in 0..8 {
                     let p = _mm256_maddubs_epi16(wa[j], _mm256_sign_epi8(x(j), wv[j]));
@@ -1223,4 +1268,41 @@ pub(super) unsafe fn panel_tile<const F: u8, const T: usize>(
         step(quads, b % 4, &block(b), c);
     }
     std::array::from_fn(|t| _mm256_add_ps(_mm256_add_ps(c0[t], c2[t]), _mm256_add_ps(c1[t], c3[t])))
+    }};
+}
+
+/// Products of 8 rows with `T` tokens (`acts` at token 0's first quad, tokens `nq` quads apart):
+/// the row sums, lane `r` = row `r`. `block(b)` gives the rows' block `b` (`b < nblocks`, in
+/// order): from a decoded panel, or straight from a packed matrix.
+///
+/// # Safety
+/// `acts` is valid for `T * nq` quads; `nblocks` is the row length's blocks (`nq` quads' worth).
+#[inline]
+#[allow(clippy::needless_range_loop)] // `j` indexes the weight vectors and activation dwords alike
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn panel_tile<const F: u8, const T: usize>(
+    nblocks: usize,
+    block: impl Fn(usize) -> PanelBlock,
+    acts: *const ActQuad,
+    nq: usize,
+) -> [__m256; T] {
+    panel_tile_body!(false, nblocks, block, acts, nq)
+}
+
+/// [`panel_tile`] with AVX-VNNI: each group of 4 products is one `vpdpbusd` instead of
+/// `vpmaddubsw` (and `vpsignb` for the signed formats), a 16-bit add and a `vpmaddwd` share.
+///
+/// # Safety
+/// As for [`panel_tile`], and the CPU has AVX-VNNI.
+#[inline]
+#[allow(clippy::needless_range_loop)] // `j` indexes the weight vectors and activation dwords alike
+#[allow(unused_unsafe)] // the body's `vpdpbusd` calls need `unsafe` only in `panel_tile`
+#[target_feature(enable = "avx2,fma,f16c,avxvnni")]
+pub(super) unsafe fn panel_tile_vnni<const F: u8, const T: usize>(
+    nblocks: usize,
+    block: impl Fn(usize) -> PanelBlock,
+    acts: *const ActQuad,
+    nq: usize,
+) -> [__m256; T] {
+    panel_tile_body!(true, nblocks, block, acts, nq)
 }

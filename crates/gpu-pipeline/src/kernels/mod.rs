@@ -12,7 +12,9 @@
 //! with the f32 activations directly.
 //!
 //! Backends are picked at run time ([`CpuIsa::detect`]): AVX-512 (F, BW, VL, VNNI, VBMI, GFNI), AVX2 +
-//! FMA (every format, without VNNI), and a
+//! FMA (every format, without VNNI), the same with AVX-VNNI's 256-bit `vpdpbusd` in the
+//! many-token and packed integer kernels (CPUs with AVX2 and AVX-VNNI but no AVX-512: Intel's
+//! client cores since Alder Lake), and a
 //! portable scalar backend that computes the same quantities with the same operations in the
 //! same order (it is the reference the SIMD code is tested against, bit for bit). Block layouts
 //! and their scalar decoding are weight-cache's ([`weight_cache::quant`]), shared with its
@@ -291,6 +293,10 @@ pub enum CpuIsa {
     Scalar,
     /// x86-64 AVX2 + FMA + F16C.
     Avx2,
+    /// [`Avx2`](Self::Avx2) plus AVX-VNNI (the VEX-encoded 256-bit `vpdpbusd`: Intel Alder Lake
+    /// and later client CPUs, Sierra Forest, Zen 5): the AVX2 kernels, with the integer dot
+    /// products of the many-token and packed kernels one instruction per 4 products. Same bits.
+    Avx2Vnni,
     /// x86-64 AVX-512 F/BW/VL/DQ + VNNI + VBMI, and GFNI (which the CPUs with that set, Ice Lake
     /// and Zen 4 onwards, all have).
     Avx512,
@@ -307,6 +313,8 @@ impl CpuIsa {
                     && is_x86_feature_detected!("fma")
                     && is_x86_feature_detected!("f16c")
             }
+            #[cfg(target_arch = "x86_64")]
+            Self::Avx2Vnni => avx2_quant::HasAvxVnni::detect().is_some(),
             #[cfg(target_arch = "x86_64")]
             Self::Avx512 => {
                 Self::Avx2.is_available()
@@ -325,14 +333,14 @@ impl CpuIsa {
 
     /// All backends this CPU can run, slowest first.
     pub fn available() -> Vec<Self> {
-        [Self::Scalar, Self::Avx2, Self::Avx512]
+        [Self::Scalar, Self::Avx2, Self::Avx2Vnni, Self::Avx512]
             .into_iter()
             .filter(|b| b.is_available())
             .collect()
     }
 
     /// The backend [`matvec`] and [`matmul`] use: the fastest available, unless
-    /// `$ZEROLAYER_KERNELS` names another available one (`scalar`, `avx2`, `avx512`).
+    /// `$ZEROLAYER_KERNELS` names another available one (`scalar`, `avx2`, `avx2vnni`, `avx512`).
     pub fn detect() -> Self {
         static DETECTED: OnceLock<CpuIsa> = OnceLock::new();
         *DETECTED.get_or_init(|| {
@@ -340,6 +348,7 @@ impl CpuIsa {
                 match v.trim().to_ascii_lowercase().as_str() {
                     "scalar" => Some(Self::Scalar),
                     "avx2" => Some(Self::Avx2),
+                    "avx2vnni" => Some(Self::Avx2Vnni),
                     "avx512" => Some(Self::Avx512),
                     _ => None,
                 }
@@ -1146,8 +1155,9 @@ fn float_rows(
             unsafe { float512::float_rows(fmt, w, x, n, rows, out) }
         }
         #[cfg(target_arch = "x86_64")]
-        CpuIsa::Avx512 | CpuIsa::Avx2 => {
-            // SAFETY: `backend.is_available()` was checked by the caller (AVX-512 implies AVX2).
+        CpuIsa::Avx512 | CpuIsa::Avx2 | CpuIsa::Avx2Vnni => {
+            // SAFETY: `backend.is_available()` was checked by the caller (AVX-512 and AVX-VNNI
+            // imply AVX2).
             unsafe { avx2::float_rows(fmt, w, x, n, rows, out) }
         }
         _ => scalar::float_rows(fmt, w, x, n, rows, out),
@@ -1170,16 +1180,21 @@ fn quant_rows(
             unsafe { avx512::quant_rows(fmt, w, acts, n, rows, out) }
         }
         #[cfg(target_arch = "x86_64")]
-        CpuIsa::Avx2 if w.layout == Layout::Rows16 => {
-            // SAFETY: `backend.is_available()` was checked by the caller; a packed matrix's
-            // format has a packed layout (checked with its length) and its tasks start on whole
-            // 16-row groups (`run_jobs`).
-            unsafe { avx2_packed::quant_rows(fmt, w, acts, n, rows, out) }
-        }
-        #[cfg(target_arch = "x86_64")]
-        CpuIsa::Avx2 => {
-            // SAFETY: `backend.is_available()` was checked by the caller.
-            unsafe { avx2::quant_rows(fmt, w, acts, n, rows, out) }
+        CpuIsa::Avx2 | CpuIsa::Avx2Vnni => {
+            let vnni = if backend == CpuIsa::Avx2Vnni {
+                avx2_quant::HasAvxVnni::detect()
+            } else {
+                None
+            };
+            if w.layout == Layout::Rows16 {
+                // SAFETY: `backend.is_available()` was checked by the caller; a packed matrix's
+                // format has a packed layout (checked with its length) and its tasks start on
+                // whole 16-row groups (`run_jobs`).
+                unsafe { avx2_packed::quant_rows(fmt, w, acts, n, rows, out, vnni) }
+            } else {
+                // SAFETY: `backend.is_available()` was checked by the caller.
+                unsafe { avx2::quant_rows(fmt, w, acts, n, rows, out, vnni) }
+            }
         }
         _ => scalar::quant_rows(fmt, w, acts, n, rows, out),
     }

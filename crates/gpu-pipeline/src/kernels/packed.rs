@@ -185,7 +185,11 @@ pub(crate) const fn k45_fields(five: bool) -> (usize, usize, usize, usize) {
 /// every packed layout).
 #[cfg(target_arch = "x86_64")]
 pub(crate) fn runs_on(fmt: Fmt, isa: super::CpuIsa) -> bool {
-    block_bytes(fmt).is_some() && matches!(isa, super::CpuIsa::Avx512 | super::CpuIsa::Avx2)
+    block_bytes(fmt).is_some()
+        && matches!(
+            isa,
+            super::CpuIsa::Avx512 | super::CpuIsa::Avx2 | super::CpuIsa::Avx2Vnni
+        )
 }
 
 /// Bytes of a `rows x cols` matrix of `fmt` in the packed layout (rows rounded up to whole groups).
