@@ -166,6 +166,19 @@ fn check_against_reference(
     }
 }
 
+/// A random `rows x cols` matrix of `dtype` and `n` tokens of activations, from `seed`.
+fn random_case(
+    dtype: GgmlType,
+    rows: usize,
+    cols: usize,
+    n: usize,
+    seed: u64,
+) -> (Vec<u8>, Vec<f32>) {
+    let mut rng = Rng(seed | 1);
+    let data = random_weights(dtype, rows, cols, &mut rng);
+    (data, random_acts(n, cols, &mut rng))
+}
+
 fn cols_for(dtype: GgmlType, units: usize) -> usize {
     match dtype {
         GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => units * 7 + 1,
@@ -786,9 +799,7 @@ proptest! {
         let dtype = QUANT_DTYPES[dt];
         let cols = cols_for(dtype, units);
         let pool = ThreadPool::new(threads);
-        let mut rng = Rng(seed | 1);
-        let data = random_weights(dtype, rows, cols, &mut rng);
-        let x = random_acts(n, cols, &mut rng);
+        let (data, x) = random_case(dtype, rows, cols, n, seed);
         let w = WeightMatrix::new(dtype, rows, cols, &data).unwrap();
         let mut want = vec![0.0f32; n * rows];
         matmul_with(CpuIsa::Scalar, w, &x, n, &mut want, &pool).unwrap();
@@ -833,9 +844,7 @@ proptest! {
         let dtype = DTYPES[dt];
         let cols = cols_for(dtype, units);
         let pool = ThreadPool::new(threads);
-        let mut rng = Rng(seed | 1);
-        let data = random_weights(dtype, rows, cols, &mut rng);
-        let x = random_acts(n, cols, &mut rng);
+        let (data, x) = random_case(dtype, rows, cols, n, seed);
         let w = WeightMatrix::new(dtype, rows, cols, &data).unwrap();
         let lo = residual(&x);
         let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
