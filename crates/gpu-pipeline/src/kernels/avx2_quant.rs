@@ -1145,15 +1145,26 @@ macro_rules! panel_tile_body {
     ($vnni:expr, $nblocks:ident, $block:ident, $acts:ident, $nq:ident) => {{
         let (nblocks, block, acts, nq) = ($nblocks, $block, $acts, $nq);
     let ones = _mm256_set1_epi16(1);
-    let shift = _mm_cvtsi32_si128(if is_signed(F) { 0 } else { offset_shift(F) });
+    // The signed formats' quants are offset back to u8 (`q + 128`) for `vpdpbusd`, whose sums
+    // then subtract `128 * sum(q_x)` as the offset formats do; without AVX-VNNI they stay signed.
+    // (A const expression, so that each format's closure below folds it.)
+    let shift = _mm_cvtsi32_si128(if is_signed(F) && !$vnni { 0 } else { offset_shift(F) });
     // The unsigned quants of 4-bit formats are at most 15: 8 `vpmaddubsw` pair sums add within
     // 8 * 2 * 15 * 127 in i16. 5-bit ones (at most 31) add 4 at a time.
     let four_bit = matches!(F, F_Q4_0 | F_Q4_1 | F_Q4K);
     // One block `l` of quad `qi` into the chain accumulators `ct` (one per token).
     let step = |qi: usize, l: usize, pb: &PanelBlock, ct: &mut [__m256; T]| {
         let wv = pb.w;
+        // The first operand of the dot products: `|w|` (with `sign(x, w)`), or with AVX-VNNI
+        // `w + 128`; the unsigned quants as they are.
         let wa = if is_signed(F) {
-            wv.map(|v| _mm256_abs_epi8(v))
+            wv.map(|v| {
+                if $vnni {
+                    _mm256_xor_si256(v, _mm256_set1_epi8(-128))
+                } else {
+                    _mm256_abs_epi8(v)
+                }
+            })
         } else {
             wv
         };
@@ -1202,17 +1213,13 @@ macro_rules! panel_tile_body {
                 continue;
             }
             let i = if $vnni {
-                // Exact `i32` sums of the 32 products (`|w| * sign(x, w)` for the signed
-                // formats), one instruction per 4: the same integers as below.
+                // Exact `i32` sums of the 32 products (of the signed formats offset by
+                // `128 * sum(q_x)`, subtracted below), one instruction per 4.
                 let mut s = _mm256_setzero_si256();
                 for j in 0..8 {
-                    let (a, b) = if is_signed(F) {
-                        (wa[j], _mm256_sign_epi8(x(j), wv[j]))
-                    } else {
-                        (wv[j], x(j))
-                    };
+                    let a = if is_signed(F) { wa[j] } else { wv[j] };
                     // SAFETY: AVX-VNNI is enabled where `$vnni` is true.
-                    s = unsafe { _mm256_dpbusd_avx_epi32(s, a, b) };
+                    s = unsafe { _mm256_dpbusd_avx_epi32(s, a, x(j)) };
                 }
                 s
             } else if is_signed(F) {
@@ -1236,7 +1243,7 @@ macro_rules! panel_tile_body {
                 }
                 _mm256_add_epi32(_mm256_madd_epi16(p0, ones), _mm256_madd_epi16(p1, ones))
             };
-            let i = if offset_shift(F) != 0 && !is_signed(F) {
+            let i = if offset_shift(F) != 0 && (!is_signed(F) || $vnni) {
                 _mm256_sub_epi32(i, _mm256_sll_epi32(_mm256_set1_epi32(aq.sq[4 * l]), shift))
             } else {
                 i
