@@ -84,6 +84,23 @@ impl ActBlock {
         sq: 0,
         sq0: 0,
     };
+
+    /// The activation sum of elements 0..16 (`part` 0), 16..32 (1) or all 32 (2).
+    #[inline(always)]
+    pub(crate) fn sum(&self, part: usize) -> i32 {
+        match part {
+            0 => self.sq0,
+            1 => self.sq - self.sq0,
+            _ => self.sq,
+        }
+    }
+
+    /// `-(sum(part) << shift)`: where the formats with an offset (`2^shift`, subtracted from
+    /// every quant) start their integer dot products, so that the sums come out offset.
+    #[inline(always)]
+    pub(crate) fn offset_start(&self, part: usize, shift: i32) -> i32 {
+        -(self.sum(part) << shift)
+    }
 }
 
 /// Quantizes `n = x.len() / cols` tokens into `out` (`n * cols / 32` blocks).

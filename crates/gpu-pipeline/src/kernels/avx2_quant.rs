@@ -1119,12 +1119,16 @@ pub(crate) type Vnni = Option<HasAvxVnni>;
 pub(crate) struct HasAvxVnni(());
 
 impl HasAvxVnni {
-    /// `Some` if this CPU has AVX-VNNI (and AVX2, FMA, F16C).
+    /// `Some` if this CPU has AVX-VNNI (and AVX2, FMA, F16C); looked up once per process (the
+    /// kernels ask per task).
     pub(crate) fn detect() -> Option<Self> {
-        (is_x86_feature_detected!("avx2")
-            && is_x86_feature_detected!("fma")
-            && is_x86_feature_detected!("f16c")
-            && is_x86_feature_detected!("avxvnni"))
+        static HAS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        HAS.get_or_init(|| {
+            is_x86_feature_detected!("avx2")
+                && is_x86_feature_detected!("fma")
+                && is_x86_feature_detected!("f16c")
+                && is_x86_feature_detected!("avxvnni")
+        })
         .then_some(Self(()))
     }
 }

@@ -868,18 +868,18 @@ mod avx512 {
         // The formats with an offset start the integer sums from `-(offset * sum(q_x))` (of
         // each half for the split formats, else of the block in the first sum): one broadcast
         // instead of a broadcast, shift and subtraction after the sums; the same integers.
-        let start = |sum: i32| {
+        let start = |a: &ActBlock, part: usize| {
             if offset_shift(F) != 0 {
-                _mm512_set1_epi32(-(sum << offset_shift(F)))
+                _mm512_set1_epi32(a.offset_start(part, offset_shift(F)))
             } else {
                 _mm512_setzero_si512()
             }
         };
         let mut even: [__m512i; T] =
-            std::array::from_fn(|t| start(if split { a[t].sq0 } else { a[t].sq }));
+            std::array::from_fn(|t| start(a[t], if split { 0 } else { 2 }));
         let mut odd: [__m512i; T] = std::array::from_fn(|t| {
             if split {
-                start(a[t].sq - a[t].sq0)
+                start(a[t], 1)
             } else {
                 _mm512_setzero_si512()
             }

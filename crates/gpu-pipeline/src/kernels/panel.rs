@@ -115,9 +115,9 @@ fn offsets<const F: u8>(acts: &[ActBlock], out: &mut Vec<[i32; 2]>) {
     out.clear();
     out.extend(acts.iter().map(|a| {
         if is_split(F) {
-            [-(act_sum(a, 0) << s), -(act_sum(a, 1) << s)]
+            [a.offset_start(0, s), a.offset_start(1, s)]
         } else {
-            [-(act_sum(a, 2) << s), 0]
+            [a.offset_start(2, s), 0]
         }
     }));
 }
@@ -873,7 +873,7 @@ unsafe fn chain<const F: u8, const P: usize, const T: usize>(
         let scale =
             |p: usize, i: usize| unsafe { _mm512_load_ps(scales[p][sv * b + i].0.as_ptr()) };
         // The integer dot products of vectors `js` with each token, offset by its activation
-        // sum `part` (see [`act_sum`]) times the format's offset: the sums start from the
+        // sum `part` (see [`ActBlock::sum`]) times the format's offset: the sums start from the
         // negated offset ([`offsets`]; half `part` of a split format, else entry 0). Each is
         // converted to f32 where it is used (converting all first costs registers).
         let dots = |js: Range<usize>, part: usize| -> [[__m512i; T]; P] {
@@ -919,7 +919,7 @@ unsafe fn chain<const F: u8, const P: usize, const T: usize>(
                     for t in 0..T {
                         let a = act(t, b);
                         let ad = _mm512_set1_ps(a.d);
-                        let sum = _mm512_set1_ps(act_sum(a, h) as f32);
+                        let sum = _mm512_set1_ps(a.sum(h) as f32);
                         for p in 0..P {
                             let s = _mm512_mul_ps(scale(p, 2 + h), ad);
                             acc[p][t] = _mm512_fmadd_ps(sum, s, acc[p][t]);
@@ -945,14 +945,4 @@ unsafe fn chain<const F: u8, const P: usize, const T: usize>(
         b += 4;
     }
     acc
-}
-
-/// A block's activation sum: of elements 0..16 (`part` 0), 16..32 (1) or all (2).
-#[inline(always)]
-fn act_sum(a: &ActBlock, part: usize) -> i32 {
-    match part {
-        0 => a.sq0,
-        1 => a.sq - a.sq0,
-        _ => a.sq,
-    }
 }
