@@ -1,6 +1,6 @@
 //! AVX2 + FMA + F16C kernels for matrices in the row-interleaved layout
-//! ([`super::PackedWeights`]: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K), dispatched from the AVX2 backend for
-//! [`super::Layout::Rows16`] matrices.
+//! ([`super::PackedWeights`]: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K),
+//! dispatched from the AVX2 backend for [`super::Layout::Rows16`] matrices.
 //!
 //! A packed block holds 16 rows' quants as 64-byte vectors, lane `r` (4 bytes) = row `r`; its
 //! low 32 bytes are rows 0..8, the high 32 bytes rows 8..16. So one 256-bit load gives 8 rows'
@@ -24,9 +24,12 @@ use super::act::{ActQuad, quads_per_token};
 use super::avx2_quant::{
     PANEL_MIN_TOKENS, PANEL_TOKEN_CHUNK, PanelBlock, Vnni, emit8, token_tiles, with_panel,
 };
-use super::avx512::{F_Q4_0, F_Q4_1, F_Q4K, F_Q5_0, F_Q5_1, F_Q5K, F_Q6K, F_Q8_0};
+use super::avx512::{F_Q2K, F_Q3K, F_Q4_0, F_Q4_1, F_Q4K, F_Q5_0, F_Q5_1, F_Q5K, F_Q6K, F_Q8_0};
 use super::format::Fmt;
-use super::packed::{GROUP_ROWS, Q6K_D, Q6K_SCALES, block_bytes, k45_fields, locate};
+use super::packed::{
+    GROUP_ROWS, Q2K_D, Q2K_DMIN, Q2K_SCALES, Q3K_D, Q3K_SCALES, Q6K_D, Q6K_SCALES, block_bytes,
+    k45_fields, locate,
+};
 use super::{RowsOut, WeightMatrix};
 
 /// How far ahead (bytes) decode prefetches the group bytes it streams, into L2 (as the AVX-512
@@ -58,6 +61,8 @@ pub(crate) unsafe fn quant_rows(
         Fmt::Q6K => rows_impl::<F_Q6K>(fmt, w, acts, n, rows, out, vnni),
         Fmt::Q5_0 => rows_impl::<F_Q5_0>(fmt, w, acts, n, rows, out, vnni),
         Fmt::Q5_1 => rows_impl::<F_Q5_1>(fmt, w, acts, n, rows, out, vnni),
+        Fmt::Q2K => rows_impl::<F_Q2K>(fmt, w, acts, n, rows, out, vnni),
+        Fmt::Q3K => rows_impl::<F_Q3K>(fmt, w, acts, n, rows, out, vnni),
         _ => unreachable!("packed formats are checked by the caller"),
     }
 }
@@ -93,7 +98,11 @@ unsafe fn half_block<const F: u8>(group: *const u8, b: usize, bb: usize, h: usiz
                 w,
                 d: f16s(512),
                 m: _mm256_setzero_ps(),
+                mins: [_mm256_setzero_ps(); 2],
             };
+        }
+        if matches!(F, F_Q2K | F_Q3K) {
+            return k23_half::<F>(p, s, sub, h);
         }
         let lo4 = _mm256_set1_epi8(0x0F);
         for c in 0..4 {
@@ -153,7 +162,74 @@ unsafe fn half_block<const F: u8>(group: *const u8, b: usize, bb: usize, h: usiz
             F_Q5_1 => (f16s(320), f16s(352)),
             _ => (f16s(256), _mm256_setzero_ps()),
         };
-        PanelBlock { w, d, m }
+        PanelBlock {
+            w,
+            d,
+            m,
+            mins: [_mm256_setzero_ps(); 2],
+        }
+    }
+}
+
+/// [`half_block`] of Q2_K and Q3_K (rows `8h..8h + 8` of sub-block `s`, its quants at `sub` in
+/// the packed super-block at `p`), as the AVX-512 `packed::k23_block` decodes all 16 rows.
+///
+/// # Safety
+/// `p` is a whole packed super-block of the format, `s < 8`, `sub` sub-block `s`'s offset, `h < 2`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn k23_half<const F: u8>(p: *const u8, s: usize, sub: usize, h: usize) -> PanelBlock {
+    // SAFETY (whole body): every load is inside the super-block (fields laid out in `packed`).
+    unsafe {
+        let ld = |off: usize| _mm256_loadu_si256(p.add(off + 32 * h).cast());
+        let f16s = |off: usize| _mm256_cvtph_ps(_mm_loadu_si128(p.add(off + 16 * h).cast()));
+        let srl = |v: __m256i, n: usize| _mm256_srl_epi32(v, _mm_cvtsi32_si128(n as i32));
+        let lanes =
+            |v: __m256i, n: usize, mask: i32| _mm256_and_si256(srl(v, n), _mm256_set1_epi32(mask));
+        let low = [ld(sub), ld(sub + 64)];
+        let three = _mm256_set1_epi8(3);
+        let mut w: [__m256i; 8] =
+            std::array::from_fn(|j| _mm256_and_si256(srl(low[j / 4], 2 * (j % 4)), three));
+        if F == F_Q3K {
+            let (hi, bit2) = (ld(sub + 128), _mm256_set1_epi8(4));
+            for (j, wj) in w.iter_mut().enumerate() {
+                let at = if j <= 2 {
+                    _mm256_sll_epi32(hi, _mm_cvtsi32_si128(2 - j as i32))
+                } else {
+                    srl(hi, j - 2)
+                };
+                *wj = _mm256_or_si256(*wj, _mm256_and_si256(at, bit2));
+            }
+            let d = f16s(Q3K_D);
+            let scale = |i: usize| {
+                let lo = lanes(
+                    ld(Q3K_SCALES + 64 * (i % 8 / 4)),
+                    8 * (i % 4) + 4 * (i / 8),
+                    0xF,
+                );
+                let hi = lanes(ld(Q3K_SCALES + 128), 8 * (i % 4) + 2 * (i / 4), 3);
+                let v = _mm256_or_si256(lo, _mm256_slli_epi32::<4>(hi));
+                let v = _mm256_sub_epi32(v, _mm256_set1_epi32(32));
+                _mm256_mul_ps(d, _mm256_cvtepi32_ps(v))
+            };
+            return PanelBlock {
+                w,
+                d: scale(2 * s),
+                m: scale(2 * s + 1),
+                mins: [_mm256_setzero_ps(); 2],
+            };
+        }
+        let v = ld(Q2K_SCALES + 64 * (s / 2));
+        let at = 16 * (s % 2);
+        let (d, dmin) = (f16s(Q2K_D), f16s(Q2K_DMIN));
+        let nib = |n: usize| _mm256_cvtepi32_ps(lanes(v, at + n, 0xF));
+        let min = |n: usize| _mm256_xor_ps(_mm256_mul_ps(dmin, nib(n)), _mm256_set1_ps(-0.0));
+        PanelBlock {
+            w,
+            d: _mm256_mul_ps(d, nib(0)),
+            m: _mm256_mul_ps(d, nib(8)),
+            mins: [min(4), min(12)],
+        }
     }
 }
 
@@ -210,6 +286,12 @@ fn rows_impl<const F: u8>(
     let task = &w.data[rows.start / GROUP_ROWS * gb..rows.end.div_ceil(GROUP_ROWS) * gb];
     if n >= PANEL_MIN_TOKENS {
         return panel_rows::<F>(task, bb, nb, nq, acts, n, rows, out, vnni);
+    }
+    // The streaming prefetch runs `PF_AHEAD` ahead: the task's first bytes up to there are
+    // requested at once.
+    for off in (0..PF_AHEAD.min(task.len())).step_by(64) {
+        // A hint inside `task` (no side effects).
+        _mm_prefetch::<_MM_HINT_T2>(task[off..].as_ptr().cast());
     }
     for g in rows.clone().step_by(GROUP_ROWS) {
         let at = (g - rows.start) / GROUP_ROWS * gb;

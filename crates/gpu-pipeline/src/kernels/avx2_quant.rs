@@ -929,6 +929,8 @@ pub(super) struct PanelBlock {
     pub(super) w: [__m256i; 8],
     pub(super) d: __m256,
     pub(super) m: __m256,
+    /// Q2_K (packed weights only): `-(dmin * m)` of elements 0..16 and 16..32.
+    pub(super) mins: [__m256; 2],
 }
 
 thread_local! {
@@ -1187,8 +1189,9 @@ macro_rules! panel_tile_body {
                 })
             };
             if is_split(F) {
-                // Q6_K: elements 0..16 (vectors 0..4) and 16..32 have their own scales, in `d`
-                // and `m`. 6-bit quants (at most 63): two pair sums add within 2 * 2 * 63 * 127.
+                // Q6_K (and packed Q2_K, Q3_K): elements 0..16 (vectors 0..4) and 16..32 have
+                // their own scales, in `d` and `m`. Quants of at most 6 bits (at most 63): two
+                // pair sums add within 2 * 2 * 63 * 127.
                 let half = |j0: usize| {
                     if $vnni {
                         let mut s = _mm256_setzero_si256();
@@ -1208,12 +1211,26 @@ macro_rules! panel_tile_body {
                     );
                     _mm256_add_epi32(_mm256_madd_epi16(pa, ones), _mm256_madd_epi16(pb, ones))
                 };
-                let sq = |v: i32| _mm256_sll_epi32(_mm256_set1_epi32(v), shift);
-                let i0 = _mm256_sub_epi32(half(0), sq(aq.sq0[4 * l]));
-                let i1 = _mm256_sub_epi32(half(4), sq(aq.sq1[4 * l]));
+                // The offset (none for Q2_K: a shift of 0 is no offset, not an offset of 1).
+                let sub = |i: __m256i, v: i32| {
+                    if offset_shift(F) != 0 {
+                        _mm256_sub_epi32(i, _mm256_sll_epi32(_mm256_set1_epi32(v), shift))
+                    } else {
+                        i
+                    }
+                };
+                let i0 = sub(half(0), aq.sq0[4 * l]);
+                let i1 = sub(half(4), aq.sq1[4 * l]);
                 let dx = _mm256_set1_ps(aq.dx[4 * l]);
                 *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i0), _mm256_mul_ps(pb.d, dx), *acc);
                 *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i1), _mm256_mul_ps(pb.m, dx), *acc);
+                if has_min(F) {
+                    // Q2_K: per half, `sum(q_x half) * (min_w half * d_x)`.
+                    for (min, sq) in pb.mins.iter().zip([aq.sq0[4 * l], aq.sq1[4 * l]]) {
+                        let s = _mm256_set1_ps(sq as f32);
+                        *acc = _mm256_fmadd_ps(s, _mm256_mul_ps(*min, dx), *acc);
+                    }
+                }
                 continue;
             }
             let i = if $vnni {

@@ -19,7 +19,11 @@
 //! sub-block's low 4 bits as a packed Q4_0 block (Q5_K's fifth bits in one more lane per row, as
 //! Q5_0's; Q6_K's high 2 bits in two, [`q6_bit`]), then the 16 rows' super-block scales and
 //! their 6-bit (Q4_K, Q5_K) or 8-bit (Q6_K) sub-block scales side by side, so
-//! one load gives 16 (AVX2: 8) rows' scale fields. Both backends decode a packed block the same
+//! one load gives 16 (AVX2: 8) rows' scale fields. Q2_K and Q3_K pack per super-block too
+//! ([`Q2K_SUPER`], [`Q3K_SUPER`]): each sub-block's 2-bit quants in two lanes per row (ordered as
+//! Q6_K's high bits, so one `vgf2p8affineqb` or a shift and a mask give a weight vector's),
+//! Q3_K's third bits in one more (ordered as Q5_0's fifth bits), then the rows' `d` (Q2_K: and
+//! `dmin`) and their scale bytes side by side. Both backends decode a packed block the same
 //! way ([`block16`], and 8 rows at a time `avx2_packed`'s `half_block`).
 //!
 //! **Same arithmetic.** The kernel accumulates each output exactly as the other AVX-512 kernels
@@ -99,6 +103,8 @@ pub(crate) fn block_bytes(fmt: Fmt) -> Option<usize> {
         Fmt::Q4K => Some(Q4K_SUPER / 8),
         Fmt::Q5K => Some(Q5K_SUPER / 8),
         Fmt::Q6K => Some(Q6K_SUPER / 8),
+        Fmt::Q2K => Some(Q2K_SUPER / 8),
+        Fmt::Q3K => Some(Q3K_SUPER / 8),
         Fmt::Q5_0 => Some(256 + 64 + 32),
         Fmt::Q5_1 => Some(256 + 64 + 64),
         _ => None,
@@ -117,6 +123,36 @@ pub(crate) const Q6K_SUB: usize = 256 + 128;
 pub(crate) const Q6K_D: usize = 8 * Q6K_SUB;
 /// Offset of the scale vectors in a packed Q6_K super-block.
 pub(crate) const Q6K_SCALES: usize = Q6K_D + 32;
+
+/// Bytes of one packed Q2_K super-block (16 rows x 256 elements, as many bytes as the file's 16
+/// blocks): per sub-block, the 16 rows' 2-bit quants as two 64-byte vectors ([`Q2K_SUB`] bytes,
+/// ordered as Q6_K's high bits, [`q6_bit`], so that one shift by `2(j % 4)` and a mask give
+/// weight vector `j`); then the 16 rows' `d` ([`Q2K_D`]) and `dmin` ([`Q2K_DMIN`]) as f16, then
+/// their 16 scale bytes (scale in the low nibble, minimum in the high one, per 16 elements) as 4
+/// vectors ([`Q2K_SCALES`]: vector `v` lane `r` = scale bytes `4v..4v + 4` of row `r`).
+pub(crate) const Q2K_SUPER: usize = 8 * Q2K_SUB + 32 + 32 + 4 * 64;
+/// Bytes of one sub-block's quants in a packed Q2_K super-block.
+pub(crate) const Q2K_SUB: usize = 128;
+/// Offset of the `d` values in a packed Q2_K super-block.
+pub(crate) const Q2K_D: usize = 8 * Q2K_SUB;
+/// Offset of the `dmin` values in a packed Q2_K super-block.
+pub(crate) const Q2K_DMIN: usize = Q2K_D + 32;
+/// Offset of the scale vectors in a packed Q2_K super-block.
+pub(crate) const Q2K_SCALES: usize = Q2K_DMIN + 32;
+
+/// Bytes of one packed Q3_K super-block (16 rows x 256 elements, as many bytes as the file's 16
+/// blocks): per sub-block ([`Q3K_SUB`] bytes), the low 2 bits of the quants as a packed Q2_K
+/// sub-block's, then each row's 32 third bits in one lane (ordered as Q5_0's fifth bits,
+/// [`q5_bit`]); then the 16 rows' `d` as f16 ([`Q3K_D`]), then the 12 bytes of 6-bit scales as 3
+/// vectors ([`Q3K_SCALES`]: vector `k` lane `r` = bytes `4k..4k + 4` of row `r`'s `scales`, the
+/// file's packing, see [`weight_cache::quant::scale_k3`]).
+pub(crate) const Q3K_SUPER: usize = 8 * Q3K_SUB + 32 + 3 * 64;
+/// Bytes of one sub-block's quants in a packed Q3_K super-block.
+pub(crate) const Q3K_SUB: usize = 128 + 64;
+/// Offset of the `d` values in a packed Q3_K super-block.
+pub(crate) const Q3K_D: usize = 8 * Q3K_SUB;
+/// Offset of the scale vectors in a packed Q3_K super-block.
+pub(crate) const Q3K_SCALES: usize = Q3K_D + 32;
 
 /// Q6_K: where the high 2 bits of element `e` (0..32) of a sub-block go among the row's 64 packed
 /// bits (two 32-bit lanes, the first for the kernel's weight vectors 0..4, the second for 4..8):
@@ -201,7 +237,8 @@ pub(crate) fn packed_len(fmt: Fmt, rows: usize, cols: usize) -> Option<usize> {
 }
 
 impl PackedWeights {
-    /// Whether matrices of `dtype` can be packed (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K), and
+    /// Whether matrices of `dtype` can be packed (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K,
+    /// Q5_K, Q6_K), and
     /// the kernels that read the layout run on this CPU (the AVX-512 or AVX2 backend, whichever
     /// [`super::CpuIsa::detect`] selects).
     pub fn supported(dtype: GgmlType) -> bool {
@@ -352,6 +389,7 @@ fn unpack(fmt: Fmt, pu: &[u8], r: usize, blk: &mut [u8]) {
     match fmt {
         Fmt::Q4K | Fmt::Q5K => k45_unpack(fmt == Fmt::Q5K, pu, r, blk),
         Fmt::Q6K => q6k_unpack(pu, r, blk),
+        Fmt::Q2K | Fmt::Q3K => k23_unpack(fmt == Fmt::Q3K, pu, r, blk),
         Fmt::Q5_0 | Fmt::Q5_1 => {
             // d, (Q5_1: m,) qh as a little-endian u32, then the 16 nibble bytes.
             let hdr = if fmt == Fmt::Q5_1 { 4 } else { 2 };
@@ -526,6 +564,90 @@ fn q6k_unpack(sup: &[u8], r: usize, blk: &mut [u8]) {
     }
 }
 
+/// Packs row `r` of a group's Q2_K (`three` false: the file's 84 bytes) or Q3_K (110 bytes)
+/// super-block `blk` into the packed super-block `out`: each sub-block's quants as weight-cache
+/// decodes them (Q3_K: the low 2 bits and the third bit), the scale bytes, `d` and `dmin` as the
+/// file has them.
+fn k23_pack(three: bool, blk: &[u8], r: usize, out: &mut [u8]) {
+    use std::mem::offset_of;
+    use weight_cache::quant::{BlockQ2K, BlockQ3K};
+    let (fmt, sub) = if three {
+        (Fmt::Q3K, Q3K_SUB)
+    } else {
+        (Fmt::Q2K, Q2K_SUB)
+    };
+    let mut q = [0u8; 32];
+    for s in 0..8 {
+        super::format::decode_sub(fmt, blk, s, &mut q);
+        let out = &mut out[sub * s..][..sub];
+        let low = (0..32).fold(0u64, |h, e| h | (u64::from(q[e] & 3) << q6_bit(e)));
+        out[4 * r..][..4].copy_from_slice(&(low as u32).to_le_bytes());
+        out[64 + 4 * r..][..4].copy_from_slice(&((low >> 32) as u32).to_le_bytes());
+        if three {
+            let high = (0..32).fold(0u32, |h, e| h | (u32::from(q[e] >> 2) << q5_bit(e)));
+            out[128 + 4 * r..][..4].copy_from_slice(&high.to_le_bytes());
+        }
+    }
+    if three {
+        out[Q3K_D + 2 * r..][..2].copy_from_slice(&blk[offset_of!(BlockQ3K, d)..][..2]);
+        let sc = offset_of!(BlockQ3K, scales);
+        for k in 0..3 {
+            out[Q3K_SCALES + 64 * k + 4 * r..][..4].copy_from_slice(&blk[sc + 4 * k..][..4]);
+        }
+    } else {
+        out[Q2K_D + 2 * r..][..2].copy_from_slice(&blk[offset_of!(BlockQ2K, d)..][..2]);
+        out[Q2K_DMIN + 2 * r..][..2].copy_from_slice(&blk[offset_of!(BlockQ2K, dmin)..][..2]);
+        let sc = offset_of!(BlockQ2K, scales);
+        for v in 0..4 {
+            out[Q2K_SCALES + 64 * v + 4 * r..][..4].copy_from_slice(&blk[sc + 4 * v..][..4]);
+        }
+    }
+}
+
+/// Row `r` of the packed Q2_K or Q3_K (`three`) super-block `sup`, back in the file's encoding
+/// (`blk`, 84 or 110 bytes): [`k23_pack`]'s inverse. The file's element `l` of sub-block
+/// `s = 4 half + j`: bits `2j..2j + 2` of `qs[32 half + l]`, Q3_K's third bit at bit `s` of
+/// `hmask[l]` (weight-cache's decoder).
+fn k23_unpack(three: bool, sup: &[u8], r: usize, blk: &mut [u8]) {
+    use std::mem::offset_of;
+    use weight_cache::quant::{BlockQ2K, BlockQ3K};
+    blk.fill(0);
+    let (sub, qs) = if three {
+        (Q3K_SUB, offset_of!(BlockQ3K, qs))
+    } else {
+        (Q2K_SUB, offset_of!(BlockQ2K, qs))
+    };
+    for s in 0..8 {
+        let su = &sup[sub * s..][..sub];
+        let lane = |at: usize| u32::from_le_bytes(su[at + 4 * r..][..4].try_into().unwrap());
+        let low = u64::from(lane(0)) | (u64::from(lane(64)) << 32);
+        let high = if three { lane(128) } else { 0 };
+        let (half, j) = (s / 4, s % 4);
+        for e in 0..32 {
+            let q = ((low >> q6_bit(e)) & 3) as u8;
+            blk[qs + 32 * half + e] |= q << (2 * j);
+            if three {
+                let h = ((high >> q5_bit(e)) & 1) as u8;
+                blk[offset_of!(BlockQ3K, hmask) + e] |= h << s;
+            }
+        }
+    }
+    if three {
+        blk[offset_of!(BlockQ3K, d)..][..2].copy_from_slice(&sup[Q3K_D + 2 * r..][..2]);
+        let sc = offset_of!(BlockQ3K, scales);
+        for k in 0..3 {
+            blk[sc + 4 * k..][..4].copy_from_slice(&sup[Q3K_SCALES + 64 * k + 4 * r..][..4]);
+        }
+    } else {
+        blk[offset_of!(BlockQ2K, d)..][..2].copy_from_slice(&sup[Q2K_D + 2 * r..][..2]);
+        blk[offset_of!(BlockQ2K, dmin)..][..2].copy_from_slice(&sup[Q2K_DMIN + 2 * r..][..2]);
+        let sc = offset_of!(BlockQ2K, scales);
+        for v in 0..4 {
+            blk[sc + 4 * v..][..4].copy_from_slice(&sup[Q2K_SCALES + 64 * v + 4 * r..][..4]);
+        }
+    }
+}
+
 /// Packs group `g` (rows `16g..16g + 16`, missing rows as zero blocks) of `w` into `out`
 /// (`nb` packed blocks).
 fn pack_group(fmt: Fmt, w: WeightMatrix<'_>, g: usize, out: &mut [u8]) {
@@ -542,6 +664,7 @@ fn pack_group(fmt: Fmt, w: WeightMatrix<'_>, g: usize, out: &mut [u8]) {
             match fmt {
                 Fmt::Q4K | Fmt::Q5K => k45_pack(fmt == Fmt::Q5K, blk, r, pb),
                 Fmt::Q6K => q6k_pack(blk, r, pb),
+                Fmt::Q2K | Fmt::Q3K => k23_pack(fmt == Fmt::Q3K, blk, r, pb),
                 Fmt::Q4_0 | Fmt::Q4_1 => {
                     let hdr = if fmt == Fmt::Q4_1 { 4 } else { 2 };
                     let qs = &blk[hdr..hdr + 16];
@@ -599,12 +722,15 @@ mod avx512 {
 
     use super::super::act::ActBlock;
     use super::super::avx512::{
-        F_Q4_0, F_Q4_1, F_Q4K, F_Q5_0, F_Q5_1, F_Q5K, F_Q6K, F_Q8_0, has_min, is_split,
-        offset_shift,
+        F_Q2K, F_Q3K, F_Q4_0, F_Q4_1, F_Q4K, F_Q5_0, F_Q5_1, F_Q5K, F_Q6K, F_Q8_0, has_min,
+        is_split, offset_shift,
     };
     use super::super::format::Fmt;
     use super::super::{RowsOut, WeightMatrix};
-    use super::{GROUP_ROWS, Q6K_D, Q6K_SCALES, Q6K_SUB, block_bytes, k45_fields};
+    use super::{
+        GROUP_ROWS, Q2K_D, Q2K_DMIN, Q2K_SCALES, Q2K_SUB, Q3K_D, Q3K_SCALES, Q3K_SUB, Q6K_D,
+        Q6K_SCALES, Q6K_SUB, block_bytes, k45_fields,
+    };
 
     /// How far ahead (bytes) decode prefetches the weights it streams, into L2
     /// (`_MM_HINT_T2`). Measured on Zen 4 (default model, 2 threads, `zerolayer bench
@@ -620,7 +746,9 @@ mod avx512 {
     /// The CPU supports the features enabled here; `w` is a packed matrix (checked length) of
     /// format `fmt`, one of [`block_bytes`]'s; `acts` holds `n` tokens of `w.cols / 32` blocks;
     /// `rows.start` is a multiple of [`GROUP_ROWS`].
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+    #[target_feature(
+        enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,gfni,avx2,fma,f16c"
+    )]
     pub(crate) unsafe fn quant_rows(
         fmt: Fmt,
         w: WeightMatrix<'_>,
@@ -638,11 +766,15 @@ mod avx512 {
             Fmt::Q4K => rows_impl::<F_Q4K>(fmt, w, acts, n, rows, out),
             Fmt::Q5K => rows_impl::<F_Q5K>(fmt, w, acts, n, rows, out),
             Fmt::Q6K => rows_impl::<F_Q6K>(fmt, w, acts, n, rows, out),
+            Fmt::Q2K => rows_impl::<F_Q2K>(fmt, w, acts, n, rows, out),
+            Fmt::Q3K => rows_impl::<F_Q3K>(fmt, w, acts, n, rows, out),
             _ => unreachable!("packed formats are checked by the caller"),
         }
     }
 
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+    #[target_feature(
+        enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,gfni,avx2,fma,f16c"
+    )]
     fn rows_impl<const F: u8>(
         fmt: Fmt,
         w: WeightMatrix<'_>,
@@ -666,6 +798,12 @@ mod avx512 {
         assert!(w.data.len() >= w.rows.div_ceil(GROUP_ROWS) * gb && !rows.is_empty());
         // The task's bytes: prefetches stay inside them.
         let task = &w.data[rows.start / GROUP_ROWS * gb..rows.end.div_ceil(GROUP_ROWS) * gb];
+        // The streaming prefetch runs `PF_AHEAD` ahead: the task's first bytes up to there are
+        // requested at once.
+        for off in (0..PF_AHEAD.min(task.len())).step_by(64) {
+            // A hint inside `task` (no side effects).
+            _mm_prefetch::<_MM_HINT_T2>(task[off..].as_ptr().cast());
+        }
         for g in rows.clone().step_by(GROUP_ROWS) {
             let at = (g - rows.start) / GROUP_ROWS * gb;
             let group = &task[at..at + gb];
@@ -716,6 +854,8 @@ mod avx512 {
         pub(crate) w: [__m512i; 8],
         pub(crate) d: __m512,
         pub(crate) m: __m512,
+        /// Q2_K: `-(dmin * m)` of elements 0..16 and 16..32 (zero for the other formats).
+        pub(crate) mins: [__m512; 2],
     }
 
     /// Where block `b` of a packed group (`bb` bytes per block) lies: the unit holding it (a
@@ -734,6 +874,8 @@ mod avx512 {
         let sub_bytes = match F {
             F_Q4K | F_Q5K => k45_fields(F == F_Q5K).0,
             F_Q6K => Q6K_SUB,
+            F_Q2K => Q2K_SUB,
+            F_Q3K => Q3K_SUB,
             // SAFETY: block `b` is inside the group (forwarded).
             _ => return (unsafe { group.add(b * bb) }, 0, 0),
         };
@@ -748,7 +890,9 @@ mod avx512 {
     /// `group` has whole packed blocks of the format (`bb` bytes each, [`block_bytes`]; K-quants:
     /// whole super-blocks) up to block `b`.
     #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+    #[target_feature(
+        enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,gfni,avx2,fma,f16c"
+    )]
     pub(crate) unsafe fn block16<const F: u8>(group: *const u8, b: usize, bb: usize) -> Block16 {
         // SAFETY (whole body): every load is inside the block (K-quants: inside its
         // super-block, whose fields are laid out in `super`).
@@ -768,7 +912,11 @@ mod avx512 {
                     w: std::array::from_fn(|j| ld(64 * j)),
                     d: f16s(512),
                     m: _mm512_setzero_ps(),
+                    mins: [_mm512_setzero_ps(); 2],
                 };
+            }
+            if matches!(F, F_Q2K | F_Q3K) {
+                return k23_block::<F>(p, s, sub);
             }
             let lo4 = _mm512_set1_epi8(0x0F);
             let v: [__m512i; 4] = std::array::from_fn(|c| ld(sub + 64 * c));
@@ -838,9 +986,103 @@ mod avx512 {
                 F_Q5_1 => (f16s(320), f16s(352)),
                 _ => (f16s(256), _mm512_setzero_ps()),
             };
-            Block16 { w, d, m }
+            Block16 {
+                w,
+                d,
+                m,
+                mins: [_mm512_setzero_ps(); 2],
+            }
         }
     }
+
+    /// [`block16`] of Q2_K and Q3_K: sub-block `s` (its quants at `sub`) of the packed
+    /// super-block at `p`. Weight vector `j`'s 2-bit quants sit at bits `8k + 2(j % 4)` of lane
+    /// vector `j / 4` ([`super::q6_bit`]), Q3_K's third bits at bits `8k + j` of the third
+    /// vector ([`super::q5_bit`]); the halves' scales (Q2_K: and minimums) as weight-cache
+    /// computes them.
+    ///
+    /// # Safety
+    /// `p` is a whole packed super-block of the format, `s < 8`, `sub` sub-block `s`'s offset.
+    #[inline]
+    #[target_feature(
+        enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,gfni,avx2,fma,f16c"
+    )]
+    unsafe fn k23_block<const F: u8>(p: *const u8, s: usize, sub: usize) -> Block16 {
+        // SAFETY (whole body): every load is inside the super-block (fields laid out in `super`).
+        unsafe {
+            let ld = |off: usize| _mm512_loadu_si512(p.add(off).cast());
+            let f16s = |off: usize| _mm512_cvtph_ps(_mm256_loadu_si256(p.add(off).cast()));
+            let srl = |v: __m512i, n: usize| _mm512_srl_epi32(v, _mm_cvtsi32_si128(n as i32));
+            let lanes = |v: __m512i, n: usize, mask: i32| {
+                _mm512_and_si512(srl(v, n), _mm512_set1_epi32(mask))
+            };
+            // Bits `2l, 2l + 1` of each byte to bits 0, 1 (`l` = 0: a mask), and bit `j` to bit
+            // 2, with one `vgf2p8affineqb` each (result bit `i` is the parity of matrix byte
+            // `7 - i` and the source byte).
+            let bits = |pairs: &[(u32, u32)]| {
+                let m = pairs
+                    .iter()
+                    .fold(0u64, |m, &(from, to)| m | (1u64 << (from + 8 * (7 - to))));
+                _mm512_set1_epi64(m as i64)
+            };
+            let low = [ld(sub), ld(sub + 64)];
+            let mut w: [__m512i; 8] = std::array::from_fn(|j| {
+                let (v, l) = (low[j / 4], (j % 4) as u32);
+                if l == 0 {
+                    _mm512_and_si512(v, _mm512_set1_epi8(3))
+                } else {
+                    _mm512_gf2p8affine_epi64_epi8::<0>(v, bits(&[(2 * l, 0), (2 * l + 1, 1)]))
+                }
+            });
+            if F == F_Q3K {
+                let hi = ld(sub + 128);
+                for (j, wj) in w.iter_mut().enumerate() {
+                    let third = _mm512_gf2p8affine_epi64_epi8::<0>(hi, bits(&[(j as u32, 2)]));
+                    *wj = _mm512_or_si512(*wj, third);
+                }
+                // `scale_k3(i)` of halves `i = 2s, 2s + 1`: the low 4 bits from byte `i % 8`
+                // (its high nibble for `i >= 8`), the high 2 bits from byte `8 + i % 4`.
+                let d = f16s(Q3K_D);
+                let scale = |i: usize| {
+                    let lo = lanes(
+                        ld(Q3K_SCALES + 64 * (i % 8 / 4)),
+                        8 * (i % 4) + 4 * (i / 8),
+                        0xF,
+                    );
+                    let hi = lanes(ld(Q3K_SCALES + 128), 8 * (i % 4) + 2 * (i / 4), 3);
+                    let v = _mm512_or_si512(lo, _mm512_slli_epi32::<4>(hi));
+                    let v = _mm512_sub_epi32(v, _mm512_set1_epi32(32));
+                    _mm512_mul_ps(d, _mm512_cvtepi32_ps(v))
+                };
+                return Block16 {
+                    w,
+                    d: scale(2 * s),
+                    m: scale(2 * s + 1),
+                    mins: [_mm512_setzero_ps(); 2],
+                };
+            }
+            // Q2_K: scale bytes `2s` (elements 0..16) and `2s + 1`: the scale in the low
+            // nibble, the minimum in the high one; a nibble to f32 with one `vpermps`, which
+            // reads the low 4 index bits only (`cvtdq2ps`'s value).
+            let v = ld(Q2K_SCALES + 64 * (s / 2));
+            let at = 16 * (s % 2);
+            let (d, dmin) = (f16s(Q2K_D), f16s(Q2K_DMIN));
+            let table = _mm512_loadu_ps(NIBBLE_F32.as_ptr());
+            let nib = |n: usize| _mm512_permutexvar_ps(srl(v, at + n), table);
+            let min = |n: usize| _mm512_xor_ps(_mm512_mul_ps(dmin, nib(n)), _mm512_set1_ps(-0.0));
+            Block16 {
+                w,
+                d: _mm512_mul_ps(d, nib(0)),
+                m: _mm512_mul_ps(d, nib(8)),
+                mins: [min(4), min(12)],
+            }
+        }
+    }
+
+    /// `0.0 ..= 15.0`: a 4-bit integer to f32 with one `vpermps`.
+    static NIBBLE_F32: [f32; 16] = [
+        0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 11.0, 12.0, 13.0, 14.0, 15.0,
+    ];
 
     /// The 4 activation bytes of elements `4j..4j + 4` of block `a`, broadcast.
     #[inline(always)]
@@ -856,13 +1098,16 @@ mod avx512 {
     }
 
     /// One block's contribution to a chain, for each of `T` tokens: `c += cvt(isum) * (d * d_x)`,
-    /// then (Q4_1, Q5_1, Q4_K) `c += m * (d_x * sum(q_x))`; Q6_K (split): per 16-element half,
-    /// its own offset sum and `c += cvt(isum_h) * (scale_h * d_x)`; exactly as the other AVX-512
+    /// then (Q4_1, Q5_1, Q4_K) `c += m * (d_x * sum(q_x))`; Q2_K, Q3_K, Q6_K (split): per
+    /// 16-element half, its own offset sum and `c += cvt(isum_h) * (scale_h * d_x)`, then
+    /// (Q2_K) per half `c += sum(q_x half) * (min_h * d_x)`; exactly as the other AVX-512
     /// kernels compute it. The integer sums run over the 8 weight vectors in the outer loop (each
     /// weight vector serves every token), in two partial sums per token for few tokens (shorter
     /// chains; split formats: one per half).
     #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+    #[target_feature(
+        enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,gfni,avx2,fma,f16c"
+    )]
     fn step<const F: u8, const T: usize>(blk: &Block16, a: [&ActBlock; T], c: &mut [__m512; T]) {
         let split = is_split(F);
         // The formats with an offset start the integer sums from `-(offset * sum(q_x))` (of
@@ -900,6 +1145,13 @@ mod avx512 {
                 let (i0, i1) = (even[t], odd[t]);
                 c[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i0), _mm512_mul_ps(blk.d, dx), c[t]);
                 c[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i1), _mm512_mul_ps(blk.m, dx), c[t]);
+                if has_min(F) {
+                    // Q2_K: per half, `sum(q_x half) * (min_w half * d_x)`.
+                    for (h, min) in blk.mins.iter().enumerate() {
+                        let sum = _mm512_set1_ps(a[t].sum(h) as f32);
+                        c[t] = _mm512_fmadd_ps(sum, _mm512_mul_ps(*min, dx), c[t]);
+                    }
+                }
                 continue;
             }
             let isum = if T <= 2 {
@@ -921,7 +1173,9 @@ mod avx512 {
     /// # Safety
     /// `group` holds `nb` packed blocks of `bb` bytes; `acts` at least `T * nb` blocks.
     #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+    #[target_feature(
+        enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,gfni,avx2,fma,f16c"
+    )]
     unsafe fn interleaved<const F: u8, const T: usize>(
         group: &[u8],
         bb: usize,
@@ -950,9 +1204,12 @@ mod avx512 {
                     _mm_prefetch::<_MM_HINT_T2>(pf[off..].as_ptr().cast());
                 }
             }
-            for l in 0..4 {
-                block(&mut acc, 4 * q + l, l);
-            }
+            // Written out: a loop over `l` is not unrolled for the larger block decoders (Q2_K,
+            // Q3_K), and the chains then live on the stack.
+            block(&mut acc, 4 * q, 0);
+            block(&mut acc, 4 * q + 1, 1);
+            block(&mut acc, 4 * q + 2, 2);
+            block(&mut acc, 4 * q + 3, 3);
         }
         for b in 4 * quads..nb {
             block(&mut acc, b, b % 4);

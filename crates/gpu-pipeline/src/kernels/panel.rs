@@ -148,7 +148,9 @@ pub(crate) fn applies(fmt: Fmt, n: usize) -> bool {
 /// The CPU supports the features enabled here; `acts` holds `n` tokens quantized for `w.cols`;
 /// `fmt` is one of [`applies`]'s formats and is `w`'s format (of a packed matrix: one with a
 /// packed layout, its length checked, `rows.start` a multiple of 16).
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+#[target_feature(
+    enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,gfni,avx2,fma,f16c"
+)]
 pub(crate) unsafe fn quant_rows(
     fmt: Fmt,
     w: WeightMatrix<'_>,
@@ -174,7 +176,9 @@ pub(crate) unsafe fn quant_rows(
     }
 }
 
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+#[target_feature(
+    enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,gfni,avx2,fma,f16c"
+)]
 fn panel_rows<const F: u8>(
     fmt: Fmt,
     w: WeightMatrix<'_>,
@@ -215,7 +219,9 @@ fn panel_rows<const F: u8>(
 /// [`panel_rows`] over a matrix already in the row-interleaved layout of
 /// [`super::packed::PackedWeights`] (`rows.start` a multiple of 16): each 16-row group is
 /// unpacked into the panel (no gathers or transposes), then multiplied the same way.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+#[target_feature(
+    enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,gfni,avx2,fma,f16c"
+)]
 fn packed_impl<const F: u8>(
     fmt: Fmt,
     w: WeightMatrix<'_>,
@@ -245,7 +251,9 @@ fn packed_impl<const F: u8>(
 /// `group` holds `quants.len()` packed blocks of `bb` bytes (K-quants: whole super-blocks);
 /// `scales` has [`scale_vectors`] entries per block.
 #[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+#[target_feature(
+    enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,gfni,avx2,fma,f16c"
+)]
 unsafe fn unpack<const F: u8>(
     group: &[u8],
     bb: usize,
@@ -262,11 +270,16 @@ unsafe fn unpack<const F: u8>(
             for (j, wj) in blk.w.iter().enumerate() {
                 _mm512_store_si512(pb.w[j].as_mut_ptr().cast(), *wj);
             }
-            // `d`, then the minimums (Q4_1, Q5_1, Q4_K) or Q6_K's second-half scales: the
+            // `d`, then the minimums (Q4_1, Q5_1, Q4_K) or the split formats' second-half scales: the
             // panel's second scale vector either way.
             _mm512_store_ps(sb[0].0.as_mut_ptr(), blk.d);
             if sv > 1 {
                 _mm512_store_ps(sb[1].0.as_mut_ptr(), blk.m);
+            }
+            if sv > 2 {
+                // Q2_K: the halves' minimums.
+                _mm512_store_ps(sb[2].0.as_mut_ptr(), blk.mins[0]);
+                _mm512_store_ps(sb[3].0.as_mut_ptr(), blk.mins[1]);
             }
         }
     }
@@ -278,7 +291,9 @@ type PackFn<'a> = dyn FnMut(usize, &mut [Quants], &mut [Lanes]) + 'a;
 /// The token and row loops shared by both sources: for each token chunk and each pair of 16-row
 /// groups `g`, `g + 16` of `rows` (a last odd group alone), `pack(g, quants, scales)` fills the
 /// panels, then every tile of the chunk's tokens is multiplied and emitted.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+#[target_feature(
+    enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,gfni,avx2,fma,f16c"
+)]
 fn panel_loop<const F: u8>(
     nblocks: usize,
     acts: &[ActBlock],
@@ -398,7 +413,9 @@ fn emit_tile<const P: usize, const T: usize>(
 /// Each `base + offs[k]` is the start of a full encoded row of `quants.len()` blocks of a
 /// 32-element format; `next.0` is valid for `next.1 * rb` bytes (prefetches only).
 #[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+#[target_feature(
+    enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,gfni,avx2,fma,f16c"
+)]
 unsafe fn pack<const F: u8>(
     base: *const u8,
     next: (*const u8, usize),
@@ -491,14 +508,18 @@ fn store(dst: &mut Lanes, v: __m512) {
 
 /// The f16 in the low 16 bits of each dword lane of `v`, as f32.
 #[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+#[target_feature(
+    enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,gfni,avx2,fma,f16c"
+)]
 fn f16_lo(v: __m512i) -> __m512 {
     _mm512_cvtph_ps(_mm512_cvtepi32_epi16(v))
 }
 
 /// Byte `k` (0..16) of each row, as u32 lanes, from the 16 bytes per row of [`transpose16`].
 #[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+#[target_feature(
+    enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,gfni,avx2,fma,f16c"
+)]
 fn byte_lanes(v: &[__m512i; 4], k: usize) -> __m512i {
     let shifted = _mm512_srl_epi32(v[k / 4], _mm_cvtsi32_si128(8 * (k % 4) as i32));
     _mm512_and_si512(shifted, _mm512_set1_epi32(0xFF))
@@ -507,14 +528,18 @@ fn byte_lanes(v: &[__m512i; 4], k: usize) -> __m512i {
 /// `d * v` per lane for the integer lanes `v` (`d * f32::from(v)`, as weight-cache computes a
 /// sub-block's scale).
 #[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+#[target_feature(
+    enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,gfni,avx2,fma,f16c"
+)]
 fn scaled(d: __m512, v: __m512i) -> __m512 {
     _mm512_mul_ps(d, _mm512_cvtepi32_ps(v))
 }
 
 /// `-(d * v)` per lane, as `-(dmin * f32::from(m))` computes it.
 #[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+#[target_feature(
+    enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,gfni,avx2,fma,f16c"
+)]
 fn neg_scaled(d: __m512, v: __m512i) -> __m512 {
     _mm512_xor_ps(scaled(d, v), _mm512_set1_ps(-0.0))
 }
@@ -529,7 +554,9 @@ fn neg_scaled(d: __m512, v: __m512i) -> __m512 {
 /// of format `F`; `next.0` is valid for `next.1 * rb` bytes (prefetches only).
 #[inline]
 #[allow(clippy::needless_range_loop)] // `j` indexes the packed vectors and the sources alike
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+#[target_feature(
+    enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,gfni,avx2,fma,f16c"
+)]
 unsafe fn pack_k<const F: u8>(
     base: *const u8,
     next: (*const u8, usize),
@@ -751,7 +778,9 @@ unsafe fn pack_k<const F: u8>(
 /// Byte mask of the 5th bits: byte `4r + i` is set when bit `first + i` of lane `r` of `qh` is
 /// (the layout of a packed vector `w[j]`, whose lane `r` holds 4 consecutive elements of row `r`).
 #[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+#[target_feature(
+    enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,gfni,avx2,fma,f16c"
+)]
 fn fifth_bits(qh: __m512i, first: i32) -> u64 {
     let nibble = _mm512_and_si512(
         _mm512_srl_epi32(qh, _mm_cvtsi32_si128(first)),
@@ -768,7 +797,9 @@ fn fifth_bits(qh: __m512i, first: i32) -> u64 {
 /// # Safety
 /// Each `p + offs[r]` has 16 readable bytes.
 #[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+#[target_feature(
+    enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,gfni,avx2,fma,f16c"
+)]
 unsafe fn transpose16(p: *const u8, offs: &[i32; 16]) -> [__m512i; 4] {
     // Y_g lane 4j + i = Z_g lane 4i + j, where Z_g lane 4i + j = dword j of row 4g + i.
     let t = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
@@ -823,7 +854,9 @@ fn act4(a: &ActBlock, j: usize) -> __m512i {
 /// `acts` is valid for `T * nb` blocks; each `quants[p]` holds the row length's `nb` blocks and
 /// `scales[p]` their [`scale_vectors`] each.
 #[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+#[target_feature(
+    enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,gfni,avx2,fma,f16c"
+)]
 unsafe fn tile<const F: u8, const P: usize, const T: usize>(
     quants: [&[Quants]; P],
     scales: [&[Lanes]; P],
@@ -851,7 +884,9 @@ unsafe fn tile<const F: u8, const P: usize, const T: usize>(
 /// As for [`tile`].
 #[inline]
 #[allow(clippy::needless_range_loop)] // `p`, `t` index the sums, accumulators and inputs alike
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+#[target_feature(
+    enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,gfni,avx2,fma,f16c"
+)]
 unsafe fn chain<const F: u8, const P: usize, const T: usize>(
     quants: [&[Quants]; P],
     scales: [&[Lanes]; P],
