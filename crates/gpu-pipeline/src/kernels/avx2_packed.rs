@@ -24,13 +24,16 @@ use super::act::{ActQuad, quads_per_token};
 use super::avx2_quant::{
     PANEL_MIN_TOKENS, PANEL_TOKEN_CHUNK, PanelBlock, Vnni, emit8, token_tiles, with_panel,
 };
-use super::avx512::{F_Q2K, F_Q3K, F_Q4_0, F_Q4_1, F_Q4K, F_Q5_0, F_Q5_1, F_Q5K, F_Q6K, F_Q8_0};
+use super::avx512::{
+    F_IQ4NL, F_IQ4XS, F_Q2K, F_Q3K, F_Q4_0, F_Q4_1, F_Q4K, F_Q5_0, F_Q5_1, F_Q5K, F_Q6K, F_Q8_0,
+};
 use super::format::Fmt;
 use super::packed::{
-    GROUP_ROWS, Q2K_D, Q2K_DMIN, Q2K_SCALES, Q3K_D, Q3K_SCALES, Q6K_D, Q6K_SCALES, block_bytes,
-    k45_fields, locate,
+    GROUP_ROWS, IQ4XS_D, IQ4XS_SH, IQ4XS_SL, Q2K_D, Q2K_DMIN, Q2K_SCALES, Q3K_D, Q3K_SCALES, Q6K_D,
+    Q6K_SCALES, block_bytes, k45_fields, locate,
 };
 use super::{RowsOut, WeightMatrix};
+use weight_cache::quant::KVALUES_IQ4NL;
 
 /// How far ahead (bytes) decode prefetches the group bytes it streams, into L2 (as the AVX-512
 /// packed kernel does).
@@ -63,6 +66,8 @@ pub(crate) unsafe fn quant_rows(
         Fmt::Q5_1 => rows_impl::<F_Q5_1>(fmt, w, acts, n, rows, out, vnni),
         Fmt::Q2K => rows_impl::<F_Q2K>(fmt, w, acts, n, rows, out, vnni),
         Fmt::Q3K => rows_impl::<F_Q3K>(fmt, w, acts, n, rows, out, vnni),
+        Fmt::IQ4NL => rows_impl::<F_IQ4NL>(fmt, w, acts, n, rows, out, vnni),
+        Fmt::IQ4XS => rows_impl::<F_IQ4XS>(fmt, w, acts, n, rows, out, vnni),
         _ => unreachable!("packed formats are checked by the caller"),
     }
 }
@@ -109,6 +114,29 @@ unsafe fn half_block<const F: u8>(group: *const u8, b: usize, bb: usize, h: usiz
             let v = ld(sub + 64 * c);
             w[c] = _mm256_and_si256(v, lo4);
             w[c + 4] = _mm256_and_si256(_mm256_srli_epi16::<4>(v), lo4);
+        }
+        if matches!(F, F_IQ4NL | F_IQ4XS) {
+            // The signed code-book values by index, as the AVX2 kernels take them.
+            let table = _mm256_broadcastsi128_si256(_mm_loadu_si128(KVALUES_IQ4NL.as_ptr().cast()));
+            let d = if F == F_IQ4XS {
+                // `d * scale_iq4xs(s)` (see `packed::block16`).
+                let srl = |v: __m256i, n: usize| _mm256_srl_epi32(v, _mm_cvtsi32_si128(n as i32));
+                let and = |v: __m256i, m: i32| _mm256_and_si256(v, _mm256_set1_epi32(m));
+                let sl = ld(IQ4XS_SL);
+                let sh = _mm256_cvtepu16_epi32(_mm_loadu_si128(p.add(IQ4XS_SH + 16 * h).cast()));
+                let low = and(srl(sl, 8 * (s / 2) + 4 * (s % 2)), 0xF);
+                let ls = _mm256_or_si256(low, _mm256_slli_epi32::<4>(and(srl(sh, 2 * s), 3)));
+                let ls = _mm256_sub_epi32(ls, _mm256_set1_epi32(32));
+                _mm256_mul_ps(f16s(IQ4XS_D), _mm256_cvtepi32_ps(ls))
+            } else {
+                f16s(256)
+            };
+            return PanelBlock {
+                w: w.map(|v| _mm256_shuffle_epi8(table, v)),
+                d,
+                m: _mm256_setzero_ps(),
+                mins: [_mm256_setzero_ps(); 2],
+            };
         }
         if matches!(F, F_Q5_0 | F_Q5_1 | F_Q5K) {
             // Vector `j`'s fifth bits sit at bits `8k + j` of the lane (`packed::q5_bit`).

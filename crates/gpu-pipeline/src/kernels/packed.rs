@@ -105,6 +105,8 @@ pub(crate) fn block_bytes(fmt: Fmt) -> Option<usize> {
         Fmt::Q6K => Some(Q6K_SUPER / 8),
         Fmt::Q2K => Some(Q2K_SUPER / 8),
         Fmt::Q3K => Some(Q3K_SUPER / 8),
+        Fmt::IQ4NL => Some(256 + 32),
+        Fmt::IQ4XS => Some(IQ4XS_SUPER / 8),
         Fmt::Q5_0 => Some(256 + 64 + 32),
         Fmt::Q5_1 => Some(256 + 64 + 64),
         _ => None,
@@ -153,6 +155,18 @@ pub(crate) const Q3K_SUB: usize = 128 + 64;
 pub(crate) const Q3K_D: usize = 8 * Q3K_SUB;
 /// Offset of the scale vectors in a packed Q3_K super-block.
 pub(crate) const Q3K_SCALES: usize = Q3K_D + 32;
+
+/// Bytes of one packed IQ4_XS super-block (16 rows x 256 elements, as many bytes as the file's
+/// 16 blocks): the 8 sub-blocks' code-book indices, 256 bytes each and laid out as a packed Q4_0
+/// block's, then the 16 rows' `d` as f16 ([`IQ4XS_D`]), their `scales_l` as one vector
+/// ([`IQ4XS_SL`]: lane `r` = row `r`'s 4 bytes) and their `scales_h` as 16 u16 ([`IQ4XS_SH`]).
+pub(crate) const IQ4XS_SUPER: usize = 8 * 256 + 32 + 64 + 32;
+/// Offset of the `d` values in a packed IQ4_XS super-block.
+pub(crate) const IQ4XS_D: usize = 8 * 256;
+/// Offset of the `scales_l` vector in a packed IQ4_XS super-block.
+pub(crate) const IQ4XS_SL: usize = IQ4XS_D + 32;
+/// Offset of the `scales_h` values in a packed IQ4_XS super-block.
+pub(crate) const IQ4XS_SH: usize = IQ4XS_SL + 64;
 
 /// Q6_K: where the high 2 bits of element `e` (0..32) of a sub-block go among the row's 64 packed
 /// bits (two 32-bit lanes, the first for the kernel's weight vectors 0..4, the second for 4..8):
@@ -404,7 +418,9 @@ fn unpack(fmt: Fmt, pu: &[u8], r: usize, blk: &mut [u8]) {
                 blk[hdr + 4 + 4 * c..][..4].copy_from_slice(&pu[64 * c + 4 * r..][..4]);
             }
         }
-        Fmt::Q4_0 | Fmt::Q4_1 => {
+        Fmt::IQ4XS => iq4xs_unpack(pu, r, blk),
+        // IQ4_NL blocks are laid out as Q4_0's (d, then 16 bytes of indices).
+        Fmt::Q4_0 | Fmt::Q4_1 | Fmt::IQ4NL => {
             let hdr = if fmt == Fmt::Q4_1 { 4 } else { 2 };
             blk[0..2].copy_from_slice(&pu[256 + 2 * r..][..2]);
             if fmt == Fmt::Q4_1 {
@@ -648,6 +664,39 @@ fn k23_unpack(three: bool, sup: &[u8], r: usize, blk: &mut [u8]) {
     }
 }
 
+/// Packs row `r` of a group's IQ4_XS super-block `blk` (the file's 136 bytes) into the packed
+/// super-block `out`: sub-block `s`'s indices are `qs` bytes `16s..16s + 16` (nibble order as
+/// Q4_0's), so they pack as a Q4_0 block's.
+fn iq4xs_pack(blk: &[u8], r: usize, out: &mut [u8]) {
+    use std::mem::offset_of;
+    use weight_cache::quant::BlockIQ4XS;
+    let qs = &blk[offset_of!(BlockIQ4XS, qs)..][..128];
+    for s in 0..8 {
+        for c in 0..4 {
+            out[256 * s + 64 * c + 4 * r..][..4].copy_from_slice(&qs[16 * s + 4 * c..][..4]);
+        }
+    }
+    out[IQ4XS_D + 2 * r..][..2].copy_from_slice(&blk[offset_of!(BlockIQ4XS, d)..][..2]);
+    out[IQ4XS_SL + 4 * r..][..4].copy_from_slice(&blk[offset_of!(BlockIQ4XS, scales_l)..][..4]);
+    out[IQ4XS_SH + 2 * r..][..2].copy_from_slice(&blk[offset_of!(BlockIQ4XS, scales_h)..][..2]);
+}
+
+/// Row `r` of the packed IQ4_XS super-block `sup`, back in the file's encoding (`blk`, 136
+/// bytes): [`iq4xs_pack`]'s inverse.
+fn iq4xs_unpack(sup: &[u8], r: usize, blk: &mut [u8]) {
+    use std::mem::offset_of;
+    use weight_cache::quant::BlockIQ4XS;
+    let qs = offset_of!(BlockIQ4XS, qs);
+    for s in 0..8 {
+        for c in 0..4 {
+            blk[qs + 16 * s + 4 * c..][..4].copy_from_slice(&sup[256 * s + 64 * c + 4 * r..][..4]);
+        }
+    }
+    blk[offset_of!(BlockIQ4XS, d)..][..2].copy_from_slice(&sup[IQ4XS_D + 2 * r..][..2]);
+    blk[offset_of!(BlockIQ4XS, scales_l)..][..4].copy_from_slice(&sup[IQ4XS_SL + 4 * r..][..4]);
+    blk[offset_of!(BlockIQ4XS, scales_h)..][..2].copy_from_slice(&sup[IQ4XS_SH + 2 * r..][..2]);
+}
+
 /// Packs group `g` (rows `16g..16g + 16`, missing rows as zero blocks) of `w` into `out`
 /// (`nb` packed blocks).
 fn pack_group(fmt: Fmt, w: WeightMatrix<'_>, g: usize, out: &mut [u8]) {
@@ -665,7 +714,8 @@ fn pack_group(fmt: Fmt, w: WeightMatrix<'_>, g: usize, out: &mut [u8]) {
                 Fmt::Q4K | Fmt::Q5K => k45_pack(fmt == Fmt::Q5K, blk, r, pb),
                 Fmt::Q6K => q6k_pack(blk, r, pb),
                 Fmt::Q2K | Fmt::Q3K => k23_pack(fmt == Fmt::Q3K, blk, r, pb),
-                Fmt::Q4_0 | Fmt::Q4_1 => {
+                Fmt::IQ4XS => iq4xs_pack(blk, r, pb),
+                Fmt::Q4_0 | Fmt::Q4_1 | Fmt::IQ4NL => {
                     let hdr = if fmt == Fmt::Q4_1 { 4 } else { 2 };
                     let qs = &blk[hdr..hdr + 16];
                     for c in 0..4 {
@@ -722,14 +772,14 @@ mod avx512 {
 
     use super::super::act::ActBlock;
     use super::super::avx512::{
-        F_Q2K, F_Q3K, F_Q4_0, F_Q4_1, F_Q4K, F_Q5_0, F_Q5_1, F_Q5K, F_Q6K, F_Q8_0, has_min,
-        is_split, offset_shift,
+        F_IQ4NL, F_IQ4XS, F_Q2K, F_Q3K, F_Q4_0, F_Q4_1, F_Q4K, F_Q5_0, F_Q5_1, F_Q5K, F_Q6K,
+        F_Q8_0, IQ4_TABLE, has_min, is_split, offset_shift,
     };
     use super::super::format::Fmt;
     use super::super::{RowsOut, WeightMatrix};
     use super::{
-        GROUP_ROWS, Q2K_D, Q2K_DMIN, Q2K_SCALES, Q2K_SUB, Q3K_D, Q3K_SCALES, Q3K_SUB, Q6K_D,
-        Q6K_SCALES, Q6K_SUB, block_bytes, k45_fields,
+        GROUP_ROWS, IQ4XS_D, IQ4XS_SH, IQ4XS_SL, Q2K_D, Q2K_DMIN, Q2K_SCALES, Q2K_SUB, Q3K_D,
+        Q3K_SCALES, Q3K_SUB, Q6K_D, Q6K_SCALES, Q6K_SUB, block_bytes, k45_fields,
     };
 
     /// How far ahead (bytes) decode prefetches the weights it streams, into L2
@@ -768,6 +818,8 @@ mod avx512 {
             Fmt::Q6K => rows_impl::<F_Q6K>(fmt, w, acts, n, rows, out),
             Fmt::Q2K => rows_impl::<F_Q2K>(fmt, w, acts, n, rows, out),
             Fmt::Q3K => rows_impl::<F_Q3K>(fmt, w, acts, n, rows, out),
+            Fmt::IQ4NL => rows_impl::<F_IQ4NL>(fmt, w, acts, n, rows, out),
+            Fmt::IQ4XS => rows_impl::<F_IQ4XS>(fmt, w, acts, n, rows, out),
             _ => unreachable!("packed formats are checked by the caller"),
         }
     }
@@ -876,6 +928,7 @@ mod avx512 {
             F_Q6K => Q6K_SUB,
             F_Q2K => Q2K_SUB,
             F_Q3K => Q3K_SUB,
+            F_IQ4XS => 256,
             // SAFETY: block `b` is inside the group (forwarded).
             _ => return (unsafe { group.add(b * bb) }, 0, 0),
         };
@@ -920,6 +973,39 @@ mod avx512 {
             }
             let lo4 = _mm512_set1_epi8(0x0F);
             let v: [__m512i; 4] = std::array::from_fn(|c| ld(sub + 64 * c));
+            if matches!(F, F_IQ4NL | F_IQ4XS) {
+                // Code-book values + 128 by index with one `vpermb` each, which reads the low 6
+                // index bits of a table repeating every 16 bytes: no nibble mask needed.
+                let table = _mm512_loadu_si512(IQ4_TABLE.as_ptr().cast());
+                let w = std::array::from_fn(|j| {
+                    if j < 4 {
+                        _mm512_permutexvar_epi8(v[j], table)
+                    } else {
+                        _mm512_permutexvar_epi8(_mm512_srli_epi16(v[j - 4], 4), table)
+                    }
+                });
+                let d = if F == F_IQ4XS {
+                    // `d * scale_iq4xs(s)`: the low 4 bits from nibble `s % 2` of `scales_l`
+                    // byte `s / 2`, the high 2 from bits `2s` of `scales_h`, minus 32.
+                    let sl = ld(IQ4XS_SL);
+                    let sh = _mm512_cvtepu16_epi32(_mm256_loadu_si256(p.add(IQ4XS_SH).cast()));
+                    let bits = |v: __m512i, n: usize, mask: i32| {
+                        _mm512_and_si512(shl(v, -(n as i32)), _mm512_set1_epi32(mask))
+                    };
+                    let low = bits(sl, 8 * (s / 2) + 4 * (s % 2), 0xF);
+                    let ls = _mm512_or_si512(low, _mm512_slli_epi32::<4>(bits(sh, 2 * s, 3)));
+                    let ls = _mm512_sub_epi32(ls, _mm512_set1_epi32(32));
+                    _mm512_mul_ps(f16s(IQ4XS_D), _mm512_cvtepi32_ps(ls))
+                } else {
+                    f16s(256)
+                };
+                return Block16 {
+                    w,
+                    d,
+                    m: _mm512_setzero_ps(),
+                    mins: [_mm512_setzero_ps(); 2],
+                };
+            }
             let mut w: [__m512i; 8] = std::array::from_fn(|j| {
                 if j < 4 {
                     _mm512_and_si512(v[j], lo4)
