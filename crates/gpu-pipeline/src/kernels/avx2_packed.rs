@@ -9,8 +9,8 @@
 //! are needed, where the file-layout decode kernel reduces 4 rows horizontally for every block
 //! (three `vphaddd` rounds per 8 block sums) and gathers the scales with scalar loads. Decode
 //! reads the packed block straight into registers ([`half_block`]) and runs the panel kernel's
-//! block step on it ([`panel_tile`]); many tokens unpack each half group once into the panel
-//! buffer, as the file-layout panel kernel does.
+//! block step on it ([`panel_tile`]); three tokens and more (Q8_0: sixteen) unpack each half
+//! group once into the panel buffer, as the file-layout panel kernel does.
 //!
 //! **Same arithmetic.** A half block carries exactly what the panel kernel decodes from the file
 //! layout (the same quant bytes, scales and minimums), and the step is the same code, so a
@@ -280,6 +280,16 @@ fn q4k_scale_min(v: impl Fn(usize) -> __m256i, s: usize) -> (__m256i, __m256i) {
     }
 }
 
+/// Fewest tokens for which each half group is unpacked once into the panel buffer and the token
+/// tiles (2 tokens each) read it there, instead of decoding the packed block again per tile.
+/// Measured (1536x1536, 1 thread, `ZEROLAYER_KERNELS=avx2` and `avx2vnni`, 3 and 4 tokens,
+/// unpacked vs per tile): Q4_K +13-45%, Q5_0 +19-36%, Q6_K +18-42%, IQ4_NL +11-19%, Q2_K at 4
+/// tokens +12-24%; Q8_0, whose decode is a load and an XOR, 8-20% slower, so it keeps the
+/// many-token threshold.
+const fn panel_min_tokens(f: u8) -> usize {
+    if f == F_Q8_0 { PANEL_MIN_TOKENS } else { 3 }
+}
+
 /// The halves of the 16-row group at row `g` that hold rows before `end`: `(h, first row,
 /// rows)`.
 fn live_halves(g: usize, end: usize) -> impl Iterator<Item = (usize, usize, usize)> {
@@ -312,7 +322,7 @@ fn rows_impl<const F: u8>(
     assert!(bb > 0 && w.data.len() >= w.rows.div_ceil(GROUP_ROWS) * gb);
     // The task's bytes: prefetches stay inside them.
     let task = &w.data[rows.start / GROUP_ROWS * gb..rows.end.div_ceil(GROUP_ROWS) * gb];
-    if n >= PANEL_MIN_TOKENS {
+    if n >= panel_min_tokens(F) {
         return panel_rows::<F>(task, bb, nb, nq, acts, n, rows, out, vnni);
     }
     // The streaming prefetch runs `PF_AHEAD` ahead: the task's first bytes up to there are
@@ -345,8 +355,9 @@ fn rows_impl<const F: u8>(
     }
 }
 
-/// Many tokens: each half group is unpacked once per token chunk into the panel buffer (as the
-/// file-layout panel kernel decodes its rows), then every token pair runs over it.
+/// Three tokens and more ([`panel_min_tokens`]): each half group is unpacked once per token
+/// chunk into the panel buffer (as the file-layout panel kernel decodes its rows), then every
+/// token pair runs over it.
 #[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "avx2,fma,f16c")]
 fn panel_rows<const F: u8>(
