@@ -30,7 +30,7 @@ use super::avx512::{
 use super::format::Fmt;
 use super::packed::{
     GROUP_ROWS, IQ4XS_D, IQ4XS_SH, IQ4XS_SL, Q2K_D, Q2K_DMIN, Q2K_SCALES, Q3K_D, Q3K_SCALES, Q6K_D,
-    Q6K_SCALES, block_bytes, k45_fields, locate,
+    Q6K_SCALES, block_bytes, iq4xs_scale_at, k45_fields, locate, q3k_scale_at,
 };
 use super::{RowsOut, WeightMatrix};
 use weight_cache::quant::KVALUES_IQ4NL;
@@ -124,8 +124,9 @@ unsafe fn half_block<const F: u8>(group: *const u8, b: usize, bb: usize, h: usiz
                 let and = |v: __m256i, m: i32| _mm256_and_si256(v, _mm256_set1_epi32(m));
                 let sl = ld(IQ4XS_SL);
                 let sh = _mm256_cvtepu16_epi32(_mm_loadu_si128(p.add(IQ4XS_SH + 16 * h).cast()));
-                let low = and(srl(sl, 8 * (s / 2) + 4 * (s % 2)), 0xF);
-                let ls = _mm256_or_si256(low, _mm256_slli_epi32::<4>(and(srl(sh, 2 * s), 3)));
+                let (lo_at, hi_at) = iq4xs_scale_at(s);
+                let low = and(srl(sl, lo_at), 0xF);
+                let ls = _mm256_or_si256(low, _mm256_slli_epi32::<4>(and(srl(sh, hi_at), 3)));
                 let ls = _mm256_sub_epi32(ls, _mm256_set1_epi32(32));
                 _mm256_mul_ps(f16s(IQ4XS_D), _mm256_cvtepi32_ps(ls))
             } else {
@@ -230,12 +231,9 @@ unsafe fn k23_half<const F: u8>(p: *const u8, s: usize, sub: usize, h: usize) ->
             }
             let d = f16s(Q3K_D);
             let scale = |i: usize| {
-                let lo = lanes(
-                    ld(Q3K_SCALES + 64 * (i % 8 / 4)),
-                    8 * (i % 4) + 4 * (i / 8),
-                    0xF,
-                );
-                let hi = lanes(ld(Q3K_SCALES + 128), 8 * (i % 4) + 2 * (i / 4), 3);
+                let (k, lo_at, hi_at) = q3k_scale_at(i);
+                let lo = lanes(ld(Q3K_SCALES + 64 * k), lo_at, 0xF);
+                let hi = lanes(ld(Q3K_SCALES + 128), hi_at, 3);
                 let v = _mm256_or_si256(lo, _mm256_slli_epi32::<4>(hi));
                 let v = _mm256_sub_epi32(v, _mm256_set1_epi32(32));
                 _mm256_mul_ps(d, _mm256_cvtepi32_ps(v))

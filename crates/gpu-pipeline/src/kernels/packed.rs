@@ -168,6 +168,26 @@ pub(crate) const IQ4XS_SL: usize = IQ4XS_D + 32;
 /// Offset of the `scales_h` values in a packed IQ4_XS super-block.
 pub(crate) const IQ4XS_SH: usize = IQ4XS_SL + 64;
 
+/// Q3_K: where scale `i` (0..16) of a row sits in the packed scale vectors ([`Q3K_SCALES`],
+/// the file's `scales` bytes `4k..4k + 4` in vector `k`): the vector holding its low 4 bits
+/// (byte `i % 8`, its high nibble for `i >= 8`) and their right shift in the lane, then the
+/// right shift of its high 2 bits in vector 2 (byte `8 + i % 4`): `scale_k3`'s fields, shared by
+/// both backends' decoders.
+pub(crate) const fn q3k_scale_at(i: usize) -> (usize, usize, usize) {
+    (
+        i % 8 / 4,
+        8 * (i % 4) + 4 * (i / 8),
+        8 * (i % 4) + 2 * (i / 4),
+    )
+}
+
+/// IQ4_XS: the right shifts of sub-block `s`'s scale bits in a row's `scales_l` lane
+/// ([`IQ4XS_SL`]: the low 4 bits, nibble `s % 2` of byte `s / 2`) and in its `scales_h`
+/// ([`IQ4XS_SH`]: the high 2 bits): `scale_iq4xs`'s fields, shared by both backends' decoders.
+pub(crate) const fn iq4xs_scale_at(s: usize) -> (usize, usize) {
+    (8 * (s / 2) + 4 * (s % 2), 2 * s)
+}
+
 /// Q6_K: where the high 2 bits of element `e` (0..32) of a sub-block go among the row's 64 packed
 /// bits (two 32-bit lanes, the first for the kernel's weight vectors 0..4, the second for 4..8):
 /// bits `8k + 2(j % 4)..+2` of lane `j / 4`, for the element in byte `k` of weight vector `j`, so
@@ -992,8 +1012,9 @@ mod avx512 {
                     let bits = |v: __m512i, n: usize, mask: i32| {
                         _mm512_and_si512(shl(v, -(n as i32)), _mm512_set1_epi32(mask))
                     };
-                    let low = bits(sl, 8 * (s / 2) + 4 * (s % 2), 0xF);
-                    let ls = _mm512_or_si512(low, _mm512_slli_epi32::<4>(bits(sh, 2 * s, 3)));
+                    let (lo_at, hi_at) = super::iq4xs_scale_at(s);
+                    let low = bits(sl, lo_at, 0xF);
+                    let ls = _mm512_or_si512(low, _mm512_slli_epi32::<4>(bits(sh, hi_at, 3)));
                     let ls = _mm512_sub_epi32(ls, _mm512_set1_epi32(32));
                     _mm512_mul_ps(f16s(IQ4XS_D), _mm512_cvtepi32_ps(ls))
                 } else {
@@ -1130,12 +1151,9 @@ mod avx512 {
                 // (its high nibble for `i >= 8`), the high 2 bits from byte `8 + i % 4`.
                 let d = f16s(Q3K_D);
                 let scale = |i: usize| {
-                    let lo = lanes(
-                        ld(Q3K_SCALES + 64 * (i % 8 / 4)),
-                        8 * (i % 4) + 4 * (i / 8),
-                        0xF,
-                    );
-                    let hi = lanes(ld(Q3K_SCALES + 128), 8 * (i % 4) + 2 * (i / 4), 3);
+                    let (k, lo_at, hi_at) = super::q3k_scale_at(i);
+                    let lo = lanes(ld(Q3K_SCALES + 64 * k), lo_at, 0xF);
+                    let hi = lanes(ld(Q3K_SCALES + 128), hi_at, 3);
                     let v = _mm512_or_si512(lo, _mm512_slli_epi32::<4>(hi));
                     let v = _mm512_sub_epi32(v, _mm512_set1_epi32(32));
                     _mm512_mul_ps(d, _mm512_cvtepi32_ps(v))
