@@ -25,7 +25,7 @@ use super::avx2_quant::{
     PANEL_MIN_TOKENS, PANEL_TOKEN_CHUNK, PanelBlock, Vnni, emit8, token_tiles, with_panel,
 };
 use super::avx512::{
-    F_IQ4NL, F_IQ4XS, F_Q2K, F_Q3K, F_Q4_0, F_Q4_1, F_Q4K, F_Q5_0, F_Q5_1, F_Q5K, F_Q6K, F_Q8_0,
+    F_IQ4NL, F_IQ4XS, F_Q2K, F_Q3K, F_Q4_1, F_Q4K, F_Q5_0, F_Q5_1, F_Q5K, F_Q6K, F_Q8_0,
 };
 use super::format::Fmt;
 use super::packed::{
@@ -55,21 +55,7 @@ pub(crate) unsafe fn quant_rows(
     out: &mut RowsOut<'_>,
     vnni: Vnni,
 ) {
-    match fmt {
-        Fmt::Q4_0 => rows_impl::<F_Q4_0>(fmt, w, acts, n, rows, out, vnni),
-        Fmt::Q4_1 => rows_impl::<F_Q4_1>(fmt, w, acts, n, rows, out, vnni),
-        Fmt::Q8_0 => rows_impl::<F_Q8_0>(fmt, w, acts, n, rows, out, vnni),
-        Fmt::Q4K => rows_impl::<F_Q4K>(fmt, w, acts, n, rows, out, vnni),
-        Fmt::Q5K => rows_impl::<F_Q5K>(fmt, w, acts, n, rows, out, vnni),
-        Fmt::Q6K => rows_impl::<F_Q6K>(fmt, w, acts, n, rows, out, vnni),
-        Fmt::Q5_0 => rows_impl::<F_Q5_0>(fmt, w, acts, n, rows, out, vnni),
-        Fmt::Q5_1 => rows_impl::<F_Q5_1>(fmt, w, acts, n, rows, out, vnni),
-        Fmt::Q2K => rows_impl::<F_Q2K>(fmt, w, acts, n, rows, out, vnni),
-        Fmt::Q3K => rows_impl::<F_Q3K>(fmt, w, acts, n, rows, out, vnni),
-        Fmt::IQ4NL => rows_impl::<F_IQ4NL>(fmt, w, acts, n, rows, out, vnni),
-        Fmt::IQ4XS => rows_impl::<F_IQ4XS>(fmt, w, acts, n, rows, out, vnni),
-        _ => unreachable!("packed formats are checked by the caller"),
-    }
+    super::avx512::by_quant_format!(fmt, rows_impl(fmt, w, acts, n, rows, out, vnni))
 }
 
 /// Rows `8h..8h + 8` of block `b` of the packed group at `group`, as the panel kernel decodes

@@ -817,21 +817,7 @@ pub(crate) unsafe fn quant_rows(
     out: &mut RowsOut<'_>,
     vnni: Vnni,
 ) {
-    match fmt {
-        Fmt::Q4_0 => rows_impl::<F_Q4_0>(fmt, w, acts, n, rows, out, vnni),
-        Fmt::Q4_1 => rows_impl::<F_Q4_1>(fmt, w, acts, n, rows, out, vnni),
-        Fmt::Q8_0 => rows_impl::<F_Q8_0>(fmt, w, acts, n, rows, out, vnni),
-        Fmt::IQ4NL => rows_impl::<F_IQ4NL>(fmt, w, acts, n, rows, out, vnni),
-        Fmt::Q4K => rows_impl::<F_Q4K>(fmt, w, acts, n, rows, out, vnni),
-        Fmt::Q5K => rows_impl::<F_Q5K>(fmt, w, acts, n, rows, out, vnni),
-        Fmt::Q6K => rows_impl::<F_Q6K>(fmt, w, acts, n, rows, out, vnni),
-        Fmt::Q5_0 => rows_impl::<F_Q5_0>(fmt, w, acts, n, rows, out, vnni),
-        Fmt::Q5_1 => rows_impl::<F_Q5_1>(fmt, w, acts, n, rows, out, vnni),
-        Fmt::Q2K => rows_impl::<F_Q2K>(fmt, w, acts, n, rows, out, vnni),
-        Fmt::Q3K => rows_impl::<F_Q3K>(fmt, w, acts, n, rows, out, vnni),
-        Fmt::IQ4XS => rows_impl::<F_IQ4XS>(fmt, w, acts, n, rows, out, vnni),
-        Fmt::F32 | Fmt::F16 | Fmt::BF16 => unreachable!("float formats use float_rows"),
-    }
+    super::avx512::by_quant_format!(fmt, rows_impl(fmt, w, acts, n, rows, out, vnni))
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]

@@ -45,6 +45,32 @@ pub(crate) const F_Q5K: u8 = 9;
 pub(crate) const F_IQ4NL: u8 = 10;
 pub(crate) const F_IQ4XS: u8 = 11;
 
+/// `$f::<F>(args)` with `F` the kernel tag of the integer-quantized format `$fmt` (the one
+/// mapping from [`Fmt`] to these tags, used by every backend's dispatch); float formats are
+/// unreachable (their products take `float_rows`).
+macro_rules! by_quant_format {
+    ($fmt:expr, $f:ident($($arg:expr),* $(,)?)) => {{
+        use $crate::kernels::avx512 as tag;
+        use $crate::kernels::format::Fmt;
+        match $fmt {
+            Fmt::Q4_0 => $f::<{ tag::F_Q4_0 }>($($arg),*),
+            Fmt::Q4_1 => $f::<{ tag::F_Q4_1 }>($($arg),*),
+            Fmt::Q8_0 => $f::<{ tag::F_Q8_0 }>($($arg),*),
+            Fmt::Q5_0 => $f::<{ tag::F_Q5_0 }>($($arg),*),
+            Fmt::Q5_1 => $f::<{ tag::F_Q5_1 }>($($arg),*),
+            Fmt::Q2K => $f::<{ tag::F_Q2K }>($($arg),*),
+            Fmt::Q3K => $f::<{ tag::F_Q3K }>($($arg),*),
+            Fmt::Q4K => $f::<{ tag::F_Q4K }>($($arg),*),
+            Fmt::Q5K => $f::<{ tag::F_Q5K }>($($arg),*),
+            Fmt::Q6K => $f::<{ tag::F_Q6K }>($($arg),*),
+            Fmt::IQ4NL => $f::<{ tag::F_IQ4NL }>($($arg),*),
+            Fmt::IQ4XS => $f::<{ tag::F_IQ4XS }>($($arg),*),
+            Fmt::F32 | Fmt::F16 | Fmt::BF16 => unreachable!("float formats use float_rows"),
+        }
+    }};
+}
+pub(crate) use by_quant_format;
+
 /// Whether the two 16-element halves of a block have their own scales (and mins).
 pub(crate) const fn is_split(f: u8) -> bool {
     matches!(f, F_Q6K | F_Q3K | F_Q2K)
@@ -665,7 +691,7 @@ static K23_PLANE: [u64; 8] = {
 };
 /// `0.0 ..= 15.0`: a 4-bit integer to f32 with one `vpermps` (which reads the low 4 index bits
 /// only, so the nibble needs no mask), the same value `cvtdq2ps` gives.
-static NIBBLE_F32: [f32; 16] = [
+pub(crate) static NIBBLE_F32: [f32; 16] = [
     0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 11.0, 12.0, 13.0, 14.0, 15.0,
 ];
 
@@ -945,21 +971,7 @@ pub(crate) unsafe fn quant_rows(
     rows: Range<usize>,
     out: &mut RowsOut<'_>,
 ) {
-    match fmt {
-        Fmt::Q4_0 => rows_impl::<F_Q4_0>(fmt, w, acts, n, rows, out),
-        Fmt::Q4_1 => rows_impl::<F_Q4_1>(fmt, w, acts, n, rows, out),
-        Fmt::Q8_0 => rows_impl::<F_Q8_0>(fmt, w, acts, n, rows, out),
-        Fmt::Q4K => rows_impl::<F_Q4K>(fmt, w, acts, n, rows, out),
-        Fmt::Q6K => rows_impl::<F_Q6K>(fmt, w, acts, n, rows, out),
-        Fmt::Q5_0 => rows_impl::<F_Q5_0>(fmt, w, acts, n, rows, out),
-        Fmt::Q5_1 => rows_impl::<F_Q5_1>(fmt, w, acts, n, rows, out),
-        Fmt::Q2K => rows_impl::<F_Q2K>(fmt, w, acts, n, rows, out),
-        Fmt::Q3K => rows_impl::<F_Q3K>(fmt, w, acts, n, rows, out),
-        Fmt::Q5K => rows_impl::<F_Q5K>(fmt, w, acts, n, rows, out),
-        Fmt::IQ4NL => rows_impl::<F_IQ4NL>(fmt, w, acts, n, rows, out),
-        Fmt::IQ4XS => rows_impl::<F_IQ4XS>(fmt, w, acts, n, rows, out),
-        Fmt::F32 | Fmt::F16 | Fmt::BF16 => unreachable!("float formats use float_rows"),
-    }
+    by_quant_format!(fmt, rows_impl(fmt, w, acts, n, rows, out))
 }
 
 #[target_feature(

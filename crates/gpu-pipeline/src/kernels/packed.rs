@@ -792,8 +792,8 @@ mod avx512 {
 
     use super::super::act::ActBlock;
     use super::super::avx512::{
-        F_IQ4NL, F_IQ4XS, F_Q2K, F_Q3K, F_Q4_0, F_Q4_1, F_Q4K, F_Q5_0, F_Q5_1, F_Q5K, F_Q6K,
-        F_Q8_0, IQ4_TABLE, has_min, is_split, offset_shift,
+        F_IQ4NL, F_IQ4XS, F_Q2K, F_Q3K, F_Q4_1, F_Q4K, F_Q5_0, F_Q5_1, F_Q5K, F_Q6K, F_Q8_0,
+        IQ4_TABLE, NIBBLE_F32, has_min, is_split, offset_shift,
     };
     use super::super::format::Fmt;
     use super::super::{RowsOut, WeightMatrix};
@@ -827,21 +827,7 @@ mod avx512 {
         rows: Range<usize>,
         out: &mut RowsOut<'_>,
     ) {
-        match fmt {
-            Fmt::Q4_0 => rows_impl::<F_Q4_0>(fmt, w, acts, n, rows, out),
-            Fmt::Q4_1 => rows_impl::<F_Q4_1>(fmt, w, acts, n, rows, out),
-            Fmt::Q8_0 => rows_impl::<F_Q8_0>(fmt, w, acts, n, rows, out),
-            Fmt::Q5_0 => rows_impl::<F_Q5_0>(fmt, w, acts, n, rows, out),
-            Fmt::Q5_1 => rows_impl::<F_Q5_1>(fmt, w, acts, n, rows, out),
-            Fmt::Q4K => rows_impl::<F_Q4K>(fmt, w, acts, n, rows, out),
-            Fmt::Q5K => rows_impl::<F_Q5K>(fmt, w, acts, n, rows, out),
-            Fmt::Q6K => rows_impl::<F_Q6K>(fmt, w, acts, n, rows, out),
-            Fmt::Q2K => rows_impl::<F_Q2K>(fmt, w, acts, n, rows, out),
-            Fmt::Q3K => rows_impl::<F_Q3K>(fmt, w, acts, n, rows, out),
-            Fmt::IQ4NL => rows_impl::<F_IQ4NL>(fmt, w, acts, n, rows, out),
-            Fmt::IQ4XS => rows_impl::<F_IQ4XS>(fmt, w, acts, n, rows, out),
-            _ => unreachable!("packed formats are checked by the caller"),
-        }
+        super::super::avx512::by_quant_format!(fmt, rows_impl(fmt, w, acts, n, rows, out))
     }
 
     #[target_feature(
@@ -1182,11 +1168,6 @@ mod avx512 {
             }
         }
     }
-
-    /// `0.0 ..= 15.0`: a 4-bit integer to f32 with one `vpermps`.
-    static NIBBLE_F32: [f32; 16] = [
-        0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 11.0, 12.0, 13.0, 14.0, 15.0,
-    ];
 
     /// The 4 activation bytes of elements `4j..4j + 4` of block `a`, broadcast.
     #[inline(always)]

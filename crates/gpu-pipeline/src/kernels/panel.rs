@@ -40,8 +40,8 @@ use std::ops::Range;
 
 use super::act::ActBlock;
 use super::avx512::{
-    F_IQ4NL, F_IQ4XS, F_Q2K, F_Q3K, F_Q4_0, F_Q4_1, F_Q4K, F_Q5_0, F_Q5_1, F_Q5K, F_Q6K, F_Q8_0,
-    IQ4_TABLE, has_min, is_split, offset_shift,
+    F_IQ4NL, F_IQ4XS, F_Q2K, F_Q3K, F_Q4_1, F_Q4K, F_Q5_0, F_Q5_1, F_Q5K, F_Q6K, F_Q8_0, IQ4_TABLE,
+    has_min, is_split, offset_shift,
 };
 use super::format::Fmt;
 use super::{Layout, RowsOut, WeightMatrix};
@@ -159,21 +159,7 @@ pub(crate) unsafe fn quant_rows(
     rows: Range<usize>,
     out: &mut RowsOut<'_>,
 ) {
-    match fmt {
-        Fmt::Q4_0 => panel_rows::<F_Q4_0>(fmt, w, acts, n, rows, out),
-        Fmt::Q4_1 => panel_rows::<F_Q4_1>(fmt, w, acts, n, rows, out),
-        Fmt::Q8_0 => panel_rows::<F_Q8_0>(fmt, w, acts, n, rows, out),
-        Fmt::Q5_0 => panel_rows::<F_Q5_0>(fmt, w, acts, n, rows, out),
-        Fmt::Q5_1 => panel_rows::<F_Q5_1>(fmt, w, acts, n, rows, out),
-        Fmt::IQ4NL => panel_rows::<F_IQ4NL>(fmt, w, acts, n, rows, out),
-        Fmt::Q2K => panel_rows::<F_Q2K>(fmt, w, acts, n, rows, out),
-        Fmt::Q3K => panel_rows::<F_Q3K>(fmt, w, acts, n, rows, out),
-        Fmt::Q4K => panel_rows::<F_Q4K>(fmt, w, acts, n, rows, out),
-        Fmt::Q5K => panel_rows::<F_Q5K>(fmt, w, acts, n, rows, out),
-        Fmt::Q6K => panel_rows::<F_Q6K>(fmt, w, acts, n, rows, out),
-        Fmt::IQ4XS => panel_rows::<F_IQ4XS>(fmt, w, acts, n, rows, out),
-        _ => unreachable!("panel kernel formats are checked by `applies`"),
-    }
+    super::avx512::by_quant_format!(fmt, panel_rows(fmt, w, acts, n, rows, out))
 }
 
 #[target_feature(
