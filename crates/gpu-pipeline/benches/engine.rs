@@ -3,6 +3,12 @@
 //! time to first token, the ideal TTFT (all queued prompt tokens / measured prefill rate) and
 //! the speed-up over one stream.
 //!
+//! It also prints the rate of the load's matrix products (the model's multiply-adds per prompt
+//! and generated token, counted as 2 operations, output head included where it runs, the
+//! activation split's extra products not counted) as a share of the int8 ceiling of the
+//! kernels' exact per-block arithmetic ([`gpu_pipeline::Int8Peak::block_gops`]), measured before
+//! and after the table: how far from the machine the batched forward runs.
+//!
 //! `cargo bench -p zerolayer-gpu-pipeline --bench engine` (ZEROLAYER_BENCH_LEVELS=1,8 to pick levels;
 //! ZEROLAYER_BENCH_ROUNDS=N rounds per level, the median one printed, default 3;
 //! ZEROLAYER_BENCH_SPLIT=off|ffn-down|all for the model's `ActivationSplit`, default ffn-down).
@@ -63,6 +69,14 @@ fn prefill_rate(model: &Model, prompts: &[Vec<u32>]) -> f64 {
         best = best.min(t.elapsed().as_secs_f64());
     }
     prompts.iter().map(Vec::len).sum::<usize>() as f64 / best
+}
+
+/// Multiply-adds per token of the model's matrices: (the layers', the output head's).
+fn macs_per_token(model: &Model) -> (f64, f64) {
+    let c = model.config();
+    let (d, q, kv) = (c.n_embd, c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim);
+    let layer = d * (q + 2 * kv) + q * d + 3 * d * c.n_ff;
+    ((c.n_layers * layer) as f64, (c.vocab_size * d) as f64)
 }
 
 struct Row {
@@ -161,15 +175,23 @@ fn main() {
         .unwrap_or(if full { 3 } else { 1 })
         .max(1);
     let all = prompts(&tok, levels.iter().copied().max().unwrap_or(1));
+    let ceiling = || gpu_pipeline::int8_peak(model.pool(), 3).map(|p| p.block_gops);
+    let ceiling_before = ceiling();
     let rate = prefill_rate(&model, &all[..all.len().min(8)]);
     println!(
         "engine bench: {PROMPT_TOKENS}-token chat prompts, {NEW_TOKENS} new tokens, {} threads, activation split {split:?}, prefill rate {rate:.0} tok/s, median of {rounds} rounds per level",
         model.pool().n_threads()
     );
     println!(
-        "| concurrent | gen tok/s | x single | req/s | p50 TTFT | p99 TTFT | ideal TTFT | p99/ideal |"
+        "| concurrent | gen tok/s | x single | req/s | p50 TTFT | p99 TTFT | ideal TTFT | p99/ideal | matrix GOP/s |"
     );
-    println!("|---:|---:|---:|---:|---:|---:|---:|---:|");
+    println!("|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    // A request's matrix work: every prompt token and every generated token but the last
+    // through the layers, the head once per generated token.
+    let (layers, head) = macs_per_token(&model);
+    let request_ops =
+        2.0 * ((PROMPT_TOKENS + NEW_TOKENS - 1) as f64 * layers + NEW_TOKENS as f64 * head);
+    let mut gops = Vec::new();
     let mut single = None;
     for &c in &levels {
         // Each level runs `rounds` times (a fresh engine each); the round with the median
@@ -181,7 +203,7 @@ fn main() {
         let r = runs.swap_remove(runs.len() / 2);
         let base = *single.get_or_insert(r.tok_s);
         println!(
-            "| {} | {:.1} | {:.2}x | {:.2} | {:.0} ms | {:.0} ms | {:.0} ms | {:.2} |",
+            "| {} | {:.1} | {:.2}x | {:.2} | {:.0} ms | {:.0} ms | {:.0} ms | {:.2} | {:.0} |",
             r.c,
             r.tok_s,
             r.tok_s / base,
@@ -189,7 +211,23 @@ fn main() {
             r.p50.as_secs_f64() * 1e3,
             r.p99.as_secs_f64() * 1e3,
             r.ideal.as_secs_f64() * 1e3,
-            r.p99.as_secs_f64() / r.ideal.as_secs_f64()
+            r.p99.as_secs_f64() / r.ideal.as_secs_f64(),
+            r.req_s * request_ops / 1e9,
         );
+        gops.push((r.c, r.req_s * request_ops / 1e9));
+    }
+    if let (Some(a), Some(b)) = (ceiling_before, ceiling()) {
+        let mean = (a + b) / 2.0;
+        println!(
+            "\nint8 ceiling of the kernels' exact per-block arithmetic (register-only loop, {} threads): \
+             {a:.0} / {b:.0} GOP/s before / after the table; matrix work as a share of their mean:",
+            model.pool().n_threads()
+        );
+        for (c, g) in gops {
+            println!(
+                "  {c:>3} concurrent: {g:.0} GOP/s = {:.0}%",
+                100.0 * g / mean
+            );
+        }
     }
 }

@@ -217,7 +217,7 @@ fn summary() {
         }
         // The int8 peak, measured before and after the table (it moves with the machine's
         // load); each integer product's share is of the mean of the two.
-        let int8 = || gpu_pipeline::int8_peak(&pool, 5).map(|p| p.best_gops);
+        let int8 = || gpu_pipeline::int8_peak(&pool, 5).map(|p| (p.best_gops, p.block_gops));
         let int8_before = int8();
         println!("\n== matmul (prefill), {threads} thread(s): GFLOP/s (2*rows*cols*n / s) ==");
         println!(
@@ -269,17 +269,23 @@ fn summary() {
                 }
             }
         }
-        if let (Some(a), Some(b)) = (int8_before, int8())
+        if let (Some((a, ba)), Some((b, bb))) = (int8_before, int8())
             && !shares.is_empty()
         {
             let peak8 = (a + b) / 2.0;
+            let block8 = (ba + bb) / 2.0;
             println!(
                 "\nint8 peak, {threads} thread(s): {a:.0} / {b:.0} GOP/s before / after the table \
-                 (vpdpbusd zmm on registers, best of 5); integer products (faster of file / packed \
-                 layout) as a share of their mean {peak8:.0}:"
+                 (vpdpbusd zmm on registers, best of 5); with the exact per-block scaling \
+                 (`Int8Peak::block_gops`) {ba:.0} / {bb:.0}. Integer products (faster of file / \
+                 packed layout) as a share of the means {peak8:.0} and {block8:.0}:"
             );
             for (what, g) in &shares {
-                println!("  {what:<26} {g:>7.1} GOP/s {:>5.0}%", 100.0 * g / peak8);
+                println!(
+                    "  {what:<26} {g:>7.1} GOP/s {:>5.0}% {:>5.0}%",
+                    100.0 * g / peak8,
+                    100.0 * g / block8
+                );
             }
         }
         if std::env::args().skip(1).all(|a| a.starts_with('-')) {
