@@ -116,27 +116,27 @@ pub fn int8_peak(pool: &ThreadPool, passes: usize) -> Option<Int8Peak> {
         const ITERS: usize = 1 << 21;
         let threads = pool.n_threads();
         let sink = std::sync::atomic::AtomicI64::new(0);
+        // GOP/s of one pass of `run` on every thread, `ops` int8 operations each.
+        let pass = |run: &(dyn Fn(i32) -> i64 + Sync), ops: usize| {
+            let start = Instant::now();
+            pool.run(threads, &|task, _| {
+                sink.fetch_add(run(task as i32), std::sync::atomic::Ordering::Relaxed);
+            });
+            (threads * ops) as f64 / start.elapsed().as_secs_f64() / 1e9
+        };
         let mut rates = Vec::with_capacity(passes.max(1));
         let mut block_best = 0.0f64;
         for _ in 0..passes.max(1) {
-            let start = Instant::now();
-            pool.run(threads, &|task, _| {
-                // SAFETY: AVX-512F and VNNI were detected above.
-                let v = unsafe { vnni_loop(ITERS, task as i32) };
-                sink.fetch_add(v, std::sync::atomic::Ordering::Relaxed);
-            });
-            let secs = start.elapsed().as_secs_f64();
-            let ops = (threads * ITERS * VNNI_CHAINS * 64 * 2) as f64;
-            rates.push(ops / secs / 1e9);
-            let start = Instant::now();
-            pool.run(threads, &|task, _| {
-                // SAFETY: AVX-512F and VNNI were detected above.
-                let v = unsafe { block_loop(ITERS / 8, task as i32) };
-                sink.fetch_add(v, std::sync::atomic::Ordering::Relaxed);
-            });
-            let secs = start.elapsed().as_secs_f64();
-            let ops = (threads * ITERS / 8 * BLOCK_UNITS * 8 * 64 * 2) as f64;
-            block_best = block_best.max(ops / secs / 1e9);
+            // SAFETY (both loops): AVX-512F and VNNI were detected above.
+            rates.push(pass(
+                &|seed| unsafe { vnni_loop(ITERS, seed) },
+                ITERS * VNNI_CHAINS * 64 * 2,
+            ));
+            let block = pass(
+                &|seed| unsafe { block_loop(ITERS / 8, seed) },
+                ITERS / 8 * BLOCK_UNITS * 8 * 64 * 2,
+            );
+            block_best = block_best.max(block);
         }
         std::hint::black_box(sink.into_inner());
         rates.sort_by(f64::total_cmp);
