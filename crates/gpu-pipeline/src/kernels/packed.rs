@@ -438,17 +438,10 @@ fn unpack(fmt: Fmt, pu: &[u8], r: usize, blk: &mut [u8]) {
                 blk[hdr + 4 + 4 * c..][..4].copy_from_slice(&pu[64 * c + 4 * r..][..4]);
             }
         }
-        Fmt::IQ4XS => iq4xs_unpack(pu, r, blk),
-        // IQ4_NL blocks are laid out as Q4_0's (d, then 16 bytes of indices).
-        Fmt::Q4_0 | Fmt::Q4_1 | Fmt::IQ4NL => {
-            let hdr = if fmt == Fmt::Q4_1 { 4 } else { 2 };
-            blk[0..2].copy_from_slice(&pu[256 + 2 * r..][..2]);
-            if fmt == Fmt::Q4_1 {
-                blk[2..4].copy_from_slice(&pu[288 + 2 * r..][..2]);
-            }
-            for c in 0..4 {
-                blk[hdr + 4 * c..][..4].copy_from_slice(&pu[64 * c + 4 * r..][..4]);
-            }
+        Fmt::Q4_0 | Fmt::Q4_1 | Fmt::IQ4NL | Fmt::IQ4XS => {
+            byte_moves(fmt, r, |file, packed, len| {
+                blk[file..file + len].copy_from_slice(&pu[packed..packed + len]);
+            })
         }
         _ => {
             blk[0..2].copy_from_slice(&pu[512 + 2 * r..][..2]);
@@ -684,37 +677,38 @@ fn k23_unpack(three: bool, sup: &[u8], r: usize, blk: &mut [u8]) {
     }
 }
 
-/// Packs row `r` of a group's IQ4_XS super-block `blk` (the file's 136 bytes) into the packed
-/// super-block `out`: sub-block `s`'s indices are `qs` bytes `16s..16s + 16` (nibble order as
-/// Q4_0's), so they pack as a Q4_0 block's.
-fn iq4xs_pack(blk: &[u8], r: usize, out: &mut [u8]) {
+/// The packed layouts that only move bytes (Q4_0, Q4_1, IQ4_NL, IQ4_XS): `f(file, packed, len)`
+/// for each run of `len` bytes of row `r`'s file block (super-block) at offset `file` that sits
+/// at offset `packed` of the packed unit. One description for both directions ([`pack_group`],
+/// [`unpack`]).
+/// - Q4_0, Q4_1, IQ4_NL (laid out as Q4_0: d, then 16 bytes of indices): the 16 nibble bytes in
+///   4 dword lanes of 4 vectors, then the 16 rows' `d` (at 256) and Q4_1's `m` (at 288).
+/// - IQ4_XS: sub-block `s`'s indices (`qs` bytes `16s..16s + 16`, nibble order as Q4_0's) as a
+///   packed Q4_0 block's at `256 s`, then `d` ([`IQ4XS_D`]), `scales_l` ([`IQ4XS_SL`]) and
+///   `scales_h` ([`IQ4XS_SH`]).
+fn byte_moves(fmt: Fmt, r: usize, mut f: impl FnMut(usize, usize, usize)) {
     use std::mem::offset_of;
     use weight_cache::quant::BlockIQ4XS;
-    let qs = &blk[offset_of!(BlockIQ4XS, qs)..][..128];
-    for s in 0..8 {
+    let indices = |f: &mut dyn FnMut(usize, usize, usize), file: usize, packed: usize| {
         for c in 0..4 {
-            out[256 * s + 64 * c + 4 * r..][..4].copy_from_slice(&qs[16 * s + 4 * c..][..4]);
+            f(file + 4 * c, packed + 64 * c + 4 * r, 4);
         }
-    }
-    out[IQ4XS_D + 2 * r..][..2].copy_from_slice(&blk[offset_of!(BlockIQ4XS, d)..][..2]);
-    out[IQ4XS_SL + 4 * r..][..4].copy_from_slice(&blk[offset_of!(BlockIQ4XS, scales_l)..][..4]);
-    out[IQ4XS_SH + 2 * r..][..2].copy_from_slice(&blk[offset_of!(BlockIQ4XS, scales_h)..][..2]);
-}
-
-/// Row `r` of the packed IQ4_XS super-block `sup`, back in the file's encoding (`blk`, 136
-/// bytes): [`iq4xs_pack`]'s inverse.
-fn iq4xs_unpack(sup: &[u8], r: usize, blk: &mut [u8]) {
-    use std::mem::offset_of;
-    use weight_cache::quant::BlockIQ4XS;
-    let qs = offset_of!(BlockIQ4XS, qs);
-    for s in 0..8 {
-        for c in 0..4 {
-            blk[qs + 16 * s + 4 * c..][..4].copy_from_slice(&sup[256 * s + 64 * c + 4 * r..][..4]);
+    };
+    if fmt == Fmt::IQ4XS {
+        for s in 0..8 {
+            indices(&mut f, offset_of!(BlockIQ4XS, qs) + 16 * s, 256 * s);
         }
+        f(offset_of!(BlockIQ4XS, d), IQ4XS_D + 2 * r, 2);
+        f(offset_of!(BlockIQ4XS, scales_l), IQ4XS_SL + 4 * r, 4);
+        f(offset_of!(BlockIQ4XS, scales_h), IQ4XS_SH + 2 * r, 2);
+        return;
     }
-    blk[offset_of!(BlockIQ4XS, d)..][..2].copy_from_slice(&sup[IQ4XS_D + 2 * r..][..2]);
-    blk[offset_of!(BlockIQ4XS, scales_l)..][..4].copy_from_slice(&sup[IQ4XS_SL + 4 * r..][..4]);
-    blk[offset_of!(BlockIQ4XS, scales_h)..][..2].copy_from_slice(&sup[IQ4XS_SH + 2 * r..][..2]);
+    let hdr = if fmt == Fmt::Q4_1 { 4 } else { 2 };
+    indices(&mut f, hdr, 0);
+    f(0, 256 + 2 * r, 2);
+    if fmt == Fmt::Q4_1 {
+        f(2, 288 + 2 * r, 2);
+    }
 }
 
 /// Packs group `g` (rows `16g..16g + 16`, missing rows as zero blocks) of `w` into `out`
@@ -734,17 +728,10 @@ fn pack_group(fmt: Fmt, w: WeightMatrix<'_>, g: usize, out: &mut [u8]) {
                 Fmt::Q4K | Fmt::Q5K => k45_pack(fmt == Fmt::Q5K, blk, r, pb),
                 Fmt::Q6K => q6k_pack(blk, r, pb),
                 Fmt::Q2K | Fmt::Q3K => k23_pack(fmt == Fmt::Q3K, blk, r, pb),
-                Fmt::IQ4XS => iq4xs_pack(blk, r, pb),
-                Fmt::Q4_0 | Fmt::Q4_1 | Fmt::IQ4NL => {
-                    let hdr = if fmt == Fmt::Q4_1 { 4 } else { 2 };
-                    let qs = &blk[hdr..hdr + 16];
-                    for c in 0..4 {
-                        pb[64 * c + 4 * r..][..4].copy_from_slice(&qs[4 * c..4 * c + 4]);
-                    }
-                    pb[256 + 2 * r..][..2].copy_from_slice(&blk[0..2]);
-                    if fmt == Fmt::Q4_1 {
-                        pb[288 + 2 * r..][..2].copy_from_slice(&blk[2..4]);
-                    }
+                Fmt::Q4_0 | Fmt::Q4_1 | Fmt::IQ4NL | Fmt::IQ4XS => {
+                    byte_moves(fmt, r, |file, packed, len| {
+                        pb[packed..packed + len].copy_from_slice(&blk[file..file + len]);
+                    });
                 }
                 Fmt::Q5_0 | Fmt::Q5_1 => {
                     let mut q = [0u8; 32];
