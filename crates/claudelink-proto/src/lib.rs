@@ -75,6 +75,7 @@ pub use gateway::{
     ApiError, ApiErrorKind, Gateway, GatewayConfig, H3_ALPN, H3Handler, LAYER_VERSION,
     SUPPORTED_ANTHROPIC_VERSIONS,
 };
+pub use limits::ConnectionSlot;
 pub use pool::{Pool, PoolConfig, PoolStats, PoolStream, Replicas};
 pub use server::{
     ALPN, Congestion, ConnectionHandler, ConnectionInfo, Server, ServerConfig, ServerError,

@@ -2,9 +2,17 @@
 //! `max_connections` open connections in all and `max_connections_per_ip` from one client
 //! address (IPv4-mapped IPv6 addresses count as their IPv4 address). A sans-IO count
 //! ([`ConnectionCounts`]) behind a mutex, and a guard that gives its connection back when dropped.
+//!
+//! On a listener that requires API keys, a connection counts as *unauthenticated* until it
+//! presents a valid key, and unauthenticated connections have a smaller budget: a quarter of the
+//! per-address limit and half of the listener's (rounded up). Connections that never present a
+//! key (idle ones, scanners, an attacker without a key) cannot take more than that, so the rest
+//! stays free for clients that have a key; the transports also close a connection that has not
+//! authenticated within a few seconds.
 
 use std::collections::HashMap;
 use std::net::IpAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 /// Why a new connection was refused.
@@ -22,6 +30,19 @@ pub(crate) enum Refused {
         /// The configured limit.
         limit: usize,
     },
+    /// The unauthenticated budget (of the listener or of this address) is used up.
+    #[error("{limit} connections without a valid key open")]
+    Unauthenticated {
+        /// The budget that is full.
+        limit: usize,
+    },
+}
+
+/// Connections of one address.
+#[derive(Debug, Default, Clone, Copy)]
+struct PerIp {
+    open: usize,
+    unauthenticated: usize,
 }
 
 /// Open connections in all and per address (0 as a limit: none).
@@ -30,7 +51,8 @@ pub(crate) struct ConnectionCounts {
     max_total: usize,
     max_per_ip: usize,
     total: usize,
-    per_ip: HashMap<IpAddr, usize>,
+    unauthenticated: usize,
+    per_ip: HashMap<IpAddr, PerIp>,
 }
 
 impl ConnectionCounts {
@@ -42,40 +64,81 @@ impl ConnectionCounts {
         }
     }
 
+    /// The unauthenticated budgets: (listener, per address); 0: none.
+    fn unauthenticated_limits(&self) -> (usize, usize) {
+        (self.max_total.div_ceil(2), self.max_per_ip.div_ceil(4))
+    }
+
     /// Whether half of the total or of `ip`'s limit is in use (the QUIC endpoint then asks new
     /// clients to validate their address first).
     pub(crate) fn under_pressure(&self, ip: IpAddr) -> bool {
-        let n = self.per_ip.get(&ip.to_canonical()).copied().unwrap_or(0);
+        let n = self.per_ip.get(&ip.to_canonical()).map_or(0, |p| p.open);
         (self.max_total > 0 && self.total >= self.max_total.div_ceil(2))
             || (self.max_per_ip > 0 && n >= self.max_per_ip.div_ceil(2))
     }
 
     /// Counts a new connection from `ip`, or says why it is refused (nothing is counted then).
-    pub(crate) fn open(&mut self, ip: IpAddr) -> Result<(), Refused> {
+    /// `authenticated`: whether it needs no key (an open listener); otherwise it is counted
+    /// against the unauthenticated budget until [`ConnectionCounts::authenticate`].
+    pub(crate) fn open(&mut self, ip: IpAddr, authenticated: bool) -> Result<(), Refused> {
         let ip = ip.to_canonical();
         if self.max_total > 0 && self.total >= self.max_total {
             return Err(Refused::Listener {
                 limit: self.max_total,
             });
         }
-        let n = self.per_ip.entry(ip).or_insert(0);
-        if self.max_per_ip > 0 && *n >= self.max_per_ip {
+        let (unauth_total, unauth_per_ip) = self.unauthenticated_limits();
+        let n = self.per_ip.get(&ip).copied().unwrap_or_default();
+        if self.max_per_ip > 0 && n.open >= self.max_per_ip {
             return Err(Refused::PerIp {
                 limit: self.max_per_ip,
             });
         }
-        *n += 1;
+        if !authenticated {
+            if unauth_total > 0 && self.unauthenticated >= unauth_total {
+                return Err(Refused::Unauthenticated {
+                    limit: unauth_total,
+                });
+            }
+            if unauth_per_ip > 0 && n.unauthenticated >= unauth_per_ip {
+                return Err(Refused::Unauthenticated {
+                    limit: unauth_per_ip,
+                });
+            }
+        }
+        let entry = self.per_ip.entry(ip).or_default();
+        entry.open += 1;
         self.total += 1;
+        if !authenticated {
+            entry.unauthenticated += 1;
+            self.unauthenticated += 1;
+        }
         Ok(())
     }
 
-    /// Forgets a connection counted by [`ConnectionCounts::open`].
-    pub(crate) fn close(&mut self, ip: IpAddr) {
-        if let Some(n) = self.per_ip.get_mut(&ip.to_canonical()) {
-            *n -= 1;
+    /// Moves a connection from `ip` counted as unauthenticated out of that budget.
+    pub(crate) fn authenticate(&mut self, ip: IpAddr) {
+        if let Some(p) = self.per_ip.get_mut(&ip.to_canonical())
+            && p.unauthenticated > 0
+        {
+            p.unauthenticated -= 1;
+            self.unauthenticated -= 1;
+        }
+    }
+
+    /// Forgets a connection counted by [`ConnectionCounts::open`] (`authenticated`: whether it
+    /// had left the unauthenticated budget).
+    pub(crate) fn close(&mut self, ip: IpAddr, authenticated: bool) {
+        let ip = ip.to_canonical();
+        if let Some(p) = self.per_ip.get_mut(&ip) {
+            p.open -= 1;
             self.total -= 1;
-            if *n == 0 {
-                self.per_ip.remove(&ip.to_canonical());
+            if !authenticated && p.unauthenticated > 0 {
+                p.unauthenticated -= 1;
+                self.unauthenticated -= 1;
+            }
+            if p.open == 0 {
+                self.per_ip.remove(&ip);
             }
         }
     }
@@ -83,6 +146,12 @@ impl ConnectionCounts {
     /// Connections open.
     pub(crate) fn total(&self) -> usize {
         self.total
+    }
+
+    /// Connections open that have not authenticated.
+    #[cfg(test)]
+    pub(crate) fn unauthenticated(&self) -> usize {
+        self.unauthenticated
     }
 }
 
@@ -105,13 +174,16 @@ impl ConnectionLimits {
         self.counts.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Admits a connection from `ip`; it is counted until the guard is dropped.
-    pub(crate) fn admit(&self, ip: IpAddr) -> Result<ConnectionGuard, Refused> {
-        self.lock().open(ip)?;
-        Ok(ConnectionGuard {
+    /// Admits a connection from `ip`; it is counted until the slot (and its clones) is dropped.
+    /// `requires_key`: whether the listener has API keys (the connection then starts in the
+    /// unauthenticated budget).
+    pub(crate) fn admit(&self, ip: IpAddr, requires_key: bool) -> Result<ConnectionSlot, Refused> {
+        self.lock().open(ip, !requires_key)?;
+        Ok(ConnectionSlot(Arc::new(SlotInner {
             limits: self.clone(),
             ip,
-        })
+            authenticated: AtomicBool::new(!requires_key),
+        })))
     }
 
     /// See [`ConnectionCounts::under_pressure`].
@@ -125,16 +197,41 @@ impl ConnectionLimits {
     }
 }
 
-/// One admitted connection.
+/// An admitted connection's place in its listener's connection limits, held until the
+/// connection ends (clones share it). A connection of a listener with API keys starts in the
+/// smaller unauthenticated budget; [`ConnectionSlot::authenticated`] moves it out once the
+/// peer has presented a valid key.
+///
+/// Handed to a [`ConnectionHandler`](crate::ConnectionHandler) by the claudelink server for
+/// connections of other ALPN protocols (HTTP/3).
+#[derive(Debug, Clone)]
+pub struct ConnectionSlot(Arc<SlotInner>);
+
 #[derive(Debug)]
-pub(crate) struct ConnectionGuard {
+struct SlotInner {
     limits: ConnectionLimits,
     ip: IpAddr,
+    authenticated: AtomicBool,
 }
 
-impl Drop for ConnectionGuard {
+impl ConnectionSlot {
+    /// Records that the peer presented a valid API key (idempotent).
+    pub fn authenticated(&self) {
+        if !self.0.authenticated.swap(true, Ordering::AcqRel) {
+            self.0.limits.lock().authenticate(self.0.ip);
+        }
+    }
+
+    /// Whether the peer has presented a valid key (always true on a listener without keys).
+    pub fn is_authenticated(&self) -> bool {
+        self.0.authenticated.load(Ordering::Acquire)
+    }
+}
+
+impl Drop for SlotInner {
     fn drop(&mut self) {
-        self.limits.lock().close(self.ip);
+        let authenticated = *self.authenticated.get_mut();
+        self.limits.lock().close(self.ip, authenticated);
     }
 }
 
@@ -147,30 +244,102 @@ mod tests {
         let a: IpAddr = [10, 0, 0, 1].into();
         let b: IpAddr = [10, 0, 0, 2].into();
         let mut c = ConnectionCounts::new(3, 2);
-        assert_eq!(c.open(a), Ok(()));
-        assert_eq!(c.open(a), Ok(()));
-        assert_eq!(c.open(a), Err(Refused::PerIp { limit: 2 }));
-        assert_eq!(c.open(b), Ok(()));
-        assert_eq!(c.open(b), Err(Refused::Listener { limit: 3 }));
-        c.close(a);
-        assert_eq!(c.open(b), Ok(()));
+        assert_eq!(c.open(a, true), Ok(()));
+        assert_eq!(c.open(a, true), Ok(()));
+        assert_eq!(c.open(a, true), Err(Refused::PerIp { limit: 2 }));
+        assert_eq!(c.open(b, true), Ok(()));
+        assert_eq!(c.open(b, true), Err(Refused::Listener { limit: 3 }));
+        c.close(a, true);
+        assert_eq!(c.open(b, true), Ok(()));
         assert_eq!(c.total(), 3);
-        c.close(a);
-        c.close(b);
-        c.close(b);
+        c.close(a, true);
+        c.close(b, true);
+        c.close(b, true);
         assert_eq!(c.total(), 0);
         assert!(c.per_ip.is_empty(), "no entry left for closed addresses");
-        c.close(a); // closing an unknown address changes nothing
+        c.close(a, true); // closing an unknown address changes nothing
         assert_eq!(c.total(), 0);
     }
 
     #[test]
     fn zero_means_no_limit() {
         let mut c = ConnectionCounts::new(0, 0);
-        for _ in 0..10_000 {
-            c.open([127, 0, 0, 1].into()).unwrap();
+        for i in 0..10_000 {
+            c.open([127, 0, 0, 1].into(), i % 2 == 0).unwrap();
         }
         assert_eq!(c.total(), 10_000);
+    }
+
+    #[test]
+    fn keyless_connections_leave_room_for_clients_with_a_key() {
+        // The issue-47 case: 40 in all, 10 per address.
+        let mut c = ConnectionCounts::new(40, 10);
+        let attacker = |i: u8| IpAddr::from([127, 0, 0, i]);
+        // Each attacking address holds at most a quarter of its limit without a key...
+        for i in 1..=4 {
+            for _ in 0..3 {
+                assert_eq!(c.open(attacker(i), false), Ok(()));
+            }
+            assert_eq!(
+                c.open(attacker(i), false),
+                Err(Refused::Unauthenticated { limit: 3 })
+            );
+        }
+        // ...and all of them half of the listener's.
+        for i in 5..=6 {
+            for _ in 0..3 {
+                c.open(attacker(i), false).unwrap();
+            }
+        }
+        c.open(attacker(7), false).unwrap();
+        c.open(attacker(7), false).unwrap();
+        assert_eq!(c.unauthenticated(), 20);
+        assert_eq!(
+            c.open(attacker(7), false),
+            Err(Refused::Unauthenticated { limit: 20 })
+        );
+        // A client with a key (or any client once it authenticated) still gets in, even from
+        // an attacking address.
+        let honest: IpAddr = [127, 0, 0, 100].into();
+        assert_eq!(c.open(honest, true), Ok(()));
+        assert_eq!(c.open(attacker(1), true), Ok(()));
+        // Authenticating moves a connection out of the budget, making room for one more.
+        c.authenticate(attacker(1));
+        assert_eq!(c.open(attacker(1), false), Ok(()));
+        // Closing an authenticated connection does not touch the unauthenticated count.
+        let before = c.unauthenticated();
+        c.close(attacker(1), true);
+        assert_eq!(c.unauthenticated(), before);
+        c.close(attacker(1), false);
+        assert_eq!(c.unauthenticated(), before - 1);
+    }
+
+    #[test]
+    fn a_slot_gives_its_place_back_and_authenticates_once() {
+        let limits = ConnectionLimits::new(0, 4);
+        let ip: IpAddr = [10, 0, 0, 7].into();
+        let slot = limits.admit(ip, true).unwrap();
+        assert!(!slot.is_authenticated());
+        let clone = slot.clone();
+        assert_eq!(limits.lock().unauthenticated(), 1);
+        clone.authenticated();
+        slot.authenticated();
+        assert!(slot.is_authenticated());
+        assert_eq!(limits.lock().unauthenticated(), 0);
+        assert_eq!(limits.open_connections(), 1);
+        drop(slot);
+        assert_eq!(limits.open_connections(), 1, "a clone still holds it");
+        drop(clone);
+        assert_eq!(limits.open_connections(), 0);
+        // An open listener's connections never enter the budget.
+        let open = limits.admit(ip, false).unwrap();
+        assert!(open.is_authenticated());
+        assert_eq!(limits.lock().unauthenticated(), 0);
+        drop(open);
+        let unauth = limits.admit(ip, true).unwrap();
+        drop(unauth);
+        assert_eq!(limits.lock().unauthenticated(), 0);
+        assert!(limits.lock().per_ip.is_empty());
     }
 
     #[test]
@@ -179,15 +348,18 @@ mod tests {
         let mapped: IpAddr = std::net::Ipv4Addr::new(10, 0, 0, 1).to_ipv6_mapped().into();
         let mut c = ConnectionCounts::new(0, 4);
         assert!(!c.under_pressure(v4));
-        assert_eq!(c.open(v4), Ok(()));
+        assert_eq!(c.open(v4, true), Ok(()));
         assert!(!c.under_pressure(mapped));
-        assert_eq!(c.open(mapped), Ok(()));
+        assert_eq!(c.open(mapped, true), Ok(()));
         assert!(c.under_pressure(v4), "2 of 4 from one address");
-        assert_eq!(c.open(v4), Ok(()));
-        assert_eq!(c.open(mapped), Ok(()));
-        assert_eq!(c.open(v4), Err(Refused::PerIp { limit: 4 }));
-        c.close(mapped);
+        assert_eq!(c.open(v4, true), Ok(()));
+        assert_eq!(c.open(mapped, true), Ok(()));
+        assert_eq!(c.open(v4, true), Err(Refused::PerIp { limit: 4 }));
+        c.close(mapped, true);
         assert_eq!(c.total(), 3);
-        assert!(ConnectionCounts::new(0, 0).open(v4).is_ok(), "0: no limit");
+        assert!(
+            ConnectionCounts::new(0, 0).open(v4, false).is_ok(),
+            "0: no limit"
+        );
     }
 }

@@ -17,7 +17,7 @@ use tokio::sync::{mpsc, watch};
 
 use crate::auth::ApiKeys;
 use crate::codec::{AppErrorCode, DEFAULT_MAX_FRAME_SIZE, HARD_MAX_FRAME_SIZE, Health};
-use crate::limits::ConnectionLimits;
+use crate::limits::{ConnectionLimits, ConnectionSlot};
 use crate::service::{ErrorCode, EventStream, InferenceService, ModelInfo};
 use crate::state::{ConnectionAction, ConnectionState, ServerStream, ServerStreamAction, Side};
 use crate::tls::{CertFingerprint, Identity, TlsError};
@@ -31,6 +31,21 @@ pub const ALPN: &[u8] = b"claudelink/2";
 pub trait ConnectionHandler: Send + Sync + 'static {
     /// Serves one connection.
     fn handle(&self, conn: quinn::Connection) -> Pin<Box<dyn Future<Output = ()> + Send>>;
+
+    /// Serves one connection that holds `slot` in the endpoint's connection limits (held until
+    /// the returned future ends). On a server with API keys the connection starts in the
+    /// smaller unauthenticated budget: a handler that checks keys calls
+    /// [`ConnectionSlot::authenticated`] when the peer presents a valid one (and should close
+    /// connections that do not within a few seconds). The default counts the connection as
+    /// authenticated at once and calls [`ConnectionHandler::handle`].
+    fn handle_with_slot(
+        &self,
+        conn: quinn::Connection,
+        slot: ConnectionSlot,
+    ) -> Pin<Box<dyn Future<Output = ()> + Send>> {
+        slot.authenticated();
+        self.handle(conn)
+    }
 }
 
 /// Server settings. Build with [`ServerConfig::new`] and the setters.
@@ -618,7 +633,13 @@ async fn accept_loop(endpoint: quinn::Endpoint, shared: Arc<Shared>) {
         let slot = if shared.draining.load(Ordering::Acquire) {
             None
         } else {
-            shared.limits.admit(incoming.remote_address().ip()).ok()
+            shared
+                .limits
+                .admit(
+                    incoming.remote_address().ip(),
+                    !shared.cfg.api_keys.is_empty(),
+                )
+                .ok()
         };
         let Some(slot) = slot else {
             shared
@@ -630,7 +651,6 @@ async fn accept_loop(endpoint: quinn::Endpoint, shared: Arc<Shared>) {
         };
         let shared = shared.clone();
         tokio::spawn(async move {
-            let _slot = slot;
             let Ok(mut connecting) = incoming.accept() else {
                 return;
             };
@@ -664,7 +684,7 @@ async fn accept_loop(endpoint: quinn::Endpoint, shared: Arc<Shared>) {
                             Err(_) => return,
                         },
                     };
-                    serve_connection(conn, handshake, shared).await;
+                    serve_connection(conn, handshake, shared, slot).await;
                 }
                 Some(p) => {
                     let handler = shared
@@ -674,7 +694,7 @@ async fn accept_loop(endpoint: quinn::Endpoint, shared: Arc<Shared>) {
                         .find(|(a, _)| a == p)
                         .map(|(_, h)| h.clone());
                     match (handler, connecting.await) {
-                        (Some(h), Ok(conn)) => h.handle(conn).await,
+                        (Some(h), Ok(conn)) => h.handle_with_slot(conn, slot).await,
                         (None, Ok(conn)) => conn.close(
                             VarInt::from_u64(AppErrorCode::ProtocolError.to_u64())
                                 .unwrap_or(VarInt::from_u32(1)),
@@ -724,6 +744,9 @@ struct ConnCtx {
     /// When the connection last had a request stream starting or running (for
     /// `connection_ttl`).
     last_active: Mutex<Instant>,
+    /// The connection's place in the endpoint's limits (leaves the unauthenticated budget on
+    /// AUTH).
+    slot: ConnectionSlot,
 }
 
 impl ConnCtx {
@@ -788,6 +811,7 @@ impl ConnCtx {
                     self.conn.close(code(c), b"control stream violation");
                 }
                 ConnectionAction::Authenticated { client } => {
+                    self.slot.authenticated();
                     self.gate.send_replace(Gate::Open(client.map(Arc::from)));
                 }
                 ConnectionAction::PingReceived { nonce } => {
@@ -810,6 +834,7 @@ async fn serve_connection(
     conn: quinn::Connection,
     handshake: watch::Receiver<bool>,
     shared: Arc<Shared>,
+    slot: ConnectionSlot,
 ) {
     let id = conn.stable_id();
     let (tx, mut rx) = mpsc::unbounded_channel();
@@ -846,6 +871,7 @@ async fn serve_connection(
         handshake,
         last_active: Mutex::new(Instant::now()),
         shared: shared.clone(),
+        slot,
     });
     if shared.draining.load(Ordering::Acquire) {
         // Accepted just before draining started: tell the client at once.

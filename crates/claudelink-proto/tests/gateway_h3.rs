@@ -43,6 +43,20 @@ async fn h3_client(
     quinn::Endpoint,
     h3::client::SendRequest<h3_quinn::OpenStreams, Bytes>,
 ) {
+    let (endpoint, _conn, send) = h3_client_pinging(f, None).await;
+    (endpoint, send)
+}
+
+/// An h3 client whose QUIC connection sends a PING every `keep_alive` (if any) even when no
+/// request is open; also returns the QUIC connection, to watch for its close.
+async fn h3_client_pinging(
+    f: &H3Fixture,
+    keep_alive: Option<std::time::Duration>,
+) -> (
+    quinn::Endpoint,
+    quinn::Connection,
+    h3::client::SendRequest<h3_quinn::OpenStreams, Bytes>,
+) {
     let mut roots = rustls::RootCertStore::empty();
     roots.add(f.cert.clone()).unwrap();
     let provider = Arc::new(rustls::crypto::ring::default_provider());
@@ -54,17 +68,132 @@ async fn h3_client(
     tls.alpn_protocols = vec![H3_ALPN.to_vec()];
     let qcfg = quinn::crypto::rustls::QuicClientConfig::try_from(tls).unwrap();
     let mut endpoint = quinn::Endpoint::client("127.0.0.1:0".parse().unwrap()).unwrap();
-    endpoint.set_default_client_config(quinn::ClientConfig::new(Arc::new(qcfg)));
+    let mut client = quinn::ClientConfig::new(Arc::new(qcfg));
+    let mut transport = quinn::TransportConfig::default();
+    transport.keep_alive_interval(keep_alive);
+    client.transport_config(Arc::new(transport));
+    endpoint.set_default_client_config(client);
     let conn = endpoint
         .connect(f.addr, "localhost")
         .unwrap()
         .await
         .unwrap();
-    let (mut driver, send) = h3::client::new(h3_quinn::Connection::new(conn))
+    let (mut driver, send) = h3::client::new(h3_quinn::Connection::new(conn.clone()))
         .await
         .unwrap();
     tokio::spawn(async move { std::future::poll_fn(|cx| driver.poll_close(cx)).await });
-    (endpoint, send)
+    (endpoint, conn, send)
+}
+
+async fn h3_request(
+    send: &mut h3::client::SendRequest<h3_quinn::OpenStreams, Bytes>,
+    method: &str,
+    path: &str,
+    key: Option<&str>,
+) -> (u16, Vec<u8>) {
+    let mut req = http::Request::builder()
+        .method(method)
+        .uri(format!("https://localhost{path}"))
+        .header("anthropic-version", "2023-06-01");
+    if let Some(k) = key {
+        req = req.header("x-api-key", k);
+    }
+    let mut stream = send.send_request(req.body(()).unwrap()).await.unwrap();
+    stream.finish().await.unwrap();
+    let resp = stream.recv_response().await.unwrap();
+    let mut out = Vec::new();
+    while let Some(mut chunk) = stream.recv_data().await.unwrap() {
+        while chunk.has_remaining() {
+            let c = chunk.chunk();
+            out.extend_from_slice(c);
+            let n = c.len();
+            chunk.advance(n);
+        }
+    }
+    (resp.status().as_u16(), out)
+}
+
+/// Whether `conn` closes within `within`.
+async fn closes_within(conn: &quinn::Connection, within: std::time::Duration) -> bool {
+    tokio::time::timeout(within, conn.closed()).await.is_ok()
+}
+
+#[tokio::test]
+async fn an_h3_connection_with_no_request_is_closed_at_the_idle_timeout_though_it_pings() {
+    use std::time::Duration;
+    let f = start_with(GatewayConfig::default().idle_timeout(Duration::from_secs(1))).await;
+    let (_endpoint, conn, _send) = h3_client_pinging(&f, Some(Duration::from_millis(100))).await;
+    assert!(
+        closes_within(&conn, Duration::from_secs(5)).await,
+        "an idle h3 connection answering PINGs stayed open 5 s"
+    );
+    // After a request too, and the close says why.
+    let (_endpoint, conn, mut send) = h3_client_pinging(&f, Some(Duration::from_millis(100))).await;
+    assert_eq!(h3_request(&mut send, "GET", "/health", None).await.0, 200);
+    assert!(closes_within(&conn, Duration::from_secs(5)).await);
+    match conn.close_reason() {
+        Some(quinn::ConnectionError::ApplicationClosed(c)) => {
+            assert_eq!(&c.reason[..], b"idle");
+        }
+        other => panic!("closed with {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn a_keyless_h3_connection_is_closed_at_the_auth_timeout_and_a_keyed_one_is_not() {
+    use std::time::Duration;
+    let f = start_with(
+        GatewayConfig::default()
+            .api_keys(["sk-h3".to_string()])
+            .auth_timeout(Duration::from_secs(1))
+            .idle_timeout(Duration::from_secs(30)),
+    )
+    .await;
+    let (_e1, keyless, mut keyless_send) =
+        h3_client_pinging(&f, Some(Duration::from_millis(100))).await;
+    let (_e2, keyed, mut keyed_send) =
+        h3_client_pinging(&f, Some(Duration::from_millis(100))).await;
+    assert_eq!(
+        h3_request(&mut keyed_send, "GET", "/v1/models", Some("sk-h3"))
+            .await
+            .0,
+        200
+    );
+    assert_eq!(
+        h3_request(&mut keyless_send, "GET", "/v1/models", Some("sk-no"))
+            .await
+            .0,
+        401
+    );
+    assert!(
+        closes_within(&keyless, Duration::from_secs(5)).await,
+        "a keyless h3 connection stayed open 5 s"
+    );
+    assert!(
+        keyed.close_reason().is_none(),
+        "the keyed connection was closed"
+    );
+    assert_eq!(
+        h3_request(&mut keyed_send, "GET", "/v1/models", Some("sk-h3"))
+            .await
+            .0,
+        200
+    );
+}
+
+#[tokio::test]
+async fn head_is_answered_without_a_body_over_h3() {
+    let f = start().await;
+    let (_endpoint, mut send) = h3_client(&f).await;
+    for (path, want) in [
+        ("/no/such/route", 404),
+        ("/health", 200),
+        ("/v1/models", 200),
+    ] {
+        let (status, body) = h3_request(&mut send, "HEAD", path, None).await;
+        assert_eq!((path, status), (path, want));
+        assert!(body.is_empty(), "HEAD {path}: {body:?}");
+    }
 }
 
 async fn h3_post(

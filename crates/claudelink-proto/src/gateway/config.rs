@@ -60,6 +60,15 @@ pub struct GatewayConfig {
     /// How long a TCP client may take to send a request's headers (HTTP/1.1) or its first
     /// bytes (HTTP/2 preface) before the connection is closed. Default 10 s.
     pub header_read_timeout: Duration,
+    /// A connection with no request open for this long is closed, on every transport
+    /// (HTTP/1.1 keep-alive, HTTP/2 and HTTP/3: PINGs and other frames do not count as
+    /// activity). Default 10 s.
+    pub idle_timeout: Duration,
+    /// With API keys: a connection that has not presented a valid key this long after it
+    /// opened is closed (on every transport), and until then it counts against the smaller
+    /// unauthenticated connection budget (a quarter of `max_connections_per_ip`, half of
+    /// `max_connections`). Default 5 s.
+    pub auth_timeout: Duration,
     /// HTTP/2 keep-alive: a PING is sent after this much silence and the connection is closed
     /// when it is not answered within the same time. Default 20 s.
     pub http2_keep_alive: Duration,
@@ -103,6 +112,8 @@ impl Default for GatewayConfig {
             max_prompt_bytes: 4 * 1024 * 1024,
             metrics_key: None,
             header_read_timeout: Duration::from_secs(10),
+            idle_timeout: Duration::from_secs(10),
+            auth_timeout: Duration::from_secs(5),
             http2_keep_alive: Duration::from_secs(20),
             tcp_keepalive: Duration::from_secs(10),
             tcp_user_timeout: Duration::from_secs(20),
@@ -188,6 +199,27 @@ impl GatewayConfig {
     /// Sets the time a TCP client has to send its request headers.
     pub fn header_read_timeout(mut self, timeout: Duration) -> Self {
         self.header_read_timeout = timeout;
+        self
+    }
+    /// Sets how long a connection may stay open with no request (see
+    /// [`GatewayConfig::idle_timeout`]).
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use claudelink_proto::GatewayConfig;
+    /// let cfg = GatewayConfig::default()
+    ///     .idle_timeout(Duration::from_secs(30))
+    ///     .auth_timeout(Duration::from_secs(2));
+    /// assert_eq!((cfg.idle_timeout.as_secs(), cfg.auth_timeout.as_secs()), (30, 2));
+    /// ```
+    pub fn idle_timeout(mut self, timeout: Duration) -> Self {
+        self.idle_timeout = timeout;
+        self
+    }
+    /// Sets how long a connection may stay open without presenting a valid key (see
+    /// [`GatewayConfig::auth_timeout`]).
+    pub fn auth_timeout(mut self, timeout: Duration) -> Self {
+        self.auth_timeout = timeout;
         self
     }
     /// Sets the HTTP/2 keep-alive interval (and PING answer timeout).

@@ -289,8 +289,16 @@ impl Gateway {
             Endpoint::Completions => Flavor::Completions,
             _ => Flavor::Anthropic,
         };
+        // HEAD is answered on every route as GET would be (or with the same error), without a
+        // body (an HTTP/2 or HTTP/3 HEAD response carrying DATA is a protocol error).
+        let without_body = |mut reply: Reply| {
+            if method == Method::HEAD {
+                reply.body = ReplyBody::Full(Bytes::new());
+            }
+            reply
+        };
         match self.admit_headers(method, &path, headers, endpoint, flavor) {
-            Ok(Some(reply)) => Admission::Reply(self.finish(reply, &access)),
+            Ok(Some(reply)) => Admission::Reply(self.finish(without_body(reply), &access)),
             Ok(None) => {
                 let debug = headers
                     .get(X_ANTHROPIC_DEBUG)
@@ -309,13 +317,13 @@ impl Gateway {
                     }),
                     Err(e) => {
                         let reply = error_reply(&e, flavor, &request_id);
-                        Admission::Reply(self.finish(reply, &access))
+                        Admission::Reply(self.finish(without_body(reply), &access))
                     }
                 }
             }
             Err(e) => {
                 let reply = error_reply(&e, flavor, &request_id);
-                Admission::Reply(self.finish(reply, &access))
+                Admission::Reply(self.finish(without_body(reply), &access))
             }
         }
     }
@@ -392,7 +400,7 @@ impl Gateway {
             (Endpoint::Health, &Method::GET | &Method::HEAD) => {
                 return Ok(Some(self.health(m == Method::HEAD)));
             }
-            (Endpoint::Metrics, &Method::GET) => {
+            (Endpoint::Metrics, &Method::GET | &Method::HEAD) => {
                 self.authenticate_metrics(headers)?;
                 return Ok(Some(Reply::text(
                     StatusCode::OK,
@@ -412,9 +420,9 @@ impl Gateway {
             _ => {}
         }
         let allowed = match endpoint {
-            Endpoint::Models => m == Method::GET,
-            Endpoint::Health => m == Method::GET || m == Method::HEAD,
-            Endpoint::Metrics => m == Method::GET,
+            Endpoint::Models | Endpoint::Health | Endpoint::Metrics => {
+                m == Method::GET || m == Method::HEAD
+            }
             _ => m == Method::POST,
         };
         if !allowed {
@@ -564,6 +572,28 @@ impl Gateway {
                 ApiErrorKind::Authentication,
                 "invalid x-api-key",
             )),
+        }
+    }
+
+    /// Whether `headers` carry one of the gateway's API keys (what takes a connection out of
+    /// the unauthenticated budget); `false` on a gateway without keys, where there is nothing
+    /// to present.
+    pub(crate) fn presents_key(&self, headers: &HeaderMap) -> bool {
+        !self.inner.keys.is_empty()
+            && presented_key(headers).is_ok_and(|k| self.inner.keys.find(k).is_some())
+    }
+
+    /// Whether connections must present an API key.
+    pub(crate) fn requires_keys(&self) -> bool {
+        !self.inner.keys.is_empty()
+    }
+
+    /// The idle and authentication timeouts every transport applies to its connections.
+    pub(crate) fn watch_policy(&self) -> super::conn_watch::WatchPolicy {
+        let cfg = &self.inner.config;
+        super::conn_watch::WatchPolicy {
+            idle: cfg.idle_timeout,
+            auth: self.requires_keys().then_some(cfg.auth_timeout),
         }
     }
 

@@ -2,15 +2,19 @@
 
 use std::future::Future;
 use std::pin::Pin;
-use std::time::Instant;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use bytes::{Buf, Bytes, BytesMut};
 use futures::StreamExt;
 use h3::server::{RequestResolver, RequestStream};
 use http::Response;
+use quinn::VarInt;
 
+use super::conn_watch::{ConnWatch, Verdict};
 use super::core::{Admission, BodyError, Gateway, Reply, ReplyBody};
 use super::metrics::Protocol;
+use crate::limits::ConnectionSlot;
 use crate::server::ConnectionHandler;
 
 /// The ALPN protocol id of HTTP/3.
@@ -39,7 +43,23 @@ impl ConnectionHandler for H3Handler {
         let gw = self.gateway.clone();
         Box::pin(async move { gw.serve_h3_connection(conn).await })
     }
+
+    fn handle_with_slot(
+        &self,
+        conn: quinn::Connection,
+        slot: ConnectionSlot,
+    ) -> Pin<Box<dyn Future<Output = ()> + Send>> {
+        let gw = self.gateway.clone();
+        Box::pin(async move { gw.serve_h3_watched(conn, Some(slot)).await })
+    }
 }
+
+/// How long an HTTP/3 connection closed for idleness or want of a key has to finish what it is
+/// sending before the QUIC connection is closed.
+const CLOSE_GRACE: Duration = Duration::from_secs(1);
+
+/// `H3_NO_ERROR`, the application close code of a connection closed on purpose.
+const H3_NO_ERROR: u32 = 0x100;
 
 impl Gateway {
     /// The [`ConnectionHandler`] that serves HTTP/3 connections with this gateway.
@@ -51,8 +71,19 @@ impl Gateway {
 
     /// Serves HTTP/3 requests on one QUIC connection (whose handshake negotiated ALPN `h3`)
     /// until the peer closes it or the gateway drains (then GOAWAY is sent and running requests
-    /// finish).
+    /// finish). A connection with no request open for
+    /// [`idle_timeout`](crate::GatewayConfig::idle_timeout), or (with API keys) without a
+    /// valid key [`auth_timeout`](crate::GatewayConfig::auth_timeout) after it opened, gets
+    /// GOAWAY and is closed; QUIC PINGs do not keep it open.
     pub async fn serve_h3_connection(&self, conn: quinn::Connection) {
+        self.serve_h3_watched(conn, None).await;
+    }
+
+    /// [`Gateway::serve_h3_connection`] for a connection holding `slot` in its endpoint's
+    /// limits (it leaves the unauthenticated budget with the first valid key).
+    async fn serve_h3_watched(&self, conn: quinn::Connection, slot: Option<ConnectionSlot>) {
+        let watch = Arc::new(ConnWatch::new(Instant::now(), self.watch_policy(), slot));
+        let quic = conn.clone();
         let remote = conn.remote_address();
         self.inner.metrics.connection_opened(Protocol::Http3);
         let mut h3c = match h3::server::builder()
@@ -72,6 +103,7 @@ impl Gateway {
             let _ = h3c.shutdown(0).await;
         }
         let mut served = 0u64;
+        let mut wake = Instant::now();
         loop {
             let next = tokio::select! {
                 r = h3c.accept() => r,
@@ -80,13 +112,34 @@ impl Gateway {
                     let _ = h3c.shutdown(0).await;
                     continue;
                 }
+                () = tokio::time::sleep_until(wake.into()) => {
+                    match watch.verdict(Instant::now()) {
+                        Verdict::KeepUntil(t) => wake = t,
+                        Verdict::Close(why) => {
+                            tracing::debug!(%remote, reason = why.as_str(), "closing the h3 connection");
+                            let _ = h3c.shutdown(0).await;
+                            let grace = Instant::now() + CLOSE_GRACE;
+                            while watch.open_requests() > 0 && Instant::now() < grace {
+                                tokio::time::sleep(Duration::from_millis(20)).await;
+                            }
+                            quic.close(VarInt::from_u32(H3_NO_ERROR), why.as_str().as_bytes());
+                            break;
+                        }
+                    }
+                    continue;
+                }
             };
             match next {
                 Ok(Some(resolver)) => {
                     self.inner.metrics.connection_request(served);
                     served += 1;
                     let gw = self.clone();
-                    tokio::spawn(async move { gw.serve_h3_request(resolver).await });
+                    let open = watch.request_started();
+                    let watch = watch.clone();
+                    tokio::spawn(async move {
+                        gw.serve_h3_request(resolver, &watch).await;
+                        drop(open);
+                    });
                 }
                 Ok(None) => break,
                 Err(e) => {
@@ -120,7 +173,7 @@ impl Gateway {
         self.start_draining();
     }
 
-    async fn serve_h3_request(&self, resolver: RequestResolver<H3Conn, Bytes>) {
+    async fn serve_h3_request(&self, resolver: RequestResolver<H3Conn, Bytes>, watch: &ConnWatch) {
         let received = Instant::now();
         let (req, mut stream) = match resolver.resolve_request().await {
             Ok(x) => x,
@@ -130,6 +183,9 @@ impl Gateway {
             }
         };
         let (parts, ()) = req.into_parts();
+        if !watch.is_authenticated() && self.presents_key(&parts.headers) {
+            watch.authenticated();
+        }
         let path = parts
             .uri
             .path_and_query()

@@ -34,6 +34,7 @@
 mod access;
 mod choices;
 mod config;
+mod conn_watch;
 mod core;
 mod error;
 mod fields;

@@ -2,8 +2,11 @@
 //! (rustls, ALPN `h2` / `http/1.1`).
 //!
 //! Defences of the listener: connection limits per listener and per client address (refused
-//! connections get a minimal `503` and are closed), a header-read timeout (HTTP/1.1) and a
-//! first-bytes timeout (HTTP/2 preface), HTTP/2 keep-alive PINGs, TCP keep-alive and
+//! connections get a minimal `503` and are closed; on a gateway with keys, connections that
+//! have not presented one count against a smaller budget), a header-read timeout (HTTP/1.1)
+//! and a first-bytes timeout (HTTP/2 preface), the idle and authentication timeouts of
+//! `conn_watch.rs` (a connection with no request open, or without a valid key, is closed
+//! whatever PINGs it answers), HTTP/2 keep-alive PINGs, TCP keep-alive and
 //! `TCP_USER_TIMEOUT` so a vanished peer's connection (and generation) ends within seconds, and
 //! a backed-off, rate-limited log when `accept` fails (EMFILE). Requests are admitted on their
 //! headers; the body is read only for admitted ones.
@@ -23,11 +26,12 @@ use http_body_util::{BodyExt, Full, Limited, StreamBody};
 use hyper::body::{Frame, Incoming as HyperBody};
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
-use hyper_util::server::graceful::GracefulShutdown;
 use tokio::io::AsyncWriteExt;
 use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{mpsc, watch};
 use tokio_rustls::TlsAcceptor;
 
+use super::conn_watch::{ConnWatch, OpenRequest, Verdict};
 use super::core::{Admission, BodyError, Gateway, ReplyBody};
 use super::metrics::Protocol;
 use crate::limits::ConnectionLimits;
@@ -89,7 +93,6 @@ impl Gateway {
         shutdown: impl Future<Output = ()>,
     ) -> std::io::Result<()> {
         let cfg = &self.inner.config;
-        let graceful = GracefulShutdown::new();
         let mut builder = auto::Builder::new(TokioExecutor::new());
         builder
             .http1()
@@ -102,6 +105,12 @@ impl Gateway {
             .keep_alive_timeout(cfg.http2_keep_alive);
         let builder = Arc::new(builder);
         let limits = ConnectionLimits::new(cfg.max_connections, cfg.max_connections_per_ip);
+        let requires_key = self.requires_keys();
+        let policy = self.watch_policy();
+        // Shutdown: every connection task watches `stop` (then closes gracefully, letting its
+        // responses finish) and holds a `live` sender; `live_rx` ends when the last one ends.
+        let (stop_tx, stop_rx) = watch::channel(false);
+        let (live_tx, mut live_rx) = mpsc::channel::<()>(1);
         let mut accept_errors = AcceptBackoff::default();
         let mut shutdown = std::pin::pin!(shutdown);
         loop {
@@ -121,8 +130,8 @@ impl Gateway {
                 () = &mut shutdown => break,
             };
             accept_errors.succeeded();
-            let guard = match limits.admit(peer.ip()) {
-                Ok(g) => g,
+            let slot = match limits.admit(peer.ip(), requires_key) {
+                Ok(s) => s,
                 Err(why) => {
                     tracing::debug!(%peer, %why, "connection refused");
                     tokio::spawn(refuse(stream));
@@ -130,30 +139,15 @@ impl Gateway {
                 }
             };
             self.tune_socket(&stream);
-            let gw = self.clone();
-            let seen = Arc::new(AtomicU64::new(0));
-            let svc = hyper::service::service_fn(move |req: Request<HyperBody>| {
-                let gw = gw.clone();
-                let previous = seen.fetch_add(1, Ordering::Relaxed);
-                async move {
-                    gw.inner.metrics.connection_request(previous);
-                    if previous == 0 {
-                        let p = if req.version() == Version::HTTP_2 {
-                            Protocol::Http2
-                        } else {
-                            Protocol::Http1
-                        };
-                        gw.inner.metrics.connection_opened(p);
-                    }
-                    Ok::<_, Infallible>(gw.serve_hyper(req).await)
-                }
-            });
+            let watch = Arc::new(ConnWatch::new(Instant::now(), policy, Some(slot)));
+            let svc = self.connection_service(watch.clone());
             let first_bytes = cfg.header_read_timeout;
             let builder = Arc::clone(&builder);
-            let watcher = graceful.watcher();
+            let stop = stop_rx.clone();
+            let live = live_tx.clone();
             let tls = tls.clone();
             tokio::spawn(async move {
-                let _guard = guard;
+                let _live = live;
                 // hyper's header timeout covers HTTP/1.1 once the protocol is known; this
                 // covers a client that sends nothing at all (the protocol is not known yet).
                 let mut probe = [0u8; 1];
@@ -165,39 +159,73 @@ impl Gateway {
                         return;
                     }
                 }
-                let served =
-                    match tls {
-                        None => {
-                            let conn = builder.serve_connection(TokioIo::new(stream), svc);
-                            watcher.watch(conn).await
+                let io: Box<dyn Io> = match tls {
+                    None => Box::new(stream),
+                    Some(acceptor) => {
+                        match tokio::time::timeout(first_bytes, acceptor.accept(stream)).await {
+                            Ok(Ok(s)) => Box::new(s),
+                            Ok(Err(e)) => {
+                                tracing::debug!(%peer, error = %e, "TLS handshake failed");
+                                return;
+                            }
+                            Err(_) => {
+                                tracing::debug!(%peer, "TLS handshake timed out: closed");
+                                return;
+                            }
                         }
-                        Some(acceptor) => {
-                            let stream =
-                                match tokio::time::timeout(first_bytes, acceptor.accept(stream))
-                                    .await
-                                {
-                                    Ok(Ok(s)) => s,
-                                    Ok(Err(e)) => {
-                                        tracing::debug!(%peer, error = %e, "TLS handshake failed");
-                                        return;
-                                    }
-                                    Err(_) => {
-                                        tracing::debug!(%peer, "TLS handshake timed out: closed");
-                                        return;
-                                    }
-                                };
-                            let conn = builder.serve_connection(TokioIo::new(stream), svc);
-                            watcher.watch(conn).await
-                        }
-                    };
-                if let Err(e) = served {
-                    tracing::debug!(%peer, error = %e, "connection ended with an error");
-                }
+                    }
+                };
+                let conn = builder.serve_connection(TokioIo::new(io), svc);
+                drive_connection(conn, &watch, stop, peer).await;
             });
         }
         drop(listener);
-        graceful.shutdown().await;
+        let _ = stop_tx.send(true);
+        drop(live_tx);
+        // `None` once every connection task has ended (no message is ever sent).
+        let _ = live_rx.recv().await;
         Ok(())
+    }
+
+    /// The hyper service of one connection: each request is counted open in `watch` until its
+    /// response body ends, and a valid key takes the connection out of the unauthenticated
+    /// budget.
+    fn connection_service(
+        &self,
+        watch: Arc<ConnWatch>,
+    ) -> impl hyper::service::Service<
+        Request<HyperBody>,
+        Response = Response<Body>,
+        Error = Infallible,
+        Future = impl Future<Output = Result<Response<Body>, Infallible>> + Send + 'static,
+    > + Clone
+    + Send
+    + 'static {
+        let gw = self.clone();
+        let seen = Arc::new(AtomicU64::new(0));
+        hyper::service::service_fn(move |req: Request<HyperBody>| {
+            let gw = gw.clone();
+            let previous = seen.fetch_add(1, Ordering::Relaxed);
+            let open = watch.request_started();
+            if !watch.is_authenticated() && gw.presents_key(req.headers()) {
+                watch.authenticated();
+            }
+            async move {
+                gw.inner.metrics.connection_request(previous);
+                if previous == 0 {
+                    let p = if req.version() == Version::HTTP_2 {
+                        Protocol::Http2
+                    } else {
+                        Protocol::Http1
+                    };
+                    gw.inner.metrics.connection_opened(p);
+                }
+                let resp = gw.serve_hyper(req).await;
+                Ok::<_, Infallible>(
+                    resp.map(|body| CountedBody { body, _open: open }.boxed_unsync()),
+                )
+            }
+        })
     }
 
     /// TCP keep-alive and `TCP_USER_TIMEOUT`: a peer that vanished (no FIN, no RST) is noticed
@@ -295,6 +323,114 @@ impl Gateway {
             resp.headers_mut().insert(ALT_SVC, v);
         }
         resp
+    }
+}
+
+/// A connection's transport: TCP, or TLS over TCP.
+trait Io: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send {}
+
+impl<T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send> Io for T {}
+
+/// How long a connection closed for idleness or want of a key has to finish what it is
+/// sending (a 401, a `/health` answer) before it is dropped.
+const CLOSE_GRACE: Duration = Duration::from_secs(1);
+
+/// Serves one connection until it ends, closing it gracefully at the server's shutdown
+/// (responses in flight finish) or when `watch` says it sat idle or never authenticated
+/// (then it is dropped after [`CLOSE_GRACE`] if it has not closed by itself).
+async fn drive_connection<C>(
+    conn: C,
+    watch: &ConnWatch,
+    mut stop: watch::Receiver<bool>,
+    peer: std::net::SocketAddr,
+) where
+    C: Future<Output = Result<(), Box<dyn std::error::Error + Send + Sync>>> + GracefulConnection,
+{
+    let mut conn = std::pin::pin!(conn);
+    let mut shut_down = false;
+    let mut stopping = false;
+    let mut wake = Instant::now();
+    let mut forced_at: Option<Instant> = None;
+    loop {
+        tokio::select! {
+            served = conn.as_mut() => {
+                if let Err(e) = served {
+                    tracing::debug!(%peer, error = %e, "connection ended with an error");
+                }
+                return;
+            }
+            _ = stop.wait_for(|s| *s), if !stopping => {
+                stopping = true;
+                if !shut_down {
+                    shut_down = true;
+                    conn.as_mut().shut_down();
+                }
+            }
+            () = tokio::time::sleep_until(forced_at.unwrap_or(wake).into()) => {
+                if forced_at.is_some() {
+                    tracing::debug!(%peer, "connection did not close within the grace: dropped");
+                    return;
+                }
+                match watch.verdict(Instant::now()) {
+                    Verdict::KeepUntil(t) => wake = t,
+                    Verdict::Close(why) => {
+                        tracing::debug!(%peer, reason = why.as_str(), "closing the connection");
+                        if !shut_down {
+                            shut_down = true;
+                            conn.as_mut().shut_down();
+                        }
+                        forced_at = Some(Instant::now() + CLOSE_GRACE);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// A connection that can be asked to close gracefully (hyper's `graceful_shutdown`).
+trait GracefulConnection {
+    fn shut_down(self: std::pin::Pin<&mut Self>);
+}
+
+impl<I, S, B> GracefulConnection for auto::Connection<'_, I, S, TokioExecutor>
+where
+    S: hyper::service::Service<Request<HyperBody>, Response = Response<B>>,
+    S::Future: Send + 'static,
+    S::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+    B: hyper::body::Body + Send + 'static,
+    B::Data: Send,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+    I: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
+{
+    fn shut_down(self: std::pin::Pin<&mut Self>) {
+        self.graceful_shutdown();
+    }
+}
+
+/// A response body that keeps its request counted as open (see [`ConnWatch`]) until it has
+/// been sent or dropped.
+struct CountedBody {
+    body: Body,
+    _open: OpenRequest,
+}
+
+impl hyper::body::Body for CountedBody {
+    type Data = Bytes;
+    type Error = Infallible;
+
+    fn poll_frame(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+        std::pin::Pin::new(&mut self.get_mut().body).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> hyper::body::SizeHint {
+        self.body.size_hint()
     }
 }
 
