@@ -3,6 +3,7 @@
 
 mod builtin;
 mod jinja;
+mod mark;
 mod tools;
 
 use minijinja::Value;
@@ -10,17 +11,13 @@ use minijinja::Value;
 use crate::error::ChatError;
 use crate::tokenizer::Tokenizer;
 use crate::tokens::Tokens;
+use mark::Marker;
 
 pub use builtin::BuiltinTemplate;
 pub use tools::{
     ParsedToolCall, TOOL_CALL_CLOSE, TOOL_CALL_OPEN, ToolCallParser, ToolEvent, ToolSyntax,
     forced_call_grammar, polyfill_messages, tool_json, tools_system_prompt,
 };
-
-/// Marks the start of message text inside the rendered template (a Unicode non-character).
-const OPEN: char = '\u{FDD0}';
-/// Marks the end of message text.
-const CLOSE: char = '\u{FDD1}';
 
 /// One tool call made by an assistant message (OpenAI / transformers shape: the template sees
 /// `{"id": .., "type": "function", "function": {"name": .., "arguments": {..}}}`).
@@ -337,8 +334,8 @@ enum Kind {
 /// [`BuiltinTemplate`]s.
 ///
 /// [`ChatTemplate::encode`] renders and tokenizes so that the template's own special-token text
-/// becomes special ids while message text never does: an `<|im_start|>` typed by a user stays
-/// plain text.
+/// becomes special ids while request text (messages, tool calls, tool definitions) never does:
+/// an `<|im_start|>` typed by a user or written in a tool's description stays plain text.
 ///
 /// Rendering is bounded: a template gets a fixed amount of minijinja fuel
 /// ([`ChatTemplate::FUEL`]) and minijinja's recursion limit, so a hostile template ends in
@@ -472,16 +469,30 @@ impl ChatTemplate {
         }
     }
 
+    /// Renders; with a marker, the request strings that hold special-token text are wrapped in
+    /// the encode markers (see `mark`).
     fn render_impl(
         &self,
         messages: &[ChatMessage<'_>],
         opts: &RenderOptions,
-        mark: bool,
+        marker: Option<Marker<'_>>,
     ) -> Result<String, ChatError> {
         match &self.kind {
-            Kind::Builtin(b) => Ok(b.render_marked(messages, opts.add_generation_prompt, mark)),
+            Kind::Builtin(b) => Ok(b.render_marked(messages, opts.add_generation_prompt, marker)),
             Kind::Jinja(c) => {
-                let msgs: Vec<Value> = messages.iter().map(|m| message_value(m, mark)).collect();
+                let msgs: Vec<Value> = messages.iter().map(|m| message_value(m, marker)).collect();
+                let marked_opts;
+                let opts = match marker {
+                    None => opts,
+                    Some(_) => {
+                        marked_opts = RenderOptions {
+                            tools: opts.tools.clone().map(|t| mark::value(marker, t)),
+                            documents: opts.documents.clone().map(|d| mark::value(marker, d)),
+                            ..opts.clone()
+                        };
+                        &marked_opts
+                    }
+                };
                 c.render(Value::from(msgs), opts, &self.bos_token, &self.eos_token)
             }
         }
@@ -528,12 +539,13 @@ impl ChatTemplate {
         messages: &[ChatMessage<'_>],
         opts: &RenderOptions,
     ) -> Result<String, ChatError> {
-        self.render_impl(messages, opts, false)
+        self.render_impl(messages, opts, None)
     }
 
     /// Renders and tokenizes the conversation: special-token text written by the template becomes
-    /// special ids, message text is always plain text. For messages without special-token text
-    /// the ids equal `tok.encode_with_specials(&self.render(..))`.
+    /// special ids, request text is always plain text. For messages without special-token text
+    /// the ids equal `tok.encode_with_specials(&self.render(..))`. See
+    /// [`ChatTemplate::encode_with`] for the errors.
     ///
     /// ```no_run
     /// # fn f(tok: &token_stream::Tokenizer) -> Result<(), token_stream::ChatError> {
@@ -556,16 +568,21 @@ impl ChatTemplate {
     }
 
     /// [`ChatTemplate::encode`] with tools, documents and extra keywords
-    /// (see [`ChatTemplate::render_with`]). Only message `content` is kept apart from template
-    /// text; tool-call arguments and tool definitions are template text.
+    /// (see [`ChatTemplate::render_with`]). Every string of the request is kept apart from
+    /// template text: message role, content and reasoning, tool-call ids, names and arguments,
+    /// `tool_call_id` and `name`, and the string values of the tools and documents. Only the
+    /// template's own text (and the extra keywords, which configure the template) may become
+    /// special ids.
     ///
-    /// When no message content contains special-token text, the ids are exactly the rendered
+    /// When no request string contains special-token text, the ids are exactly the rendered
     /// text tokenized with special tokens parsed (whatever the template does with the text:
-    /// `trim`, `.strip()`, `.split('</think>')`). When one does, message text is marked while
-    /// rendering so its special-token text stays plain; a template that cuts or rewrites marked
-    /// text (so the marked render is not the render) then gives
-    /// [`ChatError::SpecialTextTransformed`] rather than risk turning user text into control
-    /// tokens.
+    /// `trim`, `.strip()`, `.split('</think>')`). When one does, the strings that contain it
+    /// are marked while rendering so their special-token text stays plain; a template that
+    /// cuts, rewrites or tests marked text (so the marked render is not the render) then gives
+    /// [`ChatError::SpecialTextTransformed`] rather than risk turning request text into
+    /// control tokens. Special-token text in a JSON object key of the tools, documents or
+    /// call arguments cannot be marked and gives [`ChatError::SpecialTextInKey`]; the
+    /// markers' own characters anywhere give [`ChatError::ReservedChar`].
     ///
     /// ```no_run
     /// # fn f(tok: &token_stream::Tokenizer) -> Result<(), token_stream::ChatError> {
@@ -581,99 +598,34 @@ impl ChatTemplate {
         messages: &[ChatMessage<'_>],
         opts: &RenderOptions,
     ) -> Result<Tokens<'static>, ChatError> {
-        for (index, m) in messages.iter().enumerate() {
-            if m.content.contains([OPEN, CLOSE]) {
-                return Err(ChatError::ReservedChar { index });
-            }
-        }
-        let with_special = messages
-            .iter()
-            .position(|m| tok.find_special(m.content, 0).is_some());
-        let plain = self.render_impl(messages, opts, false)?;
-        let Some(index) = with_special else {
+        let with_special = mark::scan(tok, messages, opts)?;
+        let plain = self.render_impl(messages, opts, None)?;
+        let Some(at) = with_special else {
             // All special-token text in the render is the template's.
-            return Ok(segment(tok, &plain));
+            return Ok(mark::segment(tok, &plain));
         };
-        let marked = self.render_impl(messages, opts, true)?;
-        if !markers_intact(&marked, &plain) {
-            return Err(ChatError::SpecialTextTransformed { index });
+        // A template that fails only on marked text reacts to the marking.
+        let marked = self
+            .render_impl(messages, opts, Some(Marker::new(tok)))
+            .map_err(|_| ChatError::SpecialTextTransformed { at })?;
+        if !mark::markers_intact(&marked, &plain) {
+            return Err(ChatError::SpecialTextTransformed { at });
         }
-        Ok(segment(tok, &marked))
+        Ok(mark::segment(tok, &marked))
     }
-}
-
-/// Whether `marked` is `plain` with well-nested OPEN..CLOSE pairs inserted.
-fn markers_intact(marked: &str, plain: &str) -> bool {
-    let mut open = false;
-    let mut stripped = String::with_capacity(plain.len());
-    for c in marked.chars() {
-        match c {
-            OPEN if !open => open = true,
-            CLOSE if open => open = false,
-            OPEN | CLOSE => return false,
-            c => stripped.push(c),
-        }
-    }
-    !open && stripped == plain
-}
-
-/// Tokenizes a render: special-token text outside OPEN..CLOSE becomes special ids, text inside
-/// is plain.
-fn segment(tok: &Tokenizer, rendered: &str) -> Tokens<'static> {
-    let mut out = Vec::with_capacity(rendered.len() / 3 + 8);
-    // Plain text accumulates across template/message boundaries so pre-tokenization sees the
-    // same text as it would in the rendered string.
-    let mut plain = String::with_capacity(rendered.len());
-    let mut rest = rendered;
-    while !rest.is_empty() {
-        // Template text up to the next message.
-        let (tmpl, after) = match rest.find(OPEN) {
-            Some(p) => (&rest[..p], Some(&rest[p + OPEN.len_utf8()..])),
-            None => (rest, None),
-        };
-        let mut pos = 0;
-        while let Some((s, e, id)) = tok.find_special(tmpl, pos) {
-            plain.push_str(&tmpl[pos..s]);
-            tok.encode_into(&plain, &mut out);
-            plain.clear();
-            out.push(id);
-            pos = e;
-        }
-        plain.push_str(&tmpl[pos..]);
-        match after {
-            None => break,
-            Some(a) => {
-                let end = a.find(CLOSE).unwrap_or(a.len());
-                plain.push_str(&a[..end]);
-                rest = a.get(end + CLOSE.len_utf8()..).unwrap_or("");
-            }
-        }
-    }
-    tok.encode_into(&plain, &mut out);
-    Tokens::from(out)
-}
-
-/// Wraps message text in the markers when `mark` is set.
-fn marked(content: &str, mark: bool) -> String {
-    if !mark {
-        return content.to_owned();
-    }
-    let mut c = String::with_capacity(content.len() + 6);
-    c.push(OPEN);
-    c.push_str(content);
-    c.push(CLOSE);
-    c
 }
 
 /// The message as transformers hands it to the template: keys in the order a caller's dict
 /// would have them, `None` fields absent, reasoning under `thinking` and `reasoning_content`.
-fn message_value(m: &ChatMessage<'_>, mark: bool) -> Value {
+/// With a marker, its strings that hold special-token text are marked.
+fn message_value(m: &ChatMessage<'_>, marker: Option<Marker<'_>>) -> Value {
+    let text = |s: &str| Value::from(mark::text(marker, s));
     let mut kv: Vec<(&str, Value)> = Vec::with_capacity(7);
     if let Some(r) = m.reasoning_content {
-        kv.push(("thinking", Value::from(r)));
+        kv.push(("thinking", text(r)));
     }
-    kv.push(("role", Value::from(m.role)));
-    kv.push(("content", Value::from(marked(m.content, mark))));
+    kv.push(("role", text(m.role)));
+    kv.push(("content", text(m.content)));
     if !m.tool_calls.is_empty() {
         let calls: Vec<Value> = m
             .tool_calls
@@ -681,14 +633,17 @@ fn message_value(m: &ChatMessage<'_>, mark: bool) -> Value {
             .map(|c| {
                 let mut call: Vec<(&str, Value)> = Vec::with_capacity(3);
                 if let Some(id) = c.id {
-                    call.push(("id", Value::from(id)));
+                    call.push(("id", text(id)));
                 }
                 call.push(("type", Value::from("function")));
                 call.push((
                     "function",
                     Value::from_iter([
-                        ("name", Value::from(c.name)),
-                        ("arguments", Value::from_serialize(c.arguments)),
+                        ("name", text(c.name)),
+                        (
+                            "arguments",
+                            mark::value(marker, Value::from_serialize(c.arguments)),
+                        ),
                     ]),
                 ));
                 Value::from_iter(call)
@@ -697,13 +652,13 @@ fn message_value(m: &ChatMessage<'_>, mark: bool) -> Value {
         kv.push(("tool_calls", Value::from(calls)));
     }
     if let Some(id) = m.tool_call_id {
-        kv.push(("tool_call_id", Value::from(id)));
+        kv.push(("tool_call_id", text(id)));
     }
     if let Some(n) = m.name {
-        kv.push(("name", Value::from(n)));
+        kv.push(("name", text(n)));
     }
     if let Some(r) = m.reasoning_content {
-        kv.push(("reasoning_content", Value::from(r)));
+        kv.push(("reasoning_content", text(r)));
     }
     Value::from_iter(kv)
 }

@@ -189,22 +189,64 @@ pub enum ChatError {
         /// serde_json's message.
         message: String,
     },
-    /// Message `index` contains special-token text and the template cuts or rewrites message
-    /// text (e.g. `.split('</think>')`), so that text could not be kept apart from the
-    /// template's own special tokens when encoding.
+    /// Request text at `at` contains special-token text and the template cuts, rewrites or
+    /// tests that text (e.g. `.split('</think>')`, `trim`, a length check), so it could not be
+    /// kept apart from the template's own special tokens when encoding.
     #[error(
-        "message {index} contains special-token text and the template rewrites message text, \
+        "{at} contains special-token text and the template rewrites that text, \
          so it cannot be encoded safely"
     )]
     SpecialTextTransformed {
-        /// Index of the (first) message with special-token text.
-        index: usize,
+        /// The (first) part of the request with special-token text.
+        at: ChatPart,
     },
-    /// A message contains one of the two non-characters (U+FDD0, U+FDD1) used internally to
-    /// mark message text, so it could not be kept apart from template text.
-    #[error("message {index} contains a reserved non-character (U+FDD0 or U+FDD1)")]
+    /// A JSON object key (of a tool definition, a document or a tool call's arguments)
+    /// contains special-token text. Keys cannot be kept apart from template text (templates
+    /// look fields up by key), so the request is refused rather than encoded.
+    #[error("a JSON key in {at} contains special-token text: {key:?}")]
+    SpecialTextInKey {
+        /// Where the key is.
+        at: ChatPart,
+        /// The key.
+        key: String,
+    },
+    /// Request text contains one of the two non-characters (U+FDD0, U+FDD1) used internally to
+    /// mark request text, so it could not be kept apart from template text.
+    #[error("{at} contains a reserved non-character (U+FDD0 or U+FDD1)")]
     ReservedChar {
+        /// Where the text is.
+        at: ChatPart,
+    },
+}
+
+/// The part of a chat request a [`ChatError`] is about.
+#[non_exhaustive]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ChatPart {
+    /// A message of the conversation (its role, content, reasoning, tool calls,
+    /// `tool_call_id` or `name`).
+    Message {
         /// Index of the message.
         index: usize,
     },
+    /// A tool definition (`tools` of [`crate::RenderOptions`]).
+    Tool {
+        /// Index in the tool list (0 when the tools are not a list).
+        index: usize,
+    },
+    /// A document (`documents` of [`crate::RenderOptions`]).
+    Document {
+        /// Index in the document list (0 when the documents are not a list).
+        index: usize,
+    },
+}
+
+impl std::fmt::Display for ChatPart {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Message { index } => write!(f, "message {index}"),
+            Self::Tool { index } => write!(f, "tool {index}"),
+            Self::Document { index } => write!(f, "document {index}"),
+        }
+    }
 }

@@ -68,7 +68,7 @@ pub use chat::{
     TOOL_CALL_OPEN, ToolCall, ToolCallParser, ToolEvent, ToolSyntax, forced_call_grammar,
     polyfill_messages, tool_json, tools_system_prompt,
 };
-pub use error::{ChatError, DecodeError, LoadError, TokensFromBytesError};
+pub use error::{ChatError, ChatPart, DecodeError, LoadError, TokensFromBytesError};
 pub use load::{CL100K_SPECIALS, GgufVocab, O200K_SPECIALS, base64_encode};
 pub use pretok::{LlamaPre, Pieces, Pretokenizer};
 pub use pretok_table::{LLAMA_PRES, LlamaPreEntry, N_LLAMA_PRES, UNIMPLEMENTED_LLAMA_PRES};

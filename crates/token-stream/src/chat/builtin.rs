@@ -3,7 +3,8 @@
 
 use std::fmt::Write as _;
 
-use super::{ChatMessage, marked};
+use super::ChatMessage;
+use super::mark::{self, Marker};
 use crate::error::ChatError;
 
 macro_rules! builtins {
@@ -346,19 +347,21 @@ impl BuiltinTemplate {
     /// assert_eq!(s, "<start_of_turn>user\nBe brief.\n\nhi<end_of_turn>\n<start_of_turn>model\n");
     /// ```
     pub fn render(self, messages: &[ChatMessage<'_>], add_ass: bool) -> String {
-        self.render_marked(messages, add_ass, false)
+        self.render_marked(messages, add_ass, None)
     }
 
-    /// [`BuiltinTemplate::render`], with message text wrapped in the encode markers when `mark`.
+    /// [`BuiltinTemplate::render`], with message text that holds special-token text wrapped in
+    /// the encode markers when a marker is given. Built-ins read only role and content; the
+    /// role is printed by a few (chatml, ...) and is marked there too.
     pub(super) fn render_marked(
         self,
         chat: &[ChatMessage<'_>],
         add_ass: bool,
-        mark: bool,
+        marker: Option<Marker<'_>>,
     ) -> String {
         let mut ss = String::new();
         // Message text (already trimmed where llama.cpp trims it).
-        let c = |s: &str| marked(s, mark);
+        let c = |s: &str| mark::text(marker, s);
         // `write!` to a String cannot fail.
         macro_rules! w {
             ($($t:tt)*) => {{ let _ = write!(ss, $($t)*); }};
@@ -366,7 +369,7 @@ impl BuiltinTemplate {
         match self {
             Self::Chatml => {
                 for m in chat {
-                    w!("<|im_start|>{}\n{}<|im_end|>\n", m.role, c(m.content));
+                    w!("<|im_start|>{}\n{}<|im_end|>\n", c(m.role), c(m.content));
                 }
                 if add_ass {
                     ss.push_str("<|im_start|>assistant\n");
@@ -438,7 +441,7 @@ impl BuiltinTemplate {
             }
             Self::Phi3 => {
                 for m in chat {
-                    w!("<|{}|>\n{}<|end|>\n", m.role, c(m.content));
+                    w!("<|{}|>\n{}<|end|>\n", c(m.role), c(m.content));
                 }
                 if add_ass {
                     ss.push_str("<|assistant|>\n");
@@ -446,7 +449,11 @@ impl BuiltinTemplate {
             }
             Self::Phi4 => {
                 for m in chat {
-                    w!("<|im_start|>{}<|im_sep|>{}<|im_end|>", m.role, c(m.content));
+                    w!(
+                        "<|im_start|>{}<|im_sep|>{}<|im_end|>",
+                        c(m.role),
+                        c(m.content)
+                    );
                 }
                 if add_ass {
                     ss.push_str("<|im_start|>assistant<|im_sep|>");
@@ -454,7 +461,7 @@ impl BuiltinTemplate {
             }
             Self::Falcon3 => {
                 for m in chat {
-                    w!("<|{}|>\n{}\n", m.role, c(m.content));
+                    w!("<|{}|>\n{}\n", c(m.role), c(m.content));
                 }
                 if add_ass {
                     ss.push_str("<|assistant|>\n");
@@ -462,7 +469,7 @@ impl BuiltinTemplate {
             }
             Self::Zephyr => {
                 for m in chat {
-                    w!("<|{}|>\n{}<|endoftext|>\n", m.role, c(m.content));
+                    w!("<|{}|>\n{}<|endoftext|>\n", c(m.role), c(m.content));
                 }
                 if add_ass {
                     ss.push_str("<|assistant|>\n");
@@ -471,7 +478,7 @@ impl BuiltinTemplate {
             Self::Monarch => {
                 for (i, m) in chat.iter().enumerate() {
                     let bos = if i == 0 { "" } else { "<s>" };
-                    w!("{bos}{}\n{}</s>\n", m.role, c(m.content));
+                    w!("{bos}{}\n{}</s>\n", c(m.role), c(m.content));
                 }
                 if add_ass {
                     ss.push_str("<s>assistant\n");
@@ -489,7 +496,7 @@ impl BuiltinTemplate {
                     } else {
                         m.role
                     };
-                    w!("<start_of_turn>{role}\n");
+                    w!("<start_of_turn>{}\n", c(role));
                     if !system.is_empty() && role != "model" {
                         w!("{system}\n\n");
                         system.clear();
@@ -527,7 +534,7 @@ impl BuiltinTemplate {
                             b.make_ascii_uppercase();
                         }
                         let role = String::from_utf8_lossy(&role);
-                        w!("GPT4 Correct {role}: {}<|end_of_turn|>", c(m.content));
+                        w!("GPT4 Correct {}: {}<|end_of_turn|>", c(&role), c(m.content));
                     }
                 }
                 if add_ass {
@@ -582,7 +589,7 @@ impl BuiltinTemplate {
                 for m in chat {
                     w!(
                         "<|start_header_id|>{}<|end_header_id|>\n\n{}<|eot_id|>",
-                        m.role,
+                        c(m.role),
                         c(trim(m.content))
                     );
                 }
@@ -593,7 +600,7 @@ impl BuiltinTemplate {
             Self::Chatglm3 => {
                 ss.push_str("[gMASK]sop");
                 for m in chat {
-                    w!("<|{}|>\n {}", m.role, c(m.content));
+                    w!("<|{}|>\n {}", c(m.role), c(m.content));
                 }
                 if add_ass {
                     ss.push_str("<|assistant|>");
@@ -602,7 +609,7 @@ impl BuiltinTemplate {
             Self::Chatglm4 => {
                 ss.push_str("[gMASK]<sop>");
                 for m in chat {
-                    w!("<|{}|>\n{}", m.role, c(m.content));
+                    w!("<|{}|>\n{}", c(m.role), c(m.content));
                 }
                 if add_ass {
                     ss.push_str("<|assistant|>\n");
@@ -610,7 +617,7 @@ impl BuiltinTemplate {
             }
             Self::Glmedge => {
                 for m in chat {
-                    w!("<|{}|>\n{}", m.role, c(m.content));
+                    w!("<|{}|>\n{}", c(m.role), c(m.content));
                 }
                 if add_ass {
                     ss.push_str("<|assistant|>");
@@ -676,7 +683,7 @@ impl BuiltinTemplate {
             Self::ExaoneMoe => {
                 for m in chat {
                     if matches!(m.role, "system" | "user" | "assistant" | "tool") {
-                        w!("<|{}|>\n{}<|endofturn|>\n", m.role, c(trim(m.content)));
+                        w!("<|{}|>\n{}<|endofturn|>\n", c(m.role), c(trim(m.content)));
                     }
                 }
                 if add_ass {
@@ -701,7 +708,7 @@ impl BuiltinTemplate {
             }
             Self::Granite => {
                 for m in chat {
-                    w!("<|start_of_role|>{}<|end_of_role|>", m.role);
+                    w!("<|start_of_role|>{}<|end_of_role|>", c(m.role));
                     if m.role == "assistant_tool_call" {
                         ss.push_str("<|tool_call|>");
                     }
@@ -716,7 +723,7 @@ impl BuiltinTemplate {
                     if m.role == "assistant_tool_call" {
                         ss.push_str("<|start_of_role|>assistant<|end_of_role|><|tool_call|>");
                     } else {
-                        w!("<|start_of_role|>{}<|end_of_role|>", m.role);
+                        w!("<|start_of_role|>{}<|end_of_role|>", c(m.role));
                     }
                     w!("{}<|end_of_text|>\n", c(m.content));
                 }
@@ -749,7 +756,7 @@ impl BuiltinTemplate {
                 for m in chat {
                     w!(
                         "<|role_start|>{}<|role_end|>{}<|turn_end|>",
-                        m.role,
+                        c(m.role),
                         c(m.content)
                     );
                 }
@@ -780,7 +787,7 @@ impl BuiltinTemplate {
                     } else {
                         m.role.to_ascii_uppercase()
                     };
-                    w!("<role>{role}</role>{}", c(m.content));
+                    w!("<role>{}</role>{}", c(&role), c(m.content));
                     if two {
                         ss.push_str("<|role_end|>");
                     }
@@ -796,7 +803,7 @@ impl BuiltinTemplate {
                 for m in chat {
                     w!(
                         "<|header_start|>{}<|header_end|>\n\n{}<|eot|>",
-                        m.role,
+                        c(m.role),
                         c(trim(m.content))
                     );
                 }
@@ -840,7 +847,7 @@ impl BuiltinTemplate {
             }
             Self::GptOss => {
                 for m in chat {
-                    w!("<|start|>{}<|message|>{}", m.role, c(m.content));
+                    w!("<|start|>{}<|message|>{}", c(m.role), c(m.content));
                     ss.push_str(if m.role == "assistant" {
                         "<|return|>"
                     } else {
@@ -904,7 +911,7 @@ impl BuiltinTemplate {
                     } else {
                         m.content
                     };
-                    w!("<seed:bos>{}\n{}<seed:eos>", m.role, c(t));
+                    w!("<seed:bos>{}\n{}<seed:eos>", c(m.role), c(t));
                 }
                 if add_ass {
                     ss.push_str("<seed:bos>assistant\n");
@@ -944,7 +951,7 @@ impl BuiltinTemplate {
             }
             Self::SolarOpen => {
                 for m in chat {
-                    w!("<|begin|>{}<|content|>{}<|end|>", m.role, c(m.content));
+                    w!("<|begin|>{}<|content|>{}<|end|>", c(m.role), c(m.content));
                 }
                 if add_ass {
                     ss.push_str("<|begin|>assistant");

@@ -710,6 +710,8 @@ fn string(s: &str, ensure_ascii: bool, out: &mut String) {
             '\t' => out.push_str("\\t"),
             '\u{8}' => out.push_str("\\b"),
             '\u{c}' => out.push_str("\\f"),
+            // The encode markers (never in request text) stay markers under `ensure_ascii`.
+            super::mark::OPEN | super::mark::CLOSE => out.push(c),
             c if (c as u32) < 0x20 || (ensure_ascii && (c as u32) > 0x7e) => {
                 let mut buf = [0u16; 2];
                 for u in c.encode_utf16(&mut buf) {
