@@ -1081,6 +1081,37 @@ mod tests {
     }
 
     #[test]
+    fn one_api_keys_prompt_prefix_is_never_reused_for_another_key() {
+        // Issue 47: a cache hit answers far faster, so a shared cache would tell key A whether
+        // key B sent the prompt A guesses. The gateway puts the key's label in `client`.
+        let svc = load_default();
+        let secret = || {
+            Prompt::Chat(vec![
+                Msg::new(
+                    ChatRole::System,
+                    "The account's recovery code is 48213. Never reveal it to anyone.",
+                ),
+                Msg::new(ChatRole::User, "What can you do?"),
+            ])
+        };
+        let run = |client: Option<&str>| {
+            let mut req = InferenceRequest::new(svc.model_id(), secret(), 1);
+            req.client = client.map(str::to_owned);
+            let events: Vec<InferenceEvent> =
+                futures::executor::block_on(svc.submit(req).expect("submit").collect());
+            assert!(
+                matches!(events.last(), Some(InferenceEvent::Finished { .. })),
+                "{events:?}"
+            );
+            svc.engine().metrics().prefix_hits
+        };
+        assert_eq!(run(Some("key-b")), 0);
+        assert_eq!(run(Some("key-a")), 0, "key A's guess hit key B's prefix");
+        assert_eq!(run(None), 0, "a keyless request hit key B's prefix");
+        assert_eq!(run(Some("key-b")), 1, "key B's own prefix is reused");
+    }
+
+    #[test]
     fn submit_only_enqueues_and_prompt_errors_arrive_as_the_first_event() {
         let svc = load_default();
         let context = svc.models()[0].context_length as usize;

@@ -126,6 +126,12 @@ pub(crate) struct Args {
     /// Largest fraction of the KV cache one API key is admitted up to while others wait.
     #[arg(long, default_value_t = 0.5)]
     max_kv_share_per_client: f64,
+    /// Let every API key reuse every other key's cached prompt prefixes (default: each key has
+    /// a prefix cache of its own, since a reused prefix answers measurably faster and so tells
+    /// one key whether another sent a prompt it guessed). Only for servers whose keys all
+    /// belong to one tenant. See docs/SECURITY.md.
+    #[arg(long)]
+    shared_prefix_cache: bool,
     /// Seconds to let running streams finish after SIGINT/SIGTERM; then the gateway's streams
     /// end with an `overloaded_error` event.
     #[arg(long, default_value_t = 30)]
@@ -173,7 +179,8 @@ fn build_service(args: &Args) -> anyhow::Result<(Arc<EngineService>, PathBuf)> {
     let mut engine_cfg = EngineConfig::default()
         .with_max_running(args.max_batch)
         .with_max_queue(args.max_queue)
-        .with_max_kv_share_per_client(args.max_kv_share_per_client);
+        .with_max_kv_share_per_client(args.max_kv_share_per_client)
+        .with_shared_prefix_cache(args.shared_prefix_cache);
     if let Some(n) = args.max_per_client {
         engine_cfg = engine_cfg.with_max_running_per_client(n);
     }

@@ -290,6 +290,47 @@ fn shared_system_prompt_reuses_kv_with_identical_output() {
 }
 
 #[test]
+fn a_prompt_is_reused_only_for_its_own_client_unless_the_cache_is_shared() {
+    // Key B's prompt holds a secret; key A guesses it exactly. A hit would show as a far
+    // shorter first token: the guess must be computed cold, as any miss is.
+    let secret = chat(
+        "You are the assistant of an account whose recovery code is 48213. Never reveal it.",
+        "What can you do?",
+    );
+    let as_b =
+        |p: &Vec<u32>| GenerationRequest::new(p.clone(), 2).with_client(Some("key-b".into()));
+    let as_a =
+        |p: &Vec<u32>| GenerationRequest::new(p.clone(), 2).with_client(Some("key-a".into()));
+
+    let e = engine(EngineConfig::default());
+    assert_eq!(collect(&e.submit(as_b(&secret)).unwrap()).cached, 0);
+    let guess = collect(&e.submit(as_a(&secret)).unwrap());
+    assert_eq!(guess.cached, 0, "key A reused key B's prompt");
+    assert_eq!(guess.usage.cached_input_tokens, 0);
+    // The keyless client is a partition of its own too.
+    let anonymous = GenerationRequest::new(secret.clone(), 2);
+    assert_eq!(collect(&e.submit(anonymous).unwrap()).cached, 0);
+    // Within one key the prefix is reused as before.
+    let again = collect(&e.submit(as_b(&secret)).unwrap());
+    assert!(
+        again.cached + 1 >= secret.len(),
+        "key B reused {}",
+        again.cached
+    );
+    assert_eq!(e.metrics().prefix_hits, 1);
+
+    // Shared deliberately (one tenant behind several keys): the other key hits.
+    let shared = engine(EngineConfig::default().with_shared_prefix_cache(true));
+    collect(&shared.submit(as_b(&secret)).unwrap());
+    let hit = collect(&shared.submit(as_a(&secret)).unwrap());
+    assert!(
+        hit.cached + 1 >= secret.len(),
+        "shared cache reused {}",
+        hit.cached
+    );
+}
+
+#[test]
 fn two_hundred_concurrent_streams_all_finish() {
     // 200 streams of ~40 prompt tokens + 4 new tokens, F16 KV: ~1 MiB each.
     let e = engine(

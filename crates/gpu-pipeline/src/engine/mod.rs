@@ -79,6 +79,13 @@ pub struct EngineConfig {
     pub prefix_cache_entries: usize,
     /// Shortest prefix worth reusing, in tokens.
     pub prefix_min_tokens: usize,
+    /// Whether every client shares one prefix cache. `false` (the default): the cache is
+    /// partitioned by [`GenerationRequest::client`], so a prompt's KV is only ever reused for
+    /// requests of the same client (API key). A reused prefix shows from outside as a far
+    /// shorter time to first token, so a shared cache lets one tenant learn whether another
+    /// sent a prompt it guessed; share it only when every client trusts every other (one
+    /// tenant behind several keys, a single-tenant fleet).
+    pub shared_prefix_cache: bool,
     /// KV tokens reserved beyond the prompt at admission and added at each growth: a request
     /// holds the KV it uses rounded up to this, not its whole `max_new_tokens`.
     pub kv_grow_chunk: usize,
@@ -102,6 +109,7 @@ impl Default for EngineConfig {
             prefill_chunk: 256,
             prefix_cache_entries: 16,
             prefix_min_tokens: 8,
+            shared_prefix_cache: false,
             kv_grow_chunk: 256,
             max_running_per_client: usize::MAX,
             max_kv_share_per_client: 1.0,
@@ -138,6 +146,17 @@ impl EngineConfig {
     /// Sets [`prefix_cache_entries`](Self::prefix_cache_entries).
     pub fn with_prefix_cache_entries(mut self, n: usize) -> Self {
         self.prefix_cache_entries = n;
+        self
+    }
+    /// Sets [`shared_prefix_cache`](Self::shared_prefix_cache).
+    ///
+    /// ```
+    /// use gpu_pipeline::engine::EngineConfig;
+    /// assert!(!EngineConfig::default().shared_prefix_cache);
+    /// assert!(EngineConfig::default().with_shared_prefix_cache(true).shared_prefix_cache);
+    /// ```
+    pub fn with_shared_prefix_cache(mut self, shared: bool) -> Self {
+        self.shared_prefix_cache = shared;
         self
     }
     /// Sets [`kv_grow_chunk`](Self::kv_grow_chunk).
@@ -526,6 +545,7 @@ impl<E: Executor> Engine<E> {
             model: model.clone(),
             pool: pool.clone(),
             prefix: PrefixCache::new(cfg.prefix_cache_entries, cfg.prefix_min_tokens),
+            shared_prefix_cache: cfg.shared_prefix_cache,
             masks: None,
         };
         let tok = tokenizer.clone();
@@ -771,6 +791,8 @@ struct Worker<E: Executor> {
     model: Arc<E>,
     pool: Arc<KvPool<E::Kv>>,
     prefix: PrefixCache<E::Kv>,
+    /// [`EngineConfig::shared_prefix_cache`].
+    shared_prefix_cache: bool,
     /// Fills constrained sequences' masks during the forward pass (started by the first
     /// constrained step).
     masks: Option<MaskFiller>,
@@ -1121,7 +1143,8 @@ impl<E: Executor> Worker<E> {
         tok: Option<&'t Tokenizer>,
     ) -> Result<Active<'t, E::Kv>, StartFailed<'t>> {
         let cap = capacity.max(p.req.prompt.len() + 1);
-        let forked = match self.prefix.lookup(&p.req.prompt) {
+        let partition = self.prefix_partition(&p.req);
+        let forked = match self.prefix.lookup(partition, &p.req.prompt) {
             Some((ring, n)) => ring
                 .fork_into(n, cap, RingMode::Strict)
                 .ok()
@@ -1194,11 +1217,21 @@ impl<E: Executor> Worker<E> {
         let n = a.req.prompt.len();
         // A resumed sequence's prompt holds its own generated tokens: nobody else's prefix.
         let resumed = n != a.input_tokens;
-        if resumed || self.prefix.is_disabled() || self.prefix.covers(&a.req.prompt) {
+        let partition = self.prefix_partition(&a.req);
+        if resumed || self.prefix.is_disabled() || self.prefix.covers(partition, &a.req.prompt) {
             return;
         }
         if let Ok(ring) = a.kv.fork_into(n, n, RingMode::Strict) {
-            self.prefix.insert(a.req.prompt.clone(), ring);
+            self.prefix.insert(partition, a.req.prompt.clone(), ring);
+        }
+    }
+
+    /// The prefix-cache partition of a request: its client's, unless the cache is shared.
+    fn prefix_partition(&self, req: &GenerationRequest) -> prefix::Partition {
+        if self.shared_prefix_cache {
+            0
+        } else {
+            client_key(req.client.as_deref())
         }
     }
 }
