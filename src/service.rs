@@ -11,11 +11,11 @@ use futures::channel::oneshot;
 
 use claudelink_proto::{
     ChatRole, ErrorCode, EventStream, InferenceEvent, InferenceRequest, InferenceService,
-    ModelInfo, OutputFormat, Prompt, ServiceError, ServiceMetrics, StopReason, TokenLogprob,
-    ToolChoice, Tools, Usage,
+    ModelInfo, OutputFormat, Prompt, SchemaSource, ServiceError, ServiceMetrics, StopReason,
+    TokenLogprob, ToolChoice, ToolDefinition, Tools, Usage,
 };
 use gpu_pipeline::engine::{
-    Engine, EngineConfig, EngineEvent, GenerationRequest, RequestHandle, SubmitError,
+    Engine, EngineConfig, EngineError, EngineEvent, GenerationRequest, RequestHandle, SubmitError,
 };
 use gpu_pipeline::executor::{CpuExecutor, HostedExecutor};
 use gpu_pipeline::{
@@ -388,34 +388,31 @@ fn tools_json(tools: &Tools) -> serde_json::Value {
         .collect()
 }
 
-/// The grammar a request's decoding is constrained to: its output format, or one call of the
-/// allowed tools when a tool is forced.
+/// The grammar a request's decoding is constrained to, and the schema it comes from: its
+/// output format, or one call of the allowed tools when a tool is forced.
 fn request_format(
     format: Option<Arc<OutputFormat>>,
     tools: Option<&Tools>,
     syntax: ToolSyntax,
-) -> Result<Option<Arc<OutputFormat>>, ServiceError> {
+) -> Result<Option<(Arc<OutputFormat>, SchemaSource)>, ServiceError> {
     let Some(tools) = tools else {
-        return Ok(format);
+        return Ok(format.map(|f| (f, SchemaSource::OutputFormat)));
     };
-    let forced: Vec<(&str, &serde_json::Value)> = match &tools.choice {
-        ToolChoice::Any => tools
-            .tools
-            .iter()
-            .map(|t| (t.name.as_str(), &t.parameters))
-            .collect(),
+    let forced: Vec<(usize, &ToolDefinition)> = match &tools.choice {
+        ToolChoice::Any => tools.tools.iter().enumerate().collect(),
         ToolChoice::Named(name) => {
             let t = tools
                 .tools
                 .iter()
-                .find(|t| &t.name == name)
+                .enumerate()
+                .find(|(_, t)| &t.name == name)
                 .ok_or_else(|| ServiceError::InvalidRequest {
                     field: "tool_choice",
                     reason: format!("no tool is named {name:?}"),
                 })?;
-            vec![(t.name.as_str(), &t.parameters)]
+            vec![t]
         }
-        _ => return Ok(format),
+        _ => return Ok(format.map(|f| (f, SchemaSource::OutputFormat))),
     };
     if format.is_some() {
         return Err(ServiceError::InvalidRequest {
@@ -423,26 +420,51 @@ fn request_format(
             reason: "a forced tool call and a structured output format cannot be combined".into(),
         });
     }
-    if forced.is_empty() {
-        return Err(ServiceError::InvalidRequest {
-            field: "tools",
-            reason: "a tool call is required but no tool is given".into(),
-        });
+    let source = match forced.as_slice() {
+        [] => {
+            return Err(ServiceError::InvalidRequest {
+                field: "tools",
+                reason: "a tool call is required but no tool is given".into(),
+            });
+        }
+        [(i, _)] => SchemaSource::Tool(*i),
+        _ => SchemaSource::Tools,
+    };
+    Ok(Some((
+        Arc::new(forced_call(syntax, forced.iter().map(|&(_, t)| t))),
+        source,
+    )))
+}
+
+/// The grammar of one call of any of `tools`.
+fn forced_call<'a>(
+    syntax: ToolSyntax,
+    tools: impl Iterator<Item = &'a ToolDefinition>,
+) -> OutputFormat {
+    let forced: Vec<(&str, &serde_json::Value)> =
+        tools.map(|t| (t.name.as_str(), &t.parameters)).collect();
+    OutputFormat::Lark(token_stream::forced_call_grammar(syntax, &forced))
+}
+
+/// A request's compiled constraint and the schema it comes from.
+type Constraint = (Arc<dyn ConstraintFactory>, SchemaSource);
+
+/// A refused grammar's reason, as the client reads it (after the field it names).
+fn schema_reason(e: &GrammarError) -> String {
+    match e {
+        GrammarError::Empty => "no output can satisfy this schema (a recursion with no way out, \
+             such as {\"$ref\": \"#\"}?)"
+            .into(),
+        GrammarError::TooComplex(why) => format!("too complex to constrain the output: {why}"),
+        GrammarError::Invalid(why) => format!("cannot be used to constrain the output: {why}"),
+        other => other.to_string(),
     }
-    Ok(Some(Arc::new(OutputFormat::Lark(
-        token_stream::forced_call_grammar(syntax, &forced),
-    ))))
 }
 
 impl PromptParts {
-    /// The constraint of an output format, compiled for the model's vocabulary (a 400 naming
-    /// the problem when the schema, regex or grammar is invalid).
-    fn constraint(
-        &self,
-        format: &OutputFormat,
-    ) -> Result<Arc<dyn ConstraintFactory>, ServiceError> {
-        let grammars = self
-            .grammars
+    /// The grammar compiler, built by the first call.
+    fn grammars(&self) -> Result<&Grammars, ServiceError> {
+        self.grammars
             .get_or_init(|| {
                 let stops = self.engine.stop_tokens();
                 // The grammar's end is the tokenizer's EOS where it ends generation.
@@ -459,17 +481,56 @@ impl PromptParts {
             .map_err(|e| ServiceError::InvalidRequest {
                 field: "output_format",
                 reason: format!("this model cannot constrain its output: {e}"),
-            })?;
+            })
+    }
+
+    /// An output format compiled for the model's vocabulary.
+    fn compile(&self, format: &OutputFormat) -> Result<Arc<dyn ConstraintFactory>, ServiceError> {
+        let grammars = self.grammars()?;
         let compiled = match format {
             OutputFormat::JsonSchema(schema) => grammars.json_schema(compact_json(schema)),
             OutputFormat::Regex(rx) => grammars.regex(rx),
             OutputFormat::Lark(lark) => grammars.lark(lark),
             _ => Err(GrammarError::Invalid("unknown output format".into())),
         };
-        compiled.map_err(|e| ServiceError::InvalidRequest {
-            field: "output_format",
-            reason: e.to_string(),
+        compiled.map_err(|e| ServiceError::InvalidSchema {
+            schema: SchemaSource::OutputFormat,
+            reason: schema_reason(&e),
         })
+    }
+
+    /// The constraint of a request (see [`request_format`]), compiled; a refused schema is
+    /// named: the output format, or a forced tool (each one's schema is compiled alone first,
+    /// so the one that fails is named), else the tools together.
+    fn constraint(
+        &self,
+        format: Option<Arc<OutputFormat>>,
+        tools: Option<&Tools>,
+    ) -> Result<Option<Constraint>, ServiceError> {
+        let Some((grammar, source)) = request_format(format, tools, self.tool_syntax)? else {
+            return Ok(None);
+        };
+        let named = |schema: SchemaSource, e: ServiceError| match e {
+            ServiceError::InvalidSchema { reason, .. } => {
+                ServiceError::InvalidSchema { schema, reason }
+            }
+            other => other,
+        };
+        // The call's text comes first in a tool grammar: a schema that fails shows only when
+        // the arguments start, unless it is compiled alone.
+        let forced = match (source, tools) {
+            (SchemaSource::Tool(i), Some(_)) => i..i + 1,
+            (SchemaSource::Tools, Some(t)) => 0..t.tools.len(),
+            _ => 0..0,
+        };
+        for i in forced {
+            let schema = tools.map(|t| t.tools[i].parameters.clone());
+            self.compile(&OutputFormat::JsonSchema(schema.unwrap_or_default()))
+                .map_err(|e| named(SchemaSource::Tool(i), e))?;
+        }
+        self.compile(&grammar)
+            .map(|c| Some((c, source)))
+            .map_err(|e| named(source, e))
     }
 
     fn tokenize(&self, prompt: &Prompt, tools: Option<&Tools>) -> Result<Vec<u32>, ServiceError> {
@@ -791,7 +852,14 @@ impl InferenceService for EngineService {
         let (stops, priority, client) = (request.stop_sequences, request.priority, request.client);
         let logprobs = request.logprobs.map(usize::from);
         let tools = request.tools;
-        let format = request_format(request.output_format, tools.as_deref(), self.tool_syntax)?;
+        let parts = self.prompt_parts();
+        // Compiling the schema is CPU work (the gateway submits such requests from its blocking
+        // pool); a refused one names the schema, before anything is enqueued.
+        let (constraint, constrained_by) =
+            match parts.constraint(request.output_format, tools.as_deref())? {
+                Some((c, source)) => (Some(c), Some(source)),
+                None => (None, None),
+            };
         // Calls are looked for in the output unless the request forbids them.
         let mut calls = tools
             .as_ref()
@@ -801,20 +869,11 @@ impl InferenceService for EngineService {
         let prompt = request.prompt;
         // Tokenizing (and rendering the chat template) is CPU work proportional to the prompt:
         // it runs on the prompt pool; its failures arrive as the stream's first event.
-        let parts = self.prompt_parts();
         let (reply, started) = oneshot::channel::<Result<RequestHandle, ServiceError>>();
         self.prompts.try_run(Box::new(move || {
             if reply.is_canceled() {
                 return;
             }
-            // Compiling a schema is CPU work too; a bad one is the stream's first event.
-            let constraint = match format.as_ref().map(|f| parts.constraint(f)).transpose() {
-                Ok(c) => c,
-                Err(e) => {
-                    let _ = reply.send(Err(e));
-                    return;
-                }
-            };
             let handle = parts.start(&prompt, tools.as_deref(), |ids| {
                 GenerationRequest::new(ids, max_tokens)
                     .with_constraint(constraint)
@@ -922,10 +981,19 @@ impl InferenceService for EngineService {
                         });
                     }
                     EngineEvent::Error { error } => {
-                        ready.push_back(InferenceEvent::Error {
-                            code: ErrorCode::Internal,
-                            message: error.to_string(),
-                        });
+                        // A schema that fails past the first token (the compiler's limits, a
+                        // recursion with no way out further in) is the request's fault.
+                        let event = match (&*error, constrained_by) {
+                            (EngineError::Constraint(e), Some(source)) => InferenceEvent::Error {
+                                code: ErrorCode::InvalidRequest,
+                                message: format!("{source}: {e}"),
+                            },
+                            _ => InferenceEvent::Error {
+                                code: ErrorCode::Internal,
+                                message: error.to_string(),
+                            },
+                        };
+                        ready.push_back(event);
                     }
                     _ => {}
                 }
@@ -1248,15 +1316,13 @@ mod tests {
         r.output_format = Some(Arc::new(OutputFormat::JsonSchema(
             serde_json::json!({"type": "no-such-type"}),
         )));
-        let events: Vec<InferenceEvent> =
-            futures::executor::block_on(svc.submit(r).unwrap().collect());
-        match &events[..] {
-            [InferenceEvent::Error { code, message }] => {
-                assert_eq!(*code, ErrorCode::InvalidRequest);
-                assert!(message.contains("output_format"), "{message}");
-                assert!(message.contains("no-such-type"), "{message}");
-            }
-            other => panic!("{other:?}"),
+        match svc.submit(r) {
+            Err(ServiceError::InvalidSchema {
+                schema: SchemaSource::OutputFormat,
+                reason,
+            }) => assert!(reason.contains("no-such-type"), "{reason}"),
+            Err(other) => panic!("{other}"),
+            Ok(_) => panic!("a bad schema was accepted"),
         }
     }
 

@@ -83,7 +83,7 @@ pub use server::{
 };
 pub use service::{
     CacheStrategy, ChatMessage, ChatRole, ErrorCode, EventStream, InferenceEvent, InferenceRequest,
-    InferenceService, ModelInfo, OutputFormat, Prompt, SamplingParams, ServiceError,
+    InferenceService, ModelInfo, OutputFormat, Prompt, SamplingParams, SchemaSource, ServiceError,
     ServiceMetrics, StopReason, TokenLogprob, ToolCallMessage, ToolChoice, ToolDefinition, Tools,
     Usage,
 };

@@ -505,6 +505,45 @@ pub enum ServiceError {
     /// The service is shutting down.
     #[error("the service is shutting down")]
     ShuttingDown,
+    /// A JSON Schema the output is constrained to cannot be used: the compiler refused it, or
+    /// it cannot constrain the first token (a recursion with no way out, too many
+    /// alternatives).
+    #[error("{schema}: {reason}")]
+    InvalidSchema {
+        /// Which schema of the request.
+        schema: SchemaSource,
+        /// What is wrong with it, fit for the client (the compiler's summary, no internals).
+        reason: String,
+    },
+}
+
+/// Which schema of a request a [`ServiceError::InvalidSchema`] is about (the gateway names the
+/// request field it came from).
+///
+/// ```
+/// use claudelink_proto::SchemaSource;
+/// assert_eq!(SchemaSource::Tool(2).to_string(), "tools.2");
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum SchemaSource {
+    /// [`InferenceRequest::output_format`].
+    OutputFormat,
+    /// The input schema of the tool at this index of [`Tools::tools`], whose call is forced.
+    Tool(usize),
+    /// The tools' schemas together (a call of any of them is forced): each one compiles alone,
+    /// their union does not.
+    Tools,
+}
+
+impl std::fmt::Display for SchemaSource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::OutputFormat => f.write_str("output_format"),
+            Self::Tool(i) => write!(f, "tools.{i}"),
+            Self::Tools => f.write_str("tools"),
+        }
+    }
 }
 
 impl ServiceError {
@@ -513,7 +552,7 @@ impl ServiceError {
         match self {
             Self::Overloaded { .. } | Self::ShuttingDown => ErrorCode::Overloaded,
             Self::ContextLength { .. } => ErrorCode::ContextLength,
-            Self::InvalidRequest { .. } => ErrorCode::InvalidRequest,
+            Self::InvalidRequest { .. } | Self::InvalidSchema { .. } => ErrorCode::InvalidRequest,
         }
     }
 }

@@ -115,6 +115,68 @@ async fn validation_errors_name_the_field() {
 }
 
 #[tokio::test]
+async fn schemas_over_the_depth_or_size_limit_are_a_400_naming_their_field() {
+    let s = TestServer::start(GatewayConfig::default()).await;
+    // 70 levels of `items`; an `anyOf` of 5,000 alternatives.
+    let deep = (0..70).fold(
+        json!({"type": "string"}),
+        |inner, _| json!({"items": inner}),
+    );
+    let wide = json!({"anyOf": (0..5000).map(|i| json!({"const": i})).collect::<Vec<_>>()});
+    for (schema, why) in [(deep, "nests deeper than 64 levels"), (wide, "too large")] {
+        let base = json!({"model": "word-model", "max_tokens": 5,
+            "messages": [{"role": "user", "content": "x"}]});
+        let with = |extra: Value| {
+            let mut b = base.clone();
+            b.as_object_mut()
+                .unwrap()
+                .extend(extra.as_object().unwrap().clone());
+            b
+        };
+        let cases = [
+            (
+                "/v1/messages",
+                with(json!({"output_config": {"format":
+                    {"type": "json_schema", "schema": schema}}})),
+                "output_config.format.schema",
+            ),
+            (
+                "/v1/messages",
+                with(json!({"output_format": {"type": "json_schema", "schema": schema}})),
+                "output_format.schema",
+            ),
+            (
+                "/v1/messages",
+                with(json!({"tools": [{"name": "t", "input_schema": schema}]})),
+                "tools.0.input_schema",
+            ),
+            (
+                "/v1/chat/completions",
+                with(json!({"response_format": {"type": "json_schema",
+                    "json_schema": {"name": "r", "schema": schema}}})),
+                "response_format.json_schema.schema",
+            ),
+            (
+                "/v1/chat/completions",
+                with(json!({"tools": [{"type": "function",
+                    "function": {"name": "ok", "parameters": {"type": "object"}}},
+                    {"type": "function", "function": {"name": "t", "parameters": schema}}]})),
+                "tools.1.function.parameters",
+            ),
+        ];
+        for (path, body, field) in cases {
+            let r = s.post(path, &[V1], &body).await;
+            assert_eq!(r.status, 400, "{path} {field}: {}", r.text());
+            let v = r.json();
+            assert_eq!(v["error"]["type"], "invalid_request_error", "{v}");
+            let message = v["error"]["message"].as_str().unwrap();
+            assert!(message.starts_with(&format!("{field}: ")), "{message}");
+            assert!(message.contains(why), "{message}");
+        }
+    }
+}
+
+#[tokio::test]
 async fn not_found_and_too_large() {
     let s = TestServer::start(GatewayConfig::default().max_body_bytes(256)).await;
     let r = s.get("/v1/nothing", &[]).await;

@@ -5,7 +5,7 @@
 
 use std::sync::Arc;
 
-use llguidance::api::TopLevelGrammar;
+use llguidance::api::{StopReason, TopLevelGrammar};
 use llguidance::toktrie::{ApproximateTokEnv, TokRxInfo, TokTrie};
 use llguidance::{Matcher, ParserFactory};
 use token_stream::Tokenizer;
@@ -13,7 +13,8 @@ use token_stream::Tokenizer;
 use crate::constraint::{Constraint, ConstraintError, ConstraintFactory};
 use crate::sampling::TokenMask;
 
-/// Why a grammar could not be compiled.
+/// Why a grammar could not be compiled. The messages are llguidance's one-line summaries:
+/// never its parser state or the compiled grammar, which stay inside the server.
 #[non_exhaustive]
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum GrammarError {
@@ -23,6 +24,30 @@ pub enum GrammarError {
     /// The schema, regex or grammar is invalid (llguidance's message).
     #[error("invalid grammar: {0}")]
     Invalid(String),
+    /// The grammar compiles, but no text satisfies it from its first token on: a recursion
+    /// with no way out (`{"$ref": "#"}`), or an empty language.
+    #[error("no text satisfies it")]
+    Empty,
+    /// The grammar compiles, but constraining its first token is beyond the compiler's limits
+    /// (more alternatives at one point than it takes, such as an `anyOf` of thousands of
+    /// objects): llguidance's summary.
+    #[error("too complex to constrain the output: {0}")]
+    TooComplex(String),
+}
+
+/// Longest compiler message passed on.
+const MAX_MESSAGE: usize = 240;
+
+/// The first line of an llguidance error, at most [`MAX_MESSAGE`] bytes: its summary, without
+/// the parser state or grammar dump that may follow.
+fn summary(e: &impl std::fmt::Display) -> String {
+    let text = e.to_string();
+    let line = text.lines().next().unwrap_or("").trim();
+    let mut end = line.len().min(MAX_MESSAGE);
+    while !line.is_char_boundary(end) {
+        end -= 1;
+    }
+    line[..end].to_owned()
 }
 
 /// Compiles grammars for one model's vocabulary.
@@ -59,8 +84,12 @@ impl Grammars {
         let info = TokRxInfo::new(vocab_size as u32, eos);
         let trie = TokTrie::from(&info, &words);
         let env: llguidance::toktrie::TokEnv = Arc::new(ApproximateTokEnv::new(trie));
-        let factory =
-            ParserFactory::new_simple(&env).map_err(|e| GrammarError::Tokenizer(e.to_string()))?;
+        let mut factory =
+            ParserFactory::new_simple(&env).map_err(|e| GrammarError::Tokenizer(summary(&e)))?;
+        // Errors carry no parser state or grammar dump (they reach API clients), and nothing
+        // is written to stderr behind the server's log.
+        factory.limits_mut().verbose_errors = false;
+        factory.quiet();
         Ok(Self {
             factory: Arc::new(factory),
         })
@@ -88,10 +117,27 @@ impl Grammars {
         &self,
         grammar: TopLevelGrammar,
     ) -> Result<Arc<dyn ConstraintFactory>, GrammarError> {
-        // Compile once now so a bad grammar is an error at submission, not mid-generation.
-        self.factory
+        // Compile once now, and constrain the first token, so a bad grammar is an error at
+        // submission rather than a failed generation: a recursion with no way out, or too many
+        // alternatives at once, only shows when a mask is computed.
+        let mut parser = self
+            .factory
             .create_parser(grammar.clone())
-            .map_err(|e| GrammarError::Invalid(e.to_string()))?;
+            .map_err(|e| GrammarError::Invalid(summary(&e)))?;
+        parser.start_without_prompt();
+        match parser.compute_mask() {
+            Ok(first) if !first.is_zero() => {}
+            Ok(_) => return Err(GrammarError::Empty),
+            Err(_)
+                if matches!(
+                    parser.stop_reason(),
+                    StopReason::NoExtension | StopReason::NoExtensionBias
+                ) =>
+            {
+                return Err(GrammarError::Empty);
+            }
+            Err(e) => return Err(GrammarError::TooComplex(summary(&e))),
+        }
         Ok(Arc::new(GrammarFactory {
             factory: self.factory.clone(),
             grammar,
@@ -130,7 +176,7 @@ impl std::fmt::Debug for GrammarConstraint {
 }
 
 fn failed(e: impl std::fmt::Display) -> ConstraintError {
-    ConstraintError::Failed(e.to_string())
+    ConstraintError::Failed(summary(&e))
 }
 
 impl Constraint for GrammarConstraint {

@@ -521,6 +521,11 @@ fn llguidance_json_schema_and_regex_constraints_hold_on_the_real_model() {
         grammars.json_schema(serde_json::json!({"type": "no-such-type"})),
         Err(gpu_pipeline::GrammarError::Invalid(_))
     ));
+    // A recursion with no way out is refused when compiled, not found while generating.
+    assert_eq!(
+        grammars.json_schema(serde_json::json!({"$ref": "#"})).err(),
+        Some(gpu_pipeline::GrammarError::Empty)
+    );
     let handles: Vec<_> = QUESTIONS
         .iter()
         .enumerate()

@@ -689,7 +689,14 @@ impl Gateway {
             request.output_format = parsed.output_format.clone();
             request.tools = parsed.tools.clone();
             let slot = Slot::acquire(self, caller)?;
-            let events = self.inner.service.submit(request)?;
+            let events = if parsed.constrained() {
+                // The service compiles the schema before it answers: CPU work.
+                let service = self.inner.service.clone();
+                self.blocking(move || service.submit(request)).await?
+            } else {
+                self.inner.service.submit(request)
+            }
+            .map_err(|e| parsed.service_error(e))?;
             gens.push(Generation {
                 events,
                 buffered: None,

@@ -153,6 +153,9 @@ impl From<ServiceError> for ApiError {
             ServiceError::InvalidRequest { field, reason } => {
                 Self::invalid(format!("{field}: {reason}"))
             }
+            ServiceError::InvalidSchema { schema, reason } => {
+                Self::invalid(format!("{schema}: {reason}"))
+            }
         }
     }
 }

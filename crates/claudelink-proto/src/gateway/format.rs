@@ -1,20 +1,26 @@
 //! Structured output requests of both APIs, as an [`OutputFormat`]: OpenAI `response_format`
 //! (`text`, `json_object`, `json_schema`) and Anthropic `output_config.format` (and the beta's
-//! top-level `output_format`) of type `json_schema`. Whether the schema compiles is the
-//! engine's verdict (a 400 naming the problem comes back from the service).
+//! top-level `output_format`) of type `json_schema`. Schemas over the size and depth limits
+//! (`schema.rs`) are refused here; whether one compiles is the engine's verdict (a 400 naming
+//! the field comes back from the service).
 
 use serde_json::{Map, Value, json};
 
 use super::error::ApiError;
 use super::fields::check_keys;
+use super::schema::check_schema_limits;
 use super::validate::{get, wrong_type};
 use crate::service::OutputFormat;
 
-/// A JSON Schema at `path`: an object (a boolean schema `true` allows any JSON).
+/// A JSON Schema at `path`: an object within the schema limits (a boolean schema `true` allows
+/// any JSON).
 fn schema(v: Option<&Value>, path: &str) -> Result<Value, ApiError> {
     match v {
         None => Err(ApiError::invalid(format!("{path}: Field required"))),
-        Some(Value::Object(o)) => Ok(Value::Object(o.clone())),
+        Some(s @ Value::Object(_)) => {
+            check_schema_limits(s, path)?;
+            Ok(s.clone())
+        }
         Some(Value::Bool(true)) => Ok(json!({})),
         Some(other) => Err(wrong_type(path, "JSON Schema object", other)),
     }
@@ -24,12 +30,15 @@ fn object<'a>(v: &'a Value, path: &str) -> Result<&'a Map<String, Value>, ApiErr
     v.as_object().ok_or_else(|| wrong_type(path, "object", v))
 }
 
+/// A requested output format and the field of its schema (named when the schema is refused).
+pub(crate) type Requested = (OutputFormat, &'static str);
+
 /// OpenAI `response_format`: `None` for `text`.
 ///
 /// ```ignore
 /// response_format(&obj) // {"type": "json_object"} -> Some(JsonSchema({"type": "object"}))
 /// ```
-pub(crate) fn response_format(obj: &Map<String, Value>) -> Result<Option<OutputFormat>, ApiError> {
+pub(crate) fn response_format(obj: &Map<String, Value>) -> Result<Option<Requested>, ApiError> {
     let Some(v) = get(obj, "response_format") else {
         return Ok(None);
     };
@@ -41,11 +50,15 @@ pub(crate) fn response_format(obj: &Map<String, Value>) -> Result<Option<OutputF
         }
         Some("json_object") => {
             check_keys(rf, &["type"], "response_format")?;
-            Ok(Some(OutputFormat::JsonSchema(json!({"type": "object"}))))
+            Ok(Some((
+                OutputFormat::JsonSchema(json!({"type": "object"})),
+                "response_format",
+            )))
         }
         Some("json_schema") => {
             check_keys(rf, &["type", "json_schema"], "response_format")?;
             let path = "response_format.json_schema";
+            let schema_path = "response_format.json_schema.schema";
             let Some(js) = get(rf, "json_schema") else {
                 return Err(ApiError::invalid(format!("{path}: Field required")));
             };
@@ -59,9 +72,9 @@ pub(crate) fn response_format(obj: &Map<String, Value>) -> Result<Option<OutputF
             // OpenAI: without a schema the reply is any JSON.
             let s = match get(js, "schema") {
                 None => json!({}),
-                s => schema(s, &format!("{path}.schema"))?,
+                s => schema(s, schema_path)?,
             };
-            Ok(Some(OutputFormat::JsonSchema(s)))
+            Ok(Some((OutputFormat::JsonSchema(s), schema_path)))
         }
         _ => Err(ApiError::invalid(
             "response_format.type: Input should be 'text', 'json_object' or 'json_schema'",
@@ -71,8 +84,8 @@ pub(crate) fn response_format(obj: &Map<String, Value>) -> Result<Option<OutputF
 
 /// Anthropic `output_config` (`{"format": {"type": "json_schema", "schema": ...}}`) or the
 /// beta's top-level `output_format` (the same format object).
-pub(crate) fn output_config(obj: &Map<String, Value>) -> Result<Option<OutputFormat>, ApiError> {
-    let (format, path) = match (get(obj, "output_config"), get(obj, "output_format")) {
+pub(crate) fn output_config(obj: &Map<String, Value>) -> Result<Option<Requested>, ApiError> {
+    let (format, path, schema_path) = match (get(obj, "output_config"), get(obj, "output_format")) {
         (Some(_), Some(_)) => {
             return Err(ApiError::invalid(
                 "output_format: give either `output_config.format` or `output_format`, not both",
@@ -84,18 +97,18 @@ pub(crate) fn output_config(obj: &Map<String, Value>) -> Result<Option<OutputFor
             check_keys(cfg, &["format"], "output_config")?;
             match get(cfg, "format") {
                 None => return Ok(None),
-                Some(f) => (f, "output_config.format"),
+                Some(f) => (f, "output_config.format", "output_config.format.schema"),
             }
         }
-        (None, Some(f)) => (f, "output_format"),
+        (None, Some(f)) => (f, "output_format", "output_format.schema"),
         (None, None) => return Ok(None),
     };
     let f = object(format, path)?;
     match f.get("type").and_then(Value::as_str) {
         Some("json_schema") => {
             check_keys(f, &["type", "schema"], path)?;
-            let s = schema(get(f, "schema"), &format!("{path}.schema"))?;
-            Ok(Some(OutputFormat::JsonSchema(s)))
+            let s = schema(get(f, "schema"), schema_path)?;
+            Ok(Some((OutputFormat::JsonSchema(s), schema_path)))
         }
         _ => Err(ApiError::invalid(format!(
             "{path}.type: Input should be 'json_schema'"
@@ -108,11 +121,15 @@ mod tests {
     use super::*;
 
     fn rf(v: Value) -> Result<Option<OutputFormat>, String> {
-        response_format(json!({ "response_format": v }).as_object().unwrap()).map_err(|e| e.message)
+        response_format(json!({ "response_format": v }).as_object().unwrap())
+            .map(|f| f.map(|(format, _)| format))
+            .map_err(|e| e.message)
     }
 
     fn oc(v: Value) -> Result<Option<OutputFormat>, String> {
-        output_config(v.as_object().unwrap()).map_err(|e| e.message)
+        output_config(v.as_object().unwrap())
+            .map(|f| f.map(|(format, _)| format))
+            .map_err(|e| e.message)
     }
 
     #[test]

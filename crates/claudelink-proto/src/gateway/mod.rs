@@ -22,8 +22,9 @@
 //! accepted and ignored).
 //!
 //! Defences: requests are admitted on their headers (route, method, API key) before any body
-//! byte is read; bodies, prompts (`max_prompt_bytes`) and TCP connections (in all and per
-//! client address) are limited; headers must arrive within `header_read_timeout`; dead TCP
+//! byte is read; bodies, prompts (`max_prompt_bytes`), JSON Schemas (at most 64 levels deep and
+//! 8192 JSON values each, `schema.rs`) and TCP connections (in all and per client address) are
+//! limited; headers must arrive within `header_read_timeout`; dead TCP
 //! peers are found by keep-alive and `TCP_USER_TIMEOUT`; JSON parsing of large bodies and
 //! tokenization (`count_tokens`) run on tokio's blocking pool, never on a runtime thread.
 //!
@@ -43,6 +44,7 @@ mod h3;
 mod ids;
 mod in_flight;
 mod metrics;
+mod schema;
 mod sse;
 mod tcp;
 mod tools;

@@ -9,6 +9,7 @@ use serde_json::{Map, Value};
 
 use super::error::ApiError;
 use super::fields::check_keys;
+use super::schema::check_schema_limits;
 use super::validate::{get, opt_bool, required, wrong_type};
 use crate::service::{ChatMessage, ChatRole, ToolCallMessage, ToolChoice, ToolDefinition, Tools};
 
@@ -69,12 +70,15 @@ fn check_name(name: &str, path: &str) -> Result<(), ApiError> {
     Ok(())
 }
 
-/// A tool's input schema: a JSON object (a JSON Schema).
+/// A tool's input schema: a JSON object (a JSON Schema) within the schema limits.
 fn schema(obj: &Map<String, Value>, key: &str, path: &str, must: bool) -> Result<Value, ApiError> {
     match get(obj, key) {
         None if must => Err(required(&format!("{path}.{key}"))),
         None => Ok(serde_json::json!({"type": "object", "properties": {}})),
-        Some(v @ Value::Object(_)) => Ok(v.clone()),
+        Some(v @ Value::Object(_)) => {
+            check_schema_limits(v, &format!("{path}.{key}"))?;
+            Ok(v.clone())
+        }
         Some(v) => Err(wrong_type(&format!("{path}.{key}"), "object", v)),
     }
 }

@@ -13,7 +13,10 @@ use super::tools::{
     CallNames, ParsedTools, anthropic_tools, anthropic_turns, openai_calls, openai_result,
     openai_tools,
 };
-use crate::service::{ChatMessage, ChatRole, OutputFormat, Prompt, SamplingParams, Tools};
+use crate::service::{
+    ChatMessage, ChatRole, OutputFormat, Prompt, SamplingParams, SchemaSource, ServiceError,
+    ToolChoice, Tools,
+};
 
 /// A validated generation request, from either API flavour.
 #[derive(Debug, Clone, PartialEq)]
@@ -39,6 +42,18 @@ pub(crate) struct GenRequest {
     pub(crate) tools: Option<std::sync::Arc<Tools>>,
     /// At most one tool call may be answered (parallel tool use disabled).
     pub(crate) single_tool_call: bool,
+    /// Where the request's schemas are, to name them when the service refuses one.
+    pub(crate) schema_fields: SchemaFields,
+}
+
+/// The request fields of a request's JSON Schemas.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct SchemaFields {
+    /// The output format's schema (`output_config.format.schema`,
+    /// `response_format.json_schema.schema`, ...); empty without one.
+    pub(crate) output_format: &'static str,
+    /// A tool's schema, under `tools.{i}.` (`input_schema`, `function.parameters`).
+    pub(crate) tool_schema: &'static str,
 }
 
 impl GenRequest {
@@ -47,6 +62,32 @@ impl GenRequest {
             Some(p) => p.clone(),
             None => Prompt::Chat(self.messages.clone()),
         }
+    }
+
+    /// A service's refusal as the client's error; a refused schema is named by its field
+    /// (`tools.0.input_schema: ...`).
+    pub(crate) fn service_error(&self, e: ServiceError) -> ApiError {
+        let ServiceError::InvalidSchema { schema, reason } = &e else {
+            return e.into();
+        };
+        let field = match schema {
+            SchemaSource::OutputFormat => self.schema_fields.output_format.to_owned(),
+            SchemaSource::Tool(i) => format!("tools.{i}.{}", self.schema_fields.tool_schema),
+            _ => "tools".to_owned(),
+        };
+        ApiError::invalid(format!(
+            "{field}: the JSON Schema cannot constrain the output: {reason}"
+        ))
+    }
+
+    /// Whether the service compiles a grammar for this request (an output format, or a forced
+    /// tool call): CPU work that belongs on the blocking pool.
+    pub(crate) fn constrained(&self) -> bool {
+        self.output_format.is_some()
+            || self
+                .tools
+                .as_ref()
+                .is_some_and(|t| matches!(t.choice, ToolChoice::Any | ToolChoice::Named(_)))
     }
 
     /// Bytes of prompt text (token-id prompts count four bytes a token).
@@ -397,6 +438,7 @@ pub(crate) fn parse_messages(
     };
     let stream = opt_bool(obj, "stream", "stream")?.unwrap_or(false);
     let tools: ParsedTools = anthropic_tools(obj)?;
+    let format = output_config(obj)?;
     match get(obj, "metadata") {
         None => {}
         Some(Value::Object(meta)) => {
@@ -417,7 +459,11 @@ pub(crate) fn parse_messages(
         logprobs: None,
         n: 1,
         raw_prompt: None,
-        output_format: output_config(obj)?.map(std::sync::Arc::new),
+        schema_fields: SchemaFields {
+            output_format: format.as_ref().map_or("", |(_, path)| path),
+            tool_schema: "input_schema",
+        },
+        output_format: format.map(|(f, _)| std::sync::Arc::new(f)),
         tools: tools.tools.map(std::sync::Arc::new),
         single_tool_call: tools.single_call,
     })
@@ -508,6 +554,7 @@ pub(crate) fn parse_chat(body: &Value, limits: Limits) -> Result<GenRequest, Api
         }
         (false, None) => None,
     };
+    let format = response_format(obj)?;
     Ok(GenRequest {
         model,
         messages,
@@ -519,7 +566,11 @@ pub(crate) fn parse_chat(body: &Value, limits: Limits) -> Result<GenRequest, Api
         logprobs,
         n,
         raw_prompt: None,
-        output_format: response_format(obj)?.map(std::sync::Arc::new),
+        schema_fields: SchemaFields {
+            output_format: format.as_ref().map_or("", |(_, path)| path),
+            tool_schema: "function.parameters",
+        },
+        output_format: format.map(|(f, _)| std::sync::Arc::new(f)),
         tools: tools.tools.map(std::sync::Arc::new),
         single_tool_call: tools.single_call,
     })
@@ -625,6 +676,10 @@ pub(crate) fn parse_completions(body: &Value, limits: Limits) -> Result<GenReque
         output_format: None,
         tools: None,
         single_tool_call: false,
+        schema_fields: SchemaFields {
+            output_format: "",
+            tool_schema: "",
+        },
     })
 }
 
