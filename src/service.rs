@@ -11,8 +11,8 @@ use futures::channel::oneshot;
 
 use claudelink_proto::{
     ChatRole, ErrorCode, EventStream, InferenceEvent, InferenceRequest, InferenceService,
-    ModelInfo, OutputFormat, Prompt, SchemaSource, ServiceError, ServiceMetrics, StopReason,
-    TokenLogprob, ToolChoice, ToolDefinition, Tools, Usage,
+    ModelInfo, OutputFormat, Prompt, SchemaSource, ServiceError, ServiceHealth, ServiceMetrics,
+    StopReason, TokenLogprob, ToolChoice, ToolDefinition, Tools, Usage,
 };
 use gpu_pipeline::engine::{
     Engine, EngineConfig, EngineError, EngineEvent, GenerationRequest, RequestHandle, SubmitError,
@@ -340,6 +340,21 @@ impl EngineService {
     /// The progress of the warm-up started by [`with_warmup`](Self::with_warmup).
     pub fn warmup_progress(&self) -> Option<&weight_cache::WarmupProgress> {
         self.weights.as_ref().map(|w| w.warm.progress())
+    }
+
+    /// The change of the served file on disk since it was mapped, if any (see [`FileWatch`]).
+    fn file_changed(&self) -> Option<ServiceHealth> {
+        let watch = self.file_watch.as_ref()?;
+        let change = watch.check(std::time::Instant::now())?;
+        let path = watch
+            .gguf()
+            .path()
+            .map(Path::to_path_buf)
+            .unwrap_or_default();
+        Some(ServiceHealth::ModelFileChanged {
+            path,
+            detail: change.to_string(),
+        })
     }
 
     /// The engine.
@@ -841,6 +856,10 @@ fn stop_reason(r: gpu_pipeline::StopReason) -> StopReason {
 
 impl InferenceService for EngineService {
     fn submit(&self, request: InferenceRequest) -> Result<EventStream, ServiceError> {
+        // Nothing is generated from a mapping that no longer matches the file on disk.
+        if let Some(ServiceHealth::ModelFileChanged { path, .. }) = self.file_changed() {
+            return Err(ServiceError::ModelFileChanged { path });
+        }
         if request.max_tokens == 0 {
             return Err(ServiceError::InvalidRequest {
                 field: "max_tokens",
@@ -1040,17 +1059,29 @@ impl InferenceService for EngineService {
     }
 
     /// False while a gating warm-up runs, and for good once the model file changed on disk
-    /// (truncated, rewritten, replaced or removed: see [`FileWatch`]; checked at most once a
-    /// second), so `/health` answers 503 and the process can be restarted before a read of a
-    /// truncated page kills it.
+    /// (see [`health`](Self::health)).
     fn ready(&self) -> bool {
-        self.file_watch
+        self.health() == ServiceHealth::Ready
+    }
+
+    /// [`ServiceHealth::ModelFileChanged`] for good once the model file changed on disk
+    /// (truncated, rewritten, replaced or removed: see [`FileWatch`], which logs it once at
+    /// error level; checked at most once a second), so `/health` answers 503 naming the file,
+    /// new requests are refused and the process can be restarted before a read of a truncated
+    /// page kills it. Else `Starting` while a gating warm-up runs.
+    fn health(&self) -> ServiceHealth {
+        if let Some(change) = self.file_changed() {
+            return change;
+        }
+        let warming = self
+            .weights
             .as_ref()
-            .is_none_or(|w| w.check(std::time::Instant::now()).is_none())
-            && self
-                .weights
-                .as_ref()
-                .is_none_or(|w| !w.gate || w.warm.progress().is_finished())
+            .is_some_and(|w| w.gate && !w.warm.progress().is_finished());
+        if warming {
+            ServiceHealth::Starting
+        } else {
+            ServiceHealth::Ready
+        }
     }
 }
 

@@ -84,8 +84,8 @@ pub use server::{
 pub use service::{
     CacheStrategy, ChatMessage, ChatRole, ErrorCode, EventStream, InferenceEvent, InferenceRequest,
     InferenceService, ModelInfo, OutputFormat, Prompt, SamplingParams, SchemaSource, ServiceError,
-    ServiceMetrics, StopReason, TokenLogprob, ToolCallMessage, ToolChoice, ToolDefinition, Tools,
-    Usage,
+    ServiceHealth, ServiceMetrics, StopReason, TokenLogprob, ToolCallMessage, ToolChoice,
+    ToolDefinition, Tools, Usage,
 };
 pub use state::{
     ClientStream, ClientStreamError, ConnectionAction, ConnectionState, ServerStream,

@@ -515,6 +515,46 @@ pub enum ServiceError {
         /// What is wrong with it, fit for the client (the compiler's summary, no internals).
         reason: String,
     },
+    /// The model file changed on disk since it was mapped ([`ServiceHealth::ModelFileChanged`]):
+    /// nothing is generated from a mapping that no longer matches the file until the process is
+    /// restarted. Its [`code`](Self::code) is [`ErrorCode::ShuttingDown`]: retry on another
+    /// server.
+    #[error(
+        "the model file {} changed on disk after it was loaded: restart the server",
+        path.display()
+    )]
+    ModelFileChanged {
+        /// The file.
+        path: std::path::PathBuf,
+    },
+}
+
+/// Whether a service can serve, as `/health` reports it ([`InferenceService::health`]).
+///
+/// ```
+/// use claudelink_proto::ServiceHealth;
+/// let h = ServiceHealth::ModelFileChanged {
+///     path: "/m/model.gguf".into(),
+///     detail: "model file /m/model.gguf was modified while mapped".into(),
+/// };
+/// assert_ne!(h, ServiceHealth::Ready);
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ServiceHealth {
+    /// Serving.
+    Ready,
+    /// Not ready yet (a gating warm-up runs); requests are still taken.
+    Starting,
+    /// The model file changed on disk since it was mapped (rewritten in place, truncated,
+    /// replaced or removed): the mapping no longer matches the file, new generations are
+    /// refused ([`ServiceError::ModelFileChanged`]) until the process is restarted.
+    ModelFileChanged {
+        /// The file.
+        path: std::path::PathBuf,
+        /// What changed, in words (size, modification time, replacement, removal).
+        detail: String,
+    },
 }
 
 /// Which schema of a request a [`ServiceError::InvalidSchema`] is about (the gateway names the
@@ -551,6 +591,7 @@ impl ServiceError {
     pub fn code(&self) -> ErrorCode {
         match self {
             Self::Overloaded { .. } | Self::ShuttingDown => ErrorCode::Overloaded,
+            Self::ModelFileChanged { .. } => ErrorCode::ShuttingDown,
             Self::ContextLength { .. } => ErrorCode::ContextLength,
             Self::InvalidRequest { .. } | Self::InvalidSchema { .. } => ErrorCode::InvalidRequest,
         }
@@ -663,5 +704,15 @@ pub trait InferenceService: Send + Sync + 'static {
     /// Whether the service is ready to serve (weights mapped, warm-up far enough).
     fn ready(&self) -> bool {
         true
+    }
+    /// What `/health` reports. The default: [`ServiceHealth::Ready`] when
+    /// [`ready`](Self::ready), else [`ServiceHealth::Starting`]; a service that can tell why it
+    /// is not ready says so here (and keeps `ready` false in those cases).
+    fn health(&self) -> ServiceHealth {
+        if self.ready() {
+            ServiceHealth::Ready
+        } else {
+            ServiceHealth::Starting
+        }
     }
 }

@@ -27,8 +27,8 @@ use super::validate::{
 };
 use crate::auth::ApiKeys;
 use crate::service::{
-    ErrorCode, EventStream, InferenceEvent, InferenceRequest, InferenceService, StopReason,
-    TokenLogprob, Usage,
+    ErrorCode, EventStream, InferenceEvent, InferenceRequest, InferenceService, ServiceHealth,
+    StopReason, TokenLogprob, Usage,
 };
 
 /// Bodies up to this size are parsed on the runtime's thread; larger ones on the blocking pool.
@@ -547,14 +547,30 @@ impl Gateway {
         Ok(())
     }
 
+    /// `/health`: 200 `ok`, or 503 `draining`, `starting`, or `model_file_changed` with the
+    /// file's `path` and what changed (`detail`).
     fn health(&self, head: bool) -> Reply {
-        let ready = self.inner.service.ready();
-        let (status, state) = match (self.is_draining(), ready) {
-            (true, _) => (StatusCode::SERVICE_UNAVAILABLE, "draining"),
-            (false, false) => (StatusCode::SERVICE_UNAVAILABLE, "starting"),
-            (false, true) => (StatusCode::OK, "ok"),
+        let unavailable = StatusCode::SERVICE_UNAVAILABLE;
+        let (status, body) = match (self.is_draining(), self.inner.service.health()) {
+            (_, ServiceHealth::ModelFileChanged { path, detail }) => (
+                unavailable,
+                json!({"status": "model_file_changed", "path": path.to_string_lossy(),
+                    "detail": detail, "layer": LAYER_VERSION}),
+            ),
+            (true, _) => (
+                unavailable,
+                json!({"status": "draining", "layer": LAYER_VERSION}),
+            ),
+            (false, ServiceHealth::Ready) => (
+                StatusCode::OK,
+                json!({"status": "ok", "layer": LAYER_VERSION}),
+            ),
+            (false, _) => (
+                unavailable,
+                json!({"status": "starting", "layer": LAYER_VERSION}),
+            ),
         };
-        let mut r = Reply::json(status, &json!({"status": state, "layer": LAYER_VERSION}));
+        let mut r = Reply::json(status, &body);
         if head {
             r.body = ReplyBody::Full(Bytes::new());
         }

@@ -25,6 +25,10 @@ pub enum ApiErrorKind {
     Api,
     /// 504: the request ran past its time limit.
     Timeout,
+    /// 503: the server cannot generate until it is restarted (its model file changed on
+    /// disk). Its type is `api_error`: the Anthropic API has no type of its own for 503 (its
+    /// SDKs read the status as `ServiceUnavailable`).
+    Unavailable,
     /// 529: the server is at capacity (or draining); retry later.
     Overloaded,
 }
@@ -39,7 +43,7 @@ impl ApiErrorKind {
             Self::NotFound => "not_found_error",
             Self::RequestTooLarge => "request_too_large",
             Self::RateLimit => "rate_limit_error",
-            Self::Api => "api_error",
+            Self::Api | Self::Unavailable => "api_error",
             Self::Timeout => "timeout_error",
             Self::Overloaded => "overloaded_error",
         }
@@ -56,6 +60,7 @@ impl ApiErrorKind {
             Self::RateLimit => StatusCode::TOO_MANY_REQUESTS,
             Self::Api => StatusCode::INTERNAL_SERVER_ERROR,
             Self::Timeout => StatusCode::GATEWAY_TIMEOUT,
+            Self::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
             Self::Overloaded => StatusCode::from_u16(529).expect("529 is a valid status"),
         }
     }
@@ -156,6 +161,12 @@ impl From<ServiceError> for ApiError {
             ServiceError::InvalidSchema { schema, reason } => {
                 Self::invalid(format!("{schema}: {reason}"))
             }
+            // The path stays out of the answer (`/health` names it for the operator).
+            ServiceError::ModelFileChanged { .. } => Self::new(
+                ApiErrorKind::Unavailable,
+                "the served model's file changed on disk after it was loaded: this server \
+                 generates nothing more until it is restarted",
+            ),
         }
     }
 }

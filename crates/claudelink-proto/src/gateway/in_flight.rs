@@ -9,7 +9,7 @@ use super::core::Gateway;
 use super::metrics::GatewayMetrics;
 use crate::service::{
     EventStream, InferenceRequest, InferenceService, ModelInfo, Prompt, ServiceError,
-    ServiceMetrics,
+    ServiceHealth, ServiceMetrics,
 };
 
 /// Delegates to a service and counts each accepted request in flight until its stream is
@@ -53,6 +53,10 @@ impl InferenceService for CountedService {
 
     fn ready(&self) -> bool {
         self.inner.ready()
+    }
+
+    fn health(&self) -> ServiceHealth {
+        self.inner.health()
     }
 }
 
