@@ -352,6 +352,8 @@ fn serve_answers_the_page_and_the_api_and_logs_each_request() {
         "none",
         "--log-format",
         "json",
+        "--allow-host",
+        "chat.lan",
     ])
     .stdout(Stdio::piped())
     .stderr(Stdio::piped())
@@ -370,7 +372,7 @@ fn serve_answers_the_page_and_the_api_and_logs_each_request() {
     };
     let (head, page) = http(
         &addr,
-        "GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+        "GET / HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n",
     );
     assert!(head.starts_with("HTTP/1.1 200"), "{head}");
     assert!(head.contains("content-type: text/html"), "{head}");
@@ -379,6 +381,19 @@ fn serve_answers_the_page_and_the_api_and_logs_each_request() {
         "{head}"
     );
     assert!(page.contains("/v1/messages"), "not the chat page");
+    // Without API keys, a name other than a loopback one, an address or an --allow-host name
+    // is refused (DNS rebinding).
+    let (head, _) = http(
+        &addr,
+        "GET / HTTP/1.1\r\nHost: chat.lan:8080\r\nConnection: close\r\n\r\n",
+    );
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    let (head, body) = http(
+        &addr,
+        "GET / HTTP/1.1\r\nHost: evil.example\r\nConnection: close\r\n\r\n",
+    );
+    assert!(head.starts_with("HTTP/1.1 403"), "{head}");
+    assert!(body.contains("--allow-host evil.example"), "{body}");
     let prompt = "My secret prompt text";
     let body = format!(
         r#"{{"model":"Smollm2 135M 8k Lc100K Mix1 Ep2","max_tokens":5,"messages":[{{"role":"user","content":"{prompt}"}}]}}"#
@@ -386,7 +401,7 @@ fn serve_answers_the_page_and_the_api_and_logs_each_request() {
     let (head, answer) = http(
         &addr,
         &format!(
-            "POST /v1/messages HTTP/1.1\r\nHost: x\r\nConnection: close\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+            "POST /v1/messages HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
             body.len()
         ),
     );
@@ -409,10 +424,12 @@ fn serve_answers_the_page_and_the_api_and_logs_each_request() {
         .filter_map(|l| serde_json::from_str::<Value>(l).ok())
         .filter(|v| v["message"] == "request")
         .collect();
-    assert_eq!(access.len(), 2, "{log}");
+    assert_eq!(access.len(), 4, "{log}");
     assert_eq!(access[0]["route"], "index");
     assert_eq!(access[0]["status"], 200);
-    let msg = &access[1];
+    assert_eq!(access[1]["status"], 200);
+    assert_eq!(access[2]["status"], 403);
+    let msg = &access[3];
     assert_eq!(msg["route"], "messages", "{msg}");
     assert_eq!(msg["protocol"], "http1", "{msg}");
     assert_eq!(msg["status"], 200, "{msg}");

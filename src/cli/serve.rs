@@ -148,6 +148,11 @@ pub(crate) struct Args {
     /// Answer `GET /` with 404 instead of the chat page.
     #[arg(long)]
     no_chat_page: bool,
+    /// Host name a server without API keys answers besides localhost, *.localhost and IP
+    /// addresses (repeatable; e.g. the machine's LAN name). Other names get 403 (DNS
+    /// rebinding); ignored with API keys.
+    #[arg(long = "allow-host", value_name = "NAME")]
+    allow_hosts: Vec<String>,
 }
 
 /// The chat page served at `/`: one self-contained HTML file (no external resources).
@@ -284,7 +289,8 @@ async fn serve(args: Args) -> anyhow::Result<()> {
         .metrics_key(args.metrics_key.clone())
         .max_connections(max_connections(args.max_connections, nofile))
         .max_connections_per_ip(args.max_connections_per_ip)
-        .index_page((!args.no_chat_page).then_some(CHAT_PAGE));
+        .index_page((!args.no_chat_page).then_some(CHAT_PAGE))
+        .allowed_hosts(args.allow_hosts.iter().map(|h| h.trim().to_owned()));
     let gateway = Gateway::new(service.clone(), config);
 
     let quic_config = ServerConfig::new(identity)
@@ -317,7 +323,10 @@ async fn serve(args: Args) -> anyhow::Result<()> {
         "claudelink + HTTP/3: udp {quic_addr} (ALPN claudelink/2 and h3; Alt-Svc advertised)"
     );
     if args.api_keys.is_empty() {
-        tracing::warn!("no --api-key / ZEROLAYER_API_KEYS: every request is accepted");
+        tracing::warn!(
+            "no --api-key / ZEROLAYER_API_KEYS: every request is accepted (JSON bodies, naming \
+             localhost, an IP address or an --allow-host name)"
+        );
     }
     // Machine-readable line for scripts (scripts/test-clients waits for /health instead).
     println!("listening http={http_addr} quic={quic_addr}");

@@ -413,3 +413,121 @@ async fn in_flight_gauge_counts_streams_of_a_counted_service() {
     drop(stream);
     assert_eq!(server.gateway.in_flight(), 0);
 }
+
+fn hello() -> serde_json::Value {
+    json!({"model": "word-model", "max_tokens": 8,
+        "messages": [{"role": "user", "content": "hello there"}]})
+}
+
+#[tokio::test]
+async fn keyless_server_refuses_bodies_a_web_page_could_post_without_a_preflight() {
+    let s = TestServer::start(GatewayConfig::default()).await;
+    let body = Bytes::from(hello().to_string());
+    for (path, content_type) in [
+        ("/v1/messages", Some("text/plain")),
+        ("/v1/messages", Some("text/plain;charset=UTF-8")),
+        (
+            "/v1/chat/completions",
+            Some("application/x-www-form-urlencoded"),
+        ),
+        ("/v1/completions", Some("multipart/form-data; boundary=x")),
+        ("/v1/messages/count_tokens", None),
+    ] {
+        let r = match content_type {
+            Some(t) => send(s.addr, "POST", path, &[("content-type", t)], body.clone()).await,
+            None => raw_post_without_content_type(s.addr, path, &body).await,
+        };
+        assert_eq!(r.status, 415, "{path} {content_type:?}: {}", r.text());
+        let v = r.json();
+        assert_eq!(v["error"]["type"], "invalid_request_error", "{v}");
+        let message = v["error"]["message"].as_str().unwrap();
+        assert!(message.starts_with("content-type: "), "{message}");
+    }
+    assert!(
+        s.service.last_request.lock().unwrap().is_none(),
+        "a refused request reached the service"
+    );
+    // JSON, with parameters, is served.
+    let r = send(
+        s.addr,
+        "POST",
+        "/v1/messages",
+        &[("content-type", "application/json; charset=utf-8")],
+        body,
+    )
+    .await;
+    assert_eq!(r.status, 200, "{}", r.text());
+}
+
+/// A POST with a body and no `content-type` at all (the support client adds JSON's).
+async fn raw_post_without_content_type(addr: SocketAddr, path: &str, body: &Bytes) -> Resp {
+    let mut s = TcpStream::connect(addr).await.unwrap();
+    let head = format!(
+        "POST {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\ncontent-length: {}\r\n\r\n",
+        body.len()
+    );
+    s.write_all(head.as_bytes()).await.unwrap();
+    s.write_all(body).await.unwrap();
+    let mut raw = Vec::new();
+    s.read_to_end(&mut raw).await.unwrap();
+    let text = String::from_utf8(raw).unwrap();
+    let (head, body) = text.split_once("\r\n\r\n").unwrap();
+    Resp {
+        status: head[9..12].parse().unwrap(),
+        headers: http::HeaderMap::new(),
+        body: Bytes::from(body.to_owned()),
+    }
+}
+
+#[tokio::test]
+async fn keyless_server_answers_only_loopback_names_addresses_and_allowed_hosts() {
+    let s =
+        TestServer::start(GatewayConfig::default().allowed_hosts(["chat.lan".to_string()])).await;
+    let port = s.addr.port().to_string();
+    for host in [
+        "localhost".to_string(),
+        format!("localhost:{port}"),
+        format!("127.0.0.1:{port}"),
+        format!("[::1]:{port}"),
+        "192.168.1.20".to_string(),
+        "chat.localhost".to_string(),
+        format!("CHAT.LAN:{port}"),
+    ] {
+        let r = s.post("/v1/messages", &[("host", &host)], &hello()).await;
+        assert_eq!(r.status, 200, "{host}: {}", r.text());
+    }
+    // A rebound name reaches nothing but /health.
+    let evil = [("host", "evil.example:8080")];
+    let r = s.post("/v1/messages", &evil, &hello()).await;
+    assert_eq!(r.status, 403, "{}", r.text());
+    let v = r.json();
+    assert_eq!(v["error"]["type"], "permission_error", "{v}");
+    let message = v["error"]["message"].as_str().unwrap();
+    assert!(message.contains("--allow-host evil.example"), "{message}");
+    for path in ["/v1/models", "/metrics", "/"] {
+        let r = s.get(path, &evil).await;
+        assert_eq!(r.status, 403, "{path}: {}", r.text());
+    }
+    let r = s.post("/v1/chat/completions", &evil, &hello()).await;
+    assert_eq!(r.status, 403, "{}", r.text());
+    assert_eq!(r.json()["error"]["type"], "permission_error");
+    let r = s.get("/health", &evil).await;
+    assert_eq!(r.status, 200, "{}", r.text());
+}
+
+#[tokio::test]
+async fn a_server_with_keys_leaves_host_and_body_type_to_its_keys() {
+    let s = TestServer::start(GatewayConfig::default().api_keys([KEY.to_string()])).await;
+    let r = s
+        .post(
+            "/v1/messages",
+            &[
+                ("host", "gpu-box.example"),
+                ("content-type", "text/plain"),
+                ("x-api-key", KEY),
+            ],
+            &hello(),
+        )
+        .await;
+    assert_eq!(r.status, 200, "{}", r.text());
+}

@@ -92,6 +92,11 @@ pub struct GatewayConfig {
     /// Content-Security-Policy that allows inline script and style and requests to this
     /// origin only.
     pub index_page: Option<Bytes>,
+    /// Host names a server without API keys answers besides loopback names (`localhost`,
+    /// `*.localhost`) and IP addresses (matched without case or port; a request naming
+    /// another host gets 403, against DNS rebinding; `/health` is exempt). Ignored when API
+    /// keys are configured. Default: none.
+    pub allowed_hosts: Vec<String>,
 }
 
 impl Default for GatewayConfig {
@@ -121,6 +126,7 @@ impl Default for GatewayConfig {
             max_connections_per_ip: 256,
             blocking_tasks: 0,
             index_page: None,
+            allowed_hosts: Vec::new(),
         }
     }
 }
@@ -262,6 +268,19 @@ impl GatewayConfig {
     /// ```
     pub fn index_page(mut self, page: Option<&'static str>) -> Self {
         self.index_page = page.map(|p| Bytes::from_static(p.as_bytes()));
+        self
+    }
+
+    /// Sets the host names a server without API keys answers besides loopback names and IP
+    /// addresses (e.g. the machine's LAN name, or the name a reverse proxy forwards).
+    ///
+    /// ```
+    /// use claudelink_proto::GatewayConfig;
+    /// let cfg = GatewayConfig::default().allowed_hosts(["gpu-box.lan".to_string()]);
+    /// assert_eq!(cfg.allowed_hosts, ["gpu-box.lan"]);
+    /// ```
+    pub fn allowed_hosts(mut self, names: impl IntoIterator<Item = String>) -> Self {
+        self.allowed_hosts = names.into_iter().filter(|n| !n.is_empty()).collect();
         self
     }
 }

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
 use futures::{Stream, StreamExt};
-use http::header::{CACHE_CONTROL, CONTENT_TYPE, HeaderName, HeaderValue, RETRY_AFTER};
+use http::header::{CACHE_CONTROL, CONTENT_TYPE, HOST, HeaderName, HeaderValue, RETRY_AFTER};
 use http::{HeaderMap, Method, StatusCode};
 use serde_json::{Value, json};
 use tokio::sync::watch;
@@ -21,6 +21,7 @@ use super::config::{GatewayConfig, LAYER_VERSION};
 use super::error::{ApiError, ApiErrorKind};
 use super::ids::new_id;
 use super::metrics::{Endpoint, GatewayMetrics, Outcome, Protocol};
+use super::origin::{check_host, check_json_body};
 use super::sse::{Call, Flavor, StreamFormat};
 use super::validate::{
     GenRequest, Limits, parse_chat, parse_completions, parse_messages, percent_decode,
@@ -265,8 +266,9 @@ impl Gateway {
     }
 
     /// Decides on a request from its method, path and headers alone: routing, method, API key
-    /// and `anthropic-version` are checked here, before any byte of the body is read, so an
-    /// unauthenticated client cannot make the server buffer (or wait for) a body.
+    /// and `anthropic-version` are checked here (and, without API keys, its host and body type:
+    /// `origin.rs`), before any byte of the body is read, so an unauthenticated client cannot
+    /// make the server buffer (or wait for) a body. The host is the `Host` header's.
     pub(crate) fn admit(
         &self,
         method: &Method,
@@ -275,6 +277,22 @@ impl Gateway {
         protocol: Protocol,
         received: Instant,
     ) -> Admission {
+        self.admit_at(method, None, path_and_query, headers, protocol, received)
+    }
+
+    /// [`Gateway::admit`] for a request whose target names its host (`authority`: HTTP/2 and
+    /// HTTP/3 `:authority`, an HTTP/1.1 absolute-form target), which then counts instead of
+    /// the `Host` header.
+    pub(crate) fn admit_at(
+        &self,
+        method: &Method,
+        authority: Option<&str>,
+        path_and_query: &str,
+        headers: &HeaderMap,
+        protocol: Protocol,
+        received: Instant,
+    ) -> Admission {
+        let authority = authority.or_else(|| headers.get(HOST).and_then(|v| v.to_str().ok()));
         let request_id = new_id("req_");
         let path = path_and_query.split('?').next().unwrap_or("").to_owned();
         let endpoint = route_endpoint(&path);
@@ -297,7 +315,7 @@ impl Gateway {
             }
             reply
         };
-        match self.admit_headers(method, &path, headers, endpoint, flavor) {
+        match self.admit_headers(method, authority, &path, headers, endpoint, flavor) {
             Ok(Some(reply)) => Admission::Reply(self.finish(without_body(reply), &access)),
             Ok(None) => {
                 let debug = headers
@@ -391,15 +409,20 @@ impl Gateway {
     fn admit_headers(
         &self,
         m: &Method,
+        authority: Option<&str>,
         path: &str,
         headers: &HeaderMap,
         endpoint: Endpoint,
         flavor: Flavor,
     ) -> Result<Option<Reply>, ApiError> {
+        let keyless = self.inner.keys.is_empty();
+        if let (Endpoint::Health, &Method::GET | &Method::HEAD) = (endpoint, m) {
+            return Ok(Some(self.health(m == Method::HEAD)));
+        }
+        if keyless {
+            check_host(authority, &self.inner.config.allowed_hosts)?;
+        }
         match (endpoint, m) {
-            (Endpoint::Health, &Method::GET | &Method::HEAD) => {
-                return Ok(Some(self.health(m == Method::HEAD)));
-            }
             (Endpoint::Metrics, &Method::GET | &Method::HEAD) => {
                 self.authenticate_metrics(headers)?;
                 return Ok(Some(Reply::text(
@@ -430,6 +453,9 @@ impl Gateway {
                 ApiErrorKind::NotFound,
                 format!("{m} {path}: method not allowed on this endpoint"),
             ));
+        }
+        if keyless && m == Method::POST {
+            check_json_body(headers)?;
         }
         self.authenticate(headers)?;
         if flavor == Flavor::Anthropic {

@@ -19,6 +19,9 @@ pub enum ApiErrorKind {
     NotFound,
     /// 413: the body exceeds the configured limit.
     RequestTooLarge,
+    /// 415: the body is not declared as JSON (servers without API keys require it). Its type
+    /// is `invalid_request_error`.
+    UnsupportedMediaType,
     /// 429: too many concurrent requests for this key.
     RateLimit,
     /// 500: a failure inside the server.
@@ -37,7 +40,7 @@ impl ApiErrorKind {
     /// The `error.type` string.
     pub fn as_str(self) -> &'static str {
         match self {
-            Self::InvalidRequest => "invalid_request_error",
+            Self::InvalidRequest | Self::UnsupportedMediaType => "invalid_request_error",
             Self::Authentication => "authentication_error",
             Self::Permission => "permission_error",
             Self::NotFound => "not_found_error",
@@ -57,6 +60,7 @@ impl ApiErrorKind {
             Self::Permission => StatusCode::FORBIDDEN,
             Self::NotFound => StatusCode::NOT_FOUND,
             Self::RequestTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
+            Self::UnsupportedMediaType => StatusCode::UNSUPPORTED_MEDIA_TYPE,
             Self::RateLimit => StatusCode::TOO_MANY_REQUESTS,
             Self::Api => StatusCode::INTERNAL_SERVER_ERROR,
             Self::Timeout => StatusCode::GATEWAY_TIMEOUT,

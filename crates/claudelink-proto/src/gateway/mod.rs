@@ -26,7 +26,10 @@
 //! 8192 JSON values each, `schema.rs`) and TCP connections (in all and per client address) are
 //! limited; headers must arrive within `header_read_timeout`; dead TCP
 //! peers are found by keep-alive and `TCP_USER_TIMEOUT`; JSON parsing of large bodies and
-//! tokenization (`count_tokens`) run on tokio's blocking pool, never on a runtime thread.
+//! tokenization (`count_tokens`) run on tokio's blocking pool, never on a runtime thread. A
+//! server without API keys answers only JSON bodies (415 otherwise) and only requests naming a
+//! loopback host, an IP address or an allowed name (`allowed_hosts`; 403 otherwise), so that a
+//! web page cannot use it through a visitor's browser (`origin.rs`).
 //!
 //! Deviation from upstream: `anthropic-version: 2026-10-21` removed `temperature`, `top_p` and
 //! `top_k` (upstream answers 400 when they are sent); this gateway honours them under both
@@ -44,6 +47,7 @@ mod h3;
 mod ids;
 mod in_flight;
 mod metrics;
+mod origin;
 mod schema;
 mod sse;
 mod tcp;

@@ -338,7 +338,8 @@ impl Resp {
     }
 }
 
-/// One HTTP/1.1 request on a fresh connection.
+/// One HTTP/1.1 request on a fresh connection; `host: localhost` and, with a body,
+/// `content-type: application/json` unless `headers` name their own.
 pub async fn send(
     addr: SocketAddr,
     method: &str,
@@ -352,11 +353,13 @@ pub async fn send(
             .await
             .unwrap();
     tokio::spawn(conn);
-    let mut b = http::Request::builder()
-        .method(method)
-        .uri(path)
-        .header("host", "localhost");
-    if !body.is_empty() {
+    // `host: localhost` and (with a body) `content-type: application/json` unless given.
+    let given = |name: &str| headers.iter().any(|(k, _)| k.eq_ignore_ascii_case(name));
+    let mut b = http::Request::builder().method(method).uri(path);
+    if !given("host") {
+        b = b.header("host", "localhost");
+    }
+    if !body.is_empty() && !given("content-type") {
         b = b.header("content-type", "application/json");
     }
     for (k, v) in headers {
