@@ -310,3 +310,31 @@ async fn head_is_answered_without_a_body_on_every_route_over_http2() {
     assert_eq!(status, 404);
     assert!(String::from_utf8_lossy(&body).contains("not_found_error"));
 }
+
+#[tokio::test]
+async fn a_keyless_server_checks_the_http2_authority_as_it_checks_host() {
+    // DNS rebinding: a page at a name the attacker controls, resolved to this server.
+    let server = TestServer::start(GatewayConfig::default()).await;
+    let stream = TcpStream::connect(server.addr).await.unwrap();
+    let (mut sender, conn) = hyper::client::conn::http2::handshake(
+        hyper_util::rt::TokioExecutor::new(),
+        hyper_util::rt::TokioIo::new(stream),
+    )
+    .await
+    .unwrap();
+    tokio::spawn(conn);
+    for (authority, want) in [
+        ("rebind.attacker.example:8080", 403),
+        ("localhost:8080", 200),
+        ("127.0.0.1:8080", 200),
+    ] {
+        let req = http::Request::builder()
+            .method("GET")
+            .uri(format!("http://{authority}/v1/models"))
+            .header("anthropic-version", "2023-06-01")
+            .body(Empty::<Bytes>::new())
+            .unwrap();
+        let resp = sender.send_request(req).await.unwrap();
+        assert_eq!((authority, resp.status().as_u16()), (authority, want));
+    }
+}

@@ -265,23 +265,11 @@ impl Gateway {
             .and_then(|p| HeaderValue::from_str(&format!("h3=\":{p}\"; ma=86400")).ok())
     }
 
-    /// Decides on a request from its method, path and headers alone: routing, method, API key
-    /// and `anthropic-version` are checked here (and, without API keys, its host and body type:
-    /// `origin.rs`), before any byte of the body is read, so an unauthenticated client cannot
-    /// make the server buffer (or wait for) a body. The host is the `Host` header's.
-    pub(crate) fn admit(
-        &self,
-        method: &Method,
-        path_and_query: &str,
-        headers: &HeaderMap,
-        protocol: Protocol,
-        received: Instant,
-    ) -> Admission {
-        self.admit_at(method, None, path_and_query, headers, protocol, received)
-    }
-
-    /// [`Gateway::admit`] for a request whose target names its host (`authority`: HTTP/2 and
-    /// HTTP/3 `:authority`, an HTTP/1.1 absolute-form target), which then counts instead of
+    /// Decides on a request from its method, target and headers alone: routing, method, API
+    /// key and `anthropic-version` are checked here (and, without API keys, its host and body
+    /// type: `origin.rs`), before any byte of the body is read, so an unauthenticated client
+    /// cannot make the server buffer (or wait for) a body. The host is `authority` (HTTP/2 and
+    /// HTTP/3 `:authority`, an HTTP/1.1 absolute-form target) when the target names one, else
     /// the `Host` header.
     pub(crate) fn admit_at(
         &self,

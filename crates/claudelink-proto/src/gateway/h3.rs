@@ -190,8 +190,9 @@ impl Gateway {
             .uri
             .path_and_query()
             .map_or_else(|| parts.uri.path().to_owned(), |p| p.as_str().to_owned());
-        let admitted = match self.admit(
+        let admitted = match self.admit_at(
             &parts.method,
+            parts.uri.authority().map(http::uri::Authority::as_str),
             &path,
             &parts.headers,
             Protocol::Http3,

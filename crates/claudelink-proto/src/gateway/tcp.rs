@@ -260,7 +260,17 @@ impl Gateway {
             .uri
             .path_and_query()
             .map_or_else(|| parts.uri.path().to_owned(), |p| p.as_str().to_owned());
-        let admitted = match self.admit(&parts.method, &path, &parts.headers, protocol, received) {
+        // HTTP/2's `:authority` (or an HTTP/1.1 absolute-form target) names the host; an
+        // HTTP/1.1 origin-form request's `Host` header does.
+        let authority = parts.uri.authority().map(http::uri::Authority::as_str);
+        let admitted = match self.admit_at(
+            &parts.method,
+            authority,
+            &path,
+            &parts.headers,
+            protocol,
+            received,
+        ) {
             Admission::ReadBody(a) => a,
             Admission::Reply(reply) => {
                 // The body (if any) is never read: an HTTP/1.1 connection cannot be reused.
