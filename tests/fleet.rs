@@ -4,7 +4,8 @@
 //! token (re-sent elsewhere), every mid-stream failure reported within 2 s of the later of its
 //! last event and its replica's disruption (the kill, or the end of the drain), streams spread
 //! within 20% across the live replicas, the restarted replica back in rotation within 10 s (a
-//! probe opens a stream every 250 ms from the restart until the pool sends one there).
+//! probe opens a stream every 250 ms from the restart until the pool sends one there). The
+//! client and pool run with their default settings.
 //!
 //! Nothing here depends on how fast the machine decodes: on a slow machine one request can
 //! outlast the whole run, so lateness counts from the disruption rather than from a stream's
@@ -212,16 +213,9 @@ async fn a_fleet_survives_a_drain_and_a_kill() {
         assert!(Instant::now() < deadline, "servers did not start");
         std::thread::sleep(Duration::from_millis(100));
     }
-    let client = Client::new(
-        ClientConfig::new(Trust::Pinned(fingerprint))
-            .keep_alive_interval(Some(Duration::from_millis(250)))
-            .connection_ttl(Duration::from_secs(1)),
-    )
-    .unwrap();
-    let cfg = PoolConfig::default()
-        .connections(1, 2)
-        .health_check_interval(Duration::from_millis(250))
-        .replica_backoff(Duration::from_millis(250));
+    // The defaults: a fleet's failover targets (2 s, 10 s) must hold without tuning.
+    let client = Client::new(ClientConfig::new(Trust::Pinned(fingerprint))).unwrap();
+    let cfg = PoolConfig::default().connections(1, 2);
     let addrs: Vec<SocketAddr> = replicas.iter().map(|r| r.quic).collect();
     let pool = Pool::connect_replicas(client, Replicas::Addrs(addrs.clone()), cfg)
         .await

@@ -30,6 +30,13 @@ impl std::fmt::Debug for Secret {
     }
 }
 
+/// [`ClientConfig::connection_ttl`]'s default: a dead server's streams fail within 2 s.
+const DEFAULT_PEER_TIMEOUT: Duration = Duration::from_millis(1500);
+
+/// [`ClientConfig::keep_alive_interval`]'s default: several PINGs per peer timeout, so one
+/// lost packet does not close a healthy connection.
+const DEFAULT_KEEP_ALIVE: Duration = Duration::from_millis(400);
+
 /// Client settings. Build with [`ClientConfig::new`] and the setters.
 #[derive(Debug, Clone)]
 #[non_exhaustive]
@@ -46,16 +53,18 @@ pub struct ClientConfig {
 }
 
 impl ClientConfig {
-    /// Defaults: server name `localhost`, 64 KiB per-stream window, `connection_ttl` 300 s,
-    /// keep-alive every 15 s, 256 KiB frames, 5 s health timeout, 0-RTT on.
+    /// Defaults: server name `localhost`, 64 KiB per-stream window, `connection_ttl` 1.5 s
+    /// with a keep-alive PING every 400 ms (a server silent for 1.5 s is taken for gone, so a
+    /// [`Pool`](crate::Pool) re-sends or fails its streams within 2 s of a crash; raise both
+    /// on lossy long-distance links), 256 KiB frames, 5 s health timeout, 0-RTT on.
     pub fn new(trust: Trust) -> Self {
         Self {
             trust,
             api_key: None,
             server_name: "localhost".into(),
             stream_buffer_size: 64 << 10,
-            connection_ttl: Duration::from_secs(300),
-            keep_alive_interval: Some(Duration::from_secs(15)),
+            connection_ttl: DEFAULT_PEER_TIMEOUT,
+            keep_alive_interval: Some(DEFAULT_KEEP_ALIVE),
             max_frame_size: DEFAULT_MAX_FRAME_SIZE,
             health_timeout: Duration::from_secs(5),
             zero_rtt: true,
@@ -90,7 +99,11 @@ impl ClientConfig {
         self
     }
 
-    /// Idle timeout.
+    /// How long the server may stay silent before the connection is taken for lost (the
+    /// QUIC idle timeout; the keep-alive PINGs keep a healthy idle connection open, and the
+    /// server's own, shorter or longer, timeout also applies). Its streams then end with
+    /// [`StreamError::ConnectionLost`]: the time a crashed or unreachable server's streams
+    /// take to fail (or, in a [`Pool`](crate::Pool), to be re-sent).
     pub fn connection_ttl(mut self, ttl: Duration) -> Self {
         self.connection_ttl = ttl;
         self

@@ -8,11 +8,16 @@
 //! open streams finish; they no longer count as the replica's load) and the health checker
 //! opens a replacement; a draining server refuses it, which backs the replica off. A replica is
 //! unusable while it is backed off after a failure (connect error, connection lost: 1 s,
-//! doubling up to 32 s, reset by the next success). A request that fails before its first token (connection lost, stream
-//! reset, refused, 0-RTT rejected, or an ERROR `overloaded` / `shutting_down` / `unavailable`
-//! event) is sent again to another replica, at most `retries` times; after its first token a
-//! failure is the stream's error (never a hang: with the fleet settings, a dead replica's
-//! connection times out within `ClientConfig::connection_ttl`).
+//! doubling up to `max_replica_backoff`, 4 s; reset by the next success). The back-off is the
+//! replica's, not its streams': the many streams one crash ends back it off once, and only a
+//! failure after the back-off has run out (a failed probe) doubles it. When it runs out the
+//! health checker probes the replica at once (it opens a connection), so a restarted replica
+//! is back in rotation within the back-off cap plus a handshake. A request that fails before
+//! its first token (connection lost, stream reset, refused, 0-RTT rejected, or an ERROR
+//! `overloaded` / `shutting_down` / `unavailable` event) is sent again to another replica, at
+//! most `retries` times; after its first token a failure is the stream's error (never a hang:
+//! a dead replica's connections time out within `ClientConfig::connection_ttl`, 1.5 s by
+//! default).
 
 use std::net::SocketAddr;
 use std::pin::Pin;
@@ -48,12 +53,17 @@ pub struct PoolConfig {
     pub max_connections: usize,
     /// Streams per connection before a new connection is opened (100).
     pub target_streams_per_connection: usize,
-    /// How often idle connections are health-checked with a PING (10 s).
+    /// How often idle connections are health-checked with a PING and missing connections
+    /// reopened (2 s; a backed-off replica is also probed as soon as its back-off ends).
     pub health_check_interval: Duration,
     /// How often a [`Replicas::Dns`] name is resolved again (30 s).
     pub resolve_interval: Duration,
-    /// First back-off of a failed replica; doubles per consecutive failure, up to 32x (1 s).
+    /// First back-off of a failed replica; doubles per failure after the previous back-off
+    /// ran out, up to [`max_replica_backoff`](Self::max_replica_backoff) (1 s).
     pub replica_backoff: Duration,
+    /// Longest back-off of a replica that keeps failing (4 s): a restarted replica is back in
+    /// rotation at most this long (plus a handshake) after it can accept connections.
+    pub max_replica_backoff: Duration,
     /// How many times a request that failed before its first token is sent again (3).
     pub retries: usize,
 }
@@ -64,9 +74,10 @@ impl Default for PoolConfig {
             min_connections: 5,
             max_connections: 50,
             target_streams_per_connection: 100,
-            health_check_interval: Duration::from_secs(10),
+            health_check_interval: Duration::from_secs(2),
             resolve_interval: Duration::from_secs(30),
             replica_backoff: Duration::from_secs(1),
+            max_replica_backoff: Duration::from_secs(4),
             retries: 3,
         }
     }
@@ -101,6 +112,20 @@ impl PoolConfig {
     /// Sets the first back-off of a failed replica.
     pub fn replica_backoff(mut self, first: Duration) -> Self {
         self.replica_backoff = first;
+        self
+    }
+
+    /// Sets the longest back-off of a replica that keeps failing.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use claudelink_proto::PoolConfig;
+    /// let cfg = PoolConfig::default().max_replica_backoff(Duration::from_secs(8));
+    /// assert_eq!(cfg.max_replica_backoff, Duration::from_secs(8));
+    /// assert_eq!(PoolConfig::default().max_replica_backoff, Duration::from_secs(4));
+    /// ```
+    pub fn max_replica_backoff(mut self, longest: Duration) -> Self {
+        self.max_replica_backoff = longest;
         self
     }
 
@@ -311,6 +336,18 @@ impl PoolInner {
         }
     }
 
+    /// When the earliest back-off of a listed replica ends (the health checker probes it
+    /// then), if one is backed off.
+    fn next_probe(&self) -> Option<Instant> {
+        let now = Instant::now();
+        self.replicas()
+            .iter()
+            .filter(|r| r.listed)
+            .filter_map(|r| r.backed_off_until)
+            .filter(|&t| t > now)
+            .min()
+    }
+
     fn succeeded(&self, addr: SocketAddr) {
         if let Some(r) = self.replicas().iter_mut().find(|r| r.addr == addr) {
             r.consecutive_failures = 0;
@@ -397,11 +434,21 @@ impl PoolInner {
     }
 }
 
-/// Backs `r` off after a failure: 1x, 2x, 4x ... 32x the configured back-off.
+/// Backs `r` off after a failure: 1x, 2x, 4x ... the configured back-off, at most
+/// `max_replica_backoff`. A failure while `r` is still backed off (another stream of the same
+/// crash, a connection of the same replica) changes nothing: the back-off counts the replica's
+/// failures, not its streams'.
 fn back_off(r: &mut Replica, cfg: &PoolConfig, now: Instant) {
-    let factor = 1u32 << r.consecutive_failures.min(5);
+    if r.backed_off_until.is_some_and(|t| now < t) {
+        return;
+    }
+    let factor = 1u32 << r.consecutive_failures.min(16);
     r.consecutive_failures = r.consecutive_failures.saturating_add(1);
-    r.backed_off_until = Some(now + cfg.replica_backoff * factor);
+    let pause = cfg
+        .replica_backoff
+        .saturating_mul(factor)
+        .min(cfg.max_replica_backoff.max(cfg.replica_backoff));
+    r.backed_off_until = Some(now + pause);
 }
 
 /// A pool of claudelink connections to one server or to several replicas (see the module
@@ -551,12 +598,20 @@ async fn health_loop(pool: std::sync::Weak<PoolInner>) {
     let Some(every) = pool.upgrade().map(|p| p.cfg.health_check_interval) else {
         return;
     };
-    let mut tick = tokio::time::interval(every.max(Duration::from_millis(10)));
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    tick.tick().await;
+    let every = every.max(Duration::from_millis(10));
+    let mut next = Instant::now() + every;
     let mut resolved = Instant::now();
     loop {
-        tick.tick().await;
+        // The next check, or sooner the end of a replica's back-off: a replica that is down
+        // is probed the moment it may be tried again.
+        let wake = pool
+            .upgrade()
+            .and_then(|p| p.next_probe())
+            .map_or(next, |t| t.min(next));
+        tokio::time::sleep_until(wake.into()).await;
+        if Instant::now() >= next {
+            next = Instant::now() + every;
+        }
         let Some(inner) = pool.upgrade() else { return };
         let idle: Vec<Connection> = inner
             .replicas()
@@ -735,5 +790,40 @@ impl Stream for PoolStream {
                 },
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn one_crash_backs_a_replica_off_once_and_probes_double_it_up_to_the_cap() {
+        let cfg = PoolConfig::default();
+        let mut r = Replica::new(SocketAddr::from(([127, 0, 0, 1], 1)));
+        let t0 = Instant::now();
+        // A crash ends 60 streams and 2 connections at about the same time: one back-off.
+        for i in 0..62 {
+            back_off(&mut r, &cfg, t0 + Duration::from_millis(i));
+        }
+        assert_eq!(r.backed_off_until, Some(t0 + Duration::from_secs(1)));
+        assert!(!r.usable(t0 + Duration::from_millis(999)));
+        assert!(r.usable(t0 + Duration::from_secs(1)));
+        // Each failed probe after a back-off ran out doubles it, up to 4 s.
+        let mut now = t0 + Duration::from_secs(1);
+        let mut pauses = Vec::new();
+        for _ in 0..6 {
+            back_off(&mut r, &cfg, now);
+            let until = r.backed_off_until.unwrap();
+            pauses.push((until - now).as_secs());
+            now = until;
+        }
+        assert_eq!(pauses, [2, 4, 4, 4, 4, 4]);
+        // A restarted replica is probed at most 4 s after it came back, and after one
+        // success the next crash starts from 1 s again.
+        r.consecutive_failures = 0;
+        r.backed_off_until = None;
+        back_off(&mut r, &cfg, now);
+        assert_eq!(r.backed_off_until, Some(now + Duration::from_secs(1)));
     }
 }
