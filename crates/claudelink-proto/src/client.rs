@@ -305,8 +305,12 @@ impl Client {
                     .map_err(|e| ClientError::Config(e.to_string()))?,
             ));
         qc.transport_config(Arc::new(t));
-        let mut endpoint = quinn::Endpoint::client(SocketAddr::from(([0, 0, 0, 0], 0)))
-            .map_err(ClientError::Bind)?;
+        // A dual-stack socket reaches IPv6 replicas (AAAA records) and IPv4 ones alike; an
+        // IPv4 socket where the host has no IPv6.
+        let mut endpoint =
+            quinn::Endpoint::client(SocketAddr::from((std::net::Ipv6Addr::UNSPECIFIED, 0)))
+                .or_else(|_| quinn::Endpoint::client(SocketAddr::from(([0, 0, 0, 0], 0))))
+                .map_err(ClientError::Bind)?;
         endpoint.set_default_client_config(qc);
         Ok(Self {
             endpoint,
@@ -504,7 +508,7 @@ pub struct Connection {
 impl std::fmt::Debug for Connection {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Connection")
-            .field("remote", &self.inner.conn.remote_address())
+            .field("remote", &self.remote_address())
             .field("in_flight", &self.in_flight())
             .field("draining", &self.is_draining())
             .finish()
@@ -602,6 +606,14 @@ impl Connection {
     /// Closes the connection.
     pub fn close(&self) {
         self.inner.conn.close(VarInt::from_u32(0), b"client closed");
+    }
+
+    /// The server's address, as it was connected to: an IPv4 server is named by its IPv4
+    /// address (quinn's own [`remote_address`](quinn::Connection::remote_address) gives it
+    /// IPv4-mapped, since the client's socket is dual-stack).
+    pub fn remote_address(&self) -> SocketAddr {
+        let a = self.inner.conn.remote_address();
+        SocketAddr::new(a.ip().to_canonical(), a.port())
     }
 
     /// The underlying quinn connection.

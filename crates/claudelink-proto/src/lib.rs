@@ -76,7 +76,7 @@ pub use gateway::{
     SUPPORTED_ANTHROPIC_VERSIONS,
 };
 pub use limits::ConnectionSlot;
-pub use pool::{Pool, PoolConfig, PoolStats, PoolStream, Replicas};
+pub use pool::{Pool, PoolConfig, PoolStats, PoolStream, ReplicaResolver, Replicas};
 pub use server::{
     ALPN, Congestion, ConnectionHandler, ConnectionInfo, Server, ServerConfig, ServerError,
     ServerStats,

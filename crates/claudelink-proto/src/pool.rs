@@ -39,8 +39,35 @@ pub enum Replicas {
     /// Fixed addresses.
     Addrs(Vec<SocketAddr>),
     /// `host:port`, resolved at start and every [`PoolConfig::resolve_interval`]; every
-    /// address it resolves to is a replica.
+    /// address it resolves to (A and AAAA records alike) is a replica.
     Dns(String),
+    /// Asked at start and every [`PoolConfig::resolve_interval`], like a DNS name: service
+    /// discovery of your own (a resolver with its own cache rules, a registry client).
+    Resolver(Arc<dyn ReplicaResolver>),
+}
+
+/// The replica addresses of a [`Replicas::Resolver`].
+///
+/// ```
+/// use std::future::Future;
+/// use std::net::SocketAddr;
+/// use std::pin::Pin;
+/// use claudelink_proto::ReplicaResolver;
+///
+/// #[derive(Debug)]
+/// struct Fixed(Vec<SocketAddr>);
+///
+/// impl ReplicaResolver for Fixed {
+///     fn resolve(&self) -> Pin<Box<dyn Future<Output = Result<Vec<SocketAddr>, String>> + Send + '_>> {
+///         Box::pin(async move { Ok(self.0.clone()) })
+///     }
+/// }
+/// ```
+pub trait ReplicaResolver: Send + Sync + std::fmt::Debug + 'static {
+    /// The replicas now: every address is one. An error or an empty list keeps the pool's
+    /// last set (at start, an error fails [`Pool::connect_replicas`]).
+    fn resolve(&self)
+    -> Pin<Box<dyn Future<Output = Result<Vec<SocketAddr>, String>> + Send + '_>>;
 }
 
 /// Pool settings.
@@ -56,7 +83,8 @@ pub struct PoolConfig {
     /// How often idle connections are health-checked with a PING and missing connections
     /// reopened (2 s; a backed-off replica is also probed as soon as its back-off ends).
     pub health_check_interval: Duration,
-    /// How often a [`Replicas::Dns`] name is resolved again (30 s).
+    /// How often a [`Replicas::Dns`] name (or a [`Replicas::Resolver`]) is resolved again
+    /// (30 s).
     pub resolve_interval: Duration,
     /// First back-off of a failed replica; doubles per failure after the previous back-off
     /// ran out, up to [`max_replica_backoff`](Self::max_replica_backoff) (1 s).
@@ -228,6 +256,17 @@ impl PoolInner {
                     .await
                     .map_err(|e| resolve_error(e.to_string()))?
                     .collect();
+                if addrs.is_empty() {
+                    return Err(resolve_error("no address".into()));
+                }
+                Ok(addrs)
+            }
+            Replicas::Resolver(r) => {
+                let resolve_error = |detail: String| ClientError::Resolve {
+                    name: format!("{r:?}"),
+                    detail,
+                };
+                let addrs = r.resolve().await.map_err(resolve_error)?;
                 if addrs.is_empty() {
                     return Err(resolve_error("no address".into()));
                 }
@@ -626,7 +665,7 @@ async fn health_loop(pool: std::sync::Weak<PoolInner>) {
             }
         }
         inner.prune();
-        if matches!(inner.source, Replicas::Dns(_))
+        if matches!(inner.source, Replicas::Dns(_) | Replicas::Resolver(_))
             && resolved.elapsed() >= inner.cfg.resolve_interval
         {
             resolved = Instant::now();

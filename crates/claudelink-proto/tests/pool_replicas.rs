@@ -2,6 +2,7 @@
 //! moved to another replica before their first token, a stopped replica's streams ended with
 //! an error and the replica avoided, a restarted replica back in rotation, DNS names.
 
+use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -181,7 +182,7 @@ async fn a_stopped_replica_ends_its_streams_with_an_error_and_is_avoided_until_i
                 && pool
                     .connections()
                     .iter()
-                    .any(|c| c.quinn().remote_address() == stopped_addr)
+                    .any(|c| c.remote_address() == stopped_addr)
         },
     )
     .await;
@@ -227,4 +228,134 @@ async fn a_dns_name_is_resolved_to_its_replicas() {
     )
     .await;
     assert!(matches!(bad, Err(ClientError::Resolve { .. })), "{bad:?}");
+}
+
+/// A resolver whose answer the test sets: several A and AAAA records, changed while the pool
+/// runs (a Kubernetes headless Service as pods come and go).
+#[derive(Debug)]
+struct StubResolver {
+    answer: std::sync::Mutex<Result<Vec<SocketAddr>, String>>,
+    asked: std::sync::atomic::AtomicUsize,
+}
+
+impl StubResolver {
+    fn new() -> Arc<Self> {
+        Arc::new(Self {
+            answer: std::sync::Mutex::new(Ok(Vec::new())),
+            asked: std::sync::atomic::AtomicUsize::new(0),
+        })
+    }
+
+    fn set(&self, answer: Result<Vec<SocketAddr>, String>) {
+        *self.answer.lock().unwrap() = answer;
+    }
+}
+
+impl ReplicaResolver for StubResolver {
+    fn resolve(
+        &self,
+    ) -> std::pin::Pin<Box<dyn Future<Output = Result<Vec<SocketAddr>, String>> + Send + '_>> {
+        self.asked.fetch_add(1, Ordering::SeqCst);
+        let answer = self.answer.lock().unwrap().clone();
+        Box::pin(async move { answer })
+    }
+}
+
+/// Which replicas `n` concurrent short requests went to (all read to their end).
+async fn served_by(pool: &Pool, n: usize) -> Vec<SocketAddr> {
+    let mut streams = Vec::new();
+    for _ in 0..n {
+        streams.push(pool.request(&req(2)).await.unwrap());
+    }
+    let mut by = Vec::new();
+    for mut s in streams {
+        while let Some(ev) = s.next().await {
+            ev.unwrap();
+        }
+        by.push(*s.replicas_tried().last().unwrap());
+    }
+    by
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replicas_follow_the_resolvers_records_ipv4_and_ipv6_as_members_come_and_go() {
+    let id = Identity::self_signed(&["localhost"]).unwrap();
+    let server = |at: &str| {
+        start_at(
+            at.parse().unwrap(),
+            id.clone(),
+            Ticker::new(2, Duration::ZERO),
+            |c| c,
+        )
+    };
+    // Two A records and one AAAA record.
+    let (a, b, v6) = (
+        server("127.0.0.1:0"),
+        server("127.0.0.1:0"),
+        server("[::1]:0"),
+    );
+    let (a_addr, b_addr, v6_addr) = (a.local_addr(), b.local_addr(), v6.local_addr());
+    let stub = StubResolver::new();
+    stub.set(Ok(vec![a_addr, v6_addr]));
+    let pool = Pool::connect_replicas(
+        fleet_client(&id),
+        Replicas::Resolver(stub.clone()),
+        fast_config().resolve_interval(Duration::from_millis(100)),
+    )
+    .await
+    .unwrap();
+    assert_eq!(pool.stats().replicas, 2);
+    let by = served_by(&pool, 12).await;
+    assert!(by.contains(&a_addr) && by.contains(&v6_addr), "{by:?}");
+    assert!(!by.contains(&b_addr));
+
+    // A pod goes, another comes: the pool follows within a resolve interval or two.
+    stub.set(Ok(vec![v6_addr, b_addr]));
+    eventually("the new member set", || {
+        let mut now: Vec<SocketAddr> = pool.outstanding().iter().map(|(x, _)| *x).collect();
+        now.sort();
+        let mut want = vec![v6_addr, b_addr];
+        want.sort();
+        // The health checker has connected to the newcomer.
+        now == want
+            && pool.stats().usable_replicas == 2
+            && pool
+                .connections()
+                .iter()
+                .any(|c| c.remote_address() == b_addr)
+    })
+    .await;
+    let by = served_by(&pool, 12).await;
+    assert!(by.contains(&b_addr) && by.contains(&v6_addr), "{by:?}");
+    assert!(
+        !by.contains(&a_addr),
+        "a removed member got requests: {by:?}"
+    );
+
+    // A failing or empty answer keeps the last set.
+    let asked = stub.asked.load(Ordering::SeqCst);
+    stub.set(Err("SERVFAIL".into()));
+    eventually("two more resolutions", || {
+        stub.asked.load(Ordering::SeqCst) >= asked + 2
+    })
+    .await;
+    stub.set(Ok(vec![]));
+    eventually("two more resolutions", || {
+        stub.asked.load(Ordering::SeqCst) >= asked + 4
+    })
+    .await;
+    assert_eq!(pool.stats().replicas, 2);
+    assert_eq!(served_by(&pool, 4).await.len(), 4);
+    // At start, a failing resolver is a typed error.
+    let failing = StubResolver::new();
+    failing.set(Err("no such service".into()));
+    let err = Pool::connect_replicas(
+        fleet_client(&id),
+        Replicas::Resolver(failing),
+        fast_config(),
+    )
+    .await
+    .unwrap_err();
+    assert!(matches!(err, ClientError::Resolve { .. }), "{err:?}");
+    drop((a, b, v6));
 }
