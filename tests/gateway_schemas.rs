@@ -5,13 +5,14 @@
 //! compiler's internals (parser state, grammar dump), and a good schema in the same place
 //! still works.
 
+mod common;
+
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
-use std::sync::{Arc, OnceLock};
+use std::sync::OnceLock;
 
 use serde_json::{Value, json};
 use zerolayer::EngineService;
-use zerolayer::claudelink_proto::{Gateway, GatewayConfig};
 
 /// A gateway over the default model on loopback, started once for the file's tests.
 fn server() -> SocketAddr {
@@ -21,28 +22,7 @@ fn server() -> SocketAddr {
         // SAFETY: the cached default model is not modified while the tests run.
         let svc = unsafe { EngineService::load(&model, Default::default(), Default::default()) }
             .expect("load");
-        let gateway = Gateway::new(
-            Arc::new(svc),
-            GatewayConfig::default().accept_any_model(true),
-        );
-        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        let addr = listener.local_addr().unwrap();
-        listener.set_nonblocking(true).unwrap();
-        std::thread::spawn(move || {
-            let rt = tokio::runtime::Builder::new_multi_thread()
-                .worker_threads(2)
-                .enable_all()
-                .build()
-                .unwrap();
-            rt.block_on(async move {
-                let listener = tokio::net::TcpListener::from_std(listener).unwrap();
-                gateway
-                    .serve_tcp(listener, std::future::pending())
-                    .await
-                    .unwrap();
-            });
-        });
-        addr
+        common::serve(svc)
     })
 }
 

@@ -2,6 +2,8 @@
 //! `/health` answers 503 naming the file, the change is logged once at error level, and new
 //! generations are refused (503) rather than served from the stale mapping.
 
+mod common;
+
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -9,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 use zerolayer::EngineService;
-use zerolayer::claudelink_proto::{Gateway, GatewayConfig, InferenceService};
+use zerolayer::claudelink_proto::InferenceService;
 
 /// A private copy of the default model, removed on drop (the test changes it).
 struct PrivateCopy(std::path::PathBuf);
@@ -81,29 +83,6 @@ impl Write for Sink {
     }
 }
 
-/// A gateway over `svc` on loopback, on a runtime of its own.
-fn serve(svc: EngineService) -> SocketAddr {
-    let gateway = Gateway::new(
-        Arc::new(svc),
-        GatewayConfig::default().accept_any_model(true),
-    );
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let addr = listener.local_addr().unwrap();
-    listener.set_nonblocking(true).unwrap();
-    std::thread::spawn(move || {
-        let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .enable_all()
-            .build()
-            .unwrap();
-        rt.block_on(async move {
-            let listener = tokio::net::TcpListener::from_std(listener).unwrap();
-            let _ = gateway.serve_tcp(listener, std::future::pending()).await;
-        });
-    });
-    addr
-}
-
 /// One HTTP/1.1 request (a JSON body when given); the status and the JSON answer.
 fn http(addr: SocketAddr, method: &str, path: &str, body: Option<&Value>) -> (u16, Value) {
     let body = body.map(Value::to_string).unwrap_or_default();
@@ -136,7 +115,7 @@ fn a_model_file_rewritten_in_place_is_named_by_health_logged_once_and_serves_not
     // which is what the watch notices.
     let svc = unsafe { EngineService::load(&copy.0, Default::default(), Default::default()) }
         .expect("load");
-    let addr = serve(svc);
+    let addr = common::serve(svc);
     let ask = json!({"model": "m", "max_tokens": 2,
         "messages": [{"role": "user", "content": "Hi"}]});
     let (status, v) = http(addr, "GET", "/health", None);

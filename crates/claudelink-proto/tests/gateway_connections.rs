@@ -127,16 +127,7 @@ async fn an_idle_http1_keep_alive_connection_is_closed_at_the_idle_timeout() {
 #[tokio::test]
 async fn a_stream_longer_than_the_idle_timeout_runs_to_its_end() {
     let server = TestServer::start(short_timeouts()).await;
-    let (mut sender, _closed) = {
-        let stream = TcpStream::connect(server.addr).await.unwrap();
-        let (sender, conn) = hyper::client::conn::http2::handshake(
-            hyper_util::rt::TokioExecutor::new(),
-            hyper_util::rt::TokioIo::new(stream),
-        )
-        .await
-        .unwrap();
-        (sender, tokio::spawn(conn))
-    };
+    let mut sender = h2_connect(server.addr).await;
     // SLOW: 20 ms per token until max_tokens, i.e. about 2 s, twice the idle timeout.
     let body = json!({"model": "word-model", "max_tokens": 100, "stream": true,
         "messages": [{"role": "user", "content": "SLOW a b"}]});
@@ -285,14 +276,7 @@ async fn keyless_connections_from_a_few_addresses_cannot_lock_the_server_out() {
 #[tokio::test]
 async fn head_is_answered_without_a_body_on_every_route_over_http2() {
     let server = TestServer::start(GatewayConfig::default().api_keys([KEY.to_string()])).await;
-    let stream = TcpStream::connect(server.addr).await.unwrap();
-    let (mut sender, conn) = hyper::client::conn::http2::handshake(
-        hyper_util::rt::TokioExecutor::new(),
-        hyper_util::rt::TokioIo::new(stream),
-    )
-    .await
-    .unwrap();
-    tokio::spawn(conn);
+    let mut sender = h2_connect(server.addr).await;
     for (path, key, want) in [
         ("/no/such/route", Some(KEY), 404),
         ("/no/such/route", None, 404),
@@ -315,14 +299,7 @@ async fn head_is_answered_without_a_body_on_every_route_over_http2() {
 async fn a_keyless_server_checks_the_http2_authority_as_it_checks_host() {
     // DNS rebinding: a page at a name the attacker controls, resolved to this server.
     let server = TestServer::start(GatewayConfig::default()).await;
-    let stream = TcpStream::connect(server.addr).await.unwrap();
-    let (mut sender, conn) = hyper::client::conn::http2::handshake(
-        hyper_util::rt::TokioExecutor::new(),
-        hyper_util::rt::TokioIo::new(stream),
-    )
-    .await
-    .unwrap();
-    tokio::spawn(conn);
+    let mut sender = h2_connect(server.addr).await;
     for (authority, want) in [
         ("rebind.attacker.example:8080", 403),
         ("localhost:8080", 200),

@@ -101,6 +101,14 @@ async fn h3_request(
     let mut stream = send.send_request(req.body(()).unwrap()).await.unwrap();
     stream.finish().await.unwrap();
     let resp = stream.recv_response().await.unwrap();
+    let out = read_body(&mut stream).await;
+    (resp.status().as_u16(), out)
+}
+
+/// The rest of a response's body.
+async fn read_body(
+    stream: &mut h3::client::RequestStream<h3_quinn::BidiStream<Bytes>, Bytes>,
+) -> Vec<u8> {
     let mut out = Vec::new();
     while let Some(mut chunk) = stream.recv_data().await.unwrap() {
         while chunk.has_remaining() {
@@ -110,7 +118,7 @@ async fn h3_request(
             chunk.advance(n);
         }
     }
-    (resp.status().as_u16(), out)
+    out
 }
 
 /// Whether `conn` closes within `within`.
@@ -215,15 +223,7 @@ async fn h3_post(
         .unwrap();
     stream.finish().await.unwrap();
     let resp = stream.recv_response().await.unwrap();
-    let mut out = Vec::new();
-    while let Some(mut chunk) = stream.recv_data().await.unwrap() {
-        while chunk.has_remaining() {
-            let c = chunk.chunk();
-            out.extend_from_slice(c);
-            let n = c.len();
-            chunk.advance(n);
-        }
-    }
+    let out = read_body(&mut stream).await;
     (resp, String::from_utf8(out).unwrap())
 }
 

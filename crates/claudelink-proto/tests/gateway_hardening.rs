@@ -102,14 +102,7 @@ async fn keyless_request_declaring_a_30_mb_body_gets_401_before_any_body_byte_ht
 #[tokio::test]
 async fn keyless_request_with_a_body_that_never_comes_gets_401_http2() {
     let server = TestServer::start(GatewayConfig::default().api_keys([KEY.to_string()])).await;
-    let stream = TcpStream::connect(server.addr).await.unwrap();
-    let (mut sender, conn) = hyper::client::conn::http2::handshake(
-        hyper_util::rt::TokioExecutor::new(),
-        hyper_util::rt::TokioIo::new(stream),
-    )
-    .await
-    .unwrap();
-    tokio::spawn(conn);
+    let mut sender = h2_connect(server.addr).await;
     let never = futures::stream::pending::<Result<Frame<Bytes>, std::convert::Infallible>>();
     let req = http::Request::builder()
         .method("POST")

@@ -336,14 +336,7 @@ async fn debug_header_and_alt_svc() {
 #[tokio::test]
 async fn http2_prior_knowledge_and_connection_reuse() {
     let s = TestServer::start(GatewayConfig::default()).await;
-    let stream = tokio::net::TcpStream::connect(s.addr).await.unwrap();
-    let (mut sender, conn) = hyper::client::conn::http2::handshake(
-        hyper_util::rt::TokioExecutor::new(),
-        hyper_util::rt::TokioIo::new(stream),
-    )
-    .await
-    .unwrap();
-    tokio::spawn(conn);
+    let mut sender = h2_connect(s.addr).await;
     for _ in 0..3 {
         let req = http::Request::builder()
             .method("POST")

@@ -427,3 +427,21 @@ pub async fn eventually(mut cond: impl FnMut() -> bool) {
     }
     panic!("condition not reached within 10 s");
 }
+
+/// An HTTP/2 (prior knowledge) client connection to `addr`, driven on a task of its own.
+pub async fn h2_connect<B>(addr: SocketAddr) -> hyper::client::conn::http2::SendRequest<B>
+where
+    B: hyper::body::Body + Unpin + Send + 'static,
+    B::Data: Send,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    let stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let (sender, conn) = hyper::client::conn::http2::handshake(
+        hyper_util::rt::TokioExecutor::new(),
+        hyper_util::rt::TokioIo::new(stream),
+    )
+    .await
+    .unwrap();
+    tokio::spawn(conn);
+    sender
+}
