@@ -5,7 +5,7 @@
 
 mod service;
 
-pub use service::{EngineService, ExecutorChoice, LoadServiceError};
+pub use service::{EngineService, ExecutorChoice, LoadServiceError, chat_template, load_model};
 
 pub use claudelink_proto;
 pub use gpu_pipeline;

@@ -161,6 +161,76 @@ fn tokenize_turns_json_lines_into_ids() {
 }
 
 #[test]
+fn generate_and_perplexity_take_a_hugging_face_directory_as_serve_does() {
+    // One loader for every command: a safetensors directory (a committed tiny Qwen2) works for
+    // generate and perplexity as it does for serve, with its tokenizer_config.json template.
+    let dir = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/crates/gpu-pipeline/tests/fixtures/hf/qwen2"
+    );
+    let (out, _) = ok(zerolayer(&[
+        "generate",
+        "--model",
+        dir,
+        "--chat",
+        "Hi",
+        "--max-tokens",
+        "4",
+        "--json",
+    ])
+    .output()
+    .unwrap());
+    let v: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["ids"].as_array().unwrap().len(), 4, "{v}");
+    let prompt: Vec<u64> = v["prompt_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|i| i.as_u64().unwrap())
+        .collect();
+    // The directory's own template, not the ChatML fallback: the render holds the user turn
+    // and more than the bare text's tokens.
+    let (bare, _) = ok(zerolayer(&[
+        "generate",
+        "--model",
+        dir,
+        "--prompt",
+        "Hi",
+        "--max-tokens",
+        "1",
+        "--json",
+    ])
+    .output()
+    .unwrap());
+    let bare: Value = serde_json::from_str(&bare).unwrap();
+    assert!(
+        prompt.len() > bare["prompt_ids"].as_array().unwrap().len() + 2,
+        "{v}"
+    );
+    let text =
+        std::env::temp_dir().join(format!("zerolayer-cli-hf-ppl-{}.txt", std::process::id()));
+    std::fs::write(
+        &text,
+        "the quick brown fox jumps over the lazy dog ".repeat(20),
+    )
+    .unwrap();
+    let (out, _) = ok(zerolayer(&[
+        "perplexity",
+        text.to_str().unwrap(),
+        "--model",
+        dir,
+        "--ctx",
+        "32",
+        "--json",
+    ])
+    .output()
+    .unwrap());
+    std::fs::remove_file(&text).unwrap();
+    let p: Value = serde_json::from_str(&out).unwrap();
+    assert!(p["perplexity"].as_f64().unwrap().is_finite(), "{p}");
+}
+
+#[test]
 fn perplexity_of_english_text_is_finite_and_plausible() {
     let text = "The sun rises in the east and sets in the west. Water boils at one hundred \
         degrees Celsius at sea level. Most plants need light, water and air to grow. "

@@ -10,7 +10,7 @@ use gpu_pipeline::{GenerateOptions, LogitsWanted, SeqStep};
 use serde_json::json;
 
 use super::generate::new_ring;
-use super::{LoadedModel, load_gguf, model_path};
+use super::{LoadedModel, load_model, model_path};
 use kv_ring::KvDtype;
 
 /// `zerolayer bench`.
@@ -57,8 +57,9 @@ pub(crate) fn main(a: Args) -> anyhow::Result<()> {
         "--prompt-tokens, --reps must be at least 1 and --gen-tokens at least 2"
     );
     let path = model_path(a.model.as_deref())?;
-    let LoadedModel { model, tokenizer } =
-        load_gguf(&path, a.threads, a.no_pack, a.activation_split)?;
+    let LoadedModel {
+        model, tokenizer, ..
+    } = load_model(&path, a.threads, a.no_pack, a.activation_split)?;
     let mut prompt = Vec::new();
     while prompt.len() < a.prompt_tokens {
         prompt.extend_from_slice(tokenizer.encode(PROMPT_TEXT).as_slice());

@@ -20,7 +20,7 @@ use kv_ring::{KvDtype, KvPool, KvRing, RingMode};
 use serde_json::json;
 use token_stream::{ChatMessage, ChatTemplate, Tokenizer};
 
-use super::{LoadedModel, load_gguf, model_path};
+use super::{LoadedModel, load_model, model_path};
 
 /// `zerolayer generate`.
 #[derive(Debug, clap::Args)]
@@ -149,7 +149,9 @@ pub(crate) fn new_ring(model: &Model, cap: usize, dtype: KvDtype) -> anyhow::Res
 
 /// Runs `zerolayer perplexity`.
 pub(crate) fn perplexity(a: PerplexityArgs) -> anyhow::Result<()> {
-    let LoadedModel { model, tokenizer } = load_gguf(
+    let LoadedModel {
+        model, tokenizer, ..
+    } = load_model(
         &model_path(a.model.as_deref())?,
         a.threads,
         false,
@@ -205,13 +207,13 @@ pub(crate) fn perplexity(a: PerplexityArgs) -> anyhow::Result<()> {
 
 /// Runs `zerolayer generate`.
 pub(crate) fn main(a: Args) -> anyhow::Result<()> {
-    let loaded = load_gguf(
+    let loaded = load_model(
         &model_path(a.model.as_deref())?,
         a.threads,
         a.no_pack,
         a.activation_split,
     )?;
-    let prompt = prompt_ids(&a, &loaded.tokenizer)?;
+    let prompt = prompt_ids(&a, &loaded.tokenizer, loaded.chat.as_ref())?;
     if a.score {
         score(&loaded.model, &prompt, a.top_k.unwrap_or(5))
     } else {
@@ -262,12 +264,15 @@ fn cuda_executor(
     bail!("--executor cuda: this zerolayer was built without the `cuda` feature")
 }
 
-/// The prompt's token ids from `--prompt-ids`, `--chat` or `--prompt`.
-fn prompt_ids(a: &Args, tok: &Tokenizer) -> anyhow::Result<Vec<u32>> {
+/// The prompt's token ids from `--prompt-ids`, `--chat` (rendered with the model's chat
+/// template, as the server renders it) or `--prompt`.
+fn prompt_ids(a: &Args, tok: &Tokenizer, chat: Option<&ChatTemplate>) -> anyhow::Result<Vec<u32>> {
     let prompt: Vec<u32> = if let Some(ids) = &a.prompt_ids {
         ids.clone()
     } else if let Some(msg) = &a.chat {
-        let tmpl = ChatTemplate::from_tokenizer(tok)?;
+        let Some(tmpl) = chat else {
+            bail!("--chat: the model has no usable chat template");
+        };
         tmpl.encode(tok, &[ChatMessage::new("user", msg)], true)?
             .into_vec()
     } else if let Some(p) = &a.prompt {
@@ -350,7 +355,9 @@ fn budgeted_cache(
 
 /// Generates from `prompt`, streaming the text to stdout unless `--json`.
 fn generate(a: &Args, loaded: LoadedModel, prompt: &[u32]) -> anyhow::Result<()> {
-    let LoadedModel { model, tokenizer } = loaded;
+    let LoadedModel {
+        model, tokenizer, ..
+    } = loaded;
     let (model, tok) = (Arc::new(model), &tokenizer);
     if a.executor == ExecutorKind::Cpu && a.device_budget.is_some() {
         bail!("--device-budget needs --executor cuda");

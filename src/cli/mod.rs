@@ -12,12 +12,11 @@ mod wheel;
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
-use std::sync::Arc;
 
 use anyhow::Context as _;
 use clap::{Parser, Subcommand};
 use gpu_pipeline::{ActivationSplit, Model, ModelOptions, WeightPacking};
-use token_stream::Tokenizer;
+use token_stream::{ChatTemplate, Tokenizer};
 
 /// Serve LLMs with almost nothing between the request and the matrix math.
 #[derive(Debug, Parser)]
@@ -132,28 +131,29 @@ fn model_options(threads: usize, no_pack: bool, split: Split) -> ModelOptions {
         .with_activation_split(split.into())
 }
 
-/// A GGUF model mapped with its tokenizer, for the in-process subcommands.
+/// A model mapped with its tokenizer and chat template, for the in-process subcommands.
 struct LoadedModel {
     model: Model,
     tokenizer: Tokenizer,
+    chat: Option<ChatTemplate>,
 }
 
-/// Maps the GGUF file at `path` and loads its model and tokenizer.
-fn load_gguf(
+/// Maps the model at `path` (a GGUF file or a Hugging Face model directory) with
+/// [`zerolayer::load_model`], the server's loader.
+fn load_model(
     path: &Path,
     threads: usize,
     no_pack: bool,
     split: Split,
 ) -> anyhow::Result<LoadedModel> {
-    // SAFETY: the model file is not modified while this process maps it.
-    let gguf = Arc::new(
-        unsafe { weight_cache::Gguf::open(path) }
-            .with_context(|| format!("opening {}", path.display()))?,
-    );
-    let tokenizer = Tokenizer::from_gguf(&gguf).context("loading the tokenizer")?;
-    let model = Model::load(gguf.clone(), model_options(threads, no_pack, split))?;
-    // Vocabulary and configuration are built: the header's pages (about 2 MB of a 49K-token
-    // vocabulary) need not stay resident. Best effort.
-    let _ = gguf.release_header();
-    Ok(LoadedModel { model, tokenizer })
+    // SAFETY: the model files are not modified while this process maps them.
+    let (model, tokenizer) =
+        unsafe { zerolayer::load_model(path, model_options(threads, no_pack, split)) }
+            .with_context(|| format!("loading {}", path.display()))?;
+    let chat = zerolayer::chat_template(&tokenizer, model.source().as_ref());
+    Ok(LoadedModel {
+        model,
+        tokenizer,
+        chat,
+    })
 }
