@@ -6,7 +6,8 @@
 //! - `run`: answers piped messages, `/reset` clears, and SIGINT during an answer stops that
 //!   answer while the program goes on to the next message;
 //! - `generate`, `tokenize`, `perplexity`, `bench`: their outputs parse and hold what they claim;
-//! - `pull`: finds the verified cached model, and a failing index is a clear error.
+//! - `pull`: finds the verified cached model, and a failing index is a clear error;
+//! - `sleep`: waits, then exits 0 (the Kubernetes preStop pause).
 //!
 //! Needs the default model (`zerolayer pull` or `scripts/fetch-model`).
 
@@ -74,6 +75,7 @@ fn help_lists_every_subcommand() {
         "perplexity",
         "pull",
         "bench",
+        "sleep",
     ] {
         assert!(
             out.contains(&format!("  {sub} ")),
@@ -81,6 +83,16 @@ fn help_lists_every_subcommand() {
         );
         ok(zerolayer(&[sub, "--help"]).output().unwrap());
     }
+}
+
+#[test]
+fn sleep_waits_the_seconds_then_exits_zero() {
+    let start = std::time::Instant::now();
+    let (out, err) = ok(zerolayer(&["sleep", "1"]).output().unwrap());
+    assert!(start.elapsed() >= Duration::from_secs(1));
+    assert_eq!((out.as_str(), err.as_str()), ("", ""));
+    let refused = zerolayer(&["sleep", "soon"]).output().unwrap();
+    assert!(!refused.status.success());
 }
 
 #[test]

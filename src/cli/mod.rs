@@ -47,6 +47,16 @@ enum Command {
     Pull(pull::Args),
     /// Prompt-processing and generation speed of a model (llama-bench's pp/tg tests).
     Bench(bench::Args),
+    /// Wait, then exit: the Kubernetes `preStop` pause in an image that has no `sleep` binary
+    /// (the lifecycle `sleep` action needs Kubernetes 1.30).
+    Sleep(SleepArgs),
+}
+
+/// `zerolayer sleep`.
+#[derive(Debug, clap::Args)]
+struct SleepArgs {
+    /// Seconds to wait.
+    seconds: u64,
 }
 
 /// Parses the command line, sets up logging and runs the subcommand.
@@ -66,6 +76,10 @@ pub(crate) fn main() -> ExitCode {
         Command::Perplexity(a) => generate::perplexity(a),
         Command::Pull(a) => pull::main(a),
         Command::Bench(a) => bench::main(a),
+        Command::Sleep(a) => {
+            std::thread::sleep(std::time::Duration::from_secs(a.seconds));
+            Ok(())
+        }
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
