@@ -2,7 +2,8 @@
 //! built executable, its stdout, stderr and exit status) on the default model.
 //!
 //! - `serve`: answers `GET /` with the chat page and `POST /v1/messages`, writes one access-log
-//!   line per request without the prompt, and stops cleanly on SIGTERM;
+//!   line per request without the prompt, and stops cleanly on SIGTERM; while it drains,
+//!   /metrics answers and /health says `draining`;
 //! - `run`: answers piped messages, `/reset` clears, and SIGINT during an answer stops that
 //!   answer while the program goes on to the next message;
 //! - `generate`, `tokenize`, `perplexity`, `bench`: their outputs parse and hold what they claim;
@@ -525,4 +526,69 @@ fn serve_answers_the_page_and_the_api_and_logs_each_request() {
     assert!(!log.contains(prompt), "the prompt leaked into the log");
     // JSON on a pipe: no ANSI escapes.
     assert!(!log.contains('\u{1b}'));
+}
+
+#[test]
+fn serve_answers_metrics_and_health_while_it_drains() {
+    let mut child = zerolayer(&[
+        "serve",
+        "--http-listen",
+        "127.0.0.1:0",
+        "--quic-listen",
+        "127.0.0.1:0",
+        "--warmup",
+        "none",
+        "--drain-secs",
+        "60",
+    ])
+    .stdout(Stdio::piped())
+    .stderr(Stdio::null())
+    .spawn()
+    .unwrap();
+    let mut stdout = BufReader::new(child.stdout.take().unwrap());
+    let addr = loop {
+        let mut line = String::new();
+        assert!(
+            stdout.read_line(&mut line).unwrap() > 0,
+            "the server exited"
+        );
+        if let Some(rest) = line.strip_prefix("listening http=") {
+            break rest.split_whitespace().next().unwrap().to_owned();
+        }
+    };
+    // A long stream keeps the drain going (greedy decoding writes well over a thousand tokens).
+    let body = r#"{"model":"Smollm2 135M 8k Lc100K Mix1 Ep2","max_tokens":4000,"stream":true,"temperature":0,"messages":[{"role":"user","content":"Write a long, detailed essay about the history of the Roman Empire."}]}"#;
+    let mut stream = TcpStream::connect(&addr).unwrap();
+    write!(
+        stream,
+        "POST /v1/messages HTTP/1.1\r\nHost: 127.0.0.1\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut first = [0u8; 512];
+    let n = stream.read(&mut first).unwrap();
+    assert!(first[..n].starts_with(b"HTTP/1.1 200"));
+
+    signal(&child, "-TERM");
+    std::thread::sleep(Duration::from_millis(300));
+    let get = |path: &str| {
+        http(
+            &addr,
+            &format!("GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"),
+        )
+    };
+    let (head, metrics) = get("/metrics");
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    assert!(
+        metrics.contains("zerolayer_generations_in_flight 1"),
+        "the drain is not waiting on the stream:\n{metrics}"
+    );
+    let (head, health) = get("/health");
+    assert!(head.starts_with("HTTP/1.1 503"), "{head}");
+    assert!(health.contains("draining"), "{health}");
+
+    // The client goes away: its stream ends, the drain with it, and the server exits cleanly.
+    drop(stream);
+    let status = child.wait().unwrap();
+    assert!(status.success(), "{status}");
 }

@@ -132,8 +132,9 @@ pub(crate) struct Args {
     /// belong to one tenant. See docs/SECURITY.md.
     #[arg(long)]
     shared_prefix_cache: bool,
-    /// Seconds to let running streams finish after SIGINT/SIGTERM; then the gateway's streams
-    /// end with an `overloaded_error` event.
+    /// Seconds to let running streams finish after SIGINT/SIGTERM (meanwhile the HTTP port
+    /// answers /health with 503 `draining`, /metrics as usual and new generations with 529);
+    /// then the gateway's streams end with an `overloaded_error` event.
     #[arg(long, default_value_t = 30)]
     drain_secs: u64,
     /// Key that `GET /metrics` requires (Bearer or x-api-key). Without it, /metrics is open.
@@ -365,12 +366,14 @@ async fn serve(args: Args) -> anyhow::Result<()> {
         "shutting down: draining streams"
     );
     drain.start_draining();
-    let _ = stop_tcp.send(());
     quic.start_draining();
     let deadline = Instant::now() + Duration::from_secs(args.drain_secs);
     while drain.in_flight() > 0 && Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+    // The TCP listener stays open through the drain: /health says `draining`, /metrics can be
+    // scraped, new generations get 529 and HTTP/1.1 connections close after each response.
+    let _ = stop_tcp.send(());
     if drain.in_flight() > 0 {
         // Streams still running at the deadline end with an error event, not a cut: the
         // gateway's with an `overloaded_error` event, claudelink's with ERROR `shutting_down`.

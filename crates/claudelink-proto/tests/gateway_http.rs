@@ -271,6 +271,29 @@ async fn health_follows_readiness_and_draining() {
 }
 
 #[tokio::test]
+async fn a_draining_gateway_answers_metrics_and_closes_http1_connections() {
+    let s = TestServer::start(GatewayConfig::default()).await;
+    s.post("/v1/messages", &[V1], &user("a b c")).await;
+    assert_eq!(s.get("/metrics", &[]).await.header("connection"), None);
+    s.gateway.start_draining();
+    // Scrapable through the drain (the server keeps its listener open until the drain ends).
+    let r = s.get("/metrics", &[]).await;
+    assert_eq!(r.status, 200);
+    assert!(
+        r.text()
+            .contains("zerolayer_generations_total{outcome=\"finished\"} 1"),
+        "{}",
+        r.text()
+    );
+    // Every HTTP/1.1 answer sends its keep-alive client elsewhere for the next request.
+    assert_eq!(r.header("connection"), Some("close"));
+    let r = s.get("/health", &[]).await;
+    assert_eq!((r.status, r.header("connection")), (503, Some("close")));
+    let r = s.post("/v1/messages", &[V1], &user("hi")).await;
+    assert_eq!((r.status, r.header("connection")), (529, Some("close")));
+}
+
+#[tokio::test]
 async fn metrics_exposition() {
     let s = TestServer::start(GatewayConfig::default()).await;
     let mut body = user("a b c");

@@ -216,7 +216,10 @@ impl Gateway {
     }
 
     /// Starts a graceful shutdown: `/health` answers 503, new generations get 529 with
-    /// `x-should-retry: true`, HTTP/3 connections get GOAWAY; running streams continue.
+    /// `x-should-retry: true`, HTTP/1.1 responses close their connection, HTTP/3 connections
+    /// get GOAWAY; running streams continue, and `/metrics` still answers. Keep the TCP listener
+    /// open (the `shutdown` future of [`Gateway::serve_tcp`] pending) until the drain ends, so
+    /// the drain itself can be scraped and probed.
     pub fn start_draining(&self) {
         self.inner.draining.store(true, Ordering::SeqCst);
         self.inner.drain_tx.send_replace(true);

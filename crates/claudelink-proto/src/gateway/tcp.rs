@@ -280,7 +280,7 @@ impl Gateway {
                         .get(CONTENT_LENGTH)
                         .is_some_and(|v| v.as_bytes() != b"0");
                 let mut resp = self.hyper_response(reply.status, reply.headers, reply.body);
-                if unread && protocol == Protocol::Http1 {
+                if (unread || self.is_draining()) && protocol == Protocol::Http1 {
                     resp.headers_mut()
                         .insert(CONNECTION, HeaderValue::from_static("close"));
                 }
@@ -311,7 +311,15 @@ impl Gateway {
             }
         };
         let reply = self.respond(admitted, body).await;
-        self.hyper_response(reply.status, reply.headers, reply.body)
+        let mut resp = self.hyper_response(reply.status, reply.headers, reply.body);
+        // A draining server keeps its listener for `/health` and `/metrics` (see
+        // `Gateway::start_draining`), but a keep-alive HTTP/1.1 client should reconnect, to
+        // another replica, for its next request (the early replies above do the same).
+        if protocol == Protocol::Http1 && self.is_draining() {
+            resp.headers_mut()
+                .insert(CONNECTION, HeaderValue::from_static("close"));
+        }
+        resp
     }
 
     fn hyper_response(
