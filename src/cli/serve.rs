@@ -329,6 +329,7 @@ async fn serve(args: Args) -> anyhow::Result<()> {
              localhost, an IP address or an --allow-host name)"
         );
     }
+    let shutdown = ShutdownSignal::install()?;
     // Machine-readable line for scripts (scripts/test-clients waits for /health instead).
     println!("listening http={http_addr} quic={quic_addr}");
 
@@ -360,7 +361,7 @@ async fn serve(args: Args) -> anyhow::Result<()> {
         }
     });
 
-    shutdown_signal().await;
+    shutdown.recv().await;
     tracing::info!(
         in_flight = drain.in_flight(),
         "shutting down: draining streams"
@@ -422,19 +423,41 @@ fn max_connections(wanted: usize, nofile: Option<u64>) -> usize {
     n
 }
 
-/// Resolves on SIGINT or SIGTERM.
-async fn shutdown_signal() {
+/// SIGINT and SIGTERM, caught from its creation on: made before the server announces its
+/// address, so a signal sent right after (a test, an orchestrator) starts the drain instead of
+/// killing the process with the default action.
+struct ShutdownSignal {
     #[cfg(unix)]
-    {
-        use tokio::signal::unix::{SignalKind, signal};
-        let mut term = signal(SignalKind::terminate()).expect("installing the SIGTERM handler");
-        tokio::select! {
-            _ = tokio::signal::ctrl_c() => {}
-            _ = term.recv() => {}
+    term: tokio::signal::unix::Signal,
+    #[cfg(unix)]
+    int: tokio::signal::unix::Signal,
+}
+
+impl ShutdownSignal {
+    /// Installs the handlers.
+    fn install() -> anyhow::Result<Self> {
+        #[cfg(unix)]
+        {
+            use tokio::signal::unix::{SignalKind, signal};
+            Ok(Self {
+                term: signal(SignalKind::terminate()).context("installing the SIGTERM handler")?,
+                int: signal(SignalKind::interrupt()).context("installing the SIGINT handler")?,
+            })
         }
+        #[cfg(not(unix))]
+        Ok(Self {})
     }
-    #[cfg(not(unix))]
-    let _ = tokio::signal::ctrl_c().await;
+
+    /// Resolves on SIGINT or SIGTERM.
+    async fn recv(mut self) {
+        #[cfg(unix)]
+        tokio::select! {
+            _ = self.int.recv() => {}
+            _ = self.term.recv() => {}
+        }
+        #[cfg(not(unix))]
+        let _ = tokio::signal::ctrl_c().await;
+    }
 }
 
 #[cfg(test)]
