@@ -280,6 +280,101 @@ fn perplexity_of_english_text_is_finite_and_plausible() {
     assert_ne!(off, all);
 }
 
+/// The sum of -log p over the second half of each window (as `perplexity` scores) and the count.
+fn windows_nll(model: &gpu_pipeline::Model, windows: &[Vec<u32>]) -> (f64, usize) {
+    use gpu_pipeline::{LogitsWanted, SeqStep};
+    let vocab = model.config().vocab_size;
+    let (mut nll, mut count, mut logits) = (0f64, 0usize, Vec::new());
+    for window in windows {
+        let shape = model.kv_shape(kv_ring::KvDtype::F32);
+        let pool = kv_ring::KvPool::new(shape, window.len() * shape.bytes_per_token()).unwrap();
+        let mut kv = pool.alloc(window.len(), kv_ring::RingMode::Strict).unwrap();
+        model
+            .forward(
+                &mut [SeqStep {
+                    tokens: window,
+                    kv: &mut kv,
+                    logits: LogitsWanted::All,
+                }],
+                &mut logits,
+            )
+            .unwrap();
+        for j in window.len() / 2..window.len() - 1 {
+            nll += gpu_pipeline::token_nll(&logits[j * vocab..(j + 1) * vocab], window[j + 1]);
+            count += 1;
+        }
+    }
+    (nll, count)
+}
+
+/// llama.cpp's perplexity tokenizes the text as a prompt (BOS first when the vocabulary adds
+/// one) and puts BOS in the first place of every window; on a vocabulary without BOS nothing
+/// changes. The default model does not add BOS, so the test flips its
+/// `tokenizer.ggml.add_bos_token` in a copy (BOS: `<|im_start|>`, id 1) and checks the printed
+/// perplexity against the model's own forward pass over those windows, and that it is not the
+/// perplexity of the plain chunks (what `perplexity` scored before it put BOS first).
+#[test]
+fn perplexity_starts_every_window_with_bos_when_the_vocabulary_adds_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut bytes = std::fs::read(weight_cache::locate_default_model().unwrap()).unwrap();
+    let key = b"tokenizer.ggml.add_bos_token";
+    let at = bytes.windows(key.len()).position(|w| w == key).unwrap() + key.len();
+    assert_eq!(bytes[at..at + 5], [7, 0, 0, 0, 0], "a bool entry, false");
+    bytes[at + 4] = 1;
+    let model_file = dir.path().join("smollm2-add-bos.gguf");
+    std::fs::write(&model_file, bytes).unwrap();
+    let text = "The sun rises in the east and sets in the west. Water boils at one hundred \
+        degrees Celsius at sea level. Most plants need light, water and air to grow. "
+        .repeat(6);
+    let text_file = dir.path().join("text.txt");
+    std::fs::write(&text_file, text.trim_end()).unwrap();
+    let (out, _) = ok(zerolayer(&[
+        "perplexity",
+        text_file.to_str().unwrap(),
+        "--model",
+        model_file.to_str().unwrap(),
+        "--ctx",
+        "64",
+        "--json",
+    ])
+    .output()
+    .unwrap());
+    let v: Value = serde_json::from_str(&out).unwrap();
+    let printed = v["perplexity"].as_f64().unwrap();
+
+    // SAFETY: the test's own file, not modified while mapped.
+    let gguf = std::sync::Arc::new(unsafe { weight_cache::Gguf::open(&model_file) }.unwrap());
+    let tok = token_stream::Tokenizer::from_gguf(&gguf).unwrap();
+    assert!(tok.add_bos());
+    let bos = tok.bos_id().unwrap();
+    let model = gpu_pipeline::Model::load(
+        gguf,
+        gpu_pipeline::ModelOptions::default()
+            .with_threads(2)
+            .with_activation_split(gpu_pipeline::ActivationSplit::FfnDown),
+    )
+    .unwrap();
+    let prompt = tok.encode_for_model(text.trim_end()).into_vec();
+    assert_eq!(prompt[0], bos);
+    assert_eq!(v["tokens"], prompt.len(), "{v}");
+    let with_bos: Vec<Vec<u32>> = prompt
+        .chunks_exact(64)
+        .map(|c| [&[bos], &c[1..]].concat())
+        .collect();
+    assert!(with_bos.len() >= 2, "{} tokens", prompt.len());
+    assert_eq!(v["windows"], with_bos.len(), "{v}");
+    let (nll, count) = windows_nll(&model, &with_bos);
+    assert_eq!(v["scored"], count, "{v}");
+    let want = (nll / count as f64).exp();
+    let plain = tok.encode(text.trim_end()).into_vec();
+    let plain: Vec<Vec<u32>> = plain.chunks_exact(64).map(<[u32]>::to_vec).collect();
+    let (nll, count) = windows_nll(&model, &plain);
+    let without = (nll / count as f64).exp();
+    eprintln!("perplexity printed {printed:.4}, with BOS {want:.4}, plain chunks {without:.4}");
+    assert!((printed / want - 1.0).abs() < 1e-4, "{printed} vs {want}");
+    assert!((without / want - 1.0).abs() > 0.01, "{without} vs {want}");
+}
+
 #[test]
 fn bench_reports_both_tests() {
     let (out, _) = ok(zerolayer(&[

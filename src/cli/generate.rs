@@ -121,7 +121,8 @@ pub(crate) struct PerplexityArgs {
     /// GGUF model file (default: the default model).
     #[arg(long)]
     model: Option<PathBuf>,
-    /// Window size: each window is scored on its second half, as llama.cpp's perplexity does.
+    /// Window size: as llama.cpp's perplexity does, each window starts with BOS when the
+    /// vocabulary adds one and is scored on its second half; the text must hold two windows.
     #[arg(long, default_value_t = 512)]
     ctx: usize,
     /// Print one JSON object.
@@ -147,7 +148,11 @@ pub(crate) fn new_ring(model: &Model, cap: usize, dtype: KvDtype) -> anyhow::Res
     Ok(pool.alloc(cap, RingMode::Strict)?)
 }
 
-/// Runs `zerolayer perplexity`.
+/// Runs `zerolayer perplexity`: llama.cpp's `perplexity()` (`tools/perplexity/perplexity.cpp`).
+/// The file's text, less one trailing newline (as llama.cpp's `-f` reads a prompt file), is
+/// tokenized as a prompt (BOS first when the vocabulary adds one), cut into windows by
+/// [`perplexity_windows`] (BOS in each window's first place), and each window is scored on its
+/// second half.
 pub(crate) fn perplexity(a: PerplexityArgs) -> anyhow::Result<()> {
     let LoadedModel {
         model, tokenizer, ..
@@ -157,29 +162,41 @@ pub(crate) fn perplexity(a: PerplexityArgs) -> anyhow::Result<()> {
         false,
         a.activation_split,
     )?;
-    let vocab = model.config().vocab_size;
-    let text = std::fs::read_to_string(&a.file)?;
-    let ids = tokenizer.encode(&text).into_vec();
-    let n_win = ids.len() / a.ctx.max(1);
-    if n_win == 0 || a.ctx < 4 {
-        bail!("{} tokens: fewer than one window of {}", ids.len(), a.ctx);
+    if tokenizer.add_eos() {
+        // llama.cpp's perplexity refuses these too (`GGML_ASSERT(!llama_vocab_get_add_eos)`):
+        // an end token after the text is not part of it.
+        bail!("this vocabulary ends every prompt with a token: perplexity is not defined for it");
     }
+    let vocab = model.config().vocab_size;
+    let mut text = std::fs::read_to_string(&a.file)?;
+    if text.ends_with('\n') {
+        text.pop();
+    }
+    let ids = tokenizer.encode_for_model(&text).into_vec();
+    if a.ctx < 4 || ids.len() < 2 * a.ctx {
+        bail!(
+            "{} tokens: perplexity needs at least twice the window ({}), as llama.cpp's does",
+            ids.len(),
+            a.ctx
+        );
+    }
+    let bos = tokenizer.add_bos().then(|| tokenizer.bos_id()).flatten();
+    let n_win = ids.len() / a.ctx;
     let mut logits = Vec::new();
     let (mut nll, mut count) = (0f64, 0usize);
     let t0 = Instant::now();
-    for w in 0..n_win {
-        let chunk = &ids[w * a.ctx..(w + 1) * a.ctx];
+    for (w, window) in perplexity_windows(&ids, a.ctx, bos).enumerate() {
         let mut kv = new_ring(&model, a.ctx, KvDtype::F32)?;
         model.forward(
             &mut [SeqStep {
-                tokens: chunk,
+                tokens: &window,
                 kv: &mut kv,
                 logits: LogitsWanted::All,
             }],
             &mut logits,
         )?;
         for j in a.ctx / 2..a.ctx - 1 {
-            nll += gpu_pipeline::token_nll(&logits[j * vocab..(j + 1) * vocab], chunk[j + 1]);
+            nll += gpu_pipeline::token_nll(&logits[j * vocab..(j + 1) * vocab], window[j + 1]);
             count += 1;
         }
         eprintln!(
@@ -192,7 +209,7 @@ pub(crate) fn perplexity(a: PerplexityArgs) -> anyhow::Result<()> {
     if a.json {
         println!(
             "{}",
-            json!({"perplexity": ppl, "tokens": ids.len(), "windows": n_win, "ctx": a.ctx, "scored": count})
+            json!({"perplexity": ppl, "tokens": ids.len(), "windows": n_win, "ctx": a.ctx, "scored": count, "bos": bos})
         );
     } else {
         println!(
@@ -203,6 +220,25 @@ pub(crate) fn perplexity(a: PerplexityArgs) -> anyhow::Result<()> {
         );
     }
     Ok(())
+}
+
+/// The windows llama.cpp's perplexity evaluates: `ids` (the whole text as one prompt) cut into
+/// `ids.len() / ctx` consecutive windows of `ctx` tokens, the rest dropped, each window's first
+/// token replaced by `bos` when the vocabulary adds one (`Some`), so every window starts as a
+/// prompt does. Each window is scored on its second half (`window[j + 1]` after position `j`, for
+/// `j` in `ctx / 2..ctx - 1`), never on the replaced token.
+fn perplexity_windows(
+    ids: &[u32],
+    ctx: usize,
+    bos: Option<u32>,
+) -> impl Iterator<Item = Vec<u32>> + '_ {
+    ids.chunks_exact(ctx.max(1)).map(move |chunk| {
+        let mut window = chunk.to_vec();
+        if let (Some(bos), Some(first)) = (bos, window.first_mut()) {
+            *first = bos;
+        }
+        window
+    })
 }
 
 /// Runs `zerolayer generate`.
@@ -457,4 +493,35 @@ fn generate(a: &Args, loaded: LoadedModel, prompt: &[u32]) -> anyhow::Result<()>
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::perplexity_windows;
+
+    #[test]
+    fn perplexity_windows_start_with_bos_when_the_vocabulary_adds_it_and_drop_the_rest() {
+        // The text as llama.cpp tokenizes it: BOS (1) first, then 10 tokens.
+        let ids = [1, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19];
+        let windows: Vec<_> = perplexity_windows(&ids, 4, Some(1)).collect();
+        assert_eq!(
+            windows,
+            [vec![1, 10, 11, 12], vec![1, 14, 15, 16]],
+            "the second window's first token (13) is replaced; 17..19 make no whole window"
+        );
+    }
+
+    #[test]
+    fn perplexity_windows_are_the_plain_chunks_without_bos() {
+        let ids: Vec<u32> = (100..109).collect();
+        let windows: Vec<_> = perplexity_windows(&ids, 3, None).collect();
+        assert_eq!(
+            windows,
+            [
+                vec![100, 101, 102],
+                vec![103, 104, 105],
+                vec![106, 107, 108]
+            ]
+        );
+    }
 }

@@ -155,7 +155,8 @@ pub struct GgufVocab<'a> {
     pub scores: Vec<f32>,
     /// `tokenizer.ggml.add_space_prefix` (`None`: the model's default, true for SPM).
     pub add_space_prefix: Option<bool>,
-    /// `tokenizer.ggml.add_bos_token` (`None`: the model's default, true for SPM).
+    /// `tokenizer.ggml.add_bos_token` (`None`: the model's default, true for SPM and for the
+    /// BPE pre-tokenizers llama.cpp gives BOS, such as Llama 3's).
     pub add_bos: Option<bool>,
     /// `tokenizer.ggml.add_eos_token` (`None`: false).
     pub add_eos: Option<bool>,
@@ -345,6 +346,9 @@ impl Tokenizer {
             unreachable,
         });
         tok.set_pretokenizer_fallback(fallback);
+        // llama.cpp: the pre-tokenizer's default, then the file's key, then Gemma 4's override.
+        let add_bos = entry.always_bos || v.add_bos.unwrap_or(entry.add_bos);
+        tok.set_added_tokens(add_bos, v.add_eos.unwrap_or(false));
         Ok(tok)
     }
 

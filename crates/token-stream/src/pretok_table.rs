@@ -59,6 +59,12 @@ pub struct LlamaPreEntry {
     /// A piece made only of `\n` that is a token is emitted as that token (llama.cpp's Gemma 4
     /// fix, llama.cpp PR 21343).
     pub(crate) newline_pieces_whole: bool,
+    /// llama.cpp's `add_bos` for this pre-tokenizer when the file has no
+    /// `tokenizer.ggml.add_bos_token` (the Llama 3 family, Tekken, Chameleon).
+    pub(crate) add_bos: bool,
+    /// BOS is added whatever `tokenizer.ggml.add_bos_token` says (llama.cpp's Gemma 4
+    /// workaround, llama.cpp PR 21500).
+    pub(crate) always_bos: bool,
     pub(crate) fast: Option<Scan>,
     pub(crate) compiled: OnceLock<Vec<CompiledStage>>,
 }
@@ -73,6 +79,8 @@ impl LlamaPreEntry {
             byte_encode: true,
             escape_whitespace: false,
             newline_pieces_whole: false,
+            add_bos: false,
+            always_bos: false,
             fast: None,
             compiled: OnceLock::new(),
         }
@@ -83,6 +91,10 @@ impl LlamaPreEntry {
     }
     const fn ignore_merges(mut self) -> Self {
         self.ignore_merges = true;
+        self
+    }
+    const fn add_bos(mut self) -> Self {
+        self.add_bos = true;
         self
     }
     const fn keep_spaces(mut self) -> Self {
@@ -151,6 +163,7 @@ pub static LLAMA_PRES: [LlamaPreEntry; N_LLAMA_PRES] = [
         &[LLAMA3],
     )
     .ignore_merges()
+    .add_bos()
     .fast(Scan::Llama3),
     LlamaPreEntry::new(
         &["deepseek-llm"],
@@ -236,6 +249,7 @@ pub static LLAMA_PRES: [LlamaPreEntry; N_LLAMA_PRES] = [
             .spm_style()
             .fast(Scan::Newlines);
         e.newline_pieces_whole = true;
+        e.always_bos = true;
         e
     },
     LlamaPreEntry::new(&["sarvam-moe"], &[NEWLINES])
@@ -283,7 +297,8 @@ pub static LLAMA_PRES: [LlamaPreEntry; N_LLAMA_PRES] = [
         &[r"[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))*((?=[\p{L}])([^A-Z]))+|[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))+((?=[\p{L}])([^A-Z]))*|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"],
     )
     .keep_spaces()
-    .ignore_merges(),
+    .ignore_merges()
+    .add_bos(),
     LlamaPreEntry::new(
         &["codeshell", "exaone", "minerva-7b", "mellum2"],
         STARCODER,
@@ -304,7 +319,8 @@ pub static LLAMA_PRES: [LlamaPreEntry; N_LLAMA_PRES] = [
             GPT2,
         ],
     )
-    .keep_spaces(),
+    .keep_spaces()
+    .add_bos(),
     LlamaPreEntry::new(&["gpt-4o", "llama4", "kanana2", "talkie", "minimax-m2"], &[GPT4O])
         .keep_spaces(),
     LlamaPreEntry::new(

@@ -583,6 +583,13 @@ impl Tokenizer {
         self.chat_template = chat_template;
     }
 
+    /// Sets what [`Tokenizer::encode_for_model`] adds (the BPE loaders; the others pass it in
+    /// [`ModelParts`]).
+    pub(crate) fn set_added_tokens(&mut self, add_bos: bool, add_eos: bool) {
+        self.add_bos = add_bos;
+        self.add_eos = add_eos;
+    }
+
     pub(crate) fn set_pretokenizer_fallback(&mut self, note: Option<&'static str>) {
         self.pretok_fallback = note;
     }
@@ -633,7 +640,9 @@ impl Tokenizer {
 
     /// Whether the model expects BOS before a prompt (`tokenizer.ggml.add_bos_token`; for
     /// GGUF vocabularies without the key, llama.cpp's default for the model: true for SPM and
-    /// WordPiece, false for BPE). Used by [`Tokenizer::encode_for_model`].
+    /// WordPiece, false for BPE except the Llama 3 family's, Tekken's and Chameleon's
+    /// pre-tokenizers; always true for Gemma 4, as llama.cpp forces it). Used by
+    /// [`Tokenizer::encode_for_model`].
     pub fn add_bos(&self) -> bool {
         self.add_bos && self.bos.is_some()
     }

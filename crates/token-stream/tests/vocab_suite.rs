@@ -166,3 +166,38 @@ vocab_tests! {
     refact => "refact",
     starcoder => "starcoder",
 }
+
+fn load_suite_vocab(name: &str) -> Tokenizer {
+    let path = suite_dir().join(format!("ggml-vocab-{name}.gguf"));
+    // SAFETY: test process; nothing modifies the suite's files while they are mapped.
+    let gguf = unsafe { Gguf::open(&path) }.unwrap_or_else(|e| panic!("{name}: {e}"));
+    Tokenizer::from_gguf(&gguf).unwrap_or_else(|e| panic!("{name}: {e}"))
+}
+
+/// Which vocabularies put BOS before a prompt, as llama.cpp decides (`llama_vocab::load`): the
+/// file's `tokenizer.ggml.add_bos_token` when it has one (deepseek-llm, command-r: true), else
+/// the model's default, which for BPE is false except for the Llama 3 family's pre-tokenizer
+/// (llama-bpe has no key and adds BOS); Gemma 4 always adds it.
+#[test]
+fn bpe_vocabularies_add_bos_where_llama_cpp_does() {
+    for (name, add_bos) in [
+        ("llama-bpe", true),
+        ("deepseek-llm", true),
+        ("command-r", true),
+        ("gemma-4", true),
+        ("llama-spm", true),
+        ("qwen2", false),
+        ("gpt-2", false),
+        ("starcoder", false),
+    ] {
+        let tok = load_suite_vocab(name);
+        assert_eq!(tok.add_bos(), add_bos, "{name}");
+        let ids = tok.encode_for_model("Hello world");
+        assert_eq!(
+            ids.as_slice().first() == tok.bos_id().as_ref(),
+            add_bos,
+            "{name}: {:?}",
+            ids.as_slice()
+        );
+    }
+}
