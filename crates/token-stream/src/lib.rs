@@ -57,6 +57,7 @@ mod spm;
 mod stream;
 mod tokenizer;
 mod tokens;
+mod type_overrides;
 mod ugm;
 mod unicode;
 mod vocab;

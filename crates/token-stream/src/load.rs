@@ -9,6 +9,7 @@ use crate::error::LoadError;
 use crate::pretok::{LlamaPre, Pretokenizer};
 use crate::pretok_table::UNIMPLEMENTED_LLAMA_PRES;
 use crate::tokenizer::{MergeSpec, Spec, Tokenizer};
+use crate::type_overrides::LlamaCppFixes;
 
 /// Largest id accepted from a file (bounds every allocation by the real vocabulary size).
 pub(crate) const MAX_ID: u64 = 1 << 24;
@@ -168,6 +169,20 @@ pub struct GgufVocab<'a> {
     pub eom: Option<u32>,
     /// `tokenizer.ggml.padding_token_id`.
     pub padding: Option<u32>,
+    /// `tokenizer.ggml.fim_pre_token_id` (or the older `prefix_token_id`): fill-in-the-middle
+    /// prefix. With the other FIM ids, EOT and EOM: when absent, llama.cpp finds the token by
+    /// name and makes it a control token (see `Tokenizer::from_gguf_vocab`).
+    pub fim_pre: Option<u32>,
+    /// `tokenizer.ggml.fim_suf_token_id` (or the older `suffix_token_id`).
+    pub fim_suf: Option<u32>,
+    /// `tokenizer.ggml.fim_mid_token_id` (or the older `middle_token_id`).
+    pub fim_mid: Option<u32>,
+    /// `tokenizer.ggml.fim_pad_token_id` (ends generation).
+    pub fim_pad: Option<u32>,
+    /// `tokenizer.ggml.fim_rep_token_id` (repository name; ends generation).
+    pub fim_rep: Option<u32>,
+    /// `tokenizer.ggml.fim_sep_token_id` (file separator; ends generation).
+    pub fim_sep: Option<u32>,
     /// `tokenizer.ggml.seperator_token_id` (llama.cpp's spelling; WordPiece's `[SEP]`).
     pub separator: Option<u32>,
     /// `tokenizer.ggml.remove_extra_whitespaces` (Unigram; `None`: false).
@@ -244,7 +259,28 @@ impl Tokenizer {
     /// as llama.cpp and HF `tokenizers` (for a BPE model without `unk_token`) do. Vocabularies of
     /// raw UTF-8 tokens (Gemma 4) merge whole characters and spell a character without a token
     /// with its bytes' `<0xXX>` tokens (type 6).
+    ///
+    /// Token types are first corrected as llama.cpp corrects them at load, each change logged
+    /// with `tracing::warn!`: a token named like an end-of-turn, end-of-message or
+    /// fill-in-the-middle token becomes a control token when the file gives no such id, and so
+    /// does every token named like an end-of-generation token (Qwen2's `</s>`), with llama.cpp's
+    /// exceptions for gpt-oss, o200k-harmony, Gemma 4 and PLaMo. End-of-generation ids follow
+    /// llama.cpp's too: EOS, EOT, EOM, the FIM pad / repo / file-separator ids and the tokens
+    /// named like end-of-generation tokens ([`Tokenizer::eog_ids`]).
     pub fn from_gguf_vocab(v: &GgufVocab<'_>) -> Result<Self, LoadError> {
+        let fixes = LlamaCppFixes::of(v);
+        let mut tok = match fixes.apply(v) {
+            Some(fixed) => Self::from_gguf_vocab_types_as_given(&fixed)?,
+            None => Self::from_gguf_vocab_types_as_given(v)?,
+        };
+        tok.extend_eog([v.eot, v.eom]);
+        tok.extend_eog(fixes.eog_extra.iter().map(|&id| Some(id)));
+        tok.remove_eog(&fixes.eog_removed);
+        Ok(tok)
+    }
+
+    /// [`Tokenizer::from_gguf_vocab`] without llama.cpp's corrections.
+    fn from_gguf_vocab_types_as_given(v: &GgufVocab<'_>) -> Result<Self, LoadError> {
         let pre_name = match v.model {
             "llama" => return crate::spm::from_gguf_vocab(v),
             "bert" => return crate::wpm::from_gguf_vocab(v),
@@ -379,6 +415,7 @@ impl Tokenizer {
             None => Ok(None),
             Some(_) => gguf.get_u32(key).map(Some).ok_or_else(|| field(key)),
         };
+        let lenient_id = |keys: &[&str]| keys.iter().rev().find_map(|k| gguf.get_u32(k));
         let token_types = match gguf.metadata("tokenizer.ggml.token_type") {
             None => Vec::new(),
             Some(_) => gguf
@@ -414,13 +451,27 @@ impl Tokenizer {
             eot: optional_id("tokenizer.ggml.eot_token_id")?,
             eom: optional_id("tokenizer.ggml.eom_token_id")?,
             padding: optional_id("tokenizer.ggml.padding_token_id")?,
+            // Read leniently, as llama.cpp does (a wrong type is no id); the older names win.
+            fim_pre: lenient_id(&[
+                "tokenizer.ggml.fim_pre_token_id",
+                "tokenizer.ggml.prefix_token_id",
+            ]),
+            fim_suf: lenient_id(&[
+                "tokenizer.ggml.fim_suf_token_id",
+                "tokenizer.ggml.suffix_token_id",
+            ]),
+            fim_mid: lenient_id(&[
+                "tokenizer.ggml.fim_mid_token_id",
+                "tokenizer.ggml.middle_token_id",
+            ]),
+            fim_pad: lenient_id(&["tokenizer.ggml.fim_pad_token_id"]),
+            fim_rep: lenient_id(&["tokenizer.ggml.fim_rep_token_id"]),
+            fim_sep: lenient_id(&["tokenizer.ggml.fim_sep_token_id"]),
             separator: optional_id("tokenizer.ggml.seperator_token_id")?,
             remove_extra_whitespaces: optional_bool("tokenizer.ggml.remove_extra_whitespaces")?,
             precompiled_charsmap: charsmap.as_deref(),
         };
-        let mut tok = Self::from_gguf_vocab(&v)?;
-        tok.extend_eog([v.eot, v.eom]);
-        Ok(tok)
+        Self::from_gguf_vocab(&v)
     }
 
     /// Parses a tiktoken rank file (`<base64 token> <rank>` per line) with the given split

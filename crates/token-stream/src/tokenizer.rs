@@ -30,7 +30,7 @@ pub(crate) enum Algo {
 
 /// llama.cpp's end-of-generation token names (`llama_vocab::impl::load`): a token with one of
 /// these texts ends generation, besides EOS, EOT and EOM.
-const EOG_NAMES: &[&str] = &[
+pub(crate) const EOG_NAMES: &[&str] = &[
     "<|eot_id|>",
     "<|im_end|>",
     "<|end|>",
@@ -327,6 +327,11 @@ impl Tokenizer {
             }
         }
         self.eog.sort_unstable();
+    }
+
+    /// Removes ids from the end-of-generation set.
+    pub(crate) fn remove_eog(&mut self, ids: &[u32]) {
+        self.eog.retain(|id| !ids.contains(id));
     }
 
     pub(crate) fn from_spec(spec: Spec) -> Self {
@@ -626,9 +631,10 @@ impl Tokenizer {
         self.eos
     }
 
-    /// End-of-generation ids, sorted: EOS, EOT, EOM and the tokens llama.cpp treats as ending
-    /// generation by name (`<|eot_id|>`, `<|im_end|>`, `<end_of_turn>`, `<|endoftext|>`,
-    /// `</s>`, ...).
+    /// End-of-generation ids, sorted: EOS, EOT, EOM, for GGUF vocabularies the FIM pad, repo
+    /// and file-separator tokens, and the tokens llama.cpp treats as ending generation by name
+    /// (`<|eot_id|>`, `<|im_end|>`, `<end_of_turn>`, `<|endoftext|>`, `</s>`, ...; not Gemma
+    /// 4's `</s>` nor o200k-harmony's `<|end|>`, as in llama.cpp).
     pub fn eog_ids(&self) -> &[u32] {
         &self.eog
     }

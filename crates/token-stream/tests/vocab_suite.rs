@@ -201,3 +201,68 @@ fn bpe_vocabularies_add_bos_where_llama_cpp_does() {
         );
     }
 }
+
+/// llama.cpp makes every token named like an end-of-generation token a control token at load
+/// (and warns). Qwen2's `</s>` (id 128247) is a normal BPE token in the file: with special
+/// parsing, `</s>` in text is that one token, as in llama.cpp, where it was `</`, `s`, `>`;
+/// plain text is unchanged, and it ends generation. DeepSeek-Coder's FIM tokens are
+/// user-defined in the file and become control tokens too (the file gives no FIM ids):
+/// plain text no longer cuts them out, as llama.cpp's tokenizer does not. Gemma 4's `</s>`
+/// stays a normal token.
+#[test]
+fn tokens_named_like_llama_cpp_control_tokens_are_control_tokens() {
+    for name in ["qwen2", "qwen35"] {
+        let tok = load_suite_vocab(name);
+        let end = tok.special_id("</s>").expect("</s> is a special token");
+        assert_eq!(end, 128247, "{name}");
+        let (a, b) = (tok.encode("a")[0], tok.encode("b")[0]);
+        assert_eq!(
+            tok.encode_with_specials("a</s>b").as_slice(),
+            [a, end, b],
+            "{name}"
+        );
+        assert_eq!(
+            tok.encode("</s>").len(),
+            3,
+            "{name}: plain text keeps three tokens"
+        );
+        assert!(tok.is_eog(end), "{name}");
+    }
+    // Gemma 4 (it has `<|tool_response>`): llama.cpp makes `</s>` a normal token that ends
+    // nothing.
+    let gemma = load_suite_vocab("gemma-4");
+    assert_eq!(gemma.special_id("</s>"), None);
+    let ids = gemma.encode_with_specials("</s>");
+    assert!(
+        ids.iter().all(|&id| !gemma.is_eog(id)),
+        "{:?}",
+        ids.as_slice()
+    );
+    let coder = load_suite_vocab("deepseek-coder");
+    let begin = coder
+        .special_id("<\u{ff5c}fim\u{2581}begin\u{ff5c}>")
+        .unwrap();
+    let text = "x<\u{ff5c}fim\u{2581}begin\u{ff5c}>y";
+    assert!(coder.encode_with_specials(text).contains(&begin));
+    assert!(!coder.encode(text).contains(&begin));
+}
+
+/// With special parsing on, llama.cpp's expectations (`.out`, made without it) still hold
+/// for every case of the suite that holds no special-token text: the overrides change
+/// nothing else.
+#[test]
+fn special_parsing_changes_no_case_without_special_text() {
+    let manifest = manifest();
+    for (name, entry) in manifest["vocabs"].as_object().unwrap() {
+        let tok = load_suite_vocab(name);
+        let suite = suite_dir();
+        let inp = std::fs::read_to_string(suite.join(entry["cases"].as_str().unwrap())).unwrap();
+        for case in read_cases(&inp) {
+            assert_eq!(
+                tok.encode_with_specials(case).as_slice(),
+                tok.encode(case).as_slice(),
+                "{name}: {case:?}"
+            );
+        }
+    }
+}
