@@ -443,8 +443,15 @@ fn forced_call<'a>(
     syntax: ToolSyntax,
     tools: impl Iterator<Item = &'a ToolDefinition>,
 ) -> OutputFormat {
-    let forced: Vec<(&str, &serde_json::Value)> =
-        tools.map(|t| (t.name.as_str(), &t.parameters)).collect();
+    // Integers held to 64 bits, as in a JSON Schema output format.
+    let bounded: Vec<(&str, serde_json::Value)> = tools
+        .map(|t| {
+            let mut parameters = t.parameters.clone();
+            gpu_pipeline::bound_json_integers(&mut parameters);
+            (t.name.as_str(), parameters)
+        })
+        .collect();
+    let forced: Vec<(&str, &serde_json::Value)> = bounded.iter().map(|(n, p)| (*n, p)).collect();
     OutputFormat::Lark(token_stream::forced_call_grammar(syntax, &forced))
 }
 

@@ -95,11 +95,13 @@ impl Grammars {
         })
     }
 
-    /// A constraint to JSON that validates against `schema`.
+    /// A constraint to JSON that validates against `schema`, its integers without bounds
+    /// held to 64 bits ([`bound_json_integers`]).
     pub fn json_schema(
         &self,
-        schema: serde_json::Value,
+        mut schema: serde_json::Value,
     ) -> Result<Arc<dyn ConstraintFactory>, GrammarError> {
+        bound_json_integers(&mut schema);
         self.compile(TopLevelGrammar::from_json_schema(schema))
     }
 
@@ -142,6 +144,64 @@ impl Grammars {
             factory: self.factory.clone(),
             grammar,
         }))
+    }
+}
+
+/// The lowest lower bound llguidance 1.9.1 takes for an integer: it reads bounds as `f64`
+/// and negates the lower one as an `i64` when it builds its regular expression, so `i64::MIN`
+/// and every bound that rounds to it (`-i64::MAX` does) overflow, a panic it reports as an
+/// invalid schema. This is the closest `f64` above: `i64::MIN + 1024`.
+const I64_LOWEST_BOUND: i64 = i64::MIN + 1024;
+
+/// Gives every integer schema in `schema` that lacks a bound 64-bit bounds: `maximum`
+/// `i64::MAX` and `minimum` [`i64::MIN + 1024`](I64_LOWEST_BOUND) (the lowest llguidance
+/// takes), so that a generated integer is one every JSON parser reads into 64 bits, and a model
+/// cannot write digits until its token limit (an unbounded `"population"` ran to its 200-token
+/// limit in digits on the default model). Bounds already given are kept, as are integers
+/// constrained by `enum` or `const`. An integer schema is one whose `type` is `"integer"` or a
+/// list with `"integer"` and without `"number"`.
+///
+/// ```
+/// let mut schema = serde_json::json!({"type": "object", "properties": {"n": {"type": "integer"}}});
+/// gpu_pipeline::bound_json_integers(&mut schema);
+/// assert_eq!(schema["properties"]["n"]["maximum"], i64::MAX);
+/// ```
+pub fn bound_json_integers(schema: &mut serde_json::Value) {
+    use serde_json::{Value, json};
+    match schema {
+        Value::Object(node) => {
+            let is_integer = match node.get("type") {
+                Some(Value::String(t)) => t == "integer",
+                Some(Value::Array(ts)) => {
+                    ts.iter().any(|t| t == "integer") && !ts.iter().any(|t| t == "number")
+                }
+                _ => false,
+            };
+            if is_integer && !node.contains_key("enum") && !node.contains_key("const") {
+                if !node.contains_key("maximum") && !node.contains_key("exclusiveMaximum") {
+                    node.insert("maximum".into(), json!(i64::MAX));
+                }
+                if !node.contains_key("minimum") && !node.contains_key("exclusiveMinimum") {
+                    node.insert("minimum".into(), json!(I64_LOWEST_BOUND));
+                }
+            }
+            for (key, value) in node.iter_mut() {
+                match key.as_str() {
+                    // Data, not schemas.
+                    "const" | "enum" | "default" | "examples" => {}
+                    // Maps of schemas, whose keys are names (a property may be named `enum`).
+                    "properties" | "patternProperties" | "$defs" | "definitions"
+                    | "dependentSchemas" => {
+                        if let Value::Object(map) = value {
+                            map.values_mut().for_each(bound_json_integers);
+                        }
+                    }
+                    _ => bound_json_integers(value),
+                }
+            }
+        }
+        Value::Array(items) => items.iter_mut().for_each(bound_json_integers),
+        _ => {}
     }
 }
 

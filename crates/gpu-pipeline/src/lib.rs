@@ -20,7 +20,7 @@ pub use engine::{
     Engine, EngineConfig, EngineEvent, GenerationRequest, RequestHandle, SubmitError,
 };
 pub use generate::{GenerateError, GenerateOptions, Generation, generate_with};
-pub use grammar::{GrammarError, Grammars};
+pub use grammar::{GrammarError, Grammars, bound_json_integers};
 pub use model::attention::attend_rows;
 pub use model::hf;
 pub use model::{

@@ -197,3 +197,69 @@ proptest! {
         }
     }
 }
+
+/// Whether the constraint of `factory` lets the default model write `text` token by token and
+/// then end (EOS allowed).
+fn accepts(factory: &std::sync::Arc<dyn gpu_pipeline::ConstraintFactory>, text: &str) -> bool {
+    let (tok, _, eos) = grammars();
+    let mut c = factory.start();
+    let mut mask = TokenMask::forbid_all(tok.vocab_size());
+    for t in tok.encode(text).iter().copied() {
+        c.fill_mask(&mut mask).expect("mask");
+        if !mask.is_allowed(t) {
+            return false;
+        }
+        c.commit(t).expect("an allowed token is accepted");
+    }
+    c.fill_mask(&mut mask).expect("mask");
+    mask.is_allowed(*eos)
+}
+
+/// An integer without bounds in a JSON Schema is held to 64 bits: `i64::MAX` and
+/// `i64::MIN + 1024` pass, one more digit does not (on the default model an unbounded
+/// `"population"` ran to its 200-token limit in digits); explicit bounds are the schema's own.
+/// The 1024 lowest `i64`s are out: llguidance cannot take a lower bound that rounds to
+/// `i64::MIN` as an `f64` (see `bound_json_integers`).
+#[test]
+fn unbounded_integers_are_held_to_64_bits_and_explicit_bounds_kept() {
+    let (_, grammars, _) = grammars();
+    let schema = serde_json::json!({
+        "x-guidance": {"whitespace_flexible": false},
+        "type": "object",
+        "properties": {"population": {"type": "integer"}},
+        "required": ["population"],
+        "additionalProperties": false,
+    });
+    let g = grammars.json_schema(schema).expect("compiles");
+    let doc = |n: &str| format!("{{\"population\":{n}}}");
+    for n in [
+        "0",
+        "-1",
+        "1234567890",
+        &i64::MAX.to_string(),
+        &(i64::MIN + 1024).to_string(),
+    ] {
+        assert!(accepts(&g, &doc(n)), "{n} refused");
+    }
+    for n in [
+        "9223372036854775808",
+        "-9223372036854775809",
+        &i64::MIN.to_string(),
+        "12345678901234567890",
+        "-12345678901234567890",
+        "123456789012345678901234",
+    ] {
+        assert!(!accepts(&g, &doc(n)), "{n} accepted");
+    }
+    // One bound given: the other is 64-bit; both given: the schema's.
+    let g = grammars
+        .json_schema(serde_json::json!({"type": "integer", "minimum": 5}))
+        .unwrap();
+    assert!(accepts(&g, &i64::MAX.to_string()));
+    assert!(!accepts(&g, "4"));
+    assert!(!accepts(&g, "99999999999999999999"));
+    let wide = serde_json::json!({"type": "integer", "minimum": -1e30, "maximum": 1e30});
+    let mut bounded = wide.clone();
+    gpu_pipeline::bound_json_integers(&mut bounded);
+    assert_eq!(bounded, wide, "explicit bounds unchanged");
+}
