@@ -508,6 +508,23 @@ fn ctrl_c_stops_the_answer_not_the_program() {
     );
 }
 
+/// The HTTP address a `zerolayer serve` child prints on its `listening` line (its stdout,
+/// piped, is read up to there), and that stdout: keep it open while the server runs (a closed
+/// pipe would fail the server's next print).
+fn listening_addr(child: &mut Child) -> (String, BufReader<ChildStdout>) {
+    let mut stdout = BufReader::new(child.stdout.take().unwrap());
+    loop {
+        let mut line = String::new();
+        assert!(
+            stdout.read_line(&mut line).unwrap() > 0,
+            "the server exited"
+        );
+        if let Some(rest) = line.strip_prefix("listening http=") {
+            return (rest.split_whitespace().next().unwrap().to_owned(), stdout);
+        }
+    }
+}
+
 /// One HTTP/1.1 request; returns (status line + headers, body).
 fn http(addr: &str, request: &str) -> (String, String) {
     let mut s = TcpStream::connect(addr).unwrap();
@@ -537,17 +554,7 @@ fn serve_answers_the_page_and_the_api_and_logs_each_request() {
     .stderr(Stdio::piped())
     .spawn()
     .unwrap();
-    let mut stdout = BufReader::new(child.stdout.take().unwrap());
-    let addr = loop {
-        let mut line = String::new();
-        assert!(
-            stdout.read_line(&mut line).unwrap() > 0,
-            "the server exited"
-        );
-        if let Some(rest) = line.strip_prefix("listening http=") {
-            break rest.split_whitespace().next().unwrap().to_owned();
-        }
-    };
+    let (addr, _stdout) = listening_addr(&mut child);
     let (head, page) = http(
         &addr,
         "GET / HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n",
@@ -640,17 +647,7 @@ fn serve_answers_metrics_and_health_while_it_drains() {
     .stderr(Stdio::null())
     .spawn()
     .unwrap();
-    let mut stdout = BufReader::new(child.stdout.take().unwrap());
-    let addr = loop {
-        let mut line = String::new();
-        assert!(
-            stdout.read_line(&mut line).unwrap() > 0,
-            "the server exited"
-        );
-        if let Some(rest) = line.strip_prefix("listening http=") {
-            break rest.split_whitespace().next().unwrap().to_owned();
-        }
-    };
+    let (addr, _stdout) = listening_addr(&mut child);
     // A long stream keeps the drain going (greedy decoding writes well over a thousand tokens).
     let body = r#"{"model":"Smollm2 135M 8k Lc100K Mix1 Ep2","max_tokens":4000,"stream":true,"temperature":0,"messages":[{"role":"user","content":"Write a long, detailed essay about the history of the Roman Empire."}]}"#;
     let mut stream = TcpStream::connect(&addr).unwrap();

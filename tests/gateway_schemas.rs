@@ -7,8 +7,7 @@
 
 mod common;
 
-use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpStream};
+use std::net::SocketAddr;
 use std::sync::OnceLock;
 
 use serde_json::{Value, json};
@@ -28,21 +27,7 @@ fn server() -> SocketAddr {
 
 /// POSTs `body` as JSON; returns the status and the JSON body.
 fn post(path: &str, body: &Value) -> (u16, Value) {
-    let body = body.to_string();
-    let mut s = TcpStream::connect(server()).unwrap();
-    write!(
-        s,
-        "POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\
-         content-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
-        body.len()
-    )
-    .unwrap();
-    let mut resp = String::new();
-    s.read_to_string(&mut resp).unwrap();
-    let (head, body) = resp.split_once("\r\n\r\n").unwrap();
-    let status = head[9..12].parse().unwrap();
-    let v = serde_json::from_str(body).unwrap_or_else(|e| panic!("{e}: {head}\n{body}"));
-    (status, v)
+    common::http_json(server(), "POST", path, Some(body))
 }
 
 /// Asserts a 400 `invalid_request_error` (in either API's shape) whose message starts with

@@ -4,12 +4,11 @@
 
 mod common;
 
-use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpStream};
+use std::io::Write;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
-use serde_json::{Value, json};
+use serde_json::json;
 use zerolayer::EngineService;
 use zerolayer::claudelink_proto::InferenceService;
 
@@ -83,25 +82,6 @@ impl Write for Sink {
     }
 }
 
-/// One HTTP/1.1 request (a JSON body when given); the status and the JSON answer.
-fn http(addr: SocketAddr, method: &str, path: &str, body: Option<&Value>) -> (u16, Value) {
-    let body = body.map(Value::to_string).unwrap_or_default();
-    let mut s = TcpStream::connect(addr).unwrap();
-    write!(
-        s,
-        "{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\
-         content-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
-        body.len()
-    )
-    .unwrap();
-    let mut resp = String::new();
-    s.read_to_string(&mut resp).unwrap();
-    let (head, body) = resp.split_once("\r\n\r\n").unwrap();
-    let status = head[9..12].parse().unwrap();
-    let v = serde_json::from_str(body).unwrap_or_else(|e| panic!("{e}: {head}\n{body}"));
-    (status, v)
-}
-
 #[test]
 fn a_model_file_rewritten_in_place_is_named_by_health_logged_once_and_serves_nothing_more() {
     let log = captured_log();
@@ -118,9 +98,9 @@ fn a_model_file_rewritten_in_place_is_named_by_health_logged_once_and_serves_not
     let addr = common::serve(svc);
     let ask = json!({"model": "m", "max_tokens": 2,
         "messages": [{"role": "user", "content": "Hi"}]});
-    let (status, v) = http(addr, "GET", "/health", None);
+    let (status, v) = common::http_json(addr, "GET", "/health", None);
     assert_eq!((status, &v["status"]), (200, &json!("ok")), "{v}");
-    let (status, v) = http(addr, "POST", "/v1/messages", Some(&ask));
+    let (status, v) = common::http_json(addr, "POST", "/v1/messages", Some(&ask));
     assert_eq!(status, 200, "{v}");
 
     std::fs::OpenOptions::new()
@@ -131,7 +111,7 @@ fn a_model_file_rewritten_in_place_is_named_by_health_logged_once_and_serves_not
         .unwrap();
     let deadline = Instant::now() + Duration::from_secs(10);
     let health = loop {
-        let (status, v) = http(addr, "GET", "/health", None);
+        let (status, v) = common::http_json(addr, "GET", "/health", None);
         if status != 200 {
             assert_eq!(status, 503, "{v}");
             break v;
@@ -155,14 +135,14 @@ fn a_model_file_rewritten_in_place_is_named_by_health_logged_once_and_serves_not
         ("/v1/messages", ask.clone()),
         ("/v1/chat/completions", ask.clone()),
     ] {
-        let (status, v) = http(addr, "POST", route, Some(&body));
+        let (status, v) = common::http_json(addr, "POST", route, Some(&body));
         assert_eq!(status, 503, "{route}: {v}");
         assert_eq!(v["error"]["type"], "api_error", "{v}");
         let message = v["error"]["message"].as_str().unwrap();
         assert!(message.contains("changed on disk"), "{message}");
         assert!(!message.contains(path), "{message}");
     }
-    let (status, again) = http(addr, "GET", "/health", None);
+    let (status, again) = common::http_json(addr, "GET", "/health", None);
     assert_eq!((status, &again), (503, &health));
 
     let log = String::from_utf8(log.lock().unwrap().clone()).unwrap();
