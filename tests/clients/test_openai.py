@@ -154,7 +154,8 @@ def test_response_format_json_object_and_a_bad_schema():
                 response_format={"type": "json_schema",
                                  "json_schema": {"name": "x", "schema": {"type": "no-such-type"}}})
         except openai.BadRequestError as e:
-            assert "output_format" in str(e) and "no-such-type" in str(e), e
+            # The 400 names the request's field (not the service's internal name) and the fault.
+            assert "response_format.json_schema.schema" in str(e) and "no-such-type" in str(e), e
         else:
             raise AssertionError("an invalid schema was accepted")
 
