@@ -684,3 +684,51 @@ fn serve_answers_metrics_and_health_while_it_drains() {
     let status = child.wait().unwrap();
     assert!(status.success(), "{status}");
 }
+
+#[test]
+fn serve_closes_idle_connections_after_idle_timeout_secs() {
+    let mut child = zerolayer(&[
+        "serve",
+        "--http-listen",
+        "127.0.0.1:0",
+        "--quic-listen",
+        "127.0.0.1:0",
+        "--warmup",
+        "none",
+        "--idle-timeout-secs",
+        "1",
+    ])
+    .stdout(Stdio::piped())
+    .stderr(Stdio::null())
+    .spawn()
+    .unwrap();
+    let (addr, _stdout) = listening_addr(&mut child);
+    // A keep-alive request, then nothing: the server closes the connection after about 1 s
+    // (the default, 10 s, would outlast the read timeout).
+    let mut s = TcpStream::connect(&addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    s.write_all(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        .unwrap();
+    let t0 = std::time::Instant::now();
+    let mut got = Vec::new();
+    let closed = loop {
+        let mut buf = [0u8; 1024];
+        match s.read(&mut buf) {
+            Ok(0) => break true,
+            Ok(n) => got.extend_from_slice(&buf[..n]),
+            Err(_) => break false,
+        }
+    };
+    assert!(closed, "the idle connection was still open after 5 s");
+    assert!(
+        got.starts_with(b"HTTP/1.1 200"),
+        "{}",
+        String::from_utf8_lossy(&got)
+    );
+    assert!(
+        t0.elapsed() >= Duration::from_millis(800),
+        "closed before the idle timeout"
+    );
+    signal(&child, "-TERM");
+    assert!(child.wait().unwrap().success());
+}

@@ -154,6 +154,15 @@ pub(crate) struct Args {
     /// rebinding); ignored with API keys.
     #[arg(long = "allow-host", value_name = "NAME")]
     allow_hosts: Vec<String>,
+    /// Seconds an HTTP/1.1, HTTP/2 or HTTP/3 connection may stay open with no request (PINGs do
+    /// not count).
+    #[arg(long, default_value_t = 10)]
+    idle_timeout_secs: u64,
+    /// With API keys: seconds a connection (any protocol, claudelink included) has to present a
+    /// valid key before it is closed; until then it counts against the smaller keyless budget
+    /// of the connection limits. See docs/SECURITY.md.
+    #[arg(long, default_value_t = 5)]
+    auth_timeout_secs: u64,
 }
 
 /// The chat page served at `/`: one self-contained HTML file (no external resources).
@@ -291,7 +300,9 @@ async fn serve(args: Args) -> anyhow::Result<()> {
         .max_connections(max_connections(args.max_connections, nofile))
         .max_connections_per_ip(args.max_connections_per_ip)
         .index_page((!args.no_chat_page).then_some(CHAT_PAGE))
-        .allowed_hosts(args.allow_hosts.iter().map(|h| h.trim().to_owned()));
+        .allowed_hosts(args.allow_hosts.iter().map(|h| h.trim().to_owned()))
+        .idle_timeout(Duration::from_secs(args.idle_timeout_secs.max(1)))
+        .auth_timeout(Duration::from_secs(args.auth_timeout_secs.max(1)));
     let gateway = Gateway::new(service.clone(), config);
 
     let quic_config = ServerConfig::new(identity)
@@ -299,6 +310,7 @@ async fn serve(args: Args) -> anyhow::Result<()> {
             args.api_keys.iter().map(|k| k.trim().to_owned()),
         ))
         .max_concurrent_streams(args.max_streams)
+        .auth_timeout(Duration::from_secs(args.auth_timeout_secs.max(1)))
         .congestion(args.quic_congestion)
         .alpn_handler(H3_ALPN, Arc::new(gateway.h3_handler()));
     // claudelink's streams count in the gateway's in-flight gauge (and the drain waits on them).
