@@ -44,7 +44,12 @@ pub trait ConnectionHandler: Send + Sync + 'static {
         slot: ConnectionSlot,
     ) -> Pin<Box<dyn Future<Output = ()> + Send>> {
         slot.authenticated();
-        self.handle(conn)
+        let served = self.handle(conn);
+        // The slot stays taken until the connection's future ends.
+        Box::pin(async move {
+            served.await;
+            drop(slot);
+        })
     }
 }
 
