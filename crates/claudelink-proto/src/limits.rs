@@ -10,10 +10,10 @@
 //! stays free for clients that have a key; the transports also close a connection that has not
 //! authenticated within a few seconds.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::net::IpAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
 
 /// Why a new connection was refused.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
@@ -155,52 +155,119 @@ impl ConnectionCounts {
     }
 }
 
-/// [`ConnectionCounts`] shared by a listener's connections.
+/// [`ConnectionCounts`] shared by a listener's connections, and its keyless connections in
+/// the order they came (the oldest is closed first when the keyless budget is full).
 #[derive(Debug, Clone)]
 pub(crate) struct ConnectionLimits {
-    counts: Arc<Mutex<ConnectionCounts>>,
+    shared: Arc<Mutex<Shared>>,
+}
+
+#[derive(Debug)]
+struct Shared {
+    counts: ConnectionCounts,
+    /// Slots still in the unauthenticated budget (some may have left it or ended), oldest first.
+    keyless: VecDeque<Weak<SlotInner>>,
 }
 
 impl ConnectionLimits {
     pub(crate) fn new(max_total: usize, max_per_ip: usize) -> Self {
         Self {
-            counts: Arc::new(Mutex::new(ConnectionCounts::new(max_total, max_per_ip))),
+            shared: Arc::new(Mutex::new(Shared {
+                counts: ConnectionCounts::new(max_total, max_per_ip),
+                keyless: VecDeque::new(),
+            })),
         }
     }
 
-    fn lock(&self) -> MutexGuard<'_, ConnectionCounts> {
+    fn lock(&self) -> MutexGuard<'_, Shared> {
         // Poisoning: every method leaves the counts consistent before it could panic (none
         // does), so a poisoned lock still holds valid counts.
-        self.counts.lock().unwrap_or_else(PoisonError::into_inner)
+        self.shared.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     /// Admits a connection from `ip`; it is counted until the slot (and its clones) is dropped.
     /// `requires_key`: whether the listener has API keys (the connection then starts in the
-    /// unauthenticated budget).
+    /// unauthenticated budget). When that budget is full, the oldest keyless connection of
+    /// the same address (else of any) is evicted to make room ([`ConnectionSlot::evicted`]):
+    /// a client with a key is never refused because keyless ones hold the budget, it only has
+    /// to present its key before newer keyless connections push it out.
     pub(crate) fn admit(&self, ip: IpAddr, requires_key: bool) -> Result<ConnectionSlot, Refused> {
-        self.lock().open(ip, !requires_key)?;
-        Ok(ConnectionSlot(Arc::new(SlotInner {
+        let mut g = self.lock();
+        match g.counts.open(ip, !requires_key) {
+            Ok(()) => {}
+            Err(Refused::Unauthenticated { limit }) => {
+                if !g.evict_oldest_keyless(ip) {
+                    return Err(Refused::Unauthenticated { limit });
+                }
+                g.counts.open(ip, !requires_key)?;
+            }
+            Err(e) => return Err(e),
+        }
+        let slot = Arc::new(SlotInner {
             limits: self.clone(),
             ip,
             authenticated: AtomicBool::new(!requires_key),
-        })))
+            in_budget: AtomicBool::new(requires_key),
+            evicted: AtomicBool::new(false),
+            notify: tokio::sync::Notify::new(),
+        });
+        if requires_key {
+            g.keyless.push_back(Arc::downgrade(&slot));
+        }
+        Ok(ConnectionSlot(slot))
     }
 
     /// See [`ConnectionCounts::under_pressure`].
     pub(crate) fn under_pressure(&self, ip: IpAddr) -> bool {
-        self.lock().under_pressure(ip)
+        self.lock().counts.under_pressure(ip)
     }
 
     /// Connections open.
     pub(crate) fn open_connections(&self) -> usize {
-        self.lock().total()
+        self.lock().counts.total()
+    }
+}
+
+impl Shared {
+    /// Evicts the oldest connection still in the unauthenticated budget from `ip`, else the
+    /// oldest from any address; whether there was one.
+    fn evict_oldest_keyless(&mut self, ip: IpAddr) -> bool {
+        // A slot that is authenticating (its flag set, the lock not yet taken) is spared.
+        self.keyless.retain(|w| {
+            w.upgrade().is_some_and(|s| {
+                s.in_budget.load(Ordering::Acquire) && !s.authenticated.load(Ordering::Acquire)
+            })
+        });
+        let ip = ip.to_canonical();
+        let pick = self
+            .keyless
+            .iter()
+            .position(|w| w.upgrade().is_some_and(|s| s.ip.to_canonical() == ip))
+            .or(if self.keyless.is_empty() {
+                None
+            } else {
+                Some(0)
+            });
+        let Some(victim) = pick
+            .and_then(|i| self.keyless.remove(i))
+            .and_then(|w| w.upgrade())
+        else {
+            return false;
+        };
+        if victim.in_budget.swap(false, Ordering::AcqRel) {
+            self.counts.authenticate(victim.ip);
+        }
+        victim.evicted.store(true, Ordering::Release);
+        victim.notify.notify_one();
+        true
     }
 }
 
 /// An admitted connection's place in its listener's connection limits, held until the
 /// connection ends (clones share it). A connection of a listener with API keys starts in the
 /// smaller unauthenticated budget; [`ConnectionSlot::authenticated`] moves it out once the
-/// peer has presented a valid key.
+/// peer has presented a valid key. While it is in that budget, newer keyless connections may
+/// evict it ([`ConnectionSlot::evicted`]): its transport then closes it.
 ///
 /// Handed to a [`ConnectionHandler`](crate::ConnectionHandler) by the claudelink server for
 /// connections of other ALPN protocols (HTTP/3).
@@ -212,13 +279,20 @@ struct SlotInner {
     limits: ConnectionLimits,
     ip: IpAddr,
     authenticated: AtomicBool,
+    /// Counted in the unauthenticated budget (until it authenticates or is evicted).
+    in_budget: AtomicBool,
+    evicted: AtomicBool,
+    notify: tokio::sync::Notify,
 }
 
 impl ConnectionSlot {
     /// Records that the peer presented a valid API key (idempotent).
     pub fn authenticated(&self) {
         if !self.0.authenticated.swap(true, Ordering::AcqRel) {
-            self.0.limits.lock().authenticate(self.0.ip);
+            let mut g = self.0.limits.lock();
+            if self.0.in_budget.swap(false, Ordering::AcqRel) {
+                g.counts.authenticate(self.0.ip);
+            }
         }
     }
 
@@ -226,12 +300,26 @@ impl ConnectionSlot {
     pub fn is_authenticated(&self) -> bool {
         self.0.authenticated.load(Ordering::Acquire)
     }
+
+    /// Whether a newer keyless connection took this one's place in the unauthenticated budget:
+    /// close the connection.
+    pub fn is_evicted(&self) -> bool {
+        self.0.evicted.load(Ordering::Acquire)
+    }
+
+    /// Resolves once the connection is evicted (see [`ConnectionSlot::is_evicted`]); never for
+    /// a connection that authenticated first.
+    pub async fn evicted(&self) {
+        while !self.is_evicted() {
+            self.0.notify.notified().await;
+        }
+    }
 }
 
 impl Drop for SlotInner {
     fn drop(&mut self) {
-        let authenticated = *self.authenticated.get_mut();
-        self.limits.lock().close(self.ip, authenticated);
+        let left_budget = !*self.in_budget.get_mut();
+        self.limits.lock().counts.close(self.ip, left_budget);
     }
 }
 
@@ -321,11 +409,11 @@ mod tests {
         let slot = limits.admit(ip, true).unwrap();
         assert!(!slot.is_authenticated());
         let clone = slot.clone();
-        assert_eq!(limits.lock().unauthenticated(), 1);
+        assert_eq!(limits.lock().counts.unauthenticated(), 1);
         clone.authenticated();
         slot.authenticated();
         assert!(slot.is_authenticated());
-        assert_eq!(limits.lock().unauthenticated(), 0);
+        assert_eq!(limits.lock().counts.unauthenticated(), 0);
         assert_eq!(limits.open_connections(), 1);
         drop(slot);
         assert_eq!(limits.open_connections(), 1, "a clone still holds it");
@@ -334,12 +422,46 @@ mod tests {
         // An open listener's connections never enter the budget.
         let open = limits.admit(ip, false).unwrap();
         assert!(open.is_authenticated());
-        assert_eq!(limits.lock().unauthenticated(), 0);
+        assert_eq!(limits.lock().counts.unauthenticated(), 0);
         drop(open);
         let unauth = limits.admit(ip, true).unwrap();
         drop(unauth);
-        assert_eq!(limits.lock().unauthenticated(), 0);
-        assert!(limits.lock().per_ip.is_empty());
+        assert_eq!(limits.lock().counts.unauthenticated(), 0);
+        assert!(limits.lock().counts.per_ip.is_empty());
+    }
+
+    #[test]
+    fn a_full_keyless_budget_evicts_the_oldest_keyless_connection_of_the_address() {
+        // A quarter of 8 per address: 2 keyless connections.
+        let limits = ConnectionLimits::new(0, 8);
+        let (a, b): (IpAddr, IpAddr) = ([10, 0, 0, 1].into(), [10, 0, 0, 2].into());
+        let first = limits.admit(a, true).unwrap();
+        let second = limits.admit(a, true).unwrap();
+        let other = limits.admit(b, true).unwrap();
+        // The third from `a` takes the place of `a`'s oldest, not of `b`'s.
+        let third = limits.admit(a, true).unwrap();
+        assert!(first.is_evicted() && !second.is_evicted() && !other.is_evicted());
+        assert!(!third.is_evicted());
+        let evicted = first.clone();
+        futures::executor::block_on(evicted.evicted());
+        // It is still open (its transport closes it) but out of the budget.
+        assert_eq!(limits.open_connections(), 4);
+        assert_eq!(limits.lock().counts.unauthenticated(), 3);
+        drop((first, evicted));
+        assert_eq!(limits.open_connections(), 3);
+        assert_eq!(limits.lock().counts.unauthenticated(), 3);
+        // A connection that authenticated is never evicted: `second` shows a key, then two
+        // more keyless ones come; `third` goes, `second` stays.
+        second.authenticated();
+        let fourth = limits.admit(a, true).unwrap();
+        assert!(!third.is_evicted());
+        let _fifth = limits.admit(a, true).unwrap();
+        assert!(third.is_evicted() && !second.is_evicted() && !fourth.is_evicted());
+        // Everything given back.
+        drop((second, third, fourth, _fifth, other));
+        assert_eq!(limits.open_connections(), 0);
+        assert_eq!(limits.lock().counts.unauthenticated(), 0);
+        assert!(limits.lock().counts.per_ip.is_empty());
     }
 
     #[test]

@@ -921,6 +921,13 @@ async fn serve_connection(
                 ctx.lock().handle_timeout(Instant::now());
                 ctx.drive().await;
             }
+            () = ctx.slot.evicted() => {
+                // A newer keyless connection took this one's place in the keyless budget
+                // before it authenticated.
+                shared.counters.unauthenticated.fetch_add(1, Ordering::Relaxed);
+                conn.close(code(AppErrorCode::Unauthenticated), b"unauthenticated");
+                break;
+            }
             _ = tokio::time::sleep_until(idle_at.into()) => {
                 if ctx.active.load(Ordering::Acquire) > 0 {
                     ctx.touch();

@@ -799,6 +799,57 @@ async fn connections_over_the_per_ip_limit_are_refused() {
     drop(b);
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keyless_connections_give_their_place_to_a_client_with_a_key() {
+    let svc = Recorder::new(Some(1), Duration::ZERO);
+    // 4 per address: 1 of them without a key; a long AUTH timeout, so only eviction closes.
+    let server = start(svc.clone(), |c| {
+        c.api_keys(keys())
+            .auth_timeout(Duration::from_secs(30))
+            .max_connections_per_ip(4)
+    });
+    let keyless =
+        Client::new(ClientConfig::new(Trust::Pinned(server.fingerprint())).zero_rtt(false))
+            .unwrap();
+    // A client that connects and never sends AUTH holds the address's keyless place...
+    let idle = keyless.connect(server.local_addr()).await.unwrap();
+    // ...until a client with a key connects: it takes the place, authenticates and is served.
+    let keyed = client_with(&server, Some(KEY))
+        .connect(server.local_addr())
+        .await
+        .unwrap();
+    let ev = keyed
+        .request(&req("m", 1))
+        .await
+        .unwrap()
+        .collect_all()
+        .await;
+    assert_eq!(ev.unwrap().len(), 3);
+    eventually(
+        "the keyless connection to be closed",
+        Duration::from_secs(5),
+        || idle.is_closed(),
+    )
+    .await;
+    assert_eq!(close_code(&idle), Some(AppErrorCode::Unauthenticated));
+    // The authenticated connection keeps its place when more keyless ones come.
+    let more = keyless.connect(server.local_addr()).await.unwrap();
+    let _more2 = keyless.connect(server.local_addr()).await.unwrap();
+    eventually(
+        "the older keyless connection to be closed",
+        Duration::from_secs(5),
+        || more.is_closed(),
+    )
+    .await;
+    let ev = keyed
+        .request(&req("m", 1))
+        .await
+        .unwrap()
+        .collect_all()
+        .await;
+    assert_eq!(ev.unwrap().len(), 3);
+}
+
 // ---------------------------------------------------------------- drain
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

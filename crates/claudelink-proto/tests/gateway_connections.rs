@@ -1,7 +1,7 @@
 //! Connections that hold a slot without doing anything (issue #47): idle HTTP/1.1 and HTTP/2
 //! connections are closed after the idle timeout whatever PINGs they answer, connections that
 //! never present a valid key are closed after the authentication timeout and count against a
-//! smaller budget, a long stream is never cut for idleness, and HEAD is answered without a
+//! smaller budget (the oldest giving its place to a newer one), a long stream is never cut for idleness, and HEAD is answered without a
 //! body on every route over HTTP/2.
 
 mod gateway_support;
@@ -236,6 +236,15 @@ async fn health_status(s: &mut TcpStream, key: Option<&str>) -> String {
         .to_owned()
 }
 
+/// Whether the server has closed `s` (EOF or reset within 2 s).
+async fn closed_by_server(s: &mut TcpStream) -> bool {
+    let mut buf = [0u8; 64];
+    matches!(
+        tokio::time::timeout(Duration::from_secs(2), s.read(&mut buf)).await,
+        Ok(Ok(0) | Err(_))
+    )
+}
+
 #[tokio::test]
 async fn keyless_connections_from_a_few_addresses_cannot_lock_the_server_out() {
     // Issue #47's setting: 40 connections in all, 10 per address, four attacking addresses.
@@ -245,32 +254,46 @@ async fn keyless_connections_from_a_few_addresses_cannot_lock_the_server_out() {
             .max_connections(40)
             .max_connections_per_ip(10)
             .auth_timeout(Duration::from_secs(30))
-            .idle_timeout(Duration::from_secs(30)),
+            .idle_timeout(Duration::from_secs(30))
+            .header_read_timeout(Duration::from_secs(30)),
     )
     .await;
-    let mut held = Vec::new();
-    let mut refused = 0;
+    let mut conns = Vec::new();
     for a in 2..=5u8 {
         for _ in 0..10 {
             let mut s = connect_from([127, 0, 0, a], server.addr).await;
-            if health_status(&mut s, None).await == "HTTP/1.1 200 OK" {
-                held.push(s);
-            } else {
-                refused += 1;
-            }
+            assert_eq!(health_status(&mut s, None).await, "HTTP/1.1 200 OK");
+            conns.push(s);
         }
     }
-    // A quarter of each address's limit (rounded up: 3) without a key, the rest refused.
-    assert_eq!((held.len(), refused), (12, 28));
-    // Everyone else still gets in, and a connection that shows a key leaves the budget.
+    // Each address keeps at most a quarter of its limit (rounded up: 3) without a key: every
+    // newer keyless connection took the place of the address's oldest, which was closed.
+    let closed = futures::future::join_all(conns.iter_mut().map(closed_by_server)).await;
+    let open: Vec<usize> = (0..closed.len()).filter(|&i| !closed[i]).collect();
+    // The last three of each address.
+    assert_eq!(open, [7, 8, 9, 17, 18, 19, 27, 28, 29, 37, 38, 39]);
+    // Everyone else still gets in; so does a client with a key from an attacking address (its
+    // new connection pushes out that address's oldest keyless one, then shows its key), and a
+    // connection that showed its key is never pushed out by later keyless ones.
     let mut other = connect_from([127, 0, 0, 9], server.addr).await;
     assert_eq!(health_status(&mut other, None).await, "HTTP/1.1 200 OK");
+    let mut keyed = connect_from([127, 0, 0, 2], server.addr).await;
     assert_eq!(
-        health_status(&mut held[0], Some(KEY)).await,
+        health_status(&mut keyed, Some(KEY)).await,
         "HTTP/1.1 200 OK"
     );
-    let mut again = connect_from([127, 0, 0, 2], server.addr).await;
-    assert_eq!(health_status(&mut again, None).await, "HTTP/1.1 200 OK");
+    for _ in 0..6 {
+        let mut s = connect_from([127, 0, 0, 2], server.addr).await;
+        assert_eq!(health_status(&mut s, None).await, "HTTP/1.1 200 OK");
+    }
+    assert!(
+        !closed_by_server(&mut keyed).await,
+        "a keyed connection was evicted"
+    );
+    assert_eq!(
+        health_status(&mut keyed, Some(KEY)).await,
+        "HTTP/1.1 200 OK"
+    );
 }
 
 #[tokio::test]

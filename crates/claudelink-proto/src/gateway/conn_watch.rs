@@ -124,6 +124,15 @@ impl ConnWatch {
         }
     }
 
+    /// Resolves when the connection's slot was evicted from the keyless budget by a newer
+    /// keyless connection (close it as unauthenticated); never without a slot.
+    pub(crate) async fn evicted(&self) {
+        match &self.slot {
+            Some(s) => s.evicted().await,
+            None => std::future::pending().await,
+        }
+    }
+
     /// Requests open now.
     pub(crate) fn open_requests(&self) -> usize {
         self.activity().open

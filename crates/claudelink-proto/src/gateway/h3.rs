@@ -11,7 +11,7 @@ use h3::server::{RequestResolver, RequestStream};
 use http::Response;
 use quinn::VarInt;
 
-use super::conn_watch::{ConnWatch, Verdict};
+use super::conn_watch::{CloseReason, ConnWatch, Verdict};
 use super::core::{Admission, BodyError, Gateway, Reply, ReplyBody};
 use super::metrics::Protocol;
 use crate::limits::ConnectionSlot;
@@ -112,8 +112,16 @@ impl Gateway {
                     let _ = h3c.shutdown(0).await;
                     continue;
                 }
+                () = watch.evicted() => {
+                    // A newer keyless connection took this one's place in the keyless budget.
+                    tracing::debug!(%remote, "closing the h3 connection: evicted while keyless");
+                    let _ = h3c.shutdown(0).await;
+                    quic.close(VarInt::from_u32(H3_NO_ERROR), CloseReason::Unauthenticated.as_str().as_bytes());
+                    break;
+                }
                 () = tokio::time::sleep_until(wake.into()) => {
-                    match watch.verdict(Instant::now()) {
+                    let verdict = watch.verdict(Instant::now());
+                    match verdict {
                         Verdict::KeepUntil(t) => wake = t,
                         Verdict::Close(why) => {
                             tracing::debug!(%remote, reason = why.as_str(), "closing the h3 connection");

@@ -384,6 +384,14 @@ async fn drive_connection<C>(
                     conn.as_mut().shut_down();
                 }
             }
+            () = watch.evicted(), if forced_at.is_none() => {
+                tracing::debug!(%peer, "closing the connection: a newer keyless one took its place");
+                if !shut_down {
+                    shut_down = true;
+                    conn.as_mut().shut_down();
+                }
+                forced_at = Some(Instant::now() + CLOSE_GRACE);
+            }
             () = tokio::time::sleep_until(forced_at.unwrap_or(wake).into()) => {
                 if forced_at.is_some() {
                     tracing::debug!(%peer, "connection did not close within the grace: dropped");
