@@ -292,6 +292,18 @@ async fn a_fleet_survives_a_drain_and_a_kill() {
     // A failure is reported within 2 s of the later of its last event and its replica's
     // disruption: the kill, or the drain's deadline (streams still running then end with an
     // error). Nothing happens to the third replica, so nothing fails there.
+    let lateness = |o: &Outcome| {
+        let disrupted = if o.replica == Some(addrs[1]) {
+            KILL_AT
+        } else {
+            DRAIN_AT + Duration::from_secs(DRAIN_SECS)
+        };
+        o.ended.saturating_sub(o.last_event.max(disrupted))
+    };
+    println!(
+        "latest failure report after its disruption: {:?}",
+        failed.iter().map(|o| lateness(o)).max()
+    );
     for o in &failed {
         let disrupted = if o.replica == Some(addrs[1]) {
             KILL_AT

@@ -31,11 +31,11 @@ impl std::fmt::Debug for Secret {
 }
 
 /// [`ClientConfig::connection_ttl`]'s default: a dead server's streams fail within 2 s.
-const DEFAULT_PEER_TIMEOUT: Duration = Duration::from_millis(1500);
+const DEFAULT_PEER_TIMEOUT: Duration = Duration::from_secs(1);
 
 /// [`ClientConfig::keep_alive_interval`]'s default: several PINGs per peer timeout, so one
 /// lost packet does not close a healthy connection.
-const DEFAULT_KEEP_ALIVE: Duration = Duration::from_millis(400);
+const DEFAULT_KEEP_ALIVE: Duration = Duration::from_millis(250);
 
 /// Client settings. Build with [`ClientConfig::new`] and the setters.
 #[derive(Debug, Clone)]
@@ -53,8 +53,8 @@ pub struct ClientConfig {
 }
 
 impl ClientConfig {
-    /// Defaults: server name `localhost`, 64 KiB per-stream window, `connection_ttl` 1.5 s
-    /// with a keep-alive PING every 400 ms (a server silent for 1.5 s is taken for gone, so a
+    /// Defaults: server name `localhost`, 64 KiB per-stream window, `connection_ttl` 1 s
+    /// with a keep-alive PING every 250 ms (a server silent for 1 s is taken for gone, so a
     /// [`Pool`](crate::Pool) re-sends or fails its streams within 2 s of a crash; raise both
     /// on lossy long-distance links), 256 KiB frames, 5 s health timeout, 0-RTT on.
     pub fn new(trust: Trust) -> Self {

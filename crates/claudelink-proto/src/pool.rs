@@ -16,7 +16,7 @@
 //! its first token (connection lost, stream reset, refused, 0-RTT rejected, or an ERROR
 //! `overloaded` / `shutting_down` / `unavailable` event) is sent again to another replica, at
 //! most `retries` times; after its first token a failure is the stream's error (never a hang:
-//! a dead replica's connections time out within `ClientConfig::connection_ttl`, 1.5 s by
+//! a dead replica's connections time out within `ClientConfig::connection_ttl`, 1 s by
 //! default).
 
 use std::net::SocketAddr;
