@@ -508,6 +508,28 @@ fn ctrl_c_stops_the_answer_not_the_program() {
     );
 }
 
+/// `zerolayer serve` on loopback ports (no warm-up) with `extra` flags, its stdout piped; the
+/// child, its HTTP address and its stdout (see [`listening_addr`]).
+fn serve_child(extra: &[&str], stderr: Stdio) -> (Child, String, BufReader<ChildStdout>) {
+    let mut args = vec![
+        "serve",
+        "--http-listen",
+        "127.0.0.1:0",
+        "--quic-listen",
+        "127.0.0.1:0",
+        "--warmup",
+        "none",
+    ];
+    args.extend_from_slice(extra);
+    let mut child = zerolayer(&args)
+        .stdout(Stdio::piped())
+        .stderr(stderr)
+        .spawn()
+        .unwrap();
+    let (addr, stdout) = listening_addr(&mut child);
+    (child, addr, stdout)
+}
+
 /// The HTTP address a `zerolayer serve` child prints on its `listening` line (its stdout,
 /// piped, is read up to there), and that stdout: keep it open while the server runs (a closed
 /// pipe would fail the server's next print).
@@ -537,24 +559,10 @@ fn http(addr: &str, request: &str) -> (String, String) {
 
 #[test]
 fn serve_answers_the_page_and_the_api_and_logs_each_request() {
-    let mut child = zerolayer(&[
-        "serve",
-        "--http-listen",
-        "127.0.0.1:0",
-        "--quic-listen",
-        "127.0.0.1:0",
-        "--warmup",
-        "none",
-        "--log-format",
-        "json",
-        "--allow-host",
-        "chat.lan",
-    ])
-    .stdout(Stdio::piped())
-    .stderr(Stdio::piped())
-    .spawn()
-    .unwrap();
-    let (addr, _stdout) = listening_addr(&mut child);
+    let (mut child, addr, _stdout) = serve_child(
+        &["--log-format", "json", "--allow-host", "chat.lan"],
+        Stdio::piped(),
+    );
     let (head, page) = http(
         &addr,
         "GET / HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n",
@@ -632,22 +640,7 @@ fn serve_answers_the_page_and_the_api_and_logs_each_request() {
 
 #[test]
 fn serve_answers_metrics_and_health_while_it_drains() {
-    let mut child = zerolayer(&[
-        "serve",
-        "--http-listen",
-        "127.0.0.1:0",
-        "--quic-listen",
-        "127.0.0.1:0",
-        "--warmup",
-        "none",
-        "--drain-secs",
-        "60",
-    ])
-    .stdout(Stdio::piped())
-    .stderr(Stdio::null())
-    .spawn()
-    .unwrap();
-    let (addr, _stdout) = listening_addr(&mut child);
+    let (mut child, addr, _stdout) = serve_child(&["--drain-secs", "60"], Stdio::null());
     // A long stream keeps the drain going (greedy decoding writes well over a thousand tokens).
     let body = r#"{"model":"Smollm2 135M 8k Lc100K Mix1 Ep2","max_tokens":4000,"stream":true,"temperature":0,"messages":[{"role":"user","content":"Write a long, detailed essay about the history of the Roman Empire."}]}"#;
     let mut stream = TcpStream::connect(&addr).unwrap();
@@ -687,22 +680,7 @@ fn serve_answers_metrics_and_health_while_it_drains() {
 
 #[test]
 fn serve_closes_idle_connections_after_idle_timeout_secs() {
-    let mut child = zerolayer(&[
-        "serve",
-        "--http-listen",
-        "127.0.0.1:0",
-        "--quic-listen",
-        "127.0.0.1:0",
-        "--warmup",
-        "none",
-        "--idle-timeout-secs",
-        "1",
-    ])
-    .stdout(Stdio::piped())
-    .stderr(Stdio::null())
-    .spawn()
-    .unwrap();
-    let (addr, _stdout) = listening_addr(&mut child);
+    let (mut child, addr, _stdout) = serve_child(&["--idle-timeout-secs", "1"], Stdio::null());
     // A keep-alive request, then nothing: the server closes the connection after about 1 s
     // (the default, 10 s, would outlast the read timeout).
     let mut s = TcpStream::connect(&addr).unwrap();

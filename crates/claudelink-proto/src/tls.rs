@@ -244,7 +244,18 @@ impl Trust {
         Ok(Self::Roots(Arc::new(roots)))
     }
 
-    pub(crate) fn rustls_client_config(
+    /// The TLS 1.3 client configuration claudelink clients use, offering `alpns`: for a
+    /// client of another protocol on the same endpoint (HTTP/3 on the claudelink port) that
+    /// trusts the server the same way.
+    ///
+    /// ```
+    /// use claudelink_proto::{H3_ALPN, Identity, Trust};
+    /// let id = Identity::self_signed(&["localhost"])?;
+    /// let tls = Trust::Pinned(id.fingerprint()).rustls_client_config(vec![H3_ALPN.to_vec()])?;
+    /// assert_eq!(tls.alpn_protocols, [H3_ALPN.to_vec()]);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn rustls_client_config(
         &self,
         alpns: Vec<Vec<u8>>,
     ) -> Result<rustls::ClientConfig, TlsError> {

@@ -193,6 +193,23 @@ async fn eventually(what: &str, within: Duration, mut f: impl FnMut() -> bool) {
     panic!("not within {within:?}: {what}");
 }
 
+/// Asserts that `conn` is served a one-token request (Started, one Delta, Finished).
+async fn assert_served_one(conn: &Connection) {
+    let ev = conn
+        .request(&req("m", 1))
+        .await
+        .unwrap()
+        .collect_all()
+        .await;
+    assert_eq!(ev.unwrap().len(), 3);
+}
+
+/// A client without a key and without 0-RTT (its `connect` returns once the server has
+/// admitted or refused the connection).
+fn keyless_client(server: &Server) -> Client {
+    Client::new(ClientConfig::new(Trust::Pinned(server.fingerprint())).zero_rtt(false)).unwrap()
+}
+
 fn close_code(conn: &Connection) -> Option<AppErrorCode> {
     match conn.quinn().close_reason() {
         Some(quinn::ConnectionError::ApplicationClosed(a)) => {
@@ -301,13 +318,7 @@ async fn server_without_keys_serves_clients_with_or_without_auth() {
             .connect(server.local_addr())
             .await
             .unwrap();
-        let ev = conn
-            .request(&req("m", 1))
-            .await
-            .unwrap()
-            .collect_all()
-            .await;
-        assert_eq!(ev.unwrap().len(), 3);
+        assert_served_one(&conn).await;
         // The control stream still works after AUTH.
         conn.ping().await.unwrap();
     }
@@ -728,13 +739,7 @@ async fn a_live_quiet_client_is_kept_past_the_peer_timeout() {
         .unwrap();
     tokio::time::sleep(Duration::from_secs(3)).await;
     assert!(!conn.is_closed(), "{:?}", conn.quinn().close_reason());
-    let ev = conn
-        .request(&req("m", 1))
-        .await
-        .unwrap()
-        .collect_all()
-        .await;
-    assert_eq!(ev.unwrap().len(), 3);
+    assert_served_one(&conn).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -771,8 +776,7 @@ async fn connections_over_the_per_ip_limit_are_refused() {
     let server = start(svc.clone(), |c| c.max_connections_per_ip(2));
     // Without 0-RTT, `connect` returns once the server has admitted (or refused) the
     // connection, so the three arrive in order.
-    let c = Client::new(ClientConfig::new(Trust::Pinned(server.fingerprint())).zero_rtt(false))
-        .unwrap();
+    let c = keyless_client(&server);
     let a = c.connect(server.local_addr()).await.unwrap();
     let b = c.connect(server.local_addr()).await.unwrap();
     match c.connect(server.local_addr()).await {
@@ -789,13 +793,11 @@ async fn connections_over_the_per_ip_limit_are_refused() {
         server.stats().connections == 1
     })
     .await;
-    let d = Client::new(ClientConfig::new(Trust::Pinned(server.fingerprint())).zero_rtt(false))
-        .unwrap()
+    let d = keyless_client(&server)
         .connect(server.local_addr())
         .await
         .unwrap();
-    let ev = d.request(&req("m", 1)).await.unwrap().collect_all().await;
-    assert_eq!(ev.unwrap().len(), 3);
+    assert_served_one(&d).await;
     drop(b);
 }
 
@@ -808,9 +810,7 @@ async fn keyless_connections_give_their_place_to_a_client_with_a_key() {
             .auth_timeout(Duration::from_secs(30))
             .max_connections_per_ip(4)
     });
-    let keyless =
-        Client::new(ClientConfig::new(Trust::Pinned(server.fingerprint())).zero_rtt(false))
-            .unwrap();
+    let keyless = keyless_client(&server);
     // A client that connects and never sends AUTH holds the address's keyless place...
     let idle = keyless.connect(server.local_addr()).await.unwrap();
     // ...until a client with a key connects: it takes the place, authenticates and is served.
@@ -818,13 +818,7 @@ async fn keyless_connections_give_their_place_to_a_client_with_a_key() {
         .connect(server.local_addr())
         .await
         .unwrap();
-    let ev = keyed
-        .request(&req("m", 1))
-        .await
-        .unwrap()
-        .collect_all()
-        .await;
-    assert_eq!(ev.unwrap().len(), 3);
+    assert_served_one(&keyed).await;
     eventually(
         "the keyless connection to be closed",
         Duration::from_secs(5),
@@ -841,13 +835,7 @@ async fn keyless_connections_give_their_place_to_a_client_with_a_key() {
         || more.is_closed(),
     )
     .await;
-    let ev = keyed
-        .request(&req("m", 1))
-        .await
-        .unwrap()
-        .collect_all()
-        .await;
-    assert_eq!(ev.unwrap().len(), 3);
+    assert_served_one(&keyed).await;
 }
 
 // ---------------------------------------------------------------- drain
@@ -883,10 +871,7 @@ async fn draining_refuses_new_connections_and_streams_and_finishes_running_ones(
         other => panic!("expected REFUSED, got {other:?}"),
     }
     // A new connection is refused.
-    let fresh = Client::new(ClientConfig::new(Trust::Pinned(server.fingerprint())).zero_rtt(false))
-        .unwrap()
-        .connect(server.local_addr())
-        .await;
+    let fresh = keyless_client(&server).connect(server.local_addr()).await;
     assert!(fresh.is_err(), "a connection was accepted while draining");
     assert!(server.stats().refused_connections >= 1);
     // The running request still completes.

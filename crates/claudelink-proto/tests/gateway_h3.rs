@@ -7,7 +7,9 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 
 use bytes::{Buf, Bytes};
-use claudelink_proto::{GatewayConfig, H3_ALPN, Identity, LAYER_VERSION, Server, ServerConfig};
+use claudelink_proto::{
+    GatewayConfig, H3_ALPN, Identity, LAYER_VERSION, Server, ServerConfig, Trust,
+};
 use gateway_support::*;
 use serde_json::{Value, json};
 
@@ -57,15 +59,10 @@ async fn h3_client_pinging(
     quinn::Connection,
     h3::client::SendRequest<h3_quinn::OpenStreams, Bytes>,
 ) {
-    let mut roots = rustls::RootCertStore::empty();
-    roots.add(f.cert.clone()).unwrap();
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
-    let mut tls = rustls::ClientConfig::builder_with_provider(provider)
-        .with_protocol_versions(&[&rustls::version::TLS13])
+    let tls = Trust::certificate(f.cert.clone())
         .unwrap()
-        .with_root_certificates(roots)
-        .with_no_client_auth();
-    tls.alpn_protocols = vec![H3_ALPN.to_vec()];
+        .rustls_client_config(vec![H3_ALPN.to_vec()])
+        .unwrap();
     let qcfg = quinn::crypto::rustls::QuicClientConfig::try_from(tls).unwrap();
     let mut endpoint = quinn::Endpoint::client("127.0.0.1:0".parse().unwrap()).unwrap();
     let mut client = quinn::ClientConfig::new(Arc::new(qcfg));

@@ -120,8 +120,7 @@ impl Gateway {
                     break;
                 }
                 () = tokio::time::sleep_until(wake.into()) => {
-                    let verdict = watch.verdict(Instant::now());
-                    match verdict {
+                    match watch.verdict(Instant::now()) {
                         Verdict::KeepUntil(t) => wake = t,
                         Verdict::Close(why) => {
                             tracing::debug!(%remote, reason = why.as_str(), "closing the h3 connection");

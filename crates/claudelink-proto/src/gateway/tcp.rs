@@ -31,7 +31,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, watch};
 use tokio_rustls::TlsAcceptor;
 
-use super::conn_watch::{ConnWatch, OpenRequest, Verdict};
+use super::conn_watch::{CloseReason, ConnWatch, OpenRequest, Verdict};
 use super::core::{Admission, BodyError, Gateway, ReplyBody};
 use super::metrics::Protocol;
 use crate::limits::ConnectionLimits;
@@ -370,7 +370,8 @@ async fn drive_connection<C>(
     let mut wake = Instant::now();
     let mut forced_at: Option<Instant> = None;
     loop {
-        tokio::select! {
+        // Whether to close, and (unless the server is stopping) why, with a grace for it.
+        let close = tokio::select! {
             served = conn.as_mut() => {
                 if let Err(e) = served {
                     tracing::debug!(%peer, error = %e, "connection ended with an error");
@@ -379,36 +380,31 @@ async fn drive_connection<C>(
             }
             _ = stop.wait_for(|s| *s), if !stopping => {
                 stopping = true;
-                if !shut_down {
-                    shut_down = true;
-                    conn.as_mut().shut_down();
-                }
+                None
             }
-            () = watch.evicted(), if forced_at.is_none() => {
-                tracing::debug!(%peer, "closing the connection: a newer keyless one took its place");
-                if !shut_down {
-                    shut_down = true;
-                    conn.as_mut().shut_down();
-                }
-                forced_at = Some(Instant::now() + CLOSE_GRACE);
-            }
+            // A newer keyless connection took this one's place in the keyless budget.
+            () = watch.evicted(), if forced_at.is_none() => Some(CloseReason::Unauthenticated),
             () = tokio::time::sleep_until(forced_at.unwrap_or(wake).into()) => {
                 if forced_at.is_some() {
                     tracing::debug!(%peer, "connection did not close within the grace: dropped");
                     return;
                 }
                 match watch.verdict(Instant::now()) {
-                    Verdict::KeepUntil(t) => wake = t,
-                    Verdict::Close(why) => {
-                        tracing::debug!(%peer, reason = why.as_str(), "closing the connection");
-                        if !shut_down {
-                            shut_down = true;
-                            conn.as_mut().shut_down();
-                        }
-                        forced_at = Some(Instant::now() + CLOSE_GRACE);
+                    Verdict::KeepUntil(t) => {
+                        wake = t;
+                        continue;
                     }
+                    Verdict::Close(why) => Some(why),
                 }
             }
+        };
+        if let Some(why) = close {
+            tracing::debug!(%peer, reason = why.as_str(), "closing the connection");
+            forced_at = Some(Instant::now() + CLOSE_GRACE);
+        }
+        if !shut_down {
+            shut_down = true;
+            conn.as_mut().shut_down();
         }
     }
 }
