@@ -883,25 +883,44 @@ fn quant_jobs(
             #[cfg(target_arch = "x86_64")]
             let block_acts: &[ActBlock] = block_acts;
             let quad_acts: &[ActQuad] = quad_acts;
+            #[cfg(target_arch = "x86_64")]
+            with_offsets(backend, jobs, block_acts, |jobs, offsets| {
+                run_jobs(jobs, pool, &|j, rows, out| {
+                    let Some(fmt) = Fmt::of(j.w.dtype) else {
+                        return;
+                    };
+                    if j.uses_blocks(backend) {
+                        let acts = &block_acts[j.first * nb..];
+                        let offs = offsets.of(fmt, j.first * nb);
+                        // SAFETY: the AVX-512 backend is available (`uses_blocks` checked it is
+                        // the one picked, and callers check availability); a packed matrix's
+                        // format has a packed layout (checked with its length), else `applies`
+                        // checked it.
+                        unsafe {
+                            if j.w.layout == Layout::Rows16 {
+                                packed::quant_rows(fmt, j.w, acts, offs, j.n, rows, out)
+                            } else {
+                                panel::quant_rows(fmt, j.w, acts, offs, j.n, rows, out)
+                            }
+                        }
+                        return;
+                    }
+                    quant_rows(
+                        backend,
+                        fmt,
+                        j.w,
+                        &quad_acts[j.first * nq..],
+                        j.n,
+                        rows,
+                        out,
+                    )
+                })
+            });
+            #[cfg(not(target_arch = "x86_64"))]
             run_jobs(jobs, pool, &|j, rows, out| {
                 let Some(fmt) = Fmt::of(j.w.dtype) else {
                     return;
                 };
-                #[cfg(target_arch = "x86_64")]
-                if j.uses_blocks(backend) {
-                    let acts = &block_acts[j.first * nb..];
-                    // SAFETY: the AVX-512 backend is available (`uses_blocks` checked it is the
-                    // one picked, and callers check availability); a packed matrix's format has
-                    // a packed layout (checked with its length), else `applies` checked it.
-                    unsafe {
-                        if j.w.layout == Layout::Rows16 {
-                            packed::quant_rows(fmt, j.w, acts, j.n, rows, out)
-                        } else {
-                            panel::quant_rows(fmt, j.w, acts, j.n, rows, out)
-                        }
-                    }
-                    return;
-                }
                 quant_rows(
                     backend,
                     fmt,
@@ -914,6 +933,81 @@ fn quant_jobs(
             });
         })
     });
+}
+
+/// The offset starts ([`panel::fill_offsets`]) of a product's activation blocks, one table per
+/// [`panel::OffsetKey`] its panel jobs read.
+#[cfg(target_arch = "x86_64")]
+struct Offsets<'a> {
+    keys: &'a [panel::OffsetKey],
+    /// The tables, key after key, `per_key` entries each.
+    tables: &'a [[i32; 2]],
+    per_key: usize,
+}
+
+#[cfg(target_arch = "x86_64")]
+impl Offsets<'_> {
+    /// `fmt`'s table from entry `from` on (empty for a format without an offset).
+    fn of(&self, fmt: Fmt, from: usize) -> &[[i32; 2]] {
+        let key = panel::offset_key(fmt);
+        match self.keys.iter().position(|k| Some(*k) == key) {
+            Some(i) => &self.tables[i * self.per_key..(i + 1) * self.per_key][from..],
+            None => &[],
+        }
+    }
+}
+
+/// Calls `f` with the offset tables of the panel kernel's jobs among `jobs` over `acts`
+/// (computed once here for every token, not per task: each of a product's ~16 tasks per
+/// thread would otherwise compute them all again).
+#[cfg(target_arch = "x86_64")]
+fn with_offsets<'w, 'y, R>(
+    backend: CpuIsa,
+    jobs: &mut [Job<'w, 'y>],
+    acts: &[ActBlock],
+    f: impl FnOnce(&mut [Job<'w, 'y>], &Offsets<'_>) -> R,
+) -> R {
+    // At most one key per format with an offset (8 of them).
+    let mut keys = [panel::OffsetKey::default(); 8];
+    let mut count = 0;
+    for j in jobs.iter() {
+        if j.uses_blocks(backend)
+            && j.n >= panel::PANEL_MIN_TOKENS
+            && let Some(key) = Fmt::of(j.w.dtype).and_then(panel::offset_key)
+            && !keys[..count].contains(&key)
+        {
+            keys[count] = key;
+            count += 1;
+        }
+    }
+    if count == 0 {
+        return f(
+            jobs,
+            &Offsets {
+                keys: &[],
+                tables: &[],
+                per_key: 0,
+            },
+        );
+    }
+    OFFSET_SCRATCH.with(|scratch| {
+        let mut tables = scratch.borrow_mut();
+        let per_key = acts.len();
+        if tables.len() < count * per_key {
+            tables.resize(count * per_key, [0; 2]);
+        }
+        for (key, table) in keys[..count].iter().zip(tables.chunks_exact_mut(per_key)) {
+            panel::fill_offsets(*key, acts, table);
+        }
+        f(
+            jobs,
+            &Offsets {
+                keys: &keys[..count],
+                tables: &tables[..count * per_key],
+                per_key,
+            },
+        )
+    })
 }
 
 /// Calls `f` with `len` reusable [`ActBlock`]s of this thread when `needed` (else none).
@@ -1004,6 +1098,9 @@ thread_local! {
     /// The compact activation blocks of the panel kernel, likewise.
     #[cfg(target_arch = "x86_64")]
     static BLOCK_SCRATCH: RefCell<Vec<ActBlock>> = const { RefCell::new(Vec::new()) };
+    /// The panel kernel's offset tables ([`with_offsets`]), likewise.
+    #[cfg(target_arch = "x86_64")]
+    static OFFSET_SCRATCH: RefCell<Vec<[i32; 2]>> = const { RefCell::new(Vec::new()) };
     /// One token's [`split_residual`], while [`quantize_par`] quantizes it.
     static SPLIT_SCRATCH: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
 }

@@ -801,7 +801,8 @@ mod avx512 {
     ///
     /// # Safety
     /// The CPU supports the features enabled here; `w` is a packed matrix (checked length) of
-    /// format `fmt`, one of [`block_bytes`]'s; `acts` holds `n` tokens of `w.cols / 32` blocks;
+    /// format `fmt`, one of [`block_bytes`]'s; `acts` holds `n` tokens of `w.cols / 32` blocks
+    /// (`offs` their offset starts for the panel kernel, as its `quant_rows` takes them);
     /// `rows.start` is a multiple of [`GROUP_ROWS`].
     #[target_feature(
         enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,gfni,avx2,fma,f16c"
@@ -810,11 +811,12 @@ mod avx512 {
         fmt: Fmt,
         w: WeightMatrix<'_>,
         acts: &[ActBlock],
+        offs: &[[i32; 2]],
         n: usize,
         rows: Range<usize>,
         out: &mut RowsOut<'_>,
     ) {
-        super::super::avx512::by_quant_format!(fmt, rows_impl(fmt, w, acts, n, rows, out))
+        super::super::avx512::by_quant_format!(fmt, rows_impl(fmt, w, acts, offs, n, rows, out))
     }
 
     #[target_feature(
@@ -824,6 +826,7 @@ mod avx512 {
         fmt: Fmt,
         w: WeightMatrix<'_>,
         acts: &[ActBlock],
+        offs: &[[i32; 2]],
         n: usize,
         rows: Range<usize>,
         out: &mut RowsOut<'_>,
@@ -832,7 +835,7 @@ mod avx512 {
             // Many tokens: unpack each group once into the panel kernel's buffer and reuse it
             // for the whole token chunk.
             // SAFETY: forwarded (same contract).
-            return unsafe { super::super::panel::quant_rows(fmt, w, acts, n, rows, out) };
+            return unsafe { super::super::panel::quant_rows(fmt, w, acts, offs, n, rows, out) };
         }
         let bb = block_bytes(fmt).unwrap_or(0);
         let nb = w.cols / 32;

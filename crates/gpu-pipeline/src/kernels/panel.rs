@@ -87,11 +87,10 @@ pub(crate) const fn scale_vectors(f: u8) -> usize {
 const MAX_SCALE_VECTORS: usize = 4;
 
 /// A task's panel: the packed blocks' quants and their [`scale_vectors`] each (block `b`'s
-/// at `scales[v * b..v * (b + 1)]`), and the token chunk's [`offsets`].
+/// at `scales[v * b..v * (b + 1)]`).
 struct Panel {
     quants: Vec<Quants>,
     scales: Vec<Lanes>,
-    offsets: Vec<[i32; 2]>,
 }
 
 thread_local! {
@@ -99,27 +98,49 @@ thread_local! {
         RefCell::new(Panel {
             quants: Vec::new(),
             scales: Vec::new(),
-            offsets: Vec::new(),
         })
     };
 }
 
 /// The formats with an offset subtract `offset * sum(q_x)` from each integer dot product (per
-/// half for the split formats). It is computed here once per token chunk for every block,
-/// negated, and each tile starts its integer sums from it: a broadcast load instead of a shift
-/// and a subtraction per block, token and panel, with the same integer result.
+/// half for the split formats). The caller computes it once per product for every token and
+/// block ([`fill_offsets`]), negated, and each tile starts its integer sums from it: a
+/// broadcast load instead of a shift and a subtraction per block, token and panel, with the
+/// same integer result. Which table a format reads: its [`OffsetKey`].
+///
 /// `out[t * nb + b]` = `[-(sum(q_x half 0) << shift), -(sum(q_x half 1) << shift)]` (split
 /// formats) or `[-(sum(q_x) << shift), 0]`.
-fn offsets<const F: u8>(acts: &[ActBlock], out: &mut Vec<[i32; 2]>) {
-    let s = offset_shift(F);
-    out.clear();
-    out.extend(acts.iter().map(|a| {
-        if is_split(F) {
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct OffsetKey {
+    shift: i32,
+    split: bool,
+}
+
+/// The offset table `fmt` reads in this kernel (`None`: a format without an offset).
+pub(crate) fn offset_key(fmt: Fmt) -> Option<OffsetKey> {
+    fn key<const F: u8>() -> Option<OffsetKey> {
+        (offset_shift(F) != 0).then_some(OffsetKey {
+            shift: offset_shift(F),
+            split: is_split(F),
+        })
+    }
+    if matches!(fmt, Fmt::F32 | Fmt::F16 | Fmt::BF16) {
+        return None;
+    }
+    super::avx512::by_quant_format!(fmt, key())
+}
+
+/// Fills `out` (one entry per block of `acts`) with the offset starts of `key` (see
+/// [`OffsetKey`]).
+pub(crate) fn fill_offsets(key: OffsetKey, acts: &[ActBlock], out: &mut [[i32; 2]]) {
+    let s = key.shift;
+    for (o, a) in out.iter_mut().zip(acts) {
+        *o = if key.split {
             [a.offset_start(0, s), a.offset_start(1, s)]
         } else {
             [a.offset_start(2, s), 0]
-        }
-    }));
+        };
+    }
 }
 
 /// Whether this kernel handles `fmt` at `n` tokens.
@@ -142,7 +163,8 @@ pub(crate) fn applies(fmt: Fmt, n: usize) -> bool {
         )
 }
 
-/// Rows `rows` x all `n` tokens.
+/// Rows `rows` x all `n` tokens. `offs`: the tokens' offset starts of `fmt`'s [`OffsetKey`]
+/// ([`fill_offsets`] over `acts`), empty for a format without an offset.
 ///
 /// # Safety
 /// The CPU supports the features enabled here; `acts` holds `n` tokens quantized for `w.cols`;
@@ -155,12 +177,16 @@ pub(crate) unsafe fn quant_rows(
     fmt: Fmt,
     w: WeightMatrix<'_>,
     acts: &[ActBlock],
+    offs: &[[i32; 2]],
     n: usize,
     rows: Range<usize>,
     out: &mut RowsOut<'_>,
 ) {
-    super::avx512::by_quant_format!(fmt, panel_rows(fmt, w, acts, n, rows, out))
+    super::avx512::by_quant_format!(fmt, panel_rows(fmt, w, (acts, offs), n, rows, out))
 }
+
+/// A product's activation blocks and their offset starts (see [`quant_rows`]).
+type Acts<'a> = (&'a [ActBlock], &'a [[i32; 2]]);
 
 #[target_feature(
     enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,gfni,avx2,fma,f16c"
@@ -168,7 +194,7 @@ pub(crate) unsafe fn quant_rows(
 fn panel_rows<const F: u8>(
     fmt: Fmt,
     w: WeightMatrix<'_>,
-    acts: &[ActBlock],
+    acts: Acts<'_>,
     n: usize,
     rows: Range<usize>,
     out: &mut RowsOut<'_>,
@@ -178,7 +204,7 @@ fn panel_rows<const F: u8>(
     }
     let rb = fmt.row_bytes(w.cols);
     let nblocks = w.cols / 32;
-    assert!(acts.len() >= n * nblocks && rows.end <= w.rows && w.data.len() >= w.rows * rb);
+    assert!(rows.end <= w.rows && w.data.len() >= w.rows * rb);
     assert!(!rows.is_empty() && PANEL_ROWS * rb < i32::MAX as usize);
     let end = rows.end;
     panel_loop::<F>(nblocks, acts, n, rows, out, &mut |g, quants, scales| {
@@ -211,7 +237,7 @@ fn panel_rows<const F: u8>(
 fn packed_impl<const F: u8>(
     fmt: Fmt,
     w: WeightMatrix<'_>,
-    acts: &[ActBlock],
+    acts: Acts<'_>,
     n: usize,
     rows: Range<usize>,
     out: &mut RowsOut<'_>,
@@ -219,9 +245,7 @@ fn packed_impl<const F: u8>(
     let bb = super::packed::block_bytes(fmt).unwrap_or(0);
     let nblocks = w.cols / 32;
     let gb = nblocks * bb;
-    assert!(
-        acts.len() >= n * nblocks && rows.end <= w.rows && rows.start.is_multiple_of(PANEL_ROWS)
-    );
+    assert!(rows.end <= w.rows && rows.start.is_multiple_of(PANEL_ROWS));
     assert!(!rows.is_empty() && w.data.len() >= w.rows.div_ceil(PANEL_ROWS) * gb);
     panel_loop::<F>(nblocks, acts, n, rows, out, &mut |g, quants, scales| {
         let group = &w.data[g / PANEL_ROWS * gb..][..gb];
@@ -282,19 +306,18 @@ type PackFn<'a> = dyn FnMut(usize, &mut [Quants], &mut [Lanes]) + 'a;
 )]
 fn panel_loop<const F: u8>(
     nblocks: usize,
-    acts: &[ActBlock],
+    (acts, offs): Acts<'_>,
     n: usize,
     rows: Range<usize>,
     out: &mut RowsOut<'_>,
     pack: &mut PackFn<'_>,
 ) {
+    assert!(acts.len() >= n * nblocks);
+    // The tiles read the offset starts without bounds checks.
+    assert!(offset_shift(F) == 0 || offs.len() >= n * nblocks);
     PANEL.with(|p| {
         let mut guard = p.borrow_mut();
-        let Panel {
-            quants,
-            scales,
-            offsets: offs,
-        } = &mut *guard;
+        let Panel { quants, scales } = &mut *guard;
         if quants.len() < 2 * nblocks {
             quants.resize(2 * nblocks, Quants { w: [[0; 64]; 8] });
             scales.resize(2 * MAX_SCALE_VECTORS * nblocks, Lanes([0.0; 16]));
@@ -309,9 +332,6 @@ fn panel_loop<const F: u8>(
         let chunk = n.div_ceil(n.div_ceil(TOKEN_CHUNK)).next_multiple_of(8);
         for tc in (0..n).step_by(chunk) {
             let t_end = (tc + chunk).min(n);
-            if offset_shift(F) != 0 {
-                offsets::<F>(&acts[tc * nblocks..t_end * nblocks], offs);
-            }
             let mut g = rows.start;
             while g < rows.end {
                 let pair = g + PANEL_ROWS < rows.end;
@@ -332,7 +352,7 @@ fn panel_loop<const F: u8>(
                     let left = t_end - t0;
                     let ap = acts[t0 * nblocks..].as_ptr();
                     // The tile's offsets (an empty slice for the formats without one).
-                    let op = offs[((t0 - tc) * nblocks).min(offs.len())..].as_ptr();
+                    let op = offs[(t0 * nblocks).min(offs.len())..].as_ptr();
                     // SAFETY: `ap` has at least the tile's tokens (`left` of them), `nblocks`
                     // blocks each, and so has `op` for the formats with an offset (the only
                     // ones that read it); the panels hold `nblocks` packed blocks each.
