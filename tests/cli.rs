@@ -307,6 +307,114 @@ fn windows_nll(model: &gpu_pipeline::Model, windows: &[Vec<u32>]) -> (f64, usize
     (nll, count)
 }
 
+/// A copy of the default model in `dir` whose `tokenizer.ggml.add_bos_token` is true (one byte
+/// changed; BOS is `<|im_start|>`, id 1).
+fn default_model_adding_bos(dir: &std::path::Path) -> std::path::PathBuf {
+    let mut bytes = std::fs::read(weight_cache::locate_default_model().unwrap()).unwrap();
+    let key = b"tokenizer.ggml.add_bos_token";
+    let at = bytes.windows(key.len()).position(|w| w == key).unwrap() + key.len();
+    assert_eq!(bytes[at..at + 5], [7, 0, 0, 0, 0], "a bool entry, false");
+    bytes[at + 4] = 1;
+    let model_file = dir.join("smollm2-add-bos.gguf");
+    std::fs::write(&model_file, bytes).unwrap();
+    model_file
+}
+
+/// `zerolayer perplexity` against llama.cpp's own `llama-perplexity` on a model whose vocabulary
+/// adds BOS (the default model with `add_bos_token` set, as above): the fixture
+/// (`scripts/fixtures/gpu-pipeline-perplexity-bos.py`: same text, window size and count) holds
+/// llama.cpp's running perplexity after each window with BOS in each window's first place and,
+/// from the unmodified file, without. At llama.cpp's precision (`--activation-split off`) the
+/// final figure is within 0.3% and each window's own perplexity within 2% on average; scoring
+/// without BOS moves the windows by 5.5% on average in llama.cpp itself (the fixture must
+/// show at least 4%), so a `perplexity` that scored plain chunks fails here.
+#[test]
+fn perplexity_matches_llama_cpp_on_an_add_bos_model() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let fixtures = root.join("crates/gpu-pipeline/tests/fixtures");
+    let fx: Value = serde_json::from_str(
+        &std::fs::read_to_string(fixtures.join("perplexity-bos.json")).unwrap(),
+    )
+    .unwrap();
+    let floats = |v: &Value| -> Vec<f64> {
+        v.as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_f64().unwrap())
+            .collect()
+    };
+    // Each window's own perplexity from the running ones (the geometric mean over windows).
+    let per_window = |running: &[f64]| -> Vec<f64> {
+        let logs = running
+            .iter()
+            .enumerate()
+            .map(|(k, r)| (k + 1) as f64 * r.ln());
+        let mut prev = 0.0;
+        logs.map(|total| {
+            let w = (total - prev).exp();
+            prev = total;
+            w
+        })
+        .collect()
+    };
+    // Mean relative difference of two runs' windows.
+    let apart = |a: &[f64], b: &[f64]| -> f64 {
+        assert_eq!(a.len(), b.len());
+        let (a, b) = (per_window(a), per_window(b));
+        a.iter()
+            .zip(&b)
+            .map(|(x, y)| (x / y - 1.0).abs())
+            .sum::<f64>()
+            / a.len() as f64
+    };
+    let (llama, llama_plain) = (floats(&fx["running"]), floats(&fx["running_without_bos"]));
+    let bos_effect = apart(&llama_plain, &llama);
+    assert!(
+        bos_effect > 0.04,
+        "the fixture cannot tell BOS from none: windows {:.1}% apart",
+        100.0 * bos_effect
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let model_file = default_model_adding_bos(dir.path());
+    let text = fixtures.join(fx["text"].as_str().unwrap());
+    let (ctx, chunks) = (fx["ctx"].to_string(), fx["chunks"].to_string());
+    let (out, _) = ok(zerolayer(&[
+        "perplexity",
+        text.to_str().unwrap(),
+        "--model",
+        model_file.to_str().unwrap(),
+        "--ctx",
+        &ctx,
+        "--chunks",
+        &chunks,
+        "--activation-split",
+        "off",
+        "--json",
+    ])
+    .output()
+    .unwrap());
+    let v: Value = serde_json::from_str(&out).unwrap();
+    let (ours, running) = (v["perplexity"].as_f64().unwrap(), floats(&v["running"]));
+    let want = fx["ppl"].as_f64().unwrap();
+    let windows = apart(&running, &llama);
+    eprintln!(
+        "perplexity {ours:.4}, llama.cpp {want:.4}; windows {:.2}% apart (without BOS in \
+         llama.cpp: {:.2}%)",
+        100.0 * windows,
+        100.0 * bos_effect
+    );
+    assert_eq!(v["windows"], fx["chunks"], "{v}");
+    assert!(
+        (ours / want - 1.0).abs() < 0.003,
+        "{ours} vs llama.cpp's {want}"
+    );
+    assert!(
+        windows < 0.02,
+        "windows {:.2}% from llama.cpp's",
+        100.0 * windows
+    );
+}
+
 /// llama.cpp's perplexity tokenizes the text as a prompt (BOS first when the vocabulary adds
 /// one) and puts BOS in the first place of every window; on a vocabulary without BOS nothing
 /// changes. The default model does not add BOS, so the test flips its
@@ -316,13 +424,7 @@ fn windows_nll(model: &gpu_pipeline::Model, windows: &[Vec<u32>]) -> (f64, usize
 #[test]
 fn perplexity_starts_every_window_with_bos_when_the_vocabulary_adds_it() {
     let dir = tempfile::tempdir().unwrap();
-    let mut bytes = std::fs::read(weight_cache::locate_default_model().unwrap()).unwrap();
-    let key = b"tokenizer.ggml.add_bos_token";
-    let at = bytes.windows(key.len()).position(|w| w == key).unwrap() + key.len();
-    assert_eq!(bytes[at..at + 5], [7, 0, 0, 0, 0], "a bool entry, false");
-    bytes[at + 4] = 1;
-    let model_file = dir.path().join("smollm2-add-bos.gguf");
-    std::fs::write(&model_file, bytes).unwrap();
+    let model_file = default_model_adding_bos(dir.path());
     let text = "The sun rises in the east and sets in the west. Water boils at one hundred \
         degrees Celsius at sea level. Most plants need light, water and air to grow. "
         .repeat(6);

@@ -125,6 +125,9 @@ pub(crate) struct PerplexityArgs {
     /// vocabulary adds one and is scored on its second half; the text must hold two windows.
     #[arg(long, default_value_t = 512)]
     ctx: usize,
+    /// Score at most this many windows, the first ones (llama.cpp's `--chunks`; 0 = all).
+    #[arg(long, default_value_t = 0)]
+    chunks: usize,
     /// Print one JSON object.
     #[arg(long)]
     json: bool,
@@ -181,11 +184,16 @@ pub(crate) fn perplexity(a: PerplexityArgs) -> anyhow::Result<()> {
         );
     }
     let bos = tokenizer.add_bos().then(|| tokenizer.bos_id()).flatten();
-    let n_win = ids.len() / a.ctx;
+    let n_win = match a.chunks {
+        0 => ids.len() / a.ctx,
+        c => c.min(ids.len() / a.ctx),
+    };
     let mut logits = Vec::new();
     let (mut nll, mut count) = (0f64, 0usize);
+    // The perplexity after each window, as llama.cpp prints it (`[1]15.1756,[2]...`).
+    let mut running = Vec::with_capacity(n_win);
     let t0 = Instant::now();
-    for (w, window) in perplexity_windows(&ids, a.ctx, bos).enumerate() {
+    for (w, window) in perplexity_windows(&ids, a.ctx, bos).take(n_win).enumerate() {
         let mut kv = new_ring(&model, a.ctx, KvDtype::F32)?;
         model.forward(
             &mut [SeqStep {
@@ -199,17 +207,14 @@ pub(crate) fn perplexity(a: PerplexityArgs) -> anyhow::Result<()> {
             nll += gpu_pipeline::token_nll(&logits[j * vocab..(j + 1) * vocab], window[j + 1]);
             count += 1;
         }
-        eprintln!(
-            "[{}/{n_win}] running ppl {:.4}",
-            w + 1,
-            (nll / count as f64).exp()
-        );
+        running.push((nll / count as f64).exp());
+        eprintln!("[{}/{n_win}] running ppl {:.4}", w + 1, running[w]);
     }
     let ppl = (nll / count as f64).exp();
     if a.json {
         println!(
             "{}",
-            json!({"perplexity": ppl, "tokens": ids.len(), "windows": n_win, "ctx": a.ctx, "scored": count, "bos": bos})
+            json!({"perplexity": ppl, "tokens": ids.len(), "windows": n_win, "ctx": a.ctx, "scored": count, "bos": bos, "running": running})
         );
     } else {
         println!(
