@@ -41,6 +41,13 @@ pub(crate) struct Args {
     /// (closer to fp32), `all` splits every product (about fp32, ~2x prefill work).
     #[arg(long, value_enum, default_value_t = super::Split::FfnDown)]
     activation_split: super::Split,
+    /// KV-cache element type of both tests (`q8_0`: llama.cpp's `-ctk q8_0 -ctv q8_0`).
+    #[arg(long, value_enum, default_value_t = super::KvType::F16)]
+    kv_dtype: super::KvType,
+    /// Tokens already in the KV cache when the `tg` test starts (llama-bench's `-d`): the
+    /// decode speed at that context length. Prefilled before timing.
+    #[arg(long, default_value_t = 0)]
+    depth: usize,
     /// Print one JSON object.
     #[arg(long)]
     json: bool,
@@ -69,7 +76,7 @@ pub(crate) fn main(a: Args) -> anyhow::Result<()> {
     let mut logits = Vec::new();
     let mut pp = Vec::with_capacity(a.reps);
     for _ in 0..a.reps {
-        let mut kv = new_ring(&model, a.prompt_tokens, KvDtype::F16)?;
+        let mut kv = new_ring(&model, a.prompt_tokens, a.kv_dtype.into())?;
         let t0 = Instant::now();
         model.forward(
             &mut [SeqStep {
@@ -85,9 +92,25 @@ pub(crate) fn main(a: Args) -> anyhow::Result<()> {
         .with_max_tokens(a.gen_tokens)
         .with_stop_tokens(Vec::new());
     let mut tg = Vec::with_capacity(a.reps);
+    // The depth's tokens: the prompt text repeated (not timed), then one more as the prompt.
+    let mut context = Vec::with_capacity(a.depth + 1);
+    while context.len() < a.depth + 1 {
+        context.extend_from_slice(tokenizer.encode(PROMPT_TEXT).as_slice());
+    }
+    context.truncate(a.depth + 1);
     for _ in 0..a.reps {
-        let mut kv = new_ring(&model, a.gen_tokens + 1, KvDtype::F16)?;
-        let g = model.generate(&mut kv, &prompt[..1], &opts, None, &mut |_| {})?;
+        let mut kv = new_ring(&model, a.depth + a.gen_tokens + 1, a.kv_dtype.into())?;
+        for chunk in context[..a.depth].chunks(512) {
+            model.forward(
+                &mut [SeqStep {
+                    tokens: chunk,
+                    kv: &mut kv,
+                    logits: LogitsWanted::None,
+                }],
+                &mut logits,
+            )?;
+        }
+        let g = model.generate(&mut kv, &context[a.depth..], &opts, None, &mut |_| {})?;
         let steps = g.ids.len().saturating_sub(1).max(1);
         tg.push(steps as f64 / g.decode_time.as_secs_f64().max(1e-9));
     }
@@ -102,14 +125,23 @@ pub(crate) fn main(a: Args) -> anyhow::Result<()> {
         println!(
             "{}",
             json!({"model": name, "threads": threads, "reps": a.reps,
+                   "kv_dtype": format!("{:?}", KvDtype::from(a.kv_dtype)),
                    "pp": {"tokens": a.prompt_tokens, "tokens_per_second": pp},
-                   "tg": {"tokens": a.gen_tokens, "tokens_per_second": tg}})
+                   "tg": {"tokens": a.gen_tokens, "depth": a.depth, "tokens_per_second": tg}})
         );
     } else {
         println!("| model | threads | test | t/s (median of {}) |", a.reps);
         println!("|---|---|---|---|");
         println!("| {name} | {threads} | pp{} | {pp:.1} |", a.prompt_tokens);
-        println!("| {name} | {threads} | tg{} | {tg:.1} |", a.gen_tokens);
+        let depth = if a.depth > 0 {
+            format!(" @ d{}", a.depth)
+        } else {
+            String::new()
+        };
+        println!(
+            "| {name} | {threads} | tg{}{depth} | {tg:.1} |",
+            a.gen_tokens
+        );
     }
     Ok(())
 }

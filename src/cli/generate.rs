@@ -74,6 +74,10 @@ pub(crate) struct Args {
     /// packed kernels' layout at load (slower decode; for comparisons).
     #[arg(long)]
     no_pack: bool,
+    /// KV-cache element type: `f16`, `q8_0` (llama.cpp's block format, 53% of f16's memory;
+    /// CPU executor) or `f32`.
+    #[arg(long, value_enum, default_value_t = super::KvType::F16)]
+    kv_dtype: super::KvType,
     /// Activation precision of the products: `off` quantizes activations to 8 bits (llama.cpp's
     /// precision; ~30% more batched throughput and ~25% faster first tokens than the default),
     /// `ffn-down` splits the MLP down projection's input into an 8-bit part and its residual
@@ -128,6 +132,10 @@ pub(crate) struct PerplexityArgs {
     /// Score at most this many windows, the first ones (llama.cpp's `--chunks`; 0 = all).
     #[arg(long, default_value_t = 0)]
     chunks: usize,
+    /// KV-cache element type (`f32`, the reference precision; `f16` or `q8_0` to measure what
+    /// they cost, as llama.cpp's `-ctk`/`-ctv`).
+    #[arg(long, value_enum, default_value_t = super::KvType::F32)]
+    kv_dtype: super::KvType,
     /// Print one JSON object.
     #[arg(long)]
     json: bool,
@@ -194,7 +202,7 @@ pub(crate) fn perplexity(a: PerplexityArgs) -> anyhow::Result<()> {
     let mut running = Vec::with_capacity(n_win);
     let t0 = Instant::now();
     for (w, window) in perplexity_windows(&ids, a.ctx, bos).take(n_win).enumerate() {
-        let mut kv = new_ring(&model, a.ctx, KvDtype::F32)?;
+        let mut kv = new_ring(&model, a.ctx, a.kv_dtype.into())?;
         model.forward(
             &mut [SeqStep {
                 tokens: &window,
@@ -447,12 +455,12 @@ fn generate(a: &Args, loaded: LoadedModel, prompt: &[u32]) -> anyhow::Result<()>
     };
     let g = match &device {
         None => {
-            let mut kv = new_ring(&model, cap, KvDtype::F16)?;
+            let mut kv = new_ring(&model, cap, a.kv_dtype.into())?;
             model.generate(&mut kv, prompt, &opts, Some(tok), &mut on_token)?
         }
         Some(exec) => {
             // The executor's own storage (device memory for CUDA).
-            let shape = exec.kv_shape(KvDtype::F16);
+            let shape = exec.kv_shape(a.kv_dtype.into());
             let pool = KvPool::new_in(shape, cap * shape.bytes_per_token(), exec.kv_allocator())?;
             let mut kv = pool.alloc(cap, RingMode::Strict)?;
             gpu_pipeline::generate_with(exec, &mut kv, prompt, &opts, Some(tok), &mut on_token)?

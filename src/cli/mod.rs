@@ -110,6 +110,29 @@ fn model_path(model: Option<&Path>) -> anyhow::Result<PathBuf> {
     }
 }
 
+/// `--kv-dtype`: how the KV cache stores keys and values (llama.cpp's `-ctk`/`-ctv`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub(crate) enum KvType {
+    /// 2 bytes per element.
+    F16,
+    /// llama.cpp's `q8_0` blocks: 34 bytes per 32 elements (53% of f16); `head_dim` a multiple
+    /// of 32; the CPU executor only.
+    #[value(name = "q8_0")]
+    Q8_0,
+    /// 4 bytes per element (the reference precision).
+    F32,
+}
+
+impl From<KvType> for kv_ring::KvDtype {
+    fn from(t: KvType) -> Self {
+        match t {
+            KvType::F16 => Self::F16,
+            KvType::Q8_0 => Self::Q8_0,
+            KvType::F32 => Self::F32,
+        }
+    }
+}
+
 /// `--activation-split`: see [`ActivationSplit`].
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
 pub(crate) enum Split {

@@ -525,7 +525,7 @@ fn write_device_layer(ring: &mut KvRing<DeviceKv>, layer: usize, k: &[f32], v: &
     let (heads, hd) = (shape.n_kv_heads, shape.head_dim);
     let slots = ring.layer_slots(layer).unwrap();
     let stream = Arc::clone(ring.pool().allocator());
-    let elem = shape.dtype.elem_bytes();
+    let elem = shape.dtype.bytes_for(1).unwrap();
     for (tensor, src) in [(KvTensor::K, k), (KvTensor::V, v)] {
         for head in 0..heads {
             let base = ring

@@ -24,6 +24,22 @@ pub enum KvError {
         /// The rejected shape.
         shape: KvShape,
     },
+    /// [`KvPool::new`](crate::KvPool::new): `head_dim` is not a multiple of the dtype's block
+    /// ([`KvDtype::block_elems`](crate::KvDtype::block_elems): 32 for `Q8_0`).
+    #[error("KV shape {shape:?}: head_dim is not a multiple of the {dtype:?} block ({block})", dtype = shape.dtype)]
+    HeadDimNotBlockMultiple {
+        /// The rejected shape.
+        shape: KvShape,
+        /// Elements per block of its dtype.
+        block: usize,
+    },
+    /// [`KvPool::new_in`](crate::KvPool::new_in): the storage cannot hold this dtype
+    /// ([`KvStorage::supports`](crate::KvStorage::supports)), e.g. `q8_0` in device memory.
+    #[error("this KV storage cannot hold {dtype:?} elements")]
+    UnsupportedDtype {
+        /// The refused dtype.
+        dtype: crate::KvDtype,
+    },
     /// [`KvPool::new`](crate::KvPool::new): bytes per token do not fit in `usize`.
     #[error("KV shape {shape:?}: bytes per token overflow usize")]
     ShapeOverflow {

@@ -61,6 +61,6 @@ pub use half;
 pub use pool::{KvPool, PoolStats};
 pub use ring::KvRing;
 pub use ring::LayerSlots;
-pub use shape::{KvDtype, KvShape, RingMode};
+pub use shape::{KvDtype, KvShape, Q8_0_BLOCK, RingMode};
 pub use storage::{HostKv, HostKvStorage, KvBlock, KvBlockMut, KvStorage};
-pub use view::{KvSlices, KvView};
+pub use view::{KvSlices, KvView, Q8Rows};

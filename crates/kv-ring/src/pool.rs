@@ -154,6 +154,7 @@ impl<S: KvStorage> KvPool<S> {
     /// allocated by `allocator` ([`KvStorage::zeroed`]).
     ///
     /// Allocates nothing up front. Errors: [`KvError::ZeroDimension`],
+    /// [`KvError::HeadDimNotBlockMultiple`], [`KvError::UnsupportedDtype`],
     /// [`KvError::ShapeOverflow`].
     pub fn new_in(
         shape: KvShape,
@@ -162,6 +163,13 @@ impl<S: KvStorage> KvPool<S> {
     ) -> Result<Arc<Self>, KvError> {
         if shape.n_layers == 0 || shape.n_kv_heads == 0 || shape.head_dim == 0 {
             return Err(KvError::ZeroDimension { shape });
+        }
+        let block = shape.dtype.block_elems();
+        if !shape.head_dim.is_multiple_of(block) {
+            return Err(KvError::HeadDimNotBlockMultiple { shape, block });
+        }
+        if !S::supports(&allocator, shape.dtype) {
+            return Err(KvError::UnsupportedDtype { dtype: shape.dtype });
         }
         let Some(bytes_per_token) = shape.checked_bytes_per_token() else {
             return Err(KvError::ShapeOverflow { shape });

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use half::slice::HalfFloatSliceExt;
 
 use crate::storage::{HostKv, HostKvStorage, KvBlock, KvBlockMut, KvStorage};
-use crate::{KvError, KvPool, KvSlices, KvTensor, KvView, RingMode};
+use crate::{KvDtype, KvError, KvPool, KvSlices, KvTensor, KvView, Q8_0_BLOCK, RingMode};
 
 /// One stream's KV cache: a fixed-capacity ring of positions, obtained from a [`KvPool`] and
 /// returning its memory there on drop. `Send + Sync`.
@@ -727,6 +727,17 @@ impl<S: HostKvStorage> KvRing<S> {
                             block[d..d + hd].convert_from_f32_slice(r);
                         }
                     }
+                    KvBlockMut::Q8_0 { q, d: scales } => {
+                        let per_row = hd / Q8_0_BLOCK;
+                        for (i, r) in rows.enumerate() {
+                            let row = (first + i) % cap;
+                            KvDtype::quantize_q8_0(
+                                r,
+                                &mut q[row * hd..(row + 1) * hd],
+                                &mut scales[row * per_row..(row + 1) * per_row],
+                            );
+                        }
+                    }
                 }
             }
         }
@@ -804,6 +815,13 @@ impl<S: HostKvStorage> KvRing<S> {
                 KvSlices::F16([&k[a.clone()], &k[b.clone()]]),
                 KvSlices::F16([&v[a], &v[b]]),
             ),
+            (KvBlock::Q8_0(k), KvBlock::Q8_0(v)) => {
+                // Rows are whole blocks: `hd` is a multiple of 32.
+                (
+                    KvSlices::Q8_0([k.slice(a.clone()), k.slice(b.clone())]),
+                    KvSlices::Q8_0([v.slice(a), v.slice(b)]),
+                )
+            }
             _ => unreachable!("one storage has one dtype"),
         };
         Ok(KvView {

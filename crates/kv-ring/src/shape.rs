@@ -3,7 +3,10 @@
 /// Element type the cache stores keys and values in.
 ///
 /// Writers always pass `f32`; the ring converts on write. `F16` halves the memory at a small
-/// precision cost (conversion uses the F16C instructions when the CPU has them, via `half`).
+/// precision cost (conversion uses the F16C instructions when the CPU has them, via `half`);
+/// `Q8_0` is llama.cpp's block format (`-ctk q8_0 -ctv q8_0`): each 32 consecutive elements of
+/// a head's row share one f16 scale, 34 bytes per 32 elements (53% of `F16`), and need a
+/// `head_dim` that is a multiple of 32.
 #[non_exhaustive]
 #[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
 pub enum KvDtype {
@@ -11,14 +14,69 @@ pub enum KvDtype {
     F32,
     /// IEEE 754 binary16, 2 bytes per element.
     F16,
+    /// llama.cpp's `q8_0`: per 32 elements an f16 scale `d` and 32 `i8` quants, element
+    /// `d * q` ([`KvDtype::quantize_q8_0`]).
+    Q8_0,
 }
 
+/// Elements per [`KvDtype::Q8_0`] block (one scale each).
+pub const Q8_0_BLOCK: usize = 32;
+
 impl KvDtype {
-    /// Bytes per stored element.
-    pub const fn elem_bytes(self) -> usize {
+    /// Elements that share one scale: 1 for the float types, [`Q8_0_BLOCK`] for `Q8_0`. A
+    /// pool's `head_dim` must be a multiple of it.
+    pub const fn block_elems(self) -> usize {
         match self {
-            Self::F32 => 4,
-            Self::F16 => 2,
+            Self::F32 | Self::F16 => 1,
+            Self::Q8_0 => Q8_0_BLOCK,
+        }
+    }
+
+    /// Bytes `elems` elements take (`elems` a multiple of [`block_elems`](Self::block_elems)),
+    /// or `None` on overflow.
+    ///
+    /// ```
+    /// use kv_ring::KvDtype;
+    /// assert_eq!(KvDtype::F16.bytes_for(64), Some(128));
+    /// assert_eq!(KvDtype::Q8_0.bytes_for(64), Some(68));
+    /// ```
+    pub const fn bytes_for(self, elems: usize) -> Option<usize> {
+        match self {
+            Self::F32 => elems.checked_mul(4),
+            Self::F16 => elems.checked_mul(2),
+            // Per block: 32 quants and a 2-byte scale.
+            Self::Q8_0 => (elems / Q8_0_BLOCK).checked_mul(Q8_0_BLOCK + 2),
+        }
+    }
+
+    /// Quantizes `x` (a multiple of 32 elements) to `q8_0` as llama.cpp's
+    /// `quantize_row_q8_0_ref` does: per block `d = max|x| / 127`, `q = round(x / d)` (half
+    /// away from zero), the scale stored as f16.
+    ///
+    /// ```
+    /// use kv_ring::KvDtype;
+    /// use kv_ring::half::f16;
+    /// let x: Vec<f32> = (0..32).map(|i| i as f32 - 16.0).collect();
+    /// let (mut q, mut d) = ([0i8; 32], [f16::ZERO; 1]);
+    /// KvDtype::quantize_q8_0(&x, &mut q, &mut d);
+    /// assert_eq!(q[0], -127);
+    /// assert!((d[0].to_f32() * f32::from(q[31]) - 15.0).abs() < 0.07);
+    /// ```
+    pub fn quantize_q8_0(x: &[f32], q: &mut [i8], d: &mut [half::f16]) {
+        debug_assert!(x.len() == q.len() && x.len() == d.len() * Q8_0_BLOCK);
+        for ((xb, qb), db) in x
+            .chunks_exact(Q8_0_BLOCK)
+            .zip(q.chunks_exact_mut(Q8_0_BLOCK))
+            .zip(d.iter_mut())
+        {
+            let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let scale = amax / 127.0;
+            let inv = if scale != 0.0 { 1.0 / scale } else { 0.0 };
+            for (qv, &xv) in qb.iter_mut().zip(xb) {
+                // |x * inv| <= 127.5 after rounding: in range.
+                *qv = (xv * inv).round() as i8;
+            }
+            *db = half::f16::from_f32(scale);
         }
     }
 }
@@ -49,8 +107,8 @@ impl KvShape {
         }
     }
 
-    /// Bytes one cached token occupies:
-    /// `2 (K and V) * n_layers * n_kv_heads * head_dim * dtype.elem_bytes()`.
+    /// Bytes one cached token occupies: `2 (K and V) * n_layers * n_kv_heads` rows of
+    /// `head_dim` elements of `dtype` ([`KvDtype::bytes_for`]).
     ///
     /// This is exactly what a ring allocates per token of capacity (no padding, no per-token
     /// metadata). Saturates at `usize::MAX` for absurd shapes, which [`KvPool::new`] rejects.
@@ -66,7 +124,7 @@ impl KvShape {
     /// [`bytes_per_token`](Self::bytes_per_token), or `None` on overflow.
     pub const fn checked_bytes_per_token(&self) -> Option<usize> {
         match self.checked_elems_per_token() {
-            Some(e) => e.checked_mul(self.dtype.elem_bytes()),
+            Some(e) => self.dtype.bytes_for(e),
             None => None,
         }
     }

@@ -10,7 +10,7 @@
 
 use half::f16;
 
-use crate::{KvDtype, KvError};
+use crate::{KvDtype, KvError, Q8_0_BLOCK, Q8Rows};
 
 /// The element store of a [`KvRing`](crate::KvRing), allocated by its [`KvPool`](crate::KvPool).
 ///
@@ -21,7 +21,7 @@ use crate::{KvDtype, KvError};
 ///
 /// Contract (checked for [`HostKv`] and a chunked store in `tests/storage.rs`):
 /// - `allocated_bytes` is exact: the pool's budget accounting relies on it being
-///   `sum(block_lens) * dtype.elem_bytes()` after [`zeroed`](Self::zeroed) and
+///   `dtype.bytes_for(sum(block_lens))` after [`zeroed`](Self::zeroed) and
 ///   [`grow_blocks`](Self::grow_blocks).
 /// - Copies move `len` elements as `memmove` would (overlapping runs inside one block are fine).
 /// - Nothing here is called on the decode path except through the ring's eviction (sliding
@@ -41,6 +41,14 @@ pub trait KvStorage: Sized + Send + Sync + 'static {
         dtype: KvDtype,
         block_lens: &[usize],
     ) -> Result<Self, KvError>;
+
+    /// Whether buffers from `allocator` can hold `dtype` (every dtype unless a backend says
+    /// otherwise; a device backend without `q8_0` kernels does). Checked when a pool is made,
+    /// so an unsupported dtype is an error at start-up, not at the first request.
+    fn supports(allocator: &Self::Allocator, dtype: KvDtype) -> bool {
+        let _ = (allocator, dtype);
+        true
+    }
 
     /// A storage holding nothing (no allocation): the placeholder a dropped ring leaves.
     fn empty(dtype: KvDtype) -> Self;
@@ -107,6 +115,8 @@ pub enum KvBlock<'a> {
     F32(&'a [f32]),
     /// `f16` storage.
     F16(&'a [f16]),
+    /// `q8_0` storage: the block's quants and its scales (one per 32 elements).
+    Q8_0(Q8Rows<'a>),
 }
 
 /// One writable block of a host storage.
@@ -117,6 +127,13 @@ pub enum KvBlockMut<'a> {
     F32(&'a mut [f32]),
     /// `f16` storage.
     F16(&'a mut [f16]),
+    /// `q8_0` storage: quants (one per element) and scales (one per 32).
+    Q8_0 {
+        /// Quants.
+        q: &'a mut [i8],
+        /// Scales.
+        d: &'a mut [f16],
+    },
 }
 
 /// Host storage: one contiguous zero-allocated buffer, blocks back to back (the default storage
@@ -135,6 +152,9 @@ pub struct HostKv {
 enum HostData {
     F32(Vec<f32>),
     F16(Vec<u16>),
+    /// Quants (one per element) and scale bits (one per [`Q8_0_BLOCK`] elements; every block
+    /// bound is a multiple of it).
+    Q8_0(Vec<i8>, Vec<u16>),
 }
 
 fn prefix_bounds(block_lens: &[usize]) -> Box<[usize]> {
@@ -144,6 +164,13 @@ fn prefix_bounds(block_lens: &[usize]) -> Box<[usize]> {
             Some(*end)
         }))
         .collect()
+}
+
+/// The scales of the `q8_0` elements `r` (whole blocks).
+#[inline]
+fn scales(r: std::ops::Range<usize>) -> std::ops::Range<usize> {
+    debug_assert!(r.start.is_multiple_of(Q8_0_BLOCK) && r.end.is_multiple_of(Q8_0_BLOCK));
+    r.start / Q8_0_BLOCK..r.end / Q8_0_BLOCK
 }
 
 impl HostKv {
@@ -166,6 +193,7 @@ impl KvStorage for HostKv {
         let data = match dtype {
             KvDtype::F32 => HostData::F32(vec![0.0; elems]),
             KvDtype::F16 => HostData::F16(vec![0; elems]),
+            KvDtype::Q8_0 => HostData::Q8_0(vec![0; elems], vec![0; elems / Q8_0_BLOCK]),
         };
         Ok(Self { data, bounds })
     }
@@ -174,6 +202,7 @@ impl KvStorage for HostKv {
         let data = match dtype {
             KvDtype::F32 => HostData::F32(Vec::new()),
             KvDtype::F16 => HostData::F16(Vec::new()),
+            KvDtype::Q8_0 => HostData::Q8_0(Vec::new(), Vec::new()),
         };
         Self {
             data,
@@ -186,6 +215,7 @@ impl KvStorage for HostKv {
         match &self.data {
             HostData::F32(v) => v.capacity() * size_of::<f32>(),
             HostData::F16(v) => v.capacity() * size_of::<u16>(),
+            HostData::Q8_0(q, d) => q.capacity() + d.capacity() * size_of::<u16>(),
         }
     }
 
@@ -207,6 +237,12 @@ impl KvStorage for HostKv {
         match &mut self.data {
             HostData::F32(v) => respace(v, &self.bounds, &bounds),
             HostData::F16(v) => respace(v, &self.bounds, &bounds),
+            HostData::Q8_0(q, d) => {
+                respace(q, &self.bounds, &bounds);
+                let per_block =
+                    |b: &[usize]| -> Vec<usize> { b.iter().map(|&e| e / Q8_0_BLOCK).collect() };
+                respace(d, &per_block(&self.bounds), &per_block(&bounds));
+            }
         }
         self.bounds = bounds;
         Ok(())
@@ -225,6 +261,10 @@ impl KvStorage for HostKv {
         match &mut self.data {
             HostData::F32(v) => v.copy_within(from, to),
             HostData::F16(v) => v.copy_within(from, to),
+            HostData::Q8_0(q, d) => {
+                q.copy_within(from.clone(), to);
+                d.copy_within(scales(from), to / Q8_0_BLOCK);
+            }
         }
         Ok(())
     }
@@ -244,6 +284,10 @@ impl KvStorage for HostKv {
         match (&mut self.data, &other.data) {
             (HostData::F32(d), HostData::F32(s)) => d[to].copy_from_slice(&s[from]),
             (HostData::F16(d), HostData::F16(s)) => d[to].copy_from_slice(&s[from]),
+            (HostData::Q8_0(dq, dd), HostData::Q8_0(sq, sd)) => {
+                dq[to.clone()].copy_from_slice(&sq[from.clone()]);
+                dd[scales(to)].copy_from_slice(&sd[scales(from)]);
+            }
             _ => unreachable!("rings of one pool share a dtype"),
         }
         Ok(())
@@ -257,6 +301,10 @@ impl HostKvStorage for HostKv {
         Some(match &self.data {
             HostData::F32(v) => KvBlock::F32(&v[r]),
             HostData::F16(v) => KvBlock::F16(bytemuck::cast_slice(&v[r])),
+            HostData::Q8_0(q, d) => KvBlock::Q8_0(Q8Rows {
+                q: &q[r.clone()],
+                d: bytemuck::cast_slice(&d[scales(r)]),
+            }),
         })
     }
 
@@ -266,6 +314,10 @@ impl HostKvStorage for HostKv {
         Some(match &mut self.data {
             HostData::F32(v) => KvBlockMut::F32(&mut v[r]),
             HostData::F16(v) => KvBlockMut::F16(bytemuck::cast_slice_mut(&mut v[r])),
+            HostData::Q8_0(q, d) => KvBlockMut::Q8_0 {
+                q: &mut q[r.clone()],
+                d: bytemuck::cast_slice_mut(&mut d[scales(r)]),
+            },
         })
     }
 }

@@ -11,6 +11,36 @@ pub enum KvSlices<'a> {
     F32([&'a [f32]; 2]),
     /// `f16` storage.
     F16([&'a [f16]; 2]),
+    /// `q8_0` storage ([`KvDtype::Q8_0`](crate::KvDtype::Q8_0)).
+    Q8_0([Q8Rows<'a>; 2]),
+}
+
+/// A run of [`KvDtype::Q8_0`](crate::KvDtype::Q8_0) elements: quant `i` is element `i`, scaled
+/// by `d[i / 32]` (runs start and end at block boundaries: rows of a multiple of 32).
+#[derive(Clone, Copy, PartialEq, Debug, Default)]
+pub struct Q8Rows<'a> {
+    /// The quants, one per element.
+    pub q: &'a [i8],
+    /// The scales, one per 32 elements.
+    pub d: &'a [f16],
+}
+
+impl<'a> Q8Rows<'a> {
+    /// Elements `r` (whole blocks: `r.start` and `r.end` multiples of 32).
+    pub fn slice(self, r: std::ops::Range<usize>) -> Self {
+        let block = crate::Q8_0_BLOCK;
+        debug_assert!(r.start.is_multiple_of(block) && r.end.is_multiple_of(block));
+        Self {
+            q: &self.q[r.clone()],
+            d: &self.d[r.start / block..r.end / block],
+        }
+    }
+
+    /// Element `i` as `f32` (`d * q`, exact in `f32`), or `None` past the end.
+    pub fn get(&self, i: usize) -> Option<f32> {
+        let q = *self.q.get(i)?;
+        Some(self.d[i / crate::Q8_0_BLOCK].to_f32() * f32::from(q))
+    }
 }
 
 impl KvSlices<'_> {
@@ -19,6 +49,7 @@ impl KvSlices<'_> {
         match self {
             Self::F32([a, b]) => a.len() + b.len(),
             Self::F16([a, b]) => a.len() + b.len(),
+            Self::Q8_0([a, b]) => a.q.len() + b.q.len(),
         }
     }
 
@@ -32,6 +63,7 @@ impl KvSlices<'_> {
         match self {
             Self::F32([a, b]) => [a.len(), b.len()],
             Self::F16([a, b]) => [a.len(), b.len()],
+            Self::Q8_0([a, b]) => [a.q.len(), b.q.len()],
         }
     }
 
@@ -40,6 +72,7 @@ impl KvSlices<'_> {
         match self {
             Self::F32([a, b]) => a.get(i).or_else(|| b.get(i - a.len())).copied(),
             Self::F16([a, b]) => a.get(i).or_else(|| b.get(i - a.len())).map(|x| x.to_f32()),
+            Self::Q8_0([a, b]) => a.get(i).or_else(|| b.get(i - a.q.len())),
         }
     }
 
@@ -49,6 +82,10 @@ impl KvSlices<'_> {
         match self {
             Self::F32([a, b]) => [*a, *b].concat(),
             Self::F16([a, b]) => a.iter().chain(b.iter()).map(|x| x.to_f32()).collect(),
+            Self::Q8_0(runs) => runs
+                .iter()
+                .flat_map(|r| (0..r.q.len()).filter_map(|i| r.get(i)))
+                .collect(),
         }
     }
 }

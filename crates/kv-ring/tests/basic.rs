@@ -65,9 +65,13 @@ fn check_views(ring: &KvRing) {
 
 #[test]
 fn memory_per_token_matches_formula_and_allocation() {
-    for dtype in [KvDtype::F32, KvDtype::F16] {
+    for (dtype, row_bytes) in [
+        (KvDtype::F32, 256),
+        (KvDtype::F16, 128),
+        (KvDtype::Q8_0, 68),
+    ] {
         let s = KvShape::new(30, 3, 64, dtype);
-        assert_eq!(s.bytes_per_token(), 2 * 30 * 3 * 64 * dtype.elem_bytes());
+        assert_eq!(s.bytes_per_token(), 2 * 30 * 3 * row_bytes);
         let pool = KvPool::new(s, 1 << 30).unwrap();
         let a = pool.alloc(100, RingMode::Strict).unwrap();
         let b = pool.alloc(37, RingMode::Sliding { sinks: 4 }).unwrap();
@@ -351,4 +355,49 @@ fn send_sync() {
     fn assert_send_sync<T: Send + Sync>() {}
     assert_send_sync::<Arc<KvPool>>();
     assert_send_sync::<KvRing>();
+}
+
+/// `KvDtype::quantize_q8_0` writes the blocks llama.cpp writes: the expected scales and quants
+/// are those of the `gguf` package's port of llama.cpp's `quantize_row_q8_0_ref`
+/// (`gguf.quants.quantize(x, Q8_0)`, gguf 0.19.0) for the same 64 values; and a ring of that
+/// dtype returns `d * q` of them from its view.
+#[test]
+fn q8_0_blocks_are_llama_cpps() {
+    let mut x: Vec<f32> = (0..64)
+        .map(|i| ((i * 37) % 101 - 50) as f32 / 7.0)
+        .collect();
+    x[40] = 0.0;
+    x[32..].iter_mut().for_each(|v| *v *= 0.01);
+    let want_d = [0x2b33u16, 0x1084];
+    let want_q: [[i8; 32]; 2] = [
+        [
+            -127, -33, 61, -102, -8, 86, -76, 18, 112, -51, 43, -119, -25, 69, -94, 0, 94, -69, 25,
+            119, -43, 51, -112, -18, 76, -86, 8, 102, -61, 33, 127, -36,
+        ],
+        [
+            60, -106, -10, 86, -80, 16, 111, -54, 0, -124, -29, 67, -98, -3, 93, -73, 23, 119, -47,
+            49, -117, -21, 75, -91, 5, 101, -65, 31, 127, -39, 57, -109,
+        ],
+    ];
+    let (mut q, mut d) = ([0i8; 64], [half::f16::ZERO; 2]);
+    KvDtype::quantize_q8_0(&x, &mut q, &mut d);
+    assert_eq!(d.map(half::f16::to_bits), want_d);
+    assert_eq!(q[..32], want_q[0]);
+    assert_eq!(q[32..], want_q[1]);
+
+    let pool = KvPool::new(KvShape::new(1, 1, 64, KvDtype::Q8_0), 1 << 20).unwrap();
+    let mut ring = pool.alloc(4, RingMode::Strict).unwrap();
+    ring.begin(1).unwrap();
+    ring.write_layer(0, &x, &x).unwrap();
+    ring.commit().unwrap();
+    let view = ring.view(0, 0).unwrap();
+    let dequant: Vec<f32> = (0..64)
+        .map(|i| half::f16::from_bits(want_d[i / 32]).to_f32() * f32::from(want_q[i / 32][i % 32]))
+        .collect();
+    assert_eq!(view.keys.to_f32_vec(), dequant);
+    assert_eq!(view.values.to_f32_vec(), dequant);
+    assert!(matches!(
+        KvPool::new(KvShape::new(1, 1, 48, KvDtype::Q8_0), 1 << 20),
+        Err(KvError::HeadDimNotBlockMultiple { block: 32, .. })
+    ));
 }

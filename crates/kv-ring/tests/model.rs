@@ -144,8 +144,12 @@ fn op_strategy() -> impl Strategy<Value = Op> {
 }
 
 fn shape_strategy() -> impl Strategy<Value = KvShape> {
-    (1..=3usize, 1..=2usize, 1..=3usize, any::<bool>())
-        .prop_map(|(l, h, d, f)| KvShape::new(l, h, d, if f { KvDtype::F16 } else { KvDtype::F32 }))
+    (1..=3usize, 1..=2usize, 1..=3usize, 0..3u8).prop_map(|(l, h, d, f)| match f {
+        0 => KvShape::new(l, h, d, KvDtype::F32),
+        1 => KvShape::new(l, h, d, KvDtype::F16),
+        // q8_0 needs whole 32-element blocks per head row.
+        _ => KvShape::new(l, h, 32 * d, KvDtype::Q8_0),
+    })
 }
 
 /// Deterministic pseudo-random data in [-8, 8).
@@ -161,10 +165,21 @@ fn data(seed: u64, len: usize) -> Vec<f32> {
         .collect()
 }
 
-fn round(dtype: KvDtype, x: f32) -> f32 {
+/// One token's row of one layer (`[n_kv_heads][head_dim]`) as the ring stores it: f16-rounded,
+/// or quantized per 32 elements (`d * q` for q8_0), else as it is.
+fn round_row(dtype: KvDtype, row: &[f32]) -> Vec<f32> {
     match dtype {
-        KvDtype::F16 => f16::from_f32(x).to_f32(),
-        _ => x,
+        KvDtype::F16 => row.iter().map(|&x| f16::from_f32(x).to_f32()).collect(),
+        KvDtype::Q8_0 => {
+            let mut q = vec![0i8; row.len()];
+            let mut d = vec![f16::ZERO; row.len() / 32];
+            KvDtype::quantize_q8_0(row, &mut q, &mut d);
+            q.iter()
+                .enumerate()
+                .map(|(i, &q)| d[i / 32].to_f32() * f32::from(q))
+                .collect()
+        }
+        _ => row.to_vec(),
     }
 }
 
@@ -305,7 +320,7 @@ impl Harness {
                             (0..s.n_layers)
                                 .flat_map(|l| {
                                     let o = (l * n + i) * row;
-                                    src[o..o + row].iter().map(|&x| round(s.dtype, x))
+                                    round_row(s.dtype, &src[o..o + row])
                                 })
                                 .collect()
                         };

@@ -214,7 +214,7 @@ fn storage_contract<S: HostKvStorage>(alloc: &S::Allocator) {
     for dtype in [KvDtype::F32, KvDtype::F16] {
         let lens = [8, 12, 4];
         let mut s = S::zeroed(alloc, dtype, &lens).unwrap();
-        assert_eq!(s.allocated_bytes(), 24 * dtype.elem_bytes());
+        assert_eq!(Some(s.allocated_bytes()), dtype.bytes_for(24));
         for (b, &n) in lens.iter().enumerate() {
             assert_eq!(block_f32(&s, b), vec![0.0; n], "block {b} starts zeroed");
             fill(&mut s, b, 100.0 * b as f32);
@@ -222,7 +222,11 @@ fn storage_contract<S: HostKvStorage>(alloc: &S::Allocator) {
         let before: Vec<Vec<f32>> = (0..3).map(|b| block_f32(&s, b)).collect();
 
         s.grow_blocks(alloc, &[10, 20, 4]).unwrap();
-        assert_eq!(s.allocated_bytes(), 34 * dtype.elem_bytes(), "exact growth");
+        assert_eq!(
+            Some(s.allocated_bytes()),
+            dtype.bytes_for(34),
+            "exact growth"
+        );
         for (b, old) in before.iter().enumerate() {
             assert_eq!(
                 &block_f32(&s, b)[..old.len()],

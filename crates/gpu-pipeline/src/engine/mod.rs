@@ -65,7 +65,8 @@ pub struct EngineConfig {
     /// KV pool budget in bytes (of the executor's KV storage: host memory for the CPU, device
     /// memory for the CUDA executor).
     pub kv_budget_bytes: usize,
-    /// KV element type.
+    /// KV element type ([`KvDtype::F16`]; [`KvDtype::Q8_0`] holds about twice the tokens in
+    /// the same budget, on the CPU executor).
     pub kv_dtype: KvDtype,
     /// Most requests waiting for admission.
     pub max_queue: usize,
@@ -118,6 +119,11 @@ impl Default for EngineConfig {
 }
 
 impl EngineConfig {
+    /// Sets [`kv_dtype`](Self::kv_dtype).
+    pub fn with_kv_dtype(mut self, dtype: KvDtype) -> Self {
+        self.kv_dtype = dtype;
+        self
+    }
     /// Sets [`kv_budget_bytes`](Self::kv_budget_bytes).
     pub fn with_kv_budget_bytes(mut self, b: usize) -> Self {
         self.kv_budget_bytes = b;

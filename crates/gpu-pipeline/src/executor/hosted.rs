@@ -80,6 +80,14 @@ impl KvStorage for HostedKv {
         }
     }
 
+    fn supports(allocator: &HostedKvAllocator, dtype: KvDtype) -> bool {
+        match allocator {
+            HostedKvAllocator::Host => HostKv::supports(&(), dtype),
+            #[cfg(feature = "cuda")]
+            HostedKvAllocator::Device(stream) => super::cuda::DeviceKv::supports(stream, dtype),
+        }
+    }
+
     fn empty(dtype: KvDtype) -> Self {
         Self::Host(HostKv::empty(dtype))
     }

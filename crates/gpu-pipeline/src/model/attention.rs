@@ -17,7 +17,7 @@
 //! keys (decode: few rows, a transposing reduction tree builds 16 scores at once).
 
 use half::f16;
-use kv_ring::{KvSlices, KvView};
+use kv_ring::{KvSlices, KvView, Q8_0_BLOCK, Q8Rows};
 
 // Keys with `s - max` below EXP_MIN get probability 0.
 use crate::kernels::exp_f;
@@ -38,6 +38,9 @@ fn tree16(mut a: [f32; 16]) -> f32 {
 enum Rows<'a> {
     F32([&'a [f32]; 2]),
     F16([&'a [f16]; 2]),
+    /// `q8_0`: every path reads element `d * q`, exact in f32 (an 11-bit scale times an 8-bit
+    /// quant), so the kernels attend to exactly the dequantized rows.
+    Q8([Q8Rows<'a>; 2]),
 }
 
 impl<'a> Rows<'a> {
@@ -45,8 +48,9 @@ impl<'a> Rows<'a> {
         match *s {
             KvSlices::F32(p) => Rows::F32(p),
             KvSlices::F16(p) => Rows::F16(p),
+            KvSlices::Q8_0(p) => Rows::Q8(p),
             #[allow(unreachable_patterns)]
-            _ => unreachable!("kv-ring has only F32 and F16 storage"),
+            _ => unreachable!("kv-ring has only F32, F16 and Q8_0 storage"),
         }
     }
 
@@ -56,6 +60,7 @@ impl<'a> Rows<'a> {
         match self {
             Rows::F32(p) => row_of(p, j, hd)[i],
             Rows::F16(p) => row_of(p, j, hd)[i].to_f32(),
+            Rows::Q8(p) => q8_row_of(p, j, hd).get(i).expect("inside the row"),
         }
     }
 
@@ -72,8 +77,28 @@ impl<'a> Rows<'a> {
                 f16_row(row_of(p, j, hd), buf);
                 buf
             }
+            Rows::Q8(p) => {
+                let buf = &mut buf[..hd];
+                let r = q8_row_of(p, j, hd);
+                for (i, (o, &q)) in buf.iter_mut().zip(r.q).enumerate() {
+                    *o = r.d[i / Q8_0_BLOCK].to_f32() * f32::from(q);
+                }
+                buf
+            }
         }
     }
+}
+
+/// Row `j` of `q8_0` runs (`hd` a multiple of 32).
+#[inline(always)]
+fn q8_row_of<'a>(parts: &[Q8Rows<'a>; 2], j: usize, hd: usize) -> Q8Rows<'a> {
+    let na = parts[0].q.len() / hd;
+    let (part, j) = if j < na {
+        (parts[0], j)
+    } else {
+        (parts[1], j - na)
+    };
+    part.slice(j * hd..(j + 1) * hd)
 }
 
 /// `src` as f32 into `dst` (same length): F16C where the CPU has it (one call per row, 8
@@ -207,8 +232,12 @@ pub(crate) fn attend_rows_ext(
         let parts = match s {
             KvSlices::F32([a, b]) => [a.len(), b.len()],
             KvSlices::F16([a, b]) => [a.len(), b.len()],
+            KvSlices::Q8_0([a, b]) => {
+                assert!(hd.is_multiple_of(Q8_0_BLOCK), "q8_0 rows are whole blocks");
+                [a.q.len(), b.q.len()]
+            }
             #[allow(unreachable_patterns)]
-            _ => unreachable!("kv-ring has only F32 and F16 storage"),
+            _ => unreachable!("kv-ring has only F32, F16 and Q8_0 storage"),
         };
         assert!(
             hd > 0 && parts.iter().all(|p| p % hd == 0) && parts[0] + parts[1] == view.len * hd,
@@ -383,14 +412,23 @@ mod avx512 {
         };
     }
 
-    /// Pointer to row `j` (f32 or f16 elements, as raw bytes).
+    /// Pointer to row `j` (f32, f16 or q8_0 elements, as raw bytes).
     #[derive(Clone, Copy)]
     struct RowPtrs {
         p: [*const u8; 2],
         na: usize,
-        /// Bytes per row.
+        /// Bytes per row (of quants, for q8_0).
         rb: usize,
-        f16: bool,
+        kind: Kind,
+        /// q8_0: the runs' scales (`hd / 32` per row).
+        scales: [*const half::f16; 2],
+    }
+
+    #[derive(Clone, Copy, PartialEq)]
+    enum Kind {
+        F32,
+        F16,
+        Q8,
     }
 
     impl RowPtrs {
@@ -400,34 +438,52 @@ mod avx512 {
                     p: [p[0].as_ptr().cast(), p[1].as_ptr().cast()],
                     na: p[0].len() / hd,
                     rb: 4 * hd,
-                    f16: false,
+                    kind: Kind::F32,
+                    scales: [std::ptr::null(); 2],
                 },
                 Rows::F16(p) => Self {
                     p: [p[0].as_ptr().cast(), p[1].as_ptr().cast()],
                     na: p[0].len() / hd,
                     rb: 2 * hd,
-                    f16: true,
+                    kind: Kind::F16,
+                    scales: [std::ptr::null(); 2],
+                },
+                Rows::Q8(p) => Self {
+                    p: [p[0].q.as_ptr().cast(), p[1].q.as_ptr().cast()],
+                    na: p[0].q.len() / hd,
+                    rb: hd,
+                    kind: Kind::Q8,
+                    scales: [p[0].d.as_ptr(), p[1].d.as_ptr()],
                 },
             }
         }
 
-        /// Elements `16c..16c+16` of row `j` as f32.
+        /// Elements `16c..16c+16` of row `j` as f32 (q8_0: `d * q`, exact, as the portable
+        /// path's).
         ///
         /// # Safety
         /// `j` is a row of the view and `16c + 16 <= hd`.
         #[inline(always)]
         unsafe fn load(&self, j: usize, c: usize) -> __m512 {
-            // SAFETY: forwarded from the caller: row `j` exists and has `hd` elements.
+            // SAFETY: forwarded from the caller: row `j` exists and has `hd` elements (and,
+            // q8_0, `hd / 32` scales).
             unsafe {
-                let base = if j < self.na {
-                    self.p[0].add(j * self.rb)
+                let (part, row) = if j < self.na {
+                    (0, j)
                 } else {
-                    self.p[1].add((j - self.na) * self.rb)
+                    (1, j - self.na)
                 };
-                if self.f16 {
-                    _mm512_cvtph_ps(_mm256_loadu_si256(base.add(32 * c).cast()))
-                } else {
-                    _mm512_loadu_ps(base.add(64 * c).cast())
+                let base = self.p[part].add(row * self.rb);
+                match self.kind {
+                    Kind::F16 => _mm512_cvtph_ps(_mm256_loadu_si256(base.add(32 * c).cast())),
+                    Kind::F32 => _mm512_loadu_ps(base.add(64 * c).cast()),
+                    Kind::Q8 => {
+                        let q = _mm512_cvtepi8_epi32(_mm_loadu_si128(base.add(16 * c).cast()));
+                        let d = *self.scales[part].add(row * self.rb / 32 + c / 2);
+                        // The f16 scale widened in a vector register (vcvtph2ps: exact).
+                        let d = _mm512_cvtph_ps(_mm256_set1_epi16(d.to_bits() as i16));
+                        _mm512_mul_ps(_mm512_cvtepi32_ps(q), d)
+                    }
                 }
             }
         }
@@ -884,10 +940,19 @@ mod tests {
 
     /// Every path gives the same bits, and each row's result does not depend on the block it is
     /// computed in (alone, in small groups, in full 16-row blocks).
+    /// The KV dtypes a view of rows `hd` wide can have (q8_0: whole 32-element blocks).
+    fn dtypes(hd: usize) -> Vec<KvDtype> {
+        let mut d = vec![KvDtype::F16, KvDtype::F32];
+        if hd.is_multiple_of(32) {
+            d.push(KvDtype::Q8_0);
+        }
+        d
+    }
+
     #[test]
     fn rows_are_bit_identical_across_paths_and_blockings() {
         for (hd, n) in [(64usize, 53usize), (128, 21), (48, 40), (80, 19)] {
-            for dtype in [KvDtype::F16, KvDtype::F32] {
+            for dtype in dtypes(hd) {
                 let (_pool, kv) = ring(hd, n, dtype);
                 let view = kv.view(0, 0).unwrap();
                 let len = view.len;
@@ -928,7 +993,7 @@ mod tests {
     #[test]
     fn matches_f64_reference() {
         let (hd, n) = (64, 300);
-        for dtype in [KvDtype::F16, KvDtype::F32] {
+        for dtype in dtypes(hd) {
             let (_pool, kv) = ring(hd, n, dtype);
             let view = kv.view(0, 0).unwrap();
             let (keys, values) = (Rows::new(&view.keys), Rows::new(&view.values));
@@ -967,7 +1032,7 @@ mod tests {
     #[test]
     fn windows_and_softcap_are_exact_and_batch_invariant() {
         for (hd, n) in [(64usize, 70usize), (256, 45), (48, 40)] {
-            for dtype in [KvDtype::F16, KvDtype::F32] {
+            for dtype in dtypes(hd) {
                 let (_pool, kv) = ring(hd, n, dtype);
                 let view = kv.view(0, 0).unwrap();
                 let (keys, values) = (Rows::new(&view.keys), Rows::new(&view.values));

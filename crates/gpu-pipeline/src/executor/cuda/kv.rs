@@ -93,8 +93,10 @@ impl DeviceKv {
             .is_some_and(|b| Arc::ptr_eq(b.stream(), stream))
     }
 
+    /// Bytes per element: 4 or 2 (other dtypes are refused at allocation, see `supports`, so
+    /// only an empty buffer of one exists, and it never addresses elements).
     fn elem(&self) -> usize {
-        self.dtype.elem_bytes()
+        self.dtype.bytes_for(1).unwrap_or(0)
     }
 }
 
@@ -107,7 +109,11 @@ impl KvStorage for DeviceKv {
         block_lens: &[usize],
     ) -> Result<Self, KvError> {
         let bounds = prefix_bounds(block_lens);
-        let bytes = bounds[bounds.len() - 1] * dtype.elem_bytes();
+        let elems = bounds[bounds.len() - 1];
+        let bytes = dtype.bytes_for(elems).unwrap_or(usize::MAX);
+        if !Self::supports(stream, dtype) {
+            return Err(KvError::UnsupportedDtype { dtype });
+        }
         let buf = stream
             .alloc_zeros::<u8>(bytes)
             .map_err(failed(StorageOp::Alloc, bytes))?;
@@ -117,6 +123,11 @@ impl KvStorage for DeviceKv {
             bounds,
             tmp: None,
         })
+    }
+
+    /// F32 and F16 (the attention kernels read those).
+    fn supports(_: &Arc<CudaStream>, dtype: KvDtype) -> bool {
+        matches!(dtype, KvDtype::F32 | KvDtype::F16)
     }
 
     fn empty(dtype: KvDtype) -> Self {
