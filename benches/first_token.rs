@@ -19,13 +19,13 @@ use futures::StreamExt as _;
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use zerolayer::EngineService;
 use zerolayer::claudelink_proto::{
-    ChatMessage, ChatRole, Gateway, GatewayConfig, InferenceEvent, InferenceRequest,
-    InferenceService, Prompt,
+    ChatMessage, ChatRole, InferenceEvent, InferenceRequest, InferenceService, Prompt,
 };
 use zerolayer::gpu_pipeline::engine::EngineConfig;
 use zerolayer::gpu_pipeline::{GenerateOptions, ModelOptions};
 use zerolayer::kv_ring::{KvDtype, KvPool, RingMode};
 use zerolayer::token_stream::{self, ChatTemplate};
+use zerolayer::zerolayer_gateway::{Gateway, GatewayConfig};
 
 /// The user message of round `i`: each round's differs from its start, so that no path reuses
 /// an earlier round's prompt (the engine keeps prefixes; the chat template's own header is the

@@ -38,10 +38,10 @@ use serde_json::{Value, json};
 use tokio::sync::{Mutex, Semaphore};
 use zerolayer::claudelink_proto::futures::StreamExt as _;
 use zerolayer::claudelink_proto::{
-    CertFingerprint, ChatMessage, ChatRole, Client, ClientConfig, H3_ALPN, InferenceEvent,
-    InferenceRequest, PinnedVerifier, Pool, PoolConfig, Prompt, Replicas, Trust, error_code_name,
-    quinn, rustls,
+    CertFingerprint, ChatMessage, ChatRole, Client, ClientConfig, InferenceEvent, InferenceRequest,
+    PinnedVerifier, Pool, PoolConfig, Prompt, Replicas, Trust, error_code_name, quinn, rustls,
 };
+use zerolayer::zerolayer_gateway::H3_ALPN;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum Transport {

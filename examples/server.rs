@@ -20,11 +20,10 @@ use anyhow::Context as _;
 use clap::Parser;
 use weight_cache::{CacheConfig, WarmupStrategy, WeightCache};
 use zerolayer::EngineService;
-use zerolayer::claudelink_proto::{
-    ApiKeys, Gateway, GatewayConfig, H3_ALPN, Identity, InferenceService, Server, ServerConfig,
-};
+use zerolayer::claudelink_proto::{ApiKeys, Identity, InferenceService, Server, ServerConfig};
 use zerolayer::gpu_pipeline::ModelOptions;
 use zerolayer::gpu_pipeline::engine::EngineConfig;
+use zerolayer::zerolayer_gateway::{Gateway, GatewayConfig, H3_ALPN};
 
 /// Serve a GGUF model over HTTP/1.1, HTTP/2, HTTP/3 and claudelink.
 #[derive(Debug, Parser)]

@@ -30,12 +30,13 @@ use serde_json::{Value, json};
 use zerolayer::EngineService;
 use zerolayer::claudelink_proto::futures::StreamExt as _;
 use zerolayer::claudelink_proto::{
-    ChatMessage as Msg, ChatRole, Gateway, GatewayConfig, InferenceEvent, InferenceRequest,
-    InferenceService, Prompt, ToolCallMessage, ToolDefinition, Tools,
+    ChatMessage as Msg, ChatRole, InferenceEvent, InferenceRequest, InferenceService, Prompt,
+    ToolCallMessage, ToolDefinition, Tools,
 };
 use zerolayer::gpu_pipeline::engine::{EngineEvent, GenerationRequest};
 use zerolayer::gpu_pipeline::{ModelOptions, StopReason};
 use zerolayer::token_stream::{ChatMessage, ChatTemplate, Tokenizer, ToolSyntax};
+use zerolayer::zerolayer_gateway::{Gateway, GatewayConfig};
 
 /// The user turn of every request.
 const PROMPT: &str = "Name three colors of the rainbow.";

@@ -17,10 +17,10 @@ use clap::ValueEnum;
 use weight_cache::{CacheConfig, WarmupStrategy, WeightCache};
 use zerolayer::EngineService;
 use zerolayer::claudelink_proto::{
-    ApiKeys, Congestion, Gateway, GatewayConfig, H3_ALPN, Identity, InferenceService, Server,
-    ServerConfig,
+    ApiKeys, Congestion, Identity, InferenceService, Server, ServerConfig,
 };
 use zerolayer::gpu_pipeline::engine::EngineConfig;
+use zerolayer::zerolayer_gateway::{CHAT_PAGE, Gateway, GatewayConfig, H3_ALPN};
 
 /// Weight-cache warm-up policy.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -168,9 +168,6 @@ pub(crate) struct Args {
     #[arg(long, default_value_t = 5)]
     auth_timeout_secs: u64,
 }
-
-/// The chat page served at `/`: one self-contained HTML file (no external resources).
-pub(crate) const CHAT_PAGE: &str = include_str!("chat.html");
 
 /// Descriptors kept free of HTTP connections: the model file, QUIC sockets, logs, the engine.
 const RESERVED_FDS: u64 = 256;

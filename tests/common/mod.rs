@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use serde_json::Value;
 use zerolayer::EngineService;
-use zerolayer::claudelink_proto::{Gateway, GatewayConfig};
+use zerolayer::zerolayer_gateway::{Gateway, GatewayConfig};
 
 /// A gateway over `svc` on a loopback port, on a runtime (2 workers) of its own thread, for the
 /// rest of the test process; any model name is accepted.

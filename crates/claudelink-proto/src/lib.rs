@@ -1,7 +1,10 @@
-//! claudelink-proto: the claudelink QUIC inference protocol and the Anthropic Messages API gateway.
+//! claudelink-proto: the claudelink QUIC inference protocol.
 //!
 //! The crate depends on no model crate: it reaches inference through the [`InferenceService`]
-//! trait, which an application (the `zerolayer` root package) implements over its engine.
+//! trait, which an application (the `zerolayer` root package) implements over its engine. The
+//! HTTP edge (Anthropic Messages and OpenAI APIs over HTTP/1.1, HTTP/2 and HTTP/3) is the
+//! `zerolayer-gateway` crate, which builds on this one; a claudelink client or server compiles
+//! no HTTP stack.
 //!
 //! # claudelink/2
 //!
@@ -52,7 +55,6 @@
 mod auth;
 mod client;
 mod codec;
-mod gateway;
 mod limits;
 mod pool;
 mod server;
@@ -71,11 +73,7 @@ pub use codec::{
     StartedFrame, TokenIds, decode_frame, decode_header, decode_payload, error_code_from_u16,
     error_code_name, error_code_to_u16,
 };
-pub use gateway::{
-    ApiError, ApiErrorKind, Gateway, GatewayConfig, H3_ALPN, H3Handler, LAYER_VERSION,
-    SUPPORTED_ANTHROPIC_VERSIONS,
-};
-pub use limits::ConnectionSlot;
+pub use limits::{ConnectionLimits, ConnectionRefused, ConnectionSlot};
 pub use pool::{Pool, PoolConfig, PoolStats, PoolStream, ReplicaResolver, Replicas};
 pub use server::{
     ALPN, Congestion, ConnectionHandler, ConnectionInfo, Server, ServerConfig, ServerError,

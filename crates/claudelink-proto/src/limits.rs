@@ -17,7 +17,8 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
 
 /// Why a new connection was refused.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
-pub(crate) enum Refused {
+#[non_exhaustive]
+pub enum ConnectionRefused {
     /// The listener has `max_connections` open.
     #[error("{limit} connections open on this listener")]
     Listener {
@@ -80,28 +81,32 @@ impl ConnectionCounts {
     /// Counts a new connection from `ip`, or says why it is refused (nothing is counted then).
     /// `authenticated`: whether it needs no key (an open listener); otherwise it is counted
     /// against the unauthenticated budget until [`ConnectionCounts::authenticate`].
-    pub(crate) fn open(&mut self, ip: IpAddr, authenticated: bool) -> Result<(), Refused> {
+    pub(crate) fn open(
+        &mut self,
+        ip: IpAddr,
+        authenticated: bool,
+    ) -> Result<(), ConnectionRefused> {
         let ip = ip.to_canonical();
         if self.max_total > 0 && self.total >= self.max_total {
-            return Err(Refused::Listener {
+            return Err(ConnectionRefused::Listener {
                 limit: self.max_total,
             });
         }
         let (unauth_total, unauth_per_ip) = self.unauthenticated_limits();
         let n = self.per_ip.get(&ip).copied().unwrap_or_default();
         if self.max_per_ip > 0 && n.open >= self.max_per_ip {
-            return Err(Refused::PerIp {
+            return Err(ConnectionRefused::PerIp {
                 limit: self.max_per_ip,
             });
         }
         if !authenticated {
             if unauth_total > 0 && self.unauthenticated >= unauth_total {
-                return Err(Refused::Unauthenticated {
+                return Err(ConnectionRefused::Unauthenticated {
                     limit: unauth_total,
                 });
             }
             if unauth_per_ip > 0 && n.unauthenticated >= unauth_per_ip {
-                return Err(Refused::Unauthenticated {
+                return Err(ConnectionRefused::Unauthenticated {
                     limit: unauth_per_ip,
                 });
             }
@@ -155,10 +160,24 @@ impl ConnectionCounts {
     }
 }
 
-/// [`ConnectionCounts`] shared by a listener's connections, and its keyless connections in
-/// the order they came (the oldest is closed first when the keyless budget is full).
+/// The connection limits of one listener: the counts of open connections, shared by them, and
+/// its keyless connections in the order they came (the oldest is closed first when the keyless
+/// budget is full). The claudelink [`Server`](crate::Server) keeps one for its UDP endpoint; an
+/// HTTP gateway keeps one per TCP listener. Clones share the counts.
+///
+/// ```
+/// # tokio::runtime::Runtime::new().unwrap().block_on(async {
+/// use claudelink_proto::{ConnectionLimits, ConnectionRefused};
+/// let limits = ConnectionLimits::new(2, 1);
+/// let ip = "10.0.0.1".parse().unwrap();
+/// let slot = limits.admit(ip, false).unwrap();
+/// assert_eq!(limits.admit(ip, false).unwrap_err(), ConnectionRefused::PerIp { limit: 1 });
+/// drop(slot);
+/// assert_eq!(limits.open_connections(), 0);
+/// # });
+/// ```
 #[derive(Debug, Clone)]
-pub(crate) struct ConnectionLimits {
+pub struct ConnectionLimits {
     shared: Arc<Mutex<Shared>>,
 }
 
@@ -170,7 +189,9 @@ struct Shared {
 }
 
 impl ConnectionLimits {
-    pub(crate) fn new(max_total: usize, max_per_ip: usize) -> Self {
+    /// Limits of `max_total` connections in all and `max_per_ip` from one client address (0:
+    /// no limit).
+    pub fn new(max_total: usize, max_per_ip: usize) -> Self {
         Self {
             shared: Arc::new(Mutex::new(Shared {
                 counts: ConnectionCounts::new(max_total, max_per_ip),
@@ -191,13 +212,17 @@ impl ConnectionLimits {
     /// the same address (else of any) is evicted to make room ([`ConnectionSlot::evicted`]):
     /// a client with a key is never refused because keyless ones hold the budget, it only has
     /// to present its key before newer keyless connections push it out.
-    pub(crate) fn admit(&self, ip: IpAddr, requires_key: bool) -> Result<ConnectionSlot, Refused> {
+    pub fn admit(
+        &self,
+        ip: IpAddr,
+        requires_key: bool,
+    ) -> Result<ConnectionSlot, ConnectionRefused> {
         let mut g = self.lock();
         match g.counts.open(ip, !requires_key) {
             Ok(()) => {}
-            Err(Refused::Unauthenticated { limit }) => {
+            Err(ConnectionRefused::Unauthenticated { limit }) => {
                 if !g.evict_oldest_keyless(ip) {
-                    return Err(Refused::Unauthenticated { limit });
+                    return Err(ConnectionRefused::Unauthenticated { limit });
                 }
                 g.counts.open(ip, !requires_key)?;
             }
@@ -217,13 +242,14 @@ impl ConnectionLimits {
         Ok(ConnectionSlot(slot))
     }
 
-    /// See [`ConnectionCounts::under_pressure`].
-    pub(crate) fn under_pressure(&self, ip: IpAddr) -> bool {
+    /// Whether `ip`, or the listener, holds half or more of its limit (the claudelink server
+    /// then asks new peers to prove their address with a QUIC Retry).
+    pub fn under_pressure(&self, ip: IpAddr) -> bool {
         self.lock().counts.under_pressure(ip)
     }
 
     /// Connections open.
-    pub(crate) fn open_connections(&self) -> usize {
+    pub fn open_connections(&self) -> usize {
         self.lock().counts.total()
     }
 }
@@ -334,9 +360,12 @@ mod tests {
         let mut c = ConnectionCounts::new(3, 2);
         assert_eq!(c.open(a, true), Ok(()));
         assert_eq!(c.open(a, true), Ok(()));
-        assert_eq!(c.open(a, true), Err(Refused::PerIp { limit: 2 }));
+        assert_eq!(c.open(a, true), Err(ConnectionRefused::PerIp { limit: 2 }));
         assert_eq!(c.open(b, true), Ok(()));
-        assert_eq!(c.open(b, true), Err(Refused::Listener { limit: 3 }));
+        assert_eq!(
+            c.open(b, true),
+            Err(ConnectionRefused::Listener { limit: 3 })
+        );
         c.close(a, true);
         assert_eq!(c.open(b, true), Ok(()));
         assert_eq!(c.total(), 3);
@@ -370,7 +399,7 @@ mod tests {
             }
             assert_eq!(
                 c.open(attacker(i), false),
-                Err(Refused::Unauthenticated { limit: 3 })
+                Err(ConnectionRefused::Unauthenticated { limit: 3 })
             );
         }
         // ...and all of them half of the listener's.
@@ -384,7 +413,7 @@ mod tests {
         assert_eq!(c.unauthenticated(), 20);
         assert_eq!(
             c.open(attacker(7), false),
-            Err(Refused::Unauthenticated { limit: 20 })
+            Err(ConnectionRefused::Unauthenticated { limit: 20 })
         );
         // A client with a key (or any client once it authenticated) still gets in, even from
         // an attacking address.
@@ -476,7 +505,7 @@ mod tests {
         assert!(c.under_pressure(v4), "2 of 4 from one address");
         assert_eq!(c.open(v4, true), Ok(()));
         assert_eq!(c.open(mapped, true), Ok(()));
-        assert_eq!(c.open(v4, true), Err(Refused::PerIp { limit: 4 }));
+        assert_eq!(c.open(v4, true), Err(ConnectionRefused::PerIp { limit: 4 }));
         c.close(mapped, true);
         assert_eq!(c.total(), 3);
         assert!(

@@ -249,10 +249,10 @@ impl Trust {
     /// trusts the server the same way.
     ///
     /// ```
-    /// use claudelink_proto::{H3_ALPN, Identity, Trust};
+    /// use claudelink_proto::{Identity, Trust};
     /// let id = Identity::self_signed(&["localhost"])?;
-    /// let tls = Trust::Pinned(id.fingerprint()).rustls_client_config(vec![H3_ALPN.to_vec()])?;
-    /// assert_eq!(tls.alpn_protocols, [H3_ALPN.to_vec()]);
+    /// let tls = Trust::Pinned(id.fingerprint()).rustls_client_config(vec![b"h3".to_vec()])?;
+    /// assert_eq!(tls.alpn_protocols, [b"h3".to_vec()]);
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
     pub fn rustls_client_config(

@@ -3,7 +3,7 @@
 use http::StatusCode;
 use serde_json::{Value, json};
 
-use crate::service::{ErrorCode, ServiceError};
+use claudelink_proto::{ErrorCode, ServiceError};
 
 /// The error classes of the Anthropic API, each with its HTTP status.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -110,6 +110,8 @@ impl ApiError {
             ErrorCode::Overloaded | ErrorCode::ShuttingDown => ApiErrorKind::Overloaded,
             ErrorCode::Timeout => ApiErrorKind::Timeout,
             ErrorCode::Cancelled | ErrorCode::Internal => ApiErrorKind::Api,
+            // A code added to the protocol later is a server-side failure until mapped here.
+            _ => ApiErrorKind::Api,
         };
         let err = Self::new(kind, message);
         if kind == ApiErrorKind::Overloaded {
@@ -171,6 +173,8 @@ impl From<ServiceError> for ApiError {
                 "the served model's file changed on disk after it was loaded: this server \
                  generates nothing more until it is restarted",
             ),
+            // A variant added to the service contract later: its own message, as a 500.
+            other => Self::new(ApiErrorKind::Api, other.to_string()),
         }
     }
 }

@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use super::config::LAYER_VERSION;
-use crate::service::ServiceMetrics;
+use claudelink_proto::ServiceMetrics;
 
 /// Latency buckets in seconds, shared by the TTFT, queue and latency histograms.
 const SECONDS_BUCKETS: [f64; 16] = [

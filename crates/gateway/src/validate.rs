@@ -13,7 +13,7 @@ use super::tools::{
     CallNames, ParsedTools, anthropic_tools, anthropic_turns, openai_calls, openai_result,
     openai_tools,
 };
-use crate::service::{
+use claudelink_proto::{
     ChatMessage, ChatRole, OutputFormat, Prompt, SamplingParams, SchemaSource, ServiceError,
     ToolChoice, Tools,
 };
@@ -251,18 +251,19 @@ fn parse_sampling(
             "repetition_penalty: Input should be greater than 0",
         ));
     }
-    Ok(SamplingParams {
-        temperature: opt_f32(obj, "temperature", 0.0, max_temperature)?,
-        top_p: opt_f32(obj, "top_p", 0.0, 1.0)?,
-        top_k: opt_int(obj, "top_k", 0, i64::from(u32::MAX))?
-            .filter(|&k| k > 0)
-            .map(|k| k as u32),
-        min_p: opt_f32(obj, "min_p", 0.0, 1.0)?,
-        repetition_penalty,
-        frequency_penalty: opt_f32(obj, "frequency_penalty", -2.0, 2.0)?,
-        presence_penalty: opt_f32(obj, "presence_penalty", -2.0, 2.0)?,
-        seed: opt_seed(obj)?,
-    })
+    // Field by field: the struct is non-exhaustive (it grows with the sampler).
+    let mut sampling = SamplingParams::default();
+    sampling.temperature = opt_f32(obj, "temperature", 0.0, max_temperature)?;
+    sampling.top_p = opt_f32(obj, "top_p", 0.0, 1.0)?;
+    sampling.top_k = opt_int(obj, "top_k", 0, i64::from(u32::MAX))?
+        .filter(|&k| k > 0)
+        .map(|k| k as u32);
+    sampling.min_p = opt_f32(obj, "min_p", 0.0, 1.0)?;
+    sampling.repetition_penalty = repetition_penalty;
+    sampling.frequency_penalty = opt_f32(obj, "frequency_penalty", -2.0, 2.0)?;
+    sampling.presence_penalty = opt_f32(obj, "presence_penalty", -2.0, 2.0)?;
+    sampling.seed = opt_seed(obj)?;
+    Ok(sampling)
 }
 
 /// `seed`: any 64-bit integer, signed (OpenAI) or not.
@@ -870,16 +871,15 @@ mod tests {
         let body = json!({"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "x"}],
             "temperature": 0.8, "top_p": 0.9, "top_k": 5, "min_p": 0.05, "repeat_penalty": 1.1,
             "frequency_penalty": 0.5, "presence_penalty": -0.5, "seed": 42});
-        let want = SamplingParams {
-            temperature: Some(0.8),
-            top_p: Some(0.9),
-            top_k: Some(5),
-            min_p: Some(0.05),
-            repetition_penalty: Some(1.1),
-            frequency_penalty: Some(0.5),
-            presence_penalty: Some(-0.5),
-            seed: Some(42),
-        };
+        let mut want = SamplingParams::default();
+        want.temperature = Some(0.8);
+        want.top_p = Some(0.9);
+        want.top_k = Some(5);
+        want.min_p = Some(0.05);
+        want.repetition_penalty = Some(1.1);
+        want.frequency_penalty = Some(0.5);
+        want.presence_penalty = Some(-0.5);
+        want.seed = Some(42);
         assert_eq!(parse_messages(&body, LIMITS, false).unwrap().sampling, want);
         let mut chat = body.clone();
         chat.as_object_mut().unwrap().remove("max_tokens");

@@ -14,7 +14,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use crate::limits::ConnectionSlot;
+use claudelink_proto::ConnectionSlot;
 
 /// Why a connection is closed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

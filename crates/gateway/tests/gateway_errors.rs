@@ -7,10 +7,10 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use bytes::Bytes;
-use claudelink_proto::GatewayConfig;
 use gateway_support::*;
 use serde_json::{Value, json};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use zerolayer_gateway::GatewayConfig;
 
 const V1: (&str, &str) = ("anthropic-version", "2023-06-01");
 

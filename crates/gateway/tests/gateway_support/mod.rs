@@ -12,6 +12,7 @@ use bytes::Bytes;
 use claudelink_proto::*;
 use http_body_util::{BodyExt, Full};
 use serde_json::Value;
+pub use zerolayer_gateway::*;
 
 /// Tokens are whitespace-separated words. The answer repeats the last user turn's words (cycling)
 /// for as many tokens as that turn has, then ends the turn. Magic words in the last user turn:

@@ -6,10 +6,10 @@ mod gateway_support;
 use std::sync::atomic::Ordering;
 
 use bytes::Bytes;
-use claudelink_proto::{GatewayConfig, LAYER_VERSION};
 use gateway_support::*;
 use http_body_util::{BodyExt, Full};
 use serde_json::{Value, json};
+use zerolayer_gateway::{GatewayConfig, LAYER_VERSION};
 
 const V1: (&str, &str) = ("anthropic-version", "2023-06-01");
 const V2: (&str, &str) = ("anthropic-version", "2026-10-21");

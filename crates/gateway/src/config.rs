@@ -11,7 +11,7 @@ pub const LAYER_VERSION: &str = "v2.1.0-alpha";
 ///
 /// ```
 /// use std::time::Duration;
-/// use claudelink_proto::GatewayConfig;
+/// use zerolayer_gateway::GatewayConfig;
 ///
 /// let config = GatewayConfig::default()
 ///     .api_keys(["sk-local-1".to_string()])
@@ -212,7 +212,7 @@ impl GatewayConfig {
     ///
     /// ```
     /// use std::time::Duration;
-    /// use claudelink_proto::GatewayConfig;
+    /// use zerolayer_gateway::GatewayConfig;
     /// let cfg = GatewayConfig::default()
     ///     .idle_timeout(Duration::from_secs(30))
     ///     .auth_timeout(Duration::from_secs(2));
@@ -262,7 +262,7 @@ impl GatewayConfig {
     /// Sets the page answered to `GET /` (`None`: 404).
     ///
     /// ```
-    /// use claudelink_proto::GatewayConfig;
+    /// use zerolayer_gateway::GatewayConfig;
     /// let cfg = GatewayConfig::default().index_page(Some("<!doctype html><title>chat</title>"));
     /// assert!(cfg.index_page.is_some());
     /// ```
@@ -275,7 +275,7 @@ impl GatewayConfig {
     /// addresses (e.g. the machine's LAN name, or the name a reverse proxy forwards).
     ///
     /// ```
-    /// use claudelink_proto::GatewayConfig;
+    /// use zerolayer_gateway::GatewayConfig;
     /// let cfg = GatewayConfig::default().allowed_hosts(["gpu-box.lan".to_string()]);
     /// assert_eq!(cfg.allowed_hosts, ["gpu-box.lan"]);
     /// ```

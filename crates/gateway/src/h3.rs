@@ -14,8 +14,8 @@ use quinn::VarInt;
 use super::conn_watch::{CloseReason, ConnWatch, Verdict};
 use super::core::{Admission, BodyError, Gateway, Reply, ReplyBody};
 use super::metrics::Protocol;
-use crate::limits::ConnectionSlot;
-use crate::server::ConnectionHandler;
+use claudelink_proto::ConnectionHandler;
+use claudelink_proto::ConnectionSlot;
 
 /// The ALPN protocol id of HTTP/3.
 pub const H3_ALPN: &[u8] = b"h3";
@@ -24,12 +24,13 @@ type H3Conn = h3_quinn::Connection;
 type H3Stream = h3_quinn::BidiStream<Bytes>;
 
 /// Serves HTTP/3 on the claudelink server's UDP port: pass it to
-/// [`ServerConfig::alpn_handler`](crate::ServerConfig::alpn_handler) with [`H3_ALPN`].
+/// [`ServerConfig::alpn_handler`](claudelink_proto::ServerConfig::alpn_handler) with [`H3_ALPN`].
 ///
 /// ```no_run
-/// # fn f(gateway: claudelink_proto::Gateway, identity: claudelink_proto::Identity) {
+/// # fn f(gateway: zerolayer_gateway::Gateway, identity: claudelink_proto::Identity) {
 /// use std::sync::Arc;
-/// use claudelink_proto::{H3_ALPN, ServerConfig};
+/// use claudelink_proto::ServerConfig;
+/// use zerolayer_gateway::H3_ALPN;
 /// let config = ServerConfig::new(identity).alpn_handler(H3_ALPN, Arc::new(gateway.h3_handler()));
 /// # }
 /// ```

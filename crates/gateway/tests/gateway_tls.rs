@@ -9,12 +9,13 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use claudelink_proto::rustls::{self, pki_types::ServerName};
-use claudelink_proto::{Gateway, GatewayConfig, Identity, PinnedVerifier};
+use claudelink_proto::{Identity, PinnedVerifier};
 use gateway_support::*;
 use http_body_util::{BodyExt, Full};
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio_rustls::TlsConnector;
+use zerolayer_gateway::{Gateway, GatewayConfig};
 
 /// A gateway serving HTTPS on loopback with a fresh self-signed certificate.
 struct TlsServer {

@@ -1,4 +1,4 @@
-//! The access log: one `tracing` event per request (target `claudelink_proto::access`, message
+//! The access log: one `tracing` event per request (target `zerolayer_gateway::access`, message
 //! `request`), written when the request is over: its reply sent, or its stream ended or dropped.
 //!
 //! Fields: `request_id`, `route`, `protocol`, `status`, and for generations `tokens_in`,
@@ -95,17 +95,17 @@ impl Drop for AccessRecord {
         let status = *self.status.get_mut();
         let duration_ms = ms(self.received.elapsed());
         let Some(outcome) = self.outcome.get() else {
-            tracing::info!(target: "claudelink_proto::access", request_id = id, route, protocol,
+            tracing::info!(target: "zerolayer_gateway::access", request_id = id, route, protocol,
                 status, duration_ms, "request");
             return;
         };
         let (tokens_in, tokens_out) = (*self.tokens_in.get_mut(), *self.tokens_out.get_mut());
         let outcome = outcome.as_str();
         match self.ttft.get().copied().map(ms) {
-            Some(ttft_ms) => tracing::info!(target: "claudelink_proto::access", request_id = id,
+            Some(ttft_ms) => tracing::info!(target: "zerolayer_gateway::access", request_id = id,
                 route, protocol, status, tokens_in, tokens_out, ttft_ms, duration_ms, outcome,
                 "request"),
-            None => tracing::info!(target: "claudelink_proto::access", request_id = id, route,
+            None => tracing::info!(target: "zerolayer_gateway::access", request_id = id, route,
                 protocol, status, tokens_in, tokens_out, duration_ms, outcome, "request"),
         }
     }

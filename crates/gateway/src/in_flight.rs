@@ -7,7 +7,7 @@ use futures::StreamExt;
 
 use super::core::Gateway;
 use super::metrics::GatewayMetrics;
-use crate::service::{
+use claudelink_proto::{
     EventStream, InferenceRequest, InferenceService, ModelInfo, Prompt, ServiceError,
     ServiceHealth, ServiceMetrics,
 };
@@ -68,7 +68,8 @@ impl Gateway {
     ///
     /// ```
     /// # use std::sync::Arc;
-    /// # use claudelink_proto::*;
+    /// # use claudelink_proto::InferenceService;
+    /// # use zerolayer_gateway::{Gateway, GatewayConfig};
     /// # fn f(service: Arc<dyn InferenceService>) {
     /// let gateway = Gateway::new(service.clone(), GatewayConfig::default());
     /// let for_claudelink: Arc<dyn InferenceService> = gateway.count_in_flight(service);

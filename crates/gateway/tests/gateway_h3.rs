@@ -7,11 +7,10 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 
 use bytes::{Buf, Bytes};
-use claudelink_proto::{
-    GatewayConfig, H3_ALPN, Identity, LAYER_VERSION, Server, ServerConfig, Trust,
-};
+use claudelink_proto::{Identity, Server, ServerConfig, Trust};
 use gateway_support::*;
 use serde_json::{Value, json};
+use zerolayer_gateway::{GatewayConfig, H3_ALPN, LAYER_VERSION};
 
 struct H3Fixture {
     addr: SocketAddr,

@@ -34,7 +34,7 @@ use tokio_rustls::TlsAcceptor;
 use super::conn_watch::{CloseReason, ConnWatch, OpenRequest, Verdict};
 use super::core::{Admission, BodyError, Gateway, ReplyBody};
 use super::metrics::Protocol;
-use crate::limits::ConnectionLimits;
+use claudelink_proto::ConnectionLimits;
 
 /// The response body type of the TCP transport.
 type Body = UnsyncBoxBody<Bytes, Infallible>;
@@ -63,12 +63,12 @@ impl Gateway {
     }
 
     /// Serves HTTPS on `listener` as [`Gateway::serve_tcp`] serves cleartext: each connection
-    /// first completes a TLS handshake with `tls` (see [`crate::Identity::tcp_server_config`]:
+    /// first completes a TLS handshake with `tls` (see [`claudelink_proto::Identity::tcp_server_config`]:
     /// ALPN `h2` selects HTTP/2, `http/1.1` or none HTTP/1.1), within the header-read timeout;
     /// a client that fails or stalls the handshake is closed without a response.
     ///
     /// ```no_run
-    /// # async fn run(gateway: claudelink_proto::Gateway) -> Result<(), Box<dyn std::error::Error>> {
+    /// # async fn run(gateway: zerolayer_gateway::Gateway) -> Result<(), Box<dyn std::error::Error>> {
     /// let identity = claudelink_proto::Identity::from_pem_files("cert.pem", "key.pem")?;
     /// let listener = tokio::net::TcpListener::bind("0.0.0.0:443").await?;
     /// gateway

@@ -26,8 +26,8 @@ use super::sse::{Call, Flavor, StreamFormat};
 use super::validate::{
     GenRequest, Limits, parse_chat, parse_completions, parse_messages, percent_decode,
 };
-use crate::auth::ApiKeys;
-use crate::service::{
+use claudelink_proto::ApiKeys;
+use claudelink_proto::{
     ErrorCode, EventStream, InferenceEvent, InferenceRequest, InferenceService, ServiceHealth,
     StopReason, TokenLogprob, Usage,
 };
@@ -137,7 +137,7 @@ impl Reply {
 ///
 /// ```no_run
 /// # async fn run(service: std::sync::Arc<dyn claudelink_proto::InferenceService>) -> std::io::Result<()> {
-/// use claudelink_proto::{Gateway, GatewayConfig};
+/// use zerolayer_gateway::{Gateway, GatewayConfig};
 ///
 /// let gateway = Gateway::new(service, GatewayConfig::default().api_keys(["sk-1".to_string()]));
 /// let listener = tokio::net::TcpListener::bind("127.0.0.1:8080").await?;
@@ -231,7 +231,7 @@ impl Gateway {
     /// [`Gateway::start_draining`]; generations that start later end the same way.
     ///
     /// ```no_run
-    /// # async fn f(gateway: claudelink_proto::Gateway) {
+    /// # async fn f(gateway: zerolayer_gateway::Gateway) {
     /// gateway.start_draining();
     /// tokio::time::sleep(std::time::Duration::from_secs(30)).await;
     /// gateway.abort_streams();
@@ -645,7 +645,7 @@ impl Gateway {
     }
 
     fn models(&self, path: &str) -> Result<Reply, ApiError> {
-        let item = |m: &crate::service::ModelInfo| {
+        let item = |m: &claudelink_proto::ModelInfo| {
             json!({
                 "type": "model", "id": m.id, "display_name": m.display_name,
                 "created_at": "2024-11-01T00:00:00Z", "context_length": m.context_length,
