@@ -12,6 +12,7 @@ pub use gpu_pipeline;
 pub use kv_ring;
 pub use token_stream;
 pub use weight_cache;
+pub use zerolayer_api;
 pub use zerolayer_gateway;
 
 /// Parses a byte size for command lines: `512`, `64K`, `512M`, `2G`, `1T` (binary units).

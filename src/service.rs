@@ -9,11 +9,6 @@ use std::task::Poll;
 use futures::FutureExt;
 use futures::channel::oneshot;
 
-use claudelink_proto::{
-    ChatRole, ErrorCode, EventStream, InferenceEvent, InferenceRequest, InferenceService,
-    ModelInfo, OutputFormat, Prompt, SchemaSource, ServiceError, ServiceHealth, ServiceMetrics,
-    StopReason, TokenLogprob, ToolChoice, ToolDefinition, Tools, Usage,
-};
 use gpu_pipeline::engine::{
     Engine, EngineConfig, EngineError, EngineEvent, GenerationRequest, RequestHandle, SubmitError,
 };
@@ -26,6 +21,11 @@ use token_stream::{
     ToolSyntax,
 };
 use weight_cache::{FileWatch, WarmupHandle, WarmupStrategy, WeightCache};
+use zerolayer_api::{
+    ChatRole, ErrorCode, EventStream, InferenceEvent, InferenceRequest, InferenceService,
+    ModelInfo, OutputFormat, Prompt, SchemaSource, ServiceError, ServiceHealth, ServiceMetrics,
+    StopReason, TokenLogprob, ToolChoice, ToolDefinition, Tools, Usage,
+};
 
 /// Why [`EngineService::load`] failed.
 #[non_exhaustive]
@@ -81,7 +81,7 @@ pub enum ExecutorChoice {
 ///
 /// ```no_run
 /// use zerolayer::EngineService;
-/// use zerolayer::claudelink_proto::{InferenceService, Prompt};
+/// use zerolayer::zerolayer_api::{InferenceService, Prompt};
 /// let path = zerolayer::weight_cache::locate_default_model()?;
 /// // SAFETY: the model file is not modified while mapped.
 /// let svc = unsafe {
@@ -578,7 +578,6 @@ impl PromptParts {
                 }
                 Ok(ids)
             }
-            _ => Err(invalid("unsupported prompt kind".into())),
         }
     }
 
@@ -588,7 +587,7 @@ impl PromptParts {
     fn encode_turns(
         &self,
         chat: &ChatTemplate,
-        turns: &[claudelink_proto::ChatMessage],
+        turns: &[zerolayer_api::ChatMessage],
         tools: Option<&Tools>,
     ) -> Result<Vec<u32>, token_stream::ChatError> {
         let role = |r: ChatRole| match r {
@@ -744,7 +743,7 @@ fn served_model_id(source: &dyn WeightSource) -> String {
         .unwrap_or_else(|| "model".to_string())
 }
 
-fn sampling(p: &claudelink_proto::SamplingParams) -> Result<SamplingParams, ServiceError> {
+fn sampling(p: &zerolayer_api::SamplingParams) -> Result<SamplingParams, ServiceError> {
     let mut s = SamplingParams::default();
     if let Some(t) = p.temperature {
         if !(t.is_finite() && t >= 0.0) {
@@ -1139,9 +1138,9 @@ pub fn chat_template(tok: &Tokenizer, src: &dyn WeightSource) -> Option<ChatTemp
 #[cfg(test)]
 mod tests {
     use super::*;
-    use claudelink_proto::ChatMessage as Msg;
     use futures::StreamExt;
     use gpu_pipeline::GgufSource;
+    use zerolayer_api::ChatMessage as Msg;
 
     /// The default model, served under its own name with default options.
     fn load_default() -> EngineService {
@@ -1401,7 +1400,7 @@ mod tests {
     }
 
     fn weather_tools(choice: ToolChoice) -> Arc<Tools> {
-        use claudelink_proto::ToolDefinition;
+        use zerolayer_api::ToolDefinition;
         let weather = serde_json::json!({
             "type": "object",
             "properties": {"city": {"type": "string", "maxLength": 30},
@@ -1467,7 +1466,7 @@ mod tests {
             assert_eq!(ids as u32, usage.output_tokens);
         }
         // The next turn: the call and its result are in the prompt, the answer is text.
-        let call = claudelink_proto::ToolCallMessage::new(
+        let call = zerolayer_api::ToolCallMessage::new(
             "call_1",
             "get_weather",
             serde_json::json!({"city": "Paris", "unit": "celsius"}),

@@ -16,9 +16,9 @@ use tokio::sync::{oneshot, watch};
 
 use crate::codec::{AppErrorCode, DEFAULT_MAX_FRAME_SIZE, EncodeError, Health};
 use crate::server::{ALPN, code};
-use crate::service::{InferenceEvent, InferenceRequest};
 use crate::state::{ClientStream, ClientStreamError, ConnectionAction, ConnectionState, Side};
 use crate::tls::{TlsError, Trust};
+use zerolayer_api::{InferenceEvent, InferenceRequest};
 
 /// An API key, never printed.
 #[derive(Clone)]

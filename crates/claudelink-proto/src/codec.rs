@@ -7,7 +7,7 @@
 //! Decoding borrows from the input: strings are `&str` views and token ids are a [`TokenIds`]
 //! view over the raw little-endian bytes, read without a copy.
 
-use crate::service::{
+use zerolayer_api::{
     CacheStrategy, ChatMessage, ChatRole, ErrorCode, InferenceEvent, InferenceRequest, Prompt,
     SamplingParams, StopReason, Usage,
 };

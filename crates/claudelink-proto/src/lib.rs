@@ -58,7 +58,6 @@ mod codec;
 mod limits;
 mod pool;
 mod server;
-mod service;
 mod state;
 mod tls;
 
@@ -79,17 +78,19 @@ pub use server::{
     ALPN, Congestion, ConnectionHandler, ConnectionInfo, Server, ServerConfig, ServerError,
     ServerStats,
 };
-pub use service::{
-    CacheStrategy, ChatMessage, ChatRole, ErrorCode, EventStream, InferenceEvent, InferenceRequest,
-    InferenceService, ModelInfo, OutputFormat, Prompt, SamplingParams, SchemaSource, ServiceError,
-    ServiceHealth, ServiceMetrics, StopReason, TokenLogprob, ToolCallMessage, ToolChoice,
-    ToolDefinition, Tools, Usage,
-};
 pub use state::{
     ClientStream, ClientStreamError, ConnectionAction, ConnectionState, ServerStream,
     ServerStreamAction, Side,
 };
 pub use tls::{CertFingerprint, Identity, PinnedVerifier, TlsError, Trust};
+/// The service contract claudelink carries, defined in `zerolayer-api` (re-exported so that a
+/// claudelink user needs one dependency).
+pub use zerolayer_api::{
+    CacheStrategy, ChatMessage, ChatRole, ErrorCode, EventStream, InferenceEvent, InferenceRequest,
+    InferenceService, ModelInfo, OutputFormat, Prompt, SamplingParams, SchemaSource, ServiceError,
+    ServiceHealth, ServiceMetrics, StopReason, TokenLogprob, ToolCallMessage, ToolChoice,
+    ToolDefinition, Tools, Usage,
+};
 
 /// Async streams (the [`EventStream`] and client response streams implement its `Stream`).
 pub use futures;
@@ -97,3 +98,5 @@ pub use futures;
 pub use quinn;
 /// The TLS implementation (its types appear in this crate's API).
 pub use rustls;
+/// The service contract's crate.
+pub use zerolayer_api;

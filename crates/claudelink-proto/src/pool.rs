@@ -30,7 +30,7 @@ use futures::{Future, Stream};
 
 use crate::client::{Client, ClientError, Connection, RequestError, ResponseStream, StreamError};
 use crate::codec::AppErrorCode;
-use crate::service::{ErrorCode, InferenceEvent, InferenceRequest};
+use zerolayer_api::{ErrorCode, InferenceEvent, InferenceRequest};
 
 /// Where a pool's servers are.
 #[derive(Debug, Clone)]

@@ -18,9 +18,9 @@ use tokio::sync::{mpsc, watch};
 use crate::auth::ApiKeys;
 use crate::codec::{AppErrorCode, DEFAULT_MAX_FRAME_SIZE, HARD_MAX_FRAME_SIZE, Health};
 use crate::limits::{ConnectionLimits, ConnectionSlot};
-use crate::service::{ErrorCode, EventStream, InferenceService, ModelInfo};
 use crate::state::{ConnectionAction, ConnectionState, ServerStream, ServerStreamAction, Side};
 use crate::tls::{CertFingerprint, Identity, TlsError};
+use zerolayer_api::{ErrorCode, EventStream, InferenceService, ModelInfo};
 
 /// The ALPN protocol id of this protocol version.
 pub const ALPN: &[u8] = b"claudelink/2";
@@ -1106,7 +1106,7 @@ impl StreamTask<'_> {
 
     /// Reads the REQUEST frame within the connection's request budget; `None` when the stream
     /// ended instead (reset, violation, shutdown), already handled.
-    async fn read_request(&mut self) -> Option<(crate::service::InferenceRequest, u32)> {
+    async fn read_request(&mut self) -> Option<(zerolayer_api::InferenceRequest, u32)> {
         let mut budget = Budget {
             ctx: self.ctx,
             held: 0,
@@ -1156,7 +1156,7 @@ impl StreamTask<'_> {
 
     /// Hands the request to the service, or refuses it (`not_found` for an unknown model, the
     /// service's own refusal).
-    fn submit(&mut self, request: crate::service::InferenceRequest) {
+    fn submit(&mut self, request: zerolayer_api::InferenceRequest) {
         let shared = &self.ctx.shared;
         let unknown = if shared.cfg.accept_any_model {
             None

@@ -11,7 +11,7 @@ use crate::codec::{
     AppErrorCode, AuthFrame, DecodeError, ErrorFrame, FRAME_HEADER_LEN, Frame, FrameType,
     GoAwayFrame, Health, PingFrame, PongFrame, RequestFrame, decode_frame,
 };
-use crate::service::{ErrorCode, InferenceEvent, InferenceRequest, Prompt, ServiceError};
+use zerolayer_api::{ErrorCode, InferenceEvent, InferenceRequest, Prompt, ServiceError};
 
 /// What the server shell must do for one request stream.
 #[derive(Debug, PartialEq)]
@@ -370,7 +370,7 @@ impl ClientStream {
         }
         if let Prompt::Chat(m) = &request.prompt
             && m.iter().any(|m| {
-                m.role == crate::service::ChatRole::Tool
+                m.role == zerolayer_api::ChatRole::Tool
                     || !m.tool_calls.is_empty()
                     || m.tool_call_id.is_some()
             })

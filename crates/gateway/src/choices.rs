@@ -12,7 +12,7 @@ use serde_json::Value;
 
 use super::core::{Generation, Reply, ReplyBody, Step, collect_choice, error_reply};
 use super::sse::{StreamFormat, openai_usage};
-use claudelink_proto::Usage;
+use zerolayer_api::Usage;
 
 /// Usage over all choices: the prompt once, the generated tokens of every choice.
 fn add_usage(total: &mut Usage, choice: Usage) {

@@ -27,7 +27,7 @@ use super::validate::{
     GenRequest, Limits, parse_chat, parse_completions, parse_messages, percent_decode,
 };
 use claudelink_proto::ApiKeys;
-use claudelink_proto::{
+use zerolayer_api::{
     ErrorCode, EventStream, InferenceEvent, InferenceRequest, InferenceService, ServiceHealth,
     StopReason, TokenLogprob, Usage,
 };
@@ -136,7 +136,7 @@ impl Reply {
 /// [`Gateway::serve_h3`] on an endpoint of its own).
 ///
 /// ```no_run
-/// # async fn run(service: std::sync::Arc<dyn claudelink_proto::InferenceService>) -> std::io::Result<()> {
+/// # async fn run(service: std::sync::Arc<dyn zerolayer_api::InferenceService>) -> std::io::Result<()> {
 /// use zerolayer_gateway::{Gateway, GatewayConfig};
 ///
 /// let gateway = Gateway::new(service, GatewayConfig::default().api_keys(["sk-1".to_string()]));
@@ -645,7 +645,7 @@ impl Gateway {
     }
 
     fn models(&self, path: &str) -> Result<Reply, ApiError> {
-        let item = |m: &claudelink_proto::ModelInfo| {
+        let item = |m: &zerolayer_api::ModelInfo| {
             json!({
                 "type": "model", "id": m.id, "display_name": m.display_name,
                 "created_at": "2024-11-01T00:00:00Z", "context_length": m.context_length,

@@ -3,7 +3,7 @@
 use http::StatusCode;
 use serde_json::{Value, json};
 
-use claudelink_proto::{ErrorCode, ServiceError};
+use zerolayer_api::{ErrorCode, ServiceError};
 
 /// The error classes of the Anthropic API, each with its HTTP status.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -110,8 +110,6 @@ impl ApiError {
             ErrorCode::Overloaded | ErrorCode::ShuttingDown => ApiErrorKind::Overloaded,
             ErrorCode::Timeout => ApiErrorKind::Timeout,
             ErrorCode::Cancelled | ErrorCode::Internal => ApiErrorKind::Api,
-            // A code added to the protocol later is a server-side failure until mapped here.
-            _ => ApiErrorKind::Api,
         };
         let err = Self::new(kind, message);
         if kind == ApiErrorKind::Overloaded {

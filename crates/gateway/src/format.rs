@@ -10,7 +10,7 @@ use super::error::ApiError;
 use super::fields::check_keys;
 use super::schema::check_schema_limits;
 use super::validate::{get, wrong_type};
-use claudelink_proto::OutputFormat;
+use zerolayer_api::OutputFormat;
 
 /// A JSON Schema at `path`: an object within the schema limits (a boolean schema `true` allows
 /// any JSON).

@@ -7,7 +7,7 @@ use futures::StreamExt;
 
 use super::core::Gateway;
 use super::metrics::GatewayMetrics;
-use claudelink_proto::{
+use zerolayer_api::{
     EventStream, InferenceRequest, InferenceService, ModelInfo, Prompt, ServiceError,
     ServiceHealth, ServiceMetrics,
 };
@@ -68,7 +68,7 @@ impl Gateway {
     ///
     /// ```
     /// # use std::sync::Arc;
-    /// # use claudelink_proto::InferenceService;
+    /// # use zerolayer_api::InferenceService;
     /// # use zerolayer_gateway::{Gateway, GatewayConfig};
     /// # fn f(service: Arc<dyn InferenceService>) {
     /// let gateway = Gateway::new(service.clone(), GatewayConfig::default());

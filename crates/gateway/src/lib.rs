@@ -1,13 +1,13 @@
 //! zerolayer-gateway: the HTTP edge of an inference server. The Anthropic Messages API and the
 //! OpenAI Chat Completions / Completions APIs over HTTP/1.1 and HTTP/2 on TCP (hyper, optionally
 //! TLS) and over HTTP/3 on QUIC (h3 + h3-quinn, on a claudelink server's UDP port), in front of
-//! any [`InferenceService`](claudelink_proto::InferenceService). Use it to give an engine the
+//! any [`InferenceService`](zerolayer_api::InferenceService). Use it to give an engine the
 //! APIs that existing SDKs speak; a Rust client that wants the engine's own protocol depends on
 //! `claudelink-proto` alone, which has no HTTP stack.
 //!
 //! ```
 //! use std::sync::Arc;
-//! use claudelink_proto::*;
+//! use zerolayer_api::*;
 //! use zerolayer_gateway::{Gateway, GatewayConfig};
 //!
 //! /// A service that answers every prompt with "hi".
@@ -124,6 +124,7 @@ pub use self::h3::{H3_ALPN, H3Handler};
 /// serves it at `/`.
 pub const CHAT_PAGE: &str = include_str!("chat.html");
 
-/// The protocol crate whose service contract, TLS identities and QUIC server appear in this
-/// crate's API.
+/// The protocol crate whose TLS identities and QUIC server appear in this crate's API.
 pub use claudelink_proto;
+/// The service contract ([`InferenceService`](zerolayer_api::InferenceService)) a gateway serves.
+pub use zerolayer_api;

@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use super::config::LAYER_VERSION;
-use claudelink_proto::ServiceMetrics;
+use zerolayer_api::ServiceMetrics;
 
 /// Latency buckets in seconds, shared by the TTFT, queue and latency histograms.
 const SECONDS_BUCKETS: [f64; 16] = [

@@ -6,7 +6,7 @@ use serde_json::{Value, json};
 
 use super::error::ApiError;
 use super::ids::new_id;
-use claudelink_proto::{StopReason, TokenLogprob, Usage};
+use zerolayer_api::{StopReason, TokenLogprob, Usage};
 
 /// A tool call the model made, with the id the response gives it.
 #[derive(Debug, Clone, PartialEq)]

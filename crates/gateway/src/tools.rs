@@ -11,7 +11,7 @@ use super::error::ApiError;
 use super::fields::check_keys;
 use super::schema::check_schema_limits;
 use super::validate::{get, opt_bool, required, wrong_type};
-use claudelink_proto::{ChatMessage, ChatRole, ToolCallMessage, ToolChoice, ToolDefinition, Tools};
+use zerolayer_api::{ChatMessage, ChatRole, ToolCallMessage, ToolChoice, ToolDefinition, Tools};
 
 /// Most tools one request may offer.
 const MAX_TOOLS: usize = 128;

@@ -13,7 +13,7 @@ use super::tools::{
     CallNames, ParsedTools, anthropic_tools, anthropic_turns, openai_calls, openai_result,
     openai_tools,
 };
-use claudelink_proto::{
+use zerolayer_api::{
     ChatMessage, ChatRole, OutputFormat, Prompt, SamplingParams, SchemaSource, ServiceError,
     ToolChoice, Tools,
 };
