@@ -14,7 +14,7 @@ use gpu_pipeline::engine::{
 };
 use gpu_pipeline::executor::{CpuExecutor, HostedExecutor};
 use gpu_pipeline::{
-    ConstraintFactory, GrammarError, Grammars, Model, ModelOptions, SamplingParams, WeightSource,
+    ConstraintFactory, GrammarError, Grammars, Model, ModelOptions, SamplerConfig, WeightSource,
 };
 use token_stream::{
     ChatMessage, ChatTemplate, RenderOptions, Tokenizer, ToolCall, ToolCallParser, ToolEvent,
@@ -24,7 +24,7 @@ use weight_cache::{FileWatch, WarmupHandle, WarmupStrategy, WeightCache};
 use zerolayer_api::{
     ChatRole, ErrorCode, EventStream, InferenceEvent, InferenceRequest, InferenceService,
     ModelInfo, OutputFormat, Prompt, SchemaSource, ServiceError, ServiceHealth, ServiceMetrics,
-    StopReason, TokenLogprob, ToolChoice, ToolDefinition, Tools, Usage,
+    StopReason, ToolChoice, ToolDefinition, Tools,
 };
 
 /// Why [`EngineService::load`] failed.
@@ -743,43 +743,6 @@ fn served_model_id(source: &dyn WeightSource) -> String {
         .unwrap_or_else(|| "model".to_string())
 }
 
-fn sampling(p: &zerolayer_api::SamplingParams) -> Result<SamplingParams, ServiceError> {
-    let mut s = SamplingParams::default();
-    if let Some(t) = p.temperature {
-        if !(t.is_finite() && t >= 0.0) {
-            return Err(ServiceError::InvalidRequest {
-                field: "temperature",
-                reason: format!("{t} is not a finite non-negative number"),
-            });
-        }
-        s = s.with_temperature(t);
-    }
-    if let Some(v) = p.top_p {
-        if !(v > 0.0 && v <= 1.0) {
-            return Err(ServiceError::InvalidRequest {
-                field: "top_p",
-                reason: format!("{v} is not in (0, 1]"),
-            });
-        }
-        s = s.with_top_p(v);
-    }
-    if let Some(k) = p.top_k {
-        s = s.with_top_k(k as usize);
-    }
-    if let Some(m) = p.min_p {
-        s = s.with_min_p(m);
-    }
-    if let Some(r) = p.repetition_penalty {
-        s = s.with_repetition_penalty(r, 64);
-    }
-    s = s
-        .with_frequency_penalty(p.frequency_penalty.unwrap_or(0.0))
-        .with_presence_penalty(p.presence_penalty.unwrap_or(0.0));
-    // Without a seed a sampled request draws a fresh one: two such requests differ.
-    s = s.with_seed(p.seed.unwrap_or_else(random_seed));
-    Ok(s)
-}
-
 /// `schema` with llguidance told to emit compact JSON (`{"a": 1, "b": [2, 3]}`, no free
 /// whitespace) unless the schema sets its own `x-guidance` options: a small model may
 /// otherwise spend its whole budget on newlines, which the grammar allows anywhere.
@@ -790,27 +753,6 @@ fn compact_json(schema: &serde_json::Value) -> serde_json::Value {
             .or_insert_with(|| serde_json::json!({"whitespace_flexible": false}));
     }
     schema
-}
-
-/// A seed from the process's random hasher keys (the OS's entropy) and a counter.
-fn random_seed() -> u64 {
-    use std::hash::{BuildHasher, Hasher};
-    use std::sync::atomic::{AtomicU64, Ordering};
-    static COUNTER: AtomicU64 = AtomicU64::new(0);
-    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    h.write_u64(COUNTER.fetch_add(1, Ordering::Relaxed));
-    h.finish()
-}
-
-/// The [`TokenLogprob`] of an engine token, its bytes from the tokenizer.
-fn token_logprob(tok: &Tokenizer, lp: &gpu_pipeline::TokenLogprobs) -> TokenLogprob {
-    let bytes = |id: u32| tok.token_bytes(id).map(<[u8]>::to_vec).unwrap_or_default();
-    TokenLogprob {
-        id: lp.token,
-        bytes: bytes(lp.token),
-        logprob: lp.logprob,
-        top: lp.top.iter().map(|&(id, l)| (id, bytes(id), l)).collect(),
-    }
 }
 
 /// Queues what the tool-call parser found in one piece of output: text as a `Delta` (the
@@ -839,27 +781,14 @@ fn push_tool_events(ready: &mut VecDeque<InferenceEvent>, ids: Vec<u32>, found: 
     }
 }
 
-fn stop_reason(r: gpu_pipeline::StopReason) -> StopReason {
-    match r {
-        gpu_pipeline::StopReason::EndTurn => StopReason::EndTurn,
-        gpu_pipeline::StopReason::StopSequence => StopReason::StopSequence,
-        _ => StopReason::MaxTokens,
-    }
-}
-
 impl InferenceService for EngineService {
     fn submit(&self, request: InferenceRequest) -> Result<EventStream, ServiceError> {
         // Nothing is generated from a mapping that no longer matches the file on disk.
         if let Some(ServiceHealth::ModelFileChanged { path, .. }) = self.file_changed() {
             return Err(ServiceError::ModelFileChanged { path });
         }
-        if request.max_tokens == 0 {
-            return Err(ServiceError::InvalidRequest {
-                field: "max_tokens",
-                reason: "must be at least 1".into(),
-            });
-        }
-        let sampling = sampling(&request.sampling)?;
+        request.validate()?;
+        let sampling = SamplerConfig::from(&request.sampling);
         let max_tokens = request.max_tokens as usize;
         let (stops, priority, client) = (request.stop_sequences, request.priority, request.client);
         let logprobs = request.logprobs.map(usize::from);
@@ -877,7 +806,6 @@ impl InferenceService for EngineService {
             .as_ref()
             .filter(|t| t.choice != ToolChoice::None)
             .map(|_| ToolCallParser::for_syntax(self.tool_syntax));
-        let tokenizer = self.tokenizer.clone();
         let prompt = request.prompt;
         // Tokenizing (and rendering the chat template) is CPU work proportional to the prompt:
         // it runs on the prompt pool; its failures arrive as the stream's first event.
@@ -942,9 +870,7 @@ impl InferenceService for EngineService {
                     }
                     EngineEvent::Token { id, text, logprobs } => {
                         if let Some(lp) = logprobs {
-                            ready.push_back(InferenceEvent::Logprobs(vec![token_logprob(
-                                &tokenizer, &lp,
-                            )]));
+                            ready.push_back(InferenceEvent::Logprobs(vec![*lp]));
                         }
                         match calls.as_mut() {
                             None => ready.push_back(InferenceEvent::Delta {
@@ -959,12 +885,11 @@ impl InferenceService for EngineService {
                         }
                     }
                     EngineEvent::Finished {
-                        stop_reason: r,
+                        stop_reason: mut stop,
                         stop_sequence,
                         tail_text,
                         usage,
                     } => {
-                        let mut stop = stop_reason(r);
                         match calls.as_mut() {
                             None if !tail_text.is_empty() => {
                                 ready.push_back(InferenceEvent::Delta {
@@ -986,10 +911,7 @@ impl InferenceService for EngineService {
                         ready.push_back(InferenceEvent::Finished {
                             stop_reason: stop,
                             stop_sequence,
-                            usage: Usage {
-                                input_tokens: usage.input_tokens as u32,
-                                output_tokens: usage.output_tokens as u32,
-                            },
+                            usage,
                         });
                     }
                     EngineEvent::Error { error } => {
@@ -1036,19 +958,7 @@ impl InferenceService for EngineService {
     }
 
     fn metrics(&self) -> ServiceMetrics {
-        let m = self.engine.metrics();
-        let mut s = ServiceMetrics::default();
-        s.queue_depth = m.queue_depth as u64;
-        s.running = m.running as u64;
-        s.generated_tokens = m.generated_tokens;
-        s.prompt_tokens = m.prompt_tokens;
-        s.kv_bytes_used = m.kv_bytes_used as u64;
-        s.kv_bytes_budget = m.kv_bytes_budget as u64;
-        s.weight_cache_hit_rate = m.weight_cache_hit_rate.unwrap_or(0.0);
-        s.expert_hit_rate = m.expert_hit_rate.unwrap_or(0.0);
-        s.weight_read_bytes_per_token = m.storage_read_bytes_per_token.unwrap_or(0.0);
-        s.prefix_cache_hit_tokens = m.prefix_hit_tokens;
-        s
+        ServiceMetrics::from(&self.engine.metrics())
     }
 
     /// False while a gating warm-up runs, and for good once the model file changed on disk
@@ -1534,7 +1444,7 @@ mod tests {
         r.logprobs = Some(3);
         let events: Vec<InferenceEvent> =
             futures::executor::block_on(svc.submit(r).unwrap().collect());
-        let mut pending: Vec<TokenLogprob> = Vec::new();
+        let mut pending: Vec<zerolayer_api::TokenLogprob> = Vec::new();
         let mut seen = 0;
         for e in &events {
             match e {

@@ -264,15 +264,6 @@ fn direct_greedy(svc: &EngineService, prompt: Vec<u32>, max_tokens: usize) -> Gr
     panic!("the engine's stream ended without Finished");
 }
 
-/// The Anthropic `stop_reason` a direct run's reason maps to.
-fn api_stop_reason(r: StopReason) -> &'static str {
-    match r {
-        StopReason::EndTurn => "end_turn",
-        StopReason::StopSequence => "stop_sequence",
-        _ => "max_tokens",
-    }
-}
-
 fn messages_body(model: &str, prompt: &str, max_tokens: usize, stream: bool) -> Value {
     json!({
         "model": model, "max_tokens": max_tokens, "temperature": 0, "stream": stream,
@@ -470,7 +461,7 @@ async fn check_generation(
         "{want:?}"
     );
     eprintln!("{id}: {prompt:?} -> {want:?}");
-    let reason = api_stop_reason(want.stop_reason);
+    let reason = want.stop_reason.as_str();
     if want.stop_reason == StopReason::MaxTokens {
         assert_eq!(want.ids.len(), max_tokens);
     }

@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::bail;
 use gpu_pipeline::executor::Executor;
-use gpu_pipeline::{GenerateOptions, LogitsWanted, Model, SamplingParams, SeqStep};
+use gpu_pipeline::{GenerateOptions, LogitsWanted, Model, SamplerConfig, SeqStep};
 use kv_ring::{KvDtype, KvPool, KvRing, RingMode};
 use serde_json::json;
 use token_stream::{ChatMessage, ChatTemplate, Tokenizer};
@@ -415,7 +415,7 @@ fn generate(a: &Args, loaded: LoadedModel, prompt: &[u32]) -> anyhow::Result<()>
         ExecutorKind::Cpu => None,
         ExecutorKind::Cuda => Some(cuda_executor(&model, a.device_budget)?),
     };
-    let sampling = SamplingParams::default()
+    let sampling = SamplerConfig::default()
         .with_temperature(a.temperature)
         .with_top_k(a.top_k.unwrap_or(0))
         .with_top_p(a.top_p)

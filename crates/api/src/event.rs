@@ -58,7 +58,15 @@ pub enum InferenceEvent {
 /// The events of one request. Dropping it cancels the request.
 pub type EventStream = Pin<Box<dyn Stream<Item = InferenceEvent> + Send + 'static>>;
 
-/// Why a generation ended (the Anthropic API's values).
+/// Why a generation ended (the Anthropic API's values). The engine ends a generation with one
+/// of the first three; a service that finds tool calls in the output reports `ToolUse` instead
+/// of `EndTurn`.
+///
+/// ```
+/// use zerolayer_api::StopReason;
+/// assert_eq!(StopReason::StopSequence.as_str(), "stop_sequence");
+/// assert_eq!(StopReason::ToolUse.to_string(), "tool_use");
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum StopReason {
     /// The model emitted an end-of-turn / EOS token.
@@ -80,6 +88,12 @@ impl StopReason {
             Self::StopSequence => "stop_sequence",
             Self::ToolUse => "tool_use",
         }
+    }
+}
+
+impl std::fmt::Display for StopReason {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
     }
 }
 

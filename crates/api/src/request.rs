@@ -2,6 +2,8 @@
 
 use std::sync::Arc;
 
+use crate::ServiceError;
+
 /// A request for one generation.
 #[derive(Debug, Clone, PartialEq)]
 #[non_exhaustive]
@@ -58,6 +60,28 @@ impl InferenceRequest {
             output_format: None,
             tools: None,
         }
+    }
+
+    /// Checks what every service needs of a request, whatever transport brought it: at
+    /// least one token to generate, and sampling parameters a sampler can use
+    /// ([`SamplingParams::validate`]). The error names the field.
+    ///
+    /// ```
+    /// use zerolayer_api::{InferenceRequest, Prompt, ServiceError};
+    /// let mut r = InferenceRequest::new("m", Prompt::Text("Hello".into()), 16);
+    /// assert_eq!(r.validate(), Ok(()));
+    /// r.max_tokens = 0;
+    /// let Err(ServiceError::InvalidRequest { field, .. }) = r.validate() else { panic!() };
+    /// assert_eq!(field, "max_tokens");
+    /// ```
+    pub fn validate(&self) -> Result<(), ServiceError> {
+        if self.max_tokens == 0 {
+            return Err(ServiceError::InvalidRequest {
+                field: "max_tokens",
+                reason: "must be at least 1".into(),
+            });
+        }
+        self.sampling.validate()
     }
 }
 
@@ -319,6 +343,38 @@ pub struct SamplingParams {
     /// Seed making a sampled run reproducible; `None` with a temperature above zero: a
     /// random seed per request.
     pub seed: Option<u64>,
+}
+
+impl SamplingParams {
+    /// Checks the values a sampler cannot use: a temperature that is not a finite
+    /// non-negative number, a `top_p` outside (0, 1]. The rest is defined for every value
+    /// (the HTTP gateway holds each field to its API's documented range before this).
+    ///
+    /// ```
+    /// use zerolayer_api::SamplingParams;
+    /// let mut p = SamplingParams::default();
+    /// p.top_p = Some(0.0);
+    /// assert_eq!(p.validate().unwrap_err().to_string(), "invalid value for `top_p`: 0 is not in (0, 1]");
+    /// ```
+    pub fn validate(&self) -> Result<(), ServiceError> {
+        if let Some(t) = self.temperature
+            && !(t.is_finite() && t >= 0.0)
+        {
+            return Err(ServiceError::InvalidRequest {
+                field: "temperature",
+                reason: format!("{t} is not a finite non-negative number"),
+            });
+        }
+        if let Some(v) = self.top_p
+            && !(v > 0.0 && v <= 1.0)
+        {
+            return Err(ServiceError::InvalidRequest {
+                field: "top_p",
+                reason: format!("{v} is not in (0, 1]"),
+            });
+        }
+        Ok(())
+    }
 }
 
 /// Weight-cache warm-up hint carried by a request.

@@ -2,7 +2,7 @@
 //! with top-p, top-k and min-p, for SmolLM2's 49152 tokens and Qwen2.5's 151936, against a
 //! straightforward sort-everything sampler (what `Sampler` did before the unsorted full-row
 //! draw: every candidate sorted, an f64 `exp` each) in the same run; and the log-probabilities
-//! of a token with the top 5 (`TokenLogprobs::of`) against an f64, collect-everything version.
+//! of a token with the top 5 (`token_logprob`) against an f64, collect-everything version.
 //! Median over 2000 draws.
 //!
 //! `cargo bench -p zerolayer-gpu-pipeline --bench sampling` (`cargo test --all-targets` runs it with 5
@@ -10,7 +10,7 @@
 
 use std::time::Instant;
 
-use gpu_pipeline::{Sampler, SamplingParams, TokenLogprobs};
+use gpu_pipeline::{Sampler, SamplerConfig, token_logprob};
 
 /// A logit row like a language model's: a smooth body around -2 with a few strong tokens.
 fn row(n: usize, seed: u64) -> Vec<f32> {
@@ -30,7 +30,7 @@ fn row(n: usize, seed: u64) -> Vec<f32> {
 }
 
 /// The reference: candidates scaled by 1/t, sorted, softmax in f64, top-p, min-p, one draw.
-fn sort_everything(p: &SamplingParams, logits: &[f32], u: f64, cand: &mut Vec<(f32, u32)>) -> u32 {
+fn sort_everything(p: &SamplerConfig, logits: &[f32], u: f64, cand: &mut Vec<(f32, u32)>) -> u32 {
     let inv_t = 1.0 / p.temperature;
     cand.clear();
     cand.extend(
@@ -80,7 +80,7 @@ fn sort_everything(p: &SamplingParams, logits: &[f32], u: f64, cand: &mut Vec<(f
 }
 
 /// The reference log-probabilities: f64 `exp` over the row, every entry collected, the top
-/// `n` selected and sorted (what `TokenLogprobs::of` did before).
+/// `n` selected and sorted (what `token_logprob` did before).
 fn logprobs_reference(logits: &[f32], token: u32, n: usize) -> (f32, Vec<(u32, f32)>) {
     let max = logits
         .iter()
@@ -130,24 +130,24 @@ fn main() {
     } else {
         5
     };
-    let settings: [(&str, SamplingParams); 5] = [
-        ("greedy", SamplingParams::default()),
-        ("t=1.0", SamplingParams::default().with_temperature(1.0)),
+    let settings: [(&str, SamplerConfig); 5] = [
+        ("greedy", SamplerConfig::default()),
+        ("t=1.0", SamplerConfig::default().with_temperature(1.0)),
         (
             "t=0.8 top-p 0.95",
-            SamplingParams::default()
+            SamplerConfig::default()
                 .with_temperature(0.8)
                 .with_top_p(0.95),
         ),
         (
             "t=0.8 top-k 40",
-            SamplingParams::default()
+            SamplerConfig::default()
                 .with_temperature(0.8)
                 .with_top_k(40),
         ),
         (
             "t=0.8 min-p 0.05",
-            SamplingParams::default()
+            SamplerConfig::default()
                 .with_temperature(0.8)
                 .with_min_p(0.05),
         ),
@@ -173,7 +173,7 @@ fn main() {
             );
         }
         let ours = median_us(draws, |i| {
-            TokenLogprobs::of(&rows[i % rows.len()], 7, 5).top[0].0
+            token_logprob(&rows[i % rows.len()], 7, 5).top[0].0
         });
         let reference = median_us(draws, |i| {
             logprobs_reference(&rows[i % rows.len()], 7, 5).1[0].0

@@ -7,15 +7,16 @@ use token_stream::Tokenizer;
 
 use crate::executor::Executor;
 use crate::model::{ForwardError, LogitsWanted, Model, SeqStep};
-use crate::sampling::{Sampler, SamplingParams, StopMatcher, StopReason};
+use crate::sampling::{Sampler, SamplerConfig, StopMatcher};
+use zerolayer_api::StopReason;
 
 /// Options of [`Model::generate`].
 ///
 /// ```
-/// use gpu_pipeline::{GenerateOptions, SamplingParams};
+/// use gpu_pipeline::{GenerateOptions, SamplerConfig};
 /// let o = GenerateOptions::default().with_max_tokens(32).with_stop_sequences(["\n\n"]);
 /// assert_eq!(o.max_tokens, 32);
-/// assert_eq!(o.sampling, SamplingParams::greedy());
+/// assert_eq!(o.sampling, SamplerConfig::greedy());
 /// ```
 #[non_exhaustive]
 #[derive(Clone, Debug)]
@@ -24,7 +25,7 @@ pub struct GenerateOptions {
     /// counted and not returned). Default 256.
     pub max_tokens: usize,
     /// Sampling parameters (default greedy).
-    pub sampling: SamplingParams,
+    pub sampling: SamplerConfig,
     /// Text that ends the generation; the returned text stops before it. Needs a tokenizer.
     pub stop_sequences: Vec<String>,
     /// Token ids that end the generation (`None`: the model's EOS/EOT and the tokenizer's
@@ -42,7 +43,7 @@ impl Default for GenerateOptions {
     fn default() -> Self {
         Self {
             max_tokens: 256,
-            sampling: SamplingParams::default(),
+            sampling: SamplerConfig::default(),
             stop_sequences: Vec::new(),
             stop_tokens: None,
             prefill_chunk: 128,
@@ -57,7 +58,7 @@ impl GenerateOptions {
         self
     }
     /// Sets [`sampling`](Self::sampling).
-    pub fn with_sampling(mut self, s: SamplingParams) -> Self {
+    pub fn with_sampling(mut self, s: SamplerConfig) -> Self {
         self.sampling = s;
         self
     }

@@ -32,6 +32,10 @@ pub use model::{
     RopeConfig, RopeLayout, RopeScaling, SeqStep, WeightPacking,
 };
 pub use sampling::{
-    Sampler, SamplingParams, StopMatcher, StopReason, TokenLogprobs, TokenMask, token_nll,
+    Sampler, SamplerConfig, StopMatcher, TokenMask, fill_token_bytes, token_logprob, token_nll,
 };
 pub use threadpool::ThreadPool;
+/// The service vocabulary the engine takes and emits ([`StopReason`], `Usage`, ...).
+pub use zerolayer_api;
+/// Why a generation ended: the service vocabulary's, which the engine emits.
+pub use zerolayer_api::StopReason;

@@ -2,22 +2,24 @@
 //! the stop rules of a generation (EOS, stop sequences, `max_tokens`).
 //!
 //! The order of the logit transforms is fixed and documented on [`Sampler::sample`]; with the
-//! same [`SamplingParams`] (seed included), the same logits and the same history a [`Sampler`]
+//! same [`SamplerConfig`] (seed included), the same logits and the same history a [`Sampler`]
 //! picks the same tokens on every run and platform (the RNG is a PCG32 of our own, not the OS).
+
+use zerolayer_api::TokenLogprob;
 
 use crate::kernels::{exp_f, multiversion};
 
 /// Parameters of a [`Sampler`]. `Default` is greedy decoding.
 ///
 /// ```
-/// use gpu_pipeline::SamplingParams;
-/// let p = SamplingParams::default().with_temperature(0.7).with_top_p(0.9).with_seed(42);
+/// use gpu_pipeline::SamplerConfig;
+/// let p = SamplerConfig::default().with_temperature(0.7).with_top_p(0.9).with_seed(42);
 /// assert_eq!(p.top_p, 0.9);
-/// assert!(SamplingParams::default().is_greedy());
+/// assert!(SamplerConfig::default().is_greedy());
 /// ```
 #[non_exhaustive]
 #[derive(Clone, Debug, PartialEq)]
-pub struct SamplingParams {
+pub struct SamplerConfig {
     /// Softmax temperature. `0.0` (the default) means greedy: always the highest logit (the
     /// lowest token id among exact ties).
     pub temperature: f32,
@@ -46,7 +48,7 @@ pub struct SamplingParams {
     pub seed: u64,
 }
 
-impl Default for SamplingParams {
+impl Default for SamplerConfig {
     fn default() -> Self {
         Self {
             temperature: 0.0,
@@ -62,7 +64,7 @@ impl Default for SamplingParams {
     }
 }
 
-impl SamplingParams {
+impl SamplerConfig {
     /// Greedy decoding (the default).
     pub fn greedy() -> Self {
         Self::default()
@@ -120,6 +122,54 @@ impl SamplingParams {
     }
 }
 
+/// A request's sampling parameters ([`zerolayer_api::SamplingParams`], checked by its
+/// `validate`) as the sampler runs them: each field the request leaves out at its default
+/// (greedy, no truncation, no penalty; a repetition penalty looks at the last 64 tokens), and
+/// without a seed a fresh random one, so that two such sampled requests differ.
+///
+/// ```
+/// use gpu_pipeline::SamplerConfig;
+/// let mut asked = gpu_pipeline::zerolayer_api::SamplingParams::default();
+/// asked.temperature = Some(0.7);
+/// asked.top_k = Some(40);
+/// asked.seed = Some(1);
+/// let c = SamplerConfig::from(&asked);
+/// assert_eq!((c.temperature, c.top_k, c.top_p, c.seed), (0.7, 40, 1.0, 1));
+/// ```
+impl From<&zerolayer_api::SamplingParams> for SamplerConfig {
+    fn from(p: &zerolayer_api::SamplingParams) -> Self {
+        let mut s = Self::default();
+        if let Some(t) = p.temperature {
+            s = s.with_temperature(t);
+        }
+        if let Some(v) = p.top_p {
+            s = s.with_top_p(v);
+        }
+        if let Some(k) = p.top_k {
+            s = s.with_top_k(k as usize);
+        }
+        if let Some(m) = p.min_p {
+            s = s.with_min_p(m);
+        }
+        if let Some(r) = p.repetition_penalty {
+            s = s.with_repetition_penalty(r, 64);
+        }
+        s.with_frequency_penalty(p.frequency_penalty.unwrap_or(0.0))
+            .with_presence_penalty(p.presence_penalty.unwrap_or(0.0))
+            .with_seed(p.seed.unwrap_or_else(random_seed))
+    }
+}
+
+/// A seed from the process's random hasher keys (the OS's entropy) and a counter.
+fn random_seed() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u64(COUNTER.fetch_add(1, Ordering::Relaxed));
+    h.finish()
+}
+
 /// PCG32 (XSH-RR, 64-bit state), seeded through SplitMix64. Small, fast, reproducible.
 #[derive(Clone, Debug)]
 pub(crate) struct Pcg32 {
@@ -171,11 +221,11 @@ impl Pcg32 {
 /// allocation per token once it has seen the vocabulary size).
 ///
 /// ```
-/// use gpu_pipeline::{Sampler, SamplingParams};
-/// let mut greedy = Sampler::new(SamplingParams::default());
+/// use gpu_pipeline::{Sampler, SamplerConfig};
+/// let mut greedy = Sampler::new(SamplerConfig::default());
 /// assert_eq!(greedy.sample(&[0.1, 2.0, -1.0], &[]), 1);
 ///
-/// let params = SamplingParams::default().with_temperature(1.0).with_seed(7);
+/// let params = SamplerConfig::default().with_temperature(1.0).with_seed(7);
 /// let (mut a, mut b) = (Sampler::new(params.clone()), Sampler::new(params));
 /// let logits = [1.0, 1.1, 0.9, 1.05];
 /// let xs: Vec<u32> = (0..20).map(|_| a.sample(&logits, &[])).collect();
@@ -184,7 +234,7 @@ impl Pcg32 {
 /// ```
 #[derive(Clone, Debug)]
 pub struct Sampler {
-    params: SamplingParams,
+    params: SamplerConfig,
     rng: Pcg32,
     /// The draw's buffers.
     scratch: PickScratch,
@@ -196,7 +246,7 @@ pub struct Sampler {
 
 impl Sampler {
     /// A sampler with these parameters; its RNG starts from `params.seed`.
-    pub fn new(params: SamplingParams) -> Self {
+    pub fn new(params: SamplerConfig) -> Self {
         let rng = Pcg32::new(params.seed);
         Self {
             params,
@@ -208,7 +258,7 @@ impl Sampler {
     }
 
     /// The parameters.
-    pub fn params(&self) -> &SamplingParams {
+    pub fn params(&self) -> &SamplerConfig {
         &self.params
     }
 
@@ -231,15 +281,15 @@ impl Sampler {
     /// `history`; the frequency and presence penalties at the generated ones.
     ///
     /// Order (llama.cpp's penalties sampler): repetition penalty, then frequency and presence
-    /// penalties; then greedy (if [`SamplingParams::is_greedy`]) returns the argmax;
+    /// penalties; then greedy (if [`SamplerConfig::is_greedy`]) returns the argmax;
     /// otherwise temperature scaling, top-k, softmax, top-p, min-p, renormalise, draw one
     /// uniform number. Ties sort by token id, so the result does not depend on sort
     /// stability. NaN logits are never picked (treated as minus infinity). An empty `logits`
     /// returns 0.
     ///
     /// ```
-    /// use gpu_pipeline::{Sampler, SamplingParams};
-    /// let mut s = Sampler::new(SamplingParams::default().with_presence_penalty(1.5));
+    /// use gpu_pipeline::{Sampler, SamplerConfig};
+    /// let mut s = Sampler::new(SamplerConfig::default().with_presence_penalty(1.5));
     /// // token 0 was generated once (history[1..]): 2.0 - 1.5 < 1.0
     /// assert_eq!(s.sample_after(&[2.0, 1.0], &[1, 0], 1), 1);
     /// // the same token in the prompt is not penalized
@@ -270,8 +320,8 @@ impl Sampler {
     /// (the row is shorter than the mask, or every allowed logit is NaN or minus infinity).
     ///
     /// ```
-    /// use gpu_pipeline::{Sampler, SamplingParams, TokenMask};
-    /// let mut s = Sampler::new(SamplingParams::default());
+    /// use gpu_pipeline::{Sampler, SamplerConfig, TokenMask};
+    /// let mut s = Sampler::new(SamplerConfig::default());
     /// let mut mask = TokenMask::forbid_all(3);
     /// mask.allow(2);
     /// assert_eq!(s.sample_masked(&[5.0, 4.0, -1.0], &[], 0, &mask), Some(2));
@@ -356,60 +406,65 @@ impl Sampler {
     }
 }
 
-/// The log-probabilities of one sampled token under the model's distribution (the
-/// log-softmax of the raw logits, before penalties and temperature), and the most likely
-/// alternatives.
-#[non_exhaustive]
-#[derive(Clone, Debug, PartialEq)]
-pub struct TokenLogprobs {
-    /// The sampled token.
-    pub token: u32,
-    /// Its log-probability.
-    pub logprob: f32,
-    /// The `n` most likely tokens and their log-probabilities, most likely first (ties by
-    /// token id).
-    pub top: Vec<(u32, f32)>,
+/// The log-probability of a sampled `token` under the model's distribution (the log-softmax
+/// of the raw `logits` row, before penalties and temperature) and the `top_n` most likely
+/// tokens, most likely first (ties by token id); NaN logits count as minus infinity. The
+/// tokens' bytes are left empty: the engine fills them from its tokenizer
+/// ([`fill_token_bytes`]).
+///
+/// ```
+/// let lp = gpu_pipeline::token_logprob(&[0.0, 0.0, f32::NEG_INFINITY], 1, 2);
+/// assert!((lp.logprob + std::f32::consts::LN_2).abs() < 1e-6);
+/// assert_eq!(lp.top.iter().map(|t| t.0).collect::<Vec<_>>(), [0, 1]);
+/// ```
+///
+/// # Panics
+/// When `token` is not below `logits.len()`.
+pub fn token_logprob(logits: &[f32], token: u32, top_n: usize) -> TokenLogprob {
+    let lse = log_sum_exp_fast(logits);
+    let lp = |l: f32| {
+        if l.is_nan() {
+            f32::NEG_INFINITY
+        } else {
+            (f64::from(l) - lse) as f32
+        }
+    };
+    let mut top: Vec<(u32, Vec<u8>, f32)> = Vec::with_capacity(top_n);
+    let n = top_n.min(logits.len());
+    if n > 0 {
+        // The n largest in one scan (NaN counts as minus infinity: those rank last, by id).
+        let mut best = Vec::with_capacity(2 * n + 64);
+        top_m(logits, n, &mut best);
+        best.sort_unstable_by(by_desc);
+        top.extend(best.into_iter().map(|(l, i)| (i, Vec::new(), lp(l))));
+        let short = n - top.len();
+        let rest = logits.iter().enumerate();
+        let low = rest.filter(|&(_, &l)| l.is_nan() || l == f32::NEG_INFINITY);
+        top.extend(
+            low.take(short)
+                .map(|(i, _)| (i as u32, Vec::new(), f32::NEG_INFINITY)),
+        );
+    }
+    TokenLogprob {
+        id: token,
+        bytes: Vec::new(),
+        logprob: lp(logits[token as usize]),
+        top,
+    }
 }
 
-impl TokenLogprobs {
-    /// The log-probability of `token` and the `top_n` most likely tokens of one row of
-    /// logits. NaN logits count as minus infinity.
-    ///
-    /// ```
-    /// let lp = gpu_pipeline::TokenLogprobs::of(&[0.0, 0.0, f32::NEG_INFINITY], 1, 2);
-    /// assert!((lp.logprob + std::f32::consts::LN_2).abs() < 1e-6);
-    /// assert_eq!(lp.top.iter().map(|t| t.0).collect::<Vec<_>>(), [0, 1]);
-    /// ```
-    ///
-    /// # Panics
-    /// When `token` is not below `logits.len()`.
-    pub fn of(logits: &[f32], token: u32, top_n: usize) -> Self {
-        let lse = log_sum_exp_fast(logits);
-        let lp = |l: f32| {
-            if l.is_nan() {
-                f32::NEG_INFINITY
-            } else {
-                (f64::from(l) - lse) as f32
-            }
-        };
-        let mut top: Vec<(u32, f32)> = Vec::with_capacity(top_n);
-        let n = top_n.min(logits.len());
-        if n > 0 {
-            // The n largest in one scan (NaN counts as minus infinity: those rank last, by id).
-            let mut best = Vec::with_capacity(2 * n + 64);
-            top_m(logits, n, &mut best);
-            best.sort_unstable_by(by_desc);
-            top.extend(best.into_iter().map(|(l, i)| (i, lp(l))));
-            let short = n - top.len();
-            let rest = logits.iter().enumerate();
-            let low = rest.filter(|&(_, &l)| l.is_nan() || l == f32::NEG_INFINITY);
-            top.extend(low.take(short).map(|(i, _)| (i as u32, f32::NEG_INFINITY)));
-        }
-        Self {
-            token,
-            logprob: lp(logits[token as usize]),
-            top,
-        }
+/// Fills the bytes of a [`token_logprob`]'s tokens from `tokenizer` (empty for an id it does
+/// not know).
+pub fn fill_token_bytes(lp: &mut TokenLogprob, tokenizer: &token_stream::Tokenizer) {
+    let bytes = |id: u32| {
+        tokenizer
+            .token_bytes(id)
+            .map(<[u8]>::to_vec)
+            .unwrap_or_default()
+    };
+    lp.bytes = bytes(lp.id);
+    for (id, b, _) in &mut lp.top {
+        *b = bytes(*id);
     }
 }
 
@@ -609,7 +664,7 @@ fn cut_nucleus(cand: &mut Vec<(f32, u32)>, need: f64) -> bool {
 /// reaches (64 first, then 8x more each time).
 /// A row with a `+inf` logit (or a temperature so small that `1 / t` overflows) picks its
 /// argmax: that token has all the probability.
-fn pick(p: &SamplingParams, rng: &mut Pcg32, sc: &mut PickScratch, logits: &[f32]) -> u32 {
+fn pick(p: &SamplerConfig, rng: &mut Pcg32, sc: &mut PickScratch, logits: &[f32]) -> u32 {
     if p.is_greedy() {
         return argmax(logits);
     }
@@ -779,35 +834,6 @@ multiversion! {
     }
 }
 
-/// Why a generation stopped.
-#[non_exhaustive]
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum StopReason {
-    /// The model produced an end-of-sequence / end-of-turn token.
-    EndTurn,
-    /// `max_tokens` tokens were generated.
-    MaxTokens,
-    /// The generated text contains one of the stop sequences.
-    StopSequence,
-}
-
-impl StopReason {
-    /// The wire name: `end_turn`, `max_tokens` or `stop_sequence`.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::EndTurn => "end_turn",
-            Self::MaxTokens => "max_tokens",
-            Self::StopSequence => "stop_sequence",
-        }
-    }
-}
-
-impl std::fmt::Display for StopReason {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
-
 /// Finds stop sequences in generated text, and says how much of a streamed text must be held
 /// back because it could still become a stop sequence.
 ///
@@ -893,21 +919,21 @@ mod tests {
 
     #[test]
     fn greedy_picks_max_and_lowest_tie() {
-        let mut s = Sampler::new(SamplingParams::greedy());
+        let mut s = Sampler::new(SamplerConfig::greedy());
         assert_eq!(s.sample(&[1.0, 3.0, 3.0, -2.0], &[]), 1);
         assert_eq!(s.sample(&[f32::NAN, -5.0, -6.0], &[]), 1);
     }
 
     #[test]
     fn repetition_penalty_moves_argmax() {
-        let p = SamplingParams::greedy().with_repetition_penalty(2.0, 8);
+        let p = SamplerConfig::greedy().with_repetition_penalty(2.0, 8);
         let mut s = Sampler::new(p);
         // token 0 (logit 3) seen twice -> 1.5 (penalized once), token 1 (2.0) wins.
         assert_eq!(s.sample(&[3.0, 2.0, -1.0], &[0, 0]), 1);
         // negative logits get multiplied
         assert_eq!(s.sample(&[-1.0, -1.5, -9.0], &[0]), 1);
         // outside the window: no penalty
-        let mut s = Sampler::new(SamplingParams::greedy().with_repetition_penalty(2.0, 1));
+        let mut s = Sampler::new(SamplerConfig::greedy().with_repetition_penalty(2.0, 1));
         assert_eq!(s.sample(&[3.0, 2.0], &[0, 1]), 0);
     }
 
@@ -916,7 +942,7 @@ mod tests {
         // token 0 generated twice, token 1 once, token 2 only in the prompt
         let history = [2, 2, 0, 1, 0];
         let mut s = Sampler::new(
-            SamplingParams::greedy()
+            SamplerConfig::greedy()
                 .with_frequency_penalty(1.0)
                 .with_presence_penalty(0.5),
         );
@@ -927,7 +953,7 @@ mod tests {
         s.penalize(&[4.0, 3.0, 2.9, 0.0], &history, 2);
         assert_eq!(s.penalized, [1.5, 1.5, 2.9, 0.0]);
         // negative penalties favour repeats
-        let mut s = Sampler::new(SamplingParams::greedy().with_presence_penalty(-2.0));
+        let mut s = Sampler::new(SamplerConfig::greedy().with_presence_penalty(-2.0));
         assert_eq!(s.sample_after(&[1.0, 2.0], &[0], 0), 0);
         // out-of-vocabulary ids in the history are skipped, not a panic
         assert_eq!(s.sample_after(&[1.0, 2.0], &[0, 99], 0), 0);
@@ -936,13 +962,13 @@ mod tests {
     #[test]
     fn logprobs_are_the_log_softmax_of_the_raw_row() {
         let logits = [1.0f32, 3.0, 2.0, f32::NAN];
-        let lp = TokenLogprobs::of(&logits, 2, 3);
+        let lp = token_logprob(&logits, 2, 3);
         let z: f64 = [1.0f64, 3.0, 2.0].iter().map(|l| l.exp()).sum();
         assert!((f64::from(lp.logprob) - (2.0 - z.ln())).abs() < 1e-6);
         assert_eq!(lp.top.iter().map(|t| t.0).collect::<Vec<_>>(), [1, 2, 0]);
-        assert!((f64::from(lp.top[0].1) - (3.0 - z.ln())).abs() < 1e-6);
-        assert_eq!(TokenLogprobs::of(&logits, 3, 0).logprob, f32::NEG_INFINITY);
-        assert_eq!(TokenLogprobs::of(&logits, 0, 10).top.len(), 4);
+        assert!((f64::from(lp.top[0].2) - (3.0 - z.ln())).abs() < 1e-6);
+        assert_eq!(token_logprob(&logits, 3, 0).logprob, f32::NEG_INFINITY);
+        assert_eq!(token_logprob(&logits, 0, 10).top.len(), 4);
         assert!((token_nll(&logits[..3], 2) + f64::from(lp.logprob)).abs() < 1e-6);
     }
 
@@ -950,7 +976,7 @@ mod tests {
     fn top_k_one_and_min_p_restrict() {
         let logits = [0.0, 5.0, 4.9, -3.0];
         let mut s = Sampler::new(
-            SamplingParams::default()
+            SamplerConfig::default()
                 .with_temperature(1.0)
                 .with_top_k(2)
                 .with_seed(3),
@@ -961,7 +987,7 @@ mod tests {
         }
         // min_p 0.99: only tokens within 1% of the top probability survive -> only token 1
         let mut s = Sampler::new(
-            SamplingParams::default()
+            SamplerConfig::default()
                 .with_temperature(1.0)
                 .with_min_p(0.99)
                 .with_seed(3),
@@ -976,7 +1002,7 @@ mod tests {
         // probabilities ~ [0.665, 0.245, 0.090]
         let logits = [2.0, 1.0, 0.0];
         let mut s = Sampler::new(
-            SamplingParams::default()
+            SamplerConfig::default()
                 .with_temperature(1.0)
                 .with_top_p(0.6)
                 .with_seed(1),
@@ -985,7 +1011,7 @@ mod tests {
             assert_eq!(s.sample(&logits, &[]), 0);
         }
         let mut s = Sampler::new(
-            SamplingParams::default()
+            SamplerConfig::default()
                 .with_temperature(1.0)
                 .with_top_p(0.8)
                 .with_seed(1),
@@ -1002,11 +1028,7 @@ mod tests {
     #[test]
     fn temperature_sampling_matches_softmax_frequencies() {
         let logits = [0.0f32, 1.0, 2.0];
-        let mut s = Sampler::new(
-            SamplingParams::default()
-                .with_temperature(1.0)
-                .with_seed(99),
-        );
+        let mut s = Sampler::new(SamplerConfig::default().with_temperature(1.0).with_seed(99));
         let n = 20_000;
         let mut seen = [0usize; 3];
         for _ in 0..n {
@@ -1084,22 +1106,22 @@ mod tests {
                 before < 0.5
             })
             .collect();
-        let cases: Vec<(SamplingParams, Vec<f64>)> = vec![
+        let cases: Vec<(SamplerConfig, Vec<f64>)> = vec![
             (
-                SamplingParams::default().with_top_k(5).with_top_p(0.5),
+                SamplerConfig::default().with_top_k(5).with_top_p(0.5),
                 probs(&|i| k5p.contains(&i)),
             ),
-            (SamplingParams::default(), all.clone()),
+            (SamplerConfig::default(), all.clone()),
             (
-                SamplingParams::default().with_top_k(5),
+                SamplerConfig::default().with_top_k(5),
                 probs(&|i| top5.contains(&i)),
             ),
             (
-                SamplingParams::default().with_top_p(0.5),
+                SamplerConfig::default().with_top_p(0.5),
                 probs(&|i| top.contains(&i)),
             ),
             (
-                SamplingParams::default().with_min_p(0.3),
+                SamplerConfig::default().with_min_p(0.3),
                 probs(&|i| all[i] >= floor),
             ),
         ];
@@ -1165,7 +1187,7 @@ mod tests {
         }
     }
 
-    /// `TokenLogprobs::of` against a sort-everything reference in f64: the same ids in the same
+    /// `token_logprob` against a sort-everything reference in f64: the same ids in the same
     /// order (NaN as minus infinity, ties by id, asking for more than the finite entries), the
     /// same log-probabilities within 1e-5.
     #[test]
@@ -1173,7 +1195,7 @@ mod tests {
         let row = big_row(3000);
         let lse = token_nll(&row, 0) + f64::from(row[0]);
         for top_n in [0, 1, 5, 64, 2990, 3000, 4000] {
-            let lp = TokenLogprobs::of(&row, 1234, top_n);
+            let lp = token_logprob(&row, 1234, top_n);
             let mut all: Vec<(f32, u32)> = row
                 .iter()
                 .enumerate()
@@ -1186,7 +1208,7 @@ mod tests {
                 all.iter().map(|t| t.1).collect::<Vec<_>>(),
                 "top {top_n}"
             );
-            for (&(_, got), &(l, _)) in lp.top.iter().zip(&all) {
+            for (&(_, _, got), &(l, _)) in lp.top.iter().zip(&all) {
                 let want = (f64::from(l) - lse) as f32;
                 assert!(got == want || (got - want).abs() < 1e-5, "{got} {want}");
             }
@@ -1198,21 +1220,21 @@ mod tests {
     fn infinite_logits_and_tiny_temperatures_pick_the_argmax() {
         let mut row = big_row(1000);
         row[777] = f32::INFINITY;
-        let mut s = Sampler::new(SamplingParams::default().with_temperature(1.0).with_seed(2));
+        let mut s = Sampler::new(SamplerConfig::default().with_temperature(1.0).with_seed(2));
         assert!((0..20).all(|_| s.sample(&row, &[]) == 777));
         let row = big_row(1000);
         let mut s = Sampler::new(
-            SamplingParams::default()
+            SamplerConfig::default()
                 .with_temperature(1e-45)
                 .with_seed(2),
         );
         assert_eq!(s.sample(&row, &[]), argmax(&row));
         // Nothing drawable: the argmax rule (token 0 for an all-NaN row).
-        let mut s = Sampler::new(SamplingParams::default().with_temperature(1.0));
+        let mut s = Sampler::new(SamplerConfig::default().with_temperature(1.0));
         assert_eq!(s.sample(&[f32::NAN, f32::NEG_INFINITY], &[]), 1);
         // min-p above 1 keeps only the most likely token.
         let mut s = Sampler::new(
-            SamplingParams::default()
+            SamplerConfig::default()
                 .with_temperature(1.0)
                 .with_min_p(2.0),
         );
@@ -1224,7 +1246,7 @@ mod tests {
         let logits: Vec<f32> = (0..100).map(|i| ((i * 37) % 11) as f32 * 0.1).collect();
         let run = |seed| {
             let mut s = Sampler::new(
-                SamplingParams::default()
+                SamplerConfig::default()
                     .with_temperature(1.0)
                     .with_seed(seed),
             );
@@ -1254,6 +1276,5 @@ mod tests {
         // multi-byte: never splits a char
         let m = StopMatcher::new(["é!"]);
         assert_eq!(m.holdback("café"), "é".len());
-        assert_eq!(StopReason::StopSequence.as_str(), "stop_sequence");
     }
 }

@@ -65,7 +65,7 @@ fn next(h: &RequestHandle, within: Duration) -> Option<Seen> {
         EngineEvent::Token { id, .. } => Seen::Token(id),
         EngineEvent::Finished {
             stop_reason, usage, ..
-        } => Seen::Finished(stop_reason, usage.input_tokens),
+        } => Seen::Finished(stop_reason, usage.input_tokens as usize),
         EngineEvent::Error { error } => Seen::Error(error.to_string()),
         other => panic!("unexpected event {other:?}"),
     })

@@ -2,7 +2,7 @@
 //! included), random masks, random sampling parameters and histories, `sample_masked` returns a
 //! token the mask allows, or `None` exactly when no allowed token has a finite logit.
 
-use gpu_pipeline::{Sampler, SamplingParams, TokenMask};
+use gpu_pipeline::{Sampler, SamplerConfig, TokenMask};
 use proptest::prelude::*;
 
 fn logit() -> impl Strategy<Value = f32> {
@@ -14,7 +14,7 @@ fn logit() -> impl Strategy<Value = f32> {
     ]
 }
 
-fn params() -> impl Strategy<Value = SamplingParams> {
+fn params() -> impl Strategy<Value = SamplerConfig> {
     (
         prop_oneof![Just(0.0f32), 0.05f32..2.0],
         0usize..8,
@@ -26,7 +26,7 @@ fn params() -> impl Strategy<Value = SamplingParams> {
         any::<u64>(),
     )
         .prop_map(|(t, k, p, min_p, rep, freq, pres, seed)| {
-            SamplingParams::default()
+            SamplerConfig::default()
                 .with_temperature(t)
                 .with_top_k(k)
                 .with_top_p(p)

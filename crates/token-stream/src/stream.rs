@@ -85,6 +85,11 @@ impl<'t> StreamDecoder<'t> {
         self
     }
 
+    /// The tokenizer it decodes with.
+    pub fn tokenizer(&self) -> &'t Tokenizer {
+        self.tok
+    }
+
     /// Whether a stop sequence has been found.
     pub fn is_stopped(&self) -> Option<usize> {
         self.stopped

@@ -2,6 +2,8 @@
 
 use std::time::Duration;
 
+use zerolayer_api::ServiceMetrics;
+
 /// A histogram of durations over power-of-two microsecond buckets (bucket `k` holds values in
 /// `[2^(k-1), 2^k)` µs; bucket 0 holds 0 µs).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -126,6 +128,35 @@ impl EngineMetrics {
             self.batch_size_hist.resize(k + 1, 0);
         }
         self.batch_size_hist[k] += 1;
+    }
+}
+
+/// The snapshot the transports render (`/metrics`): the engine's queue, batch, token, KV and
+/// prefix-cache counters, and the weight-cache rates (0 where not measured).
+///
+/// ```
+/// use gpu_pipeline::engine::EngineMetrics;
+/// use gpu_pipeline::zerolayer_api::ServiceMetrics;
+/// let mut m = EngineMetrics::default();
+/// m.queue_depth = 3;
+/// m.weight_cache_hit_rate = Some(0.5);
+/// let s = ServiceMetrics::from(&m);
+/// assert_eq!((s.queue_depth, s.weight_cache_hit_rate, s.expert_hit_rate), (3, 0.5, 0.0));
+/// ```
+impl From<&EngineMetrics> for ServiceMetrics {
+    fn from(m: &EngineMetrics) -> Self {
+        let mut s = Self::default();
+        s.queue_depth = m.queue_depth as u64;
+        s.running = m.running as u64;
+        s.generated_tokens = m.generated_tokens;
+        s.prompt_tokens = m.prompt_tokens;
+        s.kv_bytes_used = m.kv_bytes_used as u64;
+        s.kv_bytes_budget = m.kv_bytes_budget as u64;
+        s.weight_cache_hit_rate = m.weight_cache_hit_rate.unwrap_or(0.0);
+        s.expert_hit_rate = m.expert_hit_rate.unwrap_or(0.0);
+        s.weight_read_bytes_per_token = m.storage_read_bytes_per_token.unwrap_or(0.0);
+        s.prefix_cache_hit_tokens = m.prefix_hit_tokens;
+        s
     }
 }
 

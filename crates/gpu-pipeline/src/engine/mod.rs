@@ -47,7 +47,8 @@ use crate::constraint::{
 };
 use crate::executor::{CpuExecutor, Executor, HostedExecutor};
 use crate::model::{LogitsWanted, Model, SeqStep};
-use crate::sampling::{Sampler, SamplingParams, StopReason, TokenLogprobs};
+use crate::sampling::{Sampler, SamplerConfig, fill_token_bytes, token_logprob};
+use zerolayer_api::{StopReason, TokenLogprob, Usage};
 
 pub use channel::RequestHandle;
 pub use metrics::{EngineMetrics, LatencyHistogram};
@@ -222,7 +223,7 @@ pub struct GenerationRequest {
     /// Most tokens to generate (at least one).
     pub max_new_tokens: usize,
     /// Sampling.
-    pub sampling: SamplingParams,
+    pub sampling: SamplerConfig,
     /// Tokens that end the generation (not emitted); `None` means [`Engine::stop_tokens`].
     pub stop_tokens: Option<Vec<u32>>,
     /// Strings that end the generation (need the engine's tokenizer); the text stops before.
@@ -233,7 +234,7 @@ pub struct GenerationRequest {
     /// Per-client limits and fair admission go by it.
     pub client: Option<String>,
     /// `Some(n)`: every [`EngineEvent::Token`] carries the token's log-probability and the
-    /// `n` most likely alternatives ([`TokenLogprobs`]).
+    /// `n` most likely alternatives ([`TokenLogprob`]).
     pub logprobs: Option<usize>,
     /// Restricts every sampled token to what the constraint allows (structured output).
     pub constraint: Option<Arc<dyn ConstraintFactory>>,
@@ -245,7 +246,7 @@ impl GenerationRequest {
         Self {
             prompt,
             max_new_tokens,
-            sampling: SamplingParams::default(),
+            sampling: SamplerConfig::default(),
             stop_tokens: None,
             stop_sequences: Vec::new(),
             priority: 0,
@@ -265,7 +266,7 @@ impl GenerationRequest {
         self
     }
     /// Sets [`sampling`](Self::sampling).
-    pub fn with_sampling(mut self, s: SamplingParams) -> Self {
+    pub fn with_sampling(mut self, s: SamplerConfig) -> Self {
         self.sampling = s;
         self
     }
@@ -297,17 +298,6 @@ impl GenerationRequest {
     }
 }
 
-/// Token counts of a finished request.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct EngineUsage {
-    /// Prompt tokens.
-    pub input_tokens: usize,
-    /// Prompt tokens whose KV came from the prefix cache.
-    pub cached_input_tokens: usize,
-    /// Generated tokens (a final stop token not counted).
-    pub output_tokens: usize,
-}
-
 /// An event of a request, in order: `Started`, `Token`s, then `Finished` or `Error`.
 ///
 /// A request preempted for lack of KV and readmitted later (its KV recomputed) sees no event
@@ -330,8 +320,9 @@ pub enum EngineEvent {
         /// while it may start a stop sequence).
         text: String,
         /// Its log-probability and the most likely alternatives, when the request asked for
-        /// them ([`GenerationRequest::logprobs`]).
-        logprobs: Option<Box<TokenLogprobs>>,
+        /// them ([`GenerationRequest::logprobs`]); with the tokens' bytes when the engine has a
+        /// tokenizer.
+        logprobs: Option<Box<TokenLogprob>>,
     },
     /// The generation ended.
     Finished {
@@ -341,8 +332,10 @@ pub enum EngineEvent {
         stop_sequence: Option<String>,
         /// The text held back until now (what may have been a stop-sequence prefix).
         tail_text: String,
-        /// Token counts.
-        usage: EngineUsage,
+        /// Token counts: the prompt as submitted, and the generated tokens (a final stop
+        /// token not counted). The prompt tokens reused from the prefix cache are in
+        /// [`Started`](Self::Started).
+        usage: Usage,
     },
     /// The generation failed.
     Error {
@@ -702,7 +695,7 @@ impl<E: Executor> Drop for Engine<E> {
 
 /// A sampled token and, when asked for, its log-probabilities; or why a constrained sequence
 /// could not sample.
-type Sampled = Result<(u32, Option<Box<TokenLogprobs>>), ConstraintError>;
+type Sampled = Result<(u32, Option<Box<TokenLogprob>>), ConstraintError>;
 
 /// One row of [`Worker::sample_rows`].
 struct SampleJob<'a> {
@@ -738,7 +731,7 @@ impl SampleJob<'_> {
         };
         let logprobs = self
             .logprobs
-            .map(|n| Box::new(TokenLogprobs::of(self.logits, token, n)));
+            .map(|n| Box::new(token_logprob(self.logits, token, n)));
         Ok((token, logprobs))
     }
 }
@@ -1050,10 +1043,9 @@ impl<E: Executor> Worker<E> {
                         (Some(d), None) => d.finish().to_string(),
                         _ => String::new(),
                     };
-                    let usage = EngineUsage {
-                        input_tokens: a.input_tokens,
-                        cached_input_tokens: a.cached,
-                        output_tokens: a.output_tokens,
+                    let usage = Usage {
+                        input_tokens: u32::try_from(a.input_tokens).unwrap_or(u32::MAX),
+                        output_tokens: u32::try_from(a.output_tokens).unwrap_or(u32::MAX),
                     };
                     let chan = a.chan.clone();
                     // Free the ring before telling the client.
@@ -1294,7 +1286,7 @@ fn park<'t, S: KvStorage>(
 
 impl<S: KvStorage> Active<'_, S> {
     /// Takes a sampled token: emits it, or stops.
-    fn accept(&mut self, token: u32, logprobs: Option<Box<TokenLogprobs>>) -> Outcome {
+    fn accept(&mut self, token: u32, mut logprobs: Option<Box<TokenLogprob>>) -> Outcome {
         if self.stop_tokens.contains(&token) {
             return Outcome::Stop(StopReason::EndTurn, None);
         }
@@ -1307,6 +1299,9 @@ impl<S: KvStorage> Active<'_, S> {
                 Err(e) => return Outcome::Fail(EngineError::from(e)),
             },
         };
+        if let (Some(lp), Some(d)) = (logprobs.as_deref_mut(), &self.decoder) {
+            fill_token_bytes(lp, d.tokenizer());
+        }
         self.chan.send(EngineEvent::Token {
             id: token,
             text,
