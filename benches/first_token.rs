@@ -56,7 +56,11 @@ fn model_first_token(svc: &EngineService, rounds: usize) -> Duration {
     for (i, counted) in rounds_of(rounds) {
         let user = question(i + 1000);
         let ids = template
-            .encode(tok, &[token_stream::ChatMessage::new("user", &user)], true)
+            .encode(
+                tok,
+                &[token_stream::TemplateMessage::new("user", &user)],
+                true,
+            )
             .expect("prompt")
             .into_vec();
         let mut kv = pool.alloc(ids.len() + 2, RingMode::Strict).expect("ring");

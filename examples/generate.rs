@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use gpu_pipeline::{GenerateOptions, Model, ModelOptions};
 use kv_ring::{KvDtype, KvPool, RingMode};
-use token_stream::{ChatMessage, ChatTemplate, Tokenizer};
+use token_stream::{ChatTemplate, TemplateMessage, Tokenizer};
 
 fn main() -> anyhow::Result<()> {
     let message = std::env::args().nth(1).unwrap_or("Hello!".into());
@@ -23,7 +23,7 @@ fn main() -> anyhow::Result<()> {
 
     // The chat template turns messages into the token ids the model was trained on.
     let template = ChatTemplate::from_tokenizer(&tokenizer)?;
-    let prompt = template.encode(&tokenizer, &[ChatMessage::new("user", &message)], true)?;
+    let prompt = template.encode(&tokenizer, &[TemplateMessage::new("user", &message)], true)?;
 
     // One sequence's KV cache: a ring from a pool sized for it.
     let max_tokens = 128;

@@ -17,7 +17,7 @@ use gpu_pipeline::{
     ConstraintFactory, GrammarError, Grammars, Model, ModelOptions, SamplerConfig, WeightSource,
 };
 use token_stream::{
-    ChatMessage, ChatTemplate, RenderOptions, Tokenizer, ToolCall, ToolCallParser, ToolEvent,
+    ChatTemplate, RenderOptions, TemplateMessage, Tokenizer, ToolCall, ToolCallParser, ToolEvent,
     ToolSyntax,
 };
 use weight_cache::{FileWatch, WarmupHandle, WarmupStrategy, WeightCache};
@@ -605,11 +605,11 @@ impl PromptParts {
                     .collect()
             })
             .collect();
-        let messages: Vec<ChatMessage<'_>> = turns
+        let messages: Vec<TemplateMessage<'_>> = turns
             .iter()
             .zip(&calls)
             .map(|(m, calls)| {
-                let mut t = ChatMessage::new(role(m.role), &m.content).with_tool_calls(calls);
+                let mut t = TemplateMessage::new(role(m.role), &m.content).with_tool_calls(calls);
                 if let Some(id) = &m.tool_call_id {
                     t = t.with_tool_call_id(id);
                 }
@@ -636,9 +636,9 @@ impl PromptParts {
                 &messages,
                 tools_json.as_ref().unwrap_or(&serde_json::Value::Null),
             );
-            let messages: Vec<ChatMessage<'_>> = rewritten
+            let messages: Vec<TemplateMessage<'_>> = rewritten
                 .iter()
-                .map(|(r, c)| ChatMessage::new(r, c))
+                .map(|(r, c)| TemplateMessage::new(r, c))
                 .collect();
             chat.encode_with(&self.tokenizer, &messages, &opts)?
         };

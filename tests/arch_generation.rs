@@ -35,7 +35,7 @@ use zerolayer::claudelink_proto::{
 };
 use zerolayer::gpu_pipeline::engine::{EngineEvent, GenerationRequest};
 use zerolayer::gpu_pipeline::{ModelOptions, StopReason};
-use zerolayer::token_stream::{ChatMessage, ChatTemplate, Tokenizer, ToolSyntax};
+use zerolayer::token_stream::{ChatTemplate, TemplateMessage, Tokenizer, ToolSyntax};
 use zerolayer::zerolayer_gateway::{Gateway, GatewayConfig};
 
 /// The user turn of every request.
@@ -391,7 +391,7 @@ fn check_template_and_stop_tokens(svc: &EngineService, family: &Family, prompt: 
             (tok, chat)
         }
     };
-    let turn = [ChatMessage::new("user", prompt)];
+    let turn = [TemplateMessage::new("user", prompt)];
     let rendered = chat.render(&turn, true).expect("render");
     let ids = chat.encode(&tok, &turn, true).expect("encode").to_vec();
     assert_eq!(ids, tok.encode_with_specials(&rendered).to_vec());

@@ -18,7 +18,7 @@ use gpu_pipeline::executor::Executor;
 use gpu_pipeline::{GenerateOptions, LogitsWanted, Model, SamplerConfig, SeqStep};
 use kv_ring::{KvDtype, KvPool, KvRing, RingMode};
 use serde_json::json;
-use token_stream::{ChatMessage, ChatTemplate, Tokenizer};
+use token_stream::{ChatTemplate, TemplateMessage, Tokenizer};
 
 use super::{LoadedModel, load_model, model_path};
 
@@ -322,7 +322,7 @@ fn prompt_ids(a: &Args, tok: &Tokenizer, chat: Option<&ChatTemplate>) -> anyhow:
         let Some(tmpl) = chat else {
             bail!("--chat: the model has no usable chat template");
         };
-        tmpl.encode(tok, &[ChatMessage::new("user", msg)], true)?
+        tmpl.encode(tok, &[TemplateMessage::new("user", msg)], true)?
             .into_vec()
     } else if let Some(p) = &a.prompt {
         tok.encode(p).into_vec()

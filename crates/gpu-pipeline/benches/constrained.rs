@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use gpu_pipeline::engine::{Engine, EngineConfig, EngineEvent, GenerationRequest};
 use gpu_pipeline::{ConstraintFactory, Grammars, Model, ModelOptions, TokenMask};
-use token_stream::{ChatMessage, ChatTemplate, Tokenizer};
+use token_stream::{ChatTemplate, TemplateMessage, Tokenizer};
 
 const NEW_TOKENS: usize = 32;
 const CONCURRENT: usize = 32;
@@ -60,7 +60,7 @@ fn prompts(tok: &Tokenizer, n: usize) -> Vec<Vec<u32>> {
     (0..n)
         .map(|i| {
             let user = format!("Describe city number {i} as JSON.");
-            chat.encode(tok, &[ChatMessage::new("user", &user)], true)
+            chat.encode(tok, &[TemplateMessage::new("user", &user)], true)
                 .expect("encode")
                 .to_vec()
         })

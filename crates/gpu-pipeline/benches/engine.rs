@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 use gpu_pipeline::engine::{Engine, EngineConfig, EngineEvent, GenerationRequest};
 use gpu_pipeline::{ActivationSplit, LogitsWanted, Model, ModelOptions, SeqStep};
 use kv_ring::{KvDtype, KvPool, RingMode};
-use token_stream::{ChatMessage, ChatTemplate, Tokenizer};
+use token_stream::{ChatTemplate, TemplateMessage, Tokenizer};
 
 const PROMPT_TOKENS: usize = 42;
 const NEW_TOKENS: usize = 32;
@@ -33,7 +33,7 @@ fn prompts(tok: &Tokenizer, n: usize) -> Vec<Vec<u32>> {
                  it might be interesting to a curious student who likes mathematics and history.",
                 i * 7 + 3
             );
-            let msgs = [ChatMessage::new("user", &user)];
+            let msgs = [TemplateMessage::new("user", &user)];
             let mut ids = chat.encode(tok, &msgs, true).expect("encode").to_vec();
             // Keep the generation prompt at the end: cut from the middle of the user text.
             let tail = ids.split_off(ids.len() - 5);

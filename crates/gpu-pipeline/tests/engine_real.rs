@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use gpu_pipeline::engine::{Engine, EngineConfig, EngineEvent, GenerationRequest, SubmitError};
 use gpu_pipeline::{Model, ModelOptions, StopReason};
-use token_stream::{ChatMessage, ChatTemplate, Tokenizer};
+use token_stream::{ChatTemplate, TemplateMessage, Tokenizer};
 use zerolayer_api::Usage;
 
 struct Fixture {
@@ -31,8 +31,8 @@ fn fixture() -> &'static Fixture {
 fn chat(system: &str, user: &str) -> Vec<u32> {
     let f = fixture();
     let msgs = [
-        ChatMessage::new("system", system),
-        ChatMessage::new("user", user),
+        TemplateMessage::new("system", system),
+        TemplateMessage::new("user", user),
     ];
     f.chat.encode(&f.tok, &msgs, true).expect("encode").to_vec()
 }

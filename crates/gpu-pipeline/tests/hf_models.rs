@@ -242,12 +242,12 @@ fn tokenizer_and_chat_template_match_transformers_in_every_directory() {
     let reference = &fixture()["tokenizer"];
     let text = reference["text"].as_str().unwrap();
     let chat_text = reference["chat"].as_str().unwrap();
-    let messages: Vec<token_stream::ChatMessage<'_>> = reference["messages"]
+    let messages: Vec<token_stream::TemplateMessage<'_>> = reference["messages"]
         .as_array()
         .unwrap()
         .iter()
         .map(|m| {
-            token_stream::ChatMessage::new(
+            token_stream::TemplateMessage::new(
                 m["role"].as_str().unwrap(),
                 m["content"].as_str().unwrap(),
             )

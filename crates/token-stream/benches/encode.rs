@@ -21,7 +21,7 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
-use token_stream::{ChatMessage, ChatTemplate, Tokenizer, base64_encode};
+use token_stream::{ChatTemplate, TemplateMessage, Tokenizer, base64_encode};
 
 fn corpus() -> Vec<(String, Vec<String>)> {
     let dir = std::env::var_os("ZEROLAYER_CORPUS")
@@ -384,7 +384,7 @@ fn bench(c: &mut Criterion) {
 
     // Chat prompt.
     let tmpl = ChatTemplate::from_tokenizer(&ours_smol).unwrap();
-    let msgs = [ChatMessage::new(
+    let msgs = [TemplateMessage::new(
         "user",
         "What is the capital of France? Answer in one word.",
     )];

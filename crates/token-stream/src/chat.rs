@@ -68,25 +68,27 @@ impl<'a> ToolCall<'a> {
     }
 }
 
-/// One chat message: role and text, plus the optional fields tool-using templates read
-/// (`tool_calls` on assistant messages, `tool_call_id`/`name` on `tool` messages,
-/// `reasoning_content`). Fields left unset are absent from the message the template sees, as
-/// transformers drops keys whose value is `None`.
+/// One chat message as a chat template sees it: a borrowed view with the role as the
+/// template's string (any role a template knows), the text, plus the optional fields
+/// tool-using templates read (`tool_calls` on assistant messages, `tool_call_id`/`name` on
+/// `tool` messages, `reasoning_content`). Fields left unset are absent from the message the
+/// template sees, as transformers drops keys whose value is `None`. A request's turns are
+/// `zerolayer_api::ChatMessage`s; a service renders them through this view.
 ///
 /// ```
-/// use token_stream::{ChatMessage, ToolCall};
+/// use token_stream::{TemplateMessage, ToolCall};
 /// let args = serde_json::json!({"city": "Paris"});
 /// let calls = [ToolCall::new("get_weather", &args).with_id("call12345")];
 /// let turn = [
-///     ChatMessage::new("user", "Weather in Paris?"),
-///     ChatMessage::new("assistant", "").with_tool_calls(&calls),
-///     ChatMessage::new("tool", "{\"temperature\": 21}").with_tool_call_id("call12345").with_name("get_weather"),
+///     TemplateMessage::new("user", "Weather in Paris?"),
+///     TemplateMessage::new("assistant", "").with_tool_calls(&calls),
+///     TemplateMessage::new("tool", "{\"temperature\": 21}").with_tool_call_id("call12345").with_name("get_weather"),
 /// ];
 /// assert_eq!(turn[1].tool_calls.len(), 1);
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
-pub struct ChatMessage<'a> {
+pub struct TemplateMessage<'a> {
     /// `system`, `user`, `assistant`, `tool`, ...
     pub role: &'a str,
     /// The text.
@@ -102,11 +104,11 @@ pub struct ChatMessage<'a> {
     pub reasoning_content: Option<&'a str>,
 }
 
-impl<'a> ChatMessage<'a> {
+impl<'a> TemplateMessage<'a> {
     /// A message with this role and content.
     ///
     /// ```
-    /// let m = token_stream::ChatMessage::new("user", "hi");
+    /// let m = token_stream::TemplateMessage::new("user", "hi");
     /// assert_eq!((m.role, m.content), ("user", "hi"));
     /// ```
     pub fn new(role: &'a str, content: &'a str) -> Self {
@@ -125,7 +127,7 @@ impl<'a> ChatMessage<'a> {
     /// ```
     /// let a = serde_json::json!({});
     /// let calls = [token_stream::ToolCall::new("f", &a)];
-    /// let m = token_stream::ChatMessage::new("assistant", "").with_tool_calls(&calls);
+    /// let m = token_stream::TemplateMessage::new("assistant", "").with_tool_calls(&calls);
     /// assert_eq!(m.tool_calls[0].name, "f");
     /// ```
     pub fn with_tool_calls(mut self, calls: &'a [ToolCall<'a>]) -> Self {
@@ -136,7 +138,7 @@ impl<'a> ChatMessage<'a> {
     /// The same message answering the tool call with this id.
     ///
     /// ```
-    /// let m = token_stream::ChatMessage::new("tool", "42").with_tool_call_id("call12345");
+    /// let m = token_stream::TemplateMessage::new("tool", "42").with_tool_call_id("call12345");
     /// assert_eq!(m.tool_call_id, Some("call12345"));
     /// ```
     pub fn with_tool_call_id(mut self, id: &'a str) -> Self {
@@ -147,7 +149,7 @@ impl<'a> ChatMessage<'a> {
     /// The same message with this `name` (the function a `tool` message answers for).
     ///
     /// ```
-    /// let m = token_stream::ChatMessage::new("tool", "42").with_name("f");
+    /// let m = token_stream::TemplateMessage::new("tool", "42").with_name("f");
     /// assert_eq!(m.name, Some("f"));
     /// ```
     pub fn with_name(mut self, name: &'a str) -> Self {
@@ -158,7 +160,7 @@ impl<'a> ChatMessage<'a> {
     /// The same message with this reasoning text.
     ///
     /// ```
-    /// let m = token_stream::ChatMessage::new("assistant", "4").with_reasoning("2+2");
+    /// let m = token_stream::TemplateMessage::new("assistant", "4").with_reasoning("2+2");
     /// assert_eq!(m.reasoning_content, Some("2+2"));
     /// ```
     pub fn with_reasoning(mut self, text: &'a str) -> Self {
@@ -342,12 +344,12 @@ enum Kind {
 /// [`ChatError::Exhausted`] instead of hanging.
 ///
 /// ```
-/// use token_stream::{ChatMessage, ChatTemplate};
+/// use token_stream::{TemplateMessage, ChatTemplate};
 /// let t = ChatTemplate::new(
 ///     "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}",
 ///     "", "",
 /// )?;
-/// let s = t.render(&[ChatMessage::new("user", "hi")], true)?;
+/// let s = t.render(&[TemplateMessage::new("user", "hi")], true)?;
 /// assert_eq!(s, "<|user|>hi\n<|assistant|>");
 /// # Ok::<(), token_stream::ChatError>(())
 /// ```
@@ -379,9 +381,9 @@ impl ChatTemplate {
     /// One of llama.cpp's built-in templates (BOS/EOS are not used by them).
     ///
     /// ```
-    /// use token_stream::{BuiltinTemplate, ChatMessage, ChatTemplate};
+    /// use token_stream::{BuiltinTemplate, TemplateMessage, ChatTemplate};
     /// let t = ChatTemplate::builtin(BuiltinTemplate::Chatml);
-    /// let s = t.render(&[ChatMessage::new("user", "hi")], true)?;
+    /// let s = t.render(&[TemplateMessage::new("user", "hi")], true)?;
     /// assert_eq!(s, "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n");
     /// # Ok::<(), token_stream::ChatError>(())
     /// ```
@@ -473,7 +475,7 @@ impl ChatTemplate {
     /// the encode markers (see `mark`).
     fn render_impl(
         &self,
-        messages: &[ChatMessage<'_>],
+        messages: &[TemplateMessage<'_>],
         opts: &RenderOptions,
         marker: Option<Marker<'_>>,
     ) -> Result<String, ChatError> {
@@ -501,14 +503,14 @@ impl ChatTemplate {
     /// Renders the conversation to text, as HF `apply_chat_template(tokenize=False)` does.
     ///
     /// ```
-    /// use token_stream::{ChatMessage, ChatTemplate};
+    /// use token_stream::{TemplateMessage, ChatTemplate};
     /// let t = ChatTemplate::new("{{ messages[0].content.strip() }}", "", "")?;
-    /// assert_eq!(t.render(&[ChatMessage::new("user", " hi ")], false)?, "hi");
+    /// assert_eq!(t.render(&[TemplateMessage::new("user", " hi ")], false)?, "hi");
     /// # Ok::<(), token_stream::ChatError>(())
     /// ```
     pub fn render(
         &self,
-        messages: &[ChatMessage<'_>],
+        messages: &[TemplateMessage<'_>],
         add_generation_prompt: bool,
     ) -> Result<String, ChatError> {
         self.render_with(
@@ -523,7 +525,7 @@ impl ChatTemplate {
     /// and `add_generation_prompt`, as llama.cpp does.
     ///
     /// ```
-    /// use token_stream::{ChatMessage, ChatTemplate, ChatError, RenderOptions};
+    /// use token_stream::{TemplateMessage, ChatTemplate, ChatError, RenderOptions};
     /// let t = ChatTemplate::new(
     ///     "{% if tools %}{{ tools | tojson }}{% endif %}{% if not enable_thinking %}{{ raise_exception('no') }}{% endif %}",
     ///     "", "",
@@ -536,7 +538,7 @@ impl ChatTemplate {
     /// ```
     pub fn render_with(
         &self,
-        messages: &[ChatMessage<'_>],
+        messages: &[TemplateMessage<'_>],
         opts: &RenderOptions,
     ) -> Result<String, ChatError> {
         self.render_impl(messages, opts, None)
@@ -549,15 +551,15 @@ impl ChatTemplate {
     ///
     /// ```no_run
     /// # fn f(tok: &token_stream::Tokenizer) -> Result<(), token_stream::ChatError> {
-    /// use token_stream::{ChatMessage, ChatTemplate};
+    /// use token_stream::{TemplateMessage, ChatTemplate};
     /// let t = ChatTemplate::from_tokenizer(tok)?;
-    /// let ids = t.encode(tok, &[ChatMessage::new("user", "hi")], true)?;
+    /// let ids = t.encode(tok, &[TemplateMessage::new("user", "hi")], true)?;
     /// # Ok(()) }
     /// ```
     pub fn encode(
         &self,
         tok: &Tokenizer,
-        messages: &[ChatMessage<'_>],
+        messages: &[TemplateMessage<'_>],
         add_generation_prompt: bool,
     ) -> Result<Tokens<'static>, ChatError> {
         self.encode_with(
@@ -586,16 +588,16 @@ impl ChatTemplate {
     ///
     /// ```no_run
     /// # fn f(tok: &token_stream::Tokenizer) -> Result<(), token_stream::ChatError> {
-    /// use token_stream::{ChatMessage, ChatTemplate, RenderOptions};
+    /// use token_stream::{TemplateMessage, ChatTemplate, RenderOptions};
     /// let t = ChatTemplate::from_tokenizer(tok)?;
     /// let opts = RenderOptions::new().add_generation_prompt(true).kwarg("enable_thinking", false);
-    /// let ids = t.encode_with(tok, &[ChatMessage::new("user", "hi")], &opts)?;
+    /// let ids = t.encode_with(tok, &[TemplateMessage::new("user", "hi")], &opts)?;
     /// # Ok(()) }
     /// ```
     pub fn encode_with(
         &self,
         tok: &Tokenizer,
-        messages: &[ChatMessage<'_>],
+        messages: &[TemplateMessage<'_>],
         opts: &RenderOptions,
     ) -> Result<Tokens<'static>, ChatError> {
         let with_special = mark::scan(tok, messages, opts)?;
@@ -618,7 +620,7 @@ impl ChatTemplate {
 /// The message as transformers hands it to the template: keys in the order a caller's dict
 /// would have them, `None` fields absent, reasoning under `thinking` and `reasoning_content`.
 /// With a marker, its strings that hold special-token text are marked.
-fn message_value(m: &ChatMessage<'_>, marker: Option<Marker<'_>>) -> Value {
+fn message_value(m: &TemplateMessage<'_>, marker: Option<Marker<'_>>) -> Value {
     let text = |s: &str| Value::from(mark::text(marker, s));
     let mut kv: Vec<(&str, Value)> = Vec::with_capacity(7);
     if let Some(r) = m.reasoning_content {

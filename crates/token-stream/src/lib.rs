@@ -65,8 +65,8 @@ mod whole;
 mod wpm;
 
 pub use chat::{
-    BuiltinTemplate, ChatMessage, ChatTemplate, ParsedToolCall, RenderOptions, TOOL_CALL_CLOSE,
-    TOOL_CALL_OPEN, ToolCall, ToolCallParser, ToolEvent, ToolSyntax, forced_call_grammar,
+    BuiltinTemplate, ChatTemplate, ParsedToolCall, RenderOptions, TOOL_CALL_CLOSE, TOOL_CALL_OPEN,
+    TemplateMessage, ToolCall, ToolCallParser, ToolEvent, ToolSyntax, forced_call_grammar,
     polyfill_messages, tool_json, tools_system_prompt,
 };
 pub use error::{ChatError, ChatPart, DecodeError, LoadError, TokensFromBytesError};

@@ -5,7 +5,7 @@ mod common;
 
 use common::*;
 use proptest::prelude::*;
-use token_stream::{ChatMessage, ChatTemplate, StreamDecoder, Tokenizer};
+use token_stream::{ChatTemplate, StreamDecoder, TemplateMessage, Tokenizer};
 
 /// The 21 byte values SmolLM2's vocabulary has no token for; the references drop them.
 const SMOLLM_MISSING: [u8; 21] = [
@@ -145,10 +145,12 @@ fn chat_template_matches_transformers() {
     let tmpl = ChatTemplate::from_tokenizer(t).unwrap();
     let cases: Vec<ChatCase> = serde_json::from_value(fx["cases"].clone()).unwrap();
     for c in &cases {
-        let msgs: Vec<ChatMessage<'_>> = c
+        let msgs: Vec<TemplateMessage<'_>> = c
             .messages
             .iter()
-            .map(|m| ChatMessage::new(m["role"].as_str().unwrap(), m["content"].as_str().unwrap()))
+            .map(|m| {
+                TemplateMessage::new(m["role"].as_str().unwrap(), m["content"].as_str().unwrap())
+            })
             .collect();
         let rendered = tmpl.render(&msgs, c.add_generation_prompt).unwrap();
         assert_eq!(rendered, c.rendered);

@@ -17,7 +17,7 @@ use std::path::PathBuf;
 use serde_json::Value as Json;
 use sha2::{Digest, Sha256};
 use token_stream::{
-    BuiltinTemplate, ChatError, ChatMessage, ChatPart, ChatTemplate, RenderOptions, ToolCall,
+    BuiltinTemplate, ChatError, ChatPart, ChatTemplate, RenderOptions, TemplateMessage, ToolCall,
     ToolSyntax,
 };
 
@@ -39,7 +39,7 @@ fn fixture() -> Json {
     serde_json::from_str(FIXTURE).expect("fixture parses")
 }
 
-/// The owned parts a `ChatMessage` borrows.
+/// The owned parts a `TemplateMessage` borrows.
 struct OwnedMsg {
     role: String,
     content: String,
@@ -81,7 +81,7 @@ fn owned(messages: &Json) -> Vec<OwnedMsg> {
         .collect()
 }
 
-fn with_messages<R>(messages: &Json, f: impl FnOnce(&[ChatMessage<'_>]) -> R) -> R {
+fn with_messages<R>(messages: &Json, f: impl FnOnce(&[TemplateMessage<'_>]) -> R) -> R {
     let owned = owned(messages);
     let calls: Vec<Vec<ToolCall<'_>>> = owned
         .iter()
@@ -98,11 +98,11 @@ fn with_messages<R>(messages: &Json, f: impl FnOnce(&[ChatMessage<'_>]) -> R) ->
                 .collect()
         })
         .collect();
-    let msgs: Vec<ChatMessage<'_>> = owned
+    let msgs: Vec<TemplateMessage<'_>> = owned
         .iter()
         .zip(&calls)
         .map(|(m, calls)| {
-            let mut cm = ChatMessage::new(&m.role, &m.content).with_tool_calls(calls);
+            let mut cm = TemplateMessage::new(&m.role, &m.content).with_tool_calls(calls);
             if let Some(id) = &m.tool_call_id {
                 cm = cm.with_tool_call_id(id);
             }
@@ -251,7 +251,10 @@ fn plain(messages: &Json) -> Vec<(String, String)> {
 }
 
 fn render_plain(t: BuiltinTemplate, msgs: &[(String, String)], agp: bool) -> String {
-    let m: Vec<ChatMessage<'_>> = msgs.iter().map(|(r, c)| ChatMessage::new(r, c)).collect();
+    let m: Vec<TemplateMessage<'_>> = msgs
+        .iter()
+        .map(|(r, c)| TemplateMessage::new(r, c))
+        .collect();
     ChatTemplate::builtin(t).render(&m, agp).unwrap()
 }
 
@@ -352,14 +355,15 @@ fn raise_exception_is_typed_with_the_message() {
     )
     .unwrap();
     let e = t
-        .render(&[ChatMessage::new("system", "x")], false)
+        .render(&[TemplateMessage::new("system", "x")], false)
         .unwrap_err();
     assert!(
         matches!(&e, ChatError::Raised { message } if message == "System role not supported"),
         "{e:?}"
     );
     assert_eq!(
-        t.render(&[ChatMessage::new("user", "x")], false).unwrap(),
+        t.render(&[TemplateMessage::new("user", "x")], false)
+            .unwrap(),
         "ok"
     );
     // A syntax error is an error, not a panic.
@@ -420,7 +424,8 @@ fn tokenizer_without_template_falls_back_to_chatml() {
                 path.display()
             );
             assert_eq!(
-                t.render(&[ChatMessage::new("user", "hi")], true).unwrap(),
+                t.render(&[TemplateMessage::new("user", "hi")], true)
+                    .unwrap(),
                 "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
             );
             without += 1;
@@ -450,13 +455,13 @@ fn encode_with_a_trimming_template() {
     let eot = tok.special_id("<|eot_id|>").unwrap();
     let opts = RenderOptions::new().add_generation_prompt(true);
 
-    let msgs = [ChatMessage::new("user", "  What is <b>2+2</b>?  \n")];
+    let msgs = [TemplateMessage::new("user", "  What is <b>2+2</b>?  \n")];
     let rendered = t.render_with(&msgs, &opts).unwrap();
     assert!(rendered.contains("<|end_header_id|>\n\nWhat is <b>2+2</b>?<|eot_id|>"));
     let ids = t.encode_with(&tok, &msgs, &opts).unwrap();
     assert_eq!(ids.to_vec(), tok.encode_with_specials(&rendered).to_vec());
 
-    let msgs = [ChatMessage::new("user", "ignore <|eot_id|> this")];
+    let msgs = [TemplateMessage::new("user", "ignore <|eot_id|> this")];
     let rendered = t.render_with(&msgs, &opts).unwrap();
     let ids = t.encode_with(&tok, &msgs, &opts).unwrap();
     let all_special = tok.encode_with_specials(&rendered);
@@ -469,8 +474,8 @@ fn encode_with_a_trimming_template() {
     assert_eq!(tok.decode(&ids).unwrap(), rendered);
 
     let msgs = [
-        ChatMessage::new("user", "fine"),
-        ChatMessage::new("user", " <|eot_id|> "),
+        TemplateMessage::new("user", "fine"),
+        TemplateMessage::new("user", " <|eot_id|> "),
     ];
     assert!(matches!(
         t.encode_with(&tok, &msgs, &opts),
@@ -618,9 +623,9 @@ fn tool_conversation(
     let result = pick(ToolField::Result, "{\"temperature\": 21}");
     let calls = [ToolCall::new(&name, &args).with_id("call12345")];
     let msgs = [
-        ChatMessage::new("user", "Weather in Paris?"),
-        ChatMessage::new("assistant", "").with_tool_calls(&calls),
-        ChatMessage::new("tool", &result)
+        TemplateMessage::new("user", "Weather in Paris?"),
+        TemplateMessage::new("assistant", "").with_tool_calls(&calls),
+        TemplateMessage::new("tool", &result)
             .with_tool_call_id("call12345")
             .with_name("get_weather"),
     ];
@@ -688,7 +693,7 @@ fn special_text_in_json_keys_and_reserved_chars_are_typed_errors() {
             .add_generation_prompt(true)
             .tools(tools)
     };
-    let user = [ChatMessage::new("user", "hi")];
+    let user = [TemplateMessage::new("user", "hi")];
 
     let tools = serde_json::json!([
         {"type": "function", "function": {"name": "now"}},
@@ -705,8 +710,8 @@ fn special_text_in_json_keys_and_reserved_chars_are_typed_errors() {
     let args = serde_json::json!({"city": {INJECTED: 1}});
     let calls = [ToolCall::new("get_weather", &args)];
     let msgs = [
-        ChatMessage::new("user", "hi"),
-        ChatMessage::new("assistant", "").with_tool_calls(&calls),
+        TemplateMessage::new("user", "hi"),
+        TemplateMessage::new("assistant", "").with_tool_calls(&calls),
     ];
     let e = t
         .encode_with(&tok, &msgs, &RenderOptions::new())
@@ -725,7 +730,7 @@ fn special_text_in_json_keys_and_reserved_chars_are_typed_errors() {
         })
     ));
     let calls = [ToolCall::new("f\u{FDD1}", &args)];
-    let msgs = [ChatMessage::new("assistant", "").with_tool_calls(&calls)];
+    let msgs = [TemplateMessage::new("assistant", "").with_tool_calls(&calls)];
     assert!(matches!(
         t.encode_with(&tok, &msgs, &RenderOptions::new()),
         Err(ChatError::ReservedChar {
@@ -751,7 +756,7 @@ fn marked_text_survives_ensure_ascii_and_builtin_roles() {
     assert_eq!(tok.decode(&ids).unwrap(), rendered);
 
     let t = ChatTemplate::builtin(BuiltinTemplate::Chatml);
-    let msgs = [ChatMessage::new("user<|im_end|>", "hi")];
+    let msgs = [TemplateMessage::new("user<|im_end|>", "hi")];
     let ids = t.encode(&tok, &msgs, false).unwrap();
     assert_eq!(count(&ids), 1);
 }

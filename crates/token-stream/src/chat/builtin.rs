@@ -3,7 +3,7 @@
 
 use std::fmt::Write as _;
 
-use super::ChatMessage;
+use super::TemplateMessage;
 use super::mark::{self, Marker};
 use crate::error::ChatError;
 
@@ -342,11 +342,11 @@ impl BuiltinTemplate {
     /// content are used; some built-ins ignore `add_generation_prompt`, as in llama.cpp).
     ///
     /// ```
-    /// use token_stream::{BuiltinTemplate, ChatMessage};
-    /// let s = BuiltinTemplate::Gemma.render(&[ChatMessage::new("system", "Be brief."), ChatMessage::new("user", " hi ")], true);
+    /// use token_stream::{BuiltinTemplate, TemplateMessage};
+    /// let s = BuiltinTemplate::Gemma.render(&[TemplateMessage::new("system", "Be brief."), TemplateMessage::new("user", " hi ")], true);
     /// assert_eq!(s, "<start_of_turn>user\nBe brief.\n\nhi<end_of_turn>\n<start_of_turn>model\n");
     /// ```
-    pub fn render(self, messages: &[ChatMessage<'_>], add_ass: bool) -> String {
+    pub fn render(self, messages: &[TemplateMessage<'_>], add_ass: bool) -> String {
         self.render_marked(messages, add_ass, None)
     }
 
@@ -355,7 +355,7 @@ impl BuiltinTemplate {
     /// role is printed by a few (chatml, ...) and is marked there too.
     pub(super) fn render_marked(
         self,
-        chat: &[ChatMessage<'_>],
+        chat: &[TemplateMessage<'_>],
         add_ass: bool,
         marker: Option<Marker<'_>>,
     ) -> String {

@@ -18,7 +18,7 @@
 use minijinja::Value;
 use minijinja::value::ValueKind;
 
-use super::{ChatMessage, RenderOptions};
+use super::{RenderOptions, TemplateMessage};
 use crate::error::{ChatError, ChatPart};
 use crate::tokenizer::Tokenizer;
 use crate::tokens::Tokens;
@@ -158,7 +158,7 @@ impl Scan<'_> {
 /// any.
 pub(super) fn scan(
     tok: &Tokenizer,
-    messages: &[ChatMessage<'_>],
+    messages: &[TemplateMessage<'_>],
     opts: &RenderOptions,
 ) -> Result<Option<ChatPart>, ChatError> {
     let mut scan = Scan { tok, special: None };

@@ -15,7 +15,7 @@
 
 use serde_json::{Value, json};
 
-use super::{ChatMessage, ChatTemplate, RenderOptions};
+use super::{ChatTemplate, RenderOptions, TemplateMessage};
 
 /// Opens a tool call in the model's output.
 pub const TOOL_CALL_OPEN: &str = "<tool_call>";
@@ -75,9 +75,9 @@ impl ChatTemplate {
         let args = json!({"x": 1});
         let calls = [super::ToolCall::new(PROBE_TOOL, &args).with_id("call_probe")];
         let messages = [
-            ChatMessage::new("user", "probe"),
-            ChatMessage::new("assistant", "").with_tool_calls(&calls),
-            ChatMessage::new("tool", PROBE_RESULT)
+            TemplateMessage::new("user", "probe"),
+            TemplateMessage::new("assistant", "").with_tool_calls(&calls),
+            TemplateMessage::new("tool", PROBE_RESULT)
                 .with_tool_call_id("call_probe")
                 .with_name(PROBE_TOOL),
         ];
@@ -177,13 +177,13 @@ fn call_text(name: &str, arguments: &Value) -> String {
 /// Returns `(role, content)` pairs (roles `system`, `user`, `assistant`).
 ///
 /// ```
-/// use token_stream::{ChatMessage, ToolCall, polyfill_messages};
+/// use token_stream::{TemplateMessage, ToolCall, polyfill_messages};
 /// let args = serde_json::json!({"city": "Paris"});
 /// let calls = [ToolCall::new("weather", &args)];
 /// let msgs = [
-///     ChatMessage::new("user", "Weather?"),
-///     ChatMessage::new("assistant", "").with_tool_calls(&calls),
-///     ChatMessage::new("tool", "21 C").with_name("weather"),
+///     TemplateMessage::new("user", "Weather?"),
+///     TemplateMessage::new("assistant", "").with_tool_calls(&calls),
+///     TemplateMessage::new("tool", "21 C").with_name("weather"),
 /// ];
 /// let tools = serde_json::json!([token_stream::tool_json("weather", None, &serde_json::json!({}))]);
 /// let out = polyfill_messages(&msgs, &tools);
@@ -192,7 +192,7 @@ fn call_text(name: &str, arguments: &Value) -> String {
 /// assert_eq!(out[3], ("user", "<tool_response>\n21 C\n</tool_response>".to_string()));
 /// ```
 pub fn polyfill_messages(
-    messages: &[ChatMessage<'_>],
+    messages: &[TemplateMessage<'_>],
     tools: &Value,
 ) -> Vec<(&'static str, String)> {
     let mut out: Vec<(&'static str, String)> = Vec::with_capacity(messages.len() + 1);
@@ -694,12 +694,12 @@ mod tests {
         let args = json!({});
         let calls = [super::super::ToolCall::new("f", &args)];
         let msgs = [
-            ChatMessage::new("system", "Be brief."),
-            ChatMessage::new("user", "go"),
-            ChatMessage::new("assistant", "Calling.").with_tool_calls(&calls),
-            ChatMessage::new("tool", "1"),
-            ChatMessage::new("tool", "2"),
-            ChatMessage::new("user", "thanks"),
+            TemplateMessage::new("system", "Be brief."),
+            TemplateMessage::new("user", "go"),
+            TemplateMessage::new("assistant", "Calling.").with_tool_calls(&calls),
+            TemplateMessage::new("tool", "1"),
+            TemplateMessage::new("tool", "2"),
+            TemplateMessage::new("user", "thanks"),
         ];
         let out = polyfill_messages(&msgs, &json!([tool_json("f", None, &json!({}))]));
         let roles: Vec<&str> = out.iter().map(|m| m.0).collect();
