@@ -189,6 +189,30 @@ pub enum KvError {
         /// Capacity of the new ring.
         capacity: usize,
     },
+    /// [`KvRing::rollback`](crate::KvRing::rollback) of more positions than are cached.
+    #[error("rollback of {requested} positions from a ring holding {len}")]
+    RollbackTooLong {
+        /// Positions to drop.
+        requested: usize,
+        /// Committed positions in the ring.
+        len: usize,
+    },
+    /// [`KvRing::rollback`](crate::KvRing::rollback) would drop rows that are no longer
+    /// cached, or leave a window layer without the rows its next query attends to.
+    #[error(
+        "rollback of {requested} positions: at most {max} can be dropped (limited by {})",
+        rollback_limit(*.layer)
+    )]
+    RollbackEvicted {
+        /// Positions to drop.
+        requested: usize,
+        /// The most positions a rollback can drop now, short of emptying the ring (rolling
+        /// back every position is always allowed where no position was evicted).
+        max: usize,
+        /// The window layer that limits it, or `None`: a sliding ring that evicted positions,
+        /// whose sinks cannot be dropped.
+        layer: Option<usize>,
+    },
     /// A [`KvStorage`](crate::KvStorage) backend (a device buffer) failed to allocate or copy;
     /// host storage never does.
     #[error("KV storage {op:?} of {bytes} B failed: {reason}")]
@@ -207,6 +231,14 @@ pub enum KvError {
     /// [`KvRing::layer_slots`](crate::KvRing::layer_slots).
     #[error("the KV ring's elements are not in host memory (a device ring)")]
     NotInHostMemory,
+}
+
+/// What limits a rollback, for [`KvError::RollbackEvicted`]'s message.
+fn rollback_limit(layer: Option<usize>) -> String {
+    match layer {
+        Some(l) => format!("window layer {l}"),
+        None => "evicted positions".to_owned(),
+    }
 }
 
 /// The [`KvStorage`](crate::KvStorage) operation a [`KvError::StorageFailed`] is about.

@@ -10,7 +10,9 @@
 //! [`RingMode::Sliding`] with StreamingLLM attention sinks (the first `sinks` positions stay,
 //! the oldest others are evicted). Keys are stored already rotated (RoPE) at their absolute
 //! position; [`KvRing::next_pos`] keeps growing across evictions. [`KvRing::fork`] copies a
-//! prefix into a new ring (system-prompt reuse). See [`KvRing`] and [`KvPool`] for the design.
+//! prefix into a new ring (system-prompt reuse); [`KvRing::rollback`] drops the last positions
+//! without a copy (speculative decoding's rejected drafts). See [`KvRing`] and [`KvPool`] for
+//! the design.
 //!
 //! ```
 //! use kv_ring::{KvDtype, KvPool, KvShape, KvSlices, RingMode};

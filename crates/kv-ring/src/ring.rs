@@ -443,6 +443,81 @@ impl<S: KvStorage> KvRing<S> {
         self.pending = 0;
     }
 
+    /// Drops the last `n` committed positions (speculative decoding's rejected draft tokens):
+    /// `len()` and `next_pos()` go back by `n`, every layer keeps its other rows where they
+    /// are, and the next append overwrites the dropped slots. Nothing is copied or freed: only
+    /// the ring's bookkeeping changes, so this works for any storage (device rings too).
+    ///
+    /// A rolled-back ring is the ring as it stood before those positions were appended, with
+    /// one exception: positions that appending them **evicted** (a [`RingMode::Sliding`] ring
+    /// past its capacity) stay evicted, so the ring then holds fewer than `capacity()` rows.
+    ///
+    /// Errors (the ring is unchanged): [`KvError::ChunkPending`] (roll back between chunks),
+    /// [`KvError::RollbackTooLong`] (`n > len()`), and [`KvError::RollbackEvicted`] when a row
+    /// to drop or one the next query needs is no longer cached: a sliding ring that evicted
+    /// can drop only its non-sink rows; a window layer of a
+    /// [`KvPool::with_layer_windows`] pool must keep the `window - 1` rows before the next
+    /// position (those a query there attends to), which holds whenever the rolled-back
+    /// positions came from the last chunk.
+    ///
+    /// ```
+    /// use kv_ring::{KvDtype, KvError, KvPool, KvShape, RingMode};
+    /// let shape = KvShape::new(2, 1, 4, KvDtype::F32);
+    /// let pool = KvPool::new(shape, 64 * shape.bytes_per_token())?;
+    /// let mut ring = pool.alloc(16, RingMode::Strict)?;
+    /// // Verify a token and 4 drafts in one chunk, then keep 2 of them.
+    /// ring.begin(5)?;
+    /// ring.write_all_layers(&[1.0; 2 * 5 * 4], &[2.0; 2 * 5 * 4])?;
+    /// ring.commit()?;
+    /// ring.rollback(2)?;
+    /// assert_eq!((ring.len(), ring.next_pos()), (3, 3));
+    /// assert_eq!(ring.view(0, 0)?.len, 3);
+    /// assert_eq!(ring.rollback(4), Err(KvError::RollbackTooLong { requested: 4, len: 3 }));
+    /// # Ok::<(), kv_ring::KvError>(())
+    /// ```
+    pub fn rollback(&mut self, n: usize) -> Result<(), KvError> {
+        if self.in_chunk {
+            return Err(KvError::ChunkPending {
+                pending: self.pending,
+            });
+        }
+        if n > self.len {
+            return Err(KvError::RollbackTooLong {
+                requested: n,
+                len: self.len,
+            });
+        }
+        // After evictions the ring holds the sinks, then a gap, then the window: only the
+        // window's rows are the last positions.
+        if self.evicted() > 0 && n > self.len - self.sinks {
+            return Err(KvError::RollbackEvicted {
+                requested: n,
+                max: self.len - self.sinks,
+                layer: None,
+            });
+        }
+        let new_len = self.len - n;
+        if let (Some(w), Some(lw)) = (&mut self.win, self.pool.windowed()) {
+            for (l, window) in lw.windows.iter().enumerate() {
+                let Some(window) = *window else { continue };
+                // The next query (position `next_pos - n`) attends to the `window - 1` rows
+                // before it, or to all of them if there are fewer.
+                // A layer holding fewer rows than `len` holds at least `window - 1`.
+                if w.len[l].saturating_sub(n) < (window - 1).min(new_len) {
+                    return Err(KvError::RollbackEvicted {
+                        requested: n,
+                        max: w.len[l] + 1 - window,
+                        layer: Some(l),
+                    });
+                }
+            }
+            w.len.iter_mut().for_each(|l| *l = l.saturating_sub(n));
+        }
+        self.len = new_len;
+        self.next_pos -= n as u64;
+        Ok(())
+    }
+
     /// Raises the ring's capacity to `new_capacity` positions in place, keeping every cached
     /// position, its view order and `next_pos`; the extra bytes come from the pool's budget.
     /// A `new_capacity` at or below [`capacity`](Self::capacity) changes nothing.

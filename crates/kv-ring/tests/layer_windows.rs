@@ -151,3 +151,113 @@ fn forks_copy_what_each_layer_keeps() {
     assert_eq!(positions(&f, 1), (0..12).collect::<Vec<_>>());
     assert_eq!(positions(&f, 2), (8..12).collect::<Vec<_>>());
 }
+
+#[test]
+fn rollback_of_the_last_chunk_keeps_every_window() {
+    let pool = pool();
+    let mut ring = pool.alloc(80, RingMode::Strict).unwrap();
+    let mut pos = 0u64;
+    // Speculative steps: a token and up to 2 drafts, then drop the rejected ones.
+    for (n, rejected) in [
+        (3usize, 2usize),
+        (3, 0),
+        (3, 1),
+        (2, 1),
+        (3, 2),
+        (3, 2),
+        (1, 0),
+    ]
+    .into_iter()
+    .cycle()
+    .take(30)
+    {
+        append(&mut ring, pos, n);
+        ring.rollback(rejected).unwrap();
+        pos += (n - rejected) as u64;
+        assert_eq!((ring.len() as u64, ring.next_pos()), (pos, pos));
+        let all: Vec<u64> = (0..pos).collect();
+        assert_eq!(positions(&ring, 1), all);
+        for (l, window) in [(0usize, 4usize), (2, 2)] {
+            let held = positions(&ring, l);
+            assert_eq!(held, all[all.len() - held.len()..], "layer {l}");
+            assert!(
+                held.len() >= (window - 1).min(pos as usize),
+                "layer {l}: {held:?}"
+            );
+        }
+    }
+}
+
+#[test]
+fn rollback_past_a_window_layers_rows_is_refused_and_changes_nothing() {
+    let pool = pool();
+    let mut ring = pool.alloc(40, RingMode::Strict).unwrap();
+    for p in 0..20 {
+        append(&mut ring, p, 1);
+    }
+    // Layer 0 (window 4) holds 14..20; the query at 16 would need 13..16.
+    assert_eq!(positions(&ring, 0), (14..20).collect::<Vec<_>>());
+    assert_eq!(
+        ring.rollback(4),
+        Err(KvError::RollbackEvicted {
+            requested: 4,
+            max: 3,
+            layer: Some(0)
+        })
+    );
+    assert_eq!((ring.len(), ring.next_pos()), (20, 20));
+    assert_eq!(positions(&ring, 0), (14..20).collect::<Vec<_>>());
+    assert_eq!(
+        ring.rollback(21),
+        Err(KvError::RollbackTooLong {
+            requested: 21,
+            len: 20
+        })
+    );
+    ring.rollback(3).unwrap();
+    assert_eq!(positions(&ring, 0), [14, 15, 16]);
+    assert_eq!(positions(&ring, 2), [16]);
+    append(&mut ring, 17, 3);
+    assert_eq!(positions(&ring, 0), [14, 15, 16, 17, 18, 19]);
+    assert_eq!(positions(&ring, 2), [16, 17, 18, 19]);
+}
+
+proptest::proptest! {
+    /// Random appends and rollbacks against the plain rule: a rollback succeeds exactly when
+    /// the ring holds that many positions and every window layer still holds the
+    /// `window - 1` positions before the new `next_pos`; every layer holds a suffix of the
+    /// positions so far.
+    #[test]
+    fn appends_and_rollbacks_match_the_window_rule(
+        ops in proptest::collection::vec((1..=3usize, 0..=6usize), 1..60),
+    ) {
+        let pool = pool();
+        let mut ring = pool.alloc(64, RingMode::Strict).unwrap();
+        let mut pos = 0u64;
+        for (n, back) in ops {
+            if pos as usize + n > 64 {
+                break;
+            }
+            append(&mut ring, pos, n);
+            pos += n as u64;
+            let held: Vec<Vec<u64>> = (0..3).map(|l| positions(&ring, l)).collect();
+            let ok = back as u64 <= pos
+                && [(0usize, 4u64), (2, 2)].iter().all(|&(l, w)| {
+                    let new_next = pos - back as u64;
+                    let need_from = new_next.saturating_sub(w - 1);
+                    (need_from..new_next).all(|p| held[l].contains(&p))
+                });
+            let got = ring.rollback(back);
+            proptest::prop_assert_eq!(got.is_ok(), ok, "rollback({}) at {}: {:?}", back, pos, got);
+            if ok {
+                pos -= back as u64;
+            }
+            proptest::prop_assert_eq!(ring.next_pos(), pos);
+            let all: Vec<u64> = (0..pos).collect();
+            for l in 0..3 {
+                let h = positions(&ring, l);
+                proptest::prop_assert_eq!(&h[..], &all[all.len() - h.len()..]);
+            }
+        }
+    }
+}

@@ -1,5 +1,6 @@
 //! Model-based property tests: random sequences of allocs, appends (with per-layer writes in
-//! random order, mid-chunk views, forgotten layers), forks, resets and drops, checked after every
+//! random order, mid-chunk views, forgotten layers), forks, resets, grows, rollbacks and drops,
+//! checked after every
 //! step against a plain `VecDeque` reference, in both modes and both dtypes.
 
 use std::collections::VecDeque;
@@ -68,6 +69,32 @@ impl RefRing {
     fn evicted(&self) -> u64 {
         self.next_pos - self.entries.len() as u64
     }
+
+    /// Reference `rollback`: the last `n` entries go unless one of them is gone or a sink.
+    fn rollback(&mut self, n: usize) -> Result<(), KvError> {
+        let len = self.entries.len();
+        if n > len {
+            return Err(KvError::RollbackTooLong { requested: n, len });
+        }
+        // Only entries at consecutive positions up to `next_pos` can be dropped.
+        let droppable = self
+            .entries
+            .iter()
+            .rev()
+            .zip((0..self.next_pos).rev())
+            .take_while(|(e, p)| e.pos == *p)
+            .count();
+        if n > droppable {
+            return Err(KvError::RollbackEvicted {
+                requested: n,
+                max: droppable,
+                layer: None,
+            });
+        }
+        self.entries.truncate(len - n);
+        self.next_pos -= n as u64;
+        Ok(())
+    }
 }
 
 #[derive(Clone, Debug)]
@@ -94,6 +121,13 @@ enum Op {
     },
     Reset {
         ring: usize,
+    },
+    /// `rollback(n)` (speculative decoding's rejected drafts), halfway through a chunk when
+    /// `mid_chunk` (must be refused).
+    Rollback {
+        ring: usize,
+        n: usize,
+        mid_chunk: bool,
     },
     /// `grow(capacity + extra)`, halfway through a chunk when `mid_chunk` (must be refused).
     Grow {
@@ -140,6 +174,8 @@ fn op_strategy() -> impl Strategy<Value = Op> {
         1 => any::<usize>().prop_map(|ring| Op::Reset { ring }),
         2 => (any::<usize>(), 0..=8usize, proptest::bool::weighted(0.1))
             .prop_map(|(ring, extra, mid_chunk)| Op::Grow { ring, extra, mid_chunk }),
+        3 => (any::<usize>(), prop_oneof![3 => 0..=4usize, 1 => 0..=14usize], proptest::bool::weighted(0.1))
+            .prop_map(|(ring, n, mid_chunk)| Op::Rollback { ring, n, mid_chunk }),
     ]
 }
 
@@ -429,6 +465,23 @@ impl Harness {
                     r.entries.clear();
                     r.next_pos = 0;
                 }
+            }
+            Op::Rollback { ring, n, mid_chunk } => {
+                if self.rings.is_empty() {
+                    return;
+                }
+                let idx = ring % self.rings.len();
+                if mid_chunk {
+                    self.rings[idx].0.begin(0).unwrap();
+                    assert_eq!(
+                        self.rings[idx].0.rollback(n),
+                        Err(KvError::ChunkPending { pending: 0 })
+                    );
+                    self.rings[idx].0.commit().unwrap();
+                    return;
+                }
+                let want = self.rings[idx].1.rollback(n);
+                assert_eq!(self.rings[idx].0.rollback(n), want, "rollback({n})");
             }
             Op::Grow {
                 ring,
