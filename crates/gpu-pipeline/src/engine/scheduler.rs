@@ -49,6 +49,14 @@
 //!   batching); the rest of the step's token budget goes to prompt chunks of at most
 //!   `prefill_chunk` tokens, oldest admission first. `step_token_budget > max_running`
 //!   guarantees at least one prompt token per step, so prefill never starves either.
+//! - **Speculative drafts take what is left.** A decoding sequence may ask for draft tokens
+//!   ([`Scheduler::set_draft`]: speculative decoding verifies them in its step). They get the
+//!   step's token budget left after the decode tokens and the prompt chunks, and KV room within
+//!   the sequence's reservation; a reservation grows for drafts only from KV that is free after
+//!   the admissions, never by preempting anyone. So drafts change nothing above: they only
+//!   make a step emit up to `1 + draft` tokens ([`Scheduler::drafts_accepted`]), and the KV a
+//!   step writes never exceeds the reservation (rejected drafts are rolled back by the
+//!   engine).
 //!
 //! Why nothing deadlocks, livelocks or starves:
 //! - The KV planned never exceeds what the engine reports free: growth and admissions are
@@ -276,10 +284,13 @@ pub enum WorkItem {
         /// Whether the chunk ends the prompt.
         last: bool,
     },
-    /// One decode token (the last sampled one).
+    /// One decode token (the last sampled one), followed by `draft` speculative tokens to
+    /// verify in the same step (0 without speculation).
     Decode {
         /// The sequence.
         id: SeqId,
+        /// Draft tokens granted in this step ([`Scheduler::set_draft`]).
+        draft: usize,
     },
 }
 
@@ -287,14 +298,14 @@ impl WorkItem {
     /// The sequence of this item.
     pub fn id(&self) -> SeqId {
         match *self {
-            Self::Prefill { id, .. } | Self::Decode { id } => id,
+            Self::Prefill { id, .. } | Self::Decode { id, .. } => id,
         }
     }
     /// Tokens this item feeds to the model.
     pub fn tokens(&self) -> usize {
         match *self {
             Self::Prefill { len, .. } => len,
-            Self::Decode { .. } => 1,
+            Self::Decode { draft, .. } => 1 + draft,
         }
     }
     /// Whether the step samples a token for this item.
@@ -360,16 +371,38 @@ struct Running {
     generated: usize,
     reserved: usize,
     admitted: u64,
+    /// Draft tokens the sequence would like to verify in its next steps ([`Scheduler::set_draft`]).
+    draft_wanted: usize,
+    /// Draft tokens of the last batch's step that were accepted ([`Scheduler::drafts_accepted`]).
+    draft_accepted: usize,
 }
 
 impl Running {
-    /// KV positions the sequence's next step writes up to (prompt + generated tokens fed).
+    /// KV positions the sequence's next step writes up to (prompt + generated tokens fed),
+    /// without drafts.
     fn kv_needed_next(&self) -> usize {
         if self.prefilled < self.spec.prompt_tokens {
             self.spec.prompt_tokens
         } else {
             self.spec.prompt_tokens + self.generated
         }
+    }
+
+    /// Whether the sequence is past its prompt.
+    fn decoding(&self) -> bool {
+        self.prefilled == self.spec.prompt_tokens
+    }
+
+    /// Draft tokens the next step may verify, before the step budget and the KV room: what
+    /// was asked, less than the tokens left to generate, within a chunk.
+    fn draft_cap(&self, prefill_chunk: usize) -> usize {
+        if !self.decoding() {
+            return 0;
+        }
+        let left = self.spec.max_new_tokens.saturating_sub(self.generated + 1);
+        self.draft_wanted
+            .min(left)
+            .min(prefill_chunk.saturating_sub(1))
     }
 }
 
@@ -383,7 +416,7 @@ impl Running {
 /// s.started(7, 0);
 /// assert_eq!(s.next_batch(), vec![WorkItem::Prefill { id: 7, start: 0, len: 10, last: true }]);
 /// assert!(s.complete_batch().is_empty());
-/// assert_eq!(s.next_batch(), vec![WorkItem::Decode { id: 7 }]);
+/// assert_eq!(s.next_batch(), vec![WorkItem::Decode { id: 7, draft: 0 }]);
 /// assert_eq!(s.complete_batch(), vec![7]); // max_new_tokens reached
 /// ```
 #[derive(Debug)]
@@ -716,6 +749,32 @@ impl Scheduler {
             self.admit_now(id, need);
             plan.admit.push((id, need));
         }
+        // 3. Room for drafts, from what is still free (never by preemption).
+        for i in 0..self.running.len() {
+            let r = &self.running[i];
+            let need = r.kv_needed_next() + r.draft_cap(self.cfg.prefill_chunk);
+            if need <= r.reserved || plan.admit.iter().any(|a| a.0 == r.id) {
+                continue;
+            }
+            let to = r
+                .reserved
+                .saturating_add(self.cfg.kv_grow_chunk)
+                .max(need)
+                .min(r.spec.kv_tokens());
+            let delta = to - r.reserved;
+            if delta > free {
+                continue;
+            }
+            free -= delta;
+            let r = &mut self.running[i];
+            r.reserved = to;
+            let (id, client) = (r.id, r.spec.client);
+            self.clients.entry(client).or_default().kv_tokens += delta;
+            match plan.grow.iter_mut().find(|g| g.0 == id) {
+                Some(g) => g.1 = to,
+                None => plan.grow.push((id, to)),
+            }
+        }
         plan
     }
 
@@ -781,6 +840,8 @@ impl Scheduler {
             generated: 0,
             reserved,
             admitted: self.turns,
+            draft_wanted: 0,
+            draft_accepted: 0,
         });
     }
 
@@ -811,15 +872,63 @@ impl Scheduler {
         }
     }
 
-    /// The next step: every decoding sequence, then prompt chunks within the token budget.
+    /// Asks for up to `tokens` draft tokens in the steps of decoding sequence `id` (0: none),
+    /// until changed: speculative decoding verifies them with the sequence's decode token. The
+    /// next [`schedule`](Self::schedule) makes KV room for them if the pool has it free, and
+    /// [`next_batch`](Self::next_batch) grants them from the step budget left after the prompt
+    /// chunks, at most `max_new_tokens - generated - 1` and `prefill_chunk - 1` (the
+    /// granted number is in [`WorkItem::Decode`]). Returns whether `id` is running.
+    ///
+    /// ```
+    /// use gpu_pipeline::engine::{Scheduler, SchedulerConfig, SeqSpec, WorkItem};
+    /// let mut s = Scheduler::new(SchedulerConfig::default().with_kv_grow_chunk(16));
+    /// s.submit(1, SeqSpec::new(4, 100)).unwrap();
+    /// s.schedule(1000);
+    /// s.started(1, 0);
+    /// s.next_batch();
+    /// s.complete_batch(); // the prompt, and the first token
+    /// s.set_draft(1, 5);
+    /// s.schedule(1000);
+    /// assert_eq!(s.next_batch(), vec![WorkItem::Decode { id: 1, draft: 5 }]);
+    /// s.drafts_accepted(1, 3); // the step emitted 3 drafts and one token of its own
+    /// s.complete_batch();
+    /// assert_eq!(s.generated(1), Some(5));
+    /// ```
+    pub fn set_draft(&mut self, id: SeqId, tokens: usize) -> bool {
+        match self.running.iter_mut().find(|r| r.id == id) {
+            Some(r) => {
+                r.draft_wanted = tokens;
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Reports that the step of the last batch accepted `n` of the draft tokens of `id`'s
+    /// [`WorkItem::Decode`] (clamped to those granted): the step emitted `1 + n` tokens, which
+    /// [`complete_batch`](Self::complete_batch) counts. Call it between
+    /// [`next_batch`](Self::next_batch) and `complete_batch`.
+    pub fn drafts_accepted(&mut self, id: SeqId, n: usize) {
+        let granted = self.last_batch.iter().find_map(|w| match *w {
+            WorkItem::Decode { id: d, draft } if d == id => Some(draft),
+            _ => None,
+        });
+        if let (Some(granted), Some(r)) = (granted, self.running.iter_mut().find(|r| r.id == id)) {
+            r.draft_accepted = n.min(granted);
+        }
+    }
+
+    /// The next step: every decoding sequence, then prompt chunks within the token budget,
+    /// then the draft tokens decoding sequences asked for within what is left of it.
     /// Remembered until [`complete_batch`](Self::complete_batch).
     pub fn next_batch(&mut self) -> Vec<WorkItem> {
         let mut items = Vec::with_capacity(self.running.len());
         for r in &self.running {
-            if r.prefilled == r.spec.prompt_tokens {
-                items.push(WorkItem::Decode { id: r.id });
+            if r.decoding() {
+                items.push(WorkItem::Decode { id: r.id, draft: 0 });
             }
         }
+        let decoders = items.len();
         let mut budget = self.cfg.step_token_budget.saturating_sub(items.len());
         let mut prefilling: Vec<&Running> = self
             .running
@@ -841,6 +950,18 @@ impl Scheduler {
                 last: len == left,
             });
         }
+        for (item, r) in items[..decoders]
+            .iter_mut()
+            .zip(self.running.iter().filter(|r| r.decoding()))
+        {
+            if budget == 0 {
+                break;
+            }
+            let room = r.reserved.saturating_sub(r.kv_needed_next());
+            let draft = r.draft_cap(self.cfg.prefill_chunk).min(room).min(budget);
+            budget -= draft;
+            *item = WorkItem::Decode { id: r.id, draft };
+        }
         self.last_batch.clone_from(&items);
         items
     }
@@ -858,7 +979,7 @@ impl Scheduler {
                 r.prefilled += len;
             }
             if item.samples() {
-                r.generated += 1;
+                r.generated += 1 + std::mem::take(&mut r.draft_accepted);
                 if r.generated >= r.spec.max_new_tokens {
                     done.push(r.id);
                 }
@@ -993,6 +1114,26 @@ mod tests {
 
         /// [`step`](Self::step), also returning the step's work items.
         fn step_batch(&mut self, pressure: usize) -> (KvPlan, Vec<WorkItem>, Vec<SeqId>) {
+            self.step_drafting(pressure, 0)
+        }
+
+        /// A step in which every decoding sequence asks for drafts (a function of `seed` and
+        /// its id, 0..=4) and accepts some of those granted (likewise): the KV written is
+        /// what the step wrote less the rejected drafts (rolled back).
+        fn step_drafting(
+            &mut self,
+            pressure: usize,
+            seed: u64,
+        ) -> (KvPlan, Vec<WorkItem>, Vec<SeqId>) {
+            let mix = |id: SeqId, salt: u64| {
+                (id.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ seed.wrapping_mul(salt)) >> 7
+            };
+            if seed != 0 {
+                let ids: Vec<SeqId> = self.s.running.iter().map(|r| r.id).collect();
+                for id in ids {
+                    self.s.set_draft(id, (mix(id, 31) % 5) as usize);
+                }
+            }
             let before = self.used();
             let free = self.budget.saturating_sub(before + pressure);
             let plan = self.s.schedule(free);
@@ -1036,8 +1177,15 @@ mod tests {
                     .expect("step of a running sequence");
                 *w += item.tokens();
                 assert!(*w <= self.kv[&id], "sequence {id} writes past its KV");
+                let mut emitted = 1;
+                if let WorkItem::Decode { draft, .. } = *item {
+                    let accepted = (mix(id, 57) % (draft as u64 + 1)) as usize;
+                    self.s.drafts_accepted(id, accepted);
+                    *w -= draft - accepted;
+                    emitted += accepted;
+                }
                 if item.samples() {
-                    *self.sampled.entry(id).or_default() += 1;
+                    *self.sampled.entry(id).or_default() += emitted;
                 }
             }
             let done = self.s.complete_batch();
@@ -1162,7 +1310,7 @@ mod tests {
         assert_eq!(
             s.next_batch(),
             vec![
-                WorkItem::Decode { id: 1 },
+                WorkItem::Decode { id: 1, draft: 0 },
                 WorkItem::Prefill {
                     id: 2,
                     start: 9,
@@ -1174,7 +1322,10 @@ mod tests {
         assert!(s.complete_batch().is_empty());
         assert_eq!(
             s.next_batch(),
-            vec![WorkItem::Decode { id: 1 }, WorkItem::Decode { id: 2 }]
+            vec![
+                WorkItem::Decode { id: 1, draft: 0 },
+                WorkItem::Decode { id: 2, draft: 0 }
+            ]
         );
         assert_eq!(s.complete_batch(), vec![2]);
         assert_eq!(s.running(), 1);
@@ -1372,11 +1523,69 @@ mod tests {
         assert_eq!(admitted, vec![10, 20, 11]);
     }
 
+    #[test]
+    fn drafts_take_the_budget_left_after_prefill_and_free_kv_only() {
+        let mut s = Scheduler::new(SchedulerConfig {
+            step_token_budget: 10,
+            prefill_chunk: 6,
+            kv_grow_chunk: 2,
+            ..cfg()
+        });
+        s.submit(1, spec(4, 10)).unwrap();
+        assert_eq!(s.schedule(60).admit, vec![(1, 6)]);
+        s.started(1, 0);
+        s.next_batch();
+        s.complete_batch();
+        // Decoding: 5 KV positions after a plain step, 6 reserved.
+        assert!(s.set_draft(1, 5));
+        s.submit(2, spec(6, 2)).unwrap();
+        // 14 free: request 2 is admitted first (8), then 1 grows for its drafts (5 + 5).
+        let plan = s.schedule(14);
+        assert_eq!((plan.admit, plan.grow), (vec![(2, 8)], vec![(1, 10)]));
+        s.started(2, 0);
+        // Budget 10: one decode token, the prompt of 6, then 3 drafts.
+        assert_eq!(
+            s.next_batch(),
+            vec![
+                WorkItem::Decode { id: 1, draft: 3 },
+                WorkItem::Prefill {
+                    id: 2,
+                    start: 0,
+                    len: 6,
+                    last: true
+                }
+            ]
+        );
+        s.drafts_accepted(1, 7); // clamped to the 3 granted
+        assert!(s.complete_batch().is_empty());
+        assert_eq!(s.generated(1), Some(5));
+        // 9 of 10 reserved positions in use and 1 token free: no growth (drafts never
+        // preempt), one draft in the room left.
+        let plan = s.schedule(1);
+        assert!(plan.preempt.is_empty() && plan.grow.is_empty());
+        assert_eq!(
+            s.next_batch(),
+            vec![
+                WorkItem::Decode { id: 1, draft: 1 },
+                WorkItem::Decode { id: 2, draft: 0 }
+            ]
+        );
+        assert_eq!(s.complete_batch(), vec![2]);
+        // Never past max_new_tokens: 4 left, so at most 3 drafts.
+        s.set_draft(1, 100);
+        assert_eq!(s.schedule(60).grow, vec![(1, 13)]);
+        assert_eq!(s.next_batch(), vec![WorkItem::Decode { id: 1, draft: 3 }]);
+        s.drafts_accepted(1, 3);
+        assert_eq!(s.complete_batch(), vec![1]);
+    }
+
     #[derive(Clone, Debug)]
     enum Op {
         Submit(usize, usize, i32, u64),
         Cancel(u64),
         Step(usize),
+        /// A step with drafts (see [`Shell::step_drafting`]).
+        Draft(usize, u64),
         Stop(u64),
     }
 
@@ -1386,6 +1595,8 @@ mod tests {
                 .prop_map(|(p, n, pr, c)| Op::Submit(p, n, pr, c)),
             1 => (0u64..40).prop_map(Op::Cancel),
             6 => prop_oneof![3 => Just(0usize), 1 => 0usize..60].prop_map(Op::Step),
+            3 => (prop_oneof![3 => Just(0usize), 1 => 0usize..60], 1u64..1000)
+                .prop_map(|(p, seed)| Op::Draft(p, seed)),
             1 => (0u64..40).prop_map(Op::Stop),
         ]
     }
@@ -1401,7 +1612,7 @@ mod tests {
                 }
                 Op::Cancel(id) => sh.stop(id, true),
                 Op::Stop(id) => sh.stop(id, false),
-                Op::Step(pressure) => {
+                Op::Step(pressure) | Op::Draft(pressure, _) => {
                     let decoding: Vec<SeqId> =
                         sh.s.running
                             .iter()
@@ -1409,12 +1620,15 @@ mod tests {
                             .map(|r| r.id)
                             .collect();
                     let prefilling = sh.s.running.len() - decoding.len();
-                    let (plan, batch, _) = sh.step_batch(pressure);
+                    let seed = if let Op::Draft(_, seed) = *o { seed } else { 0 };
+                    let (plan, batch, _) = sh.step_drafting(pressure, seed);
                     let total: usize = batch.iter().map(WorkItem::tokens).sum();
                     prop_assert!(total <= sh.s.cfg.step_token_budget);
                     for id in decoding.iter().filter(|id| !plan.preempt.contains(id)) {
                         prop_assert!(
-                            batch.contains(&WorkItem::Decode { id: *id }),
+                            batch
+                                .iter()
+                                .any(|i| matches!(*i, WorkItem::Decode { id: d, .. } if d == *id)),
                             "a decoding stream was skipped"
                         );
                     }
