@@ -110,6 +110,13 @@ pub struct EngineMetrics {
     /// included; Linux task I/O accounting) per token processed (prompt and generated), with a
     /// weight cache attached.
     pub storage_read_bytes_per_token: Option<f64>,
+    /// Speculative draft tokens verified since start ([`Speculation`](super::Speculation)).
+    pub draft_tokens: u64,
+    /// Of which accepted (emitted without a step of their own).
+    pub accepted_draft_tokens: u64,
+    /// Sequence steps that sampled (one per sequence per step that emitted tokens): without
+    /// speculation about one per generated token.
+    pub sampled_steps: u64,
 }
 
 impl EngineMetrics {
@@ -119,6 +126,31 @@ impl EngineMetrics {
             0.0
         } else {
             self.prefix_hits as f64 / self.prefix_lookups as f64
+        }
+    }
+
+    /// Fraction of the verified draft tokens that were accepted (0 without drafts).
+    pub fn draft_acceptance_rate(&self) -> f64 {
+        if self.draft_tokens == 0 {
+            0.0
+        } else {
+            self.accepted_draft_tokens as f64 / self.draft_tokens as f64
+        }
+    }
+
+    /// Generated tokens per sequence step that sampled: 1 without speculation, more when drafts
+    /// are accepted (0 before any step).
+    ///
+    /// ```
+    /// let mut m = gpu_pipeline::engine::EngineMetrics::default();
+    /// (m.generated_tokens, m.sampled_steps) = (30, 12);
+    /// assert_eq!(m.tokens_per_sampled_step(), 2.5);
+    /// ```
+    pub fn tokens_per_sampled_step(&self) -> f64 {
+        if self.sampled_steps == 0 {
+            0.0
+        } else {
+            self.generated_tokens as f64 / self.sampled_steps as f64
         }
     }
 

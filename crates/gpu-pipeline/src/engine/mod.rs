@@ -32,6 +32,7 @@ mod channel;
 mod metrics;
 mod prefix;
 mod scheduler;
+mod speculate;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -55,9 +56,11 @@ pub use metrics::{EngineMetrics, LatencyHistogram};
 pub use scheduler::{
     ClientKey, ClientUsage, KvPlan, Refusal, Scheduler, SchedulerConfig, SeqId, SeqSpec, WorkItem,
 };
+pub use speculate::{NgramLookup, Speculation, propose, verify};
 
 use channel::Chan;
 use prefix::PrefixCache;
+use speculate::SpecState;
 
 /// Configuration of an [`Engine`].
 #[non_exhaustive]
@@ -98,6 +101,10 @@ pub struct EngineConfig {
     /// Largest fraction of the KV pool one client is admitted up to while other clients wait
     /// (1.0: only the fair-share preemption applies). See [`Scheduler`] for the policy.
     pub max_kv_share_per_client: f64,
+    /// Speculative decoding: [`Speculation::Off`] (the default), or n-gram prompt lookup,
+    /// which verifies drafts taken from each sequence's own text (output unchanged: see
+    /// [`speculate`](crate::engine::verify)).
+    pub speculation: Speculation,
 }
 
 impl Default for EngineConfig {
@@ -115,6 +122,7 @@ impl Default for EngineConfig {
             kv_grow_chunk: 256,
             max_running_per_client: usize::MAX,
             max_kv_share_per_client: 1.0,
+            speculation: Speculation::Off,
         }
     }
 }
@@ -123,6 +131,11 @@ impl EngineConfig {
     /// Sets [`kv_dtype`](Self::kv_dtype).
     pub fn with_kv_dtype(mut self, dtype: KvDtype) -> Self {
         self.kv_dtype = dtype;
+        self
+    }
+    /// Sets [`speculation`](Self::speculation).
+    pub fn with_speculation(mut self, s: Speculation) -> Self {
+        self.speculation = s;
         self
     }
     /// Sets [`kv_budget_bytes`](Self::kv_budget_bytes).
@@ -404,6 +417,9 @@ pub enum EngineError {
     /// The request's output constraint failed or allowed nothing.
     #[error(transparent)]
     Constraint(#[from] ConstraintError),
+    /// Rolling back the KV of rejected speculative drafts failed.
+    #[error("rolling back rejected drafts: {0}")]
+    Rollback(KvError),
 }
 
 /// Why [`Engine::new`] failed.
@@ -546,6 +562,7 @@ impl<E: Executor> Engine<E> {
             prefix: PrefixCache::new(cfg.prefix_cache_entries, cfg.prefix_min_tokens),
             shared_prefix_cache: cfg.shared_prefix_cache,
             masks: None,
+            speculation: cfg.speculation,
         };
         let tok = tokenizer.clone();
         let thread = std::thread::Builder::new()
@@ -693,47 +710,86 @@ impl<E: Executor> Drop for Engine<E> {
     }
 }
 
-/// A sampled token and, when asked for, its log-probabilities; or why a constrained sequence
-/// could not sample.
-type Sampled = Result<(u32, Option<Box<TokenLogprob>>), ConstraintError>;
+/// A sampled token and, when asked for, its log-probabilities.
+type Sampled = (u32, Option<Box<TokenLogprob>>);
 
-/// One row of [`Worker::sample_rows`].
+/// One sequence's rows of [`Worker::sample_rows`]: one, or one per token of a speculative step
+/// (the decode token and its drafts, verified by [`verify`]).
 struct SampleJob<'a> {
     sampler: &'a mut Sampler,
+    /// The sequence so far, the step's drafts last.
     history: &'a [u32],
+    /// Draft tokens at the end of `history`.
+    drafts: usize,
     prompt_len: usize,
     logprobs: Option<usize>,
+    /// `drafts + 1` rows of logits.
     logits: &'a [f32],
+    vocab: usize,
     constrained: Option<&'a SharedConstrained>,
-    out: Sampled,
+    /// The emitted tokens (cleared first): the accepted drafts and one more.
+    emitted: &'a mut Vec<Sampled>,
+    /// Drafts accepted, or why a constrained sequence could not sample.
+    out: Result<usize, ConstraintError>,
 }
 
 impl SampleJob<'_> {
     fn run(&mut self) {
-        self.out = self.sample();
+        let Self {
+            sampler,
+            history,
+            drafts,
+            prompt_len,
+            logprobs,
+            logits,
+            vocab,
+            constrained,
+            emitted,
+            ..
+        } = self;
+        emitted.clear();
+        let base = history.len() - *drafts;
+        self.out = verify(&history[base..], |i| {
+            let row = &logits[i * *vocab..(i + 1) * *vocab];
+            let sampled = sample_one(
+                sampler,
+                &history[..base + i],
+                *prompt_len,
+                *logprobs,
+                row,
+                *constrained,
+            )?;
+            let token = sampled.0;
+            emitted.push(sampled);
+            Ok(token)
+        });
     }
+}
 
-    fn sample(&mut self) -> Sampled {
-        let token = match self.constrained {
-            None => self
-                .sampler
-                .sample_after(self.logits, self.history, self.prompt_len),
-            Some(c) => {
-                let mut c = lock(c);
-                let mask = c.mask()?;
-                let t = self
-                    .sampler
-                    .sample_masked(self.logits, self.history, self.prompt_len, mask)
-                    .ok_or(ConstraintError::NoAllowedToken)?;
-                c.state.commit(t)?;
-                t
-            }
-        };
-        let logprobs = self
-            .logprobs
-            .map(|n| Box::new(token_logprob(self.logits, token, n)));
-        Ok((token, logprobs))
-    }
+/// Samples one row as a decode step does: through the constraint's mask when there is one
+/// (committing the token to it), with log-probabilities when asked for.
+fn sample_one(
+    sampler: &mut Sampler,
+    history: &[u32],
+    prompt_len: usize,
+    logprobs: Option<usize>,
+    logits: &[f32],
+    constrained: Option<&SharedConstrained>,
+) -> Result<Sampled, ConstraintError> {
+    let token = match constrained {
+        None => sampler.sample_after(logits, history, prompt_len),
+        Some(c) => {
+            let mut c = lock(c);
+            let mask = c.mask()?;
+            let t = sampler
+                .sample_masked(logits, history, prompt_len, mask)
+                .ok_or(ConstraintError::NoAllowedToken)?;
+            c.state.commit(t)?;
+            t
+        }
+    };
+    let logprobs = logprobs.map(|n| Box::new(token_logprob(logits, token, n)));
+    Ok((token, logprobs))
 }
 
 /// A sequence in the batch, owned by the scheduler thread.
@@ -756,6 +812,14 @@ struct Active<'t, S: KvStorage> {
     /// Prompt tokens of the request as submitted (`req.prompt` also holds the tokens generated
     /// before a preemption).
     input_tokens: usize,
+    /// Speculation state (`None`: off).
+    spec: Option<SpecState>,
+    /// Draft tokens at the end of `history` during a step.
+    drafts: usize,
+    /// The tokens sampled in the last step (reused buffer).
+    emitted: Vec<Sampled>,
+    /// Drafts accepted in the last step.
+    accepted: usize,
 }
 
 /// What a preempted sequence keeps while it waits for readmission (everything but its KV):
@@ -795,6 +859,8 @@ struct Worker<E: Executor> {
     /// Fills constrained sequences' masks during the forward pass (started by the first
     /// constrained step).
     masks: Option<MaskFiller>,
+    /// [`EngineConfig::speculation`].
+    speculation: Speculation,
 }
 
 impl<E: Executor> Worker<E> {
@@ -819,29 +885,35 @@ impl<E: Executor> Worker<E> {
         self.masks.as_ref().is_some_and(|m| m.begin(ahead))
     }
 
-    /// Samples the next token of every step item that samples, in order: in parallel chunks on
-    /// the model's pool for a large batch (each sequence's sampler is called once, as serially,
-    /// so the tokens are the same). A request that asks for logprobs gets them from the same
-    /// row.
+    /// Samples the next token of every step item that samples, in order, into its sequence's
+    /// `emitted` (a speculative step: its rows until one differs from its draft, by
+    /// [`verify`]): in parallel chunks on the model's pool for a large batch (each sequence's
+    /// sampler is called as serially, so the tokens are the same). A request that asks for
+    /// logprobs gets them from the same row. Returns, per sampling item, the drafts accepted.
     fn sample_rows(
         &self,
         seqs: &mut [(WorkItem, Active<'_, E::Kv>)],
         logits: &[f32],
         vocab: usize,
-    ) -> Vec<Sampled> {
+    ) -> Vec<Result<usize, ConstraintError>> {
         let mut jobs: Vec<SampleJob<'_>> = Vec::new();
+        let mut row = 0;
         for (w, a) in seqs.iter_mut() {
             if w.samples() {
-                let row = jobs.len();
+                let rows = a.drafts + 1;
                 jobs.push(SampleJob {
                     sampler: &mut a.sampler,
                     history: &a.history,
+                    drafts: a.drafts,
                     prompt_len: a.input_tokens,
                     logprobs: a.req.logprobs,
-                    logits: &logits[row * vocab..(row + 1) * vocab],
+                    logits: &logits[row * vocab..(row + rows) * vocab],
+                    vocab,
                     constrained: a.constrained.as_ref(),
-                    out: Ok((0, None)),
+                    emitted: &mut a.emitted,
+                    out: Ok(0),
                 });
+                row += rows;
             }
         }
         let pool = self.model.host_pool();
@@ -868,6 +940,10 @@ impl<E: Executor> Worker<E> {
         let vocab = self.model.config().vocab_size;
         let shared = self.shared.clone();
         loop {
+            // ---- speculation: the drafts each decoding sequence would verify next
+            for a in active.values_mut() {
+                a.propose();
+            }
             // ---- between steps: cancellations, admissions, the plan
             let mut st = shared.lock();
             while st.sched.is_idle() && st.cancels.is_empty() && !st.shutdown {
@@ -901,6 +977,11 @@ impl<E: Executor> Worker<E> {
                     st.metrics.cancelled += 1;
                 }
             }
+            for a in active.values() {
+                if let Some(sp) = &a.spec {
+                    st.sched.set_draft(a.id, sp.proposal.len());
+                }
+            }
             self.plan_kv(&mut st, &mut active, &mut parked, tok);
             let batch = st.sched.next_batch();
             st.metrics.prefix_entries = self.prefix.len();
@@ -920,6 +1001,11 @@ impl<E: Executor> Worker<E> {
                 .iter()
                 .filter_map(|w| active.remove(&w.id()).map(|a| (*w, a)))
                 .collect();
+            for (w, a) in &mut seqs {
+                if let WorkItem::Decode { draft, .. } = *w {
+                    a.push_drafts(draft);
+                }
+            }
             let filling = self.begin_masks(&seqs);
             let result = {
                 let mut steps: Vec<SeqStep<'_, E::Kv>> = seqs
@@ -936,9 +1022,15 @@ impl<E: Executor> Worker<E> {
                                     LogitsWanted::None
                                 },
                             ),
-                            WorkItem::Decode { .. } => {
-                                (&a.history[a.history.len() - 1..], LogitsWanted::Last)
-                            }
+                            WorkItem::Decode { .. } => (
+                                // The last sampled token, then the drafts to verify.
+                                &a.history[a.history.len() - 1 - a.drafts..],
+                                if a.drafts > 0 {
+                                    LogitsWanted::All
+                                } else {
+                                    LogitsWanted::Last
+                                },
+                            ),
                         };
                         SeqStep {
                             tokens,
@@ -958,6 +1050,7 @@ impl<E: Executor> Worker<E> {
             let mut generated = 0u64;
             let mut ttfts = Vec::new();
             let mut itls = Vec::new();
+            let (mut drafted, mut accepted, mut sampled_steps) = (0u64, 0u64, 0u64);
             match result {
                 Err(e) => {
                     let e = Arc::new(EngineError::from(e));
@@ -980,9 +1073,10 @@ impl<E: Executor> Worker<E> {
                             outcomes.push(Outcome::Continue);
                             continue;
                         }
-                        let (token, logprobs) =
-                            match tokens.next().expect("one sampled token per sampling row") {
-                                Ok(sampled) => sampled,
+                        let drafts = a.drafts;
+                        let accepted_now =
+                            match tokens.next().expect("one result per sampling item") {
+                                Ok(n) => n,
                                 Err(e) => {
                                     outcomes.push(Outcome::Fail(e.into()));
                                     continue;
@@ -993,8 +1087,14 @@ impl<E: Executor> Worker<E> {
                             Some(t) => itls.push(now - t),
                         }
                         a.last_token = Some(now);
-                        generated += 1;
-                        outcomes.push(a.accept(token, logprobs));
+                        let (outcome, emitted) = a.finish_step(accepted_now);
+                        // The tokens after the first arrive with it.
+                        itls.extend((1..emitted).map(|_| Duration::ZERO));
+                        generated += emitted as u64;
+                        sampled_steps += 1;
+                        drafted += drafts as u64;
+                        accepted += accepted_now as u64;
+                        outcomes.push(outcome);
                     }
                 }
             }
@@ -1002,9 +1102,19 @@ impl<E: Executor> Worker<E> {
 
             // ---- after the step: bookkeeping under the lock
             let mut st = shared.lock();
+            for (w, a) in &seqs {
+                if let WorkItem::Decode { draft, .. } = *w
+                    && draft > 0
+                {
+                    st.sched.drafts_accepted(a.id, a.accepted);
+                }
+            }
             let max_done = st.sched.complete_batch();
             let m = &mut st.metrics;
             m.steps += 1;
+            m.draft_tokens += drafted;
+            m.accepted_draft_tokens += accepted;
+            m.sampled_steps += sampled_steps;
             m.record_batch(seqs.len());
             m.busy += busy;
             m.prompt_tokens += prompt_computed;
@@ -1173,6 +1283,10 @@ impl<E: Executor> Worker<E> {
                 last_token: r.last_token,
                 output_tokens: r.output_tokens,
                 input_tokens: r.input_tokens,
+                spec: self.new_spec(),
+                drafts: 0,
+                emitted: Vec::with_capacity(1),
+                accepted: 0,
             });
         }
         let decoder = tok.map(|t| {
@@ -1207,7 +1321,19 @@ impl<E: Executor> Worker<E> {
             submitted: p.submitted,
             last_token: None,
             output_tokens: 0,
+            spec: self.new_spec(),
+            drafts: 0,
+            emitted: Vec::with_capacity(1),
+            accepted: 0,
         })
+    }
+
+    /// A new sequence's speculation state, per [`EngineConfig::speculation`].
+    fn new_spec(&self) -> Option<SpecState> {
+        match self.speculation {
+            Speculation::Off => None,
+            Speculation::NgramLookup(c) => Some(SpecState::new(c)),
+        }
     }
 
     /// Keeps a copy of a just-prefilled prompt's KV for later requests with the same prefix.
@@ -1285,6 +1411,59 @@ fn park<'t, S: KvStorage>(
 }
 
 impl<S: KvStorage> Active<'_, S> {
+    /// Proposes the drafts of the next step, if the sequence speculates and is decoding.
+    fn propose(&mut self) {
+        let Some(sp) = &mut self.spec else {
+            return;
+        };
+        let decoding = self.kv.next_pos() as usize + 1 == self.history.len();
+        if decoding {
+            let left = (self.req.max_new_tokens).saturating_sub(self.output_tokens + 1);
+            sp.propose(&self.history, left);
+        } else {
+            sp.proposal.clear();
+        }
+    }
+
+    /// Appends the first `n` drafts of the proposal to the history for the step to verify.
+    fn push_drafts(&mut self, n: usize) {
+        self.drafts = 0;
+        if let Some(sp) = &self.spec
+            && n > 0
+        {
+            self.history.extend_from_slice(&sp.proposal[..n]);
+            self.drafts = n;
+        }
+    }
+
+    /// After a step sampled `emitted` (its first `accepted` drafts accepted): drops the drafts
+    /// from the history and the rejected ones' KV, then takes the emitted tokens in order
+    /// until one stops the sequence. Returns the outcome and the tokens taken.
+    fn finish_step(&mut self, accepted: usize) -> (Outcome, usize) {
+        let drafts = std::mem::take(&mut self.drafts);
+        self.history.truncate(self.history.len() - drafts);
+        self.accepted = accepted;
+        if let Some(sp) = &mut self.spec {
+            sp.record(drafts, accepted);
+        }
+        if drafts > accepted
+            && let Err(e) = self.kv.rollback(drafts - accepted)
+        {
+            return (Outcome::Fail(EngineError::Rollback(e)), 0);
+        }
+        let mut emitted = std::mem::take(&mut self.emitted);
+        let (mut outcome, mut taken) = (Outcome::Continue, 0);
+        for (token, logprobs) in emitted.drain(..) {
+            taken += 1;
+            outcome = self.accept(token, logprobs);
+            if !matches!(outcome, Outcome::Continue) {
+                break;
+            }
+        }
+        self.emitted = emitted;
+        (outcome, taken)
+    }
+
     /// Takes a sampled token: emits it, or stops.
     fn accept(&mut self, token: u32, mut logprobs: Option<Box<TokenLogprob>>) -> Outcome {
         if self.stop_tokens.contains(&token) {

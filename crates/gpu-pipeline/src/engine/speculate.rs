@@ -1,0 +1,442 @@
+//! Speculative decoding by n-gram prompt lookup: proposing draft tokens from the sequence's own
+//! text, the acceptance rule that keeps the output exactly the target model's, and the
+//! per-sequence policy that sizes drafts by their measured acceptance.
+//!
+//! **Proposal** ([`propose`]): the last `n` tokens of the sequence (prompt and generated text),
+//! for `n` from [`NgramLookup::max_ngram`] down to [`NgramLookup::min_ngram`], are looked up in
+//! the earlier text; at the most recent earlier occurrence of the longest `n` that has one,
+//! the tokens that followed it are the draft (llama.cpp's `llama-lookup` and vLLM's n-gram
+//! proposer). Code edits and summaries repeat their prompt, so these drafts are often right.
+//!
+//! **Verification** ([`verify`]): the engine runs the sequence's step on `[last token, draft...]`
+//! (one forward pass, logits for every row; the other sequences of the batch are untouched, a
+//! row's result not depending on the others) and samples row `i` exactly as it would sample
+//! that position without speculation: same sampler (penalties see the drafts before `i` as
+//! generated, as they would be), same grammar mask, same random stream. Row `i`'s token is
+//! emitted; if it equals draft `i` the next row is sampled too, else the step ends there.
+//! This is the standard speculative rejection rule for a draft distribution that is a point
+//! mass on draft `t` (accept `t` with probability `min(1, p(t)/q(t)) = p(t)`; on rejection draw
+//! from the residual `max(0, p - q)`, which is `p` with `t` removed and renormalized): drawing
+//! `x ~ p` and accepting iff `x == t` accepts with probability `p(t)`, and a rejected draw is
+//! distributed as `p` conditioned on `x != t`. It uses one draw per emitted token, in the order
+//! a plain decode draws them, so with the same seed the output is not only distributed as the
+//! target's, it is the same tokens; greedy output is bit-identical. The KV rows of rejected
+//! drafts are rolled back ([`kv_ring::KvRing::rollback`]) and the step emits the accepted
+//! drafts plus the one token of the first row that did not match (the correction, or the
+//! bonus after a fully accepted draft).
+//!
+//! **Policy** ([`SpecState`]): the draft length grows by 2 after a fully accepted draft and
+//! shrinks by 1 otherwise (HF transformers' heuristic), within `1..=max_draft`. An exponential
+//! average of the acceptance rate below [`NgramLookup::min_acceptance`] turns lookup off for
+//! the sequence for a back-off of steps that doubles each time (up to 256), so text that does
+//! not repeat itself costs one failed verification now and then, not one per step.
+
+/// Whether and how the [`Engine`](super::Engine) speculates ([`EngineConfig::speculation`]
+/// (super::EngineConfig::speculation)).
+///
+/// ```
+/// use gpu_pipeline::engine::{EngineConfig, NgramLookup, Speculation};
+/// let cfg = EngineConfig::default()
+///     .with_speculation(Speculation::NgramLookup(NgramLookup::default().with_max_draft(6)));
+/// assert!(matches!(cfg.speculation, Speculation::NgramLookup(n) if n.max_draft == 6));
+/// ```
+#[non_exhaustive]
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub enum Speculation {
+    /// One token per sequence per step.
+    #[default]
+    Off,
+    /// Drafts from n-gram lookup in the sequence's own text (see the [module docs](self)).
+    NgramLookup(NgramLookup),
+}
+
+/// Settings of n-gram prompt-lookup speculation ([`Speculation::NgramLookup`]).
+#[non_exhaustive]
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct NgramLookup {
+    /// Most draft tokens verified per step (the adaptive length stays within it).
+    pub max_draft: usize,
+    /// Longest n-gram looked up.
+    pub max_ngram: usize,
+    /// Shortest n-gram looked up (1: a single token).
+    pub min_ngram: usize,
+    /// Acceptance rate (an exponential average over verifications) below which a sequence
+    /// stops drafting for a while.
+    pub min_acceptance: f32,
+}
+
+impl Default for NgramLookup {
+    fn default() -> Self {
+        Self {
+            max_draft: 8,
+            max_ngram: 3,
+            min_ngram: 1,
+            min_acceptance: 0.3,
+        }
+    }
+}
+
+impl NgramLookup {
+    /// Sets [`max_draft`](Self::max_draft) (at least 1).
+    pub fn with_max_draft(mut self, n: usize) -> Self {
+        self.max_draft = n.max(1);
+        self
+    }
+    /// Sets [`min_ngram`](Self::min_ngram) and [`max_ngram`](Self::max_ngram) (`1 <= min <=
+    /// max`).
+    pub fn with_ngram(mut self, min: usize, max: usize) -> Self {
+        self.min_ngram = min.max(1);
+        self.max_ngram = max.max(self.min_ngram);
+        self
+    }
+    /// Sets [`min_acceptance`](Self::min_acceptance).
+    pub fn with_min_acceptance(mut self, rate: f32) -> Self {
+        self.min_acceptance = rate;
+        self
+    }
+}
+
+/// Fills `out` with up to `max_len` tokens that followed the most recent earlier occurrence of
+/// the last `n` tokens of `text`, for the largest `n` in `min_n..=max_n` that occurs earlier
+/// (an occurrence followed by nothing does not count). Empty when nothing matches. No
+/// allocation when `out` has room.
+///
+/// ```
+/// use gpu_pipeline::engine::propose;
+/// let text = [1, 2, 3, 4, 5, 9, 2, 3];
+/// let mut out = Vec::new();
+/// propose(&text, 1, 3, 4, &mut out);
+/// assert_eq!(out, [4, 5, 9, 2]); // "2 3" was followed by "4 5 9 2"
+/// propose(&text, 3, 3, 4, &mut out);
+/// assert!(out.is_empty()); // "9 2 3" never occurred before
+/// ```
+pub fn propose(text: &[u32], min_n: usize, max_n: usize, max_len: usize, out: &mut Vec<u32>) {
+    out.clear();
+    if max_len == 0 {
+        return;
+    }
+    let len = text.len();
+    for n in (min_n.max(1)..=max_n).rev() {
+        if n >= len {
+            continue;
+        }
+        let pattern = &text[len - n..];
+        // Starts `i` of earlier occurrences, the most recent first; `i + n < len` leaves at
+        // least one token after it.
+        let found = (0..len - n)
+            .rev()
+            .find(|&i| text[i + n - 1] == pattern[n - 1] && &text[i..i + n] == pattern);
+        if let Some(i) = found {
+            let from = i + n;
+            out.extend_from_slice(&text[from..(from + max_len).min(len)]);
+            return;
+        }
+    }
+}
+
+/// The acceptance rule of speculative decoding (see the [module docs](self)): samples row 0,
+/// 1, ... through `sample_row` (which samples row `i` as a plain decode would sample that
+/// position, given that drafts `0..i` were accepted, and emits the token), until a row's token
+/// differs from its draft or the row after the last draft was sampled. Returns the number of
+/// drafts accepted: `sample_row` ran for `accepted + 1` rows. An error from `sample_row` ends
+/// the verification.
+///
+/// ```
+/// use gpu_pipeline::engine::verify;
+/// // The target would emit 7, 8, 5, 6: drafts [7, 8, 9] keep 7 and 8, then 5 corrects 9.
+/// let target = [7, 8, 5, 6];
+/// let mut emitted = Vec::new();
+/// let accepted = verify::<()>(&[7, 8, 9], |i| {
+///     emitted.push(target[i]);
+///     Ok(target[i])
+/// });
+/// assert_eq!((accepted, emitted), (Ok(2), vec![7, 8, 5]));
+/// ```
+pub fn verify<E>(
+    drafts: &[u32],
+    mut sample_row: impl FnMut(usize) -> Result<u32, E>,
+) -> Result<usize, E> {
+    for (i, &draft) in drafts.iter().enumerate() {
+        if sample_row(i)? != draft {
+            return Ok(i);
+        }
+    }
+    sample_row(drafts.len())?;
+    Ok(drafts.len())
+}
+
+/// Longest back-off, in steps, of a sequence whose drafts are rarely accepted.
+const MAX_BACKOFF: u32 = 256;
+/// Back-off after the first time acceptance falls too low.
+const FIRST_BACKOFF: u32 = 16;
+/// Verifications before the acceptance average may turn lookup off.
+const MIN_VERIFICATIONS: u32 = 3;
+/// Weight of the newest verification in the acceptance average.
+const RATE_WEIGHT: f32 = 0.3;
+
+/// One sequence's speculation state: the adaptive draft length, the acceptance average and the
+/// back-off (see the [module docs](self)), and the buffer of the current proposal.
+#[derive(Clone, Debug)]
+pub(crate) struct SpecState {
+    cfg: NgramLookup,
+    draft_len: usize,
+    rate: f32,
+    verifications: u32,
+    /// Steps left with lookup off.
+    off_for: u32,
+    /// The next back-off.
+    backoff: u32,
+    /// The drafts proposed for the next step.
+    pub(crate) proposal: Vec<u32>,
+}
+
+impl SpecState {
+    pub(crate) fn new(cfg: NgramLookup) -> Self {
+        Self {
+            draft_len: cfg.max_draft.clamp(1, 4),
+            rate: 1.0,
+            verifications: 0,
+            off_for: 0,
+            backoff: FIRST_BACKOFF,
+            proposal: Vec::with_capacity(cfg.max_draft),
+            cfg,
+        }
+    }
+
+    /// Proposes the drafts of the next step into [`proposal`](Self::proposal), at most
+    /// `left` (empty while lookup is off, and when nothing matches).
+    pub(crate) fn propose(&mut self, text: &[u32], left: usize) {
+        if self.off_for > 0 {
+            self.off_for -= 1;
+            self.proposal.clear();
+            return;
+        }
+        let c = self.cfg;
+        let n = self.draft_len.min(c.max_draft).min(left);
+        propose(text, c.min_ngram, c.max_ngram, n, &mut self.proposal);
+    }
+
+    /// Records a verification of `drafted` tokens of which `accepted` were accepted.
+    pub(crate) fn record(&mut self, drafted: usize, accepted: usize) {
+        if drafted == 0 {
+            return;
+        }
+        let c = self.cfg;
+        self.draft_len = if accepted == drafted {
+            (self.draft_len + 2).min(c.max_draft)
+        } else {
+            self.draft_len.saturating_sub(1).max(1)
+        };
+        let r = accepted as f32 / drafted as f32;
+        self.rate += RATE_WEIGHT * (r - self.rate);
+        self.verifications += 1;
+        if self.verifications >= MIN_VERIFICATIONS && self.rate < c.min_acceptance {
+            self.off_for = self.backoff;
+            self.backoff = (self.backoff * 2).min(MAX_BACKOFF);
+            // A fresh start after the back-off: short drafts, a neutral average.
+            self.draft_len = 1;
+            self.rate = c.min_acceptance.max(0.5);
+            self.verifications = 0;
+        } else if r >= 0.5 {
+            self.backoff = FIRST_BACKOFF;
+        }
+    }
+
+    /// Whether lookup is off now (a back-off).
+    #[cfg(test)]
+    pub(crate) fn is_off(&self) -> bool {
+        self.off_for > 0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sampling::{Sampler, SamplerConfig};
+
+    #[test]
+    fn lookup_prefers_the_longest_ngram_then_the_most_recent_occurrence() {
+        let mut out = Vec::new();
+        // "5 1 2" occurs once (followed by 8); "1 2" most recently followed by 7.
+        let text = [5, 1, 2, 8, 0, 1, 2, 7, 3, 5, 1, 2];
+        propose(&text, 1, 3, 3, &mut out);
+        assert_eq!(out, [8, 0, 1]);
+        propose(&text, 1, 2, 3, &mut out);
+        assert_eq!(out, [7, 3, 5]);
+        // The draft stops at the end of the text; too short a text proposes nothing.
+        propose(&[4, 4, 4], 1, 3, 5, &mut out);
+        assert_eq!(out, [4]);
+        propose(&[4], 1, 3, 5, &mut out);
+        assert!(out.is_empty());
+        propose(&text, 1, 3, 0, &mut out);
+        assert!(out.is_empty());
+    }
+
+    /// A toy target model: the logits of the next token are a function of the whole prefix.
+    fn toy_logits(prefix: &[u32], vocab: usize) -> Vec<f32> {
+        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+        for &t in prefix {
+            h = (h ^ u64::from(t)).wrapping_mul(0x100_0000_01b3);
+        }
+        (0..vocab)
+            .map(|i| {
+                let x = (h ^ (i as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15))
+                    .wrapping_mul(0x2545_f491_4f6c_dd1d);
+                // A few likely tokens, echoing earlier text (so lookups hit).
+                let echo = prefix.len() >= 4 && i as u32 == prefix[prefix.len() - 4];
+                (x >> 40) as f32 / (1u64 << 24) as f32 * 3.0 + if echo { 4.0 } else { 0.0 }
+            })
+            .collect()
+    }
+
+    /// Plain decoding of the toy model, and speculative decoding with lookup drafts of up to
+    /// `max_draft`, from the same seed: the same tokens, for greedy, temperature and
+    /// penalized sampling.
+    #[test]
+    fn speculative_output_is_the_plain_output_token_for_token() {
+        let vocab = 12;
+        for params in [
+            SamplerConfig::default(),
+            SamplerConfig::default().with_temperature(0.8).with_seed(3),
+            SamplerConfig::default()
+                .with_temperature(1.0)
+                .with_top_k(5)
+                .with_repetition_penalty(1.3, 8)
+                .with_frequency_penalty(0.2)
+                .with_seed(11),
+        ] {
+            let prompt = [1u32, 2, 3, 4, 1, 2, 3, 4, 1, 2];
+            let n = 60;
+            let mut plain = prompt.to_vec();
+            let mut s = Sampler::new(params.clone());
+            while plain.len() < prompt.len() + n {
+                let t = s.sample_after(&toy_logits(&plain, vocab), &plain, prompt.len());
+                plain.push(t);
+            }
+            let mut spec = prompt.to_vec();
+            let mut s = Sampler::new(params.clone());
+            let mut state = SpecState::new(NgramLookup::default().with_max_draft(5));
+            let (mut steps, mut accepted_total) = (0, 0);
+            while spec.len() < prompt.len() + n {
+                let left = prompt.len() + n - spec.len() - 1;
+                state.propose(&spec, left);
+                let drafts = state.proposal.clone();
+                let base = spec.len();
+                let mut with_drafts = spec.clone();
+                with_drafts.extend_from_slice(&drafts);
+                let mut emitted = Vec::new();
+                let accepted = verify::<()>(&drafts, |i| {
+                    let prefix = &with_drafts[..base + i];
+                    let t = s.sample_after(&toy_logits(prefix, vocab), prefix, prompt.len());
+                    emitted.push(t);
+                    Ok(t)
+                })
+                .unwrap();
+                assert_eq!(emitted.len(), accepted + 1);
+                assert_eq!(emitted[..accepted], drafts[..accepted]);
+                state.record(drafts.len(), accepted);
+                spec.extend_from_slice(&emitted);
+                steps += 1;
+                accepted_total += accepted;
+            }
+            assert_eq!(spec, plain, "{params:?}");
+            assert!(steps < n, "some drafts were accepted ({params:?})");
+            assert!(accepted_total > 0);
+        }
+    }
+
+    /// The rule's output distribution, measured: the first emitted token follows row 0's
+    /// softmax; given that draft 0 was accepted, the second follows row 1's; the acceptance
+    /// rate of draft 0 is its probability. A rule that accepted drafts more often (or sampled
+    /// the correction from the full row 0 after a rejection) fails the checks.
+    #[test]
+    fn sampled_acceptance_keeps_the_target_distribution() {
+        let rows: [[f32; 4]; 3] = [
+            [0.0, 1.0, 1.5, 0.5],
+            [1.2, 0.0, 0.3, 1.0],
+            [0.0, 0.0, 2.0, 1.0],
+        ];
+        let drafts = [2u32, 0];
+        let softmax = |r: &[f32; 4]| -> Vec<f64> {
+            let z: f64 = r.iter().map(|&l| f64::from(l).exp()).sum();
+            r.iter().map(|&l| f64::from(l).exp() / z).collect()
+        };
+        let mut s = Sampler::new(SamplerConfig::default().with_temperature(1.0).with_seed(5));
+        let n = 60_000;
+        let mut first = [0usize; 4];
+        let mut second = [0usize; 4];
+        let mut third = [0usize; 4];
+        let mut lengths = [0usize; 3];
+        for _ in 0..n {
+            let mut emitted = Vec::new();
+            let accepted = verify::<()>(&drafts, |i| {
+                let t = s.sample(&rows[i], &[]);
+                emitted.push(t);
+                Ok(t)
+            })
+            .unwrap();
+            lengths[accepted] += 1;
+            first[emitted[0] as usize] += 1;
+            if let Some(&t) = emitted.get(1) {
+                second[t as usize] += 1;
+            }
+            if let Some(&t) = emitted.get(2) {
+                third[t as usize] += 1;
+            }
+        }
+        let check = |seen: &[usize; 4], want: &[f64], what: &str| {
+            let total: usize = seen.iter().sum();
+            for (i, &w) in want.iter().enumerate() {
+                let got = seen[i] as f64 / total as f64;
+                assert!(
+                    (got - w).abs() < 0.015,
+                    "{what} token {i}: want {w:.4} got {got:.4}"
+                );
+            }
+        };
+        let (p0, p1) = (softmax(&rows[0]), softmax(&rows[1]));
+        check(&first, &p0, "first");
+        check(&second, &p1, "second given draft 0 accepted");
+        check(&third, &softmax(&rows[2]), "bonus given both accepted");
+        let rate0 = 1.0 - lengths[0] as f64 / n as f64;
+        assert!(
+            (rate0 - p0[2]).abs() < 0.015,
+            "acceptance of draft 0: {rate0} vs p = {}",
+            p0[2]
+        );
+        let both = lengths[2] as f64 / n as f64;
+        assert!((both - p0[2] * p1[0]).abs() < 0.015, "both drafts: {both}");
+    }
+
+    #[test]
+    fn draft_length_adapts_and_low_acceptance_backs_off() {
+        let cfg = NgramLookup::default().with_max_draft(6);
+        let mut st = SpecState::new(cfg);
+        let text = [1u32, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2];
+        st.propose(&text, 100);
+        assert_eq!(st.proposal, [3, 4, 5, 6]);
+        st.record(4, 4);
+        st.propose(&text, 100);
+        assert_eq!(st.proposal.len(), 6, "grows by 2, within max_draft");
+        st.propose(&text, 2);
+        assert_eq!(st.proposal.len(), 2, "never more than the tokens left");
+        st.record(6, 2);
+        st.propose(&text, 100);
+        assert_eq!(st.proposal.len(), 5, "shrinks by 1");
+        // Rejections: off after a few, then back for one try, then off twice as long.
+        let mut off_steps = Vec::new();
+        for _ in 0..2 {
+            while !st.is_off() {
+                st.record(1, 0);
+            }
+            let mut k = 0;
+            while st.is_off() {
+                st.propose(&text, 100);
+                assert!(st.proposal.is_empty());
+                k += 1;
+            }
+            off_steps.push(k);
+        }
+        assert_eq!(off_steps, [FIRST_BACKOFF, 2 * FIRST_BACKOFF]);
+    }
+}

@@ -1,0 +1,273 @@
+//! Speculative decoding by n-gram prompt lookup on the real default model (run
+//! `scripts/fetch-model` first): the engine's output with lookup is the output without it,
+//! token for token (greedy, seeded sampling, logprobs, stop sequences, max tokens, a grammar),
+//! alone and in one batch with sequences in other speculation states.
+
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use gpu_pipeline::engine::{
+    Engine, EngineConfig, EngineEvent, GenerationRequest, NgramLookup, Speculation,
+};
+use gpu_pipeline::zerolayer_api::TokenLogprob;
+use gpu_pipeline::{Constraint, ConstraintError, ConstraintFactory};
+use gpu_pipeline::{Model, ModelOptions, SamplerConfig, StopReason, TokenMask};
+use token_stream::{ChatTemplate, TemplateMessage, Tokenizer};
+
+struct Fixture {
+    model: Arc<Model>,
+    tok: Arc<Tokenizer>,
+    chat: ChatTemplate,
+}
+
+fn fixture() -> &'static Fixture {
+    static F: OnceLock<Fixture> = OnceLock::new();
+    F.get_or_init(|| {
+        let path = weight_cache::locate_default_model().unwrap_or_else(|e| panic!("{e}"));
+        // SAFETY: the model file is not modified while the tests run.
+        let gguf = Arc::new(unsafe { weight_cache::Gguf::open(path) }.expect("open model"));
+        let tok = Arc::new(Tokenizer::from_gguf(&gguf).expect("tokenizer"));
+        let chat = ChatTemplate::from_tokenizer(&tok).expect("chat template");
+        let model = Arc::new(Model::load(gguf, ModelOptions::default()).expect("load model"));
+        Fixture { model, tok, chat }
+    })
+}
+
+fn chat(user: &str) -> Vec<u32> {
+    let f = fixture();
+    let msgs = [
+        TemplateMessage::new("system", "You are a helpful assistant."),
+        TemplateMessage::new("user", user),
+    ];
+    f.chat.encode(&f.tok, &msgs, true).expect("encode").to_vec()
+}
+
+fn engine(speculation: Speculation) -> Engine {
+    let f = fixture();
+    let cfg = EngineConfig::default().with_speculation(speculation);
+    Engine::new(f.model.clone(), Some(f.tok.clone()), cfg).expect("engine")
+}
+
+fn lookup() -> Speculation {
+    Speculation::NgramLookup(NgramLookup::default())
+}
+
+const LIST: &str = "Repeat this list exactly, one item per line:\napple\nbanana\ncherry\ndate\n\
+    elderberry\nfig\ngrape\nhoneydew\nkiwi\nlemon\nmango\nnectarine\norange\npapaya";
+
+const CODE: &str = "Rename the variable `x` to `count` in this Python function and print the \
+    whole function:\n```python\ndef total(items):\n    x = 0\n    for item in items:\n        \
+    x += item.price * item.quantity\n    if x > 100:\n        x = x * 0.9\n    return x\n```";
+
+const QUOTE: &str = "Here is a paragraph: \"The lighthouse keeper climbed the stairs every \
+    evening at dusk. He trimmed the wick, polished the lens, and watched the ships pass in the \
+    dark. In forty years he never missed a night.\" Quote the paragraph exactly, then say who \
+    the main character is.";
+
+/// Everything a client sees of one request.
+#[derive(Debug, PartialEq)]
+struct Seen {
+    ids: Vec<u32>,
+    text: String,
+    logprobs: Vec<Option<Box<TokenLogprob>>>,
+    stop: StopReason,
+    stop_sequence: Option<String>,
+    output_tokens: u32,
+}
+
+fn collect(h: &gpu_pipeline::RequestHandle) -> Seen {
+    let mut ids = Vec::new();
+    let mut text = String::new();
+    let mut logprobs = Vec::new();
+    while let Some(ev) = h.recv_timeout(Duration::from_secs(600)) {
+        match ev {
+            EngineEvent::Token {
+                id,
+                text: t,
+                logprobs: lp,
+            } => {
+                ids.push(id);
+                text += &t;
+                logprobs.push(lp);
+            }
+            EngineEvent::Finished {
+                stop_reason,
+                stop_sequence,
+                tail_text,
+                usage,
+            } => {
+                text += &tail_text;
+                return Seen {
+                    ids,
+                    text,
+                    logprobs,
+                    stop: stop_reason,
+                    stop_sequence,
+                    output_tokens: usage.output_tokens,
+                };
+            }
+            EngineEvent::Error { error } => panic!("request failed: {error}"),
+            _ => {}
+        }
+    }
+    panic!("stream ended without Finished");
+}
+
+fn run(e: &Engine, req: GenerationRequest) -> Seen {
+    collect(&e.submit(req).expect("submit"))
+}
+
+#[test]
+fn greedy_output_with_lookup_is_bit_identical_on_repetitive_prompts() {
+    let (plain, spec) = (engine(Speculation::Off), engine(lookup()));
+    for (what, prompt, n) in [
+        ("list", LIST, 80),
+        ("code", CODE, 110),
+        ("quote", QUOTE, 90),
+    ] {
+        let req = GenerationRequest::new(chat(prompt), n);
+        let want = run(&plain, req.clone());
+        let got = run(&spec, req);
+        assert_eq!(got, want, "{what}");
+        eprintln!("{what}: {:?}", want.text);
+    }
+    let m = spec.metrics();
+    eprintln!(
+        "drafted {} accepted {} ({:.2}), {:.2} tokens per sampled step",
+        m.draft_tokens,
+        m.accepted_draft_tokens,
+        m.draft_acceptance_rate(),
+        m.tokens_per_sampled_step()
+    );
+    // The small model echoes the list; it rewrites the code and the quote in its own words.
+    assert!(m.accepted_draft_tokens > 30, "lookup speculated: {m:?}");
+    assert!(m.tokens_per_sampled_step() > 1.2, "{m:?}");
+    assert_eq!(plain.metrics().draft_tokens, 0);
+}
+
+/// A length grammar over digits: only tokens made of ASCII digits, spaces, commas and
+/// newlines, then only `eos` after `max` tokens.
+#[derive(Debug)]
+struct DigitsThenEnd {
+    allowed: Arc<TokenMask>,
+    eos: u32,
+    max: usize,
+}
+
+#[derive(Debug)]
+struct DigitsState {
+    allowed: Arc<TokenMask>,
+    eos: u32,
+    left: usize,
+}
+
+impl ConstraintFactory for DigitsThenEnd {
+    fn start(&self) -> Box<dyn Constraint> {
+        Box::new(DigitsState {
+            allowed: self.allowed.clone(),
+            eos: self.eos,
+            left: self.max,
+        })
+    }
+}
+
+impl Constraint for DigitsState {
+    fn fill_mask(&mut self, mask: &mut TokenMask) -> Result<(), ConstraintError> {
+        if self.left == 0 {
+            *mask = TokenMask::forbid_all(mask.vocab());
+        } else {
+            mask.clone_from(&self.allowed);
+        }
+        mask.allow(self.eos);
+        Ok(())
+    }
+    fn commit(&mut self, token: u32) -> Result<(), ConstraintError> {
+        if token == self.eos {
+            return Ok(());
+        }
+        if self.left == 0 || !self.allowed.is_allowed(token) {
+            return Err(ConstraintError::Failed(format!(
+                "token {token} not allowed"
+            )));
+        }
+        self.left -= 1;
+        Ok(())
+    }
+}
+
+fn digits_then_end(max: usize) -> Arc<dyn ConstraintFactory> {
+    let f = fixture();
+    let vocab = f.model.config().vocab_size;
+    let mut allowed = TokenMask::forbid_all(vocab);
+    for id in 0..vocab as u32 {
+        let ok = f.tok.token_bytes(id).is_some_and(|b| {
+            !b.is_empty() && b.iter().all(|c| c.is_ascii_digit() || b" ,\n".contains(c))
+        });
+        if ok {
+            allowed.allow(id);
+        }
+    }
+    let eos = f.model.stop_tokens_with(Some(&f.tok))[0];
+    Arc::new(DigitsThenEnd {
+        allowed: Arc::new(allowed),
+        eos,
+        max,
+    })
+}
+
+/// Sequences with lookup in different states share batches (repetitive ones drafting long,
+/// a chat whose lookup backs off, seeded sampling, logprobs, a stop sequence, a grammar, a
+/// request of 3 tokens): each emits what it emits alone without speculation.
+#[test]
+fn concurrent_sequences_in_different_speculation_states_match_their_plain_runs() {
+    let numbers = "Repeat these numbers exactly: 12, 34, 56, 78, 90, 12, 34, 56, 78, 90, 11, 22, \
+        33, 44, 55";
+    let reqs = vec![
+        GenerationRequest::new(chat(LIST), 70),
+        GenerationRequest::new(chat(CODE), 90),
+        GenerationRequest::new(chat("Write a short poem about the sea at night."), 60),
+        GenerationRequest::new(chat(QUOTE), 60)
+            .with_sampling(SamplerConfig::default().with_temperature(0.7).with_seed(42)),
+        GenerationRequest::new(chat(CODE), 50)
+            .with_sampling(
+                SamplerConfig::default()
+                    .with_temperature(1.0)
+                    .with_top_p(0.9)
+                    .with_repetition_penalty(1.1, 64)
+                    .with_seed(7),
+            )
+            .with_logprobs(Some(3)),
+        GenerationRequest::new(chat(LIST), 60).with_logprobs(Some(2)),
+        GenerationRequest::new(chat(LIST), 100).with_stop_sequences(["grape"]),
+        GenerationRequest::new(chat(numbers), 40).with_constraint(Some(digits_then_end(30))),
+        GenerationRequest::new(chat(LIST), 3),
+    ];
+    let plain = engine(Speculation::Off);
+    let want: Vec<Seen> = reqs.iter().map(|r| run(&plain, r.clone())).collect();
+    let spec = engine(lookup());
+    let handles: Vec<_> = reqs
+        .iter()
+        .map(|r| spec.submit(r.clone()).expect("submit"))
+        .collect();
+    for (i, (h, want)) in handles.iter().zip(&want).enumerate() {
+        let got = collect(h);
+        assert_eq!(&got, want, "request {i}");
+    }
+    assert_eq!(want[6].stop, StopReason::StopSequence);
+    assert_eq!(want[8].ids.len(), 3);
+    assert!(
+        want[7]
+            .ids
+            .iter()
+            .all(|&t| digits_then_end(30).start().commit(t).is_ok())
+    );
+    let m = spec.metrics();
+    assert!(m.accepted_draft_tokens > 0 && m.draft_tokens > m.accepted_draft_tokens);
+    eprintln!(
+        "batch: drafted {} accepted {} ({:.2}), {:.2} tokens per sampled step",
+        m.draft_tokens,
+        m.accepted_draft_tokens,
+        m.draft_acceptance_rate(),
+        m.tokens_per_sampled_step()
+    );
+}
