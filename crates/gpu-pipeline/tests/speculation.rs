@@ -55,9 +55,12 @@ fn lookup() -> Speculation {
 const LIST: &str = "Repeat this list exactly, one item per line:\napple\nbanana\ncherry\ndate\n\
     elderberry\nfig\ngrape\nhoneydew\nkiwi\nlemon\nmango\nnectarine\norange\npapaya";
 
-const CODE: &str = "Rename the variable `x` to `count` in this Python function and print the \
-    whole function:\n```python\ndef total(items):\n    x = 0\n    for item in items:\n        \
-    x += item.price * item.quantity\n    if x > 100:\n        x = x * 0.9\n    return x\n```";
+const CODE: &str = "Add type hints to this Python function. Output the complete function.\n\n\
+    def merge_sorted(left, right):\n    result = []\n    i = 0\n    j = 0\n    \
+    while i < len(left) and j < len(right):\n        if left[i] <= right[j]:\n            \
+    result.append(left[i])\n            i += 1\n        else:\n            \
+    result.append(right[j])\n            j += 1\n    result.extend(left[i:])\n    \
+    result.extend(right[j:])\n    return result";
 
 const QUOTE: &str = "Here is a paragraph: \"The lighthouse keeper climbed the stairs every \
     evening at dusk. He trimmed the wick, polished the lens, and watched the ships pass in the \
@@ -139,9 +142,9 @@ fn greedy_output_with_lookup_is_bit_identical_on_repetitive_prompts() {
         m.draft_acceptance_rate(),
         m.tokens_per_sampled_step()
     );
-    // The small model echoes the list; it rewrites the code and the quote in its own words.
-    assert!(m.accepted_draft_tokens > 30, "lookup speculated: {m:?}");
-    assert!(m.tokens_per_sampled_step() > 1.2, "{m:?}");
+    // The small model echoes the list and the code; it retells the quote in its own words.
+    assert!(m.accepted_draft_tokens > 60, "lookup speculated: {m:?}");
+    assert!(m.tokens_per_sampled_step() > 1.4, "{m:?}");
     assert_eq!(plain.metrics().draft_tokens, 0);
 }
 

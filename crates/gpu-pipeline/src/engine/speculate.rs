@@ -25,11 +25,13 @@
 //! drafts plus the one token of the first row that did not match (the correction, or the
 //! bonus after a fully accepted draft).
 //!
-//! **Policy** ([`SpecState`]): the draft length grows by 2 after a fully accepted draft and
-//! shrinks by 1 otherwise (HF transformers' heuristic), within `1..=max_draft`. An exponential
-//! average of the acceptance rate below [`NgramLookup::min_acceptance`] turns lookup off for
-//! the sequence for a back-off of steps that doubles each time (up to 256), so text that does
-//! not repeat itself costs one failed verification now and then, not one per step.
+//! **Policy** ([`SpecState`]): drafts start at 2 tokens; the length grows by 2 after a fully
+//! accepted draft and shrinks by 1 otherwise (HF transformers' heuristic), within
+//! `1..=max_draft`. An exponential average of the acceptance rate (from 0.5, after at least 3
+//! verifications) below [`NgramLookup::min_acceptance`] turns lookup off for the sequence for
+//! a back-off of 16 steps, then one 1-token probe: rejected, the back-off doubles (up to 256
+//! steps). So text that does not repeat itself costs a few failed verifications at its start
+//! and one 1-token probe now and then, not one per step.
 
 /// Whether and how the [`Engine`](super::Engine) speculates ([`EngineConfig::speculation`]
 /// (super::EngineConfig::speculation)).
@@ -193,8 +195,8 @@ pub(crate) struct SpecState {
 impl SpecState {
     pub(crate) fn new(cfg: NgramLookup) -> Self {
         Self {
-            draft_len: cfg.max_draft.clamp(1, 4),
-            rate: 1.0,
+            draft_len: cfg.max_draft.clamp(1, 2),
+            rate: 0.5,
             verifications: 0,
             off_for: 0,
             backoff: FIRST_BACKOFF,
@@ -233,10 +235,11 @@ impl SpecState {
         if self.verifications >= MIN_VERIFICATIONS && self.rate < c.min_acceptance {
             self.off_for = self.backoff;
             self.backoff = (self.backoff * 2).min(MAX_BACKOFF);
-            // A fresh start after the back-off: short drafts, a neutral average.
+            // After the back-off one probe of one token: rejected, it backs off again (twice
+            // as long); accepted, drafting goes on.
             self.draft_len = 1;
-            self.rate = c.min_acceptance.max(0.5);
-            self.verifications = 0;
+            self.rate = c.min_acceptance;
+            self.verifications = MIN_VERIFICATIONS;
         } else if r >= 0.5 {
             self.backoff = FIRST_BACKOFF;
         }
@@ -414,7 +417,8 @@ mod tests {
         let mut st = SpecState::new(cfg);
         let text = [1u32, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2];
         st.propose(&text, 100);
-        assert_eq!(st.proposal, [3, 4, 5, 6]);
+        assert_eq!(st.proposal, [3, 4]);
+        st.record(2, 2);
         st.record(4, 4);
         st.propose(&text, 100);
         assert_eq!(st.proposal.len(), 6, "grows by 2, within max_draft");
@@ -423,12 +427,20 @@ mod tests {
         st.record(6, 2);
         st.propose(&text, 100);
         assert_eq!(st.proposal.len(), 5, "shrinks by 1");
-        // Rejections: off after a few, then back for one try, then off twice as long.
+        // Rejections: off after a few, then one probe of one token, then off twice as long.
         let mut off_steps = Vec::new();
-        for _ in 0..2 {
+        for round in 0..3 {
+            let mut rejected = 0;
             while !st.is_off() {
-                st.record(1, 0);
+                st.propose(&text, 100);
+                assert!(round == 0 || st.proposal.len() == 1, "a probe of one token");
+                st.record(st.proposal.len(), 0);
+                rejected += 1;
             }
+            assert!(
+                round == 0 || rejected == 1,
+                "one rejected probe backs off again"
+            );
             let mut k = 0;
             while st.is_off() {
                 st.propose(&text, 100);
@@ -437,6 +449,23 @@ mod tests {
             }
             off_steps.push(k);
         }
-        assert_eq!(off_steps, [FIRST_BACKOFF, 2 * FIRST_BACKOFF]);
+        assert_eq!(
+            off_steps,
+            [FIRST_BACKOFF, 2 * FIRST_BACKOFF, 4 * FIRST_BACKOFF]
+        );
+        // An accepted probe keeps drafting, and resets the back-off.
+        st.propose(&text, 100);
+        st.record(1, 1);
+        st.record(3, 3);
+        assert!(!st.is_off());
+        while !st.is_off() {
+            st.record(1, 0);
+        }
+        let mut k = 0;
+        while st.is_off() {
+            st.propose(&text, 100);
+            k += 1;
+        }
+        assert_eq!(k, FIRST_BACKOFF);
     }
 }
