@@ -131,6 +131,21 @@ fn generate_prints_json_with_the_ids_it_generated() {
     assert_eq!(w["ids"], v["ids"]);
 }
 
+#[test]
+fn generate_with_speculation_prints_the_same_answer() {
+    let chat = "Repeat this list exactly, one item per line:\napple\nbanana\ncherry\ndate\nfig";
+    let run = |extra: &[&str]| {
+        let mut args = vec!["generate", "--chat", chat, "--max-tokens", "24", "--json"];
+        args.extend_from_slice(extra);
+        let (out, err) = ok(zerolayer(&args).output().unwrap());
+        (serde_json::from_str::<Value>(&out).unwrap(), err)
+    };
+    let (plain, _) = run(&[]);
+    let (spec, err) = run(&["--speculate", "ngram", "--max-draft", "4", "--timings"]);
+    assert_eq!(spec, plain);
+    assert!(err.contains("draft tokens"), "{err}");
+}
+
 /// `--executor cuda` on a machine without a driver: a one-line typed error naming what was
 /// looked for, exit status 1, no panic (SKIPPED where libcuda loads).
 #[cfg(feature = "cuda")]

@@ -106,6 +106,13 @@ pub(crate) struct Args {
     /// from host memory every step (default: all resident).
     #[arg(long)]
     device_budget: Option<u64>,
+    /// Speculative decoding: `off`, or `ngram` (n-gram prompt lookup; the generation then runs
+    /// through the serving engine, on the CPU; the output is the same as without).
+    #[arg(long, value_enum, default_value_t = super::Speculate::Off)]
+    speculate: super::Speculate,
+    /// With --speculate ngram: most draft tokens verified per step.
+    #[arg(long, default_value_t = 8)]
+    max_draft: usize,
 }
 
 /// `--executor`.
@@ -407,7 +414,8 @@ fn generate(a: &Args, loaded: LoadedModel, prompt: &[u32]) -> anyhow::Result<()>
     let LoadedModel {
         model, tokenizer, ..
     } = loaded;
-    let (model, tok) = (Arc::new(model), &tokenizer);
+    let tokenizer = Arc::new(tokenizer);
+    let (model, tok) = (Arc::new(model), &*tokenizer);
     if a.executor == ExecutorKind::Cpu && a.device_budget.is_some() {
         bail!("--device-budget needs --executor cuda");
     }
@@ -454,9 +462,27 @@ fn generate(a: &Args, loaded: LoadedModel, prompt: &[u32]) -> anyhow::Result<()>
         }
     };
     let g = match &device {
+        None if a.speculate != super::Speculate::Off => {
+            let (g, m) = generate_on_engine(a, &model, &tokenizer, prompt, &opts, &mut on_token)?;
+            if a.timings {
+                eprintln!(
+                    "speculation: {} draft tokens, {} accepted ({:.2}), {:.2} tokens per target step",
+                    m.draft_tokens,
+                    m.accepted_draft_tokens,
+                    m.draft_acceptance_rate(),
+                    m.tokens_per_sampled_step()
+                );
+            }
+            g
+        }
         None => {
             let mut kv = new_ring(&model, cap, a.kv_dtype.into())?;
-            model.generate(&mut kv, prompt, &opts, Some(tok), &mut on_token)?
+            model
+                .generate(&mut kv, prompt, &opts, Some(tok), &mut on_token)?
+                .into()
+        }
+        Some(_) if a.speculate != super::Speculate::Off => {
+            bail!("--speculate needs --executor cpu")
         }
         Some(exec) => {
             // The executor's own storage (device memory for CUDA).
@@ -464,6 +490,7 @@ fn generate(a: &Args, loaded: LoadedModel, prompt: &[u32]) -> anyhow::Result<()>
             let pool = KvPool::new_in(shape, cap * shape.bytes_per_token(), exec.kv_allocator())?;
             let mut kv = pool.alloc(cap, RingMode::Strict)?;
             gpu_pipeline::generate_with(exec, &mut kv, prompt, &opts, Some(tok), &mut on_token)?
+                .into()
         }
     };
     if a.json {
@@ -506,6 +533,87 @@ fn generate(a: &Args, loaded: LoadedModel, prompt: &[u32]) -> anyhow::Result<()>
         }
     }
     Ok(())
+}
+
+/// `--speculate`: one request through the serving engine (which speculates), reported as
+/// [`Model::generate`] reports it; also the engine's metrics.
+fn generate_on_engine(
+    a: &Args,
+    model: &Arc<Model>,
+    tok: &Arc<Tokenizer>,
+    prompt: &[u32],
+    opts: &GenerateOptions,
+    on_token: &mut dyn FnMut(u32),
+) -> anyhow::Result<(Generated, gpu_pipeline::engine::EngineMetrics)> {
+    use gpu_pipeline::engine::{Engine, EngineConfig, EngineEvent, GenerationRequest};
+    let cfg = EngineConfig::default()
+        .with_prefix_cache_entries(0)
+        .with_kv_dtype(a.kv_dtype.into())
+        .with_speculation(a.speculate.engine(a.max_draft));
+    let engine = Engine::new(model.clone(), Some(tok.clone()), cfg)?;
+    let mut req = GenerationRequest::new(prompt.to_vec(), a.max_tokens)
+        .with_sampling(opts.sampling.clone())
+        .with_stop_sequences(a.stop.clone());
+    if a.ignore_eos {
+        req = req.with_stop_tokens(Vec::new());
+    }
+    let t0 = Instant::now();
+    let handle = engine.submit(req)?;
+    let (mut ids, mut text, mut first) = (Vec::new(), String::new(), None);
+    let stop_reason = loop {
+        match handle.recv() {
+            Some(EngineEvent::Token { id, text: t, .. }) => {
+                first.get_or_insert_with(Instant::now);
+                ids.push(id);
+                text += &t;
+                on_token(id);
+            }
+            Some(EngineEvent::Finished {
+                stop_reason,
+                tail_text,
+                ..
+            }) => {
+                text += &tail_text;
+                break stop_reason;
+            }
+            Some(EngineEvent::Error { error }) => bail!("generation failed: {error}"),
+            Some(_) => {}
+            None => bail!("the engine ended the stream"),
+        }
+    };
+    let first = first.unwrap_or_else(Instant::now);
+    let g = Generated {
+        prompt_tokens: prompt.len(),
+        ids,
+        text: Some(text),
+        stop_reason,
+        time_to_first_token: first - t0,
+        decode_time: first.elapsed(),
+    };
+    Ok((g, engine.metrics()))
+}
+
+/// What `generate` reports of a generation, by [`Model::generate`] or the engine.
+struct Generated {
+    prompt_tokens: usize,
+    ids: Vec<u32>,
+    text: Option<String>,
+    stop_reason: gpu_pipeline::StopReason,
+    time_to_first_token: Duration,
+    decode_time: Duration,
+}
+
+impl From<gpu_pipeline::Generation> for Generated {
+    fn from(g: gpu_pipeline::Generation) -> Self {
+        Self {
+            prompt_tokens: g.prompt_tokens,
+            ids: g.ids,
+            text: g.text,
+            stop_reason: g.stop_reason,
+            time_to_first_token: g.time_to_first_token,
+            decode_time: g.decode_time,
+        }
+    }
 }
 
 #[cfg(test)]

@@ -133,6 +133,30 @@ impl From<KvType> for kv_ring::KvDtype {
     }
 }
 
+/// `--speculate`: see [`Speculation`](gpu_pipeline::engine::Speculation).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub(crate) enum Speculate {
+    /// One token per sequence per step.
+    #[default]
+    Off,
+    /// N-gram prompt lookup: drafts from each request's own prompt and output, verified in its
+    /// step of the batched forward pass (the output is the same as without).
+    Ngram,
+}
+
+impl Speculate {
+    /// The engine's setting, with at most `max_draft` draft tokens per step.
+    pub(crate) fn engine(self, max_draft: usize) -> gpu_pipeline::engine::Speculation {
+        use gpu_pipeline::engine::{NgramLookup, Speculation};
+        match self {
+            Self::Off => Speculation::Off,
+            Self::Ngram => {
+                Speculation::NgramLookup(NgramLookup::default().with_max_draft(max_draft))
+            }
+        }
+    }
+}
+
 /// `--activation-split`: see [`ActivationSplit`].
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
 pub(crate) enum Split {

@@ -103,6 +103,14 @@ pub(crate) struct Args {
     /// stream from host memory every step (default: all resident).
     #[arg(long, value_parser = zerolayer::parse_byte_size)]
     device_budget: Option<u64>,
+    /// Speculative decoding: `off`, or `ngram` (n-gram prompt lookup: drafts taken from each
+    /// request's prompt and output, verified in the batched step; the output is unchanged, and
+    /// a request whose drafts are rarely accepted stops drafting).
+    #[arg(long, value_enum, default_value_t = super::Speculate::Off)]
+    speculate: super::Speculate,
+    /// With --speculate ngram: most draft tokens verified per step.
+    #[arg(long, default_value_t = 8)]
+    max_draft: usize,
     /// KV-cache budget, e.g. 256M (default: the engine's).
     #[arg(long, value_parser = zerolayer::parse_byte_size)]
     kv_budget: Option<u64>,
@@ -197,7 +205,8 @@ fn build_service(args: &Args) -> anyhow::Result<(Arc<EngineService>, PathBuf)> {
         .with_max_queue(args.max_queue)
         .with_max_kv_share_per_client(args.max_kv_share_per_client)
         .with_shared_prefix_cache(args.shared_prefix_cache)
-        .with_kv_dtype(args.kv_dtype.into());
+        .with_kv_dtype(args.kv_dtype.into())
+        .with_speculation(args.speculate.engine(args.max_draft));
     if let Some(n) = args.max_per_client {
         engine_cfg = engine_cfg.with_max_running_per_client(n);
     }

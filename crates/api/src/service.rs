@@ -147,4 +147,12 @@ pub struct ServiceMetrics {
     pub weight_read_bytes_per_token: f64,
     /// Prefix-cache hits (prompt tokens reused) since start.
     pub prefix_cache_hit_tokens: u64,
+    /// Speculative decoding: draft tokens verified since start.
+    pub draft_tokens: u64,
+    /// Speculative decoding: draft tokens accepted since start (acceptance rate: this over
+    /// `draft_tokens`).
+    pub accepted_draft_tokens: u64,
+    /// Sequence steps that emitted tokens since start (tokens per target step:
+    /// `generated_tokens` over this).
+    pub sampled_steps: u64,
 }

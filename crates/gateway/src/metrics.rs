@@ -478,6 +478,24 @@ impl GatewayMetrics {
             "Prompt tokens reused from the prefix cache.",
             svc.prefix_cache_hit_tokens,
         );
+        counter(
+            &mut o,
+            "zerolayer_draft_tokens_total",
+            "Speculative draft tokens verified.",
+            svc.draft_tokens,
+        );
+        counter(
+            &mut o,
+            "zerolayer_accepted_draft_tokens_total",
+            "Speculative draft tokens accepted (acceptance rate: over zerolayer_draft_tokens_total).",
+            svc.accepted_draft_tokens,
+        );
+        counter(
+            &mut o,
+            "zerolayer_sampled_steps_total",
+            "Sequence steps that emitted tokens (tokens per target step: generated tokens over this).",
+            svc.sampled_steps,
+        );
         o
     }
 }

@@ -20,7 +20,7 @@ use gpu_pipeline::engine::{
     Engine, EngineConfig, EngineEvent, GenerationRequest, NgramLookup, Speculation,
 };
 use gpu_pipeline::{Model, ModelOptions};
-use token_stream::{ChatMessage, ChatTemplate, Tokenizer};
+use token_stream::{ChatTemplate, TemplateMessage, Tokenizer};
 
 const PROMPTS: &str = include_str!("speculation_prompts.txt");
 
@@ -41,7 +41,7 @@ fn prompts(tok: &Tokenizer) -> Vec<Prompt> {
         let (Some(name), Some(kind), Some(max)) = (name, kind, max) else {
             panic!("bad header {head:?}");
         };
-        let msgs = [ChatMessage::new("user", body.trim_end())];
+        let msgs = [TemplateMessage::new("user", body.trim_end())];
         out.push(Prompt {
             name: name.into(),
             kind: kind.into(),

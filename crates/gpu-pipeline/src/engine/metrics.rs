@@ -188,6 +188,9 @@ impl From<&EngineMetrics> for ServiceMetrics {
         s.expert_hit_rate = m.expert_hit_rate.unwrap_or(0.0);
         s.weight_read_bytes_per_token = m.storage_read_bytes_per_token.unwrap_or(0.0);
         s.prefix_cache_hit_tokens = m.prefix_hit_tokens;
+        s.draft_tokens = m.draft_tokens;
+        s.accepted_draft_tokens = m.accepted_draft_tokens;
+        s.sampled_steps = m.sampled_steps;
         s
     }
 }
