@@ -247,7 +247,10 @@ fn concurrent_sequences_in_different_speculation_states_match_their_plain_runs()
     ];
     let plain = engine(Speculation::Off);
     let want: Vec<Seen> = reqs.iter().map(|r| run(&plain, r.clone())).collect();
-    let spec = engine(lookup());
+    // Every sequence may draft however many share the batch.
+    let spec = engine(Speculation::NgramLookup(
+        NgramLookup::default().with_max_batch(16),
+    ));
     let handles: Vec<_> = reqs
         .iter()
         .map(|r| spec.submit(r.clone()).expect("submit"))

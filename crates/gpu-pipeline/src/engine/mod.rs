@@ -940,9 +940,11 @@ impl<E: Executor> Worker<E> {
         let vocab = self.model.config().vocab_size;
         let shared = self.shared.clone();
         loop {
-            // ---- speculation: the drafts each decoding sequence would verify next
+            // ---- speculation: the drafts each decoding sequence would verify next (none in a
+            // large batch: see `NgramLookup::max_batch`)
+            let decoding = active.values().filter(|a| a.decoding()).count();
             for a in active.values_mut() {
-                a.propose();
+                a.propose(decoding);
             }
             // ---- between steps: cancellations, admissions, the plan
             let mut st = shared.lock();
@@ -1411,13 +1413,19 @@ fn park<'t, S: KvStorage>(
 }
 
 impl<S: KvStorage> Active<'_, S> {
-    /// Proposes the drafts of the next step, if the sequence speculates and is decoding.
-    fn propose(&mut self) {
+    /// Whether the sequence is past its prompt (its KV holds all but its last token).
+    fn decoding(&self) -> bool {
+        self.kv.next_pos() as usize + 1 == self.history.len()
+    }
+
+    /// Proposes the drafts of the next step, if the sequence speculates and is decoding, in a
+    /// batch of `batch` decoding sequences.
+    fn propose(&mut self, batch: usize) {
+        let decoding = self.decoding();
         let Some(sp) = &mut self.spec else {
             return;
         };
-        let decoding = self.kv.next_pos() as usize + 1 == self.history.len();
-        if decoding {
+        if decoding && batch <= sp.config().max_batch {
             let left = (self.req.max_new_tokens).saturating_sub(self.output_tokens + 1);
             sp.propose(&self.history, left);
         } else {
@@ -1431,6 +1439,8 @@ impl<S: KvStorage> Active<'_, S> {
         if let Some(sp) = &self.spec
             && n > 0
         {
+            // The scheduler grants at most the proposal's length (`set_draft`).
+            let n = n.min(sp.proposal.len());
             self.history.extend_from_slice(&sp.proposal[..n]);
             self.drafts = n;
         }
