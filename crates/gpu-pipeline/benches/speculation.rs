@@ -324,6 +324,63 @@ fn main() {
             of_kind().all(|(_, st)| identical(st))
         );
     }
+    // Batched: all prompts of a kind at once (up to NgramLookup::max_batch of them draft),
+    // generated tokens over the wall time from submitting to the last end, prefill included.
+    let mut kinds: Vec<&str> = prompts.iter().map(|p| p.kind.as_str()).collect();
+    kinds.dedup();
+    for kind in kinds {
+        let of_kind: Vec<&Prompt> = prompts.iter().filter(|p| p.kind == kind).collect();
+        let (mut plain_rates, mut spec_rates) = (Vec::new(), Vec::new());
+        for round in 0..rounds {
+            let order = if round % 2 == 0 {
+                [false, true]
+            } else {
+                [true, false]
+            };
+            for lookup_on in order {
+                let e = if lookup_on { &spec } else { &plain };
+                let t0 = Instant::now();
+                let handles: Vec<_> = of_kind
+                    .iter()
+                    .map(|p| {
+                        e.submit(GenerationRequest::new(p.ids.clone(), p.max_tokens))
+                            .expect("submit")
+                    })
+                    .collect();
+                let mut tokens = 0usize;
+                for h in &handles {
+                    while let Some(ev) = h.recv() {
+                        match ev {
+                            EngineEvent::Token { .. } => tokens += 1,
+                            EngineEvent::Finished { .. } => break,
+                            EngineEvent::Error { error } => panic!("{error}"),
+                            _ => {}
+                        }
+                    }
+                }
+                let r = rate((tokens, t0.elapsed()));
+                if lookup_on {
+                    spec_rates.push(r);
+                } else {
+                    plain_rates.push(r);
+                }
+            }
+        }
+        let paired = median(
+            plain_rates
+                .iter()
+                .zip(&spec_rates)
+                .map(|(a, b)| b / a)
+                .collect(),
+        );
+        println!(
+            "{kind:<10} batched ({} at once): plain {:.1} tok/s, lookup {:.1} tok/s: {:.2}x (median of the rounds' ratios {paired:.2}x)",
+            of_kind.len(),
+            median(plain_rates.clone()),
+            median(spec_rates.clone()),
+            median(spec_rates) / median(plain_rates),
+        );
+    }
 }
 
 /// Whether every run of a prompt, plain or with lookup, generated the same tokens.

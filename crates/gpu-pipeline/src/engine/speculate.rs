@@ -65,11 +65,12 @@ pub struct NgramLookup {
     /// Acceptance rate (an exponential average over verifications) below which a sequence
     /// stops drafting for a while.
     pub min_acceptance: f32,
-    /// Most decoding sequences in the batch for which anyone drafts. A draft token costs a
-    /// token's compute whether it is accepted or not, and saves a share of a step that shrinks
-    /// as the batch grows (the weights are read once per step for all its tokens): at batch
-    /// 1 (default model, 2 threads) a draft token cost about a fifth of a step, so drafts pay
-    /// from an acceptance of about 0.2 alone, and only from about 0.5 in a batch of 4.
+    /// Most decoding sequences in the batch for which anyone drafts (default 1: a sequence
+    /// drafts only while it decodes alone). A draft token costs a token's compute whether it
+    /// is accepted or not, and saves a share of a step that shrinks as the batch grows (the
+    /// weights are read once per step for all its tokens): alone (default model, 2 threads) a
+    /// draft token cost about a fifth of a step, so drafts pay from an acceptance of about 0.2;
+    /// with up to 4 drafting, three chats at once ran at 0.95x (`scripts/bench-speculation`).
     pub max_batch: usize,
 }
 
@@ -80,7 +81,7 @@ impl Default for NgramLookup {
             max_ngram: 3,
             min_ngram: 1,
             min_acceptance: 0.3,
-            max_batch: 4,
+            max_batch: 1,
         }
     }
 }
