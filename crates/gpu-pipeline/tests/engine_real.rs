@@ -1,32 +1,16 @@
 //! Engine tests on the real default model (run `scripts/fetch-model` first): batch invariance,
 //! cancellation, overload, prefix reuse and 200 concurrent streams.
 
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use gpu_pipeline::StopReason;
 use gpu_pipeline::engine::{Engine, EngineConfig, EngineEvent, GenerationRequest, SubmitError};
-use gpu_pipeline::{Model, ModelOptions, StopReason};
-use token_stream::{ChatTemplate, TemplateMessage, Tokenizer};
+use token_stream::TemplateMessage;
 use zerolayer_api::Usage;
 
-struct Fixture {
-    model: Arc<Model>,
-    tok: Arc<Tokenizer>,
-    chat: ChatTemplate,
-}
-
-fn fixture() -> &'static Fixture {
-    static F: OnceLock<Fixture> = OnceLock::new();
-    F.get_or_init(|| {
-        let path = weight_cache::locate_default_model().unwrap_or_else(|e| panic!("{e}"));
-        // SAFETY: the model file is not modified while the tests run.
-        let gguf = Arc::new(unsafe { weight_cache::Gguf::open(path) }.expect("open model"));
-        let tok = Arc::new(Tokenizer::from_gguf(&gguf).expect("tokenizer"));
-        let chat = ChatTemplate::from_tokenizer(&tok).expect("chat template");
-        let model = Arc::new(Model::load(gguf, ModelOptions::default()).expect("load model"));
-        Fixture { model, tok, chat }
-    })
-}
+mod common;
+use common::fixture;
 
 fn chat(system: &str, user: &str) -> Vec<u32> {
     let f = fixture();

@@ -3,7 +3,7 @@
 //! token for token (greedy, seeded sampling, logprobs, stop sequences, max tokens, a grammar),
 //! alone and in one batch with sequences in other speculation states.
 
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 use std::time::Duration;
 
 use gpu_pipeline::engine::{
@@ -11,27 +11,11 @@ use gpu_pipeline::engine::{
 };
 use gpu_pipeline::zerolayer_api::TokenLogprob;
 use gpu_pipeline::{Constraint, ConstraintError, ConstraintFactory};
-use gpu_pipeline::{Model, ModelOptions, SamplerConfig, StopReason, TokenMask};
-use token_stream::{ChatTemplate, TemplateMessage, Tokenizer};
+use gpu_pipeline::{SamplerConfig, StopReason, TokenMask};
+use token_stream::TemplateMessage;
 
-struct Fixture {
-    model: Arc<Model>,
-    tok: Arc<Tokenizer>,
-    chat: ChatTemplate,
-}
-
-fn fixture() -> &'static Fixture {
-    static F: OnceLock<Fixture> = OnceLock::new();
-    F.get_or_init(|| {
-        let path = weight_cache::locate_default_model().unwrap_or_else(|e| panic!("{e}"));
-        // SAFETY: the model file is not modified while the tests run.
-        let gguf = Arc::new(unsafe { weight_cache::Gguf::open(path) }.expect("open model"));
-        let tok = Arc::new(Tokenizer::from_gguf(&gguf).expect("tokenizer"));
-        let chat = ChatTemplate::from_tokenizer(&tok).expect("chat template");
-        let model = Arc::new(Model::load(gguf, ModelOptions::default()).expect("load model"));
-        Fixture { model, tok, chat }
-    })
-}
+mod common;
+use common::fixture;
 
 fn chat(user: &str) -> Vec<u32> {
     let f = fixture();

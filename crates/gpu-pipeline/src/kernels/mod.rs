@@ -883,53 +883,39 @@ fn quant_jobs(
             #[cfg(target_arch = "x86_64")]
             let block_acts: &[ActBlock] = block_acts;
             let quad_acts: &[ActQuad] = quad_acts;
+            // The kernels that read the per-token quads (every backend but the AVX-512 blocks).
+            let quads = |j: &Job<'_, '_>, fmt, rows, out: &mut RowsOut<'_>| {
+                let acts = &quad_acts[j.first * nq..];
+                quant_rows(backend, fmt, j.w, acts, j.n, rows, out)
+            };
             #[cfg(target_arch = "x86_64")]
             with_offsets(backend, jobs, block_acts, |jobs, offsets| {
                 run_jobs(jobs, pool, &|j, rows, out| {
                     let Some(fmt) = Fmt::of(j.w.dtype) else {
                         return;
                     };
-                    if j.uses_blocks(backend) {
-                        let acts = &block_acts[j.first * nb..];
-                        let offs = offsets.of(fmt, j.first * nb);
-                        // SAFETY: the AVX-512 backend is available (`uses_blocks` checked it is
-                        // the one picked, and callers check availability); a packed matrix's
-                        // format has a packed layout (checked with its length), else `applies`
-                        // checked it.
-                        unsafe {
-                            if j.w.layout == Layout::Rows16 {
-                                packed::quant_rows(fmt, j.w, acts, offs, j.n, rows, out)
-                            } else {
-                                panel::quant_rows(fmt, j.w, acts, offs, j.n, rows, out)
-                            }
-                        }
-                        return;
+                    if !j.uses_blocks(backend) {
+                        return quads(j, fmt, rows, out);
                     }
-                    quant_rows(
-                        backend,
-                        fmt,
-                        j.w,
-                        &quad_acts[j.first * nq..],
-                        j.n,
-                        rows,
-                        out,
-                    )
+                    let acts = &block_acts[j.first * nb..];
+                    let offs = offsets.of(fmt, j.first * nb);
+                    // SAFETY: the AVX-512 backend is available (`uses_blocks` checked it is the
+                    // one picked, and callers check availability); a packed matrix's format
+                    // has a packed layout (checked with its length), else `applies` checked it.
+                    unsafe {
+                        if j.w.layout == Layout::Rows16 {
+                            packed::quant_rows(fmt, j.w, acts, offs, j.n, rows, out)
+                        } else {
+                            panel::quant_rows(fmt, j.w, acts, offs, j.n, rows, out)
+                        }
+                    }
                 })
             });
             #[cfg(not(target_arch = "x86_64"))]
             run_jobs(jobs, pool, &|j, rows, out| {
-                let Some(fmt) = Fmt::of(j.w.dtype) else {
-                    return;
-                };
-                quant_rows(
-                    backend,
-                    fmt,
-                    j.w,
-                    &quad_acts[j.first * nq..],
-                    j.n,
-                    rows,
-                    out,
-                )
+                if let Some(fmt) = Fmt::of(j.w.dtype) {
+                    quads(j, fmt, rows, out)
+                }
             });
         })
     });

@@ -1,5 +1,6 @@
-//! Helpers shared by the model-correctness tests (`model_logits.rs`, `quant_models.rs`) and the
-//! executor tests (`streaming.rs`, `cuda.rs`).
+//! Helpers shared by the model-correctness tests (`model_logits.rs`, `quant_models.rs`), the
+//! executor tests (`streaming.rs`, `cuda.rs`) and the engine tests on the default model
+//! (`engine_real.rs`, `speculation.rs`).
 #![allow(dead_code, unreachable_pub)]
 
 use gpu_pipeline::executor::Executor;
@@ -201,4 +202,27 @@ pub fn decode_pair<E: Executor>(
         .unwrap();
         all.extend_from_slice(&out);
     }
+}
+
+/// The default model, its tokenizer and chat template, loaded once per test binary.
+pub struct Fixture {
+    pub model: std::sync::Arc<Model>,
+    pub tok: std::sync::Arc<token_stream::Tokenizer>,
+    pub chat: token_stream::ChatTemplate,
+}
+
+/// [`Fixture`] of the default model (`weight_cache::locate_default_model`).
+pub fn fixture() -> &'static Fixture {
+    use std::sync::{Arc, OnceLock};
+    static F: OnceLock<Fixture> = OnceLock::new();
+    F.get_or_init(|| {
+        let path = weight_cache::locate_default_model().unwrap_or_else(|e| panic!("{e}"));
+        // SAFETY: the model file is not modified while the tests run.
+        let gguf = Arc::new(unsafe { weight_cache::Gguf::open(path) }.expect("open model"));
+        let tok = Arc::new(token_stream::Tokenizer::from_gguf(&gguf).expect("tokenizer"));
+        let chat = token_stream::ChatTemplate::from_tokenizer(&tok).expect("chat template");
+        let model =
+            Arc::new(Model::load(gguf, gpu_pipeline::ModelOptions::default()).expect("load model"));
+        Fixture { model, tok, chat }
+    })
 }
