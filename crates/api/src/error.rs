@@ -39,7 +39,7 @@ pub enum ServiceError {
         /// What is wrong with it, fit for the client (the compiler's summary, no internals).
         reason: String,
     },
-    /// The model file changed on disk since it was mapped ([`ServiceHealth::ModelFileChanged`]):
+    /// The model file changed on disk since it was mapped ([`ServiceHealth::ModelFileChanged`](crate::ServiceHealth::ModelFileChanged)):
     /// nothing is generated from a mapping that no longer matches the file until the process is
     /// restarted. Its [`code`](Self::code) is [`ErrorCode::ShuttingDown`]: retry on another
     /// server.
@@ -99,9 +99,9 @@ pub enum ErrorCode {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum SchemaSource {
-    /// [`InferenceRequest::output_format`].
+    /// [`InferenceRequest::output_format`](crate::InferenceRequest::output_format).
     OutputFormat,
-    /// The input schema of the tool at this index of [`Tools::tools`], whose call is forced.
+    /// The input schema of the tool at this index of [`Tools::tools`](crate::Tools::tools), whose call is forced.
     Tool(usize),
     /// The tools' schemas together (a call of any of them is forced): each one compiles alone,
     /// their union does not.

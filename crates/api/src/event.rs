@@ -26,7 +26,7 @@ pub enum InferenceEvent {
         text: String,
     },
     /// A tool call the model made, complete (only for requests with
-    /// [`InferenceRequest::tools`]). The text of the call is not sent as a `Delta` (its tokens
+    /// [`InferenceRequest::tools`](crate::InferenceRequest::tools)). The text of the call is not sent as a `Delta` (its tokens
     /// are: in `Delta`s with empty text). The gateway gives each call its id.
     ToolCall {
         /// The tool's name.
@@ -35,7 +35,7 @@ pub enum InferenceEvent {
         arguments: String,
     },
     /// The log-probabilities of the tokens of the next `Delta`, in order (only when the
-    /// request asked for them: [`InferenceRequest::logprobs`]).
+    /// request asked for them: [`InferenceRequest::logprobs`](crate::InferenceRequest::logprobs)).
     Logprobs(Vec<TokenLogprob>),
     /// The generation ended.
     Finished {

@@ -25,7 +25,7 @@ pub struct InferenceRequest {
     /// Who sent the request: a stable label of the API key that authenticated it (claudelink's
     /// `key_label`; never the key itself), or `None` on a server without keys. Engines use it for per-client limits and fairness between clients.
     pub client: Option<String>,
-    /// `Some(n)`: the service sends an [`InferenceEvent::Logprobs`] before each `Delta` that
+    /// `Some(n)`: the service sends an [`InferenceEvent::Logprobs`](crate::InferenceEvent::Logprobs) before each `Delta` that
     /// carries tokens, with the `n` most likely alternatives of each token (not carried over
     /// claudelink, whose servers never send them).
     pub logprobs: Option<u8>,
@@ -34,7 +34,7 @@ pub struct InferenceRequest {
     /// request that sets it fails with claudelink's `EncodeError::NotCarried`.
     pub output_format: Option<Arc<OutputFormat>>,
     /// `Some`: the tools the model may (or must) call; its calls arrive as
-    /// [`InferenceEvent::ToolCall`]s. Not carried over claudelink.
+    /// [`InferenceEvent::ToolCall`](crate::InferenceEvent::ToolCall)s. Not carried over claudelink.
     pub tools: Option<Arc<Tools>>,
 }
 

@@ -72,7 +72,7 @@ impl ClientConfig {
     }
 
     /// The API key sent in an AUTH frame, the first frame of the control stream, on every
-    /// connection (the [`Pool`]'s too). A server configured with keys closes connections
+    /// connection (the [`Pool`](crate::Pool)'s too). A server configured with keys closes connections
     /// without a valid one; requests on them fail with [`RequestError::Unauthenticated`] /
     /// [`StreamError::Unauthenticated`].
     ///

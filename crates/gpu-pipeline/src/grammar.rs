@@ -154,7 +154,7 @@ impl Grammars {
 const I64_LOWEST_BOUND: i64 = i64::MIN + 1024;
 
 /// Gives every integer schema in `schema` that lacks a bound 64-bit bounds: `maximum`
-/// `i64::MAX` and `minimum` [`i64::MIN + 1024`](I64_LOWEST_BOUND) (the lowest llguidance
+/// `i64::MAX` and `minimum` `i64::MIN + 1024` (the lowest llguidance
 /// takes), so that a generated integer is one every JSON parser reads into 64 bits, and a model
 /// cannot write digits until its token limit (an unbounded `"population"` ran to its 200-token
 /// limit in digits on the default model). Bounds already given are kept, as are integers

@@ -33,8 +33,8 @@
 //! steps). So text that does not repeat itself costs a few failed verifications at its start
 //! and one 1-token probe now and then, not one per step.
 
-/// Whether and how the [`Engine`](super::Engine) speculates ([`EngineConfig::speculation`]
-/// (super::EngineConfig::speculation)).
+/// Whether and how the [`Engine`](super::Engine) speculates
+/// ([`EngineConfig::speculation`](super::EngineConfig::speculation)).
 ///
 /// ```
 /// use gpu_pipeline::engine::{EngineConfig, NgramLookup, Speculation};
@@ -48,7 +48,7 @@ pub enum Speculation {
     /// One token per sequence per step.
     #[default]
     Off,
-    /// Drafts from n-gram lookup in the sequence's own text (see the [module docs](self)).
+    /// Drafts from n-gram lookup in the sequence's own text (see [`propose`] and [`verify`]).
     NgramLookup(NgramLookup),
 }
 
@@ -149,7 +149,7 @@ pub fn propose(text: &[u32], min_n: usize, max_n: usize, max_len: usize, out: &m
     }
 }
 
-/// The acceptance rule of speculative decoding (see the [module docs](self)): samples row 0,
+/// The acceptance rule of speculative decoding (see [`Speculation`]): samples row 0,
 /// 1, ... through `sample_row` (which samples row `i` as a plain decode would sample that
 /// position, given that drafts `0..i` were accepted, and emits the token), until a row's token
 /// differs from its draft or the row after the last draft was sampled. Returns the number of

@@ -160,7 +160,7 @@ pub struct LayerPlan {
     pub streamed_bytes: u64,
 }
 
-/// The result of planning: an arena layout. See the [module docs](self).
+/// The result of planning: an arena layout (see [`StreamPlan::new`]).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct StreamPlan {
     global: Vec<Placed>,

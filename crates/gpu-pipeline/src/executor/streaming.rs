@@ -477,7 +477,7 @@ impl Drop for StepFence<'_> {
 }
 
 /// Runs the CPU kernels with the weights in an arena of at most `budget` bytes, streaming what
-/// does not fit (see the [module docs](self)).
+/// does not fit (see [`StreamPlan`](super::StreamPlan)).
 ///
 /// ```no_run
 /// use std::sync::Arc;

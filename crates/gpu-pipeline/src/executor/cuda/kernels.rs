@@ -63,7 +63,7 @@ pub fn ptx_file_name(arch: &str) -> String {
 }
 
 /// Compiles [`SOURCE`] to PTX for `arch` (`"sm_80"`, `"sm_90"`: what the device reports). Loads
-/// NVRTC first ([`probe::nvrtc`]): without it this is [`CudaError::NoNvrtc`], not a panic.
+/// NVRTC first (`probe::nvrtc`): without it this is [`CudaError::NoNvrtc`], not a panic.
 pub fn compile(arch: &str) -> Result<Ptx, CudaError> {
     compile_source(SOURCE, arch)
 }
