@@ -2,7 +2,7 @@
 //!
 //! | path | what the time covers |
 //! |---|---|
-//! | `model` (the peer) | prefill of the already tokenized prompt and the first sampled token (`Model::generate`) |
+//! | `model` (the peer) | prefill of the already tokenized prompt (`Model::forward`) and the first sampled token |
 //! | `service` | `EngineService::submit` of the chat messages: chat template, tokenizer, engine queue and batch, prefill, first token, detokenizer, up to the first text `Delta` |
 //! | `http1` | the same through the gateway over loopback TCP: new connection, `POST /v1/messages` (streamed), JSON parse, up to the first `content_block_delta` bytes |
 //!
@@ -22,7 +22,7 @@ use zerolayer::claudelink_proto::{
     ChatMessage, ChatRole, InferenceEvent, InferenceRequest, InferenceService, Prompt,
 };
 use zerolayer::gpu_pipeline::engine::EngineConfig;
-use zerolayer::gpu_pipeline::{GenerateOptions, ModelOptions};
+use zerolayer::gpu_pipeline::{LogitsWanted, ModelOptions, Sampler, SamplerConfig, SeqStep};
 use zerolayer::kv_ring::{KvDtype, KvPool, RingMode};
 use zerolayer::token_stream::{self, ChatTemplate};
 use zerolayer::zerolayer_gateway::{Gateway, GatewayConfig};
@@ -51,7 +51,7 @@ fn model_first_token(svc: &EngineService, rounds: usize) -> Duration {
     let template = ChatTemplate::from_tokenizer(tok).expect("chat template");
     let shape = model.kv_shape(KvDtype::F32);
     let pool = KvPool::new(shape, 1024 * shape.bytes_per_token()).expect("pool");
-    let opts = GenerateOptions::default().with_max_tokens(1);
+    let mut logits = Vec::new();
     let mut times = Vec::with_capacity(rounds);
     for (i, counted) in rounds_of(rounds) {
         let user = question(i + 1000);
@@ -66,8 +66,16 @@ fn model_first_token(svc: &EngineService, rounds: usize) -> Duration {
         let mut kv = pool.alloc(ids.len() + 2, RingMode::Strict).expect("ring");
         let t0 = Instant::now();
         model
-            .generate(&mut kv, &ids, &opts, None, &mut |_| {})
-            .expect("generate");
+            .forward(
+                &mut [SeqStep {
+                    tokens: &ids,
+                    kv: &mut kv,
+                    logits: LogitsWanted::Last,
+                }],
+                &mut logits,
+            )
+            .expect("forward");
+        std::hint::black_box(Sampler::new(SamplerConfig::greedy()).sample(&logits, &ids));
         if counted {
             times.push(t0.elapsed());
         }

@@ -9,8 +9,8 @@
 use std::io::Write as _;
 use std::sync::Arc;
 
-use gpu_pipeline::{GenerateOptions, Model, ModelOptions};
-use kv_ring::{KvDtype, KvPool, RingMode};
+use gpu_pipeline::engine::{Engine, EngineConfig, GenerationRequest};
+use gpu_pipeline::{Model, ModelOptions};
 use token_stream::{ChatTemplate, TemplateMessage, Tokenizer};
 
 fn main() -> anyhow::Result<()> {
@@ -18,29 +18,20 @@ fn main() -> anyhow::Result<()> {
     let path = weight_cache::locate_default_model()?;
     // SAFETY: the model file is not modified while this process maps it.
     let gguf = Arc::new(unsafe { weight_cache::Gguf::open(&path) }?);
-    let tokenizer = Tokenizer::from_gguf(&gguf)?;
-    let model = Model::load(gguf, ModelOptions::default())?;
+    let tokenizer = Arc::new(Tokenizer::from_gguf(&gguf)?);
+    let model = Arc::new(Model::load(gguf, ModelOptions::default())?);
 
     // The chat template turns messages into the token ids the model was trained on.
     let template = ChatTemplate::from_tokenizer(&tokenizer)?;
     let prompt = template.encode(&tokenizer, &[TemplateMessage::new("user", &message)], true)?;
 
-    // One sequence's KV cache: a ring from a pool sized for it.
-    let max_tokens = 128;
-    let capacity = prompt.len() + max_tokens;
-    let shape = model.kv_shape(KvDtype::F32);
-    let pool = KvPool::new(shape, capacity * shape.bytes_per_token())?;
-    let mut kv = pool.alloc(capacity, RingMode::Strict)?;
-
-    // Stream whole UTF-8 characters as the tokens complete them.
-    let options = GenerateOptions::default().with_max_tokens(max_tokens);
-    let mut pending = Vec::new();
-    let done = model.generate(&mut kv, &prompt, &options, Some(&tokenizer), &mut |id| {
-        pending.extend_from_slice(tokenizer.token_bytes(id).unwrap_or_default());
-        let valid = std::str::from_utf8(&pending).map_or_else(|e| e.valid_up_to(), str::len);
-        print!("{}", String::from_utf8_lossy(&pending[..valid]));
+    // The serving engine (continuous batching, KV pool, sampling, stop rules) runs the request;
+    // its text arrives in whole characters.
+    let engine = Engine::new(model, Some(tokenizer), EngineConfig::default())?;
+    let request = GenerationRequest::new(prompt.into_vec(), 128);
+    let done = engine.generate(request, &mut |text| {
+        print!("{text}");
         let _ = std::io::stdout().flush();
-        pending.drain(..valid);
     })?;
     println!(
         "\n[{} tokens; first after {:.0} ms; stop: {}]",

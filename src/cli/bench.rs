@@ -1,15 +1,18 @@
-//! `zerolayer bench`: prompt-processing (`pp`, one prefill of N tokens) and text-generation
-//! (`tg`, N decode steps) speed of a model in process, as llama.cpp's `llama-bench` reports them;
-//! the median of `--reps` runs. `scripts/bench-vs-llamacpp` runs llama.cpp on the same file
+//! `zerolayer bench`: prompt-processing (`pp`, one forward pass over N tokens) and
+//! text-generation (`tg`, N decode steps of one request through the serving engine) speed of a
+//! model in process, as llama.cpp's `llama-bench` reports them; the median of `--reps` runs. `scripts/bench-vs-llamacpp` runs llama.cpp on the same file
 //! beside it.
 
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Instant;
 
-use gpu_pipeline::{GenerateOptions, LogitsWanted, SeqStep};
+use gpu_pipeline::engine::{Engine, GenerationRequest};
+use gpu_pipeline::executor::CpuExecutor;
+use gpu_pipeline::{LogitsWanted, SeqStep};
 use serde_json::json;
 
-use super::generate::new_ring;
+use super::generate::{new_ring, one_request_engine};
 use super::{LoadedModel, load_model, model_path};
 use kv_ring::KvDtype;
 
@@ -88,31 +91,23 @@ pub(crate) fn main(a: Args) -> anyhow::Result<()> {
         )?;
         pp.push(a.prompt_tokens as f64 / t0.elapsed().as_secs_f64());
     }
-    let opts = GenerateOptions::default()
-        .with_max_tokens(a.gen_tokens)
-        .with_stop_tokens(Vec::new());
-    let mut tg = Vec::with_capacity(a.reps);
-    // The depth's tokens: the prompt text repeated (not timed), then one more as the prompt.
+    // Generation through the serving engine (one request at a time, as `generate` runs):
+    // the depth's tokens (the prompt text repeated) and one more are the prompt, and the
+    // decode speed counts the tokens after the first.
     let mut context = Vec::with_capacity(a.depth + 1);
     while context.len() < a.depth + 1 {
         context.extend_from_slice(tokenizer.encode(PROMPT_TEXT).as_slice());
     }
     context.truncate(a.depth + 1);
+    let exec = Arc::new(CpuExecutor::new(Arc::new(model)));
+    let cfg = one_request_engine(&*exec, context.len() + a.gen_tokens, a.kv_dtype.into());
+    let engine = Engine::with_executor(exec, None, cfg)?;
+    let mut tg = Vec::with_capacity(a.reps);
     for _ in 0..a.reps {
-        let mut kv = new_ring(&model, a.depth + a.gen_tokens + 1, a.kv_dtype.into())?;
-        for chunk in context[..a.depth].chunks(512) {
-            model.forward(
-                &mut [SeqStep {
-                    tokens: chunk,
-                    kv: &mut kv,
-                    logits: LogitsWanted::None,
-                }],
-                &mut logits,
-            )?;
-        }
-        let g = model.generate(&mut kv, &context[a.depth..], &opts, None, &mut |_| {})?;
-        let steps = g.ids.len().saturating_sub(1).max(1);
-        tg.push(steps as f64 / g.decode_time.as_secs_f64().max(1e-9));
+        let req =
+            GenerationRequest::new(context.clone(), a.gen_tokens).with_stop_tokens(Vec::new());
+        let g = engine.generate(req, &mut |_| {})?;
+        tg.push(g.decode_tokens_per_second().unwrap_or(0.0));
     }
     let (pp, tg) = (median(&mut pp), median(&mut tg));
     let threads = if a.threads == 0 {

@@ -7,7 +7,6 @@ mod bandwidth;
 mod constraint;
 pub mod engine;
 pub mod executor;
-mod generate;
 mod grammar;
 pub mod kernels;
 mod model;
@@ -17,9 +16,9 @@ mod threadpool;
 pub use bandwidth::{Bandwidth, Int8Peak, int8_peak, read_bandwidth};
 pub use constraint::{Constraint, ConstraintError, ConstraintFactory};
 pub use engine::{
-    Engine, EngineConfig, EngineEvent, GenerationRequest, RequestHandle, SubmitError,
+    Completion, Engine, EngineConfig, EngineEvent, GenerateError, GenerationRequest, RequestHandle,
+    SubmitError,
 };
-pub use generate::{GenerateError, GenerateOptions, Generation, generate_with};
 pub use grammar::{GrammarError, Grammars, bound_json_integers};
 pub use model::attention::attend_rows;
 pub use model::hf;

@@ -57,6 +57,8 @@ pub struct RequestHandle {
     pub(crate) id: SeqId,
     pub(crate) chan: Arc<Chan>,
     pub(crate) shared: Arc<Shared>,
+    /// When [`Engine::submit`](super::Engine::submit) accepted it.
+    pub(crate) submitted: Instant,
 }
 
 impl std::fmt::Debug for RequestHandle {

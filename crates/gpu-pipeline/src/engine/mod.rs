@@ -29,6 +29,7 @@
 //! ```
 
 mod channel;
+mod complete;
 mod metrics;
 mod prefix;
 mod scheduler;
@@ -52,6 +53,7 @@ use crate::sampling::{Sampler, SamplerConfig, fill_token_bytes, token_logprob};
 use zerolayer_api::{StopReason, TokenLogprob, Usage};
 
 pub use channel::RequestHandle;
+pub use complete::{Completion, GenerateError};
 pub use metrics::{EngineMetrics, LatencyHistogram};
 pub use scheduler::{
     ClientKey, ClientUsage, KvPlan, Refusal, Scheduler, SchedulerConfig, SeqId, SeqSpec, WorkItem,
@@ -646,12 +648,13 @@ impl<E: Executor> Engine<E> {
             });
         }
         st.metrics.submitted += 1;
+        let submitted = Instant::now();
         st.pending.insert(
             id,
             Pending {
                 req,
                 chan: chan.clone(),
-                submitted: Instant::now(),
+                submitted,
             },
         );
         drop(st);
@@ -660,7 +663,37 @@ impl<E: Executor> Engine<E> {
             id,
             chan,
             shared: self.shared.clone(),
+            submitted,
         })
+    }
+
+    /// Runs one request to its end on this thread: [`submit`](Self::submit), then
+    /// [`RequestHandle::wait`], which calls `on_text` with the text as it becomes final.
+    /// The one generation loop of the CLI (`generate`, `bench`), the examples and the benches:
+    /// the serving engine's, with its sampling, stop rules and speculation.
+    ///
+    /// ```no_run
+    /// use std::sync::Arc;
+    /// use gpu_pipeline::engine::{Engine, EngineConfig, GenerationRequest};
+    /// use gpu_pipeline::{Model, ModelOptions};
+    /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let path = weight_cache::locate_default_model()?;
+    /// // SAFETY: the model file is not modified while mapped.
+    /// let gguf = Arc::new(unsafe { weight_cache::Gguf::open(path)? });
+    /// let tokenizer = Arc::new(token_stream::Tokenizer::from_gguf(&gguf)?);
+    /// let model = Arc::new(Model::load(gguf, ModelOptions::default())?);
+    /// let engine = Engine::new(model, Some(tokenizer.clone()), EngineConfig::default())?;
+    /// let prompt = tokenizer.encode("The capital of France is").to_vec();
+    /// let done = engine.generate(GenerationRequest::new(prompt, 8), &mut |t| print!("{t}"))?;
+    /// println!("\n{} tokens, stop: {}", done.ids.len(), done.stop_reason);
+    /// # Ok(()) }
+    /// ```
+    pub fn generate(
+        &self,
+        req: GenerationRequest,
+        on_text: &mut dyn FnMut(&str),
+    ) -> Result<Completion, GenerateError> {
+        self.submit(req)?.wait(on_text)
     }
 
     /// A snapshot of the metrics.
