@@ -9,9 +9,7 @@ use std::task::Poll;
 use futures::FutureExt;
 use futures::channel::oneshot;
 
-use gpu_pipeline::engine::{
-    Engine, EngineConfig, EngineError, EngineEvent, GenerationRequest, RequestHandle, SubmitError,
-};
+use gpu_pipeline::engine::{Engine, EngineConfig, GenerationRequest, RequestHandle, SubmitError};
 use gpu_pipeline::executor::{CpuExecutor, HostedExecutor};
 use gpu_pipeline::{
     ConstraintFactory, GrammarError, Grammars, Model, ModelOptions, SamplerConfig, WeightSource,
@@ -862,74 +860,55 @@ impl InferenceService for EngineService {
                     Poll::Ready(None) => return Poll::Ready(None),
                     Poll::Ready(Some(ev)) => ev,
                 };
-                match ev {
-                    EngineEvent::Started { input_tokens, .. } => {
-                        ready.push_back(InferenceEvent::Started {
-                            input_tokens: input_tokens as u32,
-                        });
+                // The engine's events are the service's; with tools, the text goes through the
+                // tool-call parser (calls become `ToolCall` events, `EndTurn` becomes `ToolUse`).
+                match (ev, calls.as_mut()) {
+                    (InferenceEvent::Delta { ids, text }, Some(p)) => {
+                        let mut found = Vec::new();
+                        p.push(&text, &mut found);
+                        push_tool_events(&mut ready, ids, found);
                     }
-                    EngineEvent::Token { id, text, logprobs } => {
-                        if let Some(lp) = logprobs {
-                            ready.push_back(InferenceEvent::Logprobs(vec![*lp]));
-                        }
-                        match calls.as_mut() {
-                            None => ready.push_back(InferenceEvent::Delta {
-                                ids: vec![id],
-                                text,
-                            }),
-                            Some(p) => {
-                                let mut found = Vec::new();
-                                p.push(&text, &mut found);
-                                push_tool_events(&mut ready, vec![id], found);
-                            }
-                        }
-                    }
-                    EngineEvent::Finished {
-                        stop_reason: mut stop,
-                        stop_sequence,
-                        tail_text,
-                        usage,
-                    } => {
-                        match calls.as_mut() {
-                            None if !tail_text.is_empty() => {
-                                ready.push_back(InferenceEvent::Delta {
-                                    ids: vec![],
-                                    text: tail_text,
-                                });
-                            }
-                            None => {}
-                            Some(p) => {
-                                let mut found = Vec::new();
-                                p.push(&tail_text, &mut found);
-                                p.finish(&mut found);
-                                push_tool_events(&mut ready, vec![], found);
-                                if p.calls() > 0 && stop == StopReason::EndTurn {
-                                    stop = StopReason::ToolUse;
-                                }
-                            }
-                        }
+                    (
+                        InferenceEvent::Finished {
+                            stop_reason,
+                            stop_sequence,
+                            usage,
+                        },
+                        Some(p),
+                    ) => {
+                        let mut found = Vec::new();
+                        p.finish(&mut found);
+                        push_tool_events(&mut ready, vec![], found);
+                        let called = p.calls() > 0 && stop_reason == StopReason::EndTurn;
                         ready.push_back(InferenceEvent::Finished {
-                            stop_reason: stop,
+                            stop_reason: if called {
+                                StopReason::ToolUse
+                            } else {
+                                stop_reason
+                            },
                             stop_sequence,
                             usage,
                         });
                     }
-                    EngineEvent::Error { error } => {
-                        // A schema that fails past the first token (the compiler's limits, a
-                        // recursion with no way out further in) is the request's fault.
-                        let event = match (&*error, constrained_by) {
-                            (EngineError::Constraint(e), Some(source)) => InferenceEvent::Error {
-                                code: ErrorCode::InvalidRequest,
-                                message: format!("{source}: {e}"),
-                            },
-                            _ => InferenceEvent::Error {
-                                code: ErrorCode::Internal,
-                                message: error.to_string(),
-                            },
+                    // A schema that fails past the first token (the compiler's limits, a
+                    // recursion with no way out further in) is the request's fault: name it.
+                    (
+                        InferenceEvent::Error {
+                            code: ErrorCode::InvalidRequest,
+                            message,
+                        },
+                        _,
+                    ) => {
+                        let message = match constrained_by {
+                            Some(source) => format!("{source}: {message}"),
+                            None => message,
                         };
-                        ready.push_back(event);
+                        ready.push_back(InferenceEvent::Error {
+                            code: ErrorCode::InvalidRequest,
+                            message,
+                        });
                     }
-                    _ => {}
+                    (ev, _) => ready.push_back(ev),
                 }
             }
         });

@@ -33,7 +33,7 @@ use zerolayer::claudelink_proto::{
     ChatMessage as Msg, ChatRole, InferenceEvent, InferenceRequest, InferenceService, Prompt,
     ToolCallMessage, ToolDefinition, Tools,
 };
-use zerolayer::gpu_pipeline::engine::{EngineEvent, GenerationRequest};
+use zerolayer::gpu_pipeline::engine::GenerationRequest;
 use zerolayer::gpu_pipeline::{ModelOptions, StopReason};
 use zerolayer::token_stream::{ChatTemplate, TemplateMessage, Tokenizer, ToolSyntax};
 use zerolayer::zerolayer_gateway::{Gateway, GatewayConfig};
@@ -234,34 +234,15 @@ struct Greedy {
 
 /// Greedy generation straight from the service's engine, bypassing the service and gateway.
 fn direct_greedy(svc: &EngineService, prompt: Vec<u32>, max_tokens: usize) -> Greedy {
-    let handle = svc
+    let done = svc
         .engine()
-        .submit(GenerationRequest::new(prompt, max_tokens))
-        .expect("submit");
-    let (mut ids, mut text) = (Vec::new(), String::new());
-    while let Some(ev) = handle.recv() {
-        match ev {
-            EngineEvent::Token { id, text: t, .. } => {
-                ids.push(id);
-                text.push_str(&t);
-            }
-            EngineEvent::Finished {
-                stop_reason,
-                tail_text,
-                ..
-            } => {
-                text.push_str(&tail_text);
-                return Greedy {
-                    ids,
-                    text,
-                    stop_reason,
-                };
-            }
-            EngineEvent::Error { error } => panic!("engine error: {error}"),
-            _ => {}
-        }
+        .generate(GenerationRequest::new(prompt, max_tokens), &mut |_| {})
+        .expect("generate");
+    Greedy {
+        ids: done.ids,
+        text: done.text,
+        stop_reason: done.stop_reason,
     }
-    panic!("the engine's stream ended without Finished");
 }
 
 fn messages_body(model: &str, prompt: &str, max_tokens: usize, stream: bool) -> Value {

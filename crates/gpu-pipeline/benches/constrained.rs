@@ -9,7 +9,8 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use gpu_pipeline::engine::{Engine, EngineConfig, EngineEvent, GenerationRequest};
+use gpu_pipeline::engine::{Engine, EngineConfig, GenerationRequest};
+use gpu_pipeline::zerolayer_api::InferenceEvent;
 use gpu_pipeline::{ConstraintFactory, Grammars, Model, ModelOptions, TokenMask};
 use token_stream::{ChatTemplate, TemplateMessage, Tokenizer};
 
@@ -101,8 +102,8 @@ fn throughput(
     for h in &handles {
         while let Some(ev) = h.recv() {
             match ev {
-                EngineEvent::Token { .. } => generated += 1,
-                EngineEvent::Error { error } => panic!("{error}"),
+                InferenceEvent::Delta { ids, .. } => generated += ids.len(),
+                InferenceEvent::Error { message, .. } => panic!("{message}"),
                 _ => {}
             }
         }

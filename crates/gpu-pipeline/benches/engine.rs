@@ -16,7 +16,8 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use gpu_pipeline::engine::{Engine, EngineConfig, EngineEvent, GenerationRequest};
+use gpu_pipeline::engine::{Engine, EngineConfig, GenerationRequest};
+use gpu_pipeline::zerolayer_api::InferenceEvent;
 use gpu_pipeline::{ActivationSplit, LogitsWanted, Model, ModelOptions, SeqStep};
 use kv_ring::{KvDtype, KvPool, RingMode};
 use token_stream::{ChatTemplate, TemplateMessage, Tokenizer};
@@ -114,11 +115,11 @@ fn run_level(model: &Arc<Model>, tok: &Arc<Tokenizer>, prompts: &[Vec<u32>], rat
                     let mut n = 0;
                     while let Some(ev) = h.recv() {
                         match ev {
-                            EngineEvent::Token { .. } => {
+                            InferenceEvent::Delta { ids, .. } if !ids.is_empty() => {
                                 ttft.get_or_insert_with(|| t0.elapsed());
-                                n += 1;
+                                n += ids.len();
                             }
-                            EngineEvent::Error { error } => panic!("{error}"),
+                            InferenceEvent::Error { message, .. } => panic!("{message}"),
                             _ => {}
                         }
                     }

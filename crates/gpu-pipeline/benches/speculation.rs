@@ -16,9 +16,8 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use gpu_pipeline::engine::{
-    Engine, EngineConfig, EngineEvent, GenerationRequest, NgramLookup, Speculation,
-};
+use gpu_pipeline::engine::{Engine, EngineConfig, GenerationRequest, NgramLookup, Speculation};
+use gpu_pipeline::zerolayer_api::InferenceEvent;
 use gpu_pipeline::{Model, ModelOptions};
 use token_stream::{ChatTemplate, TemplateMessage, Tokenizer};
 
@@ -85,7 +84,7 @@ fn run(e: &Engine, p: &Prompt) -> Run {
     let (mut cpu_first, mut cpu_last) = (Duration::ZERO, Duration::ZERO);
     while let Some(ev) = h.recv() {
         match ev {
-            EngineEvent::Token { id, .. } => {
+            InferenceEvent::Delta { ids: new, .. } if !new.is_empty() => {
                 let now = Instant::now();
                 if first.is_none() {
                     cpu_first = cpu_time();
@@ -93,10 +92,10 @@ fn run(e: &Engine, p: &Prompt) -> Run {
                 first.get_or_insert(now);
                 last = Some(now);
                 cpu_last = cpu_time();
-                ids.push(id);
+                ids.extend(new);
             }
-            EngineEvent::Finished { .. } => break,
-            EngineEvent::Error { error } => panic!("{error}"),
+            InferenceEvent::Finished { .. } => break,
+            InferenceEvent::Error { message, .. } => panic!("{message}"),
             _ => {}
         }
     }
@@ -351,9 +350,9 @@ fn main() {
                 for h in &handles {
                     while let Some(ev) = h.recv() {
                         match ev {
-                            EngineEvent::Token { .. } => tokens += 1,
-                            EngineEvent::Finished { .. } => break,
-                            EngineEvent::Error { error } => panic!("{error}"),
+                            InferenceEvent::Delta { ids, .. } => tokens += ids.len(),
+                            InferenceEvent::Finished { .. } => break,
+                            InferenceEvent::Error { message, .. } => panic!("{message}"),
                             _ => {}
                         }
                     }

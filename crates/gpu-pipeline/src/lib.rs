@@ -16,8 +16,7 @@ mod threadpool;
 pub use bandwidth::{Bandwidth, Int8Peak, int8_peak, read_bandwidth};
 pub use constraint::{Constraint, ConstraintError, ConstraintFactory};
 pub use engine::{
-    Completion, Engine, EngineConfig, EngineEvent, GenerateError, GenerationRequest, RequestHandle,
-    SubmitError,
+    Completion, Engine, EngineConfig, GenerateError, GenerationRequest, RequestHandle, SubmitError,
 };
 pub use grammar::{GrammarError, Grammars, bound_json_integers};
 pub use model::attention::attend_rows;

@@ -5,7 +5,8 @@
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
-use gpu_pipeline::engine::{Engine, EngineConfig, EngineEvent, GenerationRequest};
+use gpu_pipeline::engine::{Engine, EngineConfig, GenerationRequest};
+use gpu_pipeline::zerolayer_api::InferenceEvent;
 use gpu_pipeline::{Model, ModelOptions, RequestHandle, StopReason};
 use token_stream::Tokenizer;
 
@@ -59,16 +60,23 @@ enum Seen {
     Error(String),
 }
 
+/// The next event (a `Delta` carries one token; a last one of held-back text, none).
 fn next(h: &RequestHandle, within: Duration) -> Option<Seen> {
-    Some(match h.recv_timeout(within)? {
-        EngineEvent::Started { .. } => Seen::Started,
-        EngineEvent::Token { id, .. } => Seen::Token(id),
-        EngineEvent::Finished {
-            stop_reason, usage, ..
-        } => Seen::Finished(stop_reason, usage.input_tokens as usize),
-        EngineEvent::Error { error } => Seen::Error(error.to_string()),
-        other => panic!("unexpected event {other:?}"),
-    })
+    loop {
+        return Some(match h.recv_timeout(within)? {
+            InferenceEvent::Started { .. } => Seen::Started,
+            InferenceEvent::Delta { ids, .. } => match ids[..] {
+                [] => continue,
+                [id] => Seen::Token(id),
+                _ => panic!("a Delta of several tokens: {ids:?}"),
+            },
+            InferenceEvent::Finished {
+                stop_reason, usage, ..
+            } => Seen::Finished(stop_reason, usage.input_tokens as usize),
+            InferenceEvent::Error { message, .. } => Seen::Error(message),
+            other => panic!("unexpected event {other:?}"),
+        });
+    }
 }
 
 /// All generated ids of a request; asserts one `Started` and one `Finished`.

@@ -5,7 +5,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use gpu_pipeline::StopReason;
-use gpu_pipeline::engine::{Engine, EngineConfig, EngineEvent, GenerationRequest, SubmitError};
+use gpu_pipeline::engine::{Engine, EngineConfig, GenerationRequest, SubmitError};
+use gpu_pipeline::zerolayer_api::InferenceEvent;
 use token_stream::TemplateMessage;
 use zerolayer_api::Usage;
 
@@ -45,32 +46,36 @@ fn collect(h: &gpu_pipeline::RequestHandle) -> Outcome {
     let mut started = false;
     while let Some(ev) = h.recv_timeout(Duration::from_secs(600)) {
         match ev {
-            EngineEvent::Started { cached_tokens, .. } => {
+            InferenceEvent::Started { .. } => {
                 assert!(!started);
                 started = true;
-                out.cached = cached_tokens;
             }
-            EngineEvent::Token { id, text, .. } => {
+            InferenceEvent::Delta { ids, text } => {
                 assert!(started, "token before Started");
-                out.ids.push(id);
+                out.ids.extend(ids);
                 out.text += &text;
             }
-            EngineEvent::Finished {
-                stop_reason,
-                tail_text,
-                usage,
-                ..
+            InferenceEvent::Finished {
+                stop_reason, usage, ..
             } => {
-                out.text += &tail_text;
                 out.stop = stop_reason;
                 out.usage = usage;
                 return out;
             }
-            EngineEvent::Error { error } => panic!("request failed: {error}"),
+            InferenceEvent::Error { message, .. } => panic!("request failed: {message}"),
             _ => {}
         }
     }
     panic!("stream ended without Finished");
+}
+
+/// Runs `req` on `e` with nothing else running: [`collect`], with the prompt tokens it reused
+/// from the prefix cache (the engine's counter before and after).
+fn run_alone(e: &Engine, req: GenerationRequest) -> Outcome {
+    let before = e.metrics().prefix_hit_tokens;
+    let mut out = collect(&e.submit(req).unwrap());
+    out.cached = (e.metrics().prefix_hit_tokens - before) as usize;
+    out
 }
 
 const QUESTIONS: [&str; 8] = [
@@ -170,8 +175,8 @@ fn cancel_and_drop_free_the_kv_ring() {
     // Wait until it is generating.
     loop {
         match h.recv_timeout(Duration::from_secs(120)).expect("events") {
-            EngineEvent::Token { .. } => break,
-            EngineEvent::Started { .. } => assert!(pool.used_bytes() > 0),
+            InferenceEvent::Delta { .. } => break,
+            InferenceEvent::Started { .. } => assert!(pool.used_bytes() > 0),
             other => panic!("unexpected {other:?}"),
         }
     }
@@ -189,7 +194,7 @@ fn cancel_and_drop_free_the_kv_ring() {
         .unwrap();
     assert!(matches!(
         h.recv_timeout(Duration::from_secs(120)),
-        Some(EngineEvent::Started { .. })
+        Some(InferenceEvent::Started { .. })
     ));
     h.cancel();
     wait_for(|| pool.used_bytes() == 0, "KV freed after cancel");
@@ -218,7 +223,7 @@ fn overload_is_refused_at_once_and_queued_requests_cancel_cleanly() {
     // Wait until it is admitted so the queue is empty.
     assert!(matches!(
         running.recv_timeout(Duration::from_secs(120)),
-        Some(EngineEvent::Started { .. })
+        Some(InferenceEvent::Started { .. })
     ));
     let queued: Vec<_> = (0..3)
         .map(|_| e.submit(GenerationRequest::new(p.clone(), 4)).unwrap())
@@ -263,9 +268,9 @@ fn shared_system_prompt_reuses_kv_with_identical_output() {
     let a = chat(system, "What is the capital of France?");
     let b = chat(system, "Name a fruit.");
     let e = engine(EngineConfig::default().with_prefill_chunk(16));
-    let first = collect(&e.submit(GenerationRequest::new(a, 4)).unwrap());
+    let first = run_alone(&e, GenerationRequest::new(a, 4));
     assert_eq!(first.cached, 0);
-    let second = collect(&e.submit(GenerationRequest::new(b.clone(), 6)).unwrap());
+    let second = run_alone(&e, GenerationRequest::new(b.clone(), 6));
     assert!(second.cached >= 20, "reused only {} tokens", second.cached);
     let m = e.metrics();
     assert_eq!((m.prefix_lookups, m.prefix_hits), (2, 1));
@@ -273,7 +278,7 @@ fn shared_system_prompt_reuses_kv_with_identical_output() {
     assert!(m.prefix_hit_rate() > 0.4);
 
     let cold = engine(EngineConfig::default().with_prefix_cache_entries(0));
-    let reference = collect(&cold.submit(GenerationRequest::new(b, 6)).unwrap());
+    let reference = run_alone(&cold, GenerationRequest::new(b, 6));
     assert_eq!(second.ids, reference.ids, "reused KV changed the output");
     assert_eq!(cold.metrics().prefix_hits, 0);
 }
@@ -292,14 +297,14 @@ fn a_prompt_is_reused_only_for_its_own_client_unless_the_cache_is_shared() {
         |p: &Vec<u32>| GenerationRequest::new(p.clone(), 2).with_client(Some("key-a".into()));
 
     let e = engine(EngineConfig::default());
-    assert_eq!(collect(&e.submit(as_b(&secret)).unwrap()).cached, 0);
-    let guess = collect(&e.submit(as_a(&secret)).unwrap());
+    assert_eq!(run_alone(&e, as_b(&secret)).cached, 0);
+    let guess = run_alone(&e, as_a(&secret));
     assert_eq!(guess.cached, 0, "key A reused key B's prompt");
     // The keyless client is a partition of its own too.
     let anonymous = GenerationRequest::new(secret.clone(), 2);
-    assert_eq!(collect(&e.submit(anonymous).unwrap()).cached, 0);
+    assert_eq!(run_alone(&e, anonymous).cached, 0);
     // Within one key the prefix is reused as before.
-    let again = collect(&e.submit(as_b(&secret)).unwrap());
+    let again = run_alone(&e, as_b(&secret));
     assert!(
         again.cached + 1 >= secret.len(),
         "key B reused {}",
@@ -309,8 +314,8 @@ fn a_prompt_is_reused_only_for_its_own_client_unless_the_cache_is_shared() {
 
     // Shared deliberately (one tenant behind several keys): the other key hits.
     let shared = engine(EngineConfig::default().with_shared_prefix_cache(true));
-    collect(&shared.submit(as_b(&secret)).unwrap());
-    let hit = collect(&shared.submit(as_a(&secret)).unwrap());
+    run_alone(&shared, as_b(&secret));
+    let hit = run_alone(&shared, as_a(&secret));
     assert!(
         hit.cached + 1 >= secret.len(),
         "shared cache reused {}",
@@ -481,8 +486,8 @@ fn constrained_sequences_follow_their_constraint_and_leave_batch_neighbours_alon
         .unwrap();
     let mut failed = None;
     while let Some(ev) = h.recv_timeout(Duration::from_secs(600)) {
-        if let EngineEvent::Error { error } = ev {
-            failed = Some(error.to_string());
+        if let InferenceEvent::Error { message, .. } = ev {
+            failed = Some(message);
             break;
         }
     }

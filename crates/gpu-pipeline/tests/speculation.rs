@@ -6,9 +6,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use gpu_pipeline::engine::{
-    Engine, EngineConfig, EngineEvent, GenerationRequest, NgramLookup, Speculation,
-};
+use gpu_pipeline::engine::{Engine, EngineConfig, GenerationRequest, NgramLookup, Speculation};
+use gpu_pipeline::zerolayer_api::InferenceEvent;
 use gpu_pipeline::zerolayer_api::TokenLogprob;
 use gpu_pipeline::{Constraint, ConstraintError, ConstraintFactory};
 use gpu_pipeline::{SamplerConfig, StopReason, TokenMask};
@@ -66,24 +65,26 @@ fn collect(h: &gpu_pipeline::RequestHandle) -> Seen {
     let mut ids = Vec::new();
     let mut text = String::new();
     let mut logprobs = Vec::new();
+    // A token's log-probabilities come just before its Delta.
+    let mut next_logprob = None;
     while let Some(ev) = h.recv_timeout(Duration::from_secs(600)) {
         match ev {
-            EngineEvent::Token {
-                id,
-                text: t,
-                logprobs: lp,
-            } => {
-                ids.push(id);
-                text += &t;
-                logprobs.push(lp);
+            InferenceEvent::Logprobs(lp) => {
+                assert!(next_logprob.is_none() && lp.len() == 1, "{lp:?}");
+                next_logprob = lp.into_iter().next().map(Box::new);
             }
-            EngineEvent::Finished {
+            InferenceEvent::Delta { ids: new, text: t } => {
+                for id in new {
+                    ids.push(id);
+                    logprobs.push(next_logprob.take());
+                }
+                text += &t;
+            }
+            InferenceEvent::Finished {
                 stop_reason,
                 stop_sequence,
-                tail_text,
                 usage,
             } => {
-                text += &tail_text;
                 return Seen {
                     ids,
                     text,
@@ -93,7 +94,7 @@ fn collect(h: &gpu_pipeline::RequestHandle) -> Seen {
                     output_tokens: usage.output_tokens,
                 };
             }
-            EngineEvent::Error { error } => panic!("request failed: {error}"),
+            InferenceEvent::Error { message, .. } => panic!("request failed: {message}"),
             _ => {}
         }
     }

@@ -15,9 +15,9 @@ mod synthetic;
 use std::sync::Arc;
 
 use gpu_pipeline::executor::{CpuExecutor, Executor, PlanError, StreamingError, StreamingExecutor};
+use gpu_pipeline::zerolayer_api::InferenceEvent;
 use gpu_pipeline::{
-    Engine, EngineConfig, EngineEvent, GenerationRequest, LogitsWanted, Model, ModelOptions,
-    SeqStep,
+    Engine, EngineConfig, GenerationRequest, LogitsWanted, Model, ModelOptions, SeqStep,
 };
 use kv_ring::{KvDtype, KvPool, RingMode};
 use weight_cache::Gguf;
@@ -196,9 +196,9 @@ fn engine_ids<E: Executor>(engine: &Engine<E>) -> Vec<Vec<u32>> {
             let mut ids = Vec::new();
             while let Some(ev) = h.recv_timeout(std::time::Duration::from_secs(600)) {
                 match ev {
-                    EngineEvent::Token { id, .. } => ids.push(id),
-                    EngineEvent::Finished { .. } => return ids,
-                    EngineEvent::Error { error } => panic!("request failed: {error}"),
+                    InferenceEvent::Delta { ids: new, .. } => ids.extend(new),
+                    InferenceEvent::Finished { .. } => return ids,
+                    InferenceEvent::Error { message, .. } => panic!("request failed: {message}"),
                     _ => {}
                 }
             }

@@ -7,11 +7,13 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 
-use super::{EngineEvent, SeqId, Shared};
+use zerolayer_api::InferenceEvent;
+
+use super::{SeqId, Shared};
 
 #[derive(Default)]
 struct Queue {
-    events: VecDeque<EngineEvent>,
+    events: VecDeque<InferenceEvent>,
     closed: bool,
     waker: Option<Waker>,
 }
@@ -25,13 +27,16 @@ pub(crate) struct Chan {
 }
 
 impl Chan {
-    pub(crate) fn send(&self, ev: EngineEvent) {
+    pub(crate) fn send(&self, ev: InferenceEvent) {
         let waker = {
             let mut q = self.q.lock().unwrap_or_else(|e| e.into_inner());
             if q.closed {
                 return;
             }
-            let last = matches!(ev, EngineEvent::Finished { .. } | EngineEvent::Error { .. });
+            let last = matches!(
+                ev,
+                InferenceEvent::Finished { .. } | InferenceEvent::Error { .. }
+            );
             q.events.push_back(ev);
             q.closed |= last;
             q.waker.take()
@@ -47,8 +52,8 @@ impl Chan {
     }
 }
 
-/// A submitted request: yields its [`EngineEvent`]s in order (`Started`, `Token`s, then one of
-/// `Finished` / `Error`). Dropping it (or [`cancel`](Self::cancel)) stops the request; its KV
+/// A submitted request: yields its [`InferenceEvent`]s in order (`Started`, a `Delta` per token,
+/// then one of `Finished` / `Error`: see the [module](super) overview). Dropping it (or [`cancel`](Self::cancel)) stops the request; its KV
 /// ring is freed before the engine's next step.
 ///
 /// Usable from threads ([`recv`](Self::recv), [`recv_timeout`](Self::recv_timeout)) and from
@@ -76,7 +81,7 @@ impl RequestHandle {
     }
 
     /// The next event, if one is ready; `None` also after the last event.
-    pub fn try_recv(&self) -> Option<EngineEvent> {
+    pub fn try_recv(&self) -> Option<InferenceEvent> {
         self.chan
             .q
             .lock()
@@ -86,7 +91,7 @@ impl RequestHandle {
     }
 
     /// Blocks for the next event; `None` after the last one.
-    pub fn recv(&self) -> Option<EngineEvent> {
+    pub fn recv(&self) -> Option<InferenceEvent> {
         let mut q = self.chan.q.lock().unwrap_or_else(|e| e.into_inner());
         loop {
             if let Some(ev) = q.events.pop_front() {
@@ -100,7 +105,7 @@ impl RequestHandle {
     }
 
     /// Like [`recv`](Self::recv) with a deadline; `None` on timeout or after the last event.
-    pub fn recv_timeout(&self, timeout: Duration) -> Option<EngineEvent> {
+    pub fn recv_timeout(&self, timeout: Duration) -> Option<InferenceEvent> {
         let deadline = Instant::now() + timeout;
         let mut q = self.chan.q.lock().unwrap_or_else(|e| e.into_inner());
         loop {
@@ -122,7 +127,7 @@ impl RequestHandle {
 
     /// Async receive: `Ready(Some(ev))`, `Ready(None)` after the last event, or `Pending` (the
     /// task is woken when an event arrives).
-    pub fn poll_recv(&self, cx: &mut Context<'_>) -> Poll<Option<EngineEvent>> {
+    pub fn poll_recv(&self, cx: &mut Context<'_>) -> Poll<Option<InferenceEvent>> {
         let mut q = self.chan.q.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(ev) = q.events.pop_front() {
             return Poll::Ready(Some(ev));

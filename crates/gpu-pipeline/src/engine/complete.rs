@@ -1,12 +1,11 @@
 //! One request run to its end from a thread: what the CLI's `generate` and `bench`, the
 //! examples and the benches use, so that every generation goes through the engine's loop.
 
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use zerolayer_api::StopReason;
+use zerolayer_api::{ErrorCode, InferenceEvent, StopReason};
 
-use super::{EngineError, EngineEvent, RequestHandle, SubmitError};
+use super::{RequestHandle, SubmitError};
 
 /// A finished request ([`Engine::generate`](super::Engine::generate),
 /// [`RequestHandle::wait`]).
@@ -15,8 +14,6 @@ use super::{EngineError, EngineEvent, RequestHandle, SubmitError};
 pub struct Completion {
     /// Prompt length in tokens.
     pub prompt_tokens: usize,
-    /// Of which reused from the prefix cache.
-    pub cached_tokens: usize,
     /// Generated token ids (at most `max_new_tokens`; without a final stop token).
     pub ids: Vec<u32>,
     /// The generated text, cut before a matched stop sequence (empty when the engine has no
@@ -49,20 +46,25 @@ pub enum GenerateError {
     /// The engine refused the request.
     #[error(transparent)]
     Submit(#[from] SubmitError),
-    /// The request failed while running.
-    #[error("generation failed: {0}")]
-    Engine(Arc<EngineError>),
+    /// The request failed while running (an [`EngineError`](super::EngineError), as its
+    /// last event told it).
+    #[error("generation failed ({code:?}): {message}")]
+    Failed {
+        /// The error class.
+        code: ErrorCode,
+        /// What went wrong.
+        message: String,
+    },
 }
 
 impl RequestHandle {
     /// Receives every event of the request until it ends, calling `on_text` with the text as
-    /// it becomes final (whole characters, never a stop sequence or what may begin one: see
-    /// [`EngineEvent::Token`]), and returns the whole generation. Times count from the
-    /// submission.
+    /// it becomes final (whole characters, never a stop sequence or what may begin one: the
+    /// [`InferenceEvent::Delta`]s' text), and returns the whole generation. Times count from
+    /// the submission.
     pub fn wait(self, on_text: &mut dyn FnMut(&str)) -> Result<Completion, GenerateError> {
         let mut done = Completion {
             prompt_tokens: 0,
-            cached_tokens: 0,
             ids: Vec::new(),
             text: String::new(),
             stop_reason: StopReason::MaxTokens,
@@ -73,32 +75,25 @@ impl RequestHandle {
         let mut first: Option<Instant> = None;
         loop {
             match self.recv() {
-                Some(EngineEvent::Started {
-                    input_tokens,
-                    cached_tokens,
-                }) => {
-                    done.prompt_tokens = input_tokens;
-                    done.cached_tokens = cached_tokens;
+                Some(InferenceEvent::Started { input_tokens }) => {
+                    done.prompt_tokens = input_tokens as usize;
                 }
-                Some(EngineEvent::Token { id, text, .. }) => {
-                    first.get_or_insert_with(Instant::now);
-                    done.ids.push(id);
+                Some(InferenceEvent::Delta { ids, text }) => {
+                    if !ids.is_empty() {
+                        first.get_or_insert_with(Instant::now);
+                        done.ids.extend_from_slice(&ids);
+                    }
                     if !text.is_empty() {
                         on_text(&text);
                         done.text += &text;
                     }
                 }
-                Some(EngineEvent::Finished {
+                Some(InferenceEvent::Finished {
                     stop_reason,
                     stop_sequence,
-                    tail_text,
                     ..
                 }) => {
                     let end = Instant::now();
-                    if !tail_text.is_empty() {
-                        on_text(&tail_text);
-                        done.text += &tail_text;
-                    }
                     done.stop_reason = stop_reason;
                     done.stop_sequence = stop_sequence;
                     let first = first.unwrap_or(end);
@@ -106,8 +101,16 @@ impl RequestHandle {
                     done.decode_time = end - first;
                     return Ok(done);
                 }
-                Some(EngineEvent::Error { error }) => return Err(GenerateError::Engine(error)),
-                None => return Err(GenerateError::Engine(Arc::new(EngineError::ShutDown))),
+                Some(InferenceEvent::Error { code, message }) => {
+                    return Err(GenerateError::Failed { code, message });
+                }
+                Some(_) => {}
+                None => {
+                    return Err(GenerateError::Failed {
+                        code: ErrorCode::Internal,
+                        message: "the engine ended the stream".into(),
+                    });
+                }
             }
         }
     }

@@ -7,9 +7,17 @@
 //! budget, and new requests join between steps. The decisions come from the pure
 //! [`Scheduler`]; this module is the thin threaded shell around it.
 //!
+//! A request's events are the service vocabulary's [`InferenceEvent`]s, in order: `Started`;
+//! for each generated token a `Delta` with its id and the text it made final (after a
+//! `Logprobs` when the request asked for them); a last `Delta` with no ids for text held back
+//! as a possible stop-sequence start; then `Finished`, or `Error` with the [`ErrorCode`] of an
+//! [`EngineError`]. A request preempted for lack of KV and readmitted later (its KV recomputed)
+//! sees no event of it: one `Started`, and its tokens continue where they stopped.
+//!
 //! ```no_run
 //! use std::sync::Arc;
-//! use gpu_pipeline::engine::{Engine, EngineConfig, EngineEvent, GenerationRequest};
+//! use gpu_pipeline::engine::{Engine, EngineConfig, GenerationRequest};
+//! use gpu_pipeline::zerolayer_api::InferenceEvent;
 //! use gpu_pipeline::{Model, ModelOptions};
 //! # fn main() -> Result<(), Box<dyn std::error::Error>> {
 //! let path = weight_cache::locate_default_model()?;
@@ -21,7 +29,7 @@
 //! let prompt = tokenizer.encode("The capital of France is").to_vec();
 //! let handle = engine.submit(GenerationRequest::new(prompt, 8))?;
 //! while let Some(ev) = handle.recv() {
-//!     if let EngineEvent::Token { text, .. } = ev {
+//!     if let InferenceEvent::Delta { text, .. } = ev {
 //!         print!("{text}");
 //!     }
 //! }
@@ -50,7 +58,7 @@ use crate::constraint::{
 use crate::executor::{CpuExecutor, Executor, HostedExecutor};
 use crate::model::{LogitsWanted, Model, SeqStep};
 use crate::sampling::{Sampler, SamplerConfig, fill_token_bytes, token_logprob};
-use zerolayer_api::{StopReason, TokenLogprob, Usage};
+use zerolayer_api::{ErrorCode, InferenceEvent, StopReason, TokenLogprob, Usage};
 
 pub use channel::RequestHandle;
 pub use complete::{Completion, GenerateError};
@@ -248,8 +256,9 @@ pub struct GenerationRequest {
     /// Who sent it: a stable, non-secret label of the API key (`None`: one anonymous client).
     /// Per-client limits and fair admission go by it.
     pub client: Option<String>,
-    /// `Some(n)`: every [`EngineEvent::Token`] carries the token's log-probability and the
-    /// `n` most likely alternatives ([`TokenLogprob`]).
+    /// `Some(n)`: every token's [`InferenceEvent::Delta`] comes after an
+    /// [`InferenceEvent::Logprobs`] with its log-probability and the `n` most likely
+    /// alternatives ([`TokenLogprob`]).
     pub logprobs: Option<usize>,
     /// Restricts every sampled token to what the constraint allows (structured output).
     pub constraint: Option<Arc<dyn ConstraintFactory>>,
@@ -313,52 +322,6 @@ impl GenerationRequest {
     }
 }
 
-/// An event of a request, in order: `Started`, `Token`s, then `Finished` or `Error`.
-///
-/// A request preempted for lack of KV and readmitted later (its KV recomputed) sees no event
-/// of it: one `Started`, and its tokens continue where they stopped.
-#[non_exhaustive]
-#[derive(Clone, Debug)]
-pub enum EngineEvent {
-    /// Admitted into the batch.
-    Started {
-        /// Prompt tokens.
-        input_tokens: usize,
-        /// Of which reused from the prefix cache.
-        cached_tokens: usize,
-    },
-    /// One generated token.
-    Token {
-        /// Its id.
-        id: u32,
-        /// Text made final by it (empty without a tokenizer, inside a split character, or
-        /// while it may start a stop sequence).
-        text: String,
-        /// Its log-probability and the most likely alternatives, when the request asked for
-        /// them ([`GenerationRequest::logprobs`]); with the tokens' bytes when the engine has a
-        /// tokenizer.
-        logprobs: Option<Box<TokenLogprob>>,
-    },
-    /// The generation ended.
-    Finished {
-        /// Why.
-        stop_reason: StopReason,
-        /// The stop sequence that matched.
-        stop_sequence: Option<String>,
-        /// The text held back until now (what may have been a stop-sequence prefix).
-        tail_text: String,
-        /// Token counts: the prompt as submitted, and the generated tokens (a final stop
-        /// token not counted). The prompt tokens reused from the prefix cache are in
-        /// [`Started`](Self::Started).
-        usage: Usage,
-    },
-    /// The generation failed.
-    Error {
-        /// What went wrong.
-        error: Arc<EngineError>,
-    },
-}
-
 /// Why [`Engine::submit`] refused a request.
 #[non_exhaustive]
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
@@ -403,7 +366,8 @@ pub enum SubmitError {
     ShuttingDown,
 }
 
-/// Why a running request failed (carried by [`EngineEvent::Error`]).
+/// Why a running request failed (the request's last event is then an
+/// [`InferenceEvent::Error`] with its [`code`](Self::code) and message).
 #[non_exhaustive]
 #[derive(Debug, thiserror::Error)]
 pub enum EngineError {
@@ -422,6 +386,33 @@ pub enum EngineError {
     /// Rolling back the KV of rejected speculative drafts failed.
     #[error("rolling back rejected drafts: {0}")]
     Rollback(KvError),
+}
+
+impl EngineError {
+    /// The error class a client sees: the request's own constraint failing is
+    /// [`ErrorCode::InvalidRequest`], a shutdown [`ErrorCode::ShuttingDown`], the rest
+    /// [`ErrorCode::Internal`].
+    ///
+    /// ```
+    /// use gpu_pipeline::engine::EngineError;
+    /// use gpu_pipeline::zerolayer_api::ErrorCode;
+    /// assert_eq!(EngineError::ShutDown.code(), ErrorCode::ShuttingDown);
+    /// ```
+    pub fn code(&self) -> ErrorCode {
+        match self {
+            Self::Constraint(_) => ErrorCode::InvalidRequest,
+            Self::ShutDown => ErrorCode::ShuttingDown,
+            Self::Forward(_) | Self::Decode(_) | Self::Rollback(_) => ErrorCode::Internal,
+        }
+    }
+
+    /// The request's last event.
+    fn event(&self) -> InferenceEvent {
+        InferenceEvent::Error {
+            code: self.code(),
+            message: self.to_string(),
+        }
+    }
 }
 
 /// Why [`Engine::new`] failed.
@@ -986,14 +977,10 @@ impl<E: Executor> Worker<E> {
             }
             if st.shutdown {
                 for (_, p) in st.pending.drain() {
-                    p.chan.send(EngineEvent::Error {
-                        error: Arc::new(EngineError::ShutDown),
-                    });
+                    p.chan.send(EngineError::ShutDown.event());
                 }
                 for (_, a) in active.drain() {
-                    a.chan.send(EngineEvent::Error {
-                        error: Arc::new(EngineError::ShutDown),
-                    });
+                    a.chan.send(EngineError::ShutDown.event());
                 }
                 return;
             }
@@ -1088,9 +1075,9 @@ impl<E: Executor> Worker<E> {
             let (mut drafted, mut accepted, mut sampled_steps) = (0u64, 0u64, 0u64);
             match result {
                 Err(e) => {
-                    let e = Arc::new(EngineError::from(e));
+                    let event = EngineError::from(e).event();
                     for (_, a) in &seqs {
-                        a.chan.send(EngineEvent::Error { error: e.clone() });
+                        a.chan.send(event.clone());
                     }
                     outcomes.extend(seqs.iter().map(|_| Outcome::Failed));
                 }
@@ -1165,7 +1152,7 @@ impl<E: Executor> Worker<E> {
                 let finish = match outcome {
                     Outcome::Fail(e) => {
                         st.sched.finish(a.id);
-                        a.chan.send(EngineEvent::Error { error: Arc::new(e) });
+                        a.chan.send(e.event());
                         None
                     }
                     Outcome::Failed => {
@@ -1195,10 +1182,15 @@ impl<E: Executor> Worker<E> {
                     let chan = a.chan.clone();
                     // Free the ring before telling the client.
                     drop(a);
-                    chan.send(EngineEvent::Finished {
+                    if !tail_text.is_empty() {
+                        chan.send(InferenceEvent::Delta {
+                            ids: Vec::new(),
+                            text: tail_text,
+                        });
+                    }
+                    chan.send(InferenceEvent::Finished {
                         stop_reason,
                         stop_sequence,
-                        tail_text,
                         usage,
                     });
                 }
@@ -1256,9 +1248,8 @@ impl<E: Executor> Worker<E> {
                             st.metrics.prefix_hit_tokens += a.cached as u64;
                         }
                         st.metrics.prefix_lookups += 1;
-                        a.chan.send(EngineEvent::Started {
-                            input_tokens: a.input_tokens,
-                            cached_tokens: a.cached,
+                        a.chan.send(InferenceEvent::Started {
+                            input_tokens: u32::try_from(a.input_tokens).unwrap_or(u32::MAX),
                         });
                     }
                     active.insert(id, a);
@@ -1524,10 +1515,12 @@ impl<S: KvStorage> Active<'_, S> {
         if let (Some(lp), Some(d)) = (logprobs.as_deref_mut(), &self.decoder) {
             fill_token_bytes(lp, d.tokenizer());
         }
-        self.chan.send(EngineEvent::Token {
-            id: token,
+        if let Some(lp) = logprobs {
+            self.chan.send(InferenceEvent::Logprobs(vec![*lp]));
+        }
+        self.chan.send(InferenceEvent::Delta {
+            ids: vec![token],
             text,
-            logprobs,
         });
         if let Some(i) = stopped {
             return Outcome::Stop(
