@@ -73,7 +73,7 @@ pub use codec::{
     error_code_name, error_code_to_u16,
 };
 pub use limits::{ConnectionLimits, ConnectionRefused, ConnectionSlot};
-pub use pool::{Pool, PoolConfig, PoolStats, PoolStream, ReplicaResolver, Replicas};
+pub use pool::{ConnectionPoolStats, Pool, PoolConfig, PoolStream, ReplicaResolver, Replicas};
 pub use server::{
     ALPN, Congestion, ConnectionHandler, ConnectionInfo, Server, ServerConfig, ServerError,
     ServerStats,
