@@ -2,8 +2,9 @@
 //! each concept from the edge to the engine: [`InferenceRequest`] (with its [`Prompt`],
 //! [`ChatMessage`]s, [`SamplingParams`], tools and [`OutputFormat`]), the [`InferenceEvent`]s a
 //! running request sends back ([`StopReason`], [`Usage`], [`TokenLogprob`]), the errors
-//! ([`ServiceError`], [`ErrorCode`]), the metrics snapshot ([`ServiceMetrics`]) and the
-//! [`InferenceService`] trait an engine implements for the transports.
+//! ([`ServiceError`], [`ErrorCode`]), the metrics snapshot ([`ServiceMetrics`]), the
+//! [`Histogram`] every layer records latencies and rates in, and the [`InferenceService`] trait
+//! an engine implements for the transports.
 //!
 //! A leaf crate (futures, thiserror and serde_json only): depend on it to implement a service
 //! or to write a transport without pulling in either side. The claudelink protocol
@@ -49,11 +50,13 @@
 
 mod error;
 mod event;
+mod histogram;
 mod request;
 mod service;
 
 pub use error::{ErrorCode, SchemaSource, ServiceError};
 pub use event::{EventStream, InferenceEvent, StopReason, TokenLogprob, Usage};
+pub use histogram::Histogram;
 pub use request::{
     CacheStrategy, ChatMessage, ChatRole, InferenceRequest, OutputFormat, Prompt, SamplingParams,
     ToolCallMessage, ToolChoice, ToolDefinition, Tools,

@@ -860,7 +860,7 @@ pub enum EncodeError {
 /// Why bytes could not be decoded as a frame.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
-pub enum DecodeError {
+pub enum FrameDecodeError {
     /// The header declared a payload over the receiver's limit (checked before buffering it).
     #[error("frame type {frame_type:#04x} declares a {len}-byte payload; the limit is {max}")]
     FrameTooLarge {
@@ -928,7 +928,7 @@ pub enum DecodeError {
     },
 }
 
-impl DecodeError {
+impl FrameDecodeError {
     /// The QUIC application error code a receiver uses to end the stream or connection.
     pub fn app_code(&self) -> AppErrorCode {
         match self {
@@ -944,18 +944,18 @@ impl DecodeError {
 pub fn decode_header(
     buf: &[u8],
     max_frame_size: u32,
-) -> Result<Option<(FrameType, u32)>, DecodeError> {
+) -> Result<Option<(FrameType, u32)>, FrameDecodeError> {
     if buf.len() < FRAME_HEADER_LEN {
         return Ok(None);
     }
     let ty = buf[0];
     let len = u32::from_le_bytes([buf[1], buf[2], buf[3], buf[4]]);
     let Some(ft) = FrameType::from_u8(ty) else {
-        return Err(DecodeError::UnknownFrameType { frame_type: ty });
+        return Err(FrameDecodeError::UnknownFrameType { frame_type: ty });
     };
     let max = max_frame_size.min(HARD_MAX_FRAME_SIZE);
     if len > max {
-        return Err(DecodeError::FrameTooLarge {
+        return Err(FrameDecodeError::FrameTooLarge {
             frame_type: ty,
             len,
             max,
@@ -981,7 +981,7 @@ pub fn decode_header(
 pub fn decode_frame(
     buf: &[u8],
     max_frame_size: u32,
-) -> Result<Option<(Frame<'_>, usize)>, DecodeError> {
+) -> Result<Option<(Frame<'_>, usize)>, FrameDecodeError> {
     let Some((ft, len)) = decode_header(buf, max_frame_size)? else {
         return Ok(None);
     };
@@ -1001,9 +1001,9 @@ struct Reader<'a> {
 }
 
 impl<'a> Reader<'a> {
-    fn take(&mut self, n: usize, field: &'static str) -> Result<&'a [u8], DecodeError> {
+    fn take(&mut self, n: usize, field: &'static str) -> Result<&'a [u8], FrameDecodeError> {
         if self.buf.len() - self.pos < n {
-            return Err(DecodeError::Truncated {
+            return Err(FrameDecodeError::Truncated {
                 frame: self.frame,
                 field,
                 offset: self.pos,
@@ -1014,28 +1014,28 @@ impl<'a> Reader<'a> {
         Ok(s)
     }
 
-    fn u8(&mut self, field: &'static str) -> Result<u8, DecodeError> {
+    fn u8(&mut self, field: &'static str) -> Result<u8, FrameDecodeError> {
         Ok(self.take(1, field)?[0])
     }
 
-    fn u16(&mut self, field: &'static str) -> Result<u16, DecodeError> {
+    fn u16(&mut self, field: &'static str) -> Result<u16, FrameDecodeError> {
         let b = self.take(2, field)?;
         Ok(u16::from_le_bytes([b[0], b[1]]))
     }
 
-    fn u32(&mut self, field: &'static str) -> Result<u32, DecodeError> {
+    fn u32(&mut self, field: &'static str) -> Result<u32, FrameDecodeError> {
         let b = self.take(4, field)?;
         Ok(u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
     }
 
-    fn u64(&mut self, field: &'static str) -> Result<u64, DecodeError> {
+    fn u64(&mut self, field: &'static str) -> Result<u64, FrameDecodeError> {
         let b = self.take(8, field)?;
         let mut a = [0; 8];
         a.copy_from_slice(b);
         Ok(u64::from_le_bytes(a))
     }
 
-    fn f32(&mut self, field: &'static str) -> Result<f32, DecodeError> {
+    fn f32(&mut self, field: &'static str) -> Result<f32, FrameDecodeError> {
         let bits = self.u32(field)?;
         let v = f32::from_bits(bits);
         if !v.is_finite() {
@@ -1044,21 +1044,21 @@ impl<'a> Reader<'a> {
         Ok(v)
     }
 
-    fn str(&mut self, field: &'static str) -> Result<&'a str, DecodeError> {
+    fn str(&mut self, field: &'static str) -> Result<&'a str, FrameDecodeError> {
         let len = self.u32(field)? as usize;
         let b = self.take(len, field)?;
-        std::str::from_utf8(b).map_err(|_| DecodeError::InvalidUtf8 {
+        std::str::from_utf8(b).map_err(|_| FrameDecodeError::InvalidUtf8 {
             frame: self.frame,
             field,
         })
     }
 
     /// A count of elements each at least `min_elem` bytes, checked against the bytes left.
-    fn count(&mut self, field: &'static str, min_elem: usize) -> Result<usize, DecodeError> {
+    fn count(&mut self, field: &'static str, min_elem: usize) -> Result<usize, FrameDecodeError> {
         let offset = self.pos;
         let n = self.u32(field)? as usize;
         if n.saturating_mul(min_elem) > self.buf.len() - self.pos {
-            return Err(DecodeError::Truncated {
+            return Err(FrameDecodeError::Truncated {
                 frame: self.frame,
                 field,
                 offset,
@@ -1067,23 +1067,23 @@ impl<'a> Reader<'a> {
         Ok(n)
     }
 
-    fn ids(&mut self, field: &'static str) -> Result<TokenIds<'a>, DecodeError> {
+    fn ids(&mut self, field: &'static str) -> Result<TokenIds<'a>, FrameDecodeError> {
         let n = self.count(field, 4)?;
         let b = self.take(n * 4, field)?;
         Ok(TokenIds(IdsRepr::Le(b)))
     }
 
-    fn invalid(&self, field: &'static str, value: u64) -> DecodeError {
-        DecodeError::InvalidValue {
+    fn invalid(&self, field: &'static str, value: u64) -> FrameDecodeError {
+        FrameDecodeError::InvalidValue {
             frame: self.frame,
             field,
             value,
         }
     }
 
-    fn finish(&self) -> Result<(), DecodeError> {
+    fn finish(&self) -> Result<(), FrameDecodeError> {
         if self.pos != self.buf.len() {
-            return Err(DecodeError::TrailingBytes {
+            return Err(FrameDecodeError::TrailingBytes {
                 frame: self.frame,
                 extra: self.buf.len() - self.pos,
             });
@@ -1093,7 +1093,7 @@ impl<'a> Reader<'a> {
 }
 
 /// Decodes a payload whose type and length the header gave.
-pub fn decode_payload(ft: FrameType, payload: &[u8]) -> Result<Frame<'_>, DecodeError> {
+pub fn decode_payload(ft: FrameType, payload: &[u8]) -> Result<Frame<'_>, FrameDecodeError> {
     let mut r = Reader {
         buf: payload,
         pos: 0,
@@ -1187,7 +1187,7 @@ pub fn decode_payload(ft: FrameType, payload: &[u8]) -> Result<Frame<'_>, Decode
     Ok(frame)
 }
 
-fn decode_request<'a>(r: &mut Reader<'a>) -> Result<RequestFrame<'a>, DecodeError> {
+fn decode_request<'a>(r: &mut Reader<'a>) -> Result<RequestFrame<'a>, FrameDecodeError> {
     let kind = r.u8("prompt_kind")?;
     if kind > 2 {
         return Err(r.invalid("prompt_kind", kind.into()));
@@ -1248,7 +1248,7 @@ fn decode_request<'a>(r: &mut Reader<'a>) -> Result<RequestFrame<'a>, DecodeErro
     let model = r.str("model")?;
     let n_stop = r.count("stop_sequences", 4)?;
     if n_stop > MAX_STOP_SEQUENCES as usize {
-        return Err(DecodeError::TooMany {
+        return Err(FrameDecodeError::TooMany {
             frame: FrameType::Request,
             field: "stop_sequences",
             count: n_stop as u64,

@@ -66,14 +66,14 @@ pub use client::{
     Client, ClientConfig, ClientError, Connection, RequestError, ResponseStream, StreamError,
 };
 pub use codec::{
-    AppErrorCode, AuthFrame, ChatMessageRef, DEFAULT_MAX_FRAME_SIZE, DecodeError, DeltaFrame,
-    EncodeError, ErrorFrame, FRAME_HEADER_LEN, FinishedFrame, Frame, FrameType, GoAwayFrame,
+    AppErrorCode, AuthFrame, ChatMessageRef, DEFAULT_MAX_FRAME_SIZE, DeltaFrame, EncodeError,
+    ErrorFrame, FRAME_HEADER_LEN, FinishedFrame, Frame, FrameDecodeError, FrameType, GoAwayFrame,
     HARD_MAX_FRAME_SIZE, Health, MAX_STOP_SEQUENCES, PingFrame, PongFrame, PromptRef, RequestFrame,
     StartedFrame, TokenIds, decode_frame, decode_header, decode_payload, error_code_from_u16,
     error_code_name, error_code_to_u16,
 };
 pub use limits::{ConnectionLimits, ConnectionRefused, ConnectionSlot};
-pub use pool::{Pool, PoolConfig, PoolStats, PoolStream, ReplicaResolver, Replicas};
+pub use pool::{ConnectionPoolStats, Pool, PoolConfig, PoolStream, ReplicaResolver, Replicas};
 pub use server::{
     ALPN, Congestion, ConnectionHandler, ConnectionInfo, Server, ServerConfig, ServerError,
     ServerStats,

@@ -164,10 +164,10 @@ impl PoolConfig {
     }
 }
 
-/// Pool counters.
+/// Counters of a connection [`Pool`] ([`Pool::stats`]).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 #[non_exhaustive]
-pub struct PoolStats {
+pub struct ConnectionPoolStats {
     /// Connections in the pool.
     pub connections: usize,
     /// Replicas known (listed by the last resolution, or still serving streams).
@@ -614,11 +614,11 @@ impl Pool {
     }
 
     /// Counters.
-    pub fn stats(&self) -> PoolStats {
+    pub fn stats(&self) -> ConnectionPoolStats {
         let now = Instant::now();
         let replicas = self.inner.replicas();
         let c = &self.inner.counters;
-        PoolStats {
+        ConnectionPoolStats {
             connections: replicas.iter().map(|r| r.conns.len()).sum(),
             replicas: replicas.len(),
             usable_replicas: replicas.iter().filter(|r| r.usable(now)).count(),

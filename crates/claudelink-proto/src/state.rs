@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use crate::auth::ApiKeys;
 use crate::codec::{
-    AppErrorCode, AuthFrame, DecodeError, ErrorFrame, FRAME_HEADER_LEN, Frame, FrameType,
+    AppErrorCode, AuthFrame, ErrorFrame, FRAME_HEADER_LEN, Frame, FrameDecodeError, FrameType,
     GoAwayFrame, Health, PingFrame, PongFrame, RequestFrame, decode_frame,
 };
 use zerolayer_api::{ErrorCode, InferenceEvent, InferenceRequest, Prompt, ServiceError};
@@ -308,7 +308,7 @@ impl ServerStream {
 pub enum ClientStreamError {
     /// A frame did not decode.
     #[error("malformed response frame: {0}")]
-    Decode(#[from] DecodeError),
+    Decode(#[from] FrameDecodeError),
     /// A frame that is not allowed in the current state.
     #[error("unexpected {} frame {state}", frame.name())]
     UnexpectedFrame {

@@ -239,11 +239,11 @@ fn oversize_and_unknown_frames_are_refused_from_the_header() {
     let huge = [0x01, 0xff, 0xff, 0xff, 0x7f];
     assert!(matches!(
         decode_frame(&huge, DEFAULT_MAX_FRAME_SIZE),
-        Err(e @ DecodeError::FrameTooLarge { len: 0x7fff_ffff, .. }) if e.app_code() == AppErrorCode::FrameTooLarge
+        Err(e @ FrameDecodeError::FrameTooLarge { len: 0x7fff_ffff, .. }) if e.app_code() == AppErrorCode::FrameTooLarge
     ));
     assert!(matches!(
         decode_frame(&[0x99, 0, 0, 0, 0], DEFAULT_MAX_FRAME_SIZE),
-        Err(DecodeError::UnknownFrameType { frame_type: 0x99 })
+        Err(FrameDecodeError::UnknownFrameType { frame_type: 0x99 })
     ));
     // A count larger than the bytes present is rejected before allocating.
     let mut f = Frame::Delta(DeltaFrame {
@@ -255,7 +255,7 @@ fn oversize_and_unknown_frames_are_refused_from_the_header() {
     f[5..9].copy_from_slice(&u32::MAX.to_le_bytes());
     assert!(matches!(
         decode_frame(&f, DEFAULT_MAX_FRAME_SIZE),
-        Err(DecodeError::Truncated { field: "ids", .. })
+        Err(FrameDecodeError::Truncated { field: "ids", .. })
     ));
     // Trailing bytes inside a payload.
     let mut p = Frame::Ping(PingFrame { nonce: 1 }).to_vec().unwrap();
@@ -263,7 +263,7 @@ fn oversize_and_unknown_frames_are_refused_from_the_header() {
     p.push(0);
     assert!(matches!(
         decode_frame(&p, DEFAULT_MAX_FRAME_SIZE),
-        Err(DecodeError::TrailingBytes { extra: 1, .. })
+        Err(FrameDecodeError::TrailingBytes { extra: 1, .. })
     ));
 }
 

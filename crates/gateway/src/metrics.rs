@@ -7,12 +7,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use super::config::LAYER_VERSION;
-use zerolayer_api::ServiceMetrics;
+use zerolayer_api::{Histogram, ServiceMetrics};
 
-/// Latency buckets in seconds, shared by the TTFT, queue and latency histograms.
-const SECONDS_BUCKETS: [f64; 16] = [
-    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0,
-];
 /// Per-request decode-rate buckets in tokens per second.
 const RATE_BUCKETS: [f64; 12] = [
     1.0, 5.0, 10.0, 25.0, 50.0, 100.0, 200.0, 400.0, 800.0, 1600.0, 3200.0, 6400.0,
@@ -20,50 +16,17 @@ const RATE_BUCKETS: [f64; 12] = [
 /// Window of the `zerolayer_output_tokens_per_second` gauge.
 const RATE_WINDOW: Duration = Duration::from_secs(10);
 
-/// A fixed-bucket histogram with atomic counters.
-#[derive(Debug)]
-struct Histogram {
-    bounds: &'static [f64],
-    counts: Vec<AtomicU64>,
-    sum_micros: AtomicU64,
-    count: AtomicU64,
-}
-
-impl Histogram {
-    fn new(bounds: &'static [f64]) -> Self {
-        Self {
-            bounds,
-            counts: bounds.iter().map(|_| AtomicU64::new(0)).collect(),
-            sum_micros: AtomicU64::new(0),
-            count: AtomicU64::new(0),
-        }
+/// Writes `h` as a Prometheus histogram: cumulative `_bucket{le=".."}` series, `+Inf`, `_sum`,
+/// `_count`.
+fn render_histogram(out: &mut String, name: &str, help: &str, h: &Histogram) {
+    let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
+    for (le, cumulative) in h.cumulative() {
+        let _ = writeln!(out, "{name}_bucket{{le=\"{le}\"}} {cumulative}");
     }
-
-    fn observe(&self, x: f64) {
-        if let Some(i) = self.bounds.iter().position(|&b| x <= b) {
-            self.counts[i].fetch_add(1, Ordering::Relaxed);
-        }
-        self.sum_micros
-            .fetch_add((x.max(0.0) * 1e6) as u64, Ordering::Relaxed);
-        self.count.fetch_add(1, Ordering::Relaxed);
-    }
-
-    fn render(&self, out: &mut String, name: &str, help: &str) {
-        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
-        let mut cumulative = 0;
-        for (b, c) in self.bounds.iter().zip(&self.counts) {
-            cumulative += c.load(Ordering::Relaxed);
-            let _ = writeln!(out, "{name}_bucket{{le=\"{b}\"}} {cumulative}");
-        }
-        let count = self.count.load(Ordering::Relaxed);
-        let _ = writeln!(out, "{name}_bucket{{le=\"+Inf\"}} {count}");
-        let _ = writeln!(
-            out,
-            "{name}_sum {}",
-            self.sum_micros.load(Ordering::Relaxed) as f64 / 1e6
-        );
-        let _ = writeln!(out, "{name}_count {count}");
-    }
+    let count = h.count();
+    let _ = writeln!(out, "{name}_bucket{{le=\"+Inf\"}} {count}");
+    let _ = writeln!(out, "{name}_sum {}", h.sum());
+    let _ = writeln!(out, "{name}_count {count}");
 }
 
 /// Which API a request went to (a metrics label).
@@ -141,10 +104,10 @@ pub(crate) struct GatewayMetrics {
     started: Instant,
     requests: Mutex<BTreeMap<(Endpoint, Protocol, u16), u64>>,
     outcomes: Mutex<BTreeMap<Outcome, u64>>,
-    ttft: Histogram,
-    queue: Histogram,
-    latency: Histogram,
-    decode_rate: Histogram,
+    ttft: Mutex<Histogram>,
+    queue: Mutex<Histogram>,
+    latency: Mutex<Histogram>,
+    decode_rate: Mutex<Histogram>,
     output_tokens: AtomicU64,
     input_tokens: AtomicU64,
     in_flight: AtomicU64,
@@ -163,10 +126,10 @@ impl GatewayMetrics {
             started: Instant::now(),
             requests: Mutex::default(),
             outcomes: Mutex::default(),
-            ttft: Histogram::new(&SECONDS_BUCKETS),
-            queue: Histogram::new(&SECONDS_BUCKETS),
-            latency: Histogram::new(&SECONDS_BUCKETS),
-            decode_rate: Histogram::new(&RATE_BUCKETS),
+            ttft: Mutex::new(Histogram::new(Histogram::LATENCY_SECONDS)),
+            queue: Mutex::new(Histogram::new(Histogram::LATENCY_SECONDS)),
+            latency: Mutex::new(Histogram::new(Histogram::LATENCY_SECONDS)),
+            decode_rate: Mutex::new(Histogram::new(&RATE_BUCKETS)),
             output_tokens: AtomicU64::new(0),
             input_tokens: AtomicU64::new(0),
             in_flight: AtomicU64::new(0),
@@ -219,11 +182,11 @@ impl GatewayMetrics {
     }
 
     pub(crate) fn observe_queue(&self, d: Duration) {
-        self.queue.observe(d.as_secs_f64());
+        lock(&self.queue).observe_duration(d);
     }
 
     pub(crate) fn observe_ttft(&self, d: Duration) {
-        self.ttft.observe(d.as_secs_f64());
+        lock(&self.ttft).observe_duration(d);
     }
 
     pub(crate) fn tokens(&self, n: u64) {
@@ -255,13 +218,12 @@ impl GatewayMetrics {
         decode_time: Option<Duration>,
     ) {
         *lock(&self.outcomes).entry(outcome).or_default() += 1;
-        self.latency.observe(latency.as_secs_f64());
+        lock(&self.latency).observe_duration(latency);
         self.input_tokens
             .fetch_add(u64::from(input_tokens), Ordering::Relaxed);
         if let Some(d) = decode_time.filter(|d| !d.is_zero() && output_tokens > 1) {
             // Tokens after the first over the time after the first: the steady decode rate.
-            self.decode_rate
-                .observe(f64::from(output_tokens - 1) / d.as_secs_f64());
+            lock(&self.decode_rate).observe(f64::from(output_tokens - 1) / d.as_secs_f64());
         }
     }
 
@@ -343,25 +305,29 @@ impl GatewayMetrics {
             "Generation requests in flight (HTTP and claudelink).",
             self.in_flight() as f64,
         );
-        self.ttft.render(
+        render_histogram(
             &mut o,
             "zerolayer_time_to_first_token_seconds",
             "From request arrival to the first generated text.",
+            &lock(&self.ttft),
         );
-        self.queue.render(
+        render_histogram(
             &mut o,
             "zerolayer_queue_wait_seconds",
             "From submission to the service's start event (queueing plus tokenization).",
+            &lock(&self.queue),
         );
-        self.latency.render(
+        render_histogram(
             &mut o,
             "zerolayer_request_duration_seconds",
             "Generation request latency, arrival to last byte.",
+            &lock(&self.latency),
         );
-        self.decode_rate.render(
+        render_histogram(
             &mut o,
             "zerolayer_request_decode_tokens_per_second",
             "Per-request decode rate after the first token.",
+            &lock(&self.decode_rate),
         );
         counter(
             &mut o,
@@ -519,12 +485,12 @@ mod tests {
 
     #[test]
     fn histogram_is_cumulative() {
-        let h = Histogram::new(&SECONDS_BUCKETS);
+        let mut h = Histogram::new(Histogram::LATENCY_SECONDS);
         h.observe(0.003);
         h.observe(0.2);
         h.observe(1000.0);
         let mut s = String::new();
-        h.render(&mut s, "x", "help");
+        render_histogram(&mut s, "x", "help", &h);
         assert!(s.contains("x_bucket{le=\"0.005\"} 1\n"));
         assert!(s.contains("x_bucket{le=\"0.25\"} 2\n"));
         assert!(s.contains("x_bucket{le=\"300\"} 2\n"));

@@ -10,7 +10,7 @@ use serde_json::{Map, Value};
 use super::error::ApiError;
 use super::fields::check_keys;
 use super::schema::check_schema_limits;
-use super::validate::{get, opt_bool, required, wrong_type};
+use super::validate::{get, opt_bool, opt_str_field, required, str_field, wrong_type};
 use zerolayer_api::{ChatMessage, ChatRole, ToolCallMessage, ToolChoice, ToolDefinition, Tools};
 
 /// Most tools one request may offer.
@@ -27,26 +27,6 @@ pub(crate) struct ParsedTools {
 
 fn invalid(msg: String) -> ApiError {
     ApiError::invalid(msg)
-}
-
-fn str_field<'a>(obj: &'a Map<String, Value>, key: &str, path: &str) -> Result<&'a str, ApiError> {
-    match get(obj, key) {
-        None => Err(required(&format!("{path}.{key}"))),
-        Some(Value::String(s)) => Ok(s),
-        Some(v) => Err(wrong_type(&format!("{path}.{key}"), "string", v)),
-    }
-}
-
-fn opt_str_field<'a>(
-    obj: &'a Map<String, Value>,
-    key: &str,
-    path: &str,
-) -> Result<Option<&'a str>, ApiError> {
-    match get(obj, key) {
-        None => Ok(None),
-        Some(Value::String(s)) => Ok(Some(s)),
-        Some(v) => Err(wrong_type(&format!("{path}.{key}"), "string", v)),
-    }
 }
 
 /// An optional boolean `key` of `obj` (at `path`), false when absent.
@@ -348,11 +328,7 @@ pub(crate) fn anthropic_turns(
         let Some(obj) = b.as_object() else {
             return Err(wrong_type(&bp, "object", b));
         };
-        let ty = match obj.get("type") {
-            None | Some(Value::Null) => return Err(required(&format!("{bp}.type"))),
-            Some(Value::String(t)) => t.as_str(),
-            Some(other) => return Err(wrong_type(&format!("{bp}.type"), "string", other)),
-        };
+        let ty = str_field(obj, "type", &bp)?;
         match (ty, role) {
             ("text", _) => {
                 check_keys(obj, &["type", "text", "cache_control", "citations"], &bp)?;

@@ -137,6 +137,32 @@ pub(crate) fn get<'a>(obj: &'a Map<String, Value>, key: &str) -> Option<&'a Valu
     obj.get(key).filter(|v| !v.is_null())
 }
 
+/// The string `key` of `obj` (at `path`); absent or `null` is "Field required".
+pub(crate) fn str_field<'a>(
+    obj: &'a Map<String, Value>,
+    key: &str,
+    path: &str,
+) -> Result<&'a str, ApiError> {
+    match get(obj, key) {
+        None => Err(required(&format!("{path}.{key}"))),
+        Some(Value::String(s)) => Ok(s),
+        Some(v) => Err(wrong_type(&format!("{path}.{key}"), "string", v)),
+    }
+}
+
+/// The string `key` of `obj` (at `path`), if present and not `null`.
+pub(crate) fn opt_str_field<'a>(
+    obj: &'a Map<String, Value>,
+    key: &str,
+    path: &str,
+) -> Result<Option<&'a str>, ApiError> {
+    match get(obj, key) {
+        None => Ok(None),
+        Some(Value::String(s)) => Ok(Some(s)),
+        Some(v) => Err(wrong_type(&format!("{path}.{key}"), "string", v)),
+    }
+}
+
 fn parse_object(body: &Value) -> Result<&Map<String, Value>, ApiError> {
     body.as_object().ok_or_else(|| {
         ApiError::invalid(format!(
@@ -306,22 +332,14 @@ fn content_text(v: &Value, path: &str, null_ok: bool) -> Result<String, ApiError
                 let Some(obj) = b.as_object() else {
                     return Err(wrong_type(&bp, "object", b));
                 };
-                let ty = match obj.get("type") {
-                    None | Some(Value::Null) => return Err(required(&format!("{bp}.type"))),
-                    Some(Value::String(t)) => t.as_str(),
-                    Some(other) => return Err(wrong_type(&format!("{bp}.type"), "string", other)),
-                };
+                let ty = str_field(obj, "type", &bp)?;
                 if ty != "text" {
                     return Err(ApiError::invalid(format!(
                         "{bp}.type: content blocks of type `{ty}` are not supported by this server (only `text`)"
                     )));
                 }
                 check_keys(obj, &["type", "text", "cache_control"], &bp)?;
-                match obj.get("text") {
-                    None | Some(Value::Null) => return Err(required(&format!("{bp}.text"))),
-                    Some(Value::String(t)) => parts.push(t.as_str()),
-                    Some(other) => return Err(wrong_type(&format!("{bp}.text"), "string", other)),
-                }
+                parts.push(str_field(obj, "text", &bp)?);
             }
             Ok(parts.join("\n"))
         }
@@ -353,6 +371,18 @@ fn parse_stop_list(v: &Value, key: &str, max_items: usize) -> Result<Vec<String>
 
 /// Appends a turn, merging it into the previous one when a user or assistant role repeats (as
 /// the API does; turns carrying tool calls or results stay apart).
+/// The `messages` of a request: a list of at least one message.
+fn message_list(obj: &Map<String, Value>) -> Result<&[Value], ApiError> {
+    match get(obj, "messages") {
+        None => Err(required("messages")),
+        Some(Value::Array(list)) if list.is_empty() => Err(ApiError::invalid(
+            "messages: at least one message is required",
+        )),
+        Some(Value::Array(list)) => Ok(list),
+        Some(other) => Err(wrong_type("messages", "list", other)),
+    }
+}
+
 fn push_turn(out: &mut Vec<ChatMessage>, m: ChatMessage) {
     match out.last_mut() {
         Some(last)
@@ -397,16 +427,7 @@ pub(crate) fn parse_messages(
             messages.push(ChatMessage::new(ChatRole::System, text));
         }
     }
-    let list = match get(obj, "messages") {
-        None => return Err(required("messages")),
-        Some(Value::Array(list)) => list,
-        Some(other) => return Err(wrong_type("messages", "list", other)),
-    };
-    if list.is_empty() {
-        return Err(ApiError::invalid(
-            "messages: at least one message is required",
-        ));
-    }
+    let list = message_list(obj)?;
     let mut calls = CallNames::default();
     for (i, m) in list.iter().enumerate() {
         let path = format!("messages.{i}");
@@ -483,16 +504,7 @@ pub(crate) fn parse_chat(body: &Value, limits: Limits) -> Result<GenRequest, Api
             |n| n as u32,
         ),
     };
-    let list = match get(obj, "messages") {
-        None => return Err(required("messages")),
-        Some(Value::Array(list)) => list,
-        Some(other) => return Err(wrong_type("messages", "list", other)),
-    };
-    if list.is_empty() {
-        return Err(ApiError::invalid(
-            "messages: at least one message is required",
-        ));
-    }
+    let list = message_list(obj)?;
     let mut messages = Vec::new();
     let mut calls = CallNames::default();
     for (i, m) in list.iter().enumerate() {
@@ -500,20 +512,16 @@ pub(crate) fn parse_chat(body: &Value, limits: Limits) -> Result<GenRequest, Api
         let Some(m) = m.as_object() else {
             return Err(wrong_type(&path, "object", m));
         };
-        let role = match m.get("role") {
-            None | Some(Value::Null) => return Err(required(&format!("{path}.role"))),
-            Some(Value::String(r)) => match r.as_str() {
-                "system" | "developer" => ChatRole::System,
-                "user" => ChatRole::User,
-                "assistant" => ChatRole::Assistant,
-                "tool" => ChatRole::Tool,
-                other => {
-                    return Err(ApiError::invalid(format!(
-                        "{path}.role: role `{other}` is not supported (use system, developer, user, assistant or tool)"
-                    )));
-                }
-            },
-            Some(other) => return Err(wrong_type(&format!("{path}.role"), "string", other)),
+        let role = match str_field(m, "role", &path)? {
+            "system" | "developer" => ChatRole::System,
+            "user" => ChatRole::User,
+            "assistant" => ChatRole::Assistant,
+            "tool" => ChatRole::Tool,
+            other => {
+                return Err(ApiError::invalid(format!(
+                    "{path}.role: role `{other}` is not supported (use system, developer, user, assistant or tool)"
+                )));
+            }
         };
         check_keys(
             m,
@@ -720,6 +728,64 @@ mod tests {
 
     fn msg_err(body: Value) -> String {
         parse_messages(&body, LIMITS, false).unwrap_err().message
+    }
+
+    #[test]
+    fn messages_lists_roles_and_block_fields_name_the_offending_path() {
+        let chat_err = |body: Value| parse_chat(&body, LIMITS).unwrap_err().message;
+        let anthropic = |extra: Value| {
+            let mut body = json!({"model": "m", "max_tokens": 8});
+            body.as_object_mut()
+                .unwrap()
+                .extend(extra.as_object().unwrap().clone());
+            msg_err(body)
+        };
+        let user = |content: Value| json!({"messages": [{"role": "user", "content": content}]});
+        for (got, want) in [
+            (anthropic(json!({})), "messages: Field required"),
+            (
+                anthropic(json!({"messages": []})),
+                "messages: at least one message is required",
+            ),
+            (
+                anthropic(json!({"messages": "hi"})),
+                "messages: Input should be a valid list, got string",
+            ),
+            (
+                chat_err(json!({"model": "m", "messages": []})),
+                "messages: at least one message is required",
+            ),
+            (
+                chat_err(json!({"model": "m", "messages": [{"content": "hi"}]})),
+                "messages.0.role: Field required",
+            ),
+            (
+                chat_err(json!({"model": "m", "messages": [{"role": 5}]})),
+                "messages.0.role: Input should be a valid string, got number",
+            ),
+            (
+                chat_err(json!({"model": "m", "messages": [{"role": "robot"}]})),
+                "messages.0.role: role `robot` is not supported (use system, developer, user, assistant or tool)",
+            ),
+            (
+                anthropic(json!({"system": [{"text": "s"}], "messages": []})),
+                "system.0.type: Field required",
+            ),
+            (
+                anthropic(json!({"system": [{"type": "text", "text": 5}], "messages": []})),
+                "system.0.text: Input should be a valid string, got number",
+            ),
+            (
+                anthropic(user(json!([{"type": null}]))),
+                "messages.0.content.0.type: Field required",
+            ),
+            (
+                anthropic(user(json!([{"type": 1}]))),
+                "messages.0.content.0.type: Input should be a valid string, got number",
+            ),
+        ] {
+            assert_eq!(got, want);
+        }
     }
 
     #[test]

@@ -155,7 +155,7 @@ fn greedy_output_is_batch_invariant_and_matches_a_plain_forward_loop() {
     assert_eq!(batched.text, alone.text);
     let m = e.metrics();
     assert!(
-        m.batch_size_hist.len() > 5,
+        m.batch_size_hist.quantile_upper_bound(1.0) > Some(31.0),
         "no step had 32+ sequences: {:?}",
         m.batch_size_hist
     );
@@ -348,7 +348,7 @@ fn two_hundred_concurrent_streams_all_finish() {
     }
     let m = e.metrics();
     assert_eq!(m.finished, 200);
-    assert!(m.ttft.count == 200 && m.generated_tokens >= 200);
+    assert!(m.ttft.count() == 200 && m.generated_tokens >= 200);
     drop(handles);
     wait_for(|| e.metrics().running == 0, "all done");
 }

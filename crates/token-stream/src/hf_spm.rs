@@ -27,7 +27,7 @@ use serde_json::Value;
 
 use crate::bpe::{self, Merges, NONE, Work};
 use crate::error::LoadError;
-use crate::load::{GgufVocab, MAX_ID, read_added};
+use crate::load::{GgufVocab, MAX_ID, read_added, read_merges};
 use crate::spm::parse_byte_token;
 use crate::tokenizer::{Algo, ModelParts, Tokenizer};
 use crate::vocab::{Checked, TYPE_BYTE, TYPE_CONTROL, TYPE_NORMAL, TYPE_USER_DEFINED};
@@ -475,45 +475,26 @@ pub(crate) fn from_json(v: &Value) -> Result<Tokenizer, LoadError> {
         return Err(LoadError::EmptyVocabulary);
     }
 
-    let merge_list = model
-        .get("merges")
-        .and_then(Value::as_array)
-        .ok_or_else(|| field("model.merges"))?;
     let mut merges = Merges::default();
     let mut joined = String::new();
-    for (index, m) in merge_list.iter().enumerate() {
-        let bad = || LoadError::BadMerge {
-            key: "model.merges",
-            index,
-            rule: m.to_string(),
-        };
-        let (a, b) = match m {
-            Value::String(s) => s.split_once(' ').ok_or_else(bad)?,
-            Value::Array(p) if p.len() == 2 => (
-                p[0].as_str().ok_or_else(bad)?,
-                p[1].as_str().ok_or_else(bad)?,
-            ),
-            _ => return Err(bad()),
-        };
+    // Whether no merge joins across a word start (a MARK inside it, not after another MARK).
+    let mut words_independent = true;
+    for rule in read_merges(model)? {
+        let rule = rule?;
         joined.clear();
-        joined.push_str(a);
-        joined.push_str(b);
-        // HF refuses a merge whose parts or result are not tokens.
-        let (&ia, &ib) = model_ids.get(a).zip(model_ids.get(b)).ok_or_else(bad)?;
-        let &merged = model_ids.get(joined.as_str()).ok_or_else(bad)?;
-        merges.insert(ia, ib, index as u32, merged);
-    }
-    let words_independent = !merge_list.iter().any(|m| {
-        let (a, b) = match m {
-            Value::String(s) => s.split_once(' ').unwrap_or(("", "")),
-            Value::Array(p) => (p[0].as_str().unwrap_or(""), p[1].as_str().unwrap_or("")),
-            _ => ("", ""),
-        };
-        let joined = format!("{a}{b}");
-        joined
+        joined.push_str(rule.left);
+        joined.push_str(rule.right);
+        words_independent &= !joined
             .char_indices()
-            .any(|(i, c)| c == MARK && i > 0 && !joined[..i].ends_with(MARK))
-    });
+            .any(|(i, c)| c == MARK && i > 0 && !joined[..i].ends_with(MARK));
+        // HF refuses a merge whose parts or result are not tokens.
+        let (&ia, &ib) = model_ids
+            .get(rule.left)
+            .zip(model_ids.get(rule.right))
+            .ok_or_else(|| rule.error())?;
+        let &merged = model_ids.get(joined.as_str()).ok_or_else(|| rule.error())?;
+        merges.insert(ia, ib, rule.index as u32, merged);
+    }
 
     let mut char_ids = FxHashMap::default();
     for (&s, &id) in &model_ids {

@@ -602,26 +602,14 @@ impl Tokenizer {
             tokens[i] = Some(a.content.as_bytes().to_vec());
             specials.push((a.content.to_owned(), a.id));
         }
-        let merges = model
-            .get("merges")
-            .and_then(Value::as_array)
-            .ok_or_else(|| field("model.merges"))?;
+        let merges = read_merges(model)?;
         let mut pairs = Vec::with_capacity(merges.len());
-        for (index, m) in merges.iter().enumerate() {
-            let bad = || LoadError::BadMerge {
-                key: "model.merges",
-                index,
-                rule: m.to_string(),
-            };
-            let (a, b) = match m {
-                Value::String(s) => s.split_once(' ').ok_or_else(bad)?,
-                Value::Array(a) if a.len() == 2 => (
-                    a[0].as_str().ok_or_else(bad)?,
-                    a[1].as_str().ok_or_else(bad)?,
-                ),
-                _ => return Err(bad()),
-            };
-            let (&a, &b) = ids.get(a).zip(ids.get(b)).ok_or_else(bad)?;
+        for rule in merges {
+            let rule = rule?;
+            let (&a, &b) = ids
+                .get(rule.left)
+                .zip(ids.get(rule.right))
+                .ok_or_else(|| rule.error())?;
             pairs.push((a, b));
         }
         let unk = model
@@ -765,6 +753,64 @@ pub(crate) struct Added<'a> {
     pub(crate) rstrip: bool,
 }
 
+/// One rule of a `tokenizer.json`'s `model.merges`: the two tokens it joins.
+pub(crate) struct MergeRule<'a> {
+    /// Position in the list.
+    pub(crate) index: usize,
+    /// The left token.
+    pub(crate) left: &'a str,
+    /// The right token.
+    pub(crate) right: &'a str,
+    /// The rule as written.
+    raw: &'a Value,
+}
+
+impl MergeRule<'_> {
+    /// The error for this rule (it names a token the loader refuses).
+    pub(crate) fn error(&self) -> LoadError {
+        bad_merge(self.index, self.raw)
+    }
+}
+
+fn bad_merge(index: usize, raw: &Value) -> LoadError {
+    LoadError::BadMerge {
+        key: "model.merges",
+        index,
+        rule: raw.to_string(),
+    }
+}
+
+/// The `model.merges` of a `tokenizer.json`, rule by rule in order: each written `"a b"` or
+/// `["a", "b"]`; any other form is [`LoadError::BadMerge`] when its turn comes. Missing:
+/// [`LoadError::MissingField`].
+pub(crate) fn read_merges(
+    model: &Value,
+) -> Result<impl ExactSizeIterator<Item = Result<MergeRule<'_>, LoadError>>, LoadError> {
+    let list = model
+        .get("merges")
+        .and_then(Value::as_array)
+        .ok_or(LoadError::MissingField {
+            field: "model.merges",
+        })?;
+    Ok(list.iter().enumerate().map(|(index, raw)| {
+        let bad = || bad_merge(index, raw);
+        let (left, right) = match raw {
+            Value::String(s) => s.split_once(' ').ok_or_else(bad)?,
+            Value::Array(p) if p.len() == 2 => (
+                p[0].as_str().ok_or_else(bad)?,
+                p[1].as_str().ok_or_else(bad)?,
+            ),
+            _ => return Err(bad()),
+        };
+        Ok(MergeRule {
+            index,
+            left,
+            right,
+            raw,
+        })
+    }))
+}
+
 /// The `added_tokens` of a `tokenizer.json`, checked (content, id in range).
 pub(crate) fn read_added(v: &Value) -> Result<Vec<Added<'_>>, LoadError> {
     let field = |field: &'static str| LoadError::MissingField { field };
@@ -813,6 +859,32 @@ mod tests {
         assert_eq!(base64_encode(b"hello"), "aGVsbG8=");
         assert!(base64_decode("a===").is_none());
         assert!(base64_decode("a!==").is_none());
+    }
+
+    #[test]
+    fn merge_rules_are_read_in_both_forms_and_refused_in_turn() {
+        let model = serde_json::json!({"merges": ["a b", ["c", "d e"], ["x"], "nospace"]});
+        let mut rules = read_merges(&model).unwrap();
+        assert_eq!(rules.len(), 4);
+        let first = rules.next().unwrap().unwrap();
+        assert_eq!((first.index, first.left, first.right), (0, "a", "b"));
+        let second = rules.next().unwrap().unwrap();
+        assert_eq!((second.left, second.right), ("c", "d e"));
+        let err = rules.next().unwrap().err().unwrap();
+        assert!(matches!(
+            err,
+            LoadError::BadMerge { key: "model.merges", index: 2, ref rule } if rule == r#"["x"]"#
+        ));
+        assert!(matches!(
+            second.error(),
+            LoadError::BadMerge { index: 1, .. }
+        ));
+        assert!(matches!(
+            read_merges(&serde_json::json!({})).err(),
+            Some(LoadError::MissingField {
+                field: "model.merges"
+            })
+        ));
     }
 
     #[test]

@@ -9,7 +9,6 @@
 //! of the file size.
 
 use std::collections::HashMap;
-use std::fs::File;
 use std::io;
 use std::path::{Path, PathBuf};
 
@@ -700,13 +699,11 @@ impl Gguf {
     /// from it) lives: the tensor views are plain `&[u8]` into the mapping.
     pub unsafe fn open(path: impl AsRef<Path>) -> Result<Self, GgufError> {
         let path = path.as_ref();
-        let io_err = |source| GgufError::Io {
+        // SAFETY: forwarded to our caller (see `# Safety`).
+        let backing = unsafe { Backing::open(path) }.map_err(|source| GgufError::Io {
             path: path.to_path_buf(),
             source,
-        };
-        let file = File::open(path).map_err(io_err)?;
-        // SAFETY: forwarded to our caller (see `# Safety`).
-        let backing = unsafe { Backing::map(file, path) }.map_err(io_err)?;
+        })?;
         let mut g = Self::parse(backing)?;
         g.path = Some(path.to_path_buf());
         Ok(g)

@@ -1,7 +1,6 @@
 //! safetensors parsing over a read-only mapping: `u64` header length, JSON header, raw data.
 
 use std::collections::HashMap;
-use std::fs::File;
 use std::io;
 use std::path::{Path, PathBuf};
 
@@ -262,13 +261,11 @@ impl Safetensors {
     /// from it) lives.
     pub unsafe fn open(path: impl AsRef<Path>) -> Result<Self, SafetensorsError> {
         let path = path.as_ref();
-        let io_err = |source| SafetensorsError::Io {
+        // SAFETY: forwarded to our caller.
+        let backing = unsafe { Backing::open(path) }.map_err(|source| SafetensorsError::Io {
             path: path.to_path_buf(),
             source,
-        };
-        let file = File::open(path).map_err(io_err)?;
-        // SAFETY: forwarded to our caller.
-        let backing = unsafe { Backing::map(file, path) }.map_err(io_err)?;
+        })?;
         let mut s = Self::parse(backing)?;
         s.path = Some(path.to_path_buf());
         Ok(s)

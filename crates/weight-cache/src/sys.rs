@@ -28,14 +28,15 @@ pub(crate) enum Backing {
 }
 
 impl Backing {
-    /// Map `file` read-only.
+    /// Open the file at `path` and map it read-only.
     ///
     /// # Safety
     /// The file must not be modified or truncated while the mapping lives (that would change or
     /// invalidate memory behind `&[u8]` references).
     /// The whole file is mapped here, once: nothing maps further ranges later. The mapping is
     /// entered in the SIGBUS registry under `path` (so a fault in it is reported by name).
-    pub(crate) unsafe fn map(file: File, path: &Path) -> io::Result<Self> {
+    pub(crate) unsafe fn open(path: &Path) -> io::Result<Self> {
+        let file = File::open(path)?;
         let meta = file.metadata()?;
         // SAFETY: forwarded to the caller (see the function's safety section).
         let map = unsafe { memmap2::MmapOptions::new().map(&file)? };

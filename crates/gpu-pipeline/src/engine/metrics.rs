@@ -2,57 +2,16 @@
 
 use std::time::Duration;
 
-use zerolayer_api::ServiceMetrics;
+use zerolayer_api::{Histogram, ServiceMetrics};
 
-/// A histogram of durations over power-of-two microsecond buckets (bucket `k` holds values in
-/// `[2^(k-1), 2^k)` µs; bucket 0 holds 0 µs).
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct LatencyHistogram {
-    /// Counts per bucket.
-    pub buckets: Vec<u64>,
-    /// Number of samples.
-    pub count: u64,
-    /// Sum of all samples in microseconds.
-    pub sum_us: u64,
-}
-
-impl LatencyHistogram {
-    pub(crate) fn record(&mut self, d: Duration) {
-        let us = u64::try_from(d.as_micros()).unwrap_or(u64::MAX);
-        let k = (64 - us.leading_zeros()) as usize;
-        if self.buckets.len() <= k {
-            self.buckets.resize(k + 1, 0);
-        }
-        self.buckets[k] += 1;
-        self.count += 1;
-        self.sum_us = self.sum_us.saturating_add(us);
-    }
-
-    /// Mean, if any samples.
-    pub fn mean(&self) -> Option<Duration> {
-        (self.count > 0).then(|| Duration::from_micros(self.sum_us / self.count))
-    }
-
-    /// Upper bound of the bucket holding quantile `q` in [0, 1] (within a factor of 2).
-    pub fn quantile_upper_bound(&self, q: f64) -> Option<Duration> {
-        if self.count == 0 {
-            return None;
-        }
-        let target = ((q.clamp(0.0, 1.0) * self.count as f64).ceil() as u64).max(1);
-        let mut seen = 0;
-        for (k, &c) in self.buckets.iter().enumerate() {
-            seen += c;
-            if seen >= target {
-                return Some(Duration::from_micros(if k == 0 { 0 } else { 1u64 << k }));
-            }
-        }
-        None
-    }
-}
+/// Bounds of [`EngineMetrics::batch_size_hist`]: `2^(k+1) - 1`, so that bucket `k` counts
+/// steps of `2^k` to `2^(k+1) - 1` sequences (1, 2-3, 4-7, ..., 512-1023; larger steps only in
+/// the `+Inf` bucket).
+const BATCH_SIZE_BOUNDS: &[f64] = &[1.0, 3.0, 7.0, 15.0, 31.0, 63.0, 127.0, 255.0, 511.0, 1023.0];
 
 /// A snapshot of an engine's metrics ([`Engine::metrics`](super::Engine::metrics)).
 #[non_exhaustive]
-#[derive(Clone, Debug, Default, PartialEq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct EngineMetrics {
     /// Requests waiting for admission.
     pub queue_depth: usize,
@@ -71,8 +30,9 @@ pub struct EngineMetrics {
     pub preempted: u64,
     /// Forward steps run.
     pub steps: u64,
-    /// Steps by batch size (sequences per step): bucket `k` counts sizes in `[2^k, 2^(k+1))`.
-    pub batch_size_hist: Vec<u64>,
+    /// Steps by batch size (sequences per step), over the bounds 1, 3, 7, ..., 1023: bucket `k`
+    /// counts sizes in `[2^k, 2^(k+1))`.
+    pub batch_size_hist: Histogram,
     /// Generated tokens since start.
     pub generated_tokens: u64,
     /// Prompt tokens computed (not reused) since start.
@@ -83,10 +43,12 @@ pub struct EngineMetrics {
     pub prompt_tokens_per_s: f64,
     /// Time spent in forward steps.
     pub busy: Duration,
-    /// Time from submit to the first generated token.
-    pub ttft: LatencyHistogram,
-    /// Time between consecutive generated tokens of a stream.
-    pub inter_token: LatencyHistogram,
+    /// Time from submit to the first generated token, in seconds over
+    /// [`Histogram::LATENCY_SECONDS`] (1 ms to 5 min, the gateway's bounds).
+    pub ttft: Histogram,
+    /// Time between consecutive generated tokens of a stream, in seconds over
+    /// [`Histogram::LATENCY_SECONDS`].
+    pub inter_token: Histogram,
     /// KV pool bytes in use (running rings and the prefix cache).
     pub kv_bytes_used: usize,
     /// KV pool budget.
@@ -155,11 +117,43 @@ impl EngineMetrics {
     }
 
     pub(crate) fn record_batch(&mut self, n: usize) {
-        let k = (usize::BITS - n.max(1).leading_zeros() - 1) as usize;
-        if self.batch_size_hist.len() <= k {
-            self.batch_size_hist.resize(k + 1, 0);
+        self.batch_size_hist.observe(n as f64);
+    }
+}
+
+impl Default for EngineMetrics {
+    /// All zero, the histograms empty.
+    fn default() -> Self {
+        Self {
+            queue_depth: 0,
+            running: 0,
+            submitted: 0,
+            refused: 0,
+            finished: 0,
+            cancelled: 0,
+            preempted: 0,
+            steps: 0,
+            batch_size_hist: Histogram::new(BATCH_SIZE_BOUNDS),
+            generated_tokens: 0,
+            prompt_tokens: 0,
+            generated_tokens_per_s: 0.0,
+            prompt_tokens_per_s: 0.0,
+            busy: Duration::ZERO,
+            ttft: Histogram::new(Histogram::LATENCY_SECONDS),
+            inter_token: Histogram::new(Histogram::LATENCY_SECONDS),
+            kv_bytes_used: 0,
+            kv_bytes_budget: 0,
+            prefix_lookups: 0,
+            prefix_hits: 0,
+            prefix_hit_tokens: 0,
+            prefix_entries: 0,
+            weight_cache_hit_rate: None,
+            expert_hit_rate: None,
+            storage_read_bytes_per_token: None,
+            draft_tokens: 0,
+            accepted_draft_tokens: 0,
+            sampled_steps: 0,
         }
-        self.batch_size_hist[k] += 1;
     }
 }
 
@@ -200,22 +194,25 @@ mod tests {
     use super::*;
 
     #[test]
-    fn histogram_quantiles() {
-        let mut h = LatencyHistogram::default();
-        for us in [0u64, 1, 3, 100, 1000] {
-            h.record(Duration::from_micros(us));
-        }
-        assert_eq!(h.count, 5);
-        assert_eq!(h.quantile_upper_bound(0.2), Some(Duration::ZERO));
-        assert_eq!(h.quantile_upper_bound(0.6), Some(Duration::from_micros(4)));
-        assert_eq!(
-            h.quantile_upper_bound(1.0),
-            Some(Duration::from_micros(1024))
-        );
+    fn batch_size_buckets_are_powers_of_two_ranges() {
         let mut m = EngineMetrics::default();
-        m.record_batch(1);
-        m.record_batch(3);
-        m.record_batch(200);
-        assert_eq!(m.batch_size_hist, vec![1, 1, 0, 0, 0, 0, 0, 1]);
+        for n in [1, 2, 3, 4, 200, 5000] {
+            m.record_batch(n);
+        }
+        let cumulative: Vec<u64> = m.batch_size_hist.cumulative().map(|(_, c)| c).collect();
+        // [1], [2, 3], [4, 7], ..., [128, 255] holds 200; 5000 only in +Inf.
+        assert_eq!(cumulative, [1, 3, 4, 4, 4, 4, 4, 5, 5, 5]);
+        assert_eq!(m.batch_size_hist.count(), 6);
+        assert_eq!(m.batch_size_hist.quantile_upper_bound(0.5), Some(3.0));
+    }
+
+    #[test]
+    fn latencies_are_recorded_in_seconds() {
+        let mut m = EngineMetrics::default();
+        m.ttft.observe_duration(Duration::from_millis(20));
+        m.ttft.observe_duration(Duration::from_millis(40));
+        assert_eq!(m.ttft.mean(), Some(0.03));
+        assert_eq!(m.ttft.quantile_upper_bound(1.0), Some(0.05));
+        assert_eq!(m.inter_token.count(), 0);
     }
 }

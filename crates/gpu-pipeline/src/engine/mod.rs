@@ -62,7 +62,7 @@ use zerolayer_api::{ErrorCode, InferenceEvent, StopReason, TokenLogprob, Usage};
 
 pub use channel::RequestHandle;
 pub use complete::{Completion, GenerateError};
-pub use metrics::{EngineMetrics, LatencyHistogram};
+pub use metrics::EngineMetrics;
 pub use scheduler::{
     ClientKey, ClientUsage, KvPlan, Refusal, Scheduler, SchedulerConfig, SeqId, SeqSpec, WorkItem,
 };
@@ -1142,10 +1142,10 @@ impl<E: Executor> Worker<E> {
             m.prompt_tokens += prompt_computed;
             m.generated_tokens += generated;
             for d in ttfts {
-                m.ttft.record(d);
+                m.ttft.observe_duration(d);
             }
             for d in itls {
-                m.inter_token.record(d);
+                m.inter_token.observe_duration(d);
             }
             for ((_, mut a), outcome) in seqs.into_iter().zip(outcomes) {
                 let id_done = max_done.contains(&a.id);
