@@ -25,7 +25,7 @@ use zerolayer::claudelink_proto::{
 /// Ask a zerolayer server a question over claudelink and stream the answer.
 #[derive(Debug, Parser)]
 #[command(about)]
-struct Args {
+struct ClientArgs {
     /// The question.
     prompt: String,
     /// The server's claudelink (UDP) address.
@@ -63,7 +63,7 @@ struct Args {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    let args = Args::parse();
+    let args = ClientArgs::parse();
     let trust = match (&args.fingerprint, &args.ca) {
         (Some(fp), _) => Trust::Pinned(*fp),
         (None, Some(ca)) => Trust::pem_file(ca).context("reading --ca")?,

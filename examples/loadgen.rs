@@ -68,7 +68,7 @@ enum Api {
 /// Drive a server with concurrent streaming chat requests and report latency percentiles.
 #[derive(Debug, Parser)]
 #[command(about)]
-struct Args {
+struct LoadgenArgs {
     #[arg(long, value_enum)]
     transport: Transport,
     /// Server address (UDP for claudelink and h3, TCP for http1, https1 and h2).
@@ -178,7 +178,7 @@ enum Backend {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    let mut args = Args::parse();
+    let mut args = LoadgenArgs::parse();
     if args.model.is_none() {
         let addr = match (args.models_addr, args.transport) {
             (Some(a), _) => a,
@@ -283,7 +283,7 @@ fn pct(sorted: &[f64], p: f64) -> Option<f64> {
     (n > 0).then(|| sorted[((p * n as f64).ceil() as usize).clamp(1, n) - 1])
 }
 
-fn summary(args: &Args, records: &[Record], elapsed: Duration) -> Value {
+fn summary(args: &LoadgenArgs, records: &[Record], elapsed: Duration) -> Value {
     let ok: Vec<&Record> = records.iter().filter(|r| r.error.is_none()).collect();
     let mut errors = serde_json::Map::new();
     for r in records {
@@ -330,7 +330,7 @@ fn summary(args: &Args, records: &[Record], elapsed: Duration) -> Value {
     })
 }
 
-fn request_json(args: &Args, prompt: &str) -> Value {
+fn request_json(args: &LoadgenArgs, prompt: &str) -> Value {
     let messages = json!([{"role": "user", "content": prompt}]);
     match args.api {
         Api::Anthropic => json!({
@@ -363,7 +363,7 @@ fn tls_config(fp: CertFingerprint, alpn: &[u8]) -> anyhow::Result<quinn::ClientC
 }
 
 /// An HTTPS connector for the TCP transports (`None` for cleartext http1).
-fn tcp_tls(args: &Args) -> anyhow::Result<Option<tokio_rustls::TlsConnector>> {
+fn tcp_tls(args: &LoadgenArgs) -> anyhow::Result<Option<tokio_rustls::TlsConnector>> {
     let alpn: &[u8] = match args.transport {
         Transport::Https1 => b"http/1.1",
         Transport::H2 => b"h2",
@@ -428,7 +428,7 @@ async fn h2_handshake(io: Box<dyn Io>) -> Result<H2Sender, String> {
     Ok(send)
 }
 
-async fn connect(args: &Args) -> anyhow::Result<Backend> {
+async fn connect(args: &LoadgenArgs) -> anyhow::Result<Backend> {
     let need_fp = || {
         args.fingerprint
             .context("--fingerprint is required for claudelink and h3")
@@ -491,7 +491,7 @@ async fn connect(args: &Args) -> anyhow::Result<Backend> {
 /// One request into `rec`; `latency` is filled in by the caller.
 async fn one(
     backend: &Backend,
-    args: &Args,
+    args: &LoadgenArgs,
     body: &Bytes,
     request: &InferenceRequest,
     t0: Instant,
@@ -551,7 +551,7 @@ async fn claudelink(
     Err("stream ended without finishing".into())
 }
 
-fn http_request(args: &Args, authority: &str) -> http::request::Builder {
+fn http_request(args: &LoadgenArgs, authority: &str) -> http::request::Builder {
     let path = match args.api {
         Api::Anthropic => "/v1/messages",
         Api::Openai => "/v1/chat/completions",
@@ -656,7 +656,7 @@ fn handle_event(
 
 async fn h3_request(
     send: &mut H3Sender,
-    args: &Args,
+    args: &LoadgenArgs,
     body: &Bytes,
     t0: Instant,
     rec: &mut Record,
@@ -700,7 +700,7 @@ async fn http1(
     idle: &Mutex<Vec<H1Sender>>,
     slots: &Semaphore,
     tls: Option<&tokio_rustls::TlsConnector>,
-    args: &Args,
+    args: &LoadgenArgs,
     body: &Bytes,
     t0: Instant,
     rec: &mut Record,
@@ -729,7 +729,7 @@ async fn http1(
 
 async fn h2_request(
     send: &mut H2Sender,
-    args: &Args,
+    args: &LoadgenArgs,
     body: &Bytes,
     t0: Instant,
     rec: &mut Record,
@@ -748,7 +748,7 @@ async fn h2_request(
 /// Reads an HTTP response's SSE body into `rec` (errors reading the body start with `body:`).
 async fn read_sse(
     resp: http::Response<hyper::body::Incoming>,
-    args: &Args,
+    args: &LoadgenArgs,
     t0: Instant,
     rec: &mut Record,
 ) -> Result<(), String> {
@@ -785,7 +785,7 @@ mod probe {
 
     /// `n` timed reconnects (after one untimed connection that fetches session tickets).
     pub(super) async fn reconnects(
-        args: &Args,
+        args: &LoadgenArgs,
         n: usize,
         body: &Bytes,
         request: &InferenceRequest,
@@ -860,7 +860,7 @@ mod probe {
         Ok(times)
     }
 
-    pub(super) fn summary(args: &Args, times: &[Duration]) -> Value {
+    pub(super) fn summary(args: &LoadgenArgs, times: &[Duration]) -> Value {
         let mut v: Vec<f64> = times.iter().map(|d| ms(*d)).collect();
         v.sort_by(f64::total_cmp);
         json!({

@@ -27,7 +27,7 @@ use zerolayer::zerolayer_gateway::{Gateway, GatewayConfig, H3_ALPN};
 
 /// Serve a GGUF model over HTTP/1.1, HTTP/2, HTTP/3 and claudelink.
 #[derive(Debug, Parser)]
-struct Args {
+struct ServerArgs {
     /// GGUF model file (default: the model `zerolayer pull` fetches).
     #[arg(long)]
     model: Option<PathBuf>,
@@ -65,7 +65,7 @@ async fn main() -> anyhow::Result<()> {
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
-    let args = Args::parse();
+    let args = ServerArgs::parse();
     let model = match args.model {
         Some(p) => p,
         None => weight_cache::locate_default_model()?,

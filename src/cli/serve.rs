@@ -38,7 +38,7 @@ enum Warmup {
 /// `zerolayer serve`: a GGUF model or a Hugging Face model directory over the Anthropic
 /// Messages API (HTTP/1.1, HTTP/2, HTTP/3) and claudelink, with a chat page at `/`.
 #[derive(Debug, clap::Args)]
-pub(crate) struct Args {
+pub(crate) struct ServeArgs {
     /// GGUF model file, or a Hugging Face model directory (config.json, *.safetensors,
     /// tokenizer.json; default: the model `zerolayer pull` fetches).
     #[arg(long)]
@@ -197,7 +197,7 @@ fn raise_open_file_limit() -> Option<u64> {
 
 /// Maps the model, starts the engine and the weight warm-up (which goes on in the background:
 /// `/health` answers 503 until a `full` or `deterministic` warm-up is done).
-fn build_service(args: &Args) -> anyhow::Result<(Arc<EngineService>, PathBuf)> {
+fn build_service(args: &ServeArgs) -> anyhow::Result<(Arc<EngineService>, PathBuf)> {
     let model = super::model_path(args.model.as_deref())?;
     let t0 = Instant::now();
     let mut engine_cfg = EngineConfig::default()
@@ -268,14 +268,14 @@ fn build_service(args: &Args) -> anyhow::Result<(Arc<EngineService>, PathBuf)> {
 }
 
 /// Runs the server until SIGINT or SIGTERM, then drains it.
-pub(crate) fn main(args: Args) -> anyhow::Result<()> {
+pub(crate) fn main(args: ServeArgs) -> anyhow::Result<()> {
     tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?
         .block_on(serve(args))
 }
 
-async fn serve(args: Args) -> anyhow::Result<()> {
+async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let nofile = raise_open_file_limit();
     let (engine, profile) = build_service(&args)?;
     let budget_every = args.weight_budget.map(|_| Duration::from_secs(5));
@@ -488,14 +488,14 @@ mod tests {
     use super::*;
     use clap::Parser;
 
-    /// `Args` as the top of a command line.
+    /// `ServeArgs` as the top of a command line.
     #[derive(Debug, Parser)]
     struct Cmd {
         #[command(flatten)]
-        args: Args,
+        args: ServeArgs,
     }
 
-    impl Args {
+    impl ServeArgs {
         fn try_parse_from<const N: usize>(argv: [&str; N]) -> Result<Self, clap::Error> {
             Cmd::try_parse_from(argv).map(|c| c.args)
         }
@@ -503,22 +503,22 @@ mod tests {
 
     #[test]
     fn model_id_defaults_to_none_so_the_file_names_the_model() {
-        let args = Args::try_parse_from(["server"]).unwrap();
+        let args = ServeArgs::try_parse_from(["server"]).unwrap();
         assert_eq!(args.model_id, None);
     }
 
     #[test]
     fn model_id_is_taken_trimmed_with_inner_spaces() {
-        let args = Args::try_parse_from(["server", "--model-id", " My Model 7B "]).unwrap();
+        let args = ServeArgs::try_parse_from(["server", "--model-id", " My Model 7B "]).unwrap();
         assert_eq!(args.model_id.as_deref(), Some("My Model 7B"));
-        let args = Args::try_parse_from(["server", "--model-id=smollm2"]).unwrap();
+        let args = ServeArgs::try_parse_from(["server", "--model-id=smollm2"]).unwrap();
         assert_eq!(args.model_id.as_deref(), Some("smollm2"));
     }
 
     #[test]
     fn a_blank_model_id_is_refused() {
         for blank in ["", "   "] {
-            let e = Args::try_parse_from(["server", "--model-id", blank]).unwrap_err();
+            let e = ServeArgs::try_parse_from(["server", "--model-id", blank]).unwrap_err();
             assert!(e.to_string().contains("must not be empty"), "{e}");
         }
     }

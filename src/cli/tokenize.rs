@@ -15,7 +15,7 @@ use token_stream::Tokenizer;
 
 /// `zerolayer tokenize`.
 #[derive(Debug, clap::Args)]
-pub(crate) struct Args {
+pub(crate) struct TokenizeArgs {
     /// A GGUF model whose tokenizer to use (default: the default model).
     #[arg(long, conflicts_with = "vocab")]
     model: Option<PathBuf>,
@@ -62,7 +62,7 @@ fn find_rank_file(name: &str, dir: Option<&Path>) -> anyhow::Result<PathBuf> {
 }
 
 /// Runs `zerolayer tokenize`.
-pub(crate) fn main(args: Args) -> anyhow::Result<()> {
+pub(crate) fn main(args: TokenizeArgs) -> anyhow::Result<()> {
     let tok = match (&args.model, &args.vocab) {
         (model, None) => {
             let path = super::model_path(model.as_deref())?;

@@ -3,7 +3,7 @@
 //!
 //! ```text
 //! zerolayer serve                      # prints the certificate fingerprint and the model
-//! cargo run -p zerolayer-claudelink-proto --example client -- \
+//! cargo run -p zerolayer-claudelink-proto --example stream -- \
 //!     --fingerprint AB:CD:... --model SmolLM2-135M-Instruct "Why is the sky blue?"
 //! ```
 //!
@@ -23,7 +23,7 @@ use claudelink_proto::{
 type Error = Box<dyn std::error::Error>;
 
 /// The command line: options, then the prompt.
-struct Args {
+struct Options {
     server: SocketAddr,
     fingerprint: CertFingerprint,
     model: String,
@@ -31,7 +31,7 @@ struct Args {
     prompt: String,
 }
 
-fn parse_args() -> Result<Args, Error> {
+fn parse_args() -> Result<Options, Error> {
     let mut server: SocketAddr = "127.0.0.1:8443".parse()?;
     let (mut fingerprint, mut model, mut max_tokens) = (None, None, 256);
     let mut prompt = Vec::new();
@@ -46,7 +46,7 @@ fn parse_args() -> Result<Args, Error> {
             _ => prompt.push(arg),
         }
     }
-    Ok(Args {
+    Ok(Options {
         server,
         fingerprint: fingerprint.ok_or("pass --fingerprint (printed by the server)")?,
         model: model.ok_or("pass --model (the id the server serves)")?,
