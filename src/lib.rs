@@ -3,9 +3,12 @@
 //! This root package re-exports the workspace's crates and composes them; each crate can also be
 //! used on its own.
 
+mod load;
+mod prompt;
 mod service;
 
-pub use service::{EngineService, ExecutorChoice, LoadServiceError, chat_template, load_model};
+pub use load::{chat_template, load_model};
+pub use service::{EngineService, ExecutorChoice, LoadServiceError};
 
 pub use claudelink_proto;
 pub use gpu_pipeline;

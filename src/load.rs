@@ -1,0 +1,66 @@
+//! Opening a model: a GGUF file or a Hugging Face directory, with its tokenizer and chat template.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use gpu_pipeline::{Model, ModelOptions, WeightSource};
+use token_stream::{ChatTemplate, Tokenizer};
+
+use crate::service::LoadServiceError;
+
+/// Maps the model at `path` with its tokenizer: a GGUF file, or a Hugging Face model directory
+/// (`config.json`, `*.safetensors`, `tokenizer.json`; see [`gpu_pipeline::HfModel`]). The one
+/// loader of every command (`serve`, `generate`, `run`, `bench`, `perplexity`) and of
+/// [`EngineService::load`](crate::EngineService::load).
+///
+/// ```no_run
+/// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let path = zerolayer::weight_cache::locate_default_model()?;
+/// // SAFETY: the model file is not modified while it is mapped.
+/// let (model, tokenizer) =
+///     unsafe { zerolayer::load_model(&path, zerolayer::gpu_pipeline::ModelOptions::default()) }?;
+/// let template = zerolayer::chat_template(&tokenizer, model.source().as_ref());
+/// # Ok(()) }
+/// ```
+///
+/// # Safety
+/// The files must not be modified or truncated while mapped (see `weight_cache::Gguf::open`).
+pub unsafe fn load_model(
+    path: &Path,
+    options: ModelOptions,
+) -> Result<(Model, Tokenizer), LoadServiceError> {
+    if path.is_dir() {
+        // SAFETY: forwarded to our caller.
+        let hf = unsafe { gpu_pipeline::HfModel::open(path) }?;
+        let tokenizer = Tokenizer::from_tokenizer_json_file(hf.tokenizer_json_path())?;
+        Ok((Model::load_source(Arc::new(hf), options)?, tokenizer))
+    } else {
+        // SAFETY: forwarded to our caller.
+        let gguf = Arc::new(unsafe { weight_cache::Gguf::open(path) }?);
+        let tokenizer = Tokenizer::from_gguf(&gguf)?;
+        let model = Model::load(gguf.clone(), options)?;
+        // Vocabulary and configuration are built: the header's pages need not stay resident
+        // (a later metadata read faults them back in). Best effort.
+        let _ = gguf.release_header();
+        Ok((model, tokenizer))
+    }
+}
+
+/// The model's chat template: the tokenizer's (GGUF), else the one the source ships (a Hugging
+/// Face directory's `tokenizer_config.json`) with the BOS/EOS text of the model's ids, else
+/// llama.cpp's fallback (ChatML). What the server and every command render chats with.
+pub fn chat_template(tok: &Tokenizer, src: &dyn WeightSource) -> Option<ChatTemplate> {
+    if tok.chat_template().is_none()
+        && let Some(text) = src.chat_template()
+    {
+        let (bos, eos) = (
+            src.get_u32("tokenizer.ggml.bos_token_id"),
+            src.get_u32("tokenizer.ggml.eos_token_id"),
+        );
+        match ChatTemplate::with_token_ids(&text, tok, bos, eos) {
+            Ok(t) => return Some(t),
+            Err(e) => tracing::warn!("the model's chat template does not compile ({e}): ChatML"),
+        }
+    }
+    ChatTemplate::from_tokenizer(tok).ok()
+}
