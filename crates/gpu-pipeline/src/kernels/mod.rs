@@ -79,9 +79,9 @@ pub use weight_cache::GgmlType;
 use act::ActBlock;
 use act::ActQuad;
 use format::Fmt;
+pub(crate) use ops::rope_head;
 pub use ops::{
-    OpsError, add_assign, axpy, axpy_f16, dot, dot_f16, rmsnorm, rope_neox, rope_normal, silu_mul,
-    softmax,
+    OpsError, add_assign, axpy, axpy_f16, dot, dot_f16, rmsnorm, rope, silu_mul, softmax,
 };
 pub use packed::PackedWeights;
 

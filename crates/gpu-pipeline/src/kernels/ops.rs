@@ -8,6 +8,8 @@
 
 use half::f16;
 
+use crate::model::RopeLayout;
+
 /// Errors of the helpers in this module: mismatched slice lengths.
 #[non_exhaustive]
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -435,52 +437,70 @@ pub fn silu_mul(gate: &mut [f32], up: &[f32]) -> Result<(), OpsError> {
     Ok(())
 }
 
-fn check_rope(x: &[f32], head_dim: usize, cos: &[f32], sin: &[f32]) -> Result<usize, OpsError> {
-    check("rope: sin", cos.len(), sin.len())?;
-    let n_rot = 2 * cos.len();
-    if n_rot > head_dim || head_dim == 0 || !x.len().is_multiple_of(head_dim) {
+/// RoPE of whole heads in place, with one position's table: `x` holds heads of `head_dim`,
+/// `cos_sin` the `n_rot / 2` rotated pairs' `(cos, sin)` interleaved (`n_rot = cos_sin.len() <=
+/// head_dim`; dimensions past `n_rot` are left as they are). [`RopeLayout::Normal`] (GPT-J,
+/// llama.cpp's `LLAMA_ROPE_TYPE_NORM`) rotates the adjacent pairs `(2i, 2i + 1)`,
+/// [`RopeLayout::Neox`] the pairs `(i, i + n_rot / 2)`. The model's forward pass rotates its
+/// heads with this function's arithmetic.
+///
+/// ```
+/// use gpu_pipeline::RopeLayout;
+/// use gpu_pipeline::kernels::rope;
+/// let cos_sin = [0.0, 1.0, 1.0, 0.0]; // pair 0: 90 degrees, pair 1: unchanged
+/// let mut head = [1.0, 2.0, 3.0, 4.0];
+/// rope(RopeLayout::Normal, &mut head, 4, &cos_sin)?;
+/// assert_eq!(head, [-2.0, 1.0, 3.0, 4.0]);
+/// # Ok::<(), gpu_pipeline::kernels::OpsError>(())
+/// ```
+pub fn rope(
+    layout: RopeLayout,
+    x: &mut [f32],
+    head_dim: usize,
+    cos_sin: &[f32],
+) -> Result<(), OpsError> {
+    let n_rot = cos_sin.len();
+    if !n_rot.is_multiple_of(2) || n_rot > head_dim {
+        return Err(OpsError::LengthMismatch {
+            what: "rope: cos_sin (an even length, at most head_dim)",
+            expected: head_dim,
+            actual: n_rot,
+        });
+    }
+    if head_dim == 0 || !x.len().is_multiple_of(head_dim) {
         return Err(OpsError::LengthMismatch {
             what: "rope: x / head_dim",
             expected: head_dim,
             actual: x.len(),
         });
     }
-    Ok(n_rot)
-}
-
-/// RoPE, "normal" (GPT-J / llama.cpp `LLAMA_ROPE_TYPE_NORM`) layout: rotates the adjacent pairs
-/// `(2i, 2i + 1)` of every head by `(cos[i], sin[i])`. `x` holds whole heads of `head_dim`;
-/// `cos.len() == sin.len() == n_rot / 2`; dimensions past `n_rot` are left as they are.
-pub fn rope_normal(
-    x: &mut [f32],
-    head_dim: usize,
-    cos: &[f32],
-    sin: &[f32],
-) -> Result<(), OpsError> {
-    check_rope(x, head_dim, cos, sin)?;
     for head in x.chunks_exact_mut(head_dim) {
-        for (i, (&c, &s)) in cos.iter().zip(sin).enumerate() {
-            let (a, b) = (head[2 * i], head[2 * i + 1]);
-            head[2 * i] = a * c - b * s;
-            head[2 * i + 1] = a * s + b * c;
-        }
+        rope_head(layout, cos_sin, head);
     }
     Ok(())
 }
 
-/// RoPE, "neox" layout: rotates the pairs `(i, i + n_rot / 2)` of every head by
-/// `(cos[i], sin[i])`; otherwise as [`rope_normal`].
-pub fn rope_neox(x: &mut [f32], head_dim: usize, cos: &[f32], sin: &[f32]) -> Result<(), OpsError> {
-    let n_rot = check_rope(x, head_dim, cos, sin)?;
-    let half = n_rot / 2;
-    for head in x.chunks_exact_mut(head_dim) {
-        for (i, (&c, &s)) in cos.iter().zip(sin).enumerate() {
-            let (a, b) = (head[i], head[i + half]);
-            head[i] = a * c - b * s;
-            head[i + half] = a * s + b * c;
+/// [`rope`] of one head, the lengths known to fit (`cos_sin.len()` even, at most `head.len()`).
+pub(crate) fn rope_head(layout: RopeLayout, cos_sin: &[f32], head: &mut [f32]) {
+    let half = cos_sin.len() / 2;
+    match layout {
+        RopeLayout::Normal => {
+            for i in 0..half {
+                let (c, s) = (cos_sin[2 * i], cos_sin[2 * i + 1]);
+                let (x0, x1) = (head[2 * i], head[2 * i + 1]);
+                head[2 * i] = x0 * c - x1 * s;
+                head[2 * i + 1] = x0 * s + x1 * c;
+            }
+        }
+        RopeLayout::Neox => {
+            for i in 0..half {
+                let (c, s) = (cos_sin[2 * i], cos_sin[2 * i + 1]);
+                let (x0, x1) = (head[i], head[i + half]);
+                head[i] = x0 * c - x1 * s;
+                head[i + half] = x0 * s + x1 * c;
+            }
         }
     }
-    Ok(())
 }
 
 #[cfg(test)]
@@ -558,13 +578,36 @@ mod tests {
         let mut g = [1.0f32, -1.0];
         silu_mul(&mut g, &[2.0, 3.0]).unwrap();
         assert!((g[0] - 2.0 / (1.0 + (-1.0f32).exp())).abs() < 1e-6);
+    }
+
+    #[test]
+    fn rope_rotates_the_pairs_of_its_layout_in_every_head() {
         let (c, sn) = ((0.3f32).cos(), (0.3f32).sin());
-        let mut h = [1.0f32, 2.0, 3.0, 4.0];
-        rope_normal(&mut h, 4, &[c, 1.0], &[sn, 0.0]).unwrap();
+        // Two heads of 4; pair 0 turned by 0.3 rad, pair 1 unchanged.
+        let cs = [c, sn, 1.0, 0.0];
+        let mut h = [1.0f32, 2.0, 3.0, 4.0, 1.0, 2.0, 3.0, 4.0];
+        rope(RopeLayout::Normal, &mut h, 4, &cs).unwrap();
+        assert_eq!(h[..4], h[4..]);
         assert!((h[0] - (c - 2.0 * sn)).abs() < 1e-6 && (h[2] - 3.0).abs() < 1e-6);
         let mut h = [1.0f32, 2.0, 3.0, 4.0];
-        rope_neox(&mut h, 4, &[c, 1.0], &[sn, 0.0]).unwrap();
+        rope(RopeLayout::Neox, &mut h, 4, &cs).unwrap();
         assert!((h[0] - (c - 3.0 * sn)).abs() < 1e-6 && (h[2] - (sn + 3.0 * c)).abs() < 1e-6);
-        assert!(rope_neox(&mut h, 3, &[c, 1.0], &[sn, 0.0]).is_err());
+        // Partial rotation: only the first n_rot = 2 dimensions turn.
+        let mut h = [1.0f32, 2.0, 3.0, 4.0];
+        rope(RopeLayout::Neox, &mut h, 4, &cs[..2]).unwrap();
+        assert_eq!(h[2..], [3.0, 4.0]);
+        assert!((h[0] - (c - 2.0 * sn)).abs() < 1e-6);
+        assert!(
+            rope(RopeLayout::Neox, &mut h, 3, &cs).is_err(),
+            "table longer than a head"
+        );
+        assert!(
+            rope(RopeLayout::Neox, &mut h, 4, &cs[..3]).is_err(),
+            "odd table"
+        );
+        assert!(
+            rope(RopeLayout::Neox, &mut h[..3], 2, &cs[..2]).is_err(),
+            "partial head"
+        );
     }
 }

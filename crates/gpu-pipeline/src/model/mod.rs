@@ -1311,7 +1311,7 @@ impl Model {
                     if let Some((table, cs)) = rope {
                         let cs = &cs[t * n_rot..][..n_rot];
                         for h in q.chunks_exact_mut(hd).chain(k.chunks_exact_mut(hd)) {
-                            ops::rope_apply(table.layout, cs, h);
+                            ops::rope_head(table.layout, cs, h);
                         }
                     }
                 }

@@ -5,7 +5,7 @@
 
 use std::marker::PhantomData;
 
-use super::{RopeConfig, RopeLayout, RopeScaling};
+use super::{RopeConfig, RopeScaling};
 
 /// Inverse RoPE frequencies `theta^(-2i/n_rot) / freq_factor[i] / linear_factor`, in f64; with
 /// `long`, LongRoPE's long factors where the config has them.
@@ -39,32 +39,10 @@ pub(super) fn rope_cos_sin(inv: &[f64], pos: u64, m: f32, out: &mut [f32]) {
     }
 }
 
-/// Rotates one head in place with the cos/sin table of its position.
-pub(super) fn rope_apply(layout: RopeLayout, cs: &[f32], head: &mut [f32]) {
-    let half = cs.len() / 2;
-    match layout {
-        RopeLayout::Normal => {
-            for i in 0..half {
-                let (c, s) = (cs[2 * i], cs[2 * i + 1]);
-                let (x0, x1) = (head[2 * i], head[2 * i + 1]);
-                head[2 * i] = x0 * c - x1 * s;
-                head[2 * i + 1] = x0 * s + x1 * c;
-            }
-        }
-        RopeLayout::Neox => {
-            for i in 0..half {
-                let (c, s) = (cs[2 * i], cs[2 * i + 1]);
-                let (x0, x1) = (head[i], head[i + half]);
-                head[i] = x0 * c - x1 * s;
-                head[i + half] = x0 * s + x1 * c;
-            }
-        }
-    }
-}
-
 use crate::kernels::multiversion;
 pub(super) use crate::kernels::{
-    add_rows, gelu_tanh_mul_rows, rmsnorm_rows, silu_mul_rows, softcap_rows, split_residual,
+    add_rows, gelu_tanh_mul_rows, rmsnorm_rows, rope_head, silu_mul_rows, softcap_rows,
+    split_residual,
 };
 
 multiversion! {
@@ -138,18 +116,7 @@ impl<'a> SharedRows<'a> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn rope_normal_and_neox_rotate_pairs() {
-        let cs = [0.0f32, 1.0, 1.0, 0.0]; // pair 0: 90 degrees, pair 1: identity
-        let mut h = [1.0f32, 2.0, 3.0, 4.0];
-        rope_apply(RopeLayout::Normal, &cs, &mut h);
-        assert_eq!(h, [-2.0, 1.0, 3.0, 4.0]);
-        let mut h = [1.0f32, 2.0, 3.0, 4.0];
-        rope_apply(RopeLayout::Neox, &cs, &mut h);
-        // pairs (h0, h2) rotated 90 degrees, (h1, h3) unchanged
-        assert_eq!(h, [-3.0, 2.0, 1.0, 4.0]);
-    }
+    use crate::model::RopeLayout;
 
     #[test]
     fn rope_inv_freq_matches_formula() {
