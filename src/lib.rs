@@ -7,8 +7,8 @@ mod load;
 mod prompt;
 mod service;
 
-pub use load::{chat_template, load_model};
-pub use service::{EngineService, ExecutorChoice, LoadServiceError};
+pub use load::{ExecutorChoice, chat_template, executor, load_model};
+pub use service::{EngineService, LoadServiceError};
 
 pub use claudelink_proto;
 pub use gpu_pipeline;

@@ -3,6 +3,7 @@
 use std::path::Path;
 use std::sync::Arc;
 
+use gpu_pipeline::executor::{CpuExecutor, HostedExecutor};
 use gpu_pipeline::{Model, ModelOptions, WeightSource};
 use token_stream::{ChatTemplate, Tokenizer};
 
@@ -63,4 +64,67 @@ pub fn chat_template(tok: &Tokenizer, src: &dyn WeightSource) -> Option<ChatTemp
         }
     }
     ChatTemplate::from_tokenizer(tok).ok()
+}
+
+/// What runs the forward pass ([`executor`], [`EngineService::load_on`](crate::EngineService::load_on)).
+#[non_exhaustive]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum ExecutorChoice {
+    /// The CPU kernels.
+    #[default]
+    Cpu,
+    /// The CUDA executor (unverified on hardware until `scripts/gpu-check` passes), with this
+    /// many device bytes for the weights (`None`: all resident). A build without the `cuda`
+    /// feature answers [`LoadServiceError::CudaNotBuilt`].
+    Cuda {
+        /// Device bytes for the weights.
+        budget: Option<u64>,
+    },
+}
+
+/// The executor `choice` names, running `model`: what every command and the server run the
+/// forward pass on. The CUDA executor logs its device and how much of the weights it holds.
+///
+/// ```no_run
+/// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// use std::sync::Arc;
+/// let path = zerolayer::weight_cache::locate_default_model()?;
+/// // SAFETY: the model file is not modified while it is mapped.
+/// let (model, _) = unsafe { zerolayer::load_model(&path, Default::default()) }?;
+/// let exec = zerolayer::executor(Arc::new(model), zerolayer::ExecutorChoice::Cpu)?;
+/// # Ok(()) }
+/// ```
+pub fn executor(
+    model: Arc<Model>,
+    choice: ExecutorChoice,
+) -> Result<HostedExecutor, LoadServiceError> {
+    match choice {
+        ExecutorChoice::Cpu => Ok(CpuExecutor::new(model).into()),
+        ExecutorChoice::Cuda { budget } => cuda_executor(model, budget),
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn cuda_executor(
+    model: Arc<Model>,
+    budget: Option<u64>,
+) -> Result<HostedExecutor, LoadServiceError> {
+    let mut opts = gpu_pipeline::executor::CudaOptions::default();
+    opts.budget = budget;
+    let exec = gpu_pipeline::executor::CudaExecutor::new(model, opts)?;
+    let st = exec.stats();
+    tracing::info!(
+        device = %st.device,
+        arch = %st.arch,
+        weight_device_bytes = st.weight_device_bytes,
+        weight_bytes = st.weight_bytes,
+        streamed_bytes_per_step = st.streamed_bytes_per_step,
+        "the forward pass runs on the CUDA executor"
+    );
+    Ok(exec.into())
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_executor(_: Arc<Model>, _: Option<u64>) -> Result<HostedExecutor, LoadServiceError> {
+    Err(LoadServiceError::CudaNotBuilt)
 }

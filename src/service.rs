@@ -10,7 +10,7 @@ use futures::FutureExt;
 use futures::channel::oneshot;
 
 use gpu_pipeline::engine::{Engine, EngineConfig, GenerationRequest, RequestHandle};
-use gpu_pipeline::executor::{CpuExecutor, HostedExecutor};
+use gpu_pipeline::executor::HostedExecutor;
 use gpu_pipeline::{GrammarError, Grammars, ModelOptions, SamplerConfig, WeightSource};
 use token_stream::{ChatTemplate, Tokenizer, ToolCallParser, ToolEvent, ToolSyntax};
 use weight_cache::{FileWatch, WarmupHandle, WarmupStrategy, WeightCache};
@@ -19,7 +19,7 @@ use zerolayer_api::{
     ServiceError, ServiceHealth, ServiceMetrics, StopReason, ToolChoice, Tools,
 };
 
-use crate::load::{chat_template, load_model};
+use crate::load::{ExecutorChoice, chat_template, load_model};
 use crate::prompt::{PromptParts, PromptPool};
 
 /// Why [`EngineService::load`] failed.
@@ -52,24 +52,11 @@ pub enum LoadServiceError {
     NoTokenizer,
     /// The CUDA executor could not start (no driver, no GPU, an unsupported model).
     #[cfg(feature = "cuda")]
-    #[error("starting the CUDA executor")]
+    #[error("starting the CUDA executor: {0}")]
     Cuda(#[from] gpu_pipeline::executor::CudaError),
-}
-
-/// What runs the forward pass of an [`EngineService::load_on`].
-#[non_exhaustive]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum ExecutorChoice {
-    /// The CPU kernels.
-    #[default]
-    Cpu,
-    /// The CUDA executor (unverified on hardware until `scripts/gpu-check` passes), with this
-    /// many device bytes for the weights (`None`: all resident).
-    #[cfg(feature = "cuda")]
-    Cuda {
-        /// Device bytes for the weights.
-        budget: Option<u64>,
-    },
+    /// The CUDA executor was asked for, but this build of zerolayer has no `cuda` feature.
+    #[error("this zerolayer was built without the `cuda` feature")]
+    CudaNotBuilt,
 }
 
 /// An [`InferenceService`] over one model served by an [`Engine`].
@@ -153,16 +140,7 @@ impl EngineService {
         // SAFETY: forwarded to our caller.
         let (model, tokenizer) = unsafe { load_model(path, options) }?;
         let tokenizer = Arc::new(tokenizer);
-        let model = Arc::new(model);
-        let exec: HostedExecutor = match executor {
-            ExecutorChoice::Cpu => CpuExecutor::new(model).into(),
-            #[cfg(feature = "cuda")]
-            ExecutorChoice::Cuda { budget } => {
-                let mut opts = gpu_pipeline::executor::CudaOptions::default();
-                opts.budget = budget;
-                gpu_pipeline::executor::CudaExecutor::new(model, opts)?.into()
-            }
-        };
+        let exec = crate::executor(Arc::new(model), executor)?;
         let engine = Engine::with_executor(Arc::new(exec), Some(tokenizer.clone()), cfg)?;
         Self::new(engine)
     }

@@ -169,7 +169,9 @@ fn generate_with_executor_cuda_without_a_driver_fails_cleanly() {
     let stderr = String::from_utf8(out.stderr).unwrap();
     assert_eq!(out.status.code(), Some(1), "{stderr}");
     assert!(
-        stderr.contains("--executor cuda: no CUDA driver: libcuda not found (tried libcuda.so"),
+        stderr.contains(
+            "--executor cuda: starting the CUDA executor: no CUDA driver: libcuda not found (tried libcuda.so"
+        ),
         "{stderr}"
     );
     assert!(!stderr.contains("panicked"), "{stderr}");

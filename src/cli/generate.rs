@@ -277,7 +277,7 @@ pub(crate) fn main(a: GenerateArgs) -> anyhow::Result<()> {
     }
 }
 
-/// `--executor` and `--device-budget` as a service's executor.
+/// `--executor` and `--device-budget` as an executor choice.
 pub(crate) fn executor_choice(
     kind: ExecutorKind,
     budget: Option<u64>,
@@ -285,39 +285,8 @@ pub(crate) fn executor_choice(
     match kind {
         ExecutorKind::Cpu if budget.is_some() => bail!("--device-budget needs --executor cuda"),
         ExecutorKind::Cpu => Ok(zerolayer::ExecutorChoice::Cpu),
-        #[cfg(feature = "cuda")]
         ExecutorKind::Cuda => Ok(zerolayer::ExecutorChoice::Cuda { budget }),
-        #[cfg(not(feature = "cuda"))]
-        ExecutorKind::Cuda => {
-            bail!("--executor cuda: this zerolayer was built without the `cuda` feature")
-        }
     }
-}
-
-/// The CUDA executor on `model` (a clean error without a GPU or without the `cuda` feature).
-#[cfg(feature = "cuda")]
-fn cuda_executor(
-    model: &Arc<Model>,
-    budget: Option<u64>,
-) -> anyhow::Result<gpu_pipeline::executor::HostedExecutor> {
-    let mut opts = gpu_pipeline::executor::CudaOptions::default();
-    opts.budget = budget;
-    let exec = gpu_pipeline::executor::CudaExecutor::new(model.clone(), opts)
-        .map_err(|e| anyhow::anyhow!("--executor cuda: {e}"))?;
-    let st = exec.stats();
-    eprintln!(
-        "cuda: {} ({}), {} of {} weight bytes on the device, {} streamed per step",
-        st.device, st.arch, st.weight_device_bytes, st.weight_bytes, st.streamed_bytes_per_step
-    );
-    Ok(exec.into())
-}
-
-#[cfg(not(feature = "cuda"))]
-fn cuda_executor(
-    _model: &Arc<Model>,
-    _budget: Option<u64>,
-) -> anyhow::Result<gpu_pipeline::executor::HostedExecutor> {
-    bail!("--executor cuda: this zerolayer was built without the `cuda` feature")
 }
 
 /// The prompt's token ids from `--prompt-ids`, `--chat` (rendered with the model's chat
@@ -417,21 +386,18 @@ fn budgeted_cache(
 /// stdout unless `--json`.
 fn generate(a: &GenerateArgs, loaded: LoadedModel, prompt: &[u32]) -> anyhow::Result<()> {
     use gpu_pipeline::engine::{Engine, GenerationRequest};
-    use gpu_pipeline::executor::{CpuExecutor, HostedExecutor};
     let LoadedModel {
         model, tokenizer, ..
     } = loaded;
     let (model, tokenizer) = (Arc::new(model), Arc::new(tokenizer));
-    let exec: HostedExecutor = match a.executor {
-        ExecutorKind::Cpu if a.device_budget.is_some() => {
-            bail!("--device-budget needs --executor cuda")
-        }
-        ExecutorKind::Cpu => CpuExecutor::new(model.clone()).into(),
-        ExecutorKind::Cuda if a.speculate != super::Speculate::Off => {
-            bail!("--speculate needs --executor cpu")
-        }
-        ExecutorKind::Cuda => cuda_executor(&model, a.device_budget)?,
-    };
+    if a.executor == ExecutorKind::Cuda && a.speculate != super::Speculate::Off {
+        bail!("--speculate needs --executor cpu");
+    }
+    let choice = executor_choice(a.executor, a.device_budget)?;
+    let exec = zerolayer::executor(model.clone(), choice).map_err(|e| match choice {
+        zerolayer::ExecutorChoice::Cuda { .. } => anyhow::anyhow!("--executor cuda: {e}"),
+        _ => e.into(),
+    })?;
     let sampling = SamplerConfig::default()
         .with_temperature(a.temperature)
         .with_top_k(a.top_k.unwrap_or(0))
