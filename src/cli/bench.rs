@@ -51,7 +51,8 @@ pub(crate) struct BenchArgs {
     /// decode speed at that context length. Prefilled before timing.
     #[arg(long, default_value_t = 0)]
     depth: usize,
-    /// Print one JSON object.
+    /// Print one JSON object (with, beside llama-bench's figures, the `tg` request's time to
+    /// first token: the prefill of its `--depth` tokens and one more).
     #[arg(long)]
     json: bool,
 }
@@ -102,13 +103,15 @@ pub(crate) fn main(a: BenchArgs) -> anyhow::Result<()> {
     let exec = Arc::new(CpuExecutor::new(Arc::new(model)));
     let cfg = one_request_engine(&*exec, context.len() + a.gen_tokens, a.kv_dtype.into());
     let engine = Engine::with_executor(exec, None, cfg)?;
-    let mut tg = Vec::with_capacity(a.reps);
+    let (mut tg, mut first) = (Vec::with_capacity(a.reps), Vec::with_capacity(a.reps));
     for _ in 0..a.reps {
         let req =
             GenerationRequest::new(context.clone(), a.gen_tokens).with_stop_tokens(Vec::new());
         let g = engine.generate(req, &mut |_| {})?;
         tg.push(g.decode_tokens_per_second().unwrap_or(0.0));
+        first.push(g.time_to_first_token.as_secs_f64() * 1e3);
     }
+    let first_ms = median(&mut first);
     let (pp, tg) = (median(&mut pp), median(&mut tg));
     let threads = if a.threads == 0 {
         std::thread::available_parallelism().map_or(1, usize::from)
@@ -122,7 +125,8 @@ pub(crate) fn main(a: BenchArgs) -> anyhow::Result<()> {
             json!({"model": name, "threads": threads, "reps": a.reps,
                    "kv_dtype": format!("{:?}", KvDtype::from(a.kv_dtype)),
                    "pp": {"tokens": a.prompt_tokens, "tokens_per_second": pp},
-                   "tg": {"tokens": a.gen_tokens, "depth": a.depth, "tokens_per_second": tg}})
+                   "tg": {"tokens": a.gen_tokens, "depth": a.depth, "tokens_per_second": tg,
+                          "time_to_first_token_ms": first_ms}})
         );
     } else {
         println!("| model | threads | test | t/s (median of {}) |", a.reps);
