@@ -297,36 +297,56 @@ fn perplexity_of_english_text_is_finite_and_plausible() {
     assert_ne!(off, all);
 }
 
+/// Perplexity of the default model over ppl-text.txt with the KV cache in `kv`, at ctx 256 over
+/// the first 4 windows (1,024 tokens: seconds).
+fn perplexity_with_kv(kv: &str) -> f64 {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let text = root.join("crates/gpu-pipeline/tests/fixtures/ppl-text.txt");
+    let (out, _) = ok(zerolayer(&[
+        "perplexity",
+        text.to_str().unwrap(),
+        "--ctx",
+        "256",
+        "--chunks",
+        "4",
+        "--kv-dtype",
+        kv,
+        "--json",
+    ])
+    .output()
+    .unwrap());
+    let v: Value = serde_json::from_str(&out).unwrap();
+    v["perplexity"].as_f64().unwrap()
+}
+
 /// `--kv-dtype q8_0` (llama.cpp's `-ctk q8_0 -ctv q8_0`): the KV cache in 32-element blocks
 /// with an f16 scale. Its perplexity stays within 1% of the f32 cache's (measured at ctx 4096 on
 /// the whole of ppl-text.txt: f32 8.9684, f16 8.9646, q8_0 8.9677), and differs from it (the
 /// flag takes effect); a `head_dim` of the default model (64) is whole blocks.
 #[test]
 fn perplexity_with_a_q8_0_kv_cache_stays_within_one_percent_of_f32() {
-    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
-    let text = root.join("crates/gpu-pipeline/tests/fixtures/ppl-text.txt");
-    let ppl = |kv: &str| {
-        let (out, _) = ok(zerolayer(&[
-            "perplexity",
-            text.to_str().unwrap(),
-            "--ctx",
-            "256",
-            "--chunks",
-            "4",
-            "--kv-dtype",
-            kv,
-            "--json",
-        ])
-        .output()
-        .unwrap());
-        let v: Value = serde_json::from_str(&out).unwrap();
-        v["perplexity"].as_f64().unwrap()
-    };
-    let (f32_, q8) = (ppl("f32"), ppl("q8_0"));
+    let (f32_, q8) = (perplexity_with_kv("f32"), perplexity_with_kv("q8_0"));
     eprintln!("perplexity, KV f32 {f32_:.4}, q8_0 {q8:.4}");
     assert!(
         q8 != f32_ && (q8 / f32_ - 1.0).abs() < 0.01,
         "{q8} vs {f32_}"
+    );
+}
+
+/// `--kv-dtype q4_0` (llama.cpp's `-ctk q4_0 -ctv q4_0`): 32-element blocks of 4-bit quants
+/// with an f16 scale, 28% of f16's bytes. On this small model 4-bit keys cost a lot: here (ctx
+/// 256, 4 windows) f32 11.0276, q4_0 13.2602 (+20.2%); llama.cpp's own q4_0 cache on the same
+/// windows measures +15.9% (12.7831 against f16's 11.0301, `llama-perplexity -c 256 --chunks 4
+/// -fa on -ctk q4_0 -ctv q4_0` with `LLAMA_ATTN_ROT_DISABLE=1`; its default Hadamard rotation of
+/// the keys brings it to +2.7%, which this cache does not do). So the bound is 25% (the
+/// measured 20.2% with a margin), and the value must differ from f32's (the flag takes effect).
+#[test]
+fn perplexity_with_a_q4_0_kv_cache_stays_within_25_percent_of_f32() {
+    let (f32_, q4) = (perplexity_with_kv("f32"), perplexity_with_kv("q4_0"));
+    eprintln!("perplexity, KV f32 {f32_:.4}, q4_0 {q4:.4}");
+    assert!(
+        q4 != f32_ && (q4 / f32_ - 1.0).abs() < 0.25,
+        "{q4} vs {f32_}"
     );
 }
 

@@ -44,7 +44,8 @@ pub(crate) struct BenchArgs {
     /// (closer to fp32), `all` splits every product (about fp32, ~2x prefill work).
     #[arg(long, value_enum, default_value_t = super::Split::FfnDown)]
     activation_split: super::Split,
-    /// KV-cache element type of both tests (`q8_0`: llama.cpp's `-ctk q8_0 -ctv q8_0`).
+    /// KV-cache element type of both tests (`q8_0`, `q4_0`: llama.cpp's `-ctk q8_0 -ctv q8_0`,
+    /// `-ctk q4_0 -ctv q4_0`).
     #[arg(long, value_enum, default_value_t = super::KvType::F16)]
     kv_dtype: super::KvType,
     /// Tokens already in the KV cache when the `tg` test starts (llama-bench's `-d`): the

@@ -74,8 +74,8 @@ pub(crate) struct GenerateArgs {
     /// packed kernels' layout at load (slower decode; for comparisons).
     #[arg(long)]
     no_pack: bool,
-    /// KV-cache element type: `f16`, `q8_0` (llama.cpp's block format, 53% of f16's memory;
-    /// CPU executor) or `f32`.
+    /// KV-cache element type: `f16`, `q8_0` or `q4_0` (llama.cpp's block formats, 53% and 28%
+    /// of f16's memory; CPU executor) or `f32`.
     #[arg(long, value_enum, default_value_t = super::KvType::F16)]
     kv_dtype: super::KvType,
     /// Activation precision of the products: `off` quantizes activations to 8 bits (llama.cpp's
@@ -139,8 +139,8 @@ pub(crate) struct PerplexityArgs {
     /// Score at most this many windows, the first ones (llama.cpp's `--chunks`; 0 = all).
     #[arg(long, default_value_t = 0)]
     chunks: usize,
-    /// KV-cache element type (`f32`, the reference precision; `f16` or `q8_0` to measure what
-    /// they cost, as llama.cpp's `-ctk`/`-ctv`).
+    /// KV-cache element type (`f32`, the reference precision; `f16`, `q8_0` or `q4_0` to measure
+    /// what they cost, as llama.cpp's `-ctk`/`-ctv`).
     #[arg(long, value_enum, default_value_t = super::KvType::F32)]
     kv_dtype: super::KvType,
     /// Print one JSON object.

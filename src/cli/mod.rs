@@ -119,6 +119,10 @@ pub(crate) enum KvType {
     /// of 32; the CPU executor only.
     #[value(name = "q8_0")]
     Q8_0,
+    /// llama.cpp's `q4_0` blocks: 18 bytes per 32 elements (28% of f16); `head_dim` a multiple
+    /// of 32; the CPU executor only.
+    #[value(name = "q4_0")]
+    Q4_0,
     /// 4 bytes per element (the reference precision).
     F32,
 }
@@ -128,6 +132,7 @@ impl From<KvType> for kv_ring::KvDtype {
         match t {
             KvType::F16 => Self::F16,
             KvType::Q8_0 => Self::Q8_0,
+            KvType::Q4_0 => Self::Q4_0,
             KvType::F32 => Self::F32,
         }
     }

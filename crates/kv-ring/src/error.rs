@@ -25,7 +25,7 @@ pub enum KvError {
         shape: KvShape,
     },
     /// [`KvPool::new`](crate::KvPool::new): `head_dim` is not a multiple of the dtype's block
-    /// ([`KvDtype::block_elems`](crate::KvDtype::block_elems): 32 for `Q8_0`).
+    /// ([`KvDtype::block_elems`](crate::KvDtype::block_elems): 32 for `Q8_0` and `Q4_0`).
     #[error("KV shape {shape:?}: head_dim is not a multiple of the {dtype:?} block ({block})", dtype = shape.dtype)]
     HeadDimNotBlockMultiple {
         /// The rejected shape.
@@ -34,7 +34,8 @@ pub enum KvError {
         block: usize,
     },
     /// [`KvPool::new_in`](crate::KvPool::new_in): the storage cannot hold this dtype
-    /// ([`KvStorage::supports`](crate::KvStorage::supports)), e.g. `q8_0` in device memory.
+    /// ([`KvStorage::supports`](crate::KvStorage::supports)), e.g. `q8_0` or `q4_0` in device
+    /// memory.
     #[error("this KV storage cannot hold {dtype:?} elements")]
     UnsupportedDtype {
         /// The refused dtype.

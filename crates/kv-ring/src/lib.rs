@@ -65,4 +65,6 @@ pub use ring::KvRing;
 pub use ring::LayerSlots;
 pub use shape::{KvDtype, KvShape, Q8_0_BLOCK, RingMode};
 pub use storage::{HostKv, HostKvStorage, KvBlock, KvBlockMut, KvStorage};
-pub use view::{KvSlices, KvView, Q8Rows};
+pub use view::{KvSlices, KvView, Q4Rows, Q8Rows};
+/// llama.cpp's `block_q4_0` ([`KvDtype::Q4_0`]'s storage), from weight-cache.
+pub use weight_cache::quant::BlockQ4_0;

@@ -813,6 +813,16 @@ impl<S: HostKvStorage> KvRing<S> {
                             );
                         }
                     }
+                    KvBlockMut::Q4_0(blocks) => {
+                        let per_row = hd / KvDtype::Q4_0.block_elems();
+                        for (i, r) in rows.enumerate() {
+                            let row = (first + i) % cap;
+                            KvDtype::quantize_q4_0(
+                                r,
+                                &mut blocks[row * per_row..(row + 1) * per_row],
+                            );
+                        }
+                    }
                 }
             }
         }
@@ -897,6 +907,10 @@ impl<S: HostKvStorage> KvRing<S> {
                     KvSlices::Q8_0([v.slice(a), v.slice(b)]),
                 )
             }
+            (KvBlock::Q4_0(k), KvBlock::Q4_0(v)) => (
+                KvSlices::Q4_0([k.slice(a.clone()), k.slice(b.clone())]),
+                KvSlices::Q4_0([v.slice(a), v.slice(b)]),
+            ),
             _ => unreachable!("one storage has one dtype"),
         };
         Ok(KvView {

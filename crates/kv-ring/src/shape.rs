@@ -1,12 +1,15 @@
 //! Cache geometry: element type, per-token shape and ring mode.
 
+use weight_cache::quant::{BlockQ4_0, QK};
+
 /// Element type the cache stores keys and values in.
 ///
 /// Writers always pass `f32`; the ring converts on write. `F16` halves the memory at a small
 /// precision cost (conversion uses the F16C instructions when the CPU has them, via `half`);
-/// `Q8_0` is llama.cpp's block format (`-ctk q8_0 -ctv q8_0`): each 32 consecutive elements of
-/// a head's row share one f16 scale, 34 bytes per 32 elements (53% of `F16`), and need a
-/// `head_dim` that is a multiple of 32.
+/// `Q8_0` and `Q4_0` are llama.cpp's block formats (`-ctk q8_0 -ctv q8_0`, `-ctk q4_0 -ctv
+/// q4_0`): each 32 consecutive elements of a head's row share one f16 scale, 34 bytes per 32
+/// elements for `Q8_0` (53% of `F16`), 18 for `Q4_0` (28%), and need a `head_dim` that is a
+/// multiple of 32.
 #[non_exhaustive]
 #[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
 pub enum KvDtype {
@@ -17,18 +20,22 @@ pub enum KvDtype {
     /// llama.cpp's `q8_0`: per 32 elements an f16 scale `d` and 32 `i8` quants, element
     /// `d * q` ([`KvDtype::quantize_q8_0`]).
     Q8_0,
+    /// llama.cpp's `q4_0`: per 32 elements a [`BlockQ4_0`] (an f16 scale `d` and 32 4-bit
+    /// quants), element `d * (q - 8)` ([`KvDtype::quantize_q4_0`]).
+    Q4_0,
 }
 
 /// Elements per [`KvDtype::Q8_0`] block (one scale each).
 pub const Q8_0_BLOCK: usize = 32;
 
 impl KvDtype {
-    /// Elements that share one scale: 1 for the float types, [`Q8_0_BLOCK`] for `Q8_0`. A
-    /// pool's `head_dim` must be a multiple of it.
+    /// Elements that share one scale: 1 for the float types, 32 for `Q8_0` ([`Q8_0_BLOCK`])
+    /// and `Q4_0`. A pool's `head_dim` must be a multiple of it.
     pub const fn block_elems(self) -> usize {
         match self {
             Self::F32 | Self::F16 => 1,
             Self::Q8_0 => Q8_0_BLOCK,
+            Self::Q4_0 => QK,
         }
     }
 
@@ -39,6 +46,7 @@ impl KvDtype {
     /// use kv_ring::KvDtype;
     /// assert_eq!(KvDtype::F16.bytes_for(64), Some(128));
     /// assert_eq!(KvDtype::Q8_0.bytes_for(64), Some(68));
+    /// assert_eq!(KvDtype::Q4_0.bytes_for(64), Some(36));
     /// ```
     pub const fn bytes_for(self, elems: usize) -> Option<usize> {
         match self {
@@ -46,6 +54,8 @@ impl KvDtype {
             Self::F16 => elems.checked_mul(2),
             // Per block: 32 quants and a 2-byte scale.
             Self::Q8_0 => (elems / Q8_0_BLOCK).checked_mul(Q8_0_BLOCK + 2),
+            // Per block: llama.cpp's `block_q4_0`, 16 bytes of nibbles and a 2-byte scale.
+            Self::Q4_0 => (elems / QK).checked_mul(size_of::<BlockQ4_0>()),
         }
     }
 
@@ -77,6 +87,29 @@ impl KvDtype {
                 *qv = (xv * inv).round() as i8;
             }
             *db = half::f16::from_f32(scale);
+        }
+    }
+
+    /// Quantizes `x` (`32 * out.len()` elements) to `q4_0` blocks with weight-cache's
+    /// [`BlockQ4_0::quantize`] (llama.cpp's `quantize_row_q4_0_ref`: `d = max / -8` for the
+    /// element of largest magnitude, `q = min(15, (i8)(x / d + 8.5))`; block `b`'s low
+    /// nibbles hold its elements 0..16, the high nibbles 16..32).
+    ///
+    /// ```
+    /// use kv_ring::half::f16;
+    /// use kv_ring::{BlockQ4_0, KvDtype};
+    /// let x: Vec<f32> = (0..32).map(|i| i as f32 - 16.0).collect();
+    /// let mut b = [BlockQ4_0 { d: f16::ZERO, qs: [0; 16] }];
+    /// KvDtype::quantize_q4_0(&x, &mut b);
+    /// let [BlockQ4_0 { d, qs }] = b;
+    /// assert_eq!(d.to_f32(), 2.0);
+    /// // -16 is 2 * (0 - 8); 15 would be q = 16, clamped to 15 (14.0).
+    /// assert_eq!((qs[0] & 0xF, qs[15] >> 4), (0, 15));
+    /// ```
+    pub fn quantize_q4_0(x: &[f32], out: &mut [BlockQ4_0]) {
+        debug_assert_eq!(x.len(), out.len() * QK);
+        for (b, xb) in out.iter_mut().zip(x.as_chunks::<QK>().0) {
+            *b = BlockQ4_0::quantize(xb);
         }
     }
 }

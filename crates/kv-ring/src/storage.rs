@@ -10,7 +10,7 @@
 
 use half::f16;
 
-use crate::{KvDtype, KvError, Q8_0_BLOCK, Q8Rows};
+use crate::{BlockQ4_0, KvDtype, KvError, Q4Rows, Q8_0_BLOCK, Q8Rows};
 
 /// The element store of a [`KvRing`](crate::KvRing), allocated by its [`KvPool`](crate::KvPool).
 ///
@@ -43,7 +43,7 @@ pub trait KvStorage: Sized + Send + Sync + 'static {
     ) -> Result<Self, KvError>;
 
     /// Whether buffers from `allocator` can hold `dtype` (every dtype unless a backend says
-    /// otherwise; a device backend without `q8_0` kernels does). Checked when a pool is made,
+    /// otherwise; a device backend without `q8_0`/`q4_0` kernels does). Checked when a pool is made,
     /// so an unsupported dtype is an error at start-up, not at the first request.
     fn supports(allocator: &Self::Allocator, dtype: KvDtype) -> bool {
         let _ = (allocator, dtype);
@@ -117,6 +117,8 @@ pub enum KvBlock<'a> {
     F16(&'a [f16]),
     /// `q8_0` storage: the block's quants and its scales (one per 32 elements).
     Q8_0(Q8Rows<'a>),
+    /// `q4_0` storage: the block's `block_q4_0`s (one per 32 elements).
+    Q4_0(Q4Rows<'a>),
 }
 
 /// One writable block of a host storage.
@@ -134,6 +136,8 @@ pub enum KvBlockMut<'a> {
         /// Scales.
         d: &'a mut [f16],
     },
+    /// `q4_0` storage: `block_q4_0`s (one per 32 elements).
+    Q4_0(&'a mut [BlockQ4_0]),
 }
 
 /// Host storage: one contiguous zero-allocated buffer, blocks back to back (the default storage
@@ -155,6 +159,8 @@ enum HostData {
     /// Quants (one per element) and scale bits (one per [`Q8_0_BLOCK`] elements; every block
     /// bound is a multiple of it).
     Q8_0(Vec<i8>, Vec<u16>),
+    /// One `block_q4_0` per 32 elements (from `alloc_zeroed` through `bytemuck::zeroed_vec`).
+    Q4_0(Vec<BlockQ4_0>),
 }
 
 fn prefix_bounds(block_lens: &[usize]) -> Box<[usize]> {
@@ -166,9 +172,10 @@ fn prefix_bounds(block_lens: &[usize]) -> Box<[usize]> {
         .collect()
 }
 
-/// The scales of the `q8_0` elements `r` (whole blocks).
+/// The blocks (`q8_0`: scales; `q4_0`: `block_q4_0`s) of the elements `r` (whole blocks of 32,
+/// the same for both).
 #[inline]
-fn scales(r: std::ops::Range<usize>) -> std::ops::Range<usize> {
+fn blocks(r: std::ops::Range<usize>) -> std::ops::Range<usize> {
     debug_assert!(r.start.is_multiple_of(Q8_0_BLOCK) && r.end.is_multiple_of(Q8_0_BLOCK));
     r.start / Q8_0_BLOCK..r.end / Q8_0_BLOCK
 }
@@ -194,6 +201,7 @@ impl KvStorage for HostKv {
             KvDtype::F32 => HostData::F32(vec![0.0; elems]),
             KvDtype::F16 => HostData::F16(vec![0; elems]),
             KvDtype::Q8_0 => HostData::Q8_0(vec![0; elems], vec![0; elems / Q8_0_BLOCK]),
+            KvDtype::Q4_0 => HostData::Q4_0(bytemuck::zeroed_vec(blocks(0..elems).len())),
         };
         Ok(Self { data, bounds })
     }
@@ -203,6 +211,7 @@ impl KvStorage for HostKv {
             KvDtype::F32 => HostData::F32(Vec::new()),
             KvDtype::F16 => HostData::F16(Vec::new()),
             KvDtype::Q8_0 => HostData::Q8_0(Vec::new(), Vec::new()),
+            KvDtype::Q4_0 => HostData::Q4_0(Vec::new()),
         };
         Self {
             data,
@@ -216,6 +225,7 @@ impl KvStorage for HostKv {
             HostData::F32(v) => v.capacity() * size_of::<f32>(),
             HostData::F16(v) => v.capacity() * size_of::<u16>(),
             HostData::Q8_0(q, d) => q.capacity() + d.capacity() * size_of::<u16>(),
+            HostData::Q4_0(b) => b.capacity() * size_of::<BlockQ4_0>(),
         }
     }
 
@@ -224,25 +234,25 @@ impl KvStorage for HostKv {
     fn grow_blocks(&mut self, _: &(), block_lens: &[usize]) -> Result<(), KvError> {
         assert_eq!(block_lens.len() + 1, self.bounds.len(), "same block count");
         let bounds = prefix_bounds(block_lens);
-        fn respace<T: Copy + Default>(v: &mut Vec<T>, old: &[usize], new: &[usize]) {
+        fn respace<T: bytemuck::Zeroable + Copy>(v: &mut Vec<T>, old: &[usize], new: &[usize]) {
             let elems = new[new.len() - 1];
             v.reserve_exact(elems.saturating_sub(v.len()));
-            v.resize(elems, T::default());
+            v.resize(elems, T::zeroed());
             for b in (0..old.len() - 1).rev() {
                 let len = old[b + 1] - old[b];
                 debug_assert!(len <= new[b + 1] - new[b], "blocks only grow");
                 v.copy_within(old[b]..old[b] + len, new[b]);
             }
         }
+        let per_block = |b: &[usize]| -> Vec<usize> { b.iter().map(|&e| e / Q8_0_BLOCK).collect() };
         match &mut self.data {
             HostData::F32(v) => respace(v, &self.bounds, &bounds),
             HostData::F16(v) => respace(v, &self.bounds, &bounds),
             HostData::Q8_0(q, d) => {
                 respace(q, &self.bounds, &bounds);
-                let per_block =
-                    |b: &[usize]| -> Vec<usize> { b.iter().map(|&e| e / Q8_0_BLOCK).collect() };
                 respace(d, &per_block(&self.bounds), &per_block(&bounds));
             }
+            HostData::Q4_0(b) => respace(b, &per_block(&self.bounds), &per_block(&bounds)),
         }
         self.bounds = bounds;
         Ok(())
@@ -263,8 +273,9 @@ impl KvStorage for HostKv {
             HostData::F16(v) => v.copy_within(from, to),
             HostData::Q8_0(q, d) => {
                 q.copy_within(from.clone(), to);
-                d.copy_within(scales(from), to / Q8_0_BLOCK);
+                d.copy_within(blocks(from), to / Q8_0_BLOCK);
             }
+            HostData::Q4_0(b) => b.copy_within(blocks(from), to / Q8_0_BLOCK),
         }
         Ok(())
     }
@@ -286,7 +297,10 @@ impl KvStorage for HostKv {
             (HostData::F16(d), HostData::F16(s)) => d[to].copy_from_slice(&s[from]),
             (HostData::Q8_0(dq, dd), HostData::Q8_0(sq, sd)) => {
                 dq[to.clone()].copy_from_slice(&sq[from.clone()]);
-                dd[scales(to)].copy_from_slice(&sd[scales(from)]);
+                dd[blocks(to)].copy_from_slice(&sd[blocks(from)]);
+            }
+            (HostData::Q4_0(d), HostData::Q4_0(s)) => {
+                d[blocks(to)].copy_from_slice(&s[blocks(from)]);
             }
             _ => unreachable!("rings of one pool share a dtype"),
         }
@@ -303,7 +317,10 @@ impl HostKvStorage for HostKv {
             HostData::F16(v) => KvBlock::F16(bytemuck::cast_slice(&v[r])),
             HostData::Q8_0(q, d) => KvBlock::Q8_0(Q8Rows {
                 q: &q[r.clone()],
-                d: bytemuck::cast_slice(&d[scales(r)]),
+                d: bytemuck::cast_slice(&d[blocks(r)]),
+            }),
+            HostData::Q4_0(b) => KvBlock::Q4_0(Q4Rows {
+                blocks: &b[blocks(r)],
             }),
         })
     }
@@ -316,8 +333,9 @@ impl HostKvStorage for HostKv {
             HostData::F16(v) => KvBlockMut::F16(bytemuck::cast_slice_mut(&mut v[r])),
             HostData::Q8_0(q, d) => KvBlockMut::Q8_0 {
                 q: &mut q[r.clone()],
-                d: bytemuck::cast_slice_mut(&mut d[scales(r)]),
+                d: bytemuck::cast_slice_mut(&mut d[blocks(r)]),
             },
+            HostData::Q4_0(b) => KvBlockMut::Q4_0(&mut b[blocks(r)]),
         })
     }
 }

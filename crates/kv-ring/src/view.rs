@@ -1,6 +1,8 @@
 //! Borrowed views of one (layer, kv head) for attention kernels.
 
 use half::f16;
+use weight_cache::GgmlType;
+use weight_cache::quant::{BlockQ4_0, QK, decode_sub_block};
 
 /// Up to two contiguous runs of `[row][head_dim]` elements, in position order: all rows of
 /// `[0]`, then all rows of `[1]` (empty unless the ring wrapped).
@@ -13,6 +15,8 @@ pub enum KvSlices<'a> {
     F16([&'a [f16]; 2]),
     /// `q8_0` storage ([`KvDtype::Q8_0`](crate::KvDtype::Q8_0)).
     Q8_0([Q8Rows<'a>; 2]),
+    /// `q4_0` storage ([`KvDtype::Q4_0`](crate::KvDtype::Q4_0)).
+    Q4_0([Q4Rows<'a>; 2]),
 }
 
 /// A run of [`KvDtype::Q8_0`](crate::KvDtype::Q8_0) elements: quant `i` is element `i`, scaled
@@ -43,6 +47,45 @@ impl<'a> Q8Rows<'a> {
     }
 }
 
+/// A run of [`KvDtype::Q4_0`](crate::KvDtype::Q4_0) elements: llama.cpp's `block_q4_0`s, block
+/// `b` holding elements `32b..32b + 32` (runs start and end at block boundaries: rows of a
+/// multiple of 32). Element `32b + i` is `d * (q - 8)` with `q` the low nibble of `qs[i]` for
+/// `i < 16`, the high nibble of `qs[i - 16]` otherwise.
+#[derive(Clone, Copy, PartialEq, Debug, Default)]
+pub struct Q4Rows<'a> {
+    /// The blocks, one per 32 elements.
+    pub blocks: &'a [BlockQ4_0],
+}
+
+impl<'a> Q4Rows<'a> {
+    /// Elements in the run.
+    pub fn len(&self) -> usize {
+        self.blocks.len() * QK
+    }
+
+    /// `true` when the run has no elements.
+    pub fn is_empty(&self) -> bool {
+        self.blocks.is_empty()
+    }
+
+    /// Elements `r` (whole blocks: `r.start` and `r.end` multiples of 32).
+    pub fn slice(self, r: std::ops::Range<usize>) -> Self {
+        debug_assert!(r.start.is_multiple_of(QK) && r.end.is_multiple_of(QK));
+        Self {
+            blocks: &self.blocks[r.start / QK..r.end / QK],
+        }
+    }
+
+    /// Element `i` as `f32` (`d * (q - 8)`, exact in `f32`, decoded by weight-cache's
+    /// dequantizer), or `None` past the end.
+    pub fn get(&self, i: usize) -> Option<f32> {
+        let block = self.blocks.get(i / QK)?;
+        let mut q = [0u8; QK];
+        let map = decode_sub_block(GgmlType::Q4_0, bytemuck::bytes_of(block), 0, &mut q);
+        Some(map.weight(&q, i % QK))
+    }
+}
+
 impl KvSlices<'_> {
     /// Total elements in both runs.
     pub fn len(&self) -> usize {
@@ -50,6 +93,7 @@ impl KvSlices<'_> {
             Self::F32([a, b]) => a.len() + b.len(),
             Self::F16([a, b]) => a.len() + b.len(),
             Self::Q8_0([a, b]) => a.q.len() + b.q.len(),
+            Self::Q4_0([a, b]) => a.len() + b.len(),
         }
     }
 
@@ -64,6 +108,7 @@ impl KvSlices<'_> {
             Self::F32([a, b]) => [a.len(), b.len()],
             Self::F16([a, b]) => [a.len(), b.len()],
             Self::Q8_0([a, b]) => [a.q.len(), b.q.len()],
+            Self::Q4_0([a, b]) => [a.len(), b.len()],
         }
     }
 
@@ -73,6 +118,7 @@ impl KvSlices<'_> {
             Self::F32([a, b]) => a.get(i).or_else(|| b.get(i - a.len())).copied(),
             Self::F16([a, b]) => a.get(i).or_else(|| b.get(i - a.len())).map(|x| x.to_f32()),
             Self::Q8_0([a, b]) => a.get(i).or_else(|| b.get(i - a.q.len())),
+            Self::Q4_0([a, b]) => a.get(i).or_else(|| b.get(i - a.len())),
         }
     }
 
@@ -85,6 +131,10 @@ impl KvSlices<'_> {
             Self::Q8_0(runs) => runs
                 .iter()
                 .flat_map(|r| (0..r.q.len()).filter_map(|i| r.get(i)))
+                .collect(),
+            Self::Q4_0(runs) => runs
+                .iter()
+                .flat_map(|r| (0..r.len()).filter_map(|i| r.get(i)))
                 .collect(),
         }
     }

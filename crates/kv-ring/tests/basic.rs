@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use kv_ring::{KvDtype, KvError, KvPool, KvRing, KvShape, KvSlices, KvTensor, RingMode};
+use kv_ring::{BlockQ4_0, KvDtype, KvError, KvPool, KvRing, KvShape, KvSlices, KvTensor, RingMode};
 
 fn shape(dtype: KvDtype) -> KvShape {
     KvShape::new(2, 2, 4, dtype)
@@ -69,6 +69,7 @@ fn memory_per_token_matches_formula_and_allocation() {
         (KvDtype::F32, 256),
         (KvDtype::F16, 128),
         (KvDtype::Q8_0, 68),
+        (KvDtype::Q4_0, 36),
     ] {
         let s = KvShape::new(30, 3, 64, dtype);
         assert_eq!(s.bytes_per_token(), 2 * 30 * 3 * row_bytes);
@@ -400,4 +401,97 @@ fn q8_0_blocks_are_llama_cpps() {
         KvPool::new(KvShape::new(1, 1, 48, KvDtype::Q8_0), 1 << 20),
         Err(KvError::HeadDimNotBlockMultiple { block: 32, .. })
     ));
+}
+
+/// `KvDtype::quantize_q4_0` writes the blocks llama.cpp writes: the expected scales and nibbles
+/// are those of the `gguf` package's port of llama.cpp's `quantize_row_q4_0_ref`
+/// (`scripts/fixtures/kv-ring-q4_0-blocks.py`, gguf 0.19.0) for 128 values (a negative and a
+/// positive largest magnitude, a zero, a block of zeros); a ring of that dtype returns
+/// `d * (q - 8)` of them from its view; a `head_dim` of 48 is refused.
+#[test]
+fn q4_0_blocks_are_llama_cpps() {
+    let mut x: Vec<f32> = (0..64)
+        .map(|i| ((i * 37) % 101 - 50) as f32 / 7.0)
+        .collect();
+    x[40] = 0.0;
+    x[32..].iter_mut().for_each(|v| *v *= 0.01);
+    x.extend((0..32).map(|i| ((i * 53) % 89 - 30) as f32 / 3.0));
+    x.extend([0.0; 32]);
+    let want: [(u16, [u8; 16]); 4] = [
+        (
+            0x3b25,
+            [
+                224, 70, 172, 242, 88, 189, 19, 121, 223, 53, 139, 224, 70, 172, 242, 104,
+            ],
+        ),
+        (
+            0xa07b,
+            [
+                116, 15, 185, 83, 253, 151, 49, 235, 136, 47, 202, 100, 14, 168, 66, 253,
+            ],
+        ),
+        (
+            0xc0c0,
+            [
+                108, 181, 58, 130, 23, 96, 181, 74, 147, 24, 96, 181, 74, 147, 24, 97,
+            ],
+        ),
+        (0x8000, [136; 16]),
+    ];
+    let mut blocks = [BlockQ4_0 {
+        d: half::f16::ZERO,
+        qs: [0; 16],
+    }; 4];
+    KvDtype::quantize_q4_0(&x, &mut blocks);
+    for (b, (got, (d, qs))) in blocks.iter().zip(want).enumerate() {
+        assert_eq!((got.d.to_bits(), got.qs), (d, qs), "block {b}");
+    }
+
+    let pool = KvPool::new(KvShape::new(1, 1, 128, KvDtype::Q4_0), 1 << 20).unwrap();
+    let mut ring = pool.alloc(4, RingMode::Strict).unwrap();
+    ring.begin(1).unwrap();
+    ring.write_layer(0, &x, &x).unwrap();
+    ring.commit().unwrap();
+    let view = ring.view(0, 0).unwrap();
+    let dequant: Vec<f32> = (0..128)
+        .map(|i| {
+            let (d, qs) = want[i / 32];
+            let e = i % 32;
+            let q = if e < 16 { qs[e] & 0xF } else { qs[e - 16] >> 4 };
+            half::f16::from_bits(d).to_f32() * (f32::from(q) - 8.0)
+        })
+        .collect();
+    assert_eq!(view.keys.to_f32_vec(), dequant);
+    assert_eq!(view.values.to_f32_vec(), dequant);
+    assert!(matches!(
+        KvPool::new(KvShape::new(1, 1, 48, KvDtype::Q4_0), 1 << 20),
+        Err(KvError::HeadDimNotBlockMultiple { block: 32, .. })
+    ));
+}
+
+/// A budget holds 128/36 = 3.5x the q4_0 tokens it holds in f16 (and 68/36 the q8_0 ones): the
+/// pool counts the blocks' bytes, exactly.
+#[test]
+fn a_q4_0_pool_fits_the_tokens_its_smaller_rows_allow() {
+    let budget = 1000 * KvShape::new(30, 3, 64, KvDtype::Q4_0).bytes_per_token();
+    for (dtype, tokens) in [
+        (KvDtype::Q4_0, 1000),
+        (KvDtype::Q8_0, 1000 * 36 / 68),
+        (KvDtype::F16, 1000 * 36 / 128),
+    ] {
+        let pool = KvPool::new(KvShape::new(30, 3, 64, dtype), budget).unwrap();
+        let ring = pool.alloc(tokens, RingMode::Strict).unwrap();
+        assert!(
+            matches!(
+                pool.alloc(1, RingMode::Strict),
+                Err(KvError::OverBudget { .. })
+            ),
+            "{dtype:?}: {tokens} tokens fill the budget"
+        );
+        drop(ring);
+        assert!(matches!(
+            pool.alloc(tokens + 1, RingMode::Strict),
+            Err(KvError::OverBudget { .. })
+        ));
+    }
 }

@@ -180,11 +180,12 @@ fn op_strategy() -> impl Strategy<Value = Op> {
 }
 
 fn shape_strategy() -> impl Strategy<Value = KvShape> {
-    (1..=3usize, 1..=2usize, 1..=3usize, 0..3u8).prop_map(|(l, h, d, f)| match f {
+    (1..=3usize, 1..=2usize, 1..=3usize, 0..4u8).prop_map(|(l, h, d, f)| match f {
         0 => KvShape::new(l, h, d, KvDtype::F32),
         1 => KvShape::new(l, h, d, KvDtype::F16),
-        // q8_0 needs whole 32-element blocks per head row.
-        _ => KvShape::new(l, h, 32 * d, KvDtype::Q8_0),
+        // q8_0 and q4_0 need whole 32-element blocks per head row.
+        2 => KvShape::new(l, h, 32 * d, KvDtype::Q8_0),
+        _ => KvShape::new(l, h, 32 * d, KvDtype::Q4_0),
     })
 }
 
@@ -202,7 +203,8 @@ fn data(seed: u64, len: usize) -> Vec<f32> {
 }
 
 /// One token's row of one layer (`[n_kv_heads][head_dim]`) as the ring stores it: f16-rounded,
-/// or quantized per 32 elements (`d * q` for q8_0), else as it is.
+/// or quantized per 32 elements (`d * q` for q8_0; `q4_0` through weight-cache's row quantizer
+/// and dequantizer, not the ring's block path), else as it is.
 fn round_row(dtype: KvDtype, row: &[f32]) -> Vec<f32> {
     match dtype {
         KvDtype::F16 => row.iter().map(|&x| f16::from_f32(x).to_f32()).collect(),
@@ -214,6 +216,13 @@ fn round_row(dtype: KvDtype, row: &[f32]) -> Vec<f32> {
                 .enumerate()
                 .map(|(i, &q)| d[i / 32].to_f32() * f32::from(q))
                 .collect()
+        }
+        KvDtype::Q4_0 => {
+            use weight_cache::GgmlType;
+            let bytes = weight_cache::quantize(GgmlType::Q4_0, row).unwrap();
+            let mut out = vec![0.0; row.len()];
+            weight_cache::dequantize(GgmlType::Q4_0, &bytes, &mut out).unwrap();
+            out
         }
         _ => row.to_vec(),
     }

@@ -174,8 +174,13 @@ pub fn quantize(dtype: GgmlType, src: &[f32]) -> Result<Vec<u8>, QuantizeError> 
                 out.extend_from_slice(bytemuck::bytes_of(&b));
             }
         }
-        GgmlType::Q4_0 | GgmlType::Q5_0 => {
-            let five = dtype == GgmlType::Q5_0;
+        GgmlType::Q4_0 => {
+            // `row_bytes` checked that `src` is whole blocks.
+            for x in src.as_chunks::<QK>().0 {
+                out.extend_from_slice(bytemuck::bytes_of(&BlockQ4_0::quantize(x)));
+            }
+        }
+        GgmlType::Q5_0 => {
             for x in src.chunks_exact(QK) {
                 let (mut amax, mut max) = (0.0f32, 0.0f32);
                 for &v in x {
@@ -184,35 +189,24 @@ pub fn quantize(dtype: GgmlType, src: &[f32]) -> Result<Vec<u8>, QuantizeError> 
                         max = v;
                     }
                 }
-                let d = if five { max / -16.0 } else { max / -8.0 };
+                let d = max / -16.0;
                 let id = if d != 0.0 { 1.0 / d } else { 0.0 };
                 let mut qs = [0u8; QK / 2];
                 let mut qh = 0u32;
                 for j in 0..QK / 2 {
                     let (x0, x1) = (x[j] * id, x[j + QK / 2] * id);
-                    if five {
-                        let xi0 = ((x0 + 16.5) as i8).min(31) as u8;
-                        let xi1 = ((x1 + 16.5) as i8).min(31) as u8;
-                        qs[j] = (xi0 & 0x0F) | ((xi1 & 0x0F) << 4);
-                        qh |= u32::from((xi0 & 0x10) >> 4) << j;
-                        qh |= u32::from((xi1 & 0x10) >> 4) << (j + QK / 2);
-                    } else {
-                        let xi0 = ((x0 + 8.5) as i8).min(15) as u8;
-                        let xi1 = ((x1 + 8.5) as i8).min(15) as u8;
-                        qs[j] = xi0 | (xi1 << 4);
-                    }
+                    let xi0 = ((x0 + 16.5) as i8).min(31) as u8;
+                    let xi1 = ((x1 + 16.5) as i8).min(31) as u8;
+                    qs[j] = (xi0 & 0x0F) | ((xi1 & 0x0F) << 4);
+                    qh |= u32::from((xi0 & 0x10) >> 4) << j;
+                    qh |= u32::from((xi1 & 0x10) >> 4) << (j + QK / 2);
                 }
-                let d = f16::from_f32(d);
-                if five {
-                    let b = BlockQ5_0 {
-                        d,
-                        qh: qh.to_le_bytes(),
-                        qs,
-                    };
-                    out.extend_from_slice(bytemuck::bytes_of(&b));
-                } else {
-                    out.extend_from_slice(bytemuck::bytes_of(&BlockQ4_0 { d, qs }));
-                }
+                let b = BlockQ5_0 {
+                    d: f16::from_f32(d),
+                    qh: qh.to_le_bytes(),
+                    qs,
+                };
+                out.extend_from_slice(bytemuck::bytes_of(&b));
             }
         }
         GgmlType::Q4_1 | GgmlType::Q5_1 => {

@@ -21,12 +21,51 @@ pub const K_SCALE_SIZE: usize = 12;
 
 /// Q4_0: `w = d * (q - 8)`, q in 0..16.
 #[repr(C)]
-#[derive(Clone, Copy, Debug, Pod, Zeroable)]
+#[derive(Clone, Copy, Debug, PartialEq, Pod, Zeroable)]
 pub struct BlockQ4_0 {
     /// Scale.
     pub d: f16,
     /// 4-bit quants, see the module docs for the nibble order.
     pub qs: [u8; QK / 2],
+}
+
+impl BlockQ4_0 {
+    /// Quantizes 32 weights as ggml's `quantize_row_q4_0_ref` does: `max` is the weight of
+    /// largest magnitude (its sign kept, the first such on ties), `d = max / -8`,
+    /// `q = min(15, (i8)(x / d + 8.5))` (truncating), so `max` itself maps to `q = 0` and the
+    /// weights span `d * (q - 8)` for q in 0..16. The one copy of the Q4_0 quantizer:
+    /// [`quantize`](crate::quantize) and kv-ring's `q4_0` cache call it.
+    ///
+    /// ```
+    /// use weight_cache::quant::BlockQ4_0;
+    /// let x: [f32; 32] = std::array::from_fn(|i| i as f32 - 16.0);
+    /// let b = BlockQ4_0::quantize(&x);
+    /// assert_eq!(b.d.to_f32(), 2.0); // max = -16, d = -16 / -8
+    /// assert_eq!(b.qs[0] & 0xF, 0); // -16 = 2 * (0 - 8)
+    /// ```
+    #[inline]
+    pub fn quantize(x: &[f32; QK]) -> Self {
+        let (mut amax, mut max) = (0.0f32, 0.0f32);
+        for &v in x {
+            if amax < v.abs() {
+                amax = v.abs();
+                max = v;
+            }
+        }
+        let d = max / -8.0;
+        let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+        let mut qs = [0u8; QK / 2];
+        for (j, q) in qs.iter_mut().enumerate() {
+            // `as i8` saturates (and maps NaN to 0), as C's conversion does for in-range values.
+            let lo = ((x[j] * id + 8.5) as i8).min(15) as u8;
+            let hi = ((x[j + QK / 2] * id + 8.5) as i8).min(15) as u8;
+            *q = lo | (hi << 4);
+        }
+        Self {
+            d: f16::from_f32(d),
+            qs,
+        }
+    }
 }
 
 /// Q4_1: `w = d * q + m`, q in 0..16.

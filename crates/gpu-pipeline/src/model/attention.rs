@@ -17,7 +17,7 @@
 //! keys (decode: few rows, a transposing reduction tree builds 16 scores at once).
 
 use half::f16;
-use kv_ring::{KvSlices, KvView, Q8_0_BLOCK, Q8Rows};
+use kv_ring::{KvSlices, KvView, Q4Rows, Q8_0_BLOCK, Q8Rows};
 
 // Keys with `s - max` below EXP_MIN get probability 0.
 use crate::kernels::exp_f;
@@ -41,6 +41,9 @@ enum Rows<'a> {
     /// `q8_0`: every path reads element `d * q`, exact in f32 (an 11-bit scale times an 8-bit
     /// quant), so the kernels attend to exactly the dequantized rows.
     Q8([Q8Rows<'a>; 2]),
+    /// `q4_0`: every path reads element `d * (q - 8)`, exact in f32 (an 11-bit scale times a
+    /// 4-bit integer), as for `q8_0`.
+    Q4([Q4Rows<'a>; 2]),
 }
 
 impl<'a> Rows<'a> {
@@ -49,8 +52,9 @@ impl<'a> Rows<'a> {
             KvSlices::F32(p) => Rows::F32(p),
             KvSlices::F16(p) => Rows::F16(p),
             KvSlices::Q8_0(p) => Rows::Q8(p),
+            KvSlices::Q4_0(p) => Rows::Q4(p),
             #[allow(unreachable_patterns)]
-            _ => unreachable!("kv-ring has only F32, F16 and Q8_0 storage"),
+            _ => unreachable!("kv-ring has only F32, F16, Q8_0 and Q4_0 storage"),
         }
     }
 
@@ -61,6 +65,7 @@ impl<'a> Rows<'a> {
             Rows::F32(p) => row_of(p, j, hd)[i],
             Rows::F16(p) => row_of(p, j, hd)[i].to_f32(),
             Rows::Q8(p) => q8_row_of(p, j, hd).get(i).expect("inside the row"),
+            Rows::Q4(p) => q4_row_of(p, j, hd).get(i).expect("inside the row"),
         }
     }
 
@@ -85,8 +90,39 @@ impl<'a> Rows<'a> {
                 }
                 buf
             }
+            Rows::Q4(p) => {
+                let buf = &mut buf[..hd];
+                let r = q4_row_of(p, j, hd);
+                for (o, block) in buf.chunks_exact_mut(32).zip(r.blocks) {
+                    let d = block.d.to_f32();
+                    let (lo, hi) = o.split_at_mut(16);
+                    for ((l, h), &q) in lo.iter_mut().zip(hi).zip(&block.qs) {
+                        *l = d * q4_value(q & 0xF);
+                        *h = d * q4_value(q >> 4);
+                    }
+                }
+                buf
+            }
         }
     }
+}
+
+/// A `q4_0` nibble as the signed integer it stands for (`q - 8`, exact), as f32.
+#[inline(always)]
+fn q4_value(nibble: u8) -> f32 {
+    f32::from(nibble) - 8.0
+}
+
+/// Row `j` of `q4_0` runs (`hd` a multiple of 32).
+#[inline(always)]
+fn q4_row_of<'a>(parts: &[Q4Rows<'a>; 2], j: usize, hd: usize) -> Q4Rows<'a> {
+    let na = parts[0].len() / hd;
+    let (part, j) = if j < na {
+        (parts[0], j)
+    } else {
+        (parts[1], j - na)
+    };
+    part.slice(j * hd..(j + 1) * hd)
 }
 
 /// Row `j` of `q8_0` runs (`hd` a multiple of 32).
@@ -236,8 +272,12 @@ pub(crate) fn attend_rows_ext(
                 assert!(hd.is_multiple_of(Q8_0_BLOCK), "q8_0 rows are whole blocks");
                 [a.q.len(), b.q.len()]
             }
+            KvSlices::Q4_0([a, b]) => {
+                assert!(hd.is_multiple_of(32), "q4_0 rows are whole blocks");
+                [a.len(), b.len()]
+            }
             #[allow(unreachable_patterns)]
-            _ => unreachable!("kv-ring has only F32, F16 and Q8_0 storage"),
+            _ => unreachable!("kv-ring has only F32, F16, Q8_0 and Q4_0 storage"),
         };
         assert!(
             hd > 0 && parts.iter().all(|p| p % hd == 0) && parts[0] + parts[1] == view.len * hd,
@@ -392,6 +432,7 @@ mod avx512 {
 
     use super::{KvView, Rows};
     use crate::kernels::{EXP_C, EXP_MIN, LN2_HI, LN2_LO, LOG2E};
+    use kv_ring::BlockQ4_0;
 
     /// Largest head dimension of the fast path.
     pub(super) const MAX_HD: usize = 256;
@@ -412,12 +453,12 @@ mod avx512 {
         };
     }
 
-    /// Pointer to row `j` (f32, f16 or q8_0 elements, as raw bytes).
+    /// Pointer to row `j` (f32, f16, q8_0 or q4_0 elements, as raw bytes).
     #[derive(Clone, Copy)]
     struct RowPtrs {
         p: [*const u8; 2],
         na: usize,
-        /// Bytes per row (of quants, for q8_0).
+        /// Bytes per row (of quants, for q8_0; of `block_q4_0`s for q4_0).
         rb: usize,
         kind: Kind,
         /// q8_0: the runs' scales (`hd / 32` per row).
@@ -429,6 +470,7 @@ mod avx512 {
         F32,
         F16,
         Q8,
+        Q4,
     }
 
     impl RowPtrs {
@@ -455,18 +497,26 @@ mod avx512 {
                     kind: Kind::Q8,
                     scales: [p[0].d.as_ptr(), p[1].d.as_ptr()],
                 },
+                Rows::Q4(p) => Self {
+                    p: [p[0].blocks.as_ptr().cast(), p[1].blocks.as_ptr().cast()],
+                    na: p[0].len() / hd,
+                    rb: hd / 32 * size_of::<BlockQ4_0>(),
+                    kind: Kind::Q4,
+                    scales: [std::ptr::null(); 2],
+                },
             }
         }
 
-        /// Elements `16c..16c+16` of row `j` as f32 (q8_0: `d * q`, exact, as the portable
-        /// path's).
+        /// Elements `16c..16c+16` of row `j` as f32 (q8_0: `d * q`; q4_0: `d * (q - 8)`;
+        /// exact, as the portable path's).
         ///
         /// # Safety
         /// `j` is a row of the view and `16c + 16 <= hd`.
         #[inline(always)]
         unsafe fn load(&self, j: usize, c: usize) -> __m512 {
             // SAFETY: forwarded from the caller: row `j` exists and has `hd` elements (and,
-            // q8_0, `hd / 32` scales).
+            // q8_0, `hd / 32` scales; q4_0, `hd / 32` blocks of 18 bytes, so block `c / 2`'s
+            // scale and 16 nibble bytes are inside it).
             unsafe {
                 let (part, row) = if j < self.na {
                     (0, j)
@@ -482,6 +532,22 @@ mod avx512 {
                         let d = *self.scales[part].add(row * self.rb / 32 + c / 2);
                         // The f16 scale widened in a vector register (vcvtph2ps: exact).
                         let d = _mm512_cvtph_ps(_mm256_set1_epi16(d.to_bits() as i16));
+                        _mm512_mul_ps(_mm512_cvtepi32_ps(q), d)
+                    }
+                    Kind::Q4 => {
+                        let block = base.add((c / 2) * size_of::<BlockQ4_0>());
+                        let d = block.cast::<u16>().read_unaligned();
+                        let qs = _mm_loadu_si128(block.add(2).cast());
+                        // Even chunks are the block's elements 0..16 (low nibbles), odd ones
+                        // 16..32 (high nibbles).
+                        let qs = if c.is_multiple_of(2) {
+                            qs
+                        } else {
+                            _mm_srli_epi16::<4>(qs)
+                        };
+                        let q = _mm512_cvtepu8_epi32(_mm_and_si128(qs, _mm_set1_epi8(0xF)));
+                        let q = _mm512_sub_epi32(q, _mm512_set1_epi32(8));
+                        let d = _mm512_cvtph_ps(_mm256_set1_epi16(d as i16));
                         _mm512_mul_ps(_mm512_cvtepi32_ps(q), d)
                     }
                 }
@@ -940,11 +1006,11 @@ mod tests {
 
     /// Every path gives the same bits, and each row's result does not depend on the block it is
     /// computed in (alone, in small groups, in full 16-row blocks).
-    /// The KV dtypes a view of rows `hd` wide can have (q8_0: whole 32-element blocks).
+    /// The KV dtypes a view of rows `hd` wide can have (q8_0, q4_0: whole 32-element blocks).
     fn dtypes(hd: usize) -> Vec<KvDtype> {
         let mut d = vec![KvDtype::F16, KvDtype::F32];
         if hd.is_multiple_of(32) {
-            d.push(KvDtype::Q8_0);
+            d.extend([KvDtype::Q8_0, KvDtype::Q4_0]);
         }
         d
     }
