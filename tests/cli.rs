@@ -334,18 +334,19 @@ fn perplexity_with_a_q8_0_kv_cache_stays_within_one_percent_of_f32() {
 }
 
 /// `--kv-dtype q4_0` (llama.cpp's `-ctk q4_0 -ctv q4_0`): 32-element blocks of 4-bit quants
-/// with an f16 scale, 28% of f16's bytes. On this small model 4-bit keys cost a lot: here (ctx
-/// 256, 4 windows) f32 11.0276, q4_0 13.2602 (+20.2%); llama.cpp's own q4_0 cache on the same
-/// windows measures +15.9% (12.7831 against f16's 11.0301, `llama-perplexity -c 256 --chunks 4
-/// -fa on -ctk q4_0 -ctv q4_0` with `LLAMA_ATTN_ROT_DISABLE=1`; its default Hadamard rotation of
-/// the keys brings it to +2.7%, which this cache does not do). So the bound is 25% (the
-/// measured 20.2% with a margin), and the value must differ from f32's (the flag takes effect).
+/// with an f16 scale, 28% of f16's bytes, keys and queries rotated by a Hadamard transform of
+/// the head first (as llama.cpp's default `attn_rot_k`). Here (ctx 256, 4 windows): f32
+/// 11.0276, q4_0 11.4906 (+4.2%; +20.2% without the rotation); llama.cpp's own q4_0 cache on
+/// the same windows: +2.7% with its rotation, +15.9% without (`llama-perplexity -c 256 --chunks
+/// 4 -fa on -ctk q4_0 -ctv q4_0`, `LLAMA_ATTN_ROT_DISABLE=1`). The bound is 6% (the measured
+/// 4.2% with a margin, and far below what an unrotated cache costs); the value must differ from
+/// f32's (the flag takes effect).
 #[test]
-fn perplexity_with_a_q4_0_kv_cache_stays_within_25_percent_of_f32() {
+fn perplexity_with_a_q4_0_kv_cache_stays_within_6_percent_of_f32() {
     let (f32_, q4) = (perplexity_with_kv("f32"), perplexity_with_kv("q4_0"));
     eprintln!("perplexity, KV f32 {f32_:.4}, q4_0 {q4:.4}");
     assert!(
-        q4 != f32_ && (q4 / f32_ - 1.0).abs() < 0.25,
+        q4 != f32_ && (q4 / f32_ - 1.0).abs() < 0.06,
         "{q4} vs {f32_}"
     );
 }

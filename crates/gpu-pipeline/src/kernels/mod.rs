@@ -79,10 +79,10 @@ pub use weight_cache::GgmlType;
 use act::ActBlock;
 use act::ActQuad;
 use format::Fmt;
-pub(crate) use ops::rope_head;
 pub use ops::{
     OpsError, add_assign, axpy, axpy_f16, dot, dot_f16, rmsnorm, rope, silu_mul, softmax,
 };
+pub(crate) use ops::{hadamard_rows, rope_head};
 pub use packed::PackedWeights;
 
 /// How a [`WeightMatrix`]'s bytes are arranged.

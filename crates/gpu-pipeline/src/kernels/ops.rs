@@ -503,6 +503,30 @@ pub(crate) fn rope_head(layout: RopeLayout, cos_sin: &[f32], head: &mut [f32]) {
     }
 }
 
+/// The orthonormal Walsh-Hadamard transform of each `n`-element row of `x` in place
+/// (`x <- H x / sqrt(n)`, `n` a power of two). Rows transformed alike keep their dot products
+/// (up to rounding), and a row's few large components spread over all of it, which is what a
+/// 4-bit key cache quantizes well (llama.cpp's `attn_rot_k` rotates keys and queries so).
+pub(crate) fn hadamard_rows(x: &mut [f32], n: usize) {
+    debug_assert!(n.is_power_of_two() && x.len().is_multiple_of(n));
+    let scale = 1.0 / (n as f32).sqrt();
+    for row in x.chunks_exact_mut(n) {
+        let mut h = 1;
+        while h < n {
+            for block in row.chunks_exact_mut(2 * h) {
+                let (lo, hi) = block.split_at_mut(h);
+                for (a, b) in lo.iter_mut().zip(hi) {
+                    (*a, *b) = (*a + *b, *a - *b);
+                }
+            }
+            h *= 2;
+        }
+        for v in row.iter_mut() {
+            *v *= scale;
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -578,6 +602,35 @@ mod tests {
         let mut g = [1.0f32, -1.0];
         silu_mul(&mut g, &[2.0, 3.0]).unwrap();
         assert!((g[0] - 2.0 / (1.0 + (-1.0f32).exp())).abs() < 1e-6);
+    }
+
+    #[test]
+    fn hadamard_rows_keep_dot_products_and_spread_an_outlier() {
+        let n = 64;
+        let a: Vec<f32> = (0..2 * n)
+            .map(|i| ((i * 37 % 11) as f32 - 5.0) * 0.1)
+            .collect();
+        let mut b: Vec<f32> = (0..2 * n)
+            .map(|i| ((i * 13 % 7) as f32 - 3.0) * 0.2)
+            .collect();
+        b[5] = 40.0; // an outlier channel, as keys have
+        let dot = |x: &[f32], y: &[f32]| x.iter().zip(y).map(|(p, q)| p * q).sum::<f32>();
+        let (mut ha, mut hb) = (a.clone(), b.clone());
+        hadamard_rows(&mut ha, n);
+        hadamard_rows(&mut hb, n);
+        for r in 0..2 {
+            let (x, y) = (&a[r * n..][..n], &b[r * n..][..n]);
+            let (hx, hy) = (&ha[r * n..][..n], &hb[r * n..][..n]);
+            assert!((dot(x, y) - dot(hx, hy)).abs() < 1e-3, "row {r}");
+        }
+        // The outlier's 40 is spread as 40 / 8 = 5 over every element of its row.
+        let max = hb[..n].iter().fold(0f32, |m, v| m.max(v.abs()));
+        assert!(max < 6.5, "{max}");
+        // Orthonormal: applied twice it is the identity.
+        hadamard_rows(&mut hb, n);
+        for (x, y) in hb.iter().zip(&b) {
+            assert!((x - y).abs() < 1e-4);
+        }
     }
 
     #[test]

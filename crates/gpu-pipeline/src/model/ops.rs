@@ -41,8 +41,8 @@ pub(super) fn rope_cos_sin(inv: &[f64], pos: u64, m: f32, out: &mut [f32]) {
 
 use crate::kernels::multiversion;
 pub(super) use crate::kernels::{
-    add_rows, gelu_tanh_mul_rows, rmsnorm_rows, rope_head, silu_mul_rows, softcap_rows,
-    split_residual,
+    add_rows, gelu_tanh_mul_rows, hadamard_rows, rmsnorm_rows, rope_head, silu_mul_rows,
+    softcap_rows, split_residual,
 };
 
 multiversion! {
