@@ -1,6 +1,6 @@
 //! Cache geometry: element type, per-token shape and ring mode.
 
-use weight_cache::quant::{BlockQ4_0, QK};
+use weight_cache::quant::{BlockQ4_0, BlockQ8_0, QK};
 
 /// Element type the cache stores keys and values in.
 ///
@@ -59,9 +59,10 @@ impl KvDtype {
         }
     }
 
-    /// Quantizes `x` (a multiple of 32 elements) to `q8_0` as llama.cpp's
-    /// `quantize_row_q8_0_ref` does: per block `d = max|x| / 127`, `q = round(x / d)` (half
-    /// away from zero), the scale stored as f16.
+    /// Quantizes `x` (a multiple of 32 elements) to `q8_0` with weight-cache's
+    /// [`BlockQ8_0::quantize`] (llama.cpp's `quantize_row_q8_0_ref`: per block
+    /// `d = max|x| / 127`, `q = round(x / d)` half away from zero, the scale stored as f16),
+    /// the quants into `q` and the scales into `d`.
     ///
     /// ```
     /// use kv_ring::KvDtype;
@@ -75,18 +76,15 @@ impl KvDtype {
     pub fn quantize_q8_0(x: &[f32], q: &mut [i8], d: &mut [half::f16]) {
         debug_assert!(x.len() == q.len() && x.len() == d.len() * Q8_0_BLOCK);
         for ((xb, qb), db) in x
-            .chunks_exact(Q8_0_BLOCK)
+            .as_chunks::<Q8_0_BLOCK>()
+            .0
+            .iter()
             .zip(q.chunks_exact_mut(Q8_0_BLOCK))
             .zip(d.iter_mut())
         {
-            let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
-            let scale = amax / 127.0;
-            let inv = if scale != 0.0 { 1.0 / scale } else { 0.0 };
-            for (qv, &xv) in qb.iter_mut().zip(xb) {
-                // |x * inv| <= 127.5 after rounding: in range.
-                *qv = (xv * inv).round() as i8;
-            }
-            *db = half::f16::from_f32(scale);
+            let b = BlockQ8_0::quantize(xb);
+            qb.copy_from_slice(&b.qs);
+            *db = b.d;
         }
     }
 

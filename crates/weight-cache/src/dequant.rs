@@ -160,18 +160,9 @@ pub fn quantize(dtype: GgmlType, src: &[f32]) -> Result<Vec<u8>, QuantizeError> 
             .iter()
             .for_each(|v| out.extend(bf16::from_f32(*v).to_le_bytes())),
         GgmlType::Q8_0 => {
-            for x in src.chunks_exact(QK) {
-                let amax = x.iter().fold(0.0f32, |a, v| a.max(v.abs()));
-                let d = amax / 127.0;
-                let id = if d != 0.0 { 1.0 / d } else { 0.0 };
-                let mut b = BlockQ8_0 {
-                    d: f16::from_f32(d),
-                    qs: [0; QK],
-                };
-                for (q, v) in b.qs.iter_mut().zip(x) {
-                    *q = (v * id).round() as i8;
-                }
-                out.extend_from_slice(bytemuck::bytes_of(&b));
+            // `row_bytes` checked that `src` is whole blocks.
+            for x in src.as_chunks::<QK>().0 {
+                out.extend_from_slice(bytemuck::bytes_of(&BlockQ8_0::quantize(x)));
             }
         }
         GgmlType::Q4_0 => {

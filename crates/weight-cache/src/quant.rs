@@ -116,6 +116,31 @@ pub struct BlockQ8_0 {
     pub qs: [i8; QK],
 }
 
+impl BlockQ8_0 {
+    /// One block quantized as ggml's `quantize_row_q8_0_ref` does: `d = amax / 127`,
+    /// `q = round(x / d)` (0 for an all-zero block). The one Q8_0 quantizer: the crate's
+    /// [`quantize`](crate::quantize) and kv-ring's q8_0 cache go through it.
+    ///
+    /// ```
+    /// use weight_cache::quant::BlockQ8_0;
+    /// let x: [f32; 32] = std::array::from_fn(|i| i as f32 - 16.0);
+    /// let b = BlockQ8_0::quantize(&x);
+    /// assert!((b.d.to_f32() - 16.0 / 127.0).abs() < 1e-4); // d = amax / 127, as f16
+    /// assert_eq!((b.qs[0], b.qs[16], b.qs[31]), (-127, 0, 119));
+    /// ```
+    #[inline]
+    pub fn quantize(x: &[f32; QK]) -> Self {
+        let amax = x.iter().fold(0.0f32, |a, v| a.max(v.abs()));
+        let d = amax / 127.0;
+        let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+        // |x * id| <= 127 (+ rounding): in range.
+        Self {
+            d: f16::from_f32(d),
+            qs: std::array::from_fn(|i| (x[i] * id).round() as i8),
+        }
+    }
+}
+
 /// Q8_1 (an activation format): `w = d * q`, `s = d * sum(q)`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Pod, Zeroable)]
