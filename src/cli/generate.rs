@@ -110,9 +110,18 @@ pub(crate) struct GenerateArgs {
     /// through the serving engine, on the CPU; the output is the same as without).
     #[arg(long, value_enum, default_value_t = super::Speculate::Off)]
     speculate: super::Speculate,
-    /// With --speculate ngram: most draft tokens verified per step.
+    /// With --speculate ngram or --draft-model: most draft tokens verified per step.
     #[arg(long, default_value_t = 8)]
     max_draft: usize,
+    /// Speculative decoding with a draft model: a smaller GGUF file (or Hugging Face directory)
+    /// with the model's vocabulary proposes the drafts (greedily, in its own KV cache); the
+    /// output is the same as without. Runs through the serving engine, on the CPU.
+    #[arg(long)]
+    draft_model: Option<PathBuf>,
+    /// With --draft-model: a draft ends before a token the draft model gives a lower
+    /// probability (llama.cpp's --draft-p-min).
+    #[arg(long, default_value_t = 0.5)]
+    draft_p_min: f32,
 }
 
 /// `--executor`.
@@ -390,9 +399,17 @@ fn generate(a: &GenerateArgs, loaded: LoadedModel, prompt: &[u32]) -> anyhow::Re
         model, tokenizer, ..
     } = loaded;
     let (model, tokenizer) = (Arc::new(model), Arc::new(tokenizer));
-    if a.executor == ExecutorKind::Cuda && a.speculate != super::Speculate::Off {
-        bail!("--speculate needs --executor cpu");
+    let speculating = a.speculate != super::Speculate::Off || a.draft_model.is_some();
+    if a.executor == ExecutorKind::Cuda && speculating {
+        bail!("--speculate and --draft-model need --executor cpu");
     }
+    let speculation = super::speculation(
+        a.speculate,
+        a.max_draft,
+        a.draft_model.as_deref(),
+        a.draft_p_min,
+        a.threads,
+    )?;
     let choice = executor_choice(a.executor, a.device_budget)?;
     let exec = zerolayer::executor(model.clone(), choice).map_err(|e| match choice {
         zerolayer::ExecutorChoice::Cuda { .. } => anyhow::anyhow!("--executor cuda: {e}"),
@@ -422,7 +439,7 @@ fn generate(a: &GenerateArgs, loaded: LoadedModel, prompt: &[u32]) -> anyhow::Re
         None => None,
     };
     let cfg = one_request_engine(&exec, prompt.len() + max_tokens, a.kv_dtype.into())
-        .with_speculation(a.speculate.engine(a.max_draft));
+        .with_speculation(speculation);
     let engine = Engine::with_executor(Arc::new(exec), Some(tokenizer), cfg)?;
     let mut req = GenerationRequest::new(prompt.to_vec(), max_tokens)
         .with_sampling(sampling)
@@ -455,7 +472,7 @@ fn generate(a: &GenerateArgs, loaded: LoadedModel, prompt: &[u32]) -> anyhow::Re
             g.decode_tokens_per_second().unwrap_or(0.0),
             g.stop_reason
         );
-        if a.speculate != super::Speculate::Off {
+        if speculating {
             let m = engine.metrics();
             eprintln!(
                 "speculation: {} draft tokens, {} accepted ({:.2}), {:.2} tokens per target step",

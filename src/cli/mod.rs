@@ -13,7 +13,9 @@ mod wheel;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
-use anyhow::Context as _;
+use std::sync::Arc;
+
+use anyhow::{Context as _, bail};
 use clap::{Parser, Subcommand};
 use gpu_pipeline::{ActivationSplit, Model, ModelOptions, WeightPacking};
 use token_stream::{ChatTemplate, Tokenizer};
@@ -147,6 +149,34 @@ pub(crate) enum Speculate {
     /// N-gram prompt lookup: drafts from each request's own prompt and output, verified in its
     /// step of the batched forward pass (the output is the same as without).
     Ngram,
+}
+
+/// The engine's speculation from `--speculate`, `--max-draft`, `--draft-model` (a GGUF file
+/// or Hugging Face directory with the model's vocabulary, loaded with `threads` compute threads
+/// and 8-bit activations: a draft's precision changes only how many drafts are accepted) and
+/// `--draft-p-min`.
+pub(crate) fn speculation(
+    speculate: Speculate,
+    max_draft: usize,
+    draft_model: Option<&Path>,
+    p_min: f32,
+    threads: usize,
+) -> anyhow::Result<gpu_pipeline::engine::Speculation> {
+    use gpu_pipeline::engine::{DraftModel, Speculation};
+    match (speculate, draft_model) {
+        (Speculate::Ngram, Some(_)) => {
+            bail!("--draft-model proposes the drafts itself: leave out --speculate ngram")
+        }
+        (_, Some(path)) => {
+            let draft = load_model(path, threads, false, Split::Off)?;
+            Ok(Speculation::DraftModel(
+                DraftModel::new(Arc::new(draft.model))
+                    .with_max_draft(max_draft)
+                    .with_min_probability(p_min),
+            ))
+        }
+        (s, None) => Ok(s.engine(max_draft)),
+    }
 }
 
 impl Speculate {

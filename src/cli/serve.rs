@@ -108,9 +108,18 @@ pub(crate) struct ServeArgs {
     /// a request whose drafts are rarely accepted stops drafting).
     #[arg(long, value_enum, default_value_t = super::Speculate::Off)]
     speculate: super::Speculate,
-    /// With --speculate ngram: most draft tokens verified per step.
+    /// With --speculate ngram or --draft-model: most draft tokens verified per step.
     #[arg(long, default_value_t = 8)]
     max_draft: usize,
+    /// Speculative decoding with a draft model: a smaller GGUF file (or Hugging Face directory)
+    /// with the model's vocabulary proposes each request's drafts (greedily, in its own KV
+    /// cache, while a request decodes alone); the output is the same as without. CPU executor.
+    #[arg(long)]
+    draft_model: Option<PathBuf>,
+    /// With --draft-model: a draft ends before a token the draft model gives a lower
+    /// probability (llama.cpp's --draft-p-min).
+    #[arg(long, default_value_t = 0.5)]
+    draft_p_min: f32,
     /// KV-cache budget, e.g. 256M (default: the engine's).
     #[arg(long, value_parser = zerolayer::parse_byte_size)]
     kv_budget: Option<u64>,
@@ -207,7 +216,13 @@ fn build_service(args: &ServeArgs) -> anyhow::Result<(Arc<EngineService>, PathBu
         .with_max_kv_share_per_client(args.max_kv_share_per_client)
         .with_shared_prefix_cache(args.shared_prefix_cache)
         .with_kv_dtype(args.kv_dtype.into())
-        .with_speculation(args.speculate.engine(args.max_draft));
+        .with_speculation(super::speculation(
+            args.speculate,
+            args.max_draft,
+            args.draft_model.as_deref(),
+            args.draft_p_min,
+            args.threads.unwrap_or(0),
+        )?);
     if let Some(n) = args.max_per_client {
         engine_cfg = engine_cfg.with_max_running_per_client(n);
     }

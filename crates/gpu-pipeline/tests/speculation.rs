@@ -1,4 +1,4 @@
-//! Speculative decoding by n-gram prompt lookup on the real default model (run
+//! Speculative decoding (n-gram prompt lookup, and a draft model) on the real default model (run
 //! `scripts/fetch-model` first): the engine's output with lookup is the output without it,
 //! token for token (greedy, seeded sampling, logprobs, stop sequences, max tokens, a grammar),
 //! alone and in one batch with sequences in other speculation states.
@@ -6,7 +6,9 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use gpu_pipeline::engine::{Engine, EngineConfig, GenerationRequest, NgramLookup, Speculation};
+use gpu_pipeline::engine::{
+    DraftModel, Engine, EngineConfig, GenerationRequest, NgramLookup, Speculation,
+};
 use gpu_pipeline::zerolayer_api::InferenceEvent;
 use gpu_pipeline::zerolayer_api::TokenLogprob;
 use gpu_pipeline::{Constraint, ConstraintError, ConstraintFactory};
@@ -261,4 +263,87 @@ fn concurrent_sequences_in_different_speculation_states_match_their_plain_runs()
         m.draft_acceptance_rate(),
         m.tokens_per_sampled_step()
     );
+}
+
+/// A model of the test-model set ([`common::test_models_dir`], `scripts/make-test-models`).
+fn test_model(name: &str) -> Arc<gpu_pipeline::Model> {
+    let path = common::test_models_dir().join(format!("{name}.gguf"));
+    // SAFETY: the test models are not modified while the tests run.
+    let gguf = Arc::new(unsafe { weight_cache::Gguf::open(&path) }.expect("open test model"));
+    Arc::new(gpu_pipeline::Model::load(gguf, gpu_pipeline::ModelOptions::default()).expect("load"))
+}
+
+/// The default model requantized to Q2_K drafts for the default model: close enough to be
+/// accepted often, far enough to be rejected (every draft goes on to `max_draft`, whatever the
+/// draft model's confidence), so the draft ring's rollback runs.
+fn q2k_drafts(max_batch: usize) -> Speculation {
+    Speculation::DraftModel(
+        DraftModel::new(test_model("smollm2.Q2_K"))
+            .with_min_probability(0.0)
+            .with_max_draft(6)
+            .with_max_batch(max_batch),
+    )
+}
+
+/// Greedy and seeded sampling with a draft model emit what plain decoding emits, alone and in
+/// one batch (every sequence drafting), and drafts were both accepted and rejected.
+#[test]
+fn output_with_a_draft_model_is_the_plain_output() {
+    let reqs = [
+        GenerationRequest::new(chat("Write a short poem about the sea at night."), 60),
+        GenerationRequest::new(chat(CODE), 70),
+        GenerationRequest::new(chat(QUOTE), 50)
+            .with_sampling(SamplerConfig::default().with_temperature(0.7).with_seed(42)),
+        GenerationRequest::new(chat(LIST), 40)
+            .with_logprobs(Some(2))
+            .with_stop_sequences(["date"]),
+        GenerationRequest::new(chat(LIST), 2),
+    ];
+    let plain = engine(Speculation::Off);
+    let want: Vec<Seen> = reqs.iter().map(|r| run(&plain, r.clone())).collect();
+    assert_eq!(want[3].stop, StopReason::StopSequence);
+    let alone = engine(q2k_drafts(1));
+    for (i, (r, want)) in reqs.iter().zip(&want).enumerate() {
+        assert_eq!(&run(&alone, r.clone()), want, "request {i} alone");
+    }
+    let m = alone.metrics();
+    eprintln!(
+        "alone: drafted {} accepted {} ({:.2}), {:.2} tokens per sampled step",
+        m.draft_tokens,
+        m.accepted_draft_tokens,
+        m.draft_acceptance_rate(),
+        m.tokens_per_sampled_step()
+    );
+    assert!(m.accepted_draft_tokens > 40, "{m:?}");
+    assert!(m.draft_tokens > m.accepted_draft_tokens, "{m:?}");
+    assert!(m.tokens_per_sampled_step() > 1.5, "{m:?}");
+    let batched = engine(q2k_drafts(16));
+    let handles: Vec<_> = reqs
+        .iter()
+        .map(|r| batched.submit(r.clone()).expect("submit"))
+        .collect();
+    for (i, (h, want)) in handles.iter().zip(&want).enumerate() {
+        assert_eq!(&collect(h), want, "request {i} in a batch");
+    }
+    let m = batched.metrics();
+    assert!(m.accepted_draft_tokens > 40 && m.draft_tokens > m.accepted_draft_tokens);
+}
+
+/// A draft model with another vocabulary is refused when the engine starts.
+#[test]
+fn a_draft_model_with_another_vocabulary_is_refused() {
+    let f = fixture();
+    let draft = test_model("arch-mixtral.Q8_0");
+    let cfg = EngineConfig::default()
+        .with_speculation(Speculation::DraftModel(DraftModel::new(draft.clone())));
+    match Engine::new(f.model.clone(), Some(f.tok.clone()), cfg) {
+        Err(gpu_pipeline::engine::EngineInitError::DraftVocabulary { draft: d, model }) => {
+            assert_eq!((d, model), (draft.config().vocab_size, 49152));
+        }
+        Err(e) => panic!("refused for another reason: {e}"),
+        Ok(_) => panic!(
+            "a draft model of {} tokens was accepted",
+            draft.config().vocab_size
+        ),
+    }
 }

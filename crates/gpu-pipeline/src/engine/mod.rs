@@ -38,6 +38,7 @@
 
 mod channel;
 mod complete;
+mod draft;
 mod metrics;
 mod prefix;
 mod scheduler;
@@ -49,7 +50,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use kv_ring::{KvDtype, KvError, KvPool, KvRing, KvStorage, RingMode};
+use kv_ring::{HostKv, KvDtype, KvError, KvPool, KvRing, KvStorage, RingMode};
 use token_stream::{StreamDecoder, Tokenizer};
 
 use crate::constraint::{
@@ -66,9 +67,10 @@ pub use metrics::EngineMetrics;
 pub use scheduler::{
     ClientKey, ClientUsage, KvPlan, Refusal, Scheduler, SchedulerConfig, SeqId, SeqSpec, WorkItem,
 };
-pub use speculate::{NgramLookup, Speculation, propose, verify};
+pub use speculate::{DraftModel, NgramLookup, Speculation, propose, verify};
 
 use channel::Chan;
+use draft::Drafter;
 use prefix::PrefixCache;
 use speculate::SpecState;
 
@@ -111,9 +113,9 @@ pub struct EngineConfig {
     /// Largest fraction of the KV pool one client is admitted up to while other clients wait
     /// (1.0: only the fair-share preemption applies). See [`Scheduler`] for the policy.
     pub max_kv_share_per_client: f64,
-    /// Speculative decoding: [`Speculation::Off`] (the default), or n-gram prompt lookup,
-    /// which verifies drafts taken from each sequence's own text (output unchanged: see
-    /// [`speculate`](crate::engine::verify)).
+    /// Speculative decoding: [`Speculation::Off`] (the default), n-gram prompt lookup, which
+    /// verifies drafts taken from each sequence's own text, or a draft model's proposals
+    /// (output unchanged either way: see [`verify`]).
     pub speculation: Speculation,
 }
 
@@ -425,6 +427,14 @@ pub enum EngineInitError {
     /// The scheduler thread could not be spawned.
     #[error("spawning the scheduler thread: {0}")]
     Spawn(#[from] std::io::Error),
+    /// The draft model of [`Speculation::DraftModel`] has another vocabulary than the model.
+    #[error("the draft model's vocabulary has {draft} tokens, the model's {model}")]
+    DraftVocabulary {
+        /// The draft model's vocabulary size.
+        draft: usize,
+        /// The model's vocabulary size.
+        model: usize,
+    },
 }
 
 struct Pending {
@@ -526,6 +536,10 @@ impl<E: Executor> Engine<E> {
             cfg.prefill_chunk.max(1),
             model.kv_allocator(),
         )?;
+        let draft = match &cfg.speculation {
+            Speculation::DraftModel(d) => Some(Drafter::new(d, model.config(), &cfg)?),
+            _ => None,
+        };
         let bpt = pool.bytes_per_token().max(1);
         let sched = Scheduler::new(SchedulerConfig {
             max_queue: cfg.max_queue,
@@ -556,6 +570,7 @@ impl<E: Executor> Engine<E> {
             shared_prefix_cache: cfg.shared_prefix_cache,
             masks: None,
             speculation: cfg.speculation,
+            draft,
         };
         let tok = tokenizer.clone();
         let thread = std::thread::Builder::new()
@@ -840,6 +855,10 @@ struct Active<'t, S: KvStorage> {
     spec: Option<SpecState>,
     /// Draft tokens at the end of `history` during a step.
     drafts: usize,
+    /// Draft tokens a draft model may propose for the next step (0: none).
+    draft_want: usize,
+    /// The draft model's KV ring: the sequence's text as the draft model has seen it.
+    draft_kv: Option<KvRing<HostKv>>,
     /// The tokens sampled in the last step (reused buffer).
     emitted: Vec<Sampled>,
     /// Drafts accepted in the last step.
@@ -885,6 +904,8 @@ struct Worker<E: Executor> {
     masks: Option<MaskFiller>,
     /// [`EngineConfig::speculation`].
     speculation: Speculation,
+    /// The draft model of [`Speculation::DraftModel`].
+    draft: Option<Drafter>,
 }
 
 impl<E: Executor> Worker<E> {
@@ -969,6 +990,9 @@ impl<E: Executor> Worker<E> {
             let decoding = active.values().filter(|a| a.decoding()).count();
             for a in active.values_mut() {
                 a.propose(decoding);
+            }
+            if let Some(d) = &mut self.draft {
+                d.draft(active.values_mut());
             }
             // ---- between steps: cancellations, admissions, the plan
             let mut st = shared.lock();
@@ -1311,6 +1335,8 @@ impl<E: Executor> Worker<E> {
                 input_tokens: r.input_tokens,
                 spec: self.new_spec(),
                 drafts: 0,
+                draft_want: 0,
+                draft_kv: None,
                 emitted: Vec::with_capacity(1),
                 accepted: 0,
             });
@@ -1349,6 +1375,8 @@ impl<E: Executor> Worker<E> {
             output_tokens: 0,
             spec: self.new_spec(),
             drafts: 0,
+            draft_want: 0,
+            draft_kv: None,
             emitted: Vec::with_capacity(1),
             accepted: 0,
         })
@@ -1356,10 +1384,7 @@ impl<E: Executor> Worker<E> {
 
     /// A new sequence's speculation state, per [`EngineConfig::speculation`].
     fn new_spec(&self) -> Option<SpecState> {
-        match self.speculation {
-            Speculation::Off => None,
-            Speculation::NgramLookup(c) => Some(SpecState::new(c)),
-        }
+        SpecState::new(&self.speculation)
     }
 
     /// Keeps a copy of a just-prefilled prompt's KV for later requests with the same prefix.
@@ -1446,12 +1471,17 @@ impl<S: KvStorage> Active<'_, S> {
     /// batch of `batch` decoding sequences.
     fn propose(&mut self, batch: usize) {
         let decoding = self.decoding();
+        self.draft_want = 0;
         let Some(sp) = &mut self.spec else {
             return;
         };
-        if decoding && batch <= sp.config().max_batch {
+        if decoding && batch <= sp.max_batch() {
             let left = (self.req.max_new_tokens).saturating_sub(self.output_tokens + 1);
-            sp.propose(&self.history, left);
+            if sp.uses_draft_model() {
+                self.draft_want = sp.budget(left);
+            } else {
+                sp.propose(&self.history, left);
+            }
         } else {
             sp.proposal.clear();
         }
@@ -1477,6 +1507,16 @@ impl<S: KvStorage> Active<'_, S> {
         let drafts = std::mem::take(&mut self.drafts);
         self.history.truncate(self.history.len() - drafts);
         self.accepted = accepted;
+        // The draft model's ring keeps the accepted drafts it was fed.
+        if let Some(ring) = &mut self.draft_kv {
+            let (fed, text) = (ring.next_pos() as usize, self.history.len());
+            if fed > text {
+                let keep = text + accepted.min(fed - text);
+                if ring.rollback(fed - keep).is_err() {
+                    self.draft_kv = None;
+                }
+            }
+        }
         if let Some(sp) = &mut self.spec {
             sp.record(drafts, accepted);
         }

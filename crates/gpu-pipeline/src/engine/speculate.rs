@@ -1,12 +1,21 @@
-//! Speculative decoding by n-gram prompt lookup: proposing draft tokens from the sequence's own
-//! text, the acceptance rule that keeps the output exactly the target model's, and the
-//! per-sequence policy that sizes drafts by their measured acceptance.
+//! Speculative decoding: proposing draft tokens (by n-gram lookup in the sequence's own text,
+//! or from a smaller draft model), the acceptance rule that keeps the output exactly the target
+//! model's, and the per-sequence policy that sizes drafts by their measured acceptance.
 //!
-//! **Proposal** ([`propose`]): the last `n` tokens of the sequence (prompt and generated text),
-//! for `n` from [`NgramLookup::max_ngram`] down to [`NgramLookup::min_ngram`], are looked up in
-//! the earlier text; at the most recent earlier occurrence of the longest `n` that has one,
-//! the tokens that followed it are the draft (llama.cpp's `llama-lookup` and vLLM's n-gram
-//! proposer). Code edits and summaries repeat their prompt, so these drafts are often right.
+//! **Proposal by lookup** ([`propose`]): the last `n` tokens of the sequence (prompt and
+//! generated text), for `n` from [`NgramLookup::max_ngram`] down to [`NgramLookup::min_ngram`],
+//! are looked up in the earlier text; at the most recent earlier occurrence of the longest `n`
+//! that has one, the tokens that followed it are the draft (llama.cpp's `llama-lookup` and
+//! vLLM's n-gram proposer). Code edits and summaries repeat their prompt, so these drafts are
+//! often right.
+//!
+//! **Proposal by a draft model** ([`DraftModel`]): a smaller model sharing the target's
+//! vocabulary decodes greedily from the sequence's text in its own KV ring (the engine first
+//! feeds it whatever text it has not seen: the prompt once, then the tokens of each step), one
+//! token per draft step, and stops early when its top token's probability falls under
+//! [`DraftModel::min_probability`] (llama.cpp's `--draft-p-min`). Every drafting sequence
+//! of a step runs in one batched forward pass of the draft model. After the verification the
+//! draft ring is rolled back to the accepted text, as the target's is.
 //!
 //! **Verification** ([`verify`]): the engine runs the sequence's step on `[last token, draft...]`
 //! (one forward pass, logits for every row; the other sequences of the batch are untouched, a
@@ -18,20 +27,26 @@
 //! mass on draft `t` (accept `t` with probability `min(1, p(t)/q(t)) = p(t)`; on rejection draw
 //! from the residual `max(0, p - q)`, which is `p` with `t` removed and renormalized): drawing
 //! `x ~ p` and accepting iff `x == t` accepts with probability `p(t)`, and a rejected draw is
-//! distributed as `p` conditioned on `x != t`. It uses one draw per emitted token, in the order
-//! a plain decode draws them, so with the same seed the output is not only distributed as the
+//! distributed as `p` conditioned on `x != t`. Both proposers are point masses (lookup, and the
+//! draft model's greedy choice). It uses one draw per emitted token, in the order a plain
+//! decode draws them, so with the same seed the output is not only distributed as the
 //! target's, it is the same tokens; greedy output is bit-identical. The KV rows of rejected
 //! drafts are rolled back ([`kv_ring::KvRing::rollback`]) and the step emits the accepted
 //! drafts plus the one token of the first row that did not match (the correction, or the
 //! bonus after a fully accepted draft).
 //!
-//! **Policy** ([`SpecState`]): drafts start at 2 tokens; the length grows by 2 after a fully
-//! accepted draft and shrinks by 1 otherwise (HF transformers' heuristic), within
-//! `1..=max_draft`. An exponential average of the acceptance rate (from 0.5, after at least 3
-//! verifications) below [`NgramLookup::min_acceptance`] turns lookup off for the sequence for
-//! a back-off of 16 steps, then one 1-token probe: rejected, the back-off doubles (up to 256
-//! steps). So text that does not repeat itself costs a few failed verifications at its start
-//! and one 1-token probe now and then, not one per step.
+//! **Policy** ([`SpecState`]): drafts start at 2 tokens (a draft model: at its `max_draft`, its
+//! confidence cut-off shortening them); the length grows by 2 after a fully accepted draft and
+//! shrinks by 1 otherwise (HF transformers' heuristic), within `1..=max_draft`. An exponential
+//! average of the acceptance rate (from 0.5, after at least 3 verifications) below the
+//! configured `min_acceptance` turns drafting off for the sequence for a back-off of 16 steps,
+//! then one 1-token probe: rejected, the back-off doubles (up to 256 steps). So text that does
+//! not repeat itself (or that the draft model cannot predict) costs a few failed
+//! verifications at its start and one 1-token probe now and then, not one per step.
+
+use std::sync::Arc;
+
+use crate::model::Model;
 
 /// Whether and how the [`Engine`](super::Engine) speculates
 /// ([`EngineConfig::speculation`](super::EngineConfig::speculation)).
@@ -43,13 +58,108 @@
 /// assert!(matches!(cfg.speculation, Speculation::NgramLookup(n) if n.max_draft == 6));
 /// ```
 #[non_exhaustive]
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
+#[derive(Clone, Debug, Default)]
 pub enum Speculation {
     /// One token per sequence per step.
     #[default]
     Off,
     /// Drafts from n-gram lookup in the sequence's own text (see [`propose`] and [`verify`]).
     NgramLookup(NgramLookup),
+    /// Drafts from a smaller model with the same vocabulary (see the [module docs](self)).
+    DraftModel(DraftModel),
+}
+
+/// Settings of draft-model speculation ([`Speculation::DraftModel`]): the draft model (run by
+/// the CPU kernels, with its own KV pool) and the policy.
+///
+/// ```no_run
+/// use std::sync::Arc;
+/// use gpu_pipeline::engine::{DraftModel, EngineConfig, Speculation};
+/// use gpu_pipeline::{Model, ModelOptions};
+/// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// // SAFETY: the model file is not modified while mapped.
+/// let gguf = Arc::new(unsafe { weight_cache::Gguf::open("small.gguf")? });
+/// let draft = Arc::new(Model::load(gguf, ModelOptions::default())?);
+/// let cfg = EngineConfig::default()
+///     .with_speculation(Speculation::DraftModel(DraftModel::new(draft).with_max_draft(6)));
+/// # Ok(()) }
+/// ```
+#[non_exhaustive]
+#[derive(Clone)]
+pub struct DraftModel {
+    /// The draft model; its vocabulary must be the target's (checked when the engine starts).
+    pub model: Arc<Model>,
+    /// Most draft tokens verified per step (the adaptive length stays within it).
+    pub max_draft: usize,
+    /// A draft step whose top token has a lower probability (under the draft model) ends the
+    /// draft before that token (llama.cpp's `--draft-p-min`).
+    pub min_probability: f32,
+    /// Acceptance rate (an exponential average over verifications) below which a sequence
+    /// stops drafting for a while.
+    pub min_acceptance: f32,
+    /// Most decoding sequences in the batch for which anyone drafts (as
+    /// [`NgramLookup::max_batch`]).
+    pub max_batch: usize,
+    /// KV budget of the draft model's own pool, in bytes. A sequence whose draft ring does not
+    /// fit decodes without drafts.
+    pub kv_budget_bytes: usize,
+}
+
+impl DraftModel {
+    /// Drafts from `model` with the default policy: up to 8 tokens, cut at a top-token
+    /// probability under 0.5, off under an acceptance of 0.3, only while one sequence
+    /// decodes, 256 MiB of draft KV.
+    pub fn new(model: Arc<Model>) -> Self {
+        Self {
+            model,
+            max_draft: 8,
+            min_probability: 0.5,
+            min_acceptance: 0.3,
+            max_batch: 1,
+            kv_budget_bytes: 256 << 20,
+        }
+    }
+    /// Sets [`max_draft`](Self::max_draft) (at least 1).
+    pub fn with_max_draft(mut self, n: usize) -> Self {
+        self.max_draft = n.max(1);
+        self
+    }
+    /// Sets [`min_probability`](Self::min_probability).
+    pub fn with_min_probability(mut self, p: f32) -> Self {
+        self.min_probability = p;
+        self
+    }
+    /// Sets [`min_acceptance`](Self::min_acceptance).
+    pub fn with_min_acceptance(mut self, rate: f32) -> Self {
+        self.min_acceptance = rate;
+        self
+    }
+    /// Sets [`max_batch`](Self::max_batch).
+    pub fn with_max_batch(mut self, n: usize) -> Self {
+        self.max_batch = n;
+        self
+    }
+    /// Sets [`kv_budget_bytes`](Self::kv_budget_bytes).
+    pub fn with_kv_budget_bytes(mut self, b: usize) -> Self {
+        self.kv_budget_bytes = b;
+        self
+    }
+}
+
+impl std::fmt::Debug for DraftModel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let c = self.model.config();
+        f.debug_struct("DraftModel")
+            .field("arch", &c.arch)
+            .field("n_layers", &c.n_layers)
+            .field("n_embd", &c.n_embd)
+            .field("max_draft", &self.max_draft)
+            .field("min_probability", &self.min_probability)
+            .field("min_acceptance", &self.min_acceptance)
+            .field("max_batch", &self.max_batch)
+            .field("kv_budget_bytes", &self.kv_budget_bytes)
+            .finish()
+    }
 }
 
 /// Settings of n-gram prompt-lookup speculation ([`Speculation::NgramLookup`]).
@@ -189,15 +299,48 @@ const MIN_VERIFICATIONS: u32 = 3;
 /// Weight of the newest verification in the acceptance average.
 const RATE_WEIGHT: f32 = 0.3;
 
+/// How a sequence's drafts are sized and when drafting stops for a while (see the
+/// [module docs](self)).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Policy {
+    max_draft: usize,
+    min_acceptance: f32,
+    max_batch: usize,
+    /// The first draft length.
+    start: usize,
+}
+
+impl Policy {
+    fn ngram(c: &NgramLookup) -> Self {
+        Self {
+            max_draft: c.max_draft.max(1),
+            min_acceptance: c.min_acceptance,
+            max_batch: c.max_batch,
+            start: c.max_draft.clamp(1, 2),
+        }
+    }
+
+    fn draft_model(c: &DraftModel) -> Self {
+        Self {
+            max_draft: c.max_draft.max(1),
+            min_acceptance: c.min_acceptance,
+            max_batch: c.max_batch,
+            start: c.max_draft.max(1),
+        }
+    }
+}
+
 /// One sequence's speculation state: the adaptive draft length, the acceptance average and the
 /// back-off (see the [module docs](self)), and the buffer of the current proposal.
 #[derive(Clone, Debug)]
 pub(crate) struct SpecState {
-    cfg: NgramLookup,
+    policy: Policy,
+    /// Lookup's n-gram sizes (`None`: a draft model proposes).
+    ngram: Option<(usize, usize)>,
     draft_len: usize,
     rate: f32,
     verifications: u32,
-    /// Steps left with lookup off.
+    /// Steps left with drafting off.
     off_for: u32,
     /// The next back-off.
     backoff: u32,
@@ -206,34 +349,54 @@ pub(crate) struct SpecState {
 }
 
 impl SpecState {
-    pub(crate) fn new(cfg: NgramLookup) -> Self {
-        Self {
-            draft_len: cfg.max_draft.clamp(1, 2),
+    /// The state of a sequence under `s` (`None`: no speculation).
+    pub(crate) fn new(s: &Speculation) -> Option<Self> {
+        let (policy, ngram) = match s {
+            Speculation::Off => return None,
+            Speculation::NgramLookup(c) => (Policy::ngram(c), Some((c.min_ngram, c.max_ngram))),
+            Speculation::DraftModel(c) => (Policy::draft_model(c), None),
+        };
+        Some(Self {
+            draft_len: policy.start,
             rate: 0.5,
             verifications: 0,
             off_for: 0,
             backoff: FIRST_BACKOFF,
-            proposal: Vec::with_capacity(cfg.max_draft),
-            cfg,
+            proposal: Vec::with_capacity(policy.max_draft),
+            policy,
+            ngram,
+        })
+    }
+
+    /// The most draft tokens for the next step, at most `left` (0 while drafting is off: that
+    /// counts one step of the back-off). Clears the proposal.
+    pub(crate) fn budget(&mut self, left: usize) -> usize {
+        self.proposal.clear();
+        if self.off_for > 0 || left == 0 {
+            self.off_for = self.off_for.saturating_sub(1);
+            return 0;
         }
+        self.draft_len.min(self.policy.max_draft).min(left)
     }
 
     /// Proposes the drafts of the next step into [`proposal`](Self::proposal), at most
-    /// `left` (empty while lookup is off, and when nothing matches).
+    /// `left`: by lookup in `text` (empty while lookup is off, and when nothing matches). A
+    /// draft model's proposals are filled by the engine (after [`budget`](Self::budget)).
     pub(crate) fn propose(&mut self, text: &[u32], left: usize) {
-        if self.off_for > 0 || left == 0 {
-            self.off_for = self.off_for.saturating_sub(1);
-            self.proposal.clear();
-            return;
+        let n = self.budget(left);
+        if let Some((min_n, max_n)) = self.ngram {
+            propose(text, min_n, max_n, n, &mut self.proposal);
         }
-        let c = self.cfg;
-        let n = self.draft_len.min(c.max_draft).min(left);
-        propose(text, c.min_ngram, c.max_ngram, n, &mut self.proposal);
     }
 
-    /// The configuration.
-    pub(crate) fn config(&self) -> &NgramLookup {
-        &self.cfg
+    /// Whether a draft model proposes (rather than lookup).
+    pub(crate) fn uses_draft_model(&self) -> bool {
+        self.ngram.is_none()
+    }
+
+    /// Most decoding sequences in a batch for which anyone drafts.
+    pub(crate) fn max_batch(&self) -> usize {
+        self.policy.max_batch
     }
 
     /// Records a verification of `drafted` tokens of which `accepted` were accepted.
@@ -241,7 +404,7 @@ impl SpecState {
         if drafted == 0 {
             return;
         }
-        let c = self.cfg;
+        let c = self.policy;
         self.draft_len = if accepted == drafted {
             (self.draft_len + 2).min(c.max_draft)
         } else {
@@ -263,7 +426,7 @@ impl SpecState {
         }
     }
 
-    /// Whether lookup is off now (a back-off).
+    /// Whether drafting is off now (a back-off).
     #[cfg(test)]
     pub(crate) fn is_off(&self) -> bool {
         self.off_for > 0
@@ -336,7 +499,10 @@ mod tests {
             }
             let mut spec = prompt.to_vec();
             let mut s = Sampler::new(params.clone());
-            let mut state = SpecState::new(NgramLookup::default().with_max_draft(5));
+            let mut state = SpecState::new(&Speculation::NgramLookup(
+                NgramLookup::default().with_max_draft(5),
+            ))
+            .expect("on");
             let (mut steps, mut accepted_total) = (0, 0);
             while spec.len() < prompt.len() + n {
                 let left = prompt.len() + n - spec.len() - 1;
@@ -432,7 +598,7 @@ mod tests {
     #[test]
     fn draft_length_adapts_and_low_acceptance_backs_off() {
         let cfg = NgramLookup::default().with_max_draft(6);
-        let mut st = SpecState::new(cfg);
+        let mut st = SpecState::new(&Speculation::NgramLookup(cfg)).expect("on");
         let text = [1u32, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2];
         st.propose(&text, 100);
         assert_eq!(st.proposal, [3, 4]);
