@@ -144,6 +144,35 @@ fn generate_with_speculation_prints_the_same_answer() {
     let (spec, err) = run(&["--speculate", "ngram", "--max-draft", "4", "--timings"]);
     assert_eq!(spec, plain);
     assert!(err.contains("draft tokens"), "{err}");
+    // A draft model (here the model itself, with 8-bit activations), drafting from the first
+    // token: the same answer, and most drafts accepted.
+    let model = weight_cache::locate_default_model().unwrap();
+    let draft = model.to_str().unwrap();
+    let (drafted, err) = run(&["--draft-model", draft, "--draft-p-min", "0", "--timings"]);
+    assert_eq!(drafted, plain);
+    let line = err
+        .lines()
+        .find(|l| l.starts_with("speculation:"))
+        .expect(&err);
+    let n: Vec<usize> = line
+        .split_whitespace()
+        .filter_map(|w| w.parse().ok())
+        .collect();
+    assert!(n.len() >= 2 && n[1] * 2 > n[0] && n[1] > 8, "{line}");
+    // --draft-model proposes by itself.
+    let out = zerolayer(&[
+        "generate",
+        "--chat",
+        chat,
+        "--speculate",
+        "ngram",
+        "--draft-model",
+        draft,
+    ])
+    .output()
+    .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("leave out --speculate ngram"));
 }
 
 /// `--executor cuda` on a machine without a driver: a one-line typed error naming what was

@@ -119,8 +119,8 @@ pub(crate) struct GenerateArgs {
     #[arg(long)]
     draft_model: Option<PathBuf>,
     /// With --draft-model: a draft ends before a token the draft model gives a lower
-    /// probability (llama.cpp's --draft-p-min).
-    #[arg(long, default_value_t = 0.5)]
+    /// probability (llama.cpp's --draft-p-min; ours is over the whole vocabulary).
+    #[arg(long, default_value_t = 0.1)]
     draft_p_min: f32,
 }
 

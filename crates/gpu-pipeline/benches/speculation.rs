@@ -1,5 +1,6 @@
-//! Speculative decoding by n-gram prompt lookup against plain decoding, on the default model,
-//! one stream at a time, greedy: the committed prompt set `benches/speculation_prompts.txt`
+//! Speculative decoding (n-gram prompt lookup, or a draft model) against plain decoding, on the
+//! default model (or another), one stream at a time, greedy: the committed prompt set
+//! `benches/speculation_prompts.txt`
 //! (code and config edits, a list, a quote: `repetitive`; answers in the model's own words:
 //! `chat`). For each prompt and mode, decode tokens/s (tokens after the first over the time
 //! from the first token to the last), medians over rounds that alternate which mode runs
@@ -11,12 +12,20 @@
 //! `scripts/bench-speculation`, or `cargo bench -p zerolayer-gpu-pipeline --bench speculation`
 //! (ZEROLAYER_BENCH_THREADS, default 2; ZEROLAYER_BENCH_ROUNDS, default 3;
 //! ZEROLAYER_BENCH_MAX_DRAFT, default the engine's; ZEROLAYER_BENCH_MIN_ACCEPTANCE and
-//! ZEROLAYER_BENCH_MIN_NGRAM with ZEROLAYER_BENCH_MAX_NGRAM likewise).
+//! ZEROLAYER_BENCH_MIN_NGRAM with ZEROLAYER_BENCH_MAX_NGRAM likewise). ZEROLAYER_BENCH_MODEL: the
+//! target model file (default: the default model); ZEROLAYER_BENCH_DRAFT: a draft model file
+//! of the same vocabulary, which then proposes instead of lookup (ZEROLAYER_BENCH_P_MIN: its
+//! `DraftModel::min_probability`); ZEROLAYER_BENCH_PROMPTS_OUT: a directory that receives each
+//! prompt as text (`NAME.txt`, special tokens written out) and its token limit
+//! (`NAME.max`), for a peer run on the same prompts (`scripts/bench-speculation
+//! --draft-model`).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use gpu_pipeline::engine::{Engine, EngineConfig, GenerationRequest, NgramLookup, Speculation};
+use gpu_pipeline::engine::{
+    DraftModel, Engine, EngineConfig, GenerationRequest, NgramLookup, Speculation,
+};
 use gpu_pipeline::zerolayer_api::InferenceEvent;
 use gpu_pipeline::{Model, ModelOptions};
 use token_stream::{ChatTemplate, TemplateMessage, Tokenizer};
@@ -137,7 +146,7 @@ fn cpu_model() -> String {
         .unwrap_or_else(|| "unknown".into())
 }
 
-/// Per prompt and mode: decode rates per round; for lookup, drafts and acceptance totals.
+/// Per prompt and mode: decode rates per round; speculative: drafts and acceptance totals.
 #[derive(Default)]
 struct Stats {
     plain: Vec<(usize, Duration)>,
@@ -145,7 +154,7 @@ struct Stats {
     /// Decode tokens and CPU time per run.
     plain_cpu: Vec<(usize, Duration)>,
     spec_cpu: Vec<(usize, Duration)>,
-    /// Every run's output, plain and lookup.
+    /// Every run's output, plain and speculative.
     outputs: Vec<Vec<u32>>,
     drafted: u64,
     accepted: u64,
@@ -176,27 +185,55 @@ fn main() {
     {
         lookup = lookup.with_min_acceptance(r);
     }
-    let path = weight_cache::locate_default_model().expect("scripts/fetch-model first");
-    // SAFETY: the model file is not modified while the bench runs.
-    let gguf = Arc::new(unsafe { weight_cache::Gguf::open(&path) }.expect("open model"));
-    let tok = Arc::new(Tokenizer::from_gguf(&gguf).expect("tokenizer"));
-    let model = Arc::new(
-        Model::load(gguf, ModelOptions::default().with_threads(threads)).expect("load model"),
+    let path = std::env::var_os("ZEROLAYER_BENCH_MODEL").map_or_else(
+        || weight_cache::locate_default_model().expect("scripts/fetch-model first"),
+        std::path::PathBuf::from,
     );
+    let load = |path: &std::path::Path| {
+        // SAFETY: the model files are not modified while the bench runs.
+        let gguf = Arc::new(unsafe { weight_cache::Gguf::open(path) }.expect("open model"));
+        let tok = Arc::new(Tokenizer::from_gguf(&gguf).expect("tokenizer"));
+        let model = Model::load(gguf, ModelOptions::default().with_threads(threads));
+        (Arc::new(model.expect("load model")), tok)
+    };
+    let (model, tok) = load(&path);
     let prompts = prompts(&tok);
+    if let Some(dir) = std::env::var_os("ZEROLAYER_BENCH_PROMPTS_OUT") {
+        let dir = std::path::PathBuf::from(dir);
+        std::fs::create_dir_all(&dir).expect("prompt directory");
+        for p in &prompts {
+            let text = tok.decode_bytes(&p.ids).expect("decode");
+            std::fs::write(dir.join(format!("{}.txt", p.name)), text).expect("write prompt");
+            std::fs::write(
+                dir.join(format!("{}.max", p.name)),
+                p.max_tokens.to_string(),
+            )
+            .expect("write limit");
+        }
+    }
+    let speculation = match std::env::var_os("ZEROLAYER_BENCH_DRAFT") {
+        Some(d) => {
+            let mut draft = DraftModel::new(load(std::path::Path::new(&d)).0)
+                .with_max_draft(lookup.max_draft)
+                .with_min_acceptance(lookup.min_acceptance);
+            if let Some(p) = std::env::var("ZEROLAYER_BENCH_P_MIN")
+                .ok()
+                .and_then(|v| v.parse().ok())
+            {
+                draft = draft.with_min_probability(p);
+            }
+            Speculation::DraftModel(draft)
+        }
+        None => Speculation::NgramLookup(lookup),
+    };
     let cfg = EngineConfig::default().with_prefix_cache_entries(0);
     let plain = Engine::new(model.clone(), Some(tok.clone()), cfg.clone()).expect("engine");
-    let spec = Engine::new(
-        model,
-        Some(tok),
-        cfg.with_speculation(Speculation::NgramLookup(lookup)),
-    )
-    .expect("engine");
     println!(
-        "speculation bench: {} | {threads} threads | {} | {rounds} rounds | {lookup:?}",
+        "speculation bench: {} | {threads} threads | {} | {rounds} rounds | {speculation:?}",
         cpu_model(),
         path.display()
     );
+    let spec = Engine::new(model, Some(tok), cfg.with_speculation(speculation)).expect("engine");
     // Warm-up (page cache, scratch buffers).
     run(&plain, &prompts[0]);
     run(&spec, &prompts[0]);
@@ -211,8 +248,8 @@ fn main() {
             } else {
                 [true, false]
             };
-            for lookup_on in order {
-                if lookup_on {
+            for spec_on in order {
+                if spec_on {
                     let before = spec.metrics();
                     let r = run(&spec, p);
                     let after = spec.metrics();
@@ -313,7 +350,7 @@ fn main() {
             (g + st.generated, s + st.sampled_steps)
         });
         println!(
-            "{kind:<10} plain {plain:.1} tok/s (rounds {plain_rounds:.1?}), lookup {specr:.1} tok/s \
+            "{kind:<10} plain {plain:.1} tok/s (rounds {plain_rounds:.1?}), speculative {specr:.1} tok/s \
              (rounds {spec_rounds:.1?}): {:.2}x (median of the rounds' ratios {paired:.2}x), \
              acceptance {:.2}, {:.2} tokens per target step, identical {}; per CPU-second of \
              the process {cpu_ratio:.2}x",
@@ -336,8 +373,8 @@ fn main() {
             } else {
                 [true, false]
             };
-            for lookup_on in order {
-                let e = if lookup_on { &spec } else { &plain };
+            for spec_on in order {
+                let e = if spec_on { &spec } else { &plain };
                 let t0 = Instant::now();
                 let handles: Vec<_> = of_kind
                     .iter()
@@ -358,7 +395,7 @@ fn main() {
                     }
                 }
                 let r = rate((tokens, t0.elapsed()));
-                if lookup_on {
+                if spec_on {
                     spec_rates.push(r);
                 } else {
                     plain_rates.push(r);
@@ -373,7 +410,7 @@ fn main() {
                 .collect(),
         );
         println!(
-            "{kind:<10} batched ({} at once): plain {:.1} tok/s, lookup {:.1} tok/s: {:.2}x (median of the rounds' ratios {paired:.2}x)",
+            "{kind:<10} batched ({} at once): plain {:.1} tok/s, speculative {:.1} tok/s: {:.2}x (median of the rounds' ratios {paired:.2}x)",
             of_kind.len(),
             median(plain_rates.clone()),
             median(spec_rates.clone()),
@@ -382,7 +419,7 @@ fn main() {
     }
 }
 
-/// Whether every run of a prompt, plain or with lookup, generated the same tokens.
+/// Whether every run of a prompt, plain or speculative, generated the same tokens.
 fn identical(st: &Stats) -> bool {
     st.outputs.windows(2).all(|w| w[0] == w[1])
 }
