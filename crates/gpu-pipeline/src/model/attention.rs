@@ -828,13 +828,15 @@ mod avx512 {
         let nr = nb.len();
         let nmax = nb.iter().copied().max().unwrap_or(0);
         let npad = nmax.next_multiple_of(16);
-        // scratch: scores [nr][npad]
-        let sp = reserve(scratch, nr * npad);
+        // scratch: scores [nr][npad] | kbuf [16][hd] (a 16-key block's key rows as f32)
+        let sp = reserve(scratch, nr * npad + 16 * hd);
+        // SAFETY: inside the reservation.
+        let kbuf = unsafe { sp.add(nr * npad) };
         let scv = _mm512_set1_ps(scale);
         let ninf = _mm512_set1_ps(f32::NEG_INFINITY);
         let lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
         let mut sums = [0.0f32; 16];
-        // SAFETY (whole body): pointers stay inside `scratch` (nr * npad floats), `q`/`out`
+        // SAFETY (whole body): pointers stay inside `scratch` (nr * npad + 16 * hd floats), `q`/`out`
         // (nr rows of hd) and the view's rows `0..nmax`.
         unsafe {
             for g in (0..nr).step_by(4) {
@@ -856,20 +858,32 @@ mod avx512 {
                 });
                 let mut kb = kb0;
                 while kb < gmax {
-                    let mut acc = [[_mm512_setzero_ps(); 16]; 4];
-                    for jj in 0..16.min(gmax - kb) {
-                        // The key row is loaded (and converted) once for all rows of the group.
-                        let k: [__m512; NC] = std::array::from_fn(|c| keys.load(kb + jj, c));
-                        for (r, ar) in acc.iter_mut().enumerate().take(gn) {
-                            let mut a = _mm512_setzero_ps();
-                            for c in 0..NC {
-                                a = _mm512_fmadd_ps(qv[r][c], k[c], a);
-                            }
-                            ar[jj] = a;
+                    let nk = 16.min(gmax - kb);
+                    // The block's key rows are converted once for all rows of the group, then
+                    // each row's 16 lane sums stay in registers (all rows' at once would not).
+                    // Keys past the block's last are zero rows: their sums are 0 (and masked
+                    // out below), and every loop below has constant bounds, so the 16 sums stay
+                    // in registers.
+                    for jj in 0..16 {
+                        for c in 0..NC {
+                            let k = if jj < nk {
+                                keys.load(kb + jj, c)
+                            } else {
+                                _mm512_setzero_ps()
+                            };
+                            _mm512_storeu_ps(kbuf.add(jj * hd + 16 * c), k);
                         }
                     }
                     for r in 0..gn {
-                        let s = softcap_v(_mm512_mul_ps(tree16_t(&acc[r]), scv), cap);
+                        let mut acc = [_mm512_setzero_ps(); 16];
+                        // Per key, its lane sums over `c` ascending (16 independent chains).
+                        for c in 0..NC {
+                            for (jj, a) in acc.iter_mut().enumerate() {
+                                let k = _mm512_loadu_ps(kbuf.add(jj * hd + 16 * c));
+                                *a = _mm512_fmadd_ps(qv[r][c], k, *a);
+                            }
+                        }
+                        let s = softcap_v(_mm512_mul_ps(tree16_t(&acc), scv), cap);
                         let live = _mm512_cmpgt_epi32_mask(
                             _mm512_set1_epi32(nb[g + r] as i32 - kb as i32),
                             lane,
