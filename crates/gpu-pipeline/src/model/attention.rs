@@ -877,10 +877,10 @@ mod avx512 {
                     for r in 0..gn {
                         let mut acc = [_mm512_setzero_ps(); 16];
                         // Per key, its lane sums over `c` ascending (16 independent chains).
-                        for c in 0..NC {
+                        for (c, qc) in qv[r].iter().enumerate() {
                             for (jj, a) in acc.iter_mut().enumerate() {
                                 let k = _mm512_loadu_ps(kbuf.add(jj * hd + 16 * c));
-                                *a = _mm512_fmadd_ps(qv[r][c], k, *a);
+                                *a = _mm512_fmadd_ps(*qc, k, *a);
                             }
                         }
                         let s = softcap_v(_mm512_mul_ps(tree16_t(&acc), scv), cap);
