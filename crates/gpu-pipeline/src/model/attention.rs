@@ -12,9 +12,11 @@
 //!   `j ≡ l (mod 16)` ascending, reduced by the same tree;
 //! - output: `o = fma(p[j], v[j], o)` over keys ascending, then `o * (1 / sum)`.
 //!
-//! The AVX-512 path has two kernels with that arithmetic: one vectorized across 16 query rows
-//! (prefill blocks: each converted key row serves 16 rows, no horizontal sums) and one across 16
-//! keys (decode: few rows, a transposing reduction tree builds 16 scores at once).
+//! The AVX-512 path runs that arithmetic vectorized across 16 keys: each block of 16 key rows is
+//! converted once for up to 16 query rows, a row's 16 lane sums per key stay in registers, and a
+//! transposing reduction tree builds the 16 keys' scores at once. (A kernel vectorized across 16
+//! query rows, broadcasting each key element, served prefill blocks until it measured 1.36x
+//! slower per key than this one: two loads per FMA.)
 
 use half::f16;
 use kv_ring::{KvSlices, KvView, Q4Rows, Q8_0_BLOCK, Q8Rows};
@@ -676,17 +678,10 @@ mod avx512 {
             let cap = softcap.unwrap_or(0.0);
             // SAFETY: forwarded; the block's rows are inside the checked shapes.
             unsafe {
-                if nr >= 6 {
-                    by_width!(
-                        hd,
-                        rows_block(qb, nb, fb, keys, values, scale, cap, scratch, ob)
-                    );
-                } else {
-                    by_width!(
-                        hd,
-                        keys_block(qb, nb, fb, keys, values, scale, cap, scratch, ob)
-                    );
-                }
+                by_width!(
+                    hd,
+                    keys_block(qb, nb, fb, keys, values, scale, cap, scratch, ob)
+                );
             }
             r0 += nr;
         }
@@ -699,115 +694,8 @@ mod avx512 {
         scratch.as_mut_ptr()
     }
 
-    /// Up to 16 rows, vectorized across rows: scores are kept transposed (`[key][row]`); head dim
-    /// `16 * NC`.
-    ///
-    /// # Safety
-    /// As for [`attend`]; `1 <= nb.len() <= 16`.
-    #[target_feature(enable = "avx512f,avx512dq,fma,f16c")]
-    #[allow(clippy::too_many_arguments)]
-    unsafe fn rows_block<const NC: usize>(
-        q: &[f32],
-        nb: &[usize],
-        fb: &[usize],
-        keys: RowPtrs,
-        values: RowPtrs,
-        scale: f32,
-        cap: f32,
-        scratch: &mut Vec<f32>,
-        out: &mut [f32],
-    ) {
-        let hd = 16 * NC;
-        let nr = nb.len();
-        let nmax = nb.iter().copied().max().unwrap_or(0);
-        // Keys below every row's first key are skipped (their probabilities would be 0).
-        let jmin = fb.iter().copied().min().unwrap_or(0);
-        // scratch: qt [hd][16] | kbuf [hd] | st [nmax][16]
-        let base = reserve(scratch, hd * LANES + hd + nmax * LANES);
-        // SAFETY (whole body): every pointer below stays inside `scratch` (sized above), `q`,
-        // `out` (nr rows of hd) or the view's rows `0..nmax` (nmax <= view.len).
-        unsafe {
-            let qt = base;
-            let kbuf = base.add(hd * LANES);
-            let st = kbuf.add(hd);
-            for i in 0..hd {
-                for l in 0..LANES {
-                    *qt.add(i * LANES + l) = if l < nr { q[l * hd + i] } else { 0.0 };
-                }
-            }
-            let (mut nv, mut fv) = ([0i32; LANES], [0i32; LANES]);
-            for (l, (&n, &f)) in nb.iter().zip(fb).enumerate() {
-                nv[l] = n as i32;
-                fv[l] = f as i32;
-            }
-            let nvec = _mm512_loadu_si512(nv.as_ptr().cast());
-            let fvec = _mm512_loadu_si512(fv.as_ptr().cast());
-            let scv = _mm512_set1_ps(scale);
-            let ninf = _mm512_set1_ps(f32::NEG_INFINITY);
-            let mut mx = ninf;
-            for j in jmin..nmax {
-                for c in 0..NC {
-                    _mm512_storeu_ps(kbuf.add(16 * c), keys.load(j, c));
-                }
-                let mut a = [_mm512_setzero_ps(); 16];
-                for c in 0..NC {
-                    for (l, al) in a.iter_mut().enumerate() {
-                        let i = 16 * c + l;
-                        *al = _mm512_fmadd_ps(
-                            _mm512_loadu_ps(qt.add(i * LANES)),
-                            _mm512_set1_ps(*kbuf.add(i)),
-                            *al,
-                        );
-                    }
-                }
-                for step in [8, 4, 2] {
-                    for l in 0..step {
-                        a[l] = _mm512_add_ps(a[l], a[l + step]);
-                    }
-                }
-                let s = softcap_v(_mm512_mul_ps(_mm512_add_ps(a[0], a[1]), scv), cap);
-                let jv = _mm512_set1_epi32(j as i32);
-                let live = _mm512_cmpgt_epi32_mask(nvec, jv) & _mm512_cmple_epi32_mask(fvec, jv);
-                let s = _mm512_mask_mov_ps(ninf, live, s);
-                mx = _mm512_max_ps(mx, s);
-                _mm512_storeu_ps(st.add(j * LANES), s);
-            }
-            let mut part = [_mm512_setzero_ps(); 16];
-            for j in jmin..nmax {
-                let p = exp_v(_mm512_sub_ps(_mm512_loadu_ps(st.add(j * LANES)), mx));
-                part[j % 16] = _mm512_add_ps(part[j % 16], p);
-                _mm512_storeu_ps(st.add(j * LANES), p);
-            }
-            for step in [8, 4, 2] {
-                for l in 0..step {
-                    part[l] = _mm512_add_ps(part[l], part[l + step]);
-                }
-            }
-            let mut sums = [0.0f32; LANES];
-            _mm512_storeu_ps(sums.as_mut_ptr(), _mm512_add_ps(part[0], part[1]));
-            let mut g = 0;
-            while g < nr {
-                let gn = (nr - g).min(4);
-                let kmax = nb[g..g + gn].iter().copied().max().unwrap_or(0);
-                pv(
-                    values,
-                    hd,
-                    jmin,
-                    kmax,
-                    st.add(g),
-                    1,
-                    LANES,
-                    gn,
-                    &sums[g..g + gn],
-                    out.as_mut_ptr().add(g * hd),
-                );
-                g += gn;
-            }
-        }
-    }
-
-    /// Up to 16 rows (in practice < 6), vectorized across keys: each key row is loaded once for
-    /// a GQA group of up to 4 rows, whose queries stay in registers; head dim `16 * NC`.
+    /// Up to 16 rows, vectorized across keys: each 16-key block is converted once for all the
+    /// rows, each value row once per group of up to 4 rows; head dim `16 * NC`.
     ///
     /// # Safety
     /// As for [`attend`]; `1 <= nb.len() <= 16`.
@@ -836,69 +724,62 @@ mod avx512 {
         let ninf = _mm512_set1_ps(f32::NEG_INFINITY);
         let lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
         let mut sums = [0.0f32; 16];
-        // SAFETY (whole body): pointers stay inside `scratch` (nr * npad + 16 * hd floats), `q`/`out`
-        // (nr rows of hd) and the view's rows `0..nmax`.
+        // SAFETY (whole body): pointers stay inside `scratch` (nr * npad + 16 * hd floats),
+        // `q`/`out` (nr rows of hd) and the view's rows `0..nmax`.
         unsafe {
+            // Scores of every row against the keys any row sees, one 16-key block at a time:
+            // the block's key rows are converted once for all rows, then each row's 16 lane
+            // sums run over constant bounds in registers. From the 16-key block holding the
+            // first visible key: keys j ≡ l (mod 16) land in lane l.
+            let kb_all = fb.iter().copied().min().unwrap_or(0) / 16 * 16;
+            let mut mx = [ninf; 16];
+            let mut kb = kb_all;
+            while kb < nmax {
+                let nk = 16.min(nmax - kb);
+                // Keys past the last are zero rows: their sums are 0 (and masked out below).
+                for jj in 0..16 {
+                    for c in 0..NC {
+                        let k = if jj < nk {
+                            keys.load(kb + jj, c)
+                        } else {
+                            _mm512_setzero_ps()
+                        };
+                        _mm512_storeu_ps(kbuf.add(jj * hd + 16 * c), k);
+                    }
+                }
+                for r in 0..nr {
+                    let qr: [__m512; NC] =
+                        std::array::from_fn(|c| _mm512_loadu_ps(q.as_ptr().add(r * hd + 16 * c)));
+                    let mut acc = [_mm512_setzero_ps(); 16];
+                    // Per key, its lane sums over `c` ascending (16 independent chains).
+                    for (c, qc) in qr.iter().enumerate() {
+                        for (jj, a) in acc.iter_mut().enumerate() {
+                            let k = _mm512_loadu_ps(kbuf.add(jj * hd + 16 * c));
+                            *a = _mm512_fmadd_ps(*qc, k, *a);
+                        }
+                    }
+                    let s = softcap_v(_mm512_mul_ps(tree16_t(&acc), scv), cap);
+                    let live =
+                        _mm512_cmpgt_epi32_mask(_mm512_set1_epi32(nb[r] as i32 - kb as i32), lane)
+                            & _mm512_cmpge_epi32_mask(
+                                lane,
+                                _mm512_set1_epi32(fb[r] as i32 - kb as i32),
+                            );
+                    let s = _mm512_mask_mov_ps(ninf, live, s);
+                    mx[r] = _mm512_max_ps(mx[r], s);
+                    _mm512_storeu_ps(sp.add(r * npad + kb), s);
+                }
+                kb += 16;
+            }
+            // Per group of up to 4 rows (whose probabilities share each value row's load):
+            // the softmax over the group's key range (keys a row does not see are -inf: 0),
+            // then the weighted value sum.
             for g in (0..nr).step_by(4) {
                 let gn = (nr - g).min(4);
                 let gmax = nb[g..g + gn].iter().copied().max().unwrap_or(0);
-                // From the 16-key block holding the group's first visible key: keys j ≡ l
-                // (mod 16) still land in lane l.
                 let kb0 = fb[g..g + gn].iter().copied().min().unwrap_or(0) / 16 * 16;
-                let mut mx = [ninf; 4];
-                // The group's query rows (zero past `gn`), loaded once.
-                let qv: [[__m512; NC]; 4] = std::array::from_fn(|r| {
-                    std::array::from_fn(|c| {
-                        if r < gn {
-                            _mm512_loadu_ps(q.as_ptr().add((g + r) * hd + 16 * c))
-                        } else {
-                            _mm512_setzero_ps()
-                        }
-                    })
-                });
-                let mut kb = kb0;
-                while kb < gmax {
-                    let nk = 16.min(gmax - kb);
-                    // The block's key rows are converted once for all rows of the group, then
-                    // each row's 16 lane sums stay in registers (all rows' at once would not).
-                    // Keys past the block's last are zero rows: their sums are 0 (and masked
-                    // out below), and every loop below has constant bounds, so the 16 sums stay
-                    // in registers.
-                    for jj in 0..16 {
-                        for c in 0..NC {
-                            let k = if jj < nk {
-                                keys.load(kb + jj, c)
-                            } else {
-                                _mm512_setzero_ps()
-                            };
-                            _mm512_storeu_ps(kbuf.add(jj * hd + 16 * c), k);
-                        }
-                    }
-                    for r in 0..gn {
-                        let mut acc = [_mm512_setzero_ps(); 16];
-                        // Per key, its lane sums over `c` ascending (16 independent chains).
-                        for (c, qc) in qv[r].iter().enumerate() {
-                            for (jj, a) in acc.iter_mut().enumerate() {
-                                let k = _mm512_loadu_ps(kbuf.add(jj * hd + 16 * c));
-                                *a = _mm512_fmadd_ps(*qc, k, *a);
-                            }
-                        }
-                        let s = softcap_v(_mm512_mul_ps(tree16_t(&acc), scv), cap);
-                        let live = _mm512_cmpgt_epi32_mask(
-                            _mm512_set1_epi32(nb[g + r] as i32 - kb as i32),
-                            lane,
-                        ) & _mm512_cmpge_epi32_mask(
-                            lane,
-                            _mm512_set1_epi32(fb[g + r] as i32 - kb as i32),
-                        );
-                        let s = _mm512_mask_mov_ps(ninf, live, s);
-                        mx[r] = _mm512_max_ps(mx[r], s);
-                        _mm512_storeu_ps(sp.add((g + r) * npad + kb), s);
-                    }
-                    kb += 16;
-                }
                 for r in 0..gn {
-                    let m = _mm512_set1_ps(_mm512_reduce_max_ps(mx[r]));
+                    let m = _mm512_set1_ps(_mm512_reduce_max_ps(mx[g + r]));
                     let row = sp.add((g + r) * npad);
                     let mut part = _mm512_setzero_ps();
                     for kb in (kb0..gmax).step_by(16) {
