@@ -291,6 +291,11 @@ pub(crate) fn attend_rows_ext(
         // SAFETY: the features were detected at run time; shapes are checked above.
         return unsafe { avx512::attend(q, n_keys, first, hd, view, scale, softcap, scratch, out) };
     }
+    #[cfg(target_arch = "x86_64")]
+    if hd.is_multiple_of(16) && hd <= avx2::MAX_HD && crate::kernels::has_avx2() {
+        // SAFETY: the features were detected at run time; shapes are checked above.
+        return unsafe { avx2::attend(q, n_keys, first, hd, view, scale, softcap, scratch, out) };
+    }
     portable(q, n_keys, first, hd, view, scale, softcap, scratch, out);
 }
 
@@ -425,6 +430,89 @@ fn portable_body(
     }
 }
 
+/// Calls `$f::<NC>(args)` with `NC = $hd / 16` as a constant (`$hd` a multiple of 16 up to
+/// the calling module's `MAX_HD`), so per-row vectors can live in registers.
+#[cfg(target_arch = "x86_64")]
+macro_rules! by_width {
+    ($hd:expr, $f:ident $args:tt) => {
+        by_width!(@ $hd, $f $args, 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16)
+    };
+    (@ $hd:expr, $f:ident $args:tt, $($nc:literal)+) => {
+        match $hd / 16 {
+            $($nc => $f::<$nc> $args,)+
+            _ => unreachable!("head dim {} is not a multiple of 16 up to {MAX_HD}", $hd),
+        }
+    };
+}
+
+/// Pointer to row `j` (f32, f16, q8_0 or q4_0 elements, as raw bytes), for the x86 kernels.
+#[cfg(target_arch = "x86_64")]
+#[derive(Clone, Copy)]
+struct RowPtrs {
+    p: [*const u8; 2],
+    na: usize,
+    /// Bytes per row (of quants, for q8_0; of `block_q4_0`s for q4_0).
+    rb: usize,
+    kind: Kind,
+    /// q8_0: the runs' scales (`hd / 32` per row).
+    scales: [*const f16; 2],
+}
+
+#[cfg(target_arch = "x86_64")]
+#[derive(Clone, Copy, PartialEq)]
+enum Kind {
+    F32,
+    F16,
+    Q8,
+    Q4,
+}
+
+#[cfg(target_arch = "x86_64")]
+impl RowPtrs {
+    fn new(r: Rows<'_>, hd: usize) -> Self {
+        match r {
+            Rows::F32(p) => Self {
+                p: [p[0].as_ptr().cast(), p[1].as_ptr().cast()],
+                na: p[0].len() / hd,
+                rb: 4 * hd,
+                kind: Kind::F32,
+                scales: [std::ptr::null(); 2],
+            },
+            Rows::F16(p) => Self {
+                p: [p[0].as_ptr().cast(), p[1].as_ptr().cast()],
+                na: p[0].len() / hd,
+                rb: 2 * hd,
+                kind: Kind::F16,
+                scales: [std::ptr::null(); 2],
+            },
+            Rows::Q8(p) => Self {
+                p: [p[0].q.as_ptr().cast(), p[1].q.as_ptr().cast()],
+                na: p[0].q.len() / hd,
+                rb: hd,
+                kind: Kind::Q8,
+                scales: [p[0].d.as_ptr(), p[1].d.as_ptr()],
+            },
+            Rows::Q4(p) => Self {
+                p: [p[0].blocks.as_ptr().cast(), p[1].blocks.as_ptr().cast()],
+                na: p[0].len() / hd,
+                rb: hd / 32 * size_of::<kv_ring::BlockQ4_0>(),
+                kind: Kind::Q4,
+                scales: [std::ptr::null(); 2],
+            },
+        }
+    }
+
+    /// Row `j`'s part (0 or 1) and its byte offset there.
+    #[inline(always)]
+    fn at(&self, j: usize) -> (usize, usize) {
+        if j < self.na {
+            (0, j * self.rb)
+        } else {
+            (1, (j - self.na) * self.rb)
+        }
+    }
+}
+
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
     // The AVX-512 intrinsics are stable since Rust 1.89; the workspace toolchain is newer.
@@ -432,7 +520,7 @@ mod avx512 {
 
     use std::arch::x86_64::*;
 
-    use super::{KvView, Rows};
+    use super::{Kind, KvView, RowPtrs, Rows};
     use crate::kernels::{EXP_C, EXP_MIN, LN2_HI, LN2_LO, LOG2E};
     use kv_ring::BlockQ4_0;
 
@@ -441,74 +529,7 @@ mod avx512 {
     /// Rows per block of the row-vectorized kernel.
     const LANES: usize = 16;
 
-    /// Calls `$f::<NC>(args)` with `NC = $hd / 16` as a constant (`$hd` a multiple of 16 up to
-    /// [`MAX_HD`]), so per-row vectors can live in registers.
-    macro_rules! by_width {
-        ($hd:expr, $f:ident $args:tt) => {
-            by_width!(@ $hd, $f $args, 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16)
-        };
-        (@ $hd:expr, $f:ident $args:tt, $($nc:literal)+) => {
-            match $hd / 16 {
-                $($nc => $f::<$nc> $args,)+
-                _ => unreachable!("head dim {} is not a multiple of 16 up to {MAX_HD}", $hd),
-            }
-        };
-    }
-
-    /// Pointer to row `j` (f32, f16, q8_0 or q4_0 elements, as raw bytes).
-    #[derive(Clone, Copy)]
-    struct RowPtrs {
-        p: [*const u8; 2],
-        na: usize,
-        /// Bytes per row (of quants, for q8_0; of `block_q4_0`s for q4_0).
-        rb: usize,
-        kind: Kind,
-        /// q8_0: the runs' scales (`hd / 32` per row).
-        scales: [*const half::f16; 2],
-    }
-
-    #[derive(Clone, Copy, PartialEq)]
-    enum Kind {
-        F32,
-        F16,
-        Q8,
-        Q4,
-    }
-
     impl RowPtrs {
-        fn new(r: Rows<'_>, hd: usize) -> Self {
-            match r {
-                Rows::F32(p) => Self {
-                    p: [p[0].as_ptr().cast(), p[1].as_ptr().cast()],
-                    na: p[0].len() / hd,
-                    rb: 4 * hd,
-                    kind: Kind::F32,
-                    scales: [std::ptr::null(); 2],
-                },
-                Rows::F16(p) => Self {
-                    p: [p[0].as_ptr().cast(), p[1].as_ptr().cast()],
-                    na: p[0].len() / hd,
-                    rb: 2 * hd,
-                    kind: Kind::F16,
-                    scales: [std::ptr::null(); 2],
-                },
-                Rows::Q8(p) => Self {
-                    p: [p[0].q.as_ptr().cast(), p[1].q.as_ptr().cast()],
-                    na: p[0].q.len() / hd,
-                    rb: hd,
-                    kind: Kind::Q8,
-                    scales: [p[0].d.as_ptr(), p[1].d.as_ptr()],
-                },
-                Rows::Q4(p) => Self {
-                    p: [p[0].blocks.as_ptr().cast(), p[1].blocks.as_ptr().cast()],
-                    na: p[0].len() / hd,
-                    rb: hd / 32 * size_of::<BlockQ4_0>(),
-                    kind: Kind::Q4,
-                    scales: [std::ptr::null(); 2],
-                },
-            }
-        }
-
         /// Elements `16c..16c+16` of row `j` as f32 (q8_0: `d * q`; q4_0: `d * (q - 8)`;
         /// exact, as the portable path's).
         ///
@@ -854,6 +875,408 @@ mod avx512 {
     }
 }
 
+/// The AVX2 path: the AVX-512 kernel's design at 8 lanes. Each block of 8 key rows is converted
+/// once for up to 16 query rows; a row's 16 lane sums per key are two 8-lane vectors (elements
+/// `16c..16c+8` and `16c+8..16c+16`), and a transposing tree whose first step is their sum
+/// builds 8 keys' scores at once; the softmax's 16 partial sums are two vectors (8-key blocks
+/// alternate between them, from a 16-aligned first block); values go 64 keys at a time (their
+/// rows stay in L1 while every 16-element chunk of every row of a group is accumulated).
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use std::arch::x86_64::*;
+
+    use super::{Kind, KvView, RowPtrs, Rows};
+    use crate::kernels::{EXP_C, EXP_MIN, LN2_HI, LN2_LO, LOG2E};
+
+    /// Largest head dimension of the fast path.
+    pub(super) const MAX_HD: usize = 256;
+    /// Query rows per call of the kernel.
+    const ROWS: usize = 16;
+    /// Keys per block of the value sums.
+    const VBLOCK: usize = 64;
+
+    impl RowPtrs {
+        /// Elements `8c..8c+8` of row `j` as f32 (q8_0: `d * q`; q4_0: `d * (q - 8)`; exact,
+        /// as the portable path's).
+        ///
+        /// # Safety
+        /// `j` is a row of the view and `8c + 8 <= hd`.
+        #[inline(always)]
+        unsafe fn load8(&self, j: usize, c: usize) -> __m256 {
+            // SAFETY: forwarded from the caller: row `j` exists and has `hd` elements (and,
+            // q8_0, `hd / 32` scales; q4_0, `hd / 32` blocks of 18 bytes, so block `c / 4`'s
+            // scale and its 16 nibble bytes are inside it).
+            unsafe {
+                let (part, off) = self.at(j);
+                let base = self.p[part].add(off);
+                match self.kind {
+                    Kind::F16 => _mm256_cvtph_ps(_mm_loadu_si128(base.add(16 * c).cast())),
+                    Kind::F32 => _mm256_loadu_ps(base.add(32 * c).cast()),
+                    Kind::Q8 => {
+                        let q = _mm256_cvtepi8_epi32(_mm_loadl_epi64(base.add(8 * c).cast()));
+                        // Row `off / hd` has its `hd / 32` scales from `off / 32` (rb = hd).
+                        let d = (*self.scales[part].add(off / 32 + c / 4)).to_f32();
+                        _mm256_mul_ps(_mm256_cvtepi32_ps(q), _mm256_set1_ps(d))
+                    }
+                    Kind::Q4 => {
+                        let block = base.add((c / 4) * size_of::<kv_ring::BlockQ4_0>());
+                        let d = half::f16::from_bits(block.cast::<u16>().read_unaligned());
+                        // Chunks 0 and 1 of a block are its elements 0..16 (low nibbles of bytes
+                        // 0..8 and 8..16), chunks 2 and 3 the elements 16..32 (high nibbles).
+                        let qs = _mm_loadl_epi64(block.add(2 + 8 * (c % 2)).cast());
+                        let qs = if c % 4 >= 2 {
+                            _mm_srli_epi16::<4>(qs)
+                        } else {
+                            qs
+                        };
+                        let q = _mm256_cvtepu8_epi32(_mm_and_si128(qs, _mm_set1_epi8(0xF)));
+                        let q = _mm256_sub_epi32(q, _mm256_set1_epi32(8));
+                        _mm256_mul_ps(_mm256_cvtepi32_ps(q), _mm256_set1_ps(d.to_f32()))
+                    }
+                }
+            }
+        }
+    }
+
+    /// Vector [`exp_f`](crate::kernels::exp_f): the same operations lane by lane.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    fn exp_v(x: __m256) -> __m256 {
+        let ok = _mm256_cmp_ps::<_CMP_GE_OQ>(x, _mm256_set1_ps(EXP_MIN));
+        let n = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
+            _mm256_mul_ps(x, _mm256_set1_ps(LOG2E)),
+        );
+        let r = _mm256_fmadd_ps(n, _mm256_set1_ps(-LN2_HI), x);
+        let r = _mm256_fmadd_ps(n, _mm256_set1_ps(-LN2_LO), r);
+        let mut p = _mm256_set1_ps(EXP_C[0]);
+        for c in &EXP_C[1..] {
+            p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(*c));
+        }
+        let one = _mm256_set1_ps(1.0);
+        p = _mm256_fmadd_ps(p, r, one);
+        p = _mm256_fmadd_ps(p, r, one);
+        let n = _mm256_min_ps(
+            _mm256_max_ps(n, _mm256_set1_ps(-127.0)),
+            _mm256_set1_ps(127.0),
+        );
+        let e = _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127));
+        let two_n = _mm256_castsi256_ps(_mm256_slli_epi32::<23>(e));
+        _mm256_and_ps(ok, _mm256_mul_ps(p, two_n))
+    }
+
+    /// `cap * tanh(s / cap)` lane by lane with the operations of the scalar
+    /// [`tanh_f`](crate::kernels::tanh_f) path; `s` unchanged when `cap` is 0.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    fn softcap_v(s: __m256, cap: f32) -> __m256 {
+        if cap == 0.0 {
+            return s;
+        }
+        let x = _mm256_div_ps(s, _mm256_set1_ps(cap));
+        let sign = _mm256_set1_ps(-0.0);
+        let t = exp_v(_mm256_mul_ps(
+            _mm256_set1_ps(-2.0),
+            _mm256_andnot_ps(sign, x),
+        ));
+        let one = _mm256_set1_ps(1.0);
+        let r = _mm256_div_ps(_mm256_sub_ps(one, t), _mm256_add_ps(one, t));
+        // r >= 0: copysign is an OR of x's sign bit.
+        _mm256_mul_ps(_mm256_set1_ps(cap), _mm256_or_ps(r, _mm256_and_ps(x, sign)))
+    }
+
+    /// The first three steps of [`super::tree16`] for 4 keys (`acc[k]` = key `k`'s lanes 0..8
+    /// and 8..16): `[a0, a1, c0, c1 | b0, b1, d0, d1]`, the two partial sums left of keys a..d.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    fn tree_4(acc: &[[__m256; 2]; 4]) -> __m256 {
+        // a[l] + a[l+8].
+        let v: [__m256; 4] = std::array::from_fn(|k| _mm256_add_ps(acc[k][0], acc[k][1]));
+        // a[l] + a[l+4]: 128-bit halves of two keys side by side.
+        let ab = _mm256_add_ps(
+            _mm256_permute2f128_ps::<0x20>(v[0], v[1]),
+            _mm256_permute2f128_ps::<0x31>(v[0], v[1]),
+        );
+        let cd = _mm256_add_ps(
+            _mm256_permute2f128_ps::<0x20>(v[2], v[3]),
+            _mm256_permute2f128_ps::<0x31>(v[2], v[3]),
+        );
+        // a[l] + a[l+2].
+        _mm256_add_ps(
+            _mm256_shuffle_ps::<0b01_00_01_00>(ab, cd),
+            _mm256_shuffle_ps::<0b11_10_11_10>(ab, cd),
+        )
+    }
+
+    /// The last step of [`super::tree16`] for keys 0..4 (`w0`) and 4..8 (`w1`) from
+    /// [`tree_4`]: lane `k` of the result is key `k`'s sum.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    fn tree_8(w0: __m256, w1: __m256) -> __m256 {
+        // [k0, k2, k4, k6 | k1, k3, k5, k7]
+        let e = _mm256_add_ps(
+            _mm256_shuffle_ps::<0b10_00_10_00>(w0, w1),
+            _mm256_shuffle_ps::<0b11_01_11_01>(w0, w1),
+        );
+        _mm256_permutevar8x32_ps(e, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7))
+    }
+
+    /// Maximum of a vector's lanes.
+    #[inline]
+    #[target_feature(enable = "avx")]
+    fn hmax(v: __m256) -> f32 {
+        let m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+        let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+        _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps::<1>(m, m)))
+    }
+
+    /// # Safety
+    /// The CPU supports AVX2, FMA and F16C; `hd % 16 == 0`, `hd <= MAX_HD`; shapes as checked by
+    /// [`super::attend_rows`].
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[allow(clippy::too_many_arguments)]
+    pub(super) unsafe fn attend(
+        q: &[f32],
+        n_keys: &[usize],
+        first: Option<&[usize]>,
+        hd: usize,
+        view: &KvView<'_>,
+        scale: f32,
+        softcap: Option<f32>,
+        scratch: &mut Vec<f32>,
+        out: &mut [f32],
+    ) {
+        let keys = RowPtrs::new(Rows::new(&view.keys), hd);
+        let values = RowPtrs::new(Rows::new(&view.values), hd);
+        let cap = softcap.unwrap_or(0.0);
+        for r0 in (0..n_keys.len()).step_by(ROWS) {
+            let nr = (n_keys.len() - r0).min(ROWS);
+            let mut fb = [0usize; ROWS];
+            if let Some(f) = first {
+                fb[..nr].copy_from_slice(&f[r0..r0 + nr]);
+            }
+            let (qb, nb, fb, ob) = (
+                &q[r0 * hd..(r0 + nr) * hd],
+                &n_keys[r0..r0 + nr],
+                &fb[..nr],
+                &mut out[r0 * hd..(r0 + nr) * hd],
+            );
+            // SAFETY: forwarded; the block's rows are inside the checked shapes.
+            unsafe {
+                by_width!(
+                    hd,
+                    keys_block(qb, nb, fb, keys, values, scale, cap, scratch, ob)
+                );
+            }
+        }
+    }
+
+    /// Up to 16 rows of head dim `16 * NC`.
+    ///
+    /// # Safety
+    /// As for [`attend`]; `1 <= nb.len() <= 16`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn keys_block<const NC: usize>(
+        q: &[f32],
+        nb: &[usize],
+        fb: &[usize],
+        keys: RowPtrs,
+        values: RowPtrs,
+        scale: f32,
+        cap: f32,
+        scratch: &mut Vec<f32>,
+        out: &mut [f32],
+    ) {
+        let hd = 16 * NC;
+        let nr = nb.len();
+        let nmax = nb.iter().copied().max().unwrap_or(0);
+        let npad = nmax.next_multiple_of(16);
+        // scratch: scores [nr][npad] | kbuf [8][hd] (an 8-key block's key rows as f32)
+        if scratch.len() < nr * npad + 8 * hd {
+            scratch.resize(nr * npad + 8 * hd, 0.0);
+        }
+        let sp = scratch.as_mut_ptr();
+        let scv = _mm256_set1_ps(scale);
+        let ninf = _mm256_set1_ps(f32::NEG_INFINITY);
+        let lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        let zero = _mm256_setzero_ps();
+        // SAFETY (whole body): pointers stay inside `scratch` (nr * npad + 8 * hd floats),
+        // `q`/`out` (nr rows of hd) and the view's rows `0..nmax`.
+        unsafe {
+            let kbuf = sp.add(nr * npad);
+            // Scores of every row against the keys any row sees, 8 keys at a time, from the
+            // 16-key block holding the first visible key (keys j ≡ l (mod 16) in lane l % 8 of
+            // the blocks of parity l / 8).
+            let kb_all = fb.iter().copied().min().unwrap_or(0) / 16 * 16;
+            let mut mx = [ninf; ROWS];
+            let mut kb = kb_all;
+            while kb < nmax {
+                let nk = 8.min(nmax - kb);
+                // Keys past the last are zero rows: their sums are 0 (and masked out below).
+                for jj in 0..8 {
+                    for c in 0..2 * NC {
+                        let k = if jj < nk {
+                            keys.load8(kb + jj, c)
+                        } else {
+                            zero
+                        };
+                        _mm256_storeu_ps(kbuf.add(jj * hd + 8 * c), k);
+                    }
+                }
+                for r in 0..nr {
+                    let qp = q.as_ptr().add(r * hd);
+                    let mut w = [zero; 2];
+                    for (half, wh) in w.iter_mut().enumerate() {
+                        // Keys 4 * half.. of the block: per key its 16 lane sums over `c`
+                        // ascending, as two vectors (8 independent chains).
+                        let mut acc = [[zero; 2]; 4];
+                        for c in 0..NC {
+                            let ql = _mm256_loadu_ps(qp.add(16 * c));
+                            let qh = _mm256_loadu_ps(qp.add(16 * c + 8));
+                            for (k, a) in acc.iter_mut().enumerate() {
+                                let kp = kbuf.add((4 * half + k) * hd + 16 * c);
+                                a[0] = _mm256_fmadd_ps(ql, _mm256_loadu_ps(kp), a[0]);
+                                a[1] = _mm256_fmadd_ps(qh, _mm256_loadu_ps(kp.add(8)), a[1]);
+                            }
+                        }
+                        *wh = tree_4(&acc);
+                    }
+                    let s = softcap_v(_mm256_mul_ps(tree_8(w[0], w[1]), scv), cap);
+                    // Lane k is key kb + k: live when fb[r] <= kb + k < nb[r].
+                    let below =
+                        _mm256_cmpgt_epi32(_mm256_set1_epi32(nb[r] as i32 - kb as i32), lane);
+                    let before =
+                        _mm256_cmpgt_epi32(_mm256_set1_epi32(fb[r] as i32 - kb as i32), lane);
+                    let live = _mm256_castsi256_ps(_mm256_andnot_si256(before, below));
+                    let s = _mm256_blendv_ps(ninf, s, live);
+                    mx[r] = _mm256_max_ps(mx[r], s);
+                    _mm256_storeu_ps(sp.add(r * npad + kb), s);
+                }
+                kb += 8;
+            }
+            // Per group of up to 4 rows (whose probabilities share each value row's load):
+            // the softmax over the group's key range (keys a row does not see are -inf: 0),
+            // then the weighted value sum.
+            let mut sums = [0.0f32; 4];
+            for g in (0..nr).step_by(4) {
+                let gn = (nr - g).min(4);
+                let gmax = nb[g..g + gn].iter().copied().max().unwrap_or(0);
+                let kb0 = fb[g..g + gn].iter().copied().min().unwrap_or(0) / 16 * 16;
+                for r in 0..gn {
+                    let m = _mm256_set1_ps(hmax(mx[g + r]));
+                    let row = sp.add((g + r) * npad);
+                    let mut part = [zero; 2];
+                    for kb in (kb0..gmax).step_by(8) {
+                        let p = exp_v(_mm256_sub_ps(_mm256_loadu_ps(row.add(kb)), m));
+                        let h = (kb / 8) % 2;
+                        part[h] = _mm256_add_ps(part[h], p);
+                        _mm256_storeu_ps(row.add(kb), p);
+                    }
+                    let mut lanes = [0.0f32; 16];
+                    _mm256_storeu_ps(lanes.as_mut_ptr(), part[0]);
+                    _mm256_storeu_ps(lanes.as_mut_ptr().add(8), part[1]);
+                    sums[r] = super::tree16(lanes);
+                }
+                pv::<NC>(
+                    values,
+                    kb0,
+                    gmax,
+                    sp.add(g * npad),
+                    npad,
+                    gn,
+                    &sums[..gn],
+                    out.as_mut_ptr().add(g * hd),
+                );
+            }
+        }
+    }
+
+    /// `out[r] = (Σ_j p(r, j) · v[j]) · (1 / sums[r])` for `nr <= 4` rows of head dim `16 * NC`,
+    /// keys `j0..nk` in order, `p(r, j) = *p.add(r * rs + j)` (0 where row `r` does not see key
+    /// `j`; skipping a `fma(0, v, o)` would leave `o` unchanged). `VBLOCK` keys at a time (their
+    /// value rows stay in L1 across the passes), each 16-element chunk of every row accumulated
+    /// in `out` across the blocks.
+    ///
+    /// # Safety
+    /// `p` covers all `(r, j)` used; `out` has `nr` rows of `16 * NC`; rows `0..nk` exist in
+    /// `values`.
+    #[allow(clippy::too_many_arguments)]
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn pv<const NC: usize>(
+        values: RowPtrs,
+        j0: usize,
+        nk: usize,
+        p: *const f32,
+        rs: usize,
+        nr: usize,
+        sums: &[f32],
+        out: *mut f32,
+    ) {
+        let hd = 16 * NC;
+        // SAFETY (whole body): forwarded from the caller.
+        unsafe {
+            std::ptr::write_bytes(out, 0, nr * hd);
+            for jb in (j0..nk).step_by(VBLOCK) {
+                let je = (jb + VBLOCK).min(nk);
+                for c in 0..NC {
+                    match nr {
+                        1 => pv_pass::<1>(values, jb, je, c, p, rs, hd, out),
+                        2 => pv_pass::<2>(values, jb, je, c, p, rs, hd, out),
+                        3 => pv_pass::<3>(values, jb, je, c, p, rs, hd, out),
+                        _ => pv_pass::<4>(values, jb, je, c, p, rs, hd, out),
+                    }
+                }
+            }
+            for (r, &sum) in sums.iter().enumerate().take(nr) {
+                let inv = _mm256_set1_ps(1.0 / sum);
+                for i in 0..2 * NC {
+                    let o = out.add(r * hd + 8 * i);
+                    _mm256_storeu_ps(o, _mm256_mul_ps(_mm256_loadu_ps(o), inv));
+                }
+            }
+        }
+    }
+
+    /// Keys `jb..je` of [`pv`] for chunk `c` (elements `16c..16c+16`) of `NR` rows: the sums in
+    /// registers (constant bounds), loaded from and stored back to `out`.
+    ///
+    /// # Safety
+    /// As for [`pv`].
+    #[allow(clippy::too_many_arguments)]
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn pv_pass<const NR: usize>(
+        values: RowPtrs,
+        jb: usize,
+        je: usize,
+        c: usize,
+        p: *const f32,
+        rs: usize,
+        hd: usize,
+        out: *mut f32,
+    ) {
+        // SAFETY (whole body): forwarded from the caller.
+        unsafe {
+            let at = |r: usize, i: usize| out.add(r * hd + 16 * c + 8 * i);
+            let mut acc: [[__m256; 2]; NR] =
+                std::array::from_fn(|r| [_mm256_loadu_ps(at(r, 0)), _mm256_loadu_ps(at(r, 1))]);
+            for j in jb..je {
+                let v = [values.load8(j, 2 * c), values.load8(j, 2 * c + 1)];
+                for (r, ar) in acc.iter_mut().enumerate() {
+                    let pj = _mm256_set1_ps(*p.add(r * rs + j));
+                    ar[0] = _mm256_fmadd_ps(pj, v[0], ar[0]);
+                    ar[1] = _mm256_fmadd_ps(pj, v[1], ar[1]);
+                }
+            }
+            for (r, ar) in acc.iter().enumerate() {
+                _mm256_storeu_ps(at(r, 0), ar[0]);
+                _mm256_storeu_ps(at(r, 1), ar[1]);
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -885,6 +1308,41 @@ mod tests {
 
     fn bits(v: &[f32]) -> Vec<u32> {
         v.iter().map(|x| x.to_bits()).collect()
+    }
+
+    /// The AVX2 kernel's output where this CPU and shape run it (an AVX-512 machine's
+    /// `attend_rows` takes its own path, so the AVX2 one is called directly).
+    fn avx2_path(
+        q: &[f32],
+        nk: &[usize],
+        first: Option<&[usize]>,
+        hd: usize,
+        view: &KvView<'_>,
+        scale: f32,
+        cap: Option<f32>,
+    ) -> Option<Vec<f32>> {
+        #[cfg(target_arch = "x86_64")]
+        if hd.is_multiple_of(16) && hd <= avx2::MAX_HD && crate::kernels::has_avx2() {
+            let mut out = vec![0.0; q.len()];
+            // SAFETY: AVX2, FMA and F16C detected; shapes as attend_rows checks them (the
+            // tests' calls of attend_rows with the same arguments pass those checks).
+            unsafe {
+                avx2::attend(
+                    q,
+                    nk,
+                    first,
+                    hd,
+                    view,
+                    scale,
+                    cap,
+                    &mut Vec::new(),
+                    &mut out,
+                );
+            }
+            return Some(out);
+        }
+        let _ = (q, nk, first, hd, view, scale, cap);
+        None
     }
 
     #[test]
@@ -930,6 +1388,13 @@ mod tests {
                     bits(&port),
                     "hd {hd} {dtype:?}: fast vs portable"
                 );
+                if let Some(a2) = avx2_path(&q, &nk, None, hd, &view, 0.125, None) {
+                    assert_eq!(
+                        bits(&a2),
+                        bits(&port),
+                        "hd {hd} {dtype:?}: AVX2 vs portable"
+                    );
+                }
                 for chunk in [1usize, 3, 5, 6, 16] {
                     let mut got = vec![0.0; rows * hd];
                     for r0 in (0..rows).step_by(chunk) {
@@ -1018,6 +1483,9 @@ mod tests {
                     portable(&q, &nk, fo, hd, &view, 0.3, cap, &mut s, &mut port);
                     let what = format!("hd {hd} {dtype:?} window {window:?} cap {cap:?}");
                     assert_eq!(bits(&all), bits(&port), "{what}: fast vs portable");
+                    if let Some(a2) = avx2_path(&q, &nk, fo, hd, &view, 0.3, cap) {
+                        assert_eq!(bits(&a2), bits(&port), "{what}: AVX2 vs portable");
+                    }
                     for chunk in [1usize, 4, 16] {
                         let mut got = vec![0.0; rows * hd];
                         for r0 in (0..rows).step_by(chunk) {
