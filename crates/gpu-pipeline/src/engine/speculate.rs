@@ -65,7 +65,7 @@ pub enum Speculation {
     Off,
     /// Drafts from n-gram lookup in the sequence's own text (see [`propose`] and [`verify`]).
     NgramLookup(NgramLookup),
-    /// Drafts from a smaller model with the same vocabulary (see the [module docs](self)).
+    /// Drafts from a smaller model with the same vocabulary (see [`DraftModel`]).
     DraftModel(DraftModel),
 }
 
