@@ -445,6 +445,16 @@ macro_rules! by_width {
     };
 }
 
+/// `scratch` grown to at least `n` floats, as a pointer to its start (the x86 kernels' scores and
+/// converted key rows).
+#[cfg(target_arch = "x86_64")]
+fn reserve(scratch: &mut Vec<f32>, n: usize) -> *mut f32 {
+    if scratch.len() < n {
+        scratch.resize(n, 0.0);
+    }
+    scratch.as_mut_ptr()
+}
+
 /// Pointer to row `j` (f32, f16, q8_0 or q4_0 elements, as raw bytes), for the x86 kernels.
 #[cfg(target_arch = "x86_64")]
 #[derive(Clone, Copy)]
@@ -708,13 +718,6 @@ mod avx512 {
         }
     }
 
-    fn reserve(scratch: &mut Vec<f32>, n: usize) -> *mut f32 {
-        if scratch.len() < n {
-            scratch.resize(n, 0.0);
-        }
-        scratch.as_mut_ptr()
-    }
-
     /// Up to 16 rows, vectorized across keys: each 16-key block is converted once for all the
     /// rows, each value row once per group of up to 4 rows; head dim `16 * NC`.
     ///
@@ -738,7 +741,7 @@ mod avx512 {
         let nmax = nb.iter().copied().max().unwrap_or(0);
         let npad = nmax.next_multiple_of(16);
         // scratch: scores [nr][npad] | kbuf [16][hd] (a 16-key block's key rows as f32)
-        let sp = reserve(scratch, nr * npad + 16 * hd);
+        let sp = super::reserve(scratch, nr * npad + 16 * hd);
         // SAFETY: inside the reservation.
         let kbuf = unsafe { sp.add(nr * npad) };
         let scv = _mm512_set1_ps(scale);
@@ -1092,10 +1095,7 @@ mod avx2 {
         let nmax = nb.iter().copied().max().unwrap_or(0);
         let npad = nmax.next_multiple_of(16);
         // scratch: scores [nr][npad] | kbuf [8][hd] (an 8-key block's key rows as f32)
-        if scratch.len() < nr * npad + 8 * hd {
-            scratch.resize(nr * npad + 8 * hd, 0.0);
-        }
-        let sp = scratch.as_mut_ptr();
+        let sp = super::reserve(scratch, nr * npad + 8 * hd);
         let scv = _mm256_set1_ps(scale);
         let ninf = _mm256_set1_ps(f32::NEG_INFINITY);
         let lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
