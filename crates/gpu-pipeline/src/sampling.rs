@@ -814,6 +814,18 @@ pub(crate) fn argmax(xs: &[f32]) -> u32 {
     if i < xs.len() { i as u32 } else { 0 }
 }
 
+/// The most likely token (as [`argmax`]) and its softmax probability (the vectorized `exp`
+/// over the non-NaN logits); the probability is NaN when the row has no finite maximum. The
+/// draft model's stop test, once per draft token.
+pub(crate) fn top_token(logits: &[f32]) -> (u32, f32) {
+    let max = max_valid(logits);
+    if !max.is_finite() {
+        return (argmax(logits), f32::NAN);
+    }
+    let i = first_equal(logits, max);
+    ((i as u32), (1.0 / exp_sum(logits, max)) as f32)
+}
+
 multiversion! {
     /// The first index of `m` in `xs` (`xs.len()` when absent), 16 values per step.
     fn first_equal(xs: &[f32], m: f32) -> usize {
@@ -916,6 +928,21 @@ pub fn token_nll(logits: &[f32], token: u32) -> f64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn top_token_is_the_first_maximum_with_its_softmax_probability() {
+        let (t, p) = top_token(&[0.0, 2.0, 2.0, -1.0]);
+        assert_eq!(t, 1);
+        let e = [(-2.0f32).exp(), 1.0, 1.0, (-3.0f32).exp()];
+        assert!((p - 1.0 / e.iter().sum::<f32>()).abs() < 1e-6);
+        let (t, p) = top_token(&[f32::NAN, f32::NAN]);
+        assert_eq!(t, 0);
+        assert!(p.is_nan());
+        // NaN logits are skipped, as the sampler skips them.
+        let (t, p) = top_token(&[f32::NAN, 1.0, 1.0]);
+        assert_eq!(t, 1);
+        assert!((p - 0.5).abs() < 1e-6);
+    }
 
     #[test]
     fn greedy_picks_max_and_lowest_tie() {

@@ -17,6 +17,7 @@ use kv_ring::{HostKv, KvPool, KvStorage, RingMode};
 use super::speculate::DraftModel;
 use super::{Active, EngineConfig, EngineInitError};
 use crate::model::{LogitsWanted, Model, ModelConfig, SeqStep};
+use crate::sampling::top_token;
 
 /// Most unseen tokens of one sequence fed to the draft model per forward pass.
 const CATCH_UP_CHUNK: usize = 256;
@@ -122,8 +123,8 @@ impl Drafter {
         loop {
             let mut next = Vec::with_capacity(live.len());
             for (row, &i) in live.iter().enumerate() {
-                let (token, p) = top(&self.logits[row * vocab..(row + 1) * vocab]);
-                // NaN logits stop the draft too.
+                let (token, p) = top_token(&self.logits[row * vocab..(row + 1) * vocab]);
+                // A row without a finite maximum (NaN probability) stops the draft too.
                 if p.is_nan() || p < self.min_probability {
                     continue;
                 }
@@ -208,33 +209,5 @@ impl Drafter {
             a.draft_kv = None;
             a.draft_want = 0;
         }
-    }
-}
-
-/// The most likely token of `logits` (the first of equal maxima) and its softmax probability.
-fn top(logits: &[f32]) -> (u32, f32) {
-    let (mut best, mut max) = (0usize, f32::NEG_INFINITY);
-    for (i, &l) in logits.iter().enumerate() {
-        if l > max {
-            (best, max) = (i, l);
-        }
-    }
-    let sum: f32 = logits.iter().map(|&l| (l - max).exp()).sum();
-    (best as u32, 1.0 / sum)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::top;
-
-    #[test]
-    fn top_token_is_the_first_maximum_with_its_softmax_probability() {
-        let (t, p) = top(&[0.0, 2.0, 2.0, -1.0]);
-        assert_eq!(t, 1);
-        let e = [(-2.0f32).exp(), 1.0, 1.0, (-3.0f32).exp()];
-        assert!((p - 1.0 / e.iter().sum::<f32>()).abs() < 1e-6);
-        let (t, p) = top(&[f32::NAN, f32::NAN]);
-        assert_eq!(t, 0);
-        assert!(p.is_nan());
     }
 }
