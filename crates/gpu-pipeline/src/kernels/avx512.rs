@@ -1118,9 +1118,12 @@ unsafe fn quant_block(p: *const f32) -> (f32, __m512i, __m512i) {
     let amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
     let (d, id) = block_scale(amax);
     let idv = _mm512_set1_ps(id);
-    // Round to nearest even (the default MXCSR mode), as `round_ties_even` does.
-    let q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, idv));
-    let q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, idv));
+    // Round to nearest even (the default MXCSR mode), as `round_ties_even` does. NaN products
+    // (non-finite activations) become 0, as the scalar `as i8` makes them, instead of the
+    // conversion's i32::MIN, which would overflow the blocks' sums.
+    let finite = |m: __m512| _mm512_maskz_mov_ps(_mm512_cmp_ps_mask::<_CMP_ORD_Q>(m, m), m);
+    let q0 = _mm512_cvtps_epi32(finite(_mm512_mul_ps(v0, idv)));
+    let q1 = _mm512_cvtps_epi32(finite(_mm512_mul_ps(v1, idv)));
     (d, q0, q1)
 }
 
