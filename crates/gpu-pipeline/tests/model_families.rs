@@ -88,6 +88,50 @@ fn every_family_loads_runs_and_is_chunking_invariant() {
     }
 }
 
+/// Past `KEY_CHUNK` (512) keys a row's attention runs chunk by chunk, and a decode step of a
+/// few sequences spreads one row's chunks over the threads (split tasks, merged after): a
+/// 1100-token text decoded one token at a time (split) gives the same bits at every position
+/// as one prefill (whole blocks, each chunked inside the kernel), with one thread and two, with
+/// and without sliding windows longer than a chunk and soft-capping.
+#[test]
+fn long_contexts_split_over_threads_are_bit_identical() {
+    let dims = Dims { ctx: 2048, ..DIMS };
+    let window = [
+        ("gemma2.attention.sliding_window", Meta::U32(700)),
+        ("gemma2.attention.sliding_window_pattern", Meta::U32(2)),
+    ];
+    for (arch, set) in [
+        ("llama", &[][..]),
+        ("gemma2", &window[..]),
+        ("qwen3", &[][..]),
+    ] {
+        let img = build_with(arch, dims, 4, &[], set).build();
+        let t = tokens(1100, 9);
+        let mut got = Vec::new();
+        for threads in [1, 2] {
+            let g = Gguf::from_bytes(img.clone()).expect("valid GGUF image");
+            let model = Model::load(Arc::new(g), ModelOptions::default().with_threads(threads))
+                .unwrap_or_else(|e| panic!("{arch}: {e}"));
+            if arch == "gemma2" {
+                assert!(model.config().layers.iter().any(|l| l.window == Some(700)));
+            }
+            got.push(logits(&model, &t, t.len()));
+            got.push(logits(&model, &t, 1));
+        }
+        for (i, g) in got.iter().enumerate().skip(1) {
+            assert!(
+                got[0]
+                    .iter()
+                    .zip(g)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{arch}: run {i} (threads {}, chunk {}) differs from one prefill",
+                1 + i / 2,
+                if i % 2 == 0 { t.len() } else { 1 }
+            );
+        }
+    }
+}
+
 /// The activation split recovers the precision of the 8-bit activations of integer-quantized
 /// weights; float weights take f32 activations, so it must leave their products alone: an F16
 /// model's logits are the same bits with every product split as with none (a dense and a

@@ -10,7 +10,12 @@
 //!   `a[0] + a[1]`; times `scale`;
 //! - softmax: the exact maximum; [`exp_f`] of `s - max`; the sum as 16 partial sums over keys
 //!   `j ≡ l (mod 16)` ascending, reduced by the same tree;
-//! - output: `o = fma(p[j], v[j], o)` over keys ascending, then `o * (1 / sum)`.
+//! - output: `o = fma(p[j], v[j], o)` over keys ascending, then `o * (1 / sum)`;
+//! - a row over more than [`KEY_CHUNK`] keys: the above per chunk of `KEY_CHUNK` keys from its
+//!   first ([`key_chunk`]), the chunks' results merged in order ([`merge_chunk`]: the
+//!   flash-decoding merge of two softmaxes by their maxima and sums). The model runs the chunks
+//!   of a decode step's rows as separate pool tasks when there are fewer tasks than threads
+//!   would need (one sequence has one task per KV head), and merges them the same way.
 //!
 //! The AVX-512 path runs that arithmetic vectorized across 16 keys: each block of 16 key rows is
 //! converted once for up to 16 query rows, a row's 16 lane sums per key stay in registers, and a
@@ -229,15 +234,18 @@ pub fn attend_rows(
     scratch: &mut Vec<f32>,
     out: &mut [f32],
 ) {
-    attend_rows_ext(q, n_keys, None, hd, view, scale, None, scratch, out);
+    attend_rows_ext(q, n_keys, None, hd, view, scale, None, scratch, out, None);
 }
 
 /// [`attend_rows`] with two more features: row `r` sees only keys `first[r]..n_keys[r]` (a
 /// sliding window), and scores pass through `cap * tanh(s / cap)` before the softmax
-/// (Gemma 2's attention soft-capping). [`attend_rows`] is this without either.
+/// (Gemma 2's attention soft-capping). [`attend_rows`] is this without either. With `stats`
+/// (two per row), row `r`'s softmax maximum and sum go to `stats[2r]` and `stats[2r + 1]`
+/// (what [`merge_chunk`] takes).
 ///
 /// # Panics
-/// As [`attend_rows`], and when `first[r] >= n_keys[r]` or `first` is not one per row.
+/// As [`attend_rows`], and when `first[r] >= n_keys[r]` or `first` is not one per row, or
+/// `stats` is shorter than two per row.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn attend_rows_ext(
     q: &[f32],
@@ -249,6 +257,7 @@ pub(crate) fn attend_rows_ext(
     softcap: Option<f32>,
     scratch: &mut Vec<f32>,
     out: &mut [f32],
+    stats: Option<&mut [f32]>,
 ) {
     let rows = n_keys.len();
     assert!(
@@ -265,6 +274,9 @@ pub(crate) fn attend_rows_ext(
             f.len() == rows && f.iter().zip(n_keys).all(|(f, n)| f < n),
             "first keys must be below the key counts"
         );
+    }
+    if let Some(s) = &stats {
+        assert!(s.len() >= 2 * rows, "stats need two per row");
     }
     for s in [&view.keys, &view.values] {
         let parts = match s {
@@ -286,17 +298,172 @@ pub(crate) fn attend_rows_ext(
             "the view's rows are not {hd} wide"
         );
     }
+    chunked(
+        kernel, q, n_keys, first, hd, view, scale, softcap, scratch, out, stats,
+    );
+}
+
+/// A kernel: every row's whole key range in one pass, with the arguments of
+/// [`attend_rows_ext`] (shapes checked by the caller).
+type Kernel = fn(
+    &[f32],
+    &[usize],
+    Option<&[usize]>,
+    usize,
+    &KvView<'_>,
+    f32,
+    Option<f32>,
+    &mut Vec<f32>,
+    &mut [f32],
+    Option<&mut [f32]>,
+);
+
+/// [`attend_rows_ext`] on `kernel` (the tests run it on every path).
+#[allow(clippy::too_many_arguments)]
+fn chunked(
+    kernel: Kernel,
+    q: &[f32],
+    n_keys: &[usize],
+    first: Option<&[usize]>,
+    hd: usize,
+    view: &KvView<'_>,
+    scale: f32,
+    softcap: Option<f32>,
+    scratch: &mut Vec<f32>,
+    out: &mut [f32],
+    stats: Option<&mut [f32]>,
+) {
+    let rows = n_keys.len();
+    let first_of = |r: usize| first.map_or(0, |f| f[r]);
+    let chunks = (0..rows)
+        .map(|r| (n_keys[r] - first_of(r)).div_ceil(KEY_CHUNK))
+        .max()
+        .unwrap_or(0);
+    if chunks <= 1 {
+        return kernel(
+            q, n_keys, first, hd, view, scale, softcap, scratch, out, stats,
+        );
+    }
+    // Rows over more than KEY_CHUNK keys: chunk by chunk, each chunk's rows in one call, merged
+    // into `out` in chunk order (the state after chunk 0 is that chunk's result).
+    let mut state = vec![0.0f32; 2 * rows];
+    let (mut qk, mut nk, mut fk, mut ok, mut sk, mut at) = (
+        Vec::new(),
+        Vec::new(),
+        Vec::new(),
+        Vec::new(),
+        Vec::new(),
+        Vec::new(),
+    );
+    for k in 0..chunks {
+        qk.clear();
+        nk.clear();
+        fk.clear();
+        at.clear();
+        for r in 0..rows {
+            if let Some((f, n)) = key_chunk(first_of(r), n_keys[r], k) {
+                qk.extend_from_slice(&q[r * hd..][..hd]);
+                fk.push(f);
+                nk.push(n);
+                at.push(r);
+            }
+        }
+        ok.resize(at.len() * hd, 0.0);
+        sk.resize(2 * at.len(), 0.0);
+        kernel(
+            &qk,
+            &nk,
+            Some(&fk),
+            hd,
+            view,
+            scale,
+            softcap,
+            scratch,
+            &mut ok,
+            Some(&mut sk),
+        );
+        for (i, &r) in at.iter().enumerate() {
+            let (o, st) = (&mut out[r * hd..][..hd], &mut state[2 * r..2 * r + 2]);
+            let (oc, sc) = (&ok[i * hd..][..hd], &sk[2 * i..2 * i + 2]);
+            if k == 0 {
+                o.copy_from_slice(oc);
+                st.copy_from_slice(sc);
+            } else {
+                merge_chunk(o, st, oc, sc);
+            }
+        }
+    }
+    if let Some(s) = stats {
+        s[..2 * rows].copy_from_slice(&state);
+    }
+}
+
+/// Keys per chunk of a row's softmax: a row that sees more keys is computed chunk by chunk
+/// ([`key_chunk`]) and the chunks merged in order ([`merge_chunk`]), so that the chunks of one
+/// long row can also run on different threads (the model does this for decode steps) with the
+/// same result bit for bit. A multiple of 16 (the key lanes of the softmax sums).
+pub(crate) const KEY_CHUNK: usize = 2048;
+
+/// Chunk `k` of a row that sees keys `first..n`: keys `first + k * KEY_CHUNK` up to
+/// `KEY_CHUNK` further (not past `n`), or `None` past the row's last chunk.
+pub(crate) fn key_chunk(first: usize, n: usize, k: usize) -> Option<(usize, usize)> {
+    let f = first + k * KEY_CHUNK;
+    (f < n).then(|| (f, n.min(f + KEY_CHUNK)))
+}
+
+/// Merges the next chunk's result into a row's: `o` and `state` (the softmax's maximum and
+/// sum, `[m, w]`) hold the result over the chunks so far, `oc` and `sc = [m_c, s_c]` the next
+/// chunk's (as [`attend_rows_ext`] writes them). With `M = max(m, m_c)`, `a = w * exp(m - M)`,
+/// `b = s_c * exp(m_c - M)`: `o = fma(oc, b, o * a) * (1 / (a + b))` per element, state
+/// `[M, a + b]`.
+pub(crate) fn merge_chunk(o: &mut [f32], state: &mut [f32], oc: &[f32], sc: &[f32]) {
+    let mx = state[0].max(sc[0]);
+    let a = state[1] * exp_f(state[0] - mx);
+    let b = sc[1] * exp_f(sc[0] - mx);
+    let w = a + b;
+    let inv = 1.0 / w;
+    for (ov, &c) in o.iter_mut().zip(oc) {
+        *ov = c.mul_add(b, *ov * a) * inv;
+    }
+    state[0] = mx;
+    state[1] = w;
+}
+
+/// One call of the kernel for this machine: every row's whole key range at once.
+#[allow(clippy::too_many_arguments)]
+fn kernel(
+    q: &[f32],
+    n_keys: &[usize],
+    first: Option<&[usize]>,
+    hd: usize,
+    view: &KvView<'_>,
+    scale: f32,
+    softcap: Option<f32>,
+    scratch: &mut Vec<f32>,
+    out: &mut [f32],
+    stats: Option<&mut [f32]>,
+) {
     #[cfg(target_arch = "x86_64")]
     if hd.is_multiple_of(16) && hd <= avx512::MAX_HD && crate::kernels::has_avx512() {
-        // SAFETY: the features were detected at run time; shapes are checked above.
-        return unsafe { avx512::attend(q, n_keys, first, hd, view, scale, softcap, scratch, out) };
+        // SAFETY: the features were detected at run time; shapes are checked by the caller.
+        return unsafe {
+            avx512::attend(
+                q, n_keys, first, hd, view, scale, softcap, scratch, out, stats,
+            )
+        };
     }
     #[cfg(target_arch = "x86_64")]
     if hd.is_multiple_of(16) && hd <= avx2::MAX_HD && crate::kernels::has_avx2() {
-        // SAFETY: the features were detected at run time; shapes are checked above.
-        return unsafe { avx2::attend(q, n_keys, first, hd, view, scale, softcap, scratch, out) };
+        // SAFETY: the features were detected at run time; shapes are checked by the caller.
+        return unsafe {
+            avx2::attend(
+                q, n_keys, first, hd, view, scale, softcap, scratch, out, stats,
+            )
+        };
     }
-    portable(q, n_keys, first, hd, view, scale, softcap, scratch, out);
+    portable(
+        q, n_keys, first, hd, view, scale, softcap, scratch, out, stats,
+    );
 }
 
 /// The portable path (FMA instructions where the CPU has them; the same results either way).
@@ -311,13 +478,20 @@ fn portable(
     softcap: Option<f32>,
     scratch: &mut Vec<f32>,
     out: &mut [f32],
+    stats: Option<&mut [f32]>,
 ) {
     #[cfg(target_arch = "x86_64")]
     if crate::kernels::has_avx2() {
         // SAFETY: AVX2 + FMA were detected at run time.
-        return unsafe { portable_fma(q, n_keys, first, hd, view, scale, softcap, scratch, out) };
+        return unsafe {
+            portable_fma(
+                q, n_keys, first, hd, view, scale, softcap, scratch, out, stats,
+            )
+        };
     }
-    portable_body(q, n_keys, first, hd, view, scale, softcap, scratch, out);
+    portable_body(
+        q, n_keys, first, hd, view, scale, softcap, scratch, out, stats,
+    );
 }
 
 /// # Safety
@@ -335,8 +509,11 @@ unsafe fn portable_fma(
     softcap: Option<f32>,
     scratch: &mut Vec<f32>,
     out: &mut [f32],
+    stats: Option<&mut [f32]>,
 ) {
-    portable_body(q, n_keys, first, hd, view, scale, softcap, scratch, out);
+    portable_body(
+        q, n_keys, first, hd, view, scale, softcap, scratch, out, stats,
+    );
 }
 
 #[inline(always)]
@@ -351,6 +528,7 @@ fn portable_body(
     softcap: Option<f32>,
     scratch: &mut Vec<f32>,
     out: &mut [f32],
+    mut stats: Option<&mut [f32]>,
 ) {
     let (keys, values) = (Rows::new(&view.keys), Rows::new(&view.values));
     let nmax = n_keys.iter().copied().max().unwrap_or(0);
@@ -410,7 +588,11 @@ fn portable_body(
                 // not depend on how rows with different windows are blocked together.
                 part[(f + jj) % 16] += *sj;
             }
-            inv[r - r0] = 1.0 / tree16(part);
+            let sum = tree16(part);
+            inv[r - r0] = 1.0 / sum;
+            if let Some(st) = stats.as_deref_mut() {
+                st[2 * r..2 * r + 2].copy_from_slice(&[max, sum]);
+            }
             out[r * hd..][..hd].fill(0.0);
         }
         for j in lo..hi {
@@ -690,6 +872,7 @@ mod avx512 {
         softcap: Option<f32>,
         scratch: &mut Vec<f32>,
         out: &mut [f32],
+        mut stats: Option<&mut [f32]>,
     ) {
         let keys = RowPtrs::new(Rows::new(&view.keys), hd);
         let values = RowPtrs::new(Rows::new(&view.values), hd);
@@ -707,11 +890,12 @@ mod avx512 {
             }
             let fb = &fb[..nr];
             let cap = softcap.unwrap_or(0.0);
+            let st = stats.as_deref_mut().map(|s| &mut s[2 * r0..2 * (r0 + nr)]);
             // SAFETY: forwarded; the block's rows are inside the checked shapes.
             unsafe {
                 by_width!(
                     hd,
-                    keys_block(qb, nb, fb, keys, values, scale, cap, scratch, ob)
+                    keys_block(qb, nb, fb, keys, values, scale, cap, scratch, ob, st)
                 );
             }
             r0 += nr;
@@ -735,6 +919,7 @@ mod avx512 {
         cap: f32,
         scratch: &mut Vec<f32>,
         out: &mut [f32],
+        mut stats: Option<&mut [f32]>,
     ) {
         let hd = 16 * NC;
         let nr = nb.len();
@@ -803,7 +988,8 @@ mod avx512 {
                 let gmax = nb[g..g + gn].iter().copied().max().unwrap_or(0);
                 let kb0 = fb[g..g + gn].iter().copied().min().unwrap_or(0) / 16 * 16;
                 for r in 0..gn {
-                    let m = _mm512_set1_ps(_mm512_reduce_max_ps(mx[g + r]));
+                    let max = _mm512_reduce_max_ps(mx[g + r]);
+                    let m = _mm512_set1_ps(max);
                     let row = sp.add((g + r) * npad);
                     let mut part = _mm512_setzero_ps();
                     for kb in (kb0..gmax).step_by(16) {
@@ -812,6 +998,9 @@ mod avx512 {
                         _mm512_storeu_ps(row.add(kb), p);
                     }
                     sums[r] = tree16_h(part);
+                    if let Some(st) = stats.as_deref_mut() {
+                        st[2 * (g + r)..2 * (g + r) + 2].copy_from_slice(&[max, sums[r]]);
+                    }
                 }
                 pv(
                     values,
@@ -1047,6 +1236,7 @@ mod avx2 {
         softcap: Option<f32>,
         scratch: &mut Vec<f32>,
         out: &mut [f32],
+        mut stats: Option<&mut [f32]>,
     ) {
         let keys = RowPtrs::new(Rows::new(&view.keys), hd);
         let values = RowPtrs::new(Rows::new(&view.values), hd);
@@ -1063,11 +1253,12 @@ mod avx2 {
                 &fb[..nr],
                 &mut out[r0 * hd..(r0 + nr) * hd],
             );
+            let st = stats.as_deref_mut().map(|s| &mut s[2 * r0..2 * (r0 + nr)]);
             // SAFETY: forwarded; the block's rows are inside the checked shapes.
             unsafe {
                 by_width!(
                     hd,
-                    keys_block(qb, nb, fb, keys, values, scale, cap, scratch, ob)
+                    keys_block(qb, nb, fb, keys, values, scale, cap, scratch, ob, st)
                 );
             }
         }
@@ -1089,6 +1280,7 @@ mod avx2 {
         cap: f32,
         scratch: &mut Vec<f32>,
         out: &mut [f32],
+        mut stats: Option<&mut [f32]>,
     ) {
         let hd = 16 * NC;
         let nr = nb.len();
@@ -1163,7 +1355,8 @@ mod avx2 {
                 let gmax = nb[g..g + gn].iter().copied().max().unwrap_or(0);
                 let kb0 = fb[g..g + gn].iter().copied().min().unwrap_or(0) / 16 * 16;
                 for r in 0..gn {
-                    let m = _mm256_set1_ps(hmax(mx[g + r]));
+                    let max = hmax(mx[g + r]);
+                    let m = _mm256_set1_ps(max);
                     let row = sp.add((g + r) * npad);
                     let mut part = [zero; 2];
                     for kb in (kb0..gmax).step_by(8) {
@@ -1176,6 +1369,9 @@ mod avx2 {
                     _mm256_storeu_ps(lanes.as_mut_ptr(), part[0]);
                     _mm256_storeu_ps(lanes.as_mut_ptr().add(8), part[1]);
                     sums[r] = super::tree16(lanes);
+                    if let Some(st) = stats.as_deref_mut() {
+                        st[2 * (g + r)..2 * (g + r) + 2].copy_from_slice(&[max, sums[r]]);
+                    }
                 }
                 pv::<NC>(
                     values,
@@ -1310,8 +1506,40 @@ mod tests {
         v.iter().map(|x| x.to_bits()).collect()
     }
 
-    /// The AVX2 kernel's output where this CPU and shape run it (an AVX-512 machine's
-    /// `attend_rows` takes its own path, so the AVX2 one is called directly).
+    /// The AVX2 kernel, where this CPU and shape run it (an AVX-512 machine's `attend_rows`
+    /// takes its own path, so the tests call this one directly).
+    #[allow(clippy::too_many_arguments)]
+    fn avx2_kernel(
+        q: &[f32],
+        nk: &[usize],
+        first: Option<&[usize]>,
+        hd: usize,
+        view: &KvView<'_>,
+        scale: f32,
+        cap: Option<f32>,
+        scratch: &mut Vec<f32>,
+        out: &mut [f32],
+        stats: Option<&mut [f32]>,
+    ) {
+        assert!(avx2_runs(hd));
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: AVX2, FMA and F16C detected (avx2_runs); shapes as attend_rows checks them
+        // (the tests' calls of attend_rows with the same arguments pass those checks).
+        unsafe {
+            avx2::attend(q, nk, first, hd, view, scale, cap, scratch, out, stats);
+        }
+    }
+
+    fn avx2_runs(hd: usize) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        if hd.is_multiple_of(16) && hd <= avx2::MAX_HD && crate::kernels::has_avx2() {
+            return true;
+        }
+        let _ = hd;
+        false
+    }
+
+    /// The AVX2 kernel's output where this CPU and shape run it.
     fn avx2_path(
         q: &[f32],
         nk: &[usize],
@@ -1321,28 +1549,12 @@ mod tests {
         scale: f32,
         cap: Option<f32>,
     ) -> Option<Vec<f32>> {
-        #[cfg(target_arch = "x86_64")]
-        if hd.is_multiple_of(16) && hd <= avx2::MAX_HD && crate::kernels::has_avx2() {
+        avx2_runs(hd).then(|| {
             let mut out = vec![0.0; q.len()];
-            // SAFETY: AVX2, FMA and F16C detected; shapes as attend_rows checks them (the
-            // tests' calls of attend_rows with the same arguments pass those checks).
-            unsafe {
-                avx2::attend(
-                    q,
-                    nk,
-                    first,
-                    hd,
-                    view,
-                    scale,
-                    cap,
-                    &mut Vec::new(),
-                    &mut out,
-                );
-            }
-            return Some(out);
-        }
-        let _ = (q, nk, first, hd, view, scale, cap);
-        None
+            #[rustfmt::skip]
+            chunked(avx2_kernel, q, nk, first, hd, view, scale, cap, &mut Vec::new(), &mut out, None);
+            out
+        })
     }
 
     #[test]
@@ -1382,7 +1594,8 @@ mod tests {
                 let mut all = vec![0.0; rows * hd];
                 attend_rows(&q, &nk, hd, &view, 0.125, &mut s, &mut all);
                 let mut port = vec![0.0; rows * hd];
-                portable(&q, &nk, None, hd, &view, 0.125, None, &mut s, &mut port);
+                #[rustfmt::skip]
+                chunked(portable, &q, &nk, None, hd, &view, 0.125, None, &mut s, &mut port, None);
                 assert_eq!(
                     bits(&all),
                     bits(&port),
@@ -1461,7 +1674,6 @@ mod tests {
             for dtype in dtypes(hd) {
                 let (_pool, kv) = ring(hd, n, dtype);
                 let view = kv.view(0, 0).unwrap();
-                let (keys, values) = (Rows::new(&view.keys), Rows::new(&view.values));
                 let len = view.len;
                 let rows = 37;
                 let q = queries(rows, hd, 3 * hd + n);
@@ -1478,9 +1690,10 @@ mod tests {
                     let fo = window.is_some().then_some(&first[..]);
                     let mut s = Vec::new();
                     let mut all = vec![0.0; rows * hd];
-                    attend_rows_ext(&q, &nk, fo, hd, &view, 0.3, cap, &mut s, &mut all);
+                    attend_rows_ext(&q, &nk, fo, hd, &view, 0.3, cap, &mut s, &mut all, None);
                     let mut port = vec![0.0; rows * hd];
-                    portable(&q, &nk, fo, hd, &view, 0.3, cap, &mut s, &mut port);
+                    #[rustfmt::skip]
+                    chunked(portable, &q, &nk, fo, hd, &view, 0.3, cap, &mut s, &mut port, None);
                     let what = format!("hd {hd} {dtype:?} window {window:?} cap {cap:?}");
                     assert_eq!(bits(&all), bits(&port), "{what}: fast vs portable");
                     if let Some(a2) = avx2_path(&q, &nk, fo, hd, &view, 0.3, cap) {
@@ -1500,37 +1713,149 @@ mod tests {
                                 cap,
                                 &mut s,
                                 &mut got[r0 * hd..r1 * hd],
+                                None,
                             );
                         }
                         assert_eq!(bits(&all), bits(&got), "{what}: chunk {chunk}");
                     }
                     for r in 0..rows {
-                        let (f, k) = (first[r], nk[r]);
-                        let sc: Vec<f64> = (f..k)
-                            .map(|j| {
-                                let x = (0..hd)
-                                    .map(|i| {
-                                        f64::from(q[r * hd + i]) * f64::from(keys.get(j, hd, i))
-                                    })
-                                    .sum::<f64>()
-                                    * 0.3;
-                                cap.map_or(x, |c| f64::from(c) * (x / f64::from(c)).tanh())
-                            })
-                            .collect();
-                        let m = sc.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-                        let e: Vec<f64> = sc.iter().map(|x| (x - m).exp()).collect();
-                        let z: f64 = e.iter().sum();
-                        for i in 0..hd {
-                            let want: f64 = (f..k)
-                                .map(|j| e[j - f] * f64::from(values.get(j, hd, i)))
-                                .sum::<f64>()
-                                / z;
-                            let got = f64::from(all[r * hd + i]);
+                        let (want, _, _) =
+                            reference(&q[r * hd..][..hd], &view, first[r], nk[r], 0.3, cap);
+                        for (i, (&got, want)) in all[r * hd..][..hd].iter().zip(want).enumerate() {
+                            let got = f64::from(got);
                             assert!(
                                 (got - want).abs() < 3e-5,
                                 "{what} row {r} i {i}: {got} vs {want}"
                             );
                         }
+                    }
+                }
+            }
+        }
+    }
+
+    /// Softmax attention in f64 of one query row over keys `first..n` of the view (scores
+    /// `scale`d, then soft-capped): the output, the maximum score and the sum of `exp(s - max)`.
+    fn reference(
+        q: &[f32],
+        view: &KvView<'_>,
+        first: usize,
+        n: usize,
+        scale: f32,
+        cap: Option<f32>,
+    ) -> (Vec<f64>, f64, f64) {
+        let hd = q.len();
+        let (keys, values) = (Rows::new(&view.keys), Rows::new(&view.values));
+        let sc: Vec<f64> = (first..n)
+            .map(|j| {
+                let x = (0..hd)
+                    .map(|i| f64::from(q[i]) * f64::from(keys.get(j, hd, i)))
+                    .sum::<f64>()
+                    * f64::from(scale);
+                cap.map_or(x, |c| f64::from(c) * (x / f64::from(c)).tanh())
+            })
+            .collect();
+        let m = sc.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        let e: Vec<f64> = sc.iter().map(|x| (x - m).exp()).collect();
+        let z: f64 = e.iter().sum();
+        let out = (0..hd)
+            .map(|i| {
+                (first..n)
+                    .map(|j| e[j - first] * f64::from(values.get(j, hd, i)))
+                    .sum::<f64>()
+                    / z
+            })
+            .collect();
+        (out, m, z)
+    }
+
+    /// Rows over more than KEY_CHUNK keys (counts on both sides of chunk boundaries, windows
+    /// longer and shorter than a chunk, soft-capping): every path gives the same bits, a row's
+    /// result does not depend on the rows beside it, the chunks of each row computed one call
+    /// at a time (with their softmax statistics) and merged in order by `merge_chunk` (what the
+    /// model's split decode tasks do) give the same bits and statistics, and the result is
+    /// softmax attention (f64 reference, statistics included).
+    #[test]
+    fn long_rows_are_chunked_exactly_on_every_path() {
+        for (hd, n) in [(64usize, 1400usize), (128, 1100)] {
+            for dtype in dtypes(hd) {
+                let (_pool, kv) = ring(hd, n, dtype);
+                let view = kv.view(0, 0).unwrap();
+                let len = view.len;
+                let nk = [
+                    1,
+                    300,
+                    511,
+                    512,
+                    513,
+                    700,
+                    1024,
+                    1025,
+                    len - 1,
+                    len,
+                    len - 200,
+                    1030,
+                ];
+                let rows = nk.len();
+                let q = queries(rows, hd, 11 + hd);
+                for (window, cap) in [(None, None), (Some(600), Some(3.0f32)), (Some(1030), None)] {
+                    let what = format!("hd {hd} {dtype:?} window {window:?} cap {cap:?}");
+                    let first: Vec<usize> = nk
+                        .iter()
+                        .map(|&k| window.map_or(0, |w| k.saturating_sub(w)))
+                        .collect();
+                    let fo = window.is_some().then_some(&first[..]);
+                    let mut s = Vec::new();
+                    let (mut all, mut stats) = (vec![0.0; rows * hd], vec![0.0; 2 * rows]);
+                    #[rustfmt::skip]
+                    attend_rows_ext(&q, &nk, fo, hd, &view, 0.3, cap, &mut s, &mut all, Some(&mut stats));
+                    let mut port = vec![0.0; rows * hd];
+                    #[rustfmt::skip]
+                    chunked(portable, &q, &nk, fo, hd, &view, 0.3, cap, &mut s, &mut port, None);
+                    assert_eq!(bits(&all), bits(&port), "{what}: fast vs portable");
+                    if let Some(a2) = avx2_path(&q, &nk, fo, hd, &view, 0.3, cap) {
+                        assert_eq!(bits(&a2), bits(&port), "{what}: AVX2 vs portable");
+                    }
+                    for r in 0..rows {
+                        let qr = &q[r * hd..][..hd];
+                        let (f, n) = (first[r], nk[r]);
+                        // Alone.
+                        let mut alone = vec![0.0; hd];
+                        #[rustfmt::skip]
+                        attend_rows_ext(qr, &[n], Some(&[f]), hd, &view, 0.3, cap, &mut s, &mut alone, None);
+                        assert_eq!(bits(&alone), bits(&all[r * hd..][..hd]), "{what} row {r}");
+                        // Split: one call per chunk, merged in order.
+                        let (mut o, mut st) = (vec![0.0; hd], [0.0f32; 2]);
+                        for k in 0.. {
+                            let Some((cf, cn)) = key_chunk(f, n, k) else {
+                                break;
+                            };
+                            assert!(cn - cf <= KEY_CHUNK);
+                            let (mut oc, mut sc) = (vec![0.0; hd], [0.0f32; 2]);
+                            #[rustfmt::skip]
+                            attend_rows_ext(qr, &[cn], Some(&[cf]), hd, &view, 0.3, cap, &mut s, &mut oc, Some(&mut sc));
+                            if k == 0 {
+                                (o, st) = (oc, sc);
+                            } else {
+                                merge_chunk(&mut o, &mut st, &oc, &sc);
+                            }
+                        }
+                        assert_eq!(bits(&o), bits(&all[r * hd..][..hd]), "{what} row {r} split");
+                        assert_eq!(bits(&st), bits(&stats[2 * r..2 * r + 2]), "{what} row {r}");
+                        let (want, m, z) = reference(qr, &view, f, n, 0.3, cap);
+                        for (i, (&got, want)) in all[r * hd..][..hd].iter().zip(want).enumerate() {
+                            let got = f64::from(got);
+                            assert!(
+                                (got - want).abs() < 3e-5,
+                                "{what} row {r} i {i}: {got} vs {want}"
+                            );
+                        }
+                        // The merged statistics describe the whole row's softmax.
+                        assert!((f64::from(st[0]) - m).abs() < 1e-5, "{what} row {r} max");
+                        assert!(
+                            (f64::from(st[1]) - z).abs() < 1e-5 * z,
+                            "{what} row {r} sum"
+                        );
                     }
                 }
             }

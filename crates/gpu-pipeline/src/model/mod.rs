@@ -512,14 +512,19 @@ struct Scratch {
     attn: Vec<Mutex<AttnScratch>>,
     /// Attention query blocks: (step, first token in step, tokens), longest first.
     att_blocks: Vec<(u32, u32, u32)>,
+    /// Attention tasks of a layer (before the KV heads): (block, key chunk or all keys, the
+    /// block's first row in `att_part`).
+    att_tasks: Vec<(u32, u32, usize)>,
+    /// Attention rows of split blocks per key chunk: output, then softmax maximum and sum.
+    att_part: Vec<f32>,
     /// Per step: (first token row, ring length before the step).
     steps: Vec<(usize, usize)>,
     /// The weight cache's current profiling request and the forward calls made in it.
     epoch: Option<(weight_cache::RequestId, u32)>,
 }
 
-/// Per-thread attention buffers: the block's query rows, outputs, key counts, first keys, and
-/// the kernel's scratch.
+/// Per-thread attention buffers: the block's query rows, outputs, key counts, first keys, the
+/// kernel's scratch, the rows' softmax statistics and their rows in the block.
 #[derive(Debug, Default)]
 struct AttnScratch {
     q: Vec<f32>,
@@ -527,6 +532,8 @@ struct AttnScratch {
     n: Vec<usize>,
     first: Vec<usize>,
     f: Vec<f32>,
+    stats: Vec<f32>,
+    at: Vec<usize>,
 }
 
 /// Query tokens per attention task (times the GQA group: 48 rows for SmolLM2).
@@ -1166,7 +1173,17 @@ impl Model {
         let need = [rows * hd, rows * hd, rows, rows, hd * 17 + scores];
         for a in &sc.attn {
             let mut a = a.lock().unwrap_or_else(|e| e.into_inner());
-            let AttnScratch { q, o, n, first, f } = &mut *a;
+            let AttnScratch {
+                q,
+                o,
+                n,
+                first,
+                f,
+                stats,
+                at,
+            } = &mut *a;
+            reserve_to(stats, 2 * rows);
+            reserve_to(at, rows);
             reserve_to(q, need[0]);
             reserve_to(o, need[1]);
             reserve_to(n, need[2]);
@@ -1370,7 +1387,10 @@ impl Model {
     }
 
     /// Attention of every step's new tokens against its ring (layer `li`), into `att`: one
-    /// pool task per (query block, KV head).
+    /// pool task per (query block, KV head), or, when there are few such tasks (decode of a
+    /// few sequences), one per (query block, KV head, chunk of [`attention::KEY_CHUNK`] keys)
+    /// for blocks over more keys, merged after in chunk order: the kernel's own chunked
+    /// arithmetic, so the result is the same bits either way.
     fn attend<S: HostKvStorage>(
         &self,
         li: usize,
@@ -1382,19 +1402,45 @@ impl Model {
         let cfg = &self.cfg;
         let (hd, nh, nkv) = (cfg.head_dim, cfg.n_heads, cfg.n_kv_heads);
         let qd = nh * hd;
+        let group = cfg.gqa_group();
+        let (scale, softcap, window) = (cfg.attention_scale, cfg.attn_softcap, layer.window);
+        // Row (token j of the step, whose ring held `before` rows): its keys `first..n`.
+        let keys_of = |before: usize, j: usize| {
+            let n = before + j + 1;
+            (window.map_or(0, |w| n.saturating_sub(w)), n)
+        };
+        // The tasks: (block, chunk or WHOLE), times nkv; split blocks' partial rows from `base`.
+        const WHOLE: u32 = u32::MAX;
+        let threads = self.pool().n_threads();
+        let split = threads > 1 && sc.att_blocks.len() * nkv < 4 * threads;
+        let (mut tasks, mut bases) = (std::mem::take(&mut sc.att_tasks), Vec::new());
+        tasks.clear();
+        let mut partial_rows = 0;
+        for (b, &(si, j0, tq)) in sc.att_blocks.iter().enumerate() {
+            let (f, n) = keys_of(steps[si as usize].kv.layer_len(li), (j0 + tq) as usize - 1);
+            let chunks = (n - f).div_ceil(attention::KEY_CHUNK);
+            if split && chunks > 1 {
+                tasks.extend((0..chunks as u32).map(|k| (b as u32, k, partial_rows)));
+                bases.push((b, chunks, partial_rows));
+                partial_rows += chunks * nkv * tq as usize * group;
+            } else {
+                tasks.push((b as u32, WHOLE, 0));
+            }
+        }
+        let part_w = hd + 2;
+        sc.att_part.resize(partial_rows * part_w, 0.0);
         let att_out = ops::SharedRows::new(&mut sc.att[..total * qd], hd);
+        let parts = ops::SharedRows::new(&mut sc.att_part[..partial_rows * part_w], part_w);
         let q = &sc.q;
         let blocks = &sc.att_blocks;
         let step_info = &sc.steps;
         let scratch = &sc.attn;
-        let group = cfg.gqa_group();
-        let (scale, softcap, window) = (cfg.attention_scale, cfg.attn_softcap, layer.window);
         let err: Mutex<Option<ForwardError>> = Mutex::new(None);
-        // One task per (query block, KV head): the group's query heads of up to ATT_BLOCK
-        // tokens of one step, against that step's ring.
-        self.pool().run(blocks.len() * nkv, &|task, thread| {
-            let (b, g) = (task / nkv, task % nkv);
-            let (si, j0, tq) = blocks[b];
+        // A task: the group's query heads of up to ATT_BLOCK tokens of one step, against that
+        // step's ring (all their keys, or chunk k of each row's keys).
+        self.pool().run(tasks.len() * nkv, &|task, thread| {
+            let ((b, k, base), g) = (tasks[task / nkv], task % nkv);
+            let (si, j0, tq) = blocks[b as usize];
             let (r0, _) = step_info[si as usize];
             let ring = &*steps[si as usize].kv;
             // Rows this layer holds before the chunk (a window layer of a windowed pool keeps
@@ -1417,22 +1463,33 @@ impl Model {
                 n: nb,
                 first: fb,
                 f,
+                stats,
+                at,
             } = &mut *guard;
-            let rows = tq as usize * group;
             qb.clear();
             nb.clear();
             fb.clear();
+            at.clear();
             for j in j0 as usize..(j0 + tq) as usize {
                 let t = r0 + j;
+                let (first, n) = keys_of(len_before, j);
+                let range = if k == WHOLE {
+                    Some((first, n))
+                } else {
+                    attention::key_chunk(first, n, k as usize)
+                };
+                let Some((first, n)) = range else { continue };
                 for h in g * group..(g + 1) * group {
                     qb.extend_from_slice(&q[t * qd + h * hd..][..hd]);
-                    let n = len_before + j + 1;
                     nb.push(n);
-                    fb.push(window.map_or(0, |w| n.saturating_sub(w)));
+                    fb.push(first);
+                    at.push((j - j0 as usize) * group + h - g * group);
                 }
             }
+            let rows = nb.len();
             ob.resize(rows * hd, 0.0);
-            let first = window.is_some().then_some(&fb[..]);
+            stats.resize(2 * rows, 0.0);
+            let first = (window.is_some() || k != WHOLE).then_some(&fb[..]);
             attention::attend_rows_ext(
                 qb,
                 nb,
@@ -1443,17 +1500,58 @@ impl Model {
                 softcap,
                 f,
                 &mut ob[..rows * hd],
+                (k != WHOLE).then_some(&mut stats[..]),
             );
             for (i, o) in ob[..rows * hd].chunks_exact(hd).enumerate() {
-                let (j, h) = (j0 as usize + i / group, g * group + i % group);
-                // SAFETY: row (token, head) belongs to this task's block and KV head only.
-                unsafe { att_out.row((r0 + j) * nh + h) }.copy_from_slice(o);
+                let r = at[i];
+                if k == WHOLE {
+                    let (j, h) = (j0 as usize + r / group, g * group + r % group);
+                    // SAFETY: row (token, head) belongs to this task's block and KV head only.
+                    unsafe { att_out.row((r0 + j) * nh + h) }.copy_from_slice(o);
+                } else {
+                    let slot = base + (k as usize * nkv + g) * tq as usize * group + r;
+                    // SAFETY: slot (block, chunk, KV head, row) belongs to this task only.
+                    let p = unsafe { parts.row(slot) };
+                    p[..hd].copy_from_slice(o);
+                    p[hd..].copy_from_slice(&stats[2 * i..2 * i + 2]);
+                }
             }
         });
-        match err.into_inner().unwrap_or_else(|e| e.into_inner()) {
-            Some(e) => Err(e),
-            None => Ok(()),
+        if let Some(e) = err.into_inner().unwrap_or_else(|e| e.into_inner()) {
+            sc.att_tasks = tasks;
+            return Err(e);
         }
+        // The split blocks: each row's chunks merged in order into its output.
+        for &(b, chunks, base) in &bases {
+            let (si, j0, tq) = blocks[b];
+            let (r0, _) = step_info[si as usize];
+            let len_before = steps[si as usize].kv.layer_len(li);
+            let rows = tq as usize * group;
+            for g in 0..nkv {
+                for r in 0..rows {
+                    let (j, h) = (j0 as usize + r / group, g * group + r % group);
+                    let (first, n) = keys_of(len_before, j);
+                    // SAFETY: the pool has returned; this loop is the only user of the rows.
+                    let o = unsafe { att_out.row((r0 + j) * nh + h) };
+                    let mut state = [0.0f32; 2];
+                    for k in 0..chunks {
+                        if attention::key_chunk(first, n, k).is_none() {
+                            break;
+                        }
+                        // SAFETY: as above.
+                        let p = unsafe { parts.row(base + (k * nkv + g) * rows + r) };
+                        if k == 0 {
+                            o.copy_from_slice(&p[..hd]);
+                            state.copy_from_slice(&p[hd..]);
+                        } else {
+                            attention::merge_chunk(o, &mut state, &p[..hd], &p[hd..]);
+                        }
+                    }
+                }
+            }
+        }
+        sc.att_tasks = tasks;
+        Ok(())
     }
 
     /// Stage 3 (per layer): the attention output is added to `x`, then RMSNorm, the gated MLP
