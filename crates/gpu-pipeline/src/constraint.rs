@@ -35,6 +35,14 @@ pub trait Constraint: Send + Debug {
     fn fill_mask(&mut self, mask: &mut TokenMask) -> Result<(), ConstraintError>;
     /// Advances past `token`, which the last mask allowed.
     fn commit(&mut self, token: u32) -> Result<(), ConstraintError>;
+    /// How many of `tokens`, taken in order from the current state, the constraint allows,
+    /// without advancing: speculative decoding cuts a draft there, so that it does not spend
+    /// the target model's verification on tokens the constraint forbids. The default allows
+    /// them all (the verification samples every drafted position through the mask anyway, so
+    /// a forbidden draft token is rejected there, at the cost of verifying it).
+    fn allowed_prefix(&mut self, tokens: &[u32]) -> usize {
+        tokens.len()
+    }
 }
 
 /// Makes the [`Constraint`] of each sequence of a request (a request is cloned and may be

@@ -221,12 +221,16 @@ impl ConstraintFactory for GrammarFactory {
         let parser = self.factory.create_parser(self.grammar.clone());
         Box::new(GrammarConstraint {
             matcher: Matcher::new(parser),
+            vocab: self.factory.tok_env().tok_trie().vocab_size(),
         })
     }
 }
 
 struct GrammarConstraint {
     matcher: Matcher,
+    /// The grammar's vocabulary size (a token id at or past it would put the matcher in its
+    /// error state).
+    vocab: usize,
 }
 
 impl std::fmt::Debug for GrammarConstraint {
@@ -261,5 +265,15 @@ impl Constraint for GrammarConstraint {
             return Ok(());
         }
         self.matcher.consume_token(token).map_err(failed)
+    }
+
+    fn allowed_prefix(&mut self, tokens: &[u32]) -> usize {
+        // Ids the grammar does not know end the prefix before the matcher sees them; a
+        // stopped or failed matcher allows none (its next mask reports the failure).
+        let known = tokens
+            .iter()
+            .take_while(|&&t| (t as usize) < self.vocab)
+            .count();
+        self.matcher.validate_tokens(&tokens[..known]).unwrap_or(0)
     }
 }

@@ -263,3 +263,64 @@ fn unbounded_integers_are_held_to_64_bits_and_explicit_bounds_kept() {
     gpu_pipeline::bound_json_integers(&mut bounded);
     assert_eq!(bounded, wide, "explicit bounds unchanged");
 }
+
+/// `allowed_prefix` (how speculative decoding cuts a draft) on a real grammar: from any state,
+/// the longest prefix of a draft that the token-by-token masks allow, without advancing the
+/// state; ids the grammar does not know end the prefix without breaking the matcher.
+#[test]
+fn allowed_prefix_is_what_the_masks_allow_and_does_not_advance() {
+    let (tok, grammars, _) = grammars();
+    let schema = serde_json::json!({
+        "x-guidance": {"whitespace_flexible": false},
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+        "required": ["name", "age"],
+        "additionalProperties": false,
+    });
+    let g = grammars.json_schema(schema).expect("compiles");
+    let mut mask = TokenMask::forbid_all(tok.vocab_size());
+    // What the masks allow, token by token, from a fresh state after `done`.
+    let by_masks = |done: &[u32], draft: &[u32]| {
+        let mut c = g.start();
+        for &t in done {
+            c.commit(t).expect("commit");
+        }
+        let mut mask = TokenMask::forbid_all(tok.vocab_size());
+        let mut n = 0;
+        for &t in draft {
+            c.fill_mask(&mut mask).expect("mask");
+            if !mask.is_allowed(t) {
+                break;
+            }
+            c.commit(t).expect("commit");
+            n += 1;
+        }
+        n
+    };
+    let good = tok.encode(r#"{"name":"Ada Lovelace","age":36}"#).to_vec();
+    let bad = tok
+        .encode(r#"{"name":"Ada Lovelace","age":"thirty-six"}"#)
+        .to_vec();
+    let cut = good.iter().zip(&bad).take_while(|(a, b)| a == b).count();
+    assert!(cut > 3 && cut < bad.len());
+    for start in [0, 1, 4, cut - 1] {
+        let mut c = g.start();
+        for &t in &good[..start] {
+            c.commit(t).expect("commit");
+        }
+        for draft in [&good[start..], &bad[start..]] {
+            let want = by_masks(&good[..start], draft);
+            assert_eq!(c.allowed_prefix(draft), want, "from token {start}");
+            // Asking did not advance the state: the next mask is the one after `start`.
+            c.fill_mask(&mut mask).expect("mask");
+            assert!(mask.is_allowed(good[start]));
+        }
+        assert_eq!(c.allowed_prefix(&bad[start..]), cut - start);
+        assert_eq!(c.allowed_prefix(&good[start..]), good.len() - start);
+        // An id past the vocabulary ends the prefix; the matcher goes on.
+        let mut odd = good[start..start + 2].to_vec();
+        odd.extend([u32::MAX, good[start + 2]]);
+        assert_eq!(c.allowed_prefix(&odd), 2);
+        c.commit(good[start]).expect("the matcher still works");
+    }
+}

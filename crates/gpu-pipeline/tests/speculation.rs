@@ -265,6 +265,90 @@ fn concurrent_sequences_in_different_speculation_states_match_their_plain_runs()
     );
 }
 
+/// A request's constraint hidden behind the trait's defaults: drafts are not cut by it (the
+/// verification still samples every position through its masks).
+#[derive(Debug)]
+struct Uncut(Arc<dyn ConstraintFactory>);
+
+#[derive(Debug)]
+struct UncutState(Box<dyn Constraint>);
+
+impl ConstraintFactory for Uncut {
+    fn start(&self) -> Box<dyn Constraint> {
+        Box::new(UncutState(self.0.start()))
+    }
+}
+
+impl Constraint for UncutState {
+    fn fill_mask(&mut self, mask: &mut TokenMask) -> Result<(), ConstraintError> {
+        self.0.fill_mask(mask)
+    }
+    fn commit(&mut self, token: u32) -> Result<(), ConstraintError> {
+        self.0.commit(token)
+    }
+}
+
+/// Structured output with speculation: the prompt's JSON has fields the schema renames, so
+/// lookup (and a draft model copying the prompt) keep proposing the prompt's text where the
+/// grammar forbids it. The grammar cuts those drafts before the verification (fewer rejected
+/// tokens than the same grammar left uncut), and the output is the plain greedy output either
+/// way.
+#[test]
+fn a_grammar_cuts_drafts_and_leaves_the_output_alone() {
+    let f = fixture();
+    let eos = f.tok.eos_id().expect("eos");
+    let grammars =
+        gpu_pipeline::Grammars::new(&f.tok, f.model.config().vocab_size, eos).expect("grammars");
+    let schema = serde_json::json!({
+        "x-guidance": {"whitespace_flexible": false},
+        "type": "array",
+        "items": {
+            "type": "object",
+            "properties": {"fruit": {"type": "string"}, "colour": {"type": "string"}},
+            "required": ["fruit", "colour"],
+            "additionalProperties": false,
+        },
+        "minItems": 6,
+        "maxItems": 6,
+    });
+    let g = grammars.json_schema(schema).expect("schema");
+    let prompt = chat(
+        "Copy this JSON exactly: [{\"name\":\"apple\",\"color\":\"red\"},\
+         {\"name\":\"banana\",\"color\":\"yellow\"},{\"name\":\"cherry\",\"color\":\"red\"},\
+         {\"name\":\"grape\",\"color\":\"purple\"},{\"name\":\"lemon\",\"color\":\"yellow\"},\
+         {\"name\":\"lime\",\"color\":\"green\"}]",
+    );
+    let req = |c: Arc<dyn ConstraintFactory>| {
+        GenerationRequest::new(prompt.clone(), 120).with_constraint(Some(c))
+    };
+    let want = run(&engine(Speculation::Off), req(g.clone()));
+    assert!(want.text.starts_with("[{\"fruit\":"), "{}", want.text);
+    for (what, spec) in [
+        ("lookup", lookup as fn() -> Speculation),
+        ("draft model", || q2k_drafts(1)),
+    ] {
+        let mut drafted = Vec::new();
+        for c in [
+            g.clone(),
+            Arc::new(Uncut(g.clone())) as Arc<dyn ConstraintFactory>,
+        ] {
+            let e = engine(spec());
+            assert_eq!(run(&e, req(c)), want, "{what}");
+            let m = e.metrics();
+            drafted.push((m.draft_tokens, m.draft_tokens - m.accepted_draft_tokens));
+        }
+        eprintln!(
+            "{what}: cut: (drafted, rejected) {:?}, uncut {:?}",
+            drafted[0], drafted[1]
+        );
+        assert!(drafted[0].0 > 0, "{what} drafted nothing");
+        assert!(
+            drafted[0].1 < drafted[1].1,
+            "{what}: the cut rejected as many: {drafted:?}"
+        );
+    }
+}
+
 /// A model of the test-model set ([`common::test_models_dir`], `scripts/make-test-models`).
 fn test_model(name: &str) -> Arc<gpu_pipeline::Model> {
     let path = common::test_models_dir().join(format!("{name}.gguf"));

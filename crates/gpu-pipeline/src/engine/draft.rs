@@ -16,6 +16,7 @@ use kv_ring::{HostKv, KvPool, KvStorage, RingMode};
 
 use super::speculate::DraftModel;
 use super::{Active, EngineConfig, EngineInitError};
+use crate::constraint::lock;
 use crate::model::{LogitsWanted, Model, ModelConfig, SeqStep};
 use crate::sampling::top_token;
 
@@ -131,6 +132,13 @@ impl Drafter {
                 let a = &mut *want[i];
                 let sp = a.spec.as_mut().expect("drafting sequences speculate");
                 sp.proposal.push(token);
+                // A token the request's constraint forbids ends the draft before it.
+                if let Some(c) = &a.constrained
+                    && lock(c).state.allowed_prefix(&sp.proposal) < sp.proposal.len()
+                {
+                    sp.proposal.pop();
+                    continue;
+                }
                 let kv = a.draft_kv.as_ref().expect("kept by `ready`");
                 if sp.proposal.len() < a.draft_want && (kv.next_pos() as usize) < kv.capacity() {
                     next.push(i);

@@ -1481,6 +1481,10 @@ impl<S: KvStorage> Active<'_, S> {
                 self.draft_want = sp.budget(left);
             } else {
                 sp.propose(&self.history, left);
+                if let Some(c) = &self.constrained {
+                    let allowed = lock(c).state.allowed_prefix(&sp.proposal);
+                    sp.proposal.truncate(allowed);
+                }
             }
         } else {
             sp.proposal.clear();

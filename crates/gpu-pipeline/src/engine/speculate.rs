@@ -35,6 +35,11 @@
 //! drafts plus the one token of the first row that did not match (the correction, or the
 //! bonus after a fully accepted draft).
 //!
+//! **Under a constraint** (structured output): a sequence's draft is cut at the first token its
+//! constraint forbids ([`Constraint::allowed_prefix`](crate::Constraint::allowed_prefix),
+//! which checks without advancing; the draft model stops drafting there), so verification rows
+//! are not spent on tokens the mask would reject anyway.
+//!
 //! **Policy** ([`SpecState`]): drafts start at 2 tokens (a draft model: at its `max_draft`, its
 //! confidence cut-off shortening them); the length grows by 2 after a fully accepted draft and
 //! shrinks by 1 otherwise (HF transformers' heuristic), within `1..=max_draft`. An exponential
