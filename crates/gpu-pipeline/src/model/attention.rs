@@ -298,41 +298,50 @@ pub(crate) fn attend_rows_ext(
             "the view's rows are not {hd} wide"
         );
     }
-    chunked(
-        kernel, q, n_keys, first, hd, view, scale, softcap, scratch, out, stats,
-    );
+    let c = Call {
+        q,
+        n_keys,
+        first,
+        hd,
+        view,
+        scale,
+        softcap,
+    };
+    chunked(kernel, c, scratch, out, stats);
 }
 
-/// A kernel: every row's whole key range in one pass, with the arguments of
-/// [`attend_rows_ext`] (shapes checked by the caller).
-type Kernel = fn(
-    &[f32],
-    &[usize],
-    Option<&[usize]>,
-    usize,
-    &KvView<'_>,
-    f32,
-    Option<f32>,
-    &mut Vec<f32>,
-    &mut [f32],
-    Option<&mut [f32]>,
-);
-
-/// [`attend_rows_ext`] on `kernel` (the tests run it on every path).
-#[allow(clippy::too_many_arguments)]
-fn chunked(
-    kernel: Kernel,
-    q: &[f32],
-    n_keys: &[usize],
-    first: Option<&[usize]>,
+/// One kernel call's query rows and what each sees: the arguments of [`attend_rows_ext`]
+/// that every path shares (shapes checked there).
+#[derive(Clone, Copy)]
+struct Call<'a> {
+    q: &'a [f32],
+    n_keys: &'a [usize],
+    first: Option<&'a [usize]>,
     hd: usize,
-    view: &KvView<'_>,
+    view: &'a KvView<'a>,
     scale: f32,
     softcap: Option<f32>,
+}
+
+/// A kernel: every row's whole key range in one pass, into `out`, with the rows' softmax
+/// statistics when asked (as [`attend_rows_ext`]); `scratch` is its own.
+type Kernel = fn(Call<'_>, &mut Vec<f32>, &mut [f32], Option<&mut [f32]>);
+
+/// [`attend_rows_ext`] on `kernel` (the tests run it on every path).
+fn chunked(
+    kernel: Kernel,
+    c: Call<'_>,
     scratch: &mut Vec<f32>,
     out: &mut [f32],
     stats: Option<&mut [f32]>,
 ) {
+    let Call {
+        q,
+        n_keys,
+        first,
+        hd,
+        ..
+    } = c;
     let rows = n_keys.len();
     let first_of = |r: usize| first.map_or(0, |f| f[r]);
     let chunks = (0..rows)
@@ -340,9 +349,7 @@ fn chunked(
         .max()
         .unwrap_or(0);
     if chunks <= 1 {
-        return kernel(
-            q, n_keys, first, hd, view, scale, softcap, scratch, out, stats,
-        );
+        return kernel(c, scratch, out, stats);
     }
     // Rows over more than KEY_CHUNK keys: chunk by chunk, each chunk's rows in one call, merged
     // into `out` in chunk order (the state after chunk 0 is that chunk's result).
@@ -370,18 +377,13 @@ fn chunked(
         }
         ok.resize(at.len() * hd, 0.0);
         sk.resize(2 * at.len(), 0.0);
-        kernel(
-            &qk,
-            &nk,
-            Some(&fk),
-            hd,
-            view,
-            scale,
-            softcap,
-            scratch,
-            &mut ok,
-            Some(&mut sk),
-        );
+        let chunk = Call {
+            q: &qk,
+            n_keys: &nk,
+            first: Some(&fk),
+            ..c
+        };
+        kernel(chunk, scratch, &mut ok, Some(&mut sk));
         for (i, &r) in at.iter().enumerate() {
             let (o, st) = (&mut out[r * hd..][..hd], &mut state[2 * r..2 * r + 2]);
             let (oc, sc) = (&ok[i * hd..][..hd], &sk[2 * i..2 * i + 2]);
@@ -430,106 +432,60 @@ pub(crate) fn merge_chunk(o: &mut [f32], state: &mut [f32], oc: &[f32], sc: &[f3
 }
 
 /// One call of the kernel for this machine: every row's whole key range at once.
-#[allow(clippy::too_many_arguments)]
-fn kernel(
-    q: &[f32],
-    n_keys: &[usize],
-    first: Option<&[usize]>,
-    hd: usize,
-    view: &KvView<'_>,
-    scale: f32,
-    softcap: Option<f32>,
-    scratch: &mut Vec<f32>,
-    out: &mut [f32],
-    stats: Option<&mut [f32]>,
-) {
+fn kernel(c: Call<'_>, scratch: &mut Vec<f32>, out: &mut [f32], stats: Option<&mut [f32]>) {
+    let hd = c.hd;
     #[cfg(target_arch = "x86_64")]
     if hd.is_multiple_of(16) && hd <= avx512::MAX_HD && crate::kernels::has_avx512() {
         // SAFETY: the features were detected at run time; shapes are checked by the caller.
-        return unsafe {
-            avx512::attend(
-                q, n_keys, first, hd, view, scale, softcap, scratch, out, stats,
-            )
-        };
+        return unsafe { avx512::attend(c, scratch, out, stats) };
     }
     #[cfg(target_arch = "x86_64")]
     if hd.is_multiple_of(16) && hd <= avx2::MAX_HD && crate::kernels::has_avx2() {
         // SAFETY: the features were detected at run time; shapes are checked by the caller.
-        return unsafe {
-            avx2::attend(
-                q, n_keys, first, hd, view, scale, softcap, scratch, out, stats,
-            )
-        };
+        return unsafe { avx2::attend(c, scratch, out, stats) };
     }
-    portable(
-        q, n_keys, first, hd, view, scale, softcap, scratch, out, stats,
-    );
+    portable(c, scratch, out, stats);
 }
 
 /// The portable path (FMA instructions where the CPU has them; the same results either way).
-#[allow(clippy::too_many_arguments)]
-fn portable(
-    q: &[f32],
-    n_keys: &[usize],
-    first: Option<&[usize]>,
-    hd: usize,
-    view: &KvView<'_>,
-    scale: f32,
-    softcap: Option<f32>,
-    scratch: &mut Vec<f32>,
-    out: &mut [f32],
-    stats: Option<&mut [f32]>,
-) {
+fn portable(c: Call<'_>, scratch: &mut Vec<f32>, out: &mut [f32], stats: Option<&mut [f32]>) {
     #[cfg(target_arch = "x86_64")]
     if crate::kernels::has_avx2() {
         // SAFETY: AVX2 + FMA were detected at run time.
-        return unsafe {
-            portable_fma(
-                q, n_keys, first, hd, view, scale, softcap, scratch, out, stats,
-            )
-        };
+        return unsafe { portable_fma(c, scratch, out, stats) };
     }
-    portable_body(
-        q, n_keys, first, hd, view, scale, softcap, scratch, out, stats,
-    );
+    portable_body(c, scratch, out, stats);
 }
 
 /// # Safety
 /// The CPU supports AVX2 and FMA.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-#[allow(clippy::too_many_arguments)]
 unsafe fn portable_fma(
-    q: &[f32],
-    n_keys: &[usize],
-    first: Option<&[usize]>,
-    hd: usize,
-    view: &KvView<'_>,
-    scale: f32,
-    softcap: Option<f32>,
+    c: Call<'_>,
     scratch: &mut Vec<f32>,
     out: &mut [f32],
     stats: Option<&mut [f32]>,
 ) {
-    portable_body(
-        q, n_keys, first, hd, view, scale, softcap, scratch, out, stats,
-    );
+    portable_body(c, scratch, out, stats);
 }
 
 #[inline(always)]
-#[allow(clippy::too_many_arguments)]
 fn portable_body(
-    q: &[f32],
-    n_keys: &[usize],
-    first: Option<&[usize]>,
-    hd: usize,
-    view: &KvView<'_>,
-    scale: f32,
-    softcap: Option<f32>,
+    c: Call<'_>,
     scratch: &mut Vec<f32>,
     out: &mut [f32],
     mut stats: Option<&mut [f32]>,
 ) {
+    let Call {
+        q,
+        n_keys,
+        first,
+        hd,
+        view,
+        scale,
+        softcap,
+    } = c;
     let (keys, values) = (Rows::new(&view.keys), Rows::new(&view.values));
     let nmax = n_keys.iter().copied().max().unwrap_or(0);
     // Rows go in blocks of up to BLOCK that share each converted key and value row (prefill);
@@ -712,7 +668,7 @@ mod avx512 {
 
     use std::arch::x86_64::*;
 
-    use super::{Kind, KvView, RowPtrs, Rows};
+    use super::{Call, Kind, RowPtrs, Rows};
     use crate::kernels::{EXP_C, EXP_MIN, LN2_HI, LN2_LO, LOG2E};
     use kv_ring::BlockQ4_0;
 
@@ -861,19 +817,21 @@ mod avx512 {
     /// The CPU supports AVX-512F/DQ and FMA; `hd % 16 == 0`, `hd <= MAX_HD`; shapes as checked by
     /// [`super::attend_rows`].
     #[target_feature(enable = "avx512f,avx512dq,fma,f16c")]
-    #[allow(clippy::too_many_arguments)]
     pub(super) unsafe fn attend(
-        q: &[f32],
-        n_keys: &[usize],
-        first: Option<&[usize]>,
-        hd: usize,
-        view: &KvView<'_>,
-        scale: f32,
-        softcap: Option<f32>,
+        c: Call<'_>,
         scratch: &mut Vec<f32>,
         out: &mut [f32],
         mut stats: Option<&mut [f32]>,
     ) {
+        let Call {
+            q,
+            n_keys,
+            first,
+            hd,
+            view,
+            scale,
+            softcap,
+        } = c;
         let keys = RowPtrs::new(Rows::new(&view.keys), hd);
         let values = RowPtrs::new(Rows::new(&view.values), hd);
         let mut r0 = 0;
@@ -1077,7 +1035,7 @@ mod avx512 {
 mod avx2 {
     use std::arch::x86_64::*;
 
-    use super::{Kind, KvView, RowPtrs, Rows};
+    use super::{Call, Kind, RowPtrs, Rows};
     use crate::kernels::{EXP_C, EXP_MIN, LN2_HI, LN2_LO, LOG2E};
 
     /// Largest head dimension of the fast path.
@@ -1225,19 +1183,21 @@ mod avx2 {
     /// The CPU supports AVX2, FMA and F16C; `hd % 16 == 0`, `hd <= MAX_HD`; shapes as checked by
     /// [`super::attend_rows`].
     #[target_feature(enable = "avx2,fma,f16c")]
-    #[allow(clippy::too_many_arguments)]
     pub(super) unsafe fn attend(
-        q: &[f32],
-        n_keys: &[usize],
-        first: Option<&[usize]>,
-        hd: usize,
-        view: &KvView<'_>,
-        scale: f32,
-        softcap: Option<f32>,
+        c: Call<'_>,
         scratch: &mut Vec<f32>,
         out: &mut [f32],
         mut stats: Option<&mut [f32]>,
     ) {
+        let Call {
+            q,
+            n_keys,
+            first,
+            hd,
+            view,
+            scale,
+            softcap,
+        } = c;
         let keys = RowPtrs::new(Rows::new(&view.keys), hd);
         let values = RowPtrs::new(Rows::new(&view.values), hd);
         let cap = softcap.unwrap_or(0.0);
@@ -1508,25 +1468,18 @@ mod tests {
 
     /// The AVX2 kernel, where this CPU and shape run it (an AVX-512 machine's `attend_rows`
     /// takes its own path, so the tests call this one directly).
-    #[allow(clippy::too_many_arguments)]
     fn avx2_kernel(
-        q: &[f32],
-        nk: &[usize],
-        first: Option<&[usize]>,
-        hd: usize,
-        view: &KvView<'_>,
-        scale: f32,
-        cap: Option<f32>,
+        c: Call<'_>,
         scratch: &mut Vec<f32>,
         out: &mut [f32],
         stats: Option<&mut [f32]>,
     ) {
-        assert!(avx2_runs(hd));
+        assert!(avx2_runs(c.hd));
         #[cfg(target_arch = "x86_64")]
         // SAFETY: AVX2, FMA and F16C detected (avx2_runs); shapes as attend_rows checks them
         // (the tests' calls of attend_rows with the same arguments pass those checks).
         unsafe {
-            avx2::attend(q, nk, first, hd, view, scale, cap, scratch, out, stats);
+            avx2::attend(c, scratch, out, stats);
         }
     }
 
@@ -1539,6 +1492,33 @@ mod tests {
         false
     }
 
+    /// `path` (portable, or the AVX2 kernel where it runs) chunked as `attend_rows_ext`
+    /// chunks, over rows `q` seeing keys `first..n_keys` (scale, soft-cap), into a new buffer.
+    #[allow(clippy::too_many_arguments)]
+    fn on_path(
+        path: Kernel,
+        q: &[f32],
+        n_keys: &[usize],
+        first: Option<&[usize]>,
+        hd: usize,
+        view: &KvView<'_>,
+        scale: f32,
+        softcap: Option<f32>,
+    ) -> Vec<f32> {
+        let mut out = vec![0.0; q.len()];
+        let c = Call {
+            q,
+            n_keys,
+            first,
+            hd,
+            view,
+            scale,
+            softcap,
+        };
+        chunked(path, c, &mut Vec::new(), &mut out, None);
+        out
+    }
+
     /// The AVX2 kernel's output where this CPU and shape run it.
     fn avx2_path(
         q: &[f32],
@@ -1549,12 +1529,7 @@ mod tests {
         scale: f32,
         cap: Option<f32>,
     ) -> Option<Vec<f32>> {
-        avx2_runs(hd).then(|| {
-            let mut out = vec![0.0; q.len()];
-            #[rustfmt::skip]
-            chunked(avx2_kernel, q, nk, first, hd, view, scale, cap, &mut Vec::new(), &mut out, None);
-            out
-        })
+        avx2_runs(hd).then(|| on_path(avx2_kernel, q, nk, first, hd, view, scale, cap))
     }
 
     #[test]
@@ -1593,9 +1568,7 @@ mod tests {
                 let mut s = Vec::new();
                 let mut all = vec![0.0; rows * hd];
                 attend_rows(&q, &nk, hd, &view, 0.125, &mut s, &mut all);
-                let mut port = vec![0.0; rows * hd];
-                #[rustfmt::skip]
-                chunked(portable, &q, &nk, None, hd, &view, 0.125, None, &mut s, &mut port, None);
+                let port = on_path(portable, &q, &nk, None, hd, &view, 0.125, None);
                 assert_eq!(
                     bits(&all),
                     bits(&port),
@@ -1691,9 +1664,7 @@ mod tests {
                     let mut s = Vec::new();
                     let mut all = vec![0.0; rows * hd];
                     attend_rows_ext(&q, &nk, fo, hd, &view, 0.3, cap, &mut s, &mut all, None);
-                    let mut port = vec![0.0; rows * hd];
-                    #[rustfmt::skip]
-                    chunked(portable, &q, &nk, fo, hd, &view, 0.3, cap, &mut s, &mut port, None);
+                    let port = on_path(portable, &q, &nk, fo, hd, &view, 0.3, cap);
                     let what = format!("hd {hd} {dtype:?} window {window:?} cap {cap:?}");
                     assert_eq!(bits(&all), bits(&port), "{what}: fast vs portable");
                     if let Some(a2) = avx2_path(&q, &nk, fo, hd, &view, 0.3, cap) {
@@ -1809,9 +1780,7 @@ mod tests {
                     let (mut all, mut stats) = (vec![0.0; rows * hd], vec![0.0; 2 * rows]);
                     #[rustfmt::skip]
                     attend_rows_ext(&q, &nk, fo, hd, &view, 0.3, cap, &mut s, &mut all, Some(&mut stats));
-                    let mut port = vec![0.0; rows * hd];
-                    #[rustfmt::skip]
-                    chunked(portable, &q, &nk, fo, hd, &view, 0.3, cap, &mut s, &mut port, None);
+                    let port = on_path(portable, &q, &nk, fo, hd, &view, 0.3, cap);
                     assert_eq!(bits(&all), bits(&port), "{what}: fast vs portable");
                     if let Some(a2) = avx2_path(&q, &nk, fo, hd, &view, 0.3, cap) {
                         assert_eq!(bits(&a2), bits(&port), "{what}: AVX2 vs portable");
