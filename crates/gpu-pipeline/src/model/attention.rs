@@ -352,7 +352,7 @@ fn chunked(
         return kernel(c, scratch, out, stats);
     }
     // Rows over more than KEY_CHUNK keys: chunk by chunk, each chunk's rows in one call, merged
-    // into `out` in chunk order (the state after chunk 0 is that chunk's result).
+    // into `out` in chunk order (from the empty state, [0, 0]).
     let mut state = vec![0.0f32; 2 * rows];
     let (mut qk, mut nk, mut fk, mut ok, mut sk, mut at) = (
         Vec::new(),
@@ -387,12 +387,7 @@ fn chunked(
         for (i, &r) in at.iter().enumerate() {
             let (o, st) = (&mut out[r * hd..][..hd], &mut state[2 * r..2 * r + 2]);
             let (oc, sc) = (&ok[i * hd..][..hd], &sk[2 * i..2 * i + 2]);
-            if k == 0 {
-                o.copy_from_slice(oc);
-                st.copy_from_slice(sc);
-            } else {
-                merge_chunk(o, st, oc, sc);
-            }
+            merge_chunk(o, st, oc, sc);
         }
     }
     if let Some(s) = stats {
@@ -415,10 +410,16 @@ pub(crate) fn key_chunk(first: usize, n: usize, k: usize) -> Option<(usize, usiz
 
 /// Merges the next chunk's result into a row's: `o` and `state` (the softmax's maximum and
 /// sum, `[m, w]`) hold the result over the chunks so far, `oc` and `sc = [m_c, s_c]` the next
-/// chunk's (as [`attend_rows_ext`] writes them). With `M = max(m, m_c)`, `a = w * exp(m - M)`,
-/// `b = s_c * exp(m_c - M)`: `o = fma(oc, b, o * a) * (1 / (a + b))` per element, state
-/// `[M, a + b]`.
+/// chunk's (as [`attend_rows_ext`] writes them). From the empty state `[0, 0]` (a chunk's sum
+/// is at least 1: its maximum's term) the chunk is copied; else, with `M = max(m, m_c)`,
+/// `a = w * exp(m - M)`, `b = s_c * exp(m_c - M)`: `o = fma(oc, b, o * a) * (1 / (a + b))` per
+/// element, state `[M, a + b]`.
 pub(crate) fn merge_chunk(o: &mut [f32], state: &mut [f32], oc: &[f32], sc: &[f32]) {
+    if state[1] == 0.0 {
+        o.copy_from_slice(oc);
+        state.copy_from_slice(sc);
+        return;
+    }
     let mx = state[0].max(sc[0]);
     let a = state[1] * exp_f(state[0] - mx);
     let b = sc[1] * exp_f(sc[0] - mx);
@@ -1803,11 +1804,7 @@ mod tests {
                             let (mut oc, mut sc) = (vec![0.0; hd], [0.0f32; 2]);
                             #[rustfmt::skip]
                             attend_rows_ext(qr, &[cn], Some(&[cf]), hd, &view, 0.3, cap, &mut s, &mut oc, Some(&mut sc));
-                            if k == 0 {
-                                (o, st) = (oc, sc);
-                            } else {
-                                merge_chunk(&mut o, &mut st, &oc, &sc);
-                            }
+                            merge_chunk(&mut o, &mut st, &oc, &sc);
                         }
                         assert_eq!(bits(&o), bits(&all[r * hd..][..hd]), "{what} row {r} split");
                         assert_eq!(bits(&st), bits(&stats[2 * r..2 * r + 2]), "{what} row {r}");

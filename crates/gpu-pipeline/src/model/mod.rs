@@ -1540,12 +1540,7 @@ impl Model {
                         }
                         // SAFETY: as above.
                         let p = unsafe { parts.row(base + (k * nkv + g) * rows + r) };
-                        if k == 0 {
-                            o.copy_from_slice(&p[..hd]);
-                            state.copy_from_slice(&p[hd..]);
-                        } else {
-                            attention::merge_chunk(o, &mut state, &p[..hd], &p[hd..]);
-                        }
+                        attention::merge_chunk(o, &mut state, &p[..hd], &p[hd..]);
                     }
                 }
             }
