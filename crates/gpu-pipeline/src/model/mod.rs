@@ -515,6 +515,8 @@ struct Scratch {
     /// Attention tasks of a layer (before the KV heads): (block, key chunk or all keys, the
     /// block's first row in `att_part`).
     att_tasks: Vec<(u32, u32, usize)>,
+    /// The split blocks of a layer's attention: (block, key chunks, first row in `att_part`).
+    att_splits: Vec<(usize, usize, usize)>,
     /// Attention rows of split blocks per key chunk: output, then softmax maximum and sum.
     att_part: Vec<f32>,
     /// Per step: (first token row, ring length before the step).
@@ -1413,7 +1415,9 @@ impl Model {
         const WHOLE: u32 = u32::MAX;
         let threads = self.pool().n_threads();
         let split = threads > 1 && sc.att_blocks.len() * nkv < 4 * threads;
-        let (mut tasks, mut bases) = (std::mem::take(&mut sc.att_tasks), Vec::new());
+        let mut tasks = std::mem::take(&mut sc.att_tasks);
+        let mut bases = std::mem::take(&mut sc.att_splits);
+        bases.clear();
         tasks.clear();
         let mut partial_rows = 0;
         for (b, &(si, j0, tq)) in sc.att_blocks.iter().enumerate() {
@@ -1518,7 +1522,7 @@ impl Model {
             }
         });
         if let Some(e) = err.into_inner().unwrap_or_else(|e| e.into_inner()) {
-            sc.att_tasks = tasks;
+            (sc.att_tasks, sc.att_splits) = (tasks, bases);
             return Err(e);
         }
         // The split blocks: each row's chunks merged in order into its output.
@@ -1545,7 +1549,7 @@ impl Model {
                 }
             }
         }
-        sc.att_tasks = tasks;
+        (sc.att_tasks, sc.att_splits) = (tasks, bases);
         Ok(())
     }
 
