@@ -247,6 +247,12 @@ impl std::fmt::Debug for WeightCache {
     }
 }
 
+/// Pause between the drops of [`WeightCache::make_cold`]: long enough for a read-ahead in flight
+/// (megabytes from a virtual disk) to land.
+const COLD_PAUSE: Duration = Duration::from_millis(25);
+/// Most drops [`WeightCache::make_cold`] makes before it returns with what could not be dropped.
+const COLD_ROUNDS: usize = 40;
+
 thread_local! {
     static SCRATCH: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
 }
@@ -911,7 +917,35 @@ impl WeightCache {
     /// Make the whole file cold: drop this mapping's pages and ask the page cache to drop the file
     /// (posix_fadvise DONTNEED on this file only; pages other processes map stay). For benches and
     /// tests of cold starts.
+    ///
+    /// Pages still being read (the rest of a fault's read-around, up to the device's
+    /// `read_ahead_kb`, often megabytes, is read after the faulting page returns) are locked and
+    /// survive a drop, then land in the page cache. So the drop is repeated, 25 ms apart, until two
+    /// checks in a row find no page of the file resident (no read in flight landed in between), for
+    /// at most 40 rounds (1 s); pages that stay (another process maps them)
+    /// are left as they are.
     pub fn make_cold(&self) -> io::Result<()> {
+        let mut clean = 0;
+        for _ in 0..COLD_ROUNDS {
+            self.drop_file_pages()?;
+            if self.inner.gguf.backing().file().is_none() {
+                return Ok(());
+            }
+            std::thread::sleep(COLD_PAUSE);
+            clean = if self.resident_bytes()? == 0 {
+                clean + 1
+            } else {
+                0
+            };
+            if clean == 2 {
+                break;
+            }
+        }
+        Ok(())
+    }
+
+    /// One drop of every page of the file (see [`make_cold`](Self::make_cold)).
+    fn drop_file_pages(&self) -> io::Result<()> {
         let g = &self.inner.gguf;
         let len = g.bytes().len();
         let _ = sys::lock(g.bytes(), 0..len, false);

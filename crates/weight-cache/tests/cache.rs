@@ -213,6 +213,8 @@ fn profile_warmup_budget_cycle_with_real_residency() {
     .unwrap();
     c2.load_profile(&prof).unwrap();
     c2.make_cold().unwrap();
+    let cold = c2.resident_bytes().unwrap();
+    assert!(cold < MIB, "cold file still has {cold} resident bytes");
     let plan = c2.plan(WarmupStrategy::Deterministic {
         fraction: 0.2,
         mlock: false,
@@ -230,10 +232,14 @@ fn profile_warmup_budget_cycle_with_real_residency() {
             g.tensor_at(t).unwrap().data.len()
         );
     }
+    // What was warmed and nothing more: no read-ahead around the planned blocks, and no
+    // read-ahead left in flight by the header reads of `WeightCache::new` landing after
+    // `make_cold` (on a disk with an 8 MiB `read_ahead_kb` that put 15 MiB resident here).
     let warm_resident = c2.resident_bytes().unwrap();
+    let planned = plan.len() * 64 * 1024;
     assert!(
-        warm_resident >= 3 * MIB && warm_resident < file / 2,
-        "{warm_resident}"
+        warm_resident >= 3 * MIB && warm_resident <= planned + 256 * 1024,
+        "{warm_resident} resident after warming {planned} bytes"
     );
     let r = c2.begin_request();
     for &t in &hot {
