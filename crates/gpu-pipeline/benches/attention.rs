@@ -1,5 +1,5 @@
-//! Attention kernel throughput (`gpu_pipeline::attend_rows`) on f16 kv-ring views with head
-//! dim 64 (SmolLM2's), one thread: decode (one token's GQA group of 3 query rows against
+//! Attention kernel throughput (`gpu_pipeline::attend_rows`) on f16 and q8_0 kv-ring views
+//! with head dim 64 (SmolLM2's), one thread: decode (one token's GQA group of 3 query rows against
 //! 64..2048 keys, from cache and from DRAM: many rings cycled) and a prefill block (16 tokens x 3
 //! heads, causal, against 600 keys). Prints ns per key and GMAC/s next to a plain loop over the
 //! same K/V converted to f32 beforehand (dot products, a max-subtracted softmax, the weighted
@@ -18,12 +18,12 @@ use kv_ring::{KvDtype, KvPool, KvRing, KvShape, KvSlices, KvView, RingMode};
 
 const HD: usize = 64;
 
-fn rings(n_rings: usize, keys: usize) -> (std::sync::Arc<KvPool>, Vec<KvRing>) {
+fn rings(dtype: KvDtype, n_rings: usize, keys: usize) -> (std::sync::Arc<KvPool>, Vec<KvRing>) {
     let shape = KvShape {
         n_layers: 1,
         n_kv_heads: 1,
         head_dim: HD,
-        dtype: KvDtype::F16,
+        dtype,
     };
     let pool = KvPool::new(shape, n_rings * (keys + 1) * shape.bytes_per_token()).unwrap();
     let rings = (0..n_rings)
@@ -42,13 +42,16 @@ fn rings(n_rings: usize, keys: usize) -> (std::sync::Arc<KvPool>, Vec<KvRing>) {
     (pool, rings)
 }
 
-/// A view's K and V as f32 (converted once, outside the timed loop).
+/// A view's K and V as f32 (converted once, outside the timed loop; q8_0 dequantized).
 fn as_f32(view: &KvView<'_>) -> (Vec<f32>, Vec<f32>) {
-    let (KvSlices::F16([k, _]), KvSlices::F16([v, _])) = (&view.keys, &view.values) else {
-        unreachable!("the bench writes unwrapped f16 rings")
+    let f = |s: &KvSlices<'_>| -> Vec<f32> {
+        match s {
+            KvSlices::F16([x, _]) => x.iter().map(|h| h.to_f32()).collect(),
+            KvSlices::Q8_0([x, _]) => (0..x.q.len()).map(|i| x.get(i).unwrap()).collect(),
+            _ => unreachable!("the bench writes unwrapped f16 and q8_0 rings"),
+        }
     };
-    let f = |x: &[half::f16]| x.iter().map(|h| h.to_f32()).collect();
-    (f(k), f(v))
+    (f(&view.keys), f(&view.values))
 }
 
 /// The scalar reference: the same quantity, computed the plain way over f32 K/V.
@@ -98,17 +101,32 @@ fn time(mut f: impl FnMut()) -> f64 {
     median(samples)
 }
 
-/// (name, rings, keys, query rows' key counts)
-fn cases() -> Vec<(String, usize, usize, Vec<usize>)> {
+/// (name, K/V type, rings, keys, query rows' key counts)
+fn cases() -> Vec<(String, KvDtype, usize, usize, Vec<usize>)> {
     let mut v = Vec::new();
-    for keys in [64usize, 512, 2048] {
-        v.push((format!("decode_{keys}_cached"), 1, keys, vec![keys; 3]));
-        // Enough rings (>= 96 MiB of K/V) that each call reads DRAM, as in batched decoding.
-        let n = (96usize << 20).div_ceil(keys * HD * 4);
-        v.push((format!("decode_{keys}_dram"), n, keys, vec![keys; 3]));
+    for (dtype, tn) in [(KvDtype::F16, "f16"), (KvDtype::Q8_0, "q8_0")] {
+        for keys in [64usize, 512, 2048] {
+            v.push((
+                format!("{tn}_decode_{keys}_cached"),
+                dtype,
+                1,
+                keys,
+                vec![keys; 3],
+            ));
+            // Enough rings (>= 96 MiB of f16 K/V) that each call reads DRAM, as in batched
+            // decoding.
+            let n = (96usize << 20).div_ceil(keys * HD * 4);
+            v.push((
+                format!("{tn}_decode_{keys}_dram"),
+                dtype,
+                n,
+                keys,
+                vec![keys; 3],
+            ));
+        }
+        let nk: Vec<usize> = (0..48).map(|r| 600 - 16 + r / 3 + 1).collect();
+        v.push((format!("{tn}_prefill_48x600"), dtype, 1, 600, nk));
     }
-    let nk: Vec<usize> = (0..48).map(|r| 600 - 16 + r / 3 + 1).collect();
-    v.push(("prefill_48x600".to_string(), 1, 600, nk));
     v
 }
 
@@ -145,13 +163,13 @@ fn caller<'a>(
 }
 
 fn summary() {
-    println!("attention summary: head dim {HD}, f16 K/V, 1 thread; medians");
+    println!("attention summary: head dim {HD}, 1 thread; medians");
     println!(
         "| case | ns per call | ns per key (per row group) | GMAC/s | plain loop GMAC/s | ratio |"
     );
     println!("|---|---:|---:|---:|---:|---:|");
-    for (name, n_rings, keys, nk) in cases() {
-        let (_pool, rs) = rings(n_rings, keys);
+    for (name, dtype, n_rings, keys, nk) in cases() {
+        let (_pool, rs) = rings(dtype, n_rings, keys);
         let views: Vec<KvView<'_>> = rs.iter().map(|r| r.view(0, 0).unwrap()).collect();
         let (q, mut out, mut scratch) = buffers(&nk);
         let fast = time(caller(&views, &q, &nk, &mut scratch, &mut out));
@@ -180,8 +198,8 @@ fn bench(c: &mut Criterion) {
     g.measurement_time(Duration::from_secs(2))
         .warm_up_time(Duration::from_millis(300))
         .sample_size(20);
-    for (name, n_rings, keys, nk) in cases() {
-        let (_pool, rs) = rings(n_rings, keys);
+    for (name, dtype, n_rings, keys, nk) in cases() {
+        let (_pool, rs) = rings(dtype, n_rings, keys);
         let views: Vec<KvView<'_>> = rs.iter().map(|r| r.view(0, 0).unwrap()).collect();
         let (q, mut out, mut scratch) = buffers(&nk);
         g.throughput(Throughput::Elements(nk.iter().sum::<usize>() as u64));
