@@ -1781,7 +1781,7 @@ mod avx2 {
             // SAFETY (whole body): block `b` of row `jj` lies inside `self.k` and `q`; scales
             // `8 * b..8 * b + 8` inside `self.d`.
             unsafe {
-                for b in 0..hd / super::QB {
+                for (b, &qdb) in qd.iter().enumerate().take(hd / super::QB) {
                     let qv = _mm256_loadu_si256(q.as_ptr().add(32 * b).cast());
                     let p: [__m256i; 8] = std::array::from_fn(|jj| {
                         let k = _mm256_loadu_si256(self.k.as_ptr().add(jj * hd + 32 * b).cast());
@@ -1803,7 +1803,7 @@ mod avx2 {
                     );
                     let w = _mm256_mul_ps(
                         _mm256_loadu_ps(self.d.as_ptr().add(8 * b)),
-                        _mm256_set1_ps(qd[b]),
+                        _mm256_set1_ps(qdb),
                     );
                     s = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), w, s);
                 }
@@ -2218,7 +2218,8 @@ mod tests {
             x[128 + 7] = f32::INFINITY;
             x[160 + 1] = f32::NEG_INFINITY;
             x[160 + 2] = f32::NAN;
-            let run = |f: fn(&[f32], &mut [i8], &mut [f32], &mut [i32])| {
+            type Quantizer = fn(&[f32], &mut [i8], &mut [f32], &mut [i32]);
+            let run = |f: Quantizer| {
                 let (mut q, mut d, mut s) = (vec![0i8; 256], vec![0.0f32; 8], vec![0i32; 8]);
                 f(&x, &mut q, &mut d, &mut s);
                 (q, bits(&d), s)
