@@ -7,7 +7,10 @@
 //! are bit-identical across batch shapes, chunkings and CPUs with FMA:
 //! - score: 16 lane sums `a[l] = fma(q[16c+l], k[16c+l], a[l])` over `c` ascending (from 0), then
 //!   the tree `a[l] += a[l+8]` (l < 8), `a[l] += a[l+4]` (l < 4), `a[l] += a[l+2]` (l < 2),
-//!   `a[0] + a[1]`; times `scale`;
+//!   `a[0] + a[1]`; times `scale`. With `q8_0` keys instead: the query quantized per 32-element
+//!   block ([`quantize_query`]), per block the exact integer dot product `S_b`, then
+//!   `s = fma(S_b, kd_b * qd_b, s)` over blocks from `s = 0`, times `scale` (llama.cpp's
+//!   arithmetic for its q8_0 cache: int8 products, VNNI on AVX-512);
 //! - softmax: the exact maximum; [`exp_f`] of `s - max`; the sum as 16 partial sums over keys
 //!   `j ≡ l (mod 16)` ascending, reduced by the same tree;
 //! - output: `o = fma(p[j], v[j], o)` over keys ascending, then `o * (1 / sum)`;
