@@ -727,6 +727,43 @@ impl RowPtrs {
         }
     }
 
+    /// q8_0 rows `kb..kb + nk` (`nk <= lanes`) copied `stride >= hd` bytes apart to `dst`
+    /// (zero-padded; zero rows up to `lanes`) and their scales' bits block-major into `d`
+    /// (`d[lanes * b + key]`, 0 for the zero rows): the x86 kernels' key blocks.
+    ///
+    /// # Safety
+    /// The rows exist in this q8_0 view (`rb = hd`); `dst` has `lanes * stride` writable bytes,
+    /// `d` at least `lanes * hd / 32` entries.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn copy_q8(
+        &self,
+        kb: usize,
+        nk: usize,
+        hd: usize,
+        lanes: usize,
+        stride: usize,
+        dst: *mut u8,
+        d: &mut [u16],
+    ) {
+        let nb = hd / QB;
+        for jj in 0..lanes {
+            // SAFETY: forwarded: row `jj` of `dst` is writable, row `kb + jj` (when `jj < nk`)
+            // has `hd` quants and `nb` scales from `off / 32`.
+            unsafe {
+                let row = dst.add(jj * stride);
+                std::ptr::write_bytes(row, 0, stride);
+                if jj >= nk {
+                    (0..nb).for_each(|b| d[lanes * b + jj] = 0);
+                    continue;
+                }
+                let (part, off) = self.at(kb + jj);
+                std::ptr::copy_nonoverlapping(self.p[part].add(off), row, hd);
+                let sc = self.scales[part].add(off / QB);
+                (0..nb).for_each(|b| d[lanes * b + jj] = (*sc.add(b)).to_bits());
+            }
+        }
+    }
+
     /// Row `j`'s part (0 or 1) and its byte offset there.
     #[inline(always)]
     fn at(&self, j: usize) -> (usize, usize) {
@@ -1045,23 +1082,9 @@ mod avx512 {
                     let ks = q8_stride(hd);
                     self.src = self.k.as_ptr().cast();
                     self.stride = ks;
-                    for jj in 0..16 {
-                        // Every byte of the 16 rows is written before `dot` reads it.
-                        let dst = self.k.as_mut_ptr().cast::<u8>().add(jj * ks);
-                        std::ptr::write_bytes(dst, 0, ks);
-                        if jj >= nk {
-                            for b in 0..nb {
-                                d[16 * b + jj] = 0;
-                            }
-                            continue;
-                        }
-                        let (part, off) = keys.at(kb + jj);
-                        std::ptr::copy_nonoverlapping(keys.p[part].add(off), dst, hd);
-                        let sc = keys.scales[part].add(off / super::QB);
-                        for b in 0..nb {
-                            d[16 * b + jj] = (*sc.add(b)).to_bits();
-                        }
-                    }
+                    // Every byte of the 16 rows is written before `dot` reads it.
+                    let dst = self.k.as_mut_ptr().cast::<u8>();
+                    keys.copy_q8(kb, nk, hd, 16, ks, dst, &mut d);
                 }
                 for b in 0..nb {
                     let h = _mm256_loadu_si256(d.as_ptr().add(16 * b).cast());
@@ -1745,23 +1768,7 @@ mod avx2 {
             // SAFETY (whole body): the rows `kb..kb + nk` have `hd` quants and `nb` scales
             // (forwarded); `self.k` has 8 rows of `hd <= MAX_HD`.
             unsafe {
-                for jj in 0..8 {
-                    let dst = self.k.as_mut_ptr().add(jj * hd);
-                    if jj >= nk {
-                        std::ptr::write_bytes(dst, 0, hd);
-                        for b in 0..nb {
-                            d[8 * b + jj] = 0;
-                        }
-                        continue;
-                    }
-                    let (part, off) = keys.at(kb + jj);
-                    std::ptr::copy_nonoverlapping(keys.p[part].add(off).cast::<i8>(), dst, hd);
-                    // Row `off / hd` has its `hd / 32` scales from `off / 32` (rb = hd).
-                    let sc = keys.scales[part].add(off / super::QB);
-                    for b in 0..nb {
-                        d[8 * b + jj] = (*sc.add(b)).to_bits();
-                    }
-                }
+                keys.copy_q8(kb, nk, hd, 8, hd, self.k.as_mut_ptr().cast(), &mut d);
                 for b in 0..nb {
                     let h = _mm_loadu_si128(d.as_ptr().add(8 * b).cast());
                     _mm256_storeu_ps(self.d.as_mut_ptr().add(8 * b), _mm256_cvtph_ps(h));
