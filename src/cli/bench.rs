@@ -41,7 +41,8 @@ pub(crate) struct BenchArgs {
     /// Activation precision of the products: `off` quantizes activations to 8 bits (llama.cpp's
     /// precision; ~30% more batched throughput and ~25% faster first tokens than the default),
     /// `ffn-down` splits the MLP down projection's input into an 8-bit part and its residual
-    /// (closer to fp32), `all` splits every product (about fp32, ~2x prefill work).
+    /// where its weights are a 32-element format (closer to fp32; a K-quant down projection is
+    /// not split), `all` splits every product (about fp32, ~2x prefill work).
     #[arg(long, value_enum, default_value_t = super::Split::FfnDown)]
     activation_split: super::Split,
     /// KV-cache element type of both tests (`q8_0`, `q4_0`: llama.cpp's `-ctk q8_0 -ctv q8_0`,

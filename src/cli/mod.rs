@@ -197,7 +197,8 @@ impl Speculate {
 pub(crate) enum Split {
     /// 8-bit activations everywhere (llama.cpp's precision).
     Off,
-    /// Split the MLP down projection's input (the default).
+    /// Split the MLP down projection's input where its weights are a 32-element format (the
+    /// default; K-quant down projections are not split).
     #[default]
     FfnDown,
     /// Split every product.

@@ -215,6 +215,44 @@ fn packing_changes_no_logit() {
     }
 }
 
+/// The default `ActivationSplit::FfnDown` splits a down projection only in a 32-element format:
+/// an all-K-quant file (tiny-untied.Q4_K_M: Q4_K and Q6_K) gives the same bits as with no split
+/// at all, in a prefill and in decode steps, while a Q8_0 file's logits change with it (and a
+/// K-quant file's with `All`, which still splits them).
+#[test]
+fn ffn_down_split_skips_k_quant_down_projections() {
+    use gpu_pipeline::ActivationSplit;
+    let bits = |v: Vec<f32>| v.into_iter().map(f32::to_bits).collect::<Vec<_>>();
+    let ids: Vec<u32> = (0..20u32).map(|i| 7 + 131 * i).collect();
+    let logits = |name: &str, split: ActivationSplit| {
+        let entry = &fixture()["models"][name];
+        let gguf = common::open_test_model(
+            name,
+            &format!("{name}.gguf"),
+            entry["sha256"].as_str().unwrap(),
+        );
+        let m = Model::load(gguf, ModelOptions::default().with_activation_split(split)).unwrap();
+        let mut v = all_logits(&m, KV_DTYPE, &ids);
+        v.extend(common::chunked_logits(&m, KV_DTYPE, &ids[..4], 1));
+        bits(v)
+    };
+    let k = "tiny-untied.Q4_K_M";
+    let k_off = logits(k, ActivationSplit::Off);
+    assert!(
+        logits(k, ActivationSplit::FfnDown) == k_off,
+        "{k}: the default split changed a K-quant file's logits"
+    );
+    assert!(
+        logits(k, ActivationSplit::All) != k_off,
+        "{k}: ActivationSplit::All should still split K-quant products"
+    );
+    let q8 = "tiny-untied.Q8_0";
+    assert!(
+        logits(q8, ActivationSplit::FfnDown) != logits(q8, ActivationSplit::Off),
+        "{q8}: the default split should change a Q8_0 down projection's products"
+    );
+}
+
 common::fixture_tests! {
     tiny_untied_q4_0 => "tiny-untied.Q4_0",
     tiny_untied_q4_1 => "tiny-untied.Q4_1",
