@@ -116,10 +116,12 @@ def llama(a, pp_ids, chat_ids):
 
 
 def model_facts(model):
-    """(vocabulary size, total tensor bytes, weight bytes a decode step reads): every tensor,
-    except the embedding table when the model has a separate output head (only one row of it is
-    read per token), and of a mixture of experts' stacked `*_exps` tensors the used fraction
-    (expert_used_count / expert_count): the active parameters' bytes."""
+    """(vocabulary size, total tensor bytes, weight bytes a decode step reads, weight
+    multiply-adds per token): every tensor, except the embedding table when the model has a
+    separate output head (only one row of it is read per token), and of a mixture of experts'
+    stacked `*_exps` tensors the used fraction (expert_used_count / expert_count): the active
+    parameters' bytes; the multiply-adds are those tensors' elements that are matrices (2-D or
+    more: the products of a prompt token; attention's own products not counted)."""
     import gguf
     r = gguf.GGUFReader(model)
     arch = bytes(r.fields["general.architecture"].parts[-1]).decode()
@@ -129,13 +131,16 @@ def model_facts(model):
         return int(f.parts[-1][0]) if f is not None else 0
     experts, used = meta("expert_count"), meta("expert_used_count")
     names = {t.name for t in r.tensors}
-    active = 0
+    active = macs = 0
     for t in r.tensors:
         if t.name == "token_embd.weight" and "output.weight" in names:
             continue
-        active += int(t.n_bytes) * used // experts if "_exps" in t.name and experts else int(t.n_bytes)
+        share = (used, experts) if "_exps" in t.name and experts else (1, 1)
+        active += int(t.n_bytes) * share[0] // share[1]
+        if sum(int(x) > 1 for x in t.shape) >= 2:
+            macs += int(t.n_elements) * share[0] // share[1]
     vocab = len(r.fields["tokenizer.ggml.tokens"].data)
-    return vocab, sum(int(t.n_bytes) for t in r.tensors), active
+    return vocab, sum(int(t.n_bytes) for t in r.tensors), active, macs
 
 
 def budgeted(a, chat_ids, unbudgeted, total_bytes):
@@ -205,7 +210,7 @@ def main():
     # starts from its parent's at fork, which would then inflate every figure measured below.
     facts = subprocess.run([sys.executable, __file__, "--facts", "--model", a.model, "--bin", a.bin],
                            capture_output=True, text=True, check=True).stdout
-    vocab, total_bytes, per_token = json.loads(facts)
+    vocab, total_bytes, per_token, macs = json.loads(facts)
     fx = json.loads((ROOT / "crates/gpu-pipeline/tests/fixtures/model-ppl.json").read_text())
     pp_ids = fx["ci_ids"][:512]
     teach = json.loads((ROOT / "crates/gpu-pipeline/tests/fixtures/model-teacher.json").read_text())
@@ -213,12 +218,15 @@ def main():
     chat_ids = (chat + fx["ci_ids"])[:42] if len(chat) < 42 else chat[:42]
     # The fixtures are the default model's ids: folded into a smaller vocabulary.
     pp_ids, chat_ids = [i % vocab for i in pp_ids], [i % vocab for i in chat_ids]
-    rounds_o, rounds_l, bws = [], [], []
+    rounds_o, rounds_l, bws, peaks = [], [], [], []
     o_oth, l_oth = {}, {}
     for _ in range(max(1, a.rounds)):
         if a.probe:
-            bws.append(json.loads(subprocess.run([a.probe, str(a.threads)], capture_output=True, text=True,
-                                                 check=True).stdout.strip().splitlines()[-1])["best_gbs"])
+            probe = json.loads(subprocess.run([a.probe, str(a.threads)], capture_output=True, text=True,
+                                              check=True).stdout.strip().splitlines()[-1])
+            bws.append(probe["best_gbs"])
+            if probe.get("int8_gops") is not None:
+                peaks.append((probe["int8_gops"], probe["int8_block_gops"]))
         r, oth = ours(a, pp_ids, chat_ids)
         rounds_o.append(r)
         o_oth = {k: v.worst(o_oth[k]) if k in o_oth else v for k, v in oth.items()}
@@ -251,6 +259,20 @@ def main():
         for side, r in [("zerolayer", o), ("llama.cpp", l)]:
             gbs = r["gen_tok_s"] * per_token / 1e9
             print(f"{side} generation: {gbs:.1f} GB/s of weights = {100 * gbs / bw:.0f}% of the read bandwidth")
+    if peaks:
+        # The prompt's products against the machine's int8 ceiling, measured by the probe in
+        # each round (examples/bandwidth: vpdpbusd on registers; with the kernels' exact
+        # per-block scaling).
+        peak = statistics.median(p for p, _ in peaks)
+        block = statistics.median(b for _, b in peaks)
+        print(f"prompt products: {2 * macs / 1e9:.2f} G int8 operations per token (weight multiply-adds "
+              f"x 2; attention not counted); int8 peak per round (GOP/s): "
+              f"{' '.join(f'{p:.0f}' for p, _ in peaks)}, with the exact per-block scaling "
+              f"{' '.join(f'{b:.0f}' for _, b in peaks)}")
+        for side, r in [("zerolayer", o), ("llama.cpp", l)]:
+            gops = r["pp_tok_s"] * 2 * macs / 1e9
+            print(f"{side} prompt: {gops:.0f} GOP/s of products = {100 * gops / peak:.0f}% of the int8 peak "
+                  f"({100 * gops / block:.0f}% of the per-block ceiling)")
     if a.budget > 0:
         budgeted(a, chat_ids, o, total_bytes)
     for side, oth in [("zerolayer", o_oth), ("llama.cpp", l_oth)]:
