@@ -87,12 +87,12 @@ pub enum WeightPacking {
 /// Q6_K, IQ4_XS: a Q4_K_M file's) is not split: llama.cpp multiplies those against activations
 /// quantized per 256 elements (`Q8_K`), so our unsplit per-32 activations are already finer
 /// than its, and without the split a 1 GB Q4_K_M file prefills 1.29-1.41x faster
-/// (`--bench-dense`, pp512, 2 threads, Zen 4: 116-127 tok/s split, 164 not). Measured on llama.cpp's own K-quant files
-/// (`tests/quant_models.rs`, perplexity over 510 tokens, distance to the fp32 reference, split
-/// -> not split, llama.cpp): Q2_K 1.23% -> 0.98% (0.10%), Q3_K_M 0.53% -> 0.44% (0.56%), Q4_K_M
-/// 0.07% -> 0.37% (0.72%), Q5_K_M 0.18% -> 0.19% (1.43%), Q6_K 0.25% -> 0.49% (1.40%), IQ4_XS
-/// 0.26% -> 0.45% (1.67%); top-1 equal to llama.cpp's at every decisive position either way.
-/// `All` still splits them.
+/// (`--bench-dense`, pp512, 2 threads, Zen 4: 116-127 tok/s split, 164 not). Measured on
+/// llama.cpp's own K-quant files (`tests/quant_models.rs`, perplexity over 510 tokens, distance
+/// to the fp32 reference, split -> not split, llama.cpp): Q2_K 1.23% -> 0.98% (0.10%), Q3_K_M
+/// 0.53% -> 0.44% (0.56%), Q4_K_M 0.07% -> 0.37% (0.72%), Q5_K_M 0.18% -> 0.19% (1.43%), Q6_K
+/// 0.25% -> 0.49% (1.40%), IQ4_XS 0.26% -> 0.45% (1.67%); top-1 equal to llama.cpp's at every
+/// decisive position either way. `All` still splits them.
 ///
 /// Only products over integer-quantized weights are split: float weights (F32, F16, BF16)
 /// multiply the f32 activations as they are, with nothing to recover.
