@@ -265,10 +265,13 @@ def main():
         # per-block scaling).
         peak = statistics.median(p for p, _ in peaks)
         block = statistics.median(b for _, b in peaks)
+        kernels = os.environ.get("ZEROLAYER_KERNELS", "").strip().lower()
+        note = (f" (the CPU's AVX-512 VNNI peak; ZEROLAYER_KERNELS={kernels} runs kernels without it)"
+                if kernels and kernels != "avx512" else "")
         print(f"prompt products: {2 * macs / 1e9:.2f} G int8 operations per token (weight multiply-adds "
               f"x 2; attention not counted); int8 peak per round (GOP/s): "
               f"{' '.join(f'{p:.0f}' for p, _ in peaks)}, with the exact per-block scaling "
-              f"{' '.join(f'{b:.0f}' for _, b in peaks)}")
+              f"{' '.join(f'{b:.0f}' for _, b in peaks)}{note}")
         for side, r in [("zerolayer", o), ("llama.cpp", l)]:
             gops = r["pp_tok_s"] * 2 * macs / 1e9
             print(f"{side} prompt: {gops:.0f} GOP/s of products = {100 * gops / peak:.0f}% of the int8 peak "
