@@ -1,5 +1,5 @@
 //! Kernel throughput: matvec GB/s of weight bytes per dtype on the default model's shapes, matmul
-//! GFLOP/s for n = 8, 64, 512 (also on a 1.7B Llama's FFN shapes), with 1 and 2 threads, plus
+//! GFLOP/s for n = 8, 64, 512 (also on a 1.7B and an 8B Llama's FFN shapes), with 1 and 2 threads, plus
 //! all matvecs of one decode step over the real default model (when present).
 //!
 //! Run: `cargo bench -p zerolayer-gpu-pipeline --bench kernels [-- FILTER]`; a filter (e.g. `q5_0` or
@@ -31,15 +31,18 @@ const SHAPES: [(usize, usize); 6] = [
     (49152, 576),
     (16384, 1536),
 ];
-/// Matmul shapes: the default model's, and a ~1.7B Llama's FFN (`ffn_up`/`ffn_gate` 8192 x 2048,
+/// Matmul shapes: the default model's, a ~1.7B Llama's FFN (`ffn_up`/`ffn_gate` 8192 x 2048,
 /// `ffn_down` 2048 x 8192) for the 256-element block formats (the default model's only
-/// K-quant-sized shape is 576 x 1536).
-const MATMUL_SHAPES: [(usize, usize); 5] = [
+/// K-quant-sized shape is 576 x 1536), and an 8B Llama's FFN (14336 x 4096, 4096 x 14336: the
+/// matrices of the 4-5 GB Q4_K_M files people run).
+const MATMUL_SHAPES: [(usize, usize); 7] = [
     (576, 576),
     (1536, 576),
     (576, 1536),
     (8192, 2048),
     (2048, 8192),
+    (14336, 4096),
+    (4096, 14336),
 ];
 const DTYPES: [GgmlType; 15] = [
     GgmlType::Q4_1,
@@ -229,7 +232,7 @@ fn summary() {
             // `cargo test` runs this summary as a smoke test (no `--bench` argument): the
             // default model's shapes only, not the 1.7B ones (minutes of set-up on 2 cores).
             let full = std::env::args().any(|a| a == "--bench");
-            for (rows, cols) in MATMUL_SHAPES.into_iter().take(if full { 5 } else { 3 }) {
+            for (rows, cols) in MATMUL_SHAPES.into_iter().take(if full { 7 } else { 3 }) {
                 if dtype.row_bytes(cols).is_none() {
                     continue;
                 }
