@@ -813,6 +813,43 @@ proptest! {
     }
 }
 
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 12, ..ProptestConfig::default() })]
+
+    /// Rows of 8448-10496 columns (an 8B model's down projection is 14336; the panel kernel's
+    /// panels are then a large share of L2, and a future column slicing must keep these bits):
+    /// every integer-quantized format, file layout and packed, one and two panels per task,
+    /// token counts on several tile sizes, 1 and 2 threads: the scalar reference's bits, and
+    /// the last token's row of the product equals its matvec.
+    #[test]
+    fn wide_rows_equal_scalar_bit_for_bit(
+        dt in 0usize..12, rows in 17usize..40, supers in 33usize..42, n in 16usize..23,
+        threads in 1usize..3, seed in any::<u64>(),
+    ) {
+        let dtype = QUANT_DTYPES[dt];
+        let cols = 256 * supers;
+        let pool = ThreadPool::new(threads);
+        let (data, x) = random_case(dtype, rows, cols, n, seed);
+        let w = WeightMatrix::new(dtype, rows, cols, &data).unwrap();
+        let mut want = vec![0.0f32; n * rows];
+        matmul_with(CpuIsa::Scalar, w, &x, n, &mut want, &pool).unwrap();
+        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+        let packed = PackedWeights::pack(w, &pool).unwrap();
+        for m in std::iter::once(w).chain(packed.as_ref().map(|p| p.matrix())) {
+            for backend in CpuIsa::available().into_iter().filter(|&b| b != CpuIsa::Scalar) {
+                let mut y = vec![f32::NAN; n * rows];
+                matmul_with(backend, m, &x, n, &mut y, &pool).unwrap();
+                prop_assert_eq!(bits(&y), bits(&want), "{:?} {} {:?} {}x{} n {}",
+                    backend, dtype.name(), m.layout, rows, cols, n);
+            }
+            let mut one = vec![0.0f32; rows];
+            matvec(m, &x[(n - 1) * cols..], &mut one, &pool).unwrap();
+            prop_assert_eq!(bits(&one), bits(&want[(n - 1) * rows..]), "{} {:?} matvec",
+                dtype.name(), m.layout);
+        }
+    }
+}
+
 /// The residual of 8-bit activation quantization computed here, independently of the kernels:
 /// per 32-element block `x - round(x / d) * d` with `d = max|x| / 127`.
 fn residual(x: &[f32]) -> Vec<f32> {
