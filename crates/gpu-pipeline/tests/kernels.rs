@@ -781,6 +781,57 @@ proptest! {
     }
 }
 
+/// A random `rows x cols` matrix of `dtype` times `n` random tokens on every SIMD backend, file
+/// layout and packed, against the scalar reference's bits; with `matvec_last`, also the last
+/// token's row against its matvec.
+fn check_against_scalar(
+    dtype: GgmlType,
+    (rows, cols, n): (usize, usize, usize),
+    threads: usize,
+    seed: u64,
+    matvec_last: bool,
+) -> Result<(), TestCaseError> {
+    let pool = ThreadPool::new(threads);
+    let (data, x) = random_case(dtype, rows, cols, n, seed);
+    let w = WeightMatrix::new(dtype, rows, cols, &data).unwrap();
+    let mut want = vec![0.0f32; n * rows];
+    matmul_with(CpuIsa::Scalar, w, &x, n, &mut want, &pool).unwrap();
+    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+    let packed = PackedWeights::pack(w, &pool).unwrap();
+    for m in std::iter::once(w).chain(packed.as_ref().map(|p| p.matrix())) {
+        for backend in CpuIsa::available()
+            .into_iter()
+            .filter(|&b| b != CpuIsa::Scalar)
+        {
+            let mut y = vec![f32::NAN; n * rows];
+            matmul_with(backend, m, &x, n, &mut y, &pool).unwrap();
+            prop_assert_eq!(
+                bits(&y),
+                bits(&want),
+                "{:?} {} {:?} {}x{} n {}",
+                backend,
+                dtype.name(),
+                m.layout,
+                rows,
+                cols,
+                n
+            );
+        }
+        if matvec_last {
+            let mut one = vec![0.0f32; rows];
+            matvec(m, &x[(n - 1) * cols..], &mut one, &pool).unwrap();
+            prop_assert_eq!(
+                bits(&one),
+                bits(&want[(n - 1) * rows..]),
+                "{} {:?} matvec",
+                dtype.name(),
+                m.layout
+            );
+        }
+    }
+    Ok(())
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
 
@@ -794,22 +845,7 @@ proptest! {
         threads in 1usize..3, seed in any::<u64>(),
     ) {
         let dtype = QUANT_DTYPES[dt];
-        let cols = cols_for(dtype, units);
-        let pool = ThreadPool::new(threads);
-        let (data, x) = random_case(dtype, rows, cols, n, seed);
-        let w = WeightMatrix::new(dtype, rows, cols, &data).unwrap();
-        let mut want = vec![0.0f32; n * rows];
-        matmul_with(CpuIsa::Scalar, w, &x, n, &mut want, &pool).unwrap();
-        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
-        let packed = PackedWeights::pack(w, &pool).unwrap();
-        for m in std::iter::once(w).chain(packed.as_ref().map(|p| p.matrix())) {
-            for backend in CpuIsa::available().into_iter().filter(|&b| b != CpuIsa::Scalar) {
-                let mut y = vec![f32::NAN; n * rows];
-                matmul_with(backend, m, &x, n, &mut y, &pool).unwrap();
-                prop_assert_eq!(bits(&y), bits(&want), "{:?} {} {:?} {}x{} n {}",
-                    backend, dtype.name(), m.layout, rows, cols, n);
-            }
-        }
+        check_against_scalar(dtype, (rows, cols_for(dtype, units), n), threads, seed, false)?;
     }
 }
 
@@ -826,27 +862,7 @@ proptest! {
         dt in 0usize..12, rows in 17usize..40, supers in 33usize..42, n in 16usize..23,
         threads in 1usize..3, seed in any::<u64>(),
     ) {
-        let dtype = QUANT_DTYPES[dt];
-        let cols = 256 * supers;
-        let pool = ThreadPool::new(threads);
-        let (data, x) = random_case(dtype, rows, cols, n, seed);
-        let w = WeightMatrix::new(dtype, rows, cols, &data).unwrap();
-        let mut want = vec![0.0f32; n * rows];
-        matmul_with(CpuIsa::Scalar, w, &x, n, &mut want, &pool).unwrap();
-        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
-        let packed = PackedWeights::pack(w, &pool).unwrap();
-        for m in std::iter::once(w).chain(packed.as_ref().map(|p| p.matrix())) {
-            for backend in CpuIsa::available().into_iter().filter(|&b| b != CpuIsa::Scalar) {
-                let mut y = vec![f32::NAN; n * rows];
-                matmul_with(backend, m, &x, n, &mut y, &pool).unwrap();
-                prop_assert_eq!(bits(&y), bits(&want), "{:?} {} {:?} {}x{} n {}",
-                    backend, dtype.name(), m.layout, rows, cols, n);
-            }
-            let mut one = vec![0.0f32; rows];
-            matvec(m, &x[(n - 1) * cols..], &mut one, &pool).unwrap();
-            prop_assert_eq!(bits(&one), bits(&want[(n - 1) * rows..]), "{} {:?} matvec",
-                dtype.name(), m.layout);
-        }
+        check_against_scalar(QUANT_DTYPES[dt], (rows, 256 * supers, n), threads, seed, true)?;
     }
 }
 
