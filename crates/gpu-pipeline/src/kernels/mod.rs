@@ -372,7 +372,7 @@ pub(crate) fn quantizes_activations(dtype: GgmlType) -> bool {
 /// IQ4_XS), whose products llama.cpp runs against activations quantized per 256 elements
 /// (`Q8_K`), eight times coarser than the kernels' 32-element activation blocks.
 pub(crate) fn has_super_blocks(dtype: GgmlType) -> bool {
-    Fmt::of(dtype).is_some_and(|f| !f.is_float() && f.block_elems() == 256)
+    Fmt::of(dtype).is_some_and(|f| f.block_elems() == 256)
 }
 
 /// `y = W x` for one token: `x` has `cols` elements, `y` has `rows`.
