@@ -136,12 +136,19 @@ impl PromptParts {
             })
     }
 
-    /// An output format compiled for the model's vocabulary.
-    fn compile(&self, format: &OutputFormat) -> Result<Arc<dyn ConstraintFactory>, ServiceError> {
+    /// An output format compiled for the model's vocabulary; `tool_call`: the format is a
+    /// forced tool call's grammar (JSON inside the call syntax: its numbers are held to what a
+    /// double holds, as a JSON Schema format's are).
+    fn compile(
+        &self,
+        format: &OutputFormat,
+        tool_call: bool,
+    ) -> Result<Arc<dyn ConstraintFactory>, ServiceError> {
         let grammars = self.grammars()?;
         let compiled = match format {
             OutputFormat::JsonSchema(schema) => grammars.json_schema(compact_json(schema)),
             OutputFormat::Regex(rx) => grammars.regex(rx),
+            OutputFormat::Lark(lark) if tool_call => grammars.json_lark(lark),
             OutputFormat::Lark(lark) => grammars.lark(lark),
             _ => Err(GrammarError::Invalid("unknown output format".into())),
         };
@@ -177,10 +184,11 @@ impl PromptParts {
         };
         for i in forced {
             let schema = tools.map(|t| t.tools[i].parameters.clone());
-            self.compile(&OutputFormat::JsonSchema(schema.unwrap_or_default()))
+            self.compile(&OutputFormat::JsonSchema(schema.unwrap_or_default()), false)
                 .map_err(|e| named(SchemaSource::Tool(i), e))?;
         }
-        self.compile(&grammar)
+        let tool_call = matches!(source, SchemaSource::Tool(_) | SchemaSource::Tools);
+        self.compile(&grammar, tool_call)
             .map(|c| Some((c, source)))
             .map_err(|e| named(source, e))
     }

@@ -11,6 +11,7 @@ use llguidance::{Matcher, ParserFactory};
 use token_stream::Tokenizer;
 
 use crate::constraint::{Constraint, ConstraintError, ConstraintFactory};
+use crate::json_number::NumberGuard;
 use crate::sampling::TokenMask;
 
 /// Why a grammar could not be compiled. The messages are llguidance's one-line summaries:
@@ -96,28 +97,40 @@ impl Grammars {
     }
 
     /// A constraint to JSON that validates against `schema`, its integers without bounds
-    /// held to 64 bits ([`bound_json_integers`]).
+    /// held to 64 bits ([`bound_json_integers`]) and its numbers to what a double holds: at
+    /// most 20 integer digits, 20 fraction digits and 3 exponent digits, and finite (JSON
+    /// Schema has no keyword that limits a number's digits, so a model could otherwise write
+    /// one until its token limit).
     pub fn json_schema(
         &self,
         mut schema: serde_json::Value,
     ) -> Result<Arc<dyn ConstraintFactory>, GrammarError> {
         bound_json_integers(&mut schema);
-        self.compile(TopLevelGrammar::from_json_schema(schema))
+        self.compile(TopLevelGrammar::from_json_schema(schema), true)
     }
 
     /// A constraint to text matching the regular expression `rx`.
     pub fn regex(&self, rx: &str) -> Result<Arc<dyn ConstraintFactory>, GrammarError> {
-        self.compile(TopLevelGrammar::from_regex(rx))
+        self.compile(TopLevelGrammar::from_regex(rx), false)
     }
 
     /// A constraint to text of the Lark grammar `lark`.
     pub fn lark(&self, lark: &str) -> Result<Arc<dyn ConstraintFactory>, GrammarError> {
-        self.compile(TopLevelGrammar::from_lark(lark.to_owned()))
+        self.compile(TopLevelGrammar::from_lark(lark.to_owned()), false)
+    }
+
+    /// A constraint to text of the Lark grammar `lark` whose numbers are all JSON numbers
+    /// (JSON embedded with `%json`, such as a tool call's arguments): they are held to what a
+    /// double holds, as in [`json_schema`](Self::json_schema). Digits after a letter or inside
+    /// a string are no number.
+    pub fn json_lark(&self, lark: &str) -> Result<Arc<dyn ConstraintFactory>, GrammarError> {
+        self.compile(TopLevelGrammar::from_lark(lark.to_owned()), true)
     }
 
     fn compile(
         &self,
         grammar: TopLevelGrammar,
+        json_numbers: bool,
     ) -> Result<Arc<dyn ConstraintFactory>, GrammarError> {
         // Compile once now, and constrain the first token, so a bad grammar is an error at
         // submission rather than a failed generation: a recursion with no way out, or too many
@@ -143,6 +156,7 @@ impl Grammars {
         Ok(Arc::new(GrammarFactory {
             factory: self.factory.clone(),
             grammar,
+            json_numbers,
         }))
     }
 }
@@ -208,6 +222,8 @@ pub fn bound_json_integers(schema: &mut serde_json::Value) {
 struct GrammarFactory {
     factory: Arc<ParserFactory>,
     grammar: TopLevelGrammar,
+    /// Whether the output's numbers are JSON numbers held to what a double holds.
+    json_numbers: bool,
 }
 
 impl std::fmt::Debug for GrammarFactory {
@@ -219,9 +235,15 @@ impl std::fmt::Debug for GrammarFactory {
 impl ConstraintFactory for GrammarFactory {
     fn start(&self) -> Box<dyn Constraint> {
         let parser = self.factory.create_parser(self.grammar.clone());
+        let env = self.factory.tok_env();
         Box::new(GrammarConstraint {
             matcher: Matcher::new(parser),
-            vocab: self.factory.tok_env().tok_trie().vocab_size(),
+            vocab: env.tok_trie().vocab_size(),
+            numbers: self.json_numbers.then(|| JsonNumbers {
+                guard: NumberGuard::default(),
+                env: env.clone(),
+                refused: Vec::new(),
+            }),
         })
     }
 }
@@ -231,6 +253,46 @@ struct GrammarConstraint {
     /// The grammar's vocabulary size (a token id at or past it would put the matcher in its
     /// error state).
     vocab: usize,
+    /// The bound on JSON numbers, where the grammar's numbers are JSON's.
+    numbers: Option<JsonNumbers>,
+}
+
+/// The bound on a JSON grammar's numbers ([`NumberGuard`]) and the token texts it reads.
+struct JsonNumbers {
+    guard: NumberGuard,
+    env: llguidance::toktrie::TokEnv,
+    /// The tokens the last mask refused (reused).
+    refused: Vec<u32>,
+}
+
+impl JsonNumbers {
+    /// Forbids in `mask` the tokens that carry the number being written past the bounds,
+    /// unless that forbids every token (a grammar that demands more digits, such as a bound
+    /// of 10^25, is followed).
+    fn restrict(&mut self, mask: &mut TokenMask) {
+        if !self.guard.in_number() {
+            return;
+        }
+        let trie = self.env.tok_trie();
+        self.refused.clear();
+        for (w, &word) in mask.words_mut().iter().enumerate() {
+            let mut bits = word;
+            while bits != 0 {
+                let id = (w * 32) as u32 + bits.trailing_zeros();
+                bits &= bits - 1;
+                if !self.guard.allows(trie.token(id)) {
+                    self.refused.push(id);
+                }
+            }
+        }
+        if self.refused.is_empty() {
+            return;
+        }
+        self.refused.iter().for_each(|&id| mask.forbid(id));
+        if mask.count_allowed() == 0 {
+            self.refused.iter().for_each(|&id| mask.allow(id));
+        }
+    }
 }
 
 impl std::fmt::Debug for GrammarConstraint {
@@ -256,6 +318,9 @@ impl Constraint for GrammarConstraint {
             // Bits beyond the vocabulary stay zero.
             *last &= (1u32 << tail_bits) - 1;
         }
+        if let Some(numbers) = &mut self.numbers {
+            numbers.restrict(mask);
+        }
         Ok(())
     }
 
@@ -264,7 +329,11 @@ impl Constraint for GrammarConstraint {
         if self.matcher.is_stopped() {
             return Ok(());
         }
-        self.matcher.consume_token(token).map_err(failed)
+        self.matcher.consume_token(token).map_err(failed)?;
+        if let Some(numbers) = &mut self.numbers {
+            numbers.guard.push(numbers.env.tok_trie().token(token));
+        }
+        Ok(())
     }
 
     fn allowed_prefix(&mut self, tokens: &[u32]) -> usize {
@@ -274,6 +343,22 @@ impl Constraint for GrammarConstraint {
             .iter()
             .take_while(|&&t| (t as usize) < self.vocab)
             .count();
-        self.matcher.validate_tokens(&tokens[..known]).unwrap_or(0)
+        let valid = self.matcher.validate_tokens(&tokens[..known]).unwrap_or(0);
+        let Some(numbers) = &self.numbers else {
+            return valid;
+        };
+        // The number bound cuts where its mask would refuse a token (without the mask's
+        // exception for a grammar that demands more digits: a shorter draft only costs
+        // speculation, and the verification samples through the mask).
+        let trie = numbers.env.tok_trie();
+        let mut guard = numbers.guard.clone();
+        tokens[..valid]
+            .iter()
+            .position(|&t| {
+                let refused = !guard.allows(trie.token(t));
+                guard.push(trie.token(t));
+                refused
+            })
+            .unwrap_or(valid)
     }
 }

@@ -8,6 +8,7 @@ mod constraint;
 pub mod engine;
 pub mod executor;
 mod grammar;
+mod json_number;
 pub mod kernels;
 mod model;
 mod sampling;

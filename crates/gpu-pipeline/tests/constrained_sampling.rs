@@ -324,3 +324,137 @@ fn allowed_prefix_is_what_the_masks_allow_and_does_not_advance() {
         c.commit(good[start]).expect("the matcher still works");
     }
 }
+
+/// Samples up to `steps` tokens through `factory`'s constraint from logits that favour the
+/// tokens that write numbers (digits most, then `.`, `e`, `E`, `-`, `+`; everything else
+/// below), at temperature 1 with `seed`. The text, and whether it reached the end token.
+fn number_loving_run(
+    factory: &std::sync::Arc<dyn gpu_pipeline::ConstraintFactory>,
+    seed: u64,
+    steps: usize,
+) -> (String, bool) {
+    let (tok, _, eos) = grammars();
+    let vocab = tok.vocab_size();
+    let mut rng = seed | 1;
+    let mut next = move || {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        (rng >> 40) as f32 / (1u64 << 24) as f32
+    };
+    let logits: Vec<f32> = (0..vocab as u32)
+        .map(|id| {
+            let b = tok.token_bytes(id).unwrap_or_default();
+            let number =
+                !b.is_empty() && b.iter().all(|c| c.is_ascii_digit() || b".eE-+".contains(c));
+            match b.first() {
+                Some(c) if number && c.is_ascii_digit() => 12.0 + next(),
+                Some(_) if number => 8.0 + next(),
+                _ => next() * 4.0,
+            }
+        })
+        .collect();
+    let mut c = factory.start();
+    let mut mask = TokenMask::forbid_all(vocab);
+    let mut sampler = Sampler::new(
+        SamplerConfig::default()
+            .with_temperature(1.0)
+            .with_seed(seed),
+    );
+    let mut out: Vec<u32> = Vec::new();
+    for _ in 0..steps {
+        c.fill_mask(&mut mask).expect("mask");
+        let t = sampler
+            .sample_masked(&logits, &out, 0, &mask)
+            .expect("an allowed token");
+        if t == *eos {
+            return (tok.decode(&out).expect("decodes"), true);
+        }
+        c.commit(t)
+            .expect("llguidance accepts the token its mask allowed");
+        out.push(t);
+    }
+    (tok.decode(&out).expect("decodes"), false)
+}
+
+/// The digits of a JSON number literal: integer, fraction and exponent.
+fn number_digits(literal: &str) -> (usize, usize, usize) {
+    let count = |s: &str| s.bytes().filter(u8::is_ascii_digit).count();
+    let (mantissa, exponent) = literal.split_once(['e', 'E']).unwrap_or((literal, ""));
+    let (int, frac) = mantissa.split_once('.').unwrap_or((mantissa, ""));
+    (count(int), count(frac), count(exponent))
+}
+
+/// A JSON number without bounds ends within what a double holds (at most 20 integer, 20
+/// fraction and 3 exponent digits, finite) however much the model wants digits, in a JSON
+/// Schema output format and in a forced tool call's grammar; the same schema through a plain
+/// Lark grammar (no bound) runs to the token limit inside the number, so the bound is what ends
+/// it. Integers keep their 64-bit range (19 digits are still written).
+#[test]
+fn json_numbers_end_within_what_a_double_holds() {
+    let (tok, grammars, _) = grammars();
+    let number = serde_json::json!({
+        "x-guidance": {"whitespace_flexible": false},
+        "type": "object", "properties": {"x": {"type": "number"}}, "required": ["x"],
+        "additionalProperties": false,
+    });
+    let call =
+        token_stream::forced_call_grammar(token_stream::ToolSyntax::Hermes, &[("f", &number)]);
+    let schema = grammars.json_schema(number.clone()).expect("schema");
+    let tool = grammars.json_lark(&call).expect("tool call");
+    for seed in 1..9u64 {
+        for (name, factory) in [("schema", &schema), ("tool call", &tool)] {
+            let (text, ended) = number_loving_run(factory, seed, 150);
+            assert!(ended, "{name}, seed {seed}: no end in 150 tokens: {text:?}");
+            let json = text
+                .trim_start_matches("<tool_call>\n")
+                .trim_end_matches("\n</tool_call>");
+            let v: serde_json::Value = serde_json::from_str(json).expect(json);
+            let x = if name == "schema" {
+                &v["x"]
+            } else {
+                &v["arguments"]["x"]
+            };
+            assert!(x.as_f64().is_some_and(f64::is_finite), "{name}: {text}");
+            let literal = json
+                .rsplit_once("\"x\":")
+                .expect("x")
+                .1
+                .trim_end_matches('}');
+            let (int, frac, exp) = number_digits(literal);
+            assert!(int <= 20 && frac <= 20 && exp <= 3, "{name}: {literal}");
+        }
+    }
+    // Speculative drafts are cut where the bound refuses (the 21st digit), not before.
+    let mut c = schema.start();
+    for &t in tok.encode(&format!("{{\"x\":{}", "1".repeat(20))).iter() {
+        c.commit(t).expect("commit");
+    }
+    let (one, close) = (tok.encode("1")[0], tok.encode("}")[0]);
+    assert_eq!(c.allowed_prefix(&[close, one]), 1);
+    assert_eq!(c.allowed_prefix(&[one, close]), 0);
+    let unbounded = grammars
+        .lark(&format!("start: %json {number}"))
+        .expect("plain lark");
+    assert!(
+        (1..9u64).any(|seed| !number_loving_run(&unbounded, seed, 150).1),
+        "without the bound some run should still be writing its number at 150 tokens"
+    );
+    let integer = grammars
+        .json_schema(serde_json::json!({
+            "x-guidance": {"whitespace_flexible": false},
+            "type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
+            "additionalProperties": false,
+        }))
+        .expect("integer schema");
+    let longest = (1..9u64)
+        .map(|seed| {
+            let (text, ended) = number_loving_run(&integer, seed, 150);
+            assert!(ended, "integer, seed {seed}: {text:?}");
+            let v: serde_json::Value = serde_json::from_str(&text).expect(&text);
+            assert!(v["n"].is_i64(), "{text}");
+            number_digits(text.rsplit_once(':').unwrap().1.trim_end_matches('}')).0
+        })
+        .max();
+    assert_eq!(longest, Some(19), "64-bit integers are written whole");
+}
