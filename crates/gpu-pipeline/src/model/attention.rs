@@ -1005,18 +1005,26 @@ mod avx512 {
         }
     }
 
-    /// The q8_0 key rows of a 16-key block, prepared once for every query row: where the quants
-    /// are read (the ring itself when the 16 rows are whole pairs of blocks in one part, else a
-    /// copy, each row zero-padded to whole pairs of blocks, with zero rows past the block's
-    /// last key), their row stride, and the scales as f32, block-major (`d[16 * b + key]`).
+    /// The q8_0 key rows of a 16-key block, prepared once for every query row: the quants
+    /// transposed so that a vector holds one 4-byte group of every key (read from the ring
+    /// itself when the 16 rows are in one part, else from a copy with zero rows past the
+    /// block's last key), and the scales as f32, block-major (`d[16 * b + key]`). A query row's
+    /// 16 dot products are then 8 `vpdpbusd` per block on a broadcast query group, with no
+    /// reduction across lanes (the transpose, once per block, is shared by every row).
     struct Q8Keys {
         /// The copy (left uninitialized until [`prepare`](Self::prepare) writes the rows it
-        /// points at: zeroing 4 KiB per call would cost short rows more than their products).
+        /// reads: zeroing 4 KiB per call would cost short rows more than their products).
         k: [std::mem::MaybeUninit<u8>; 16 * MAX_HD],
+        /// The 16 rows transposed, offset by 128 (`vpdpbusd`'s unsigned operand): per block `b`
+        /// and 4-byte group `g` (elements `32b + 4g..32b + 4g + 4`), one vector at `8b + g`
+        /// whose 32-bit lanes are the 16 keys' groups, the keys' 128-bit lanes in the order
+        /// 0-3, 8-11, 4-7, 12-15 (restored after the sums). Written by `prepare`.
+        kt: [std::mem::MaybeUninit<__m512i>; MAX_HD / 4],
         d: [f32; 16 * (MAX_HD / super::QB)],
-        src: *const u8,
-        stride: usize,
     }
+
+    /// How many keys ahead the q8_0 key blocks prefetch their rows.
+    const PREFETCH_KEYS: usize = 64;
 
     /// Bytes per copied row of `hd` elements (whole 64-byte pairs of blocks).
     fn q8_stride(hd: usize) -> usize {
@@ -1027,9 +1035,8 @@ mod avx512 {
         fn new() -> Self {
             Self {
                 k: [const { std::mem::MaybeUninit::uninit() }; 16 * MAX_HD],
+                kt: [const { std::mem::MaybeUninit::uninit() }; MAX_HD / 4],
                 d: [0.0; 16 * (MAX_HD / super::QB)],
-                src: std::ptr::null(),
-                stride: 0,
             }
         }
 
@@ -1048,10 +1055,16 @@ mod avx512 {
             // row); `self.k` has 16 rows of `q8_stride(hd) <= MAX_HD` bytes.
             unsafe {
                 let (part, off) = keys.at(kb);
-                if nk == 16 && nb.is_multiple_of(2) && keys.at(kb + 15).0 == part {
-                    // Whole pairs of blocks, one part: the ring's rows as they are.
-                    self.src = keys.p[part].add(off);
-                    self.stride = hd;
+                let (src, stride): (*const u8, usize);
+                if nk == 16 && keys.at(kb + 15).0 == part {
+                    // 16 rows of one part: the ring's rows as they are.
+                    (src, stride) = (keys.p[part].add(off), hd);
+                    // The rows 4 blocks ahead, toward the caches (a hint: past the part's end
+                    // it fetches nothing, and never faults).
+                    let ahead = src.wrapping_add(PREFETCH_KEYS * hd);
+                    for l in (0..16 * hd).step_by(64) {
+                        _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(l).cast());
+                    }
                     let sc = keys.scales[part].add(off / super::QB).cast::<u16>();
                     if nb == 2 || nb == 4 {
                         // Key-major scales to block-major, two blocks per permute.
@@ -1080,57 +1093,100 @@ mod avx512 {
                     }
                 } else {
                     let ks = q8_stride(hd);
-                    self.src = self.k.as_ptr().cast();
-                    self.stride = ks;
-                    // Every byte of the 16 rows is written before `dot` reads it.
+                    // Every byte of the 16 rows is written before it is read below.
                     let dst = self.k.as_mut_ptr().cast::<u8>();
                     keys.copy_q8(kb, nk, hd, 16, ks, dst, &mut d);
+                    (src, stride) = (dst.cast_const(), ks);
                 }
                 for b in 0..nb {
                     let h = _mm256_loadu_si256(d.as_ptr().add(16 * b).cast());
                     _mm512_storeu_ps(self.d.as_mut_ptr().add(16 * b), _mm512_cvtph_ps(h));
                 }
+                let x80 = _mm512_set1_epi8(0x80u8 as i8);
+                let kt = self.kt.as_mut_ptr().cast::<__m512i>();
+                for b in 0..nb {
+                    // Row jj's block in the low half, row jj + 8's in the high half.
+                    let z: [__m512i; 8] = std::array::from_fn(|jj| {
+                        let lo = _mm256_loadu_si256(src.add(jj * stride + 32 * b).cast());
+                        let hi = _mm256_loadu_si256(src.add((jj + 8) * stride + 32 * b).cast());
+                        _mm512_xor_si512(
+                            _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi),
+                            x80,
+                        )
+                    });
+                    // An 8x8 transpose of 32-bit groups in each 128-bit lane pair: u[i] holds
+                    // group 4L + i of rows 0-3 (or 4-7, u[4 + i]) in 128-bit lane L (low rows)
+                    // and L + 2 (rows + 8).
+                    let t: [__m512i; 8] = std::array::from_fn(|i| {
+                        let (x, y) = (z[2 * (i / 2)], z[2 * (i / 2) + 1]);
+                        if i % 2 == 0 {
+                            _mm512_unpacklo_epi32(x, y)
+                        } else {
+                            _mm512_unpackhi_epi32(x, y)
+                        }
+                    });
+                    let u: [__m512i; 8] = std::array::from_fn(|i| {
+                        let h = 4 * (i / 4);
+                        let (x, y) = (t[h + (i % 4) / 2], t[h + 2 + (i % 4) / 2]);
+                        if i % 2 == 0 {
+                            _mm512_unpacklo_epi64(x, y)
+                        } else {
+                            _mm512_unpackhi_epi64(x, y)
+                        }
+                    });
+                    for i in 0..4 {
+                        _mm512_store_si512(
+                            kt.add(8 * b + i),
+                            _mm512_shuffle_i32x4::<0b10_00_10_00>(u[i], u[4 + i]),
+                        );
+                        _mm512_store_si512(
+                            kt.add(8 * b + 4 + i),
+                            _mm512_shuffle_i32x4::<0b11_01_11_01>(u[i], u[4 + i]),
+                        );
+                    }
+                }
             }
         }
 
         /// One quantized query row against the 16 prepared keys, before `scale`: lane `key` is
-        /// [`super::q8_dot`] of that key. `q`: the row's quants zero-padded to whole pairs of
-        /// blocks, `qd` its scales, `corr` its quant sums times 128 (per block): the keys are
-        /// offset by 128 on loading (`vpdpbusd`'s unsigned operand) and that is taken off after.
+        /// [`super::q8_dot`] of that key. `q`: the row's quants, `qd` its scales, `corr` its
+        /// quant sums times 128 (per block): the keys are offset by 128 (`vpdpbusd`'s unsigned
+        /// operand) and that is taken off after.
         ///
         /// # Safety
-        /// `q` has `q8_stride(hd)` quants, `qd` and `corr` `hd / 32` entries; the rows
-        /// [`prepare`](Self::prepare) pointed at are alive.
+        /// `q` has `hd` quants, `qd` and `corr` `hd / 32` entries; [`prepare`](Self::prepare)
+        /// ran for `hd`.
         #[inline]
         #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,fma")]
         unsafe fn dot(&self, hd: usize, q: &[i8], qd: &[f32], corr: &[i32]) -> __m512 {
             let nb = hd / super::QB;
             let zero = _mm512_setzero_si512();
-            let x80 = _mm512_set1_epi8(0x80u8 as i8);
             let mut s = _mm512_setzero_ps();
-            // SAFETY (whole body): pair `p` of row `jj` lies inside the prepared rows (`stride`
-            // apart; pairs past `hd` only in the zero-padded copy) and `q`; scales
-            // `16 * b..16 * b + 16` inside `self.d`.
+            // SAFETY (whole body): block `b`'s 8 vectors are inside the prepared `kt`, its 32
+            // quants inside `q`, its 16 scales inside `self.d`.
             unsafe {
-                for p in 0..nb.div_ceil(2) {
-                    let qv = _mm512_loadu_si512(q.as_ptr().add(64 * p).cast());
-                    let acc: [__m512i; 16] = std::array::from_fn(|jj| {
-                        let k = _mm512_loadu_si512(self.src.add(jj * self.stride + 64 * p).cast());
-                        _mm512_dpbusd_epi32(zero, _mm512_xor_si512(k, x80), qv)
-                    });
-                    let sums = pair_sums(&acc);
-                    for (h, &sum) in sums.iter().enumerate() {
-                        let b = 2 * p + h;
-                        if b == nb {
-                            break;
-                        }
-                        let dot = _mm512_sub_epi32(sum, _mm512_set1_epi32(corr[b]));
-                        let w = _mm512_mul_ps(
-                            _mm512_loadu_ps(self.d.as_ptr().add(16 * b)),
-                            _mm512_set1_ps(qd[b]),
-                        );
-                        s = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), w, s);
+                let kt = self.kt.as_ptr().cast::<__m512i>();
+                let qp = q.as_ptr().cast::<i32>();
+                for b in 0..nb {
+                    // Four chains (the groups g mod 4), summed: integers, exact in any order.
+                    let mut a = [zero; 4];
+                    for g in 0..8 {
+                        let qv = _mm512_set1_epi32(qp.add(8 * b + g).read_unaligned());
+                        a[g % 4] =
+                            _mm512_dpbusd_epi32(a[g % 4], _mm512_load_si512(kt.add(8 * b + g)), qv);
                     }
+                    let sum = _mm512_add_epi32(
+                        _mm512_add_epi32(a[0], a[1]),
+                        _mm512_add_epi32(a[2], a[3]),
+                    );
+                    // Keys back in order (128-bit lanes 0, 2, 1, 3).
+                    let sum = _mm512_shuffle_i32x4::<0b11_01_10_00>(sum, sum);
+                    let dot = _mm512_sub_epi32(sum, _mm512_set1_epi32(corr[b]));
+                    let w = _mm512_mul_ps(
+                        _mm512_loadu_ps(self.d.as_ptr().add(16 * b)),
+                        _mm512_set1_ps(qd[b]),
+                    );
+                    s = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), w, s);
                 }
             }
             s
@@ -1236,44 +1292,6 @@ mod avx512 {
             d[b] = amax / 127.0;
             sum[b] = _mm512_reduce_add_epi32(s);
         }
-    }
-
-    /// Per key `jj`, `acc[jj]`'s lanes 0..8 summed and its lanes 8..16 summed (the two blocks
-    /// of a pair): lane `jj` of the first and of the second result. Integer sums, exact in any
-    /// order.
-    #[inline]
-    #[target_feature(enable = "avx512f")]
-    fn pair_sums(acc: &[__m512i; 16]) -> [__m512i; 2] {
-        // 128-bit lanes 0 + 1 and 2 + 3 of keys 2i and 2i + 1: per 128-bit lane one (key,
-        // block) with 4 partial sums: (2i, lo), (2i, hi), (2i + 1, lo), (2i + 1, hi).
-        let v: [__m512i; 8] = std::array::from_fn(|i| {
-            let (x, y) = (acc[2 * i], acc[2 * i + 1]);
-            _mm512_add_epi32(
-                _mm512_shuffle_i32x4::<0b10_00_10_00>(x, y),
-                _mm512_shuffle_i32x4::<0b11_01_11_01>(x, y),
-            )
-        });
-        // Four vectors' 128-bit lanes summed: lane 4g + m is the total of vector m's lane g.
-        let total = |v: &[__m512i]| {
-            let a0 = _mm512_add_epi32(
-                _mm512_unpacklo_epi32(v[0], v[1]),
-                _mm512_unpackhi_epi32(v[0], v[1]),
-            );
-            let a1 = _mm512_add_epi32(
-                _mm512_unpacklo_epi32(v[2], v[3]),
-                _mm512_unpackhi_epi32(v[2], v[3]),
-            );
-            _mm512_add_epi32(_mm512_unpacklo_epi64(a0, a1), _mm512_unpackhi_epi64(a0, a1))
-        };
-        let (r0, r1) = (total(&v[..4]), total(&v[4..]));
-        // Key k < 8: vector m = k / 2 of r0, lane group 2 (k % 2) (+ 1 for the high block);
-        // keys 8.. likewise in r1 (indices + 16).
-        let lo = _mm512_setr_epi32(0, 8, 1, 9, 2, 10, 3, 11, 16, 24, 17, 25, 18, 26, 19, 27);
-        let hi = _mm512_setr_epi32(4, 12, 5, 13, 6, 14, 7, 15, 20, 28, 21, 29, 22, 30, 23, 31);
-        [
-            _mm512_permutex2var_epi32(r0, lo, r1),
-            _mm512_permutex2var_epi32(r0, hi, r1),
-        ]
     }
 
     /// Up to 16 rows, vectorized across keys: each 16-key block is converted once for all the
@@ -1518,6 +1536,18 @@ mod avx512 {
                 let mut acc = [[_mm512_setzero_ps(); 4]; NR];
                 for j in j0..nk {
                     let (base, sc) = values.row(j);
+                    if c0 == 0 {
+                        // Rows ahead toward the caches (a hint; past the part it fetches
+                        // nothing and never faults), and their scales once per 32 rows.
+                        let ahead = base.wrapping_add(PREFETCH_KEYS * hd);
+                        for l in (0..hd).step_by(64) {
+                            _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(l).cast());
+                        }
+                        if j % 32 == 0 {
+                            let sa = sc.wrapping_add(PREFETCH_KEYS * hd / super::QB);
+                            _mm_prefetch::<_MM_HINT_T0>(sa.cast());
+                        }
+                    }
                     let pj: [__m512; NR] =
                         std::array::from_fn(|r| _mm512_set1_ps(*p.add(r * rs + j)));
                     // The scales of the group's two blocks, each widened once.
