@@ -816,6 +816,27 @@ mod avx512 {
             }
         }
 
+        /// Hints rows `j..j + n` toward the caches: their bytes and, q8_0, their scales. Only
+        /// addresses are computed (rows past the view's part hint at whatever lies there, and a
+        /// hint never faults).
+        #[inline(always)]
+        fn prefetch(&self, j: usize, n: usize) {
+            let (part, off) = self.at(j);
+            let base = self.p[part].wrapping_add(off);
+            for l in (0..n * self.rb).step_by(64) {
+                // SAFETY: a prefetch reads nothing and never faults, whatever the address.
+                unsafe { _mm_prefetch::<_MM_HINT_T0>(base.wrapping_add(l).cast()) };
+            }
+            if self.kind == Kind::Q8 {
+                let sc = self.scales[part].wrapping_add(off / super::QB).cast::<u8>();
+                let bytes = 2 * n * self.rb / super::QB;
+                for l in (0..bytes).step_by(64) {
+                    // SAFETY: as above.
+                    unsafe { _mm_prefetch::<_MM_HINT_T0>(sc.wrapping_add(l).cast()) };
+                }
+            }
+        }
+
         /// Elements `16c..16c+16` of row `j` as f32 ([`chunk`]).
         ///
         /// # Safety
@@ -996,13 +1017,66 @@ mod avx512 {
             let st = stats.as_deref_mut().map(|s| &mut s[2 * r0..2 * (r0 + nr)]);
             // SAFETY: forwarded; the block's rows are inside the checked shapes.
             unsafe {
-                by_width!(
-                    hd,
-                    keys_block(qb, nb, fb, keys, values, scale, cap, scratch, ob, st)
-                );
+                if keys.kind == Kind::Q8 {
+                    by_width!(
+                        hd,
+                        keys_block_q8(qb, nb, fb, keys, values, scale, cap, scratch, ob, st)
+                    );
+                } else {
+                    by_width!(
+                        hd,
+                        keys_block_float(qb, nb, fb, keys, values, scale, cap, scratch, ob, st)
+                    );
+                }
             }
             r0 += nr;
         }
+    }
+
+    /// [`keys_block`] for q8_0 keys, compiled apart from the other types' (the q8_0 products
+    /// inlined into one loop for all types cost the f16 rows' registers: 19 -> 26 ns per key
+    /// on 64-key rows from DRAM).
+    ///
+    /// # Safety
+    /// As for [`keys_block`], with q8_0 `keys`.
+    #[target_feature(enable = "avx512f,avx512dq,avx512bw,avx512vl,avx512vnni,fma,f16c")]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn keys_block_q8<const NC: usize>(
+        q: &[f32],
+        nb: &[usize],
+        fb: &[usize],
+        keys: RowPtrs,
+        values: RowPtrs,
+        scale: f32,
+        cap: f32,
+        scratch: &mut Vec<f32>,
+        out: &mut [f32],
+        stats: Option<&mut [f32]>,
+    ) {
+        // SAFETY: forwarded.
+        unsafe { keys_block::<NC, true>(q, nb, fb, keys, values, scale, cap, scratch, out, stats) }
+    }
+
+    /// [`keys_block`] for f32, f16 and q4_0 keys.
+    ///
+    /// # Safety
+    /// As for [`keys_block`], with `keys` not q8_0.
+    #[target_feature(enable = "avx512f,avx512dq,avx512bw,avx512vl,avx512vnni,fma,f16c")]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn keys_block_float<const NC: usize>(
+        q: &[f32],
+        nb: &[usize],
+        fb: &[usize],
+        keys: RowPtrs,
+        values: RowPtrs,
+        scale: f32,
+        cap: f32,
+        scratch: &mut Vec<f32>,
+        out: &mut [f32],
+        stats: Option<&mut [f32]>,
+    ) {
+        // SAFETY: forwarded.
+        unsafe { keys_block::<NC, false>(q, nb, fb, keys, values, scale, cap, scratch, out, stats) }
     }
 
     /// The q8_0 key rows of a 16-key block, prepared once for every query row: the quants
@@ -1012,18 +1086,18 @@ mod avx512 {
     /// 16 dot products are then 8 `vpdpbusd` per block on a broadcast query group, with no
     /// reduction across lanes (the transpose, once per block, is shared by every row).
     struct Q8Keys {
-        /// The copy (left uninitialized until [`prepare`](Self::prepare) writes the rows it
-        /// reads: zeroing 4 KiB per call would cost short rows more than their products).
-        k: [std::mem::MaybeUninit<u8>; 16 * MAX_HD],
         /// The 16 rows transposed, offset by 128 (`vpdpbusd`'s unsigned operand): per block `b`
         /// and 4-byte group `g` (elements `32b + 4g..32b + 4g + 4`), one vector at `8b + g`
         /// whose 32-bit lanes are the 16 keys' groups, the keys' 128-bit lanes in the order
         /// 0-3, 8-11, 4-7, 12-15 (restored after the sums). Written by `prepare`.
-        kt: [std::mem::MaybeUninit<__m512i>; MAX_HD / 4],
+        kt: [std::mem::MaybeUninit<u8>; 16 * MAX_HD],
         d: [f32; 16 * (MAX_HD / super::QB)],
     }
 
-    /// How many keys ahead the q8_0 key blocks prefetch their rows.
+    /// A row of zero quants: the q8_0 key blocks' rows past their last key.
+    static ZERO_ROW: [u8; MAX_HD] = [0; MAX_HD];
+
+    /// How many keys ahead the q8_0 key and value rows are prefetched.
     const PREFETCH_KEYS: usize = 64;
 
     /// Bytes per copied row of `hd` elements (whole 64-byte pairs of blocks).
@@ -1034,8 +1108,7 @@ mod avx512 {
     impl Q8Keys {
         fn new() -> Self {
             Self {
-                k: [const { std::mem::MaybeUninit::uninit() }; 16 * MAX_HD],
-                kt: [const { std::mem::MaybeUninit::uninit() }; MAX_HD / 4],
+                kt: [const { std::mem::MaybeUninit::uninit() }; 16 * MAX_HD],
                 d: [0.0; 16 * (MAX_HD / super::QB)],
             }
         }
@@ -1055,16 +1128,13 @@ mod avx512 {
             // row); `self.k` has 16 rows of `q8_stride(hd) <= MAX_HD` bytes.
             unsafe {
                 let (part, off) = keys.at(kb);
-                let (src, stride): (*const u8, usize);
+                // Where each of the 16 rows is read: the ring's rows, or zeros past the last.
+                let mut rows = [ZERO_ROW.as_ptr(); 16];
                 if nk == 16 && keys.at(kb + 15).0 == part {
-                    // 16 rows of one part: the ring's rows as they are.
-                    (src, stride) = (keys.p[part].add(off), hd);
-                    // The rows 4 blocks ahead, toward the caches (a hint: past the part's end
-                    // it fetches nothing, and never faults).
-                    let ahead = src.wrapping_add(PREFETCH_KEYS * hd);
-                    for l in (0..16 * hd).step_by(64) {
-                        _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(l).cast());
-                    }
+                    // 16 rows of one part: contiguous, their scales too.
+                    let src = keys.p[part].add(off);
+                    (0..16).for_each(|jj| rows[jj] = src.add(jj * hd));
+                    keys.prefetch(kb + PREFETCH_KEYS, 16);
                     let sc = keys.scales[part].add(off / super::QB).cast::<u16>();
                     if nb == 2 || nb == 4 {
                         // Key-major scales to block-major, two blocks per permute.
@@ -1092,11 +1162,13 @@ mod avx512 {
                         }
                     }
                 } else {
-                    let ks = q8_stride(hd);
-                    // Every byte of the 16 rows is written before it is read below.
-                    let dst = self.k.as_mut_ptr().cast::<u8>();
-                    keys.copy_q8(kb, nk, hd, 16, ks, dst, &mut d);
-                    (src, stride) = (dst.cast_const(), ks);
+                    // A block across the ring's two parts, or a last block: row by row (the
+                    // zero rows' scales 0).
+                    for jj in 0..nk {
+                        let (row, sc) = keys.row(kb + jj);
+                        rows[jj] = row;
+                        (0..nb).for_each(|b| d[16 * b + jj] = (*sc.add(b)).to_bits());
+                    }
                 }
                 for b in 0..nb {
                     let h = _mm256_loadu_si256(d.as_ptr().add(16 * b).cast());
@@ -1107,8 +1179,8 @@ mod avx512 {
                 for b in 0..nb {
                     // Row jj's block in the low half, row jj + 8's in the high half.
                     let z: [__m512i; 8] = std::array::from_fn(|jj| {
-                        let lo = _mm256_loadu_si256(src.add(jj * stride + 32 * b).cast());
-                        let hi = _mm256_loadu_si256(src.add((jj + 8) * stride + 32 * b).cast());
+                        let lo = _mm256_loadu_si256(rows[jj].add(32 * b).cast());
+                        let hi = _mm256_loadu_si256(rows[jj + 8].add(32 * b).cast());
                         _mm512_xor_si512(
                             _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi),
                             x80,
@@ -1135,11 +1207,11 @@ mod avx512 {
                         }
                     });
                     for i in 0..4 {
-                        _mm512_store_si512(
+                        _mm512_storeu_si512(
                             kt.add(8 * b + i),
                             _mm512_shuffle_i32x4::<0b10_00_10_00>(u[i], u[4 + i]),
                         );
-                        _mm512_store_si512(
+                        _mm512_storeu_si512(
                             kt.add(8 * b + 4 + i),
                             _mm512_shuffle_i32x4::<0b11_01_11_01>(u[i], u[4 + i]),
                         );
@@ -1172,8 +1244,11 @@ mod avx512 {
                     let mut a = [zero; 4];
                     for g in 0..8 {
                         let qv = _mm512_set1_epi32(qp.add(8 * b + g).read_unaligned());
-                        a[g % 4] =
-                            _mm512_dpbusd_epi32(a[g % 4], _mm512_load_si512(kt.add(8 * b + g)), qv);
+                        a[g % 4] = _mm512_dpbusd_epi32(
+                            a[g % 4],
+                            _mm512_loadu_si512(kt.add(8 * b + g)),
+                            qv,
+                        );
                     }
                     let sum = _mm512_add_epi32(
                         _mm512_add_epi32(a[0], a[1]),
@@ -1298,10 +1373,11 @@ mod avx512 {
     /// rows, each value row once per group of up to 4 rows; head dim `16 * NC`.
     ///
     /// # Safety
-    /// As for [`attend`]; `1 <= nb.len() <= 16`.
+    /// As for [`attend`]; `1 <= nb.len() <= 16`; `keys` are q8_0 exactly when `Q8`.
     #[target_feature(enable = "avx512f,avx512dq,avx512bw,avx512vl,avx512vnni,fma,f16c")]
     #[allow(clippy::too_many_arguments)]
-    unsafe fn keys_block<const NC: usize>(
+    #[inline]
+    unsafe fn keys_block<const NC: usize, const Q8: bool>(
         q: &[f32],
         nb: &[usize],
         fb: &[usize],
@@ -1338,7 +1414,7 @@ mod avx512 {
             // q8_0 keys: the rows' queries quantized, each 16-key block prepared once for all
             // rows (only then is the state on the stack initialized).
             let mut q8 = None;
-            if keys.kind == Kind::Q8 {
+            if Q8 {
                 q8.insert(Q8State::new()).quantize(q, nr, hd);
             }
             while kb < nmax {
@@ -1347,6 +1423,8 @@ mod avx512 {
                     st.keys.prepare(&keys, kb, nk, hd);
                 } else {
                     // Keys past the last are zero rows: their sums are 0 (and masked out below).
+                    // (No prefetch here: for f16 rows from DRAM it measured slower, 18.8 -> 24-28
+                    // ns per key at 2048 keys, with the one in the value loop.)
                     for jj in 0..16 {
                         for c in 0..NC {
                             let k = if jj < nk {
@@ -1460,7 +1538,7 @@ mod avx512 {
     /// # Safety
     /// `p` covers all `(r, j)` used; `out` has `nr` rows of `hd`; rows `0..nk` exist in `values`.
     #[allow(clippy::too_many_arguments)]
-    #[inline]
+    #[inline(never)]
     #[target_feature(enable = "avx512f,avx512dq,fma,f16c")]
     unsafe fn pv(
         values: RowPtrs,
@@ -1536,17 +1614,8 @@ mod avx512 {
                 let mut acc = [[_mm512_setzero_ps(); 4]; NR];
                 for j in j0..nk {
                     let (base, sc) = values.row(j);
-                    if c0 == 0 {
-                        // Rows ahead toward the caches (a hint; past the part it fetches
-                        // nothing and never faults), and their scales once per 32 rows.
-                        let ahead = base.wrapping_add(PREFETCH_KEYS * hd);
-                        for l in (0..hd).step_by(64) {
-                            _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(l).cast());
-                        }
-                        if j % 32 == 0 {
-                            let sa = sc.wrapping_add(PREFETCH_KEYS * hd / super::QB);
-                            _mm_prefetch::<_MM_HINT_T0>(sa.cast());
-                        }
+                    if c0 == 0 && j % 16 == 0 {
+                        values.prefetch(j + PREFETCH_KEYS, 16);
                     }
                     let pj: [__m512; NR] =
                         std::array::from_fn(|r| _mm512_set1_ps(*p.add(r * rs + j)));
