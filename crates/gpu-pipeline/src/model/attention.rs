@@ -1125,7 +1125,7 @@ mod avx512 {
             let mut d = [0u16; 16 * (MAX_HD / super::QB)];
             // SAFETY (whole body): the rows `kb..kb + nk` have `hd` quants and `nb` scales
             // (forwarded), 16 rows of one part are contiguous (`rb = hd`, scales `hd / 32` per
-            // row); `self.k` has 16 rows of `q8_stride(hd) <= MAX_HD` bytes.
+            // row), `ZERO_ROW` has `MAX_HD >= hd` bytes; `self.kt` has `hd / 4` vectors.
             unsafe {
                 let (part, off) = keys.at(kb);
                 // Where each of the 16 rows is read: the ring's rows, or zeros past the last.
