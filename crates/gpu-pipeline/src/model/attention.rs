@@ -643,15 +643,26 @@ fn portable_body(
 }
 
 /// Calls `$f::<NC>(args)` with `NC = $hd / 16` as a constant (`$hd` a multiple of 16 up to
-/// the calling module's `MAX_HD`), so per-row vectors can live in registers.
+/// the calling module's `MAX_HD`), so per-row vectors can live in registers;
+/// `by_width!(hd, f, C, (args))` calls `f::<NC, C>(args)`.
 #[cfg(target_arch = "x86_64")]
 macro_rules! by_width {
     ($hd:expr, $f:ident $args:tt) => {
         by_width!(@ $hd, $f $args, 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16)
     };
+    ($hd:expr, $f:ident, $c:tt, $args:tt) => {
+        by_width!(@@ $hd, $f, $c, $args, 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16)
+    };
     (@ $hd:expr, $f:ident $args:tt, $($nc:literal)+) => {
         match $hd / 16 {
             $($nc => $f::<$nc> $args,)+
+            _ => unreachable!("head dim {} is not a multiple of 16 up to {MAX_HD}", $hd),
+        }
+    };
+    // `$f::<NC, $c>`: a second constant parameter.
+    (@@ $hd:expr, $f:ident, $c:tt, $args:tt, $($nc:literal)+) => {
+        match $hd / 16 {
+            $($nc => $f::<$nc, $c> $args,)+
             _ => unreachable!("head dim {} is not a multiple of 16 up to {MAX_HD}", $hd),
         }
     };
@@ -1017,66 +1028,27 @@ mod avx512 {
             let st = stats.as_deref_mut().map(|s| &mut s[2 * r0..2 * (r0 + nr)]);
             // SAFETY: forwarded; the block's rows are inside the checked shapes.
             unsafe {
+                // The q8_0 keys' loop is compiled apart from the other types' (inlined into one
+                // loop for all types, the q8_0 products cost f16's 64-key rows from DRAM 19 ->
+                // 26 ns per key).
                 if keys.kind == Kind::Q8 {
                     by_width!(
                         hd,
-                        keys_block_q8(qb, nb, fb, keys, values, scale, cap, scratch, ob, st)
+                        keys_block,
+                        true,
+                        (qb, nb, fb, keys, values, scale, cap, scratch, ob, st)
                     );
                 } else {
                     by_width!(
                         hd,
-                        keys_block_float(qb, nb, fb, keys, values, scale, cap, scratch, ob, st)
+                        keys_block,
+                        false,
+                        (qb, nb, fb, keys, values, scale, cap, scratch, ob, st)
                     );
                 }
             }
             r0 += nr;
         }
-    }
-
-    /// [`keys_block`] for q8_0 keys, compiled apart from the other types' (the q8_0 products
-    /// inlined into one loop for all types cost the f16 rows' registers: 19 -> 26 ns per key
-    /// on 64-key rows from DRAM).
-    ///
-    /// # Safety
-    /// As for [`keys_block`], with q8_0 `keys`.
-    #[target_feature(enable = "avx512f,avx512dq,avx512bw,avx512vl,avx512vnni,fma,f16c")]
-    #[allow(clippy::too_many_arguments)]
-    unsafe fn keys_block_q8<const NC: usize>(
-        q: &[f32],
-        nb: &[usize],
-        fb: &[usize],
-        keys: RowPtrs,
-        values: RowPtrs,
-        scale: f32,
-        cap: f32,
-        scratch: &mut Vec<f32>,
-        out: &mut [f32],
-        stats: Option<&mut [f32]>,
-    ) {
-        // SAFETY: forwarded.
-        unsafe { keys_block::<NC, true>(q, nb, fb, keys, values, scale, cap, scratch, out, stats) }
-    }
-
-    /// [`keys_block`] for f32, f16 and q4_0 keys.
-    ///
-    /// # Safety
-    /// As for [`keys_block`], with `keys` not q8_0.
-    #[target_feature(enable = "avx512f,avx512dq,avx512bw,avx512vl,avx512vnni,fma,f16c")]
-    #[allow(clippy::too_many_arguments)]
-    unsafe fn keys_block_float<const NC: usize>(
-        q: &[f32],
-        nb: &[usize],
-        fb: &[usize],
-        keys: RowPtrs,
-        values: RowPtrs,
-        scale: f32,
-        cap: f32,
-        scratch: &mut Vec<f32>,
-        out: &mut [f32],
-        stats: Option<&mut [f32]>,
-    ) {
-        // SAFETY: forwarded.
-        unsafe { keys_block::<NC, false>(q, nb, fb, keys, values, scale, cap, scratch, out, stats) }
     }
 
     /// The q8_0 key rows of a 16-key block, prepared once for every query row: the quants
@@ -1376,7 +1348,6 @@ mod avx512 {
     /// As for [`attend`]; `1 <= nb.len() <= 16`; `keys` are q8_0 exactly when `Q8`.
     #[target_feature(enable = "avx512f,avx512dq,avx512bw,avx512vl,avx512vnni,fma,f16c")]
     #[allow(clippy::too_many_arguments)]
-    #[inline]
     unsafe fn keys_block<const NC: usize, const Q8: bool>(
         q: &[f32],
         nb: &[usize],
