@@ -1052,9 +1052,8 @@ mod avx512 {
     }
 
     /// The q8_0 key rows of a 16-key block, prepared once for every query row: the quants
-    /// transposed so that a vector holds one 4-byte group of every key (read from the ring
-    /// itself when the 16 rows are in one part, else from a copy with zero rows past the
-    /// block's last key), and the scales as f32, block-major (`d[16 * b + key]`). A query row's
+    /// transposed so that a vector holds one 4-byte group of every key (read from the ring's
+    /// rows in place, with a zero row for each key past the block's last), and the scales as f32, block-major (`d[16 * b + key]`). A query row's
     /// 16 dot products are then 8 `vpdpbusd` per block on a broadcast query group, with no
     /// reduction across lanes (the transpose, once per block, is shared by every row).
     struct Q8Keys {
@@ -1071,11 +1070,6 @@ mod avx512 {
 
     /// How many keys ahead the q8_0 key and value rows are prefetched.
     const PREFETCH_KEYS: usize = 64;
-
-    /// Bytes per copied row of `hd` elements (whole 64-byte pairs of blocks).
-    fn q8_stride(hd: usize) -> usize {
-        hd.div_ceil(64) * 64
-    }
 
     impl Q8Keys {
         fn new() -> Self {
@@ -1240,8 +1234,8 @@ mod avx512 {
         }
     }
 
-    /// Up to 16 query rows quantized for the q8_0 keys (zero-padded to the prepared keys'
-    /// stride; the quant sums times 128), and the current 16-key block.
+    /// Up to 16 query rows quantized for the q8_0 keys (`hd` quants per row; the quant sums
+    /// times 128), and the current 16-key block.
     struct Q8State {
         q: [i8; 16 * MAX_HD],
         d: [f32; 16 * (MAX_HD / super::QB)],
@@ -1265,10 +1259,10 @@ mod avx512 {
         #[inline]
         #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq")]
         fn quantize(&mut self, q: &[f32], nr: usize, hd: usize) {
-            let (ks, nb) = (q8_stride(hd), hd / super::QB);
+            let nb = hd / super::QB;
             for r in 0..nr {
                 let (qr, dr, cr) = (
-                    &mut self.q[r * ks..][..hd],
+                    &mut self.q[r * hd..][..hd],
                     &mut self.d[r * nb..][..nb],
                     &mut self.corr[r * nb..][..nb],
                 );
@@ -1284,12 +1278,12 @@ mod avx512 {
         #[inline]
         #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,fma")]
         unsafe fn dot(&self, r: usize, hd: usize) -> __m512 {
-            let (ks, nb) = (q8_stride(hd), hd / super::QB);
-            // SAFETY: row `r`'s quants (`ks`), scales and sums (`nb`) are inside the arrays.
+            let nb = hd / super::QB;
+            // SAFETY: row `r`'s quants (`hd`), scales and sums (`nb`) are inside the arrays.
             unsafe {
                 self.keys.dot(
                     hd,
-                    &self.q[r * ks..][..ks],
+                    &self.q[r * hd..][..hd],
                     &self.d[r * nb..][..nb],
                     &self.corr[r * nb..][..nb],
                 )
@@ -1509,7 +1503,7 @@ mod avx512 {
     /// # Safety
     /// `p` covers all `(r, j)` used; `out` has `nr` rows of `hd`; rows `0..nk` exist in `values`.
     #[allow(clippy::too_many_arguments)]
-    #[inline(never)]
+    #[inline]
     #[target_feature(enable = "avx512f,avx512dq,fma,f16c")]
     unsafe fn pv(
         values: RowPtrs,
