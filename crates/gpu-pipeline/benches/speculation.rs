@@ -11,11 +11,12 @@
 //!
 //! `scripts/bench-speculation`, or `cargo bench -p zerolayer-gpu-pipeline --bench speculation`
 //! (ZEROLAYER_BENCH_THREADS, default 2; ZEROLAYER_BENCH_ROUNDS, default 3;
-//! ZEROLAYER_BENCH_MAX_DRAFT, default the engine's; ZEROLAYER_BENCH_MIN_ACCEPTANCE and
+//! ZEROLAYER_BENCH_MAX_DRAFT, default the engine's; ZEROLAYER_BENCH_P_MIN, lookup's
+//! `NgramLookup::min_probability` or the draft model's `DraftModel::min_probability`, and
 //! ZEROLAYER_BENCH_MIN_NGRAM with ZEROLAYER_BENCH_MAX_NGRAM likewise). ZEROLAYER_BENCH_MODEL: the
 //! target model file (default: the default model); ZEROLAYER_BENCH_DRAFT: a draft model file
-//! of the same vocabulary, which then proposes instead of lookup (ZEROLAYER_BENCH_P_MIN: its
-//! `DraftModel::min_probability`); ZEROLAYER_BENCH_PROMPTS_OUT: a directory that receives each
+//! of the same vocabulary, which then proposes instead of lookup (ZEROLAYER_BENCH_MIN_ACCEPTANCE:
+//! its `DraftModel::min_acceptance`); ZEROLAYER_BENCH_PROMPTS_OUT: a directory that receives each
 //! prompt as text (`NAME.txt`, special tokens written out) and its token limit
 //! (`NAME.max`), for a peer run on the same prompts (`scripts/bench-speculation
 //! --draft-model`).
@@ -179,11 +180,10 @@ fn main() {
     ) {
         lookup = lookup.with_ngram(min, max);
     }
-    if let Some(r) = std::env::var("ZEROLAYER_BENCH_MIN_ACCEPTANCE")
-        .ok()
-        .and_then(|v| v.parse().ok())
-    {
-        lookup = lookup.with_min_acceptance(r);
+    let env_f32 = |name: &str| -> Option<f32> { std::env::var(name).ok()?.parse().ok() };
+    let p_min = env_f32("ZEROLAYER_BENCH_P_MIN");
+    if let Some(p) = p_min {
+        lookup = lookup.with_min_probability(p);
     }
     let path = std::env::var_os("ZEROLAYER_BENCH_MODEL").map_or_else(
         || weight_cache::locate_default_model().expect("scripts/fetch-model first"),
@@ -213,13 +213,12 @@ fn main() {
     }
     let speculation = match std::env::var_os("ZEROLAYER_BENCH_DRAFT") {
         Some(d) => {
-            let mut draft = DraftModel::new(load(std::path::Path::new(&d)).0)
-                .with_max_draft(lookup.max_draft)
-                .with_min_acceptance(lookup.min_acceptance);
-            if let Some(p) = std::env::var("ZEROLAYER_BENCH_P_MIN")
-                .ok()
-                .and_then(|v| v.parse().ok())
-            {
+            let mut draft =
+                DraftModel::new(load(std::path::Path::new(&d)).0).with_max_draft(lookup.max_draft);
+            if let Some(r) = env_f32("ZEROLAYER_BENCH_MIN_ACCEPTANCE") {
+                draft = draft.with_min_acceptance(r);
+            }
+            if let Some(p) = p_min {
                 draft = draft.with_min_probability(p);
             }
             Speculation::DraftModel(draft)

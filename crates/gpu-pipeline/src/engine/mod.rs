@@ -67,7 +67,7 @@ pub use metrics::EngineMetrics;
 pub use scheduler::{
     ClientKey, ClientUsage, KvPlan, Refusal, Scheduler, SchedulerConfig, SeqId, SeqSpec, WorkItem,
 };
-pub use speculate::{DraftModel, NgramLookup, Speculation, propose, verify};
+pub use speculate::{DraftModel, NgramLookup, Speculation, longest_match, propose, verify};
 
 use channel::Chan;
 use draft::Drafter;
