@@ -872,7 +872,8 @@ mod avx512 {
                 let len = unsafe {
                     match n - t0 {
                         4.. => put(&mut tile, interleaved::<F, 4>(group, bb, ap, nb, pf)),
-                        2..=3 => put(&mut tile, interleaved::<F, 2>(group, bb, ap, nb, pf)),
+                        3 => put(&mut tile, interleaved::<F, 3>(group, bb, ap, nb, pf)),
+                        2 => put(&mut tile, interleaved::<F, 2>(group, bb, ap, nb, pf)),
                         _ => put(&mut tile, interleaved::<F, 1>(group, bb, ap, nb, pf)),
                     }
                 };
@@ -1206,7 +1207,7 @@ mod avx512 {
         });
         for (j, wj) in blk.w.iter().enumerate() {
             for t in 0..T {
-                let second = if split { j >= 4 } else { T <= 2 && j % 2 == 1 };
+                let second = if split { j >= 4 } else { T <= 3 && j % 2 == 1 };
                 if second {
                     odd[t] = _mm512_dpbusd_epi32(odd[t], *wj, act4(a[t], j));
                 } else {
@@ -1229,7 +1230,7 @@ mod avx512 {
                 }
                 continue;
             }
-            let isum = if T <= 2 {
+            let isum = if T <= 3 {
                 _mm512_add_epi32(even[t], odd[t])
             } else {
                 even[t]
