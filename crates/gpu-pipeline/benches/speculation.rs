@@ -12,7 +12,9 @@
 //! `scripts/bench-speculation`, or `cargo bench -p zerolayer-gpu-pipeline --bench speculation`
 //! (ZEROLAYER_BENCH_THREADS, default 2; ZEROLAYER_BENCH_ROUNDS, default 3;
 //! ZEROLAYER_BENCH_MAX_DRAFT, default the engine's; ZEROLAYER_BENCH_P_MIN, lookup's
-//! `NgramLookup::min_probability` or the draft model's `DraftModel::min_probability`, and
+//! `NgramLookup::min_probability` or the draft model's `DraftModel::min_probability`;
+//! ZEROLAYER_BENCH_PROMPTS, another prompt file of the same format, such as
+//! `benches/speculation_prompts_heldout.txt`, prompts that did not set lookup's prior; and
 //! ZEROLAYER_BENCH_MIN_NGRAM with ZEROLAYER_BENCH_MAX_NGRAM likewise). ZEROLAYER_BENCH_MODEL: the
 //! target model file (default: the default model); ZEROLAYER_BENCH_DRAFT: a draft model file
 //! of the same vocabulary, which then proposes instead of lookup (ZEROLAYER_BENCH_MIN_ACCEPTANCE:
@@ -43,7 +45,11 @@ struct Prompt {
 fn prompts(tok: &Tokenizer) -> Vec<Prompt> {
     let chat = ChatTemplate::from_tokenizer(tok).expect("chat template");
     let mut out = Vec::new();
-    for section in PROMPTS.split("\n=== ").skip(1) {
+    let text = match std::env::var_os("ZEROLAYER_BENCH_PROMPTS") {
+        Some(f) => std::fs::read_to_string(f).expect("read ZEROLAYER_BENCH_PROMPTS"),
+        None => PROMPTS.to_owned(),
+    };
+    for section in text.split("\n=== ").skip(1) {
         let (head, body) = section.split_once('\n').expect("a header line");
         let mut h = head.split_whitespace();
         let (name, kind, max) = (h.next(), h.next(), h.next());
