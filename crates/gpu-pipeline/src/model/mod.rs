@@ -552,6 +552,8 @@ struct AttnScratch {
 
 /// Query tokens per attention task (times the GQA group: 48 rows for SmolLM2).
 const ATT_BLOCK: usize = 16;
+/// Query rows per attention task when a forward pass has few (the kernels' row block).
+const ATT_SMALL_ROWS: usize = 16;
 
 /// Forward calls that count as one request of an attached [`WeightCache`]: its first touch of
 /// each tensor in a request asks the kernel (mincore) for residency, so a new request per call
@@ -1258,11 +1260,25 @@ impl Model {
             row += n;
         }
         sc.att_blocks.clear();
+        // Few blocks (a decode step of a few sequences, a verification of drafts): blocks of
+        // `ATT_SMALL_ROWS` rows instead, so that the KV heads of a step make more tasks than
+        // there are threads (SmolLM2's 3 KV heads on 2 threads ran a 9-token step as 3 tasks,
+        // one thread taking two). A row's result does not depend on the block it is in, and
+        // the kernels run blocks of 16 rows anyway, so this changes no bit.
+        let group = self.cfg.gqa_group();
+        let whole: usize = steps
+            .iter()
+            .map(|s| s.tokens.len().div_ceil(ATT_BLOCK))
+            .sum();
+        let tq = if whole * self.cfg.n_kv_heads < 4 * self.pool().n_threads() {
+            (ATT_SMALL_ROWS / group).max(1)
+        } else {
+            ATT_BLOCK
+        };
         for (i, s) in steps.iter().enumerate() {
             let n = s.tokens.len() as u32;
-            for j0 in (0..n).step_by(ATT_BLOCK) {
-                sc.att_blocks
-                    .push((i as u32, j0, (n - j0).min(ATT_BLOCK as u32)));
+            for j0 in (0..n).step_by(tq) {
+                sc.att_blocks.push((i as u32, j0, (n - j0).min(tq as u32)));
             }
         }
         // Longest first, so the last tasks claimed are short ones.
