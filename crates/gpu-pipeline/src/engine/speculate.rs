@@ -187,12 +187,14 @@ pub struct NgramLookup {
     /// Shortest match that may propose (1: a single token).
     pub min_ngram: usize,
     /// A draft goes on while the estimated probability that all of it, up to and including
-    /// the next token, is accepted stays at least this (see [`SpecState`]'s lookup estimate in
-    /// the [module docs](self)). A draft token costs about a sixth of a step on the default
-    /// model (2 threads) and yields a token only if it and every draft token before it are
-    /// accepted, so drafting pays while that probability is above roughly a sixth of the
-    /// step's expected yield; 0.3 measured best on `scripts/bench-speculation` (0.25: 1.72x
-    /// against 1.76x for 0.3 and 1.74x for 0.35, replayed on recorded outputs).
+    /// the next token, is accepted stays at least this. The estimate is the sequence's own:
+    /// per length of the match a draft token continues (1 to 8 and more), a prior measured on
+    /// the default model's outputs (a token after a 1-token match was right 10-17% of the
+    /// time, after 8 or more 94-97%) updated by the sequence's verifications. A draft token
+    /// costs about a fifth of a step on the default model (2 threads,
+    /// `examples/step_cost`) and yields a token only if it and every draft token before it
+    /// are accepted; 0.3 did best when the bench prompts' outputs were replayed under that
+    /// cost (1.71x plain, against 1.68x for 0.4 and 1.66x for 0.5).
     pub min_probability: f32,
     /// Most decoding sequences in the batch for which anyone drafts (default 1: a sequence
     /// drafts only while it decodes alone). A draft token costs a token's compute whether it
