@@ -159,6 +159,19 @@ fn generate_with_speculation_prints_the_same_answer() {
         .filter_map(|w| w.parse().ok())
         .collect();
     assert!(n.len() >= 2 && n[1] * 2 > n[0] && n[1] > 8, "{line}");
+    // Lookup went first where the list repeats the prompt; --no-draft-lookup leaves every draft
+    // to the draft model, with the same answer.
+    assert!(!line.contains("(0 by lookup)"), "{line}");
+    let (alone, err) = run(&[
+        "--draft-model",
+        draft,
+        "--draft-p-min",
+        "0",
+        "--no-draft-lookup",
+        "--timings",
+    ]);
+    assert_eq!(alone, plain);
+    assert!(err.contains("(0 by lookup)"), "{err}");
     // --draft-model proposes by itself.
     let out = zerolayer(&[
         "generate",

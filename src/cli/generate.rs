@@ -123,6 +123,11 @@ pub(crate) struct GenerateArgs {
     /// probability (llama.cpp's --draft-p-min; ours is over the whole vocabulary).
     #[arg(long, default_value_t = 0.1)]
     draft_p_min: f32,
+    /// With --draft-model: the draft model proposes every draft. By default n-gram lookup in
+    /// the request's own text goes first, and where it confidently proposes 4 tokens or more
+    /// they are the draft and the draft model skips that step.
+    #[arg(long)]
+    no_draft_lookup: bool,
 }
 
 /// `--executor`.
@@ -410,6 +415,7 @@ fn generate(a: &GenerateArgs, loaded: LoadedModel, prompt: &[u32]) -> anyhow::Re
         a.max_draft,
         a.draft_model.as_deref(),
         a.draft_p_min,
+        !a.no_draft_lookup,
         a.threads,
     )?;
     let choice = executor_choice(a.executor, a.device_budget)?;
@@ -477,8 +483,9 @@ fn generate(a: &GenerateArgs, loaded: LoadedModel, prompt: &[u32]) -> anyhow::Re
         if speculating {
             let m = engine.metrics();
             eprintln!(
-                "speculation: {} draft tokens, {} accepted ({:.2}), {:.2} tokens per target step",
+                "speculation: {} draft tokens ({} by lookup), {} accepted ({:.2}), {:.2} tokens per target step",
                 m.draft_tokens,
+                m.lookup_draft_tokens,
                 m.accepted_draft_tokens,
                 m.draft_acceptance_rate(),
                 m.tokens_per_sampled_step()

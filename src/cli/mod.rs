@@ -153,16 +153,17 @@ pub(crate) enum Speculate {
 
 /// The engine's speculation from `--speculate`, `--max-draft`, `--draft-model` (a GGUF file
 /// or Hugging Face directory with the model's vocabulary, loaded with `threads` compute threads
-/// and 8-bit activations: a draft's precision changes only how many drafts are accepted) and
-/// `--draft-p-min`.
+/// and 8-bit activations: a draft's precision changes only how many drafts are accepted),
+/// `--draft-p-min` and `--no-draft-lookup` (`lookup_first` false).
 pub(crate) fn speculation(
     speculate: Speculate,
     max_draft: usize,
     draft_model: Option<&Path>,
     p_min: f32,
+    lookup_first: bool,
     threads: usize,
 ) -> anyhow::Result<gpu_pipeline::engine::Speculation> {
-    use gpu_pipeline::engine::{DraftModel, Speculation};
+    use gpu_pipeline::engine::{DraftModel, NgramLookup, Speculation};
     match (speculate, draft_model) {
         (Speculate::Ngram, Some(_)) => {
             bail!("--draft-model proposes the drafts itself: leave out --speculate ngram")
@@ -172,7 +173,8 @@ pub(crate) fn speculation(
             Ok(Speculation::DraftModel(
                 DraftModel::new(Arc::new(draft.model))
                     .with_max_draft(max_draft)
-                    .with_min_probability(p_min),
+                    .with_min_probability(p_min)
+                    .with_lookup_first(lookup_first.then(NgramLookup::default)),
             ))
         }
         (s, None) => Ok(s.engine(max_draft)),

@@ -121,6 +121,11 @@ pub(crate) struct ServeArgs {
     /// probability (llama.cpp's --draft-p-min; ours is over the whole vocabulary).
     #[arg(long, default_value_t = 0.1)]
     draft_p_min: f32,
+    /// With --draft-model: the draft model proposes every draft. By default n-gram lookup in
+    /// the request's own text goes first, and where it confidently proposes 4 tokens or more
+    /// they are the draft and the draft model skips that step.
+    #[arg(long)]
+    no_draft_lookup: bool,
     /// KV-cache budget, e.g. 256M (default: the engine's).
     #[arg(long, value_parser = zerolayer::parse_byte_size)]
     kv_budget: Option<u64>,
@@ -222,6 +227,7 @@ fn build_service(args: &ServeArgs) -> anyhow::Result<(Arc<EngineService>, PathBu
             args.max_draft,
             args.draft_model.as_deref(),
             args.draft_p_min,
+            !args.no_draft_lookup,
             args.threads.unwrap_or(0),
         )?);
     if let Some(n) = args.max_per_client {

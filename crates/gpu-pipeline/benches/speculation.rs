@@ -18,7 +18,8 @@
 //! ZEROLAYER_BENCH_MIN_NGRAM with ZEROLAYER_BENCH_MAX_NGRAM likewise). ZEROLAYER_BENCH_MODEL: the
 //! target model file (default: the default model); ZEROLAYER_BENCH_DRAFT: a draft model file
 //! of the same vocabulary, which then proposes instead of lookup (ZEROLAYER_BENCH_MIN_ACCEPTANCE:
-//! its `DraftModel::min_acceptance`); ZEROLAYER_BENCH_PROMPTS_OUT: a directory that receives each
+//! its `DraftModel::min_acceptance`; ZEROLAYER_BENCH_DRAFT_LOOKUP=0: without its lookup first,
+//! `DraftModel::lookup_first`); ZEROLAYER_BENCH_PROMPTS_OUT: a directory that receives each
 //! prompt as text (`NAME.txt`, special tokens written out) and its token limit
 //! (`NAME.max`), for a peer run on the same prompts (`scripts/bench-speculation
 //! --draft-model`).
@@ -226,6 +227,9 @@ fn main() {
             }
             if let Some(p) = p_min {
                 draft = draft.with_min_probability(p);
+            }
+            if std::env::var("ZEROLAYER_BENCH_DRAFT_LOOKUP").is_ok_and(|v| v == "0") {
+                draft = draft.with_lookup_first(None);
             }
             Speculation::DraftModel(draft)
         }

@@ -325,7 +325,7 @@ fn a_grammar_cuts_drafts_and_leaves_the_output_alone() {
     assert!(want.text.starts_with("[{\"fruit\":"), "{}", want.text);
     for (what, spec) in [
         ("lookup", lookup as fn() -> Speculation),
-        ("draft model", || q2k_drafts(1)),
+        ("draft model", || q2k_drafts(1, false)),
     ] {
         let mut drafted = Vec::new();
         for c in [
@@ -359,18 +359,22 @@ fn test_model(name: &str) -> Arc<gpu_pipeline::Model> {
 
 /// The default model requantized to Q2_K drafts for the default model: close enough to be
 /// accepted often, far enough to be rejected (every draft goes on to `max_draft`, whatever the
-/// draft model's confidence), so the draft ring's rollback runs.
-fn q2k_drafts(max_batch: usize) -> Speculation {
+/// draft model's confidence), so the draft ring's rollback runs. Without lookup first (the
+/// draft model proposes every draft) unless `lookup`.
+fn q2k_drafts(max_batch: usize, lookup: bool) -> Speculation {
     Speculation::DraftModel(
         DraftModel::new(test_model("smollm2.Q2_K"))
             .with_min_probability(0.0)
             .with_max_draft(6)
-            .with_max_batch(max_batch),
+            .with_max_batch(max_batch)
+            .with_lookup_first(lookup.then(NgramLookup::default)),
     )
 }
 
 /// Greedy and seeded sampling with a draft model emit what plain decoding emits, alone and in
-/// one batch (every sequence drafting), and drafts were both accepted and rejected.
+/// one batch (every sequence drafting), and drafts were both accepted and rejected; with
+/// lookup first as well, where lookup proposes some of the drafts (the code and the list are
+/// copied from the prompt) and the draft model's ring catches up on the steps it skipped.
 #[test]
 fn output_with_a_draft_model_is_the_plain_output() {
     let reqs = [
@@ -386,31 +390,48 @@ fn output_with_a_draft_model_is_the_plain_output() {
     let plain = engine(Speculation::Off);
     let want: Vec<Seen> = reqs.iter().map(|r| run(&plain, r.clone())).collect();
     assert_eq!(want[3].stop, StopReason::StopSequence);
-    let alone = engine(q2k_drafts(1));
-    for (i, (r, want)) in reqs.iter().zip(&want).enumerate() {
-        assert_eq!(&run(&alone, r.clone()), want, "request {i} alone");
+    for lookup in [false, true] {
+        let alone = engine(q2k_drafts(1, lookup));
+        for (i, (r, want)) in reqs.iter().zip(&want).enumerate() {
+            assert_eq!(
+                &run(&alone, r.clone()),
+                want,
+                "request {i} alone, lookup {lookup}"
+            );
+        }
+        let m = alone.metrics();
+        eprintln!(
+            "alone, lookup first {lookup}: drafted {} ({} by lookup) accepted {} ({:.2}), \
+             {:.2} tokens per sampled step",
+            m.draft_tokens,
+            m.lookup_draft_tokens,
+            m.accepted_draft_tokens,
+            m.draft_acceptance_rate(),
+            m.tokens_per_sampled_step()
+        );
+        assert!(m.accepted_draft_tokens > 40, "{m:?}");
+        assert!(m.draft_tokens > m.accepted_draft_tokens, "{m:?}");
+        assert!(m.tokens_per_sampled_step() > 1.5, "{m:?}");
+        if lookup {
+            assert!(
+                m.lookup_draft_tokens > 20 && m.lookup_draft_tokens < m.draft_tokens,
+                "both proposers drafted: {m:?}"
+            );
+        } else {
+            assert_eq!(m.lookup_draft_tokens, 0);
+        }
+        let batched = engine(q2k_drafts(16, lookup));
+        let handles: Vec<_> = reqs
+            .iter()
+            .map(|r| batched.submit(r.clone()).expect("submit"))
+            .collect();
+        for (i, (h, want)) in handles.iter().zip(&want).enumerate() {
+            assert_eq!(&collect(h), want, "request {i} in a batch, lookup {lookup}");
+        }
+        let m = batched.metrics();
+        assert!(m.accepted_draft_tokens > 40 && m.draft_tokens > m.accepted_draft_tokens);
+        assert_eq!(m.lookup_draft_tokens > 0, lookup, "{m:?}");
     }
-    let m = alone.metrics();
-    eprintln!(
-        "alone: drafted {} accepted {} ({:.2}), {:.2} tokens per sampled step",
-        m.draft_tokens,
-        m.accepted_draft_tokens,
-        m.draft_acceptance_rate(),
-        m.tokens_per_sampled_step()
-    );
-    assert!(m.accepted_draft_tokens > 40, "{m:?}");
-    assert!(m.draft_tokens > m.accepted_draft_tokens, "{m:?}");
-    assert!(m.tokens_per_sampled_step() > 1.5, "{m:?}");
-    let batched = engine(q2k_drafts(16));
-    let handles: Vec<_> = reqs
-        .iter()
-        .map(|r| batched.submit(r.clone()).expect("submit"))
-        .collect();
-    for (i, (h, want)) in handles.iter().zip(&want).enumerate() {
-        assert_eq!(&collect(h), want, "request {i} in a batch");
-    }
-    let m = batched.metrics();
-    assert!(m.accepted_draft_tokens > 40 && m.draft_tokens > m.accepted_draft_tokens);
 }
 
 /// A draft model with another vocabulary is refused when the engine starts.

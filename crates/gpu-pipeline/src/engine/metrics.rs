@@ -76,6 +76,10 @@ pub struct EngineMetrics {
     pub draft_tokens: u64,
     /// Of which accepted (emitted without a step of their own).
     pub accepted_draft_tokens: u64,
+    /// Of the draft tokens, those n-gram lookup proposed (all of them under
+    /// [`Speculation::NgramLookup`](super::Speculation::NgramLookup); with a draft model, its
+    /// lookup-first drafts, [`DraftModel::lookup_first`](super::DraftModel::lookup_first)).
+    pub lookup_draft_tokens: u64,
     /// Sequence steps that sampled (one per sequence per step that emitted tokens): without
     /// speculation about one per generated token.
     pub sampled_steps: u64,
@@ -152,6 +156,7 @@ impl Default for EngineMetrics {
             storage_read_bytes_per_token: None,
             draft_tokens: 0,
             accepted_draft_tokens: 0,
+            lookup_draft_tokens: 0,
             sampled_steps: 0,
         }
     }

@@ -67,7 +67,9 @@ pub use metrics::EngineMetrics;
 pub use scheduler::{
     ClientKey, ClientUsage, KvPlan, Refusal, Scheduler, SchedulerConfig, SeqId, SeqSpec, WorkItem,
 };
-pub use speculate::{DraftModel, NgramLookup, Speculation, longest_match, propose, verify};
+pub use speculate::{
+    DraftModel, LOOKUP_FIRST_MIN, NgramLookup, Speculation, longest_match, propose, verify,
+};
 
 use channel::Chan;
 use draft::Drafter;
@@ -1097,6 +1099,7 @@ impl<E: Executor> Worker<E> {
             let mut ttfts = Vec::new();
             let mut itls = Vec::new();
             let (mut drafted, mut accepted, mut sampled_steps) = (0u64, 0u64, 0u64);
+            let mut lookup_drafted = 0u64;
             match result {
                 Err(e) => {
                     let event = EngineError::from(e).event();
@@ -1120,6 +1123,9 @@ impl<E: Executor> Worker<E> {
                             continue;
                         }
                         let drafts = a.drafts;
+                        if a.spec.as_ref().is_some_and(SpecState::proposed_by_lookup) {
+                            lookup_drafted += drafts as u64;
+                        }
                         let accepted_now =
                             match tokens.next().expect("one result per sampling item") {
                                 Ok(n) => n,
@@ -1160,6 +1166,7 @@ impl<E: Executor> Worker<E> {
             m.steps += 1;
             m.draft_tokens += drafted;
             m.accepted_draft_tokens += accepted;
+            m.lookup_draft_tokens += lookup_drafted;
             m.sampled_steps += sampled_steps;
             m.record_batch(seqs.len());
             m.busy += busy;
@@ -1478,13 +1485,16 @@ impl<S: KvStorage> Active<'_, S> {
         if decoding && batch <= sp.max_batch() {
             let left = (self.req.max_new_tokens).saturating_sub(self.output_tokens + 1);
             if sp.uses_draft_model() {
-                self.draft_want = sp.budget(left);
+                self.draft_want = sp.propose_before_draft(&self.history, left);
             } else {
                 sp.propose(&self.history, left);
-                if let Some(c) = &self.constrained {
-                    let allowed = lock(c).state.allowed_prefix(&sp.proposal);
-                    sp.proposal.truncate(allowed);
-                }
+            }
+            // Lookup's drafts (a draft model's are cut as it drafts).
+            if !sp.proposal.is_empty()
+                && let Some(c) = &self.constrained
+            {
+                let allowed = lock(c).state.allowed_prefix(&sp.proposal);
+                sp.proposal.truncate(allowed);
             }
         } else {
             sp.proposal.clear();

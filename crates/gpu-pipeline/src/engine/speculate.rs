@@ -21,7 +21,11 @@
 //! token per draft step, and stops early when its top token's probability falls under
 //! [`DraftModel::min_probability`] (llama.cpp's `--draft-p-min`). Every drafting sequence
 //! of a step runs in one batched forward pass of the draft model. After the verification the
-//! draft ring is rolled back to the accepted text, as the target's is.
+//! draft ring is rolled back to the accepted text, as the target's is. Lookup goes first
+//! ([`DraftModel::lookup_first`], on by default): where it confidently proposes at least
+//! [`LOOKUP_FIRST_MIN`] tokens, those are the step's draft and the draft model does not run
+//! (a draft pass per token is what a draft model costs; its ring catches up on the skipped
+//! text, batched, the next time it drafts).
 //!
 //! **Verification** ([`verify`]): the engine runs the sequence's step on `[last token, draft...]`
 //! (one forward pass, logits for every row; the other sequences of the batch are untouched, a
@@ -114,7 +118,16 @@ pub struct DraftModel {
     /// KV budget of the draft model's own pool, in bytes. A sequence whose draft ring does not
     /// fit decodes without drafts.
     pub kv_budget_bytes: usize,
+    /// Lookup first: where n-gram lookup in the sequence's own text confidently proposes at
+    /// least [`LOOKUP_FIRST_MIN`] tokens (as [`Speculation::NgramLookup`] with its defaults
+    /// would), those are the draft and the draft model does not run for that step (its ring
+    /// catches up on the text later). Text that repeats the prompt then costs no draft passes.
+    pub lookup_first: Option<NgramLookup>,
 }
+
+/// Fewest tokens a confident lookup must propose to stand in for the draft model
+/// ([`DraftModel::lookup_first`]).
+pub const LOOKUP_FIRST_MIN: usize = 4;
 
 impl DraftModel {
     /// Drafts from `model` with the default policy: up to 8 tokens, cut at a top-token
@@ -130,6 +143,7 @@ impl DraftModel {
             min_acceptance: 0.3,
             max_batch: 1,
             kv_budget_bytes: 256 << 20,
+            lookup_first: Some(NgramLookup::default()),
         }
     }
     /// Sets [`max_draft`](Self::max_draft) (at least 1).
@@ -157,6 +171,11 @@ impl DraftModel {
         self.kv_budget_bytes = b;
         self
     }
+    /// Sets [`lookup_first`](Self::lookup_first) (`None`: the draft model always proposes).
+    pub fn with_lookup_first(mut self, lookup: Option<NgramLookup>) -> Self {
+        self.lookup_first = lookup;
+        self
+    }
 }
 
 impl std::fmt::Debug for DraftModel {
@@ -171,6 +190,7 @@ impl std::fmt::Debug for DraftModel {
             .field("min_acceptance", &self.min_acceptance)
             .field("max_batch", &self.max_batch)
             .field("kv_budget_bytes", &self.kv_budget_bytes)
+            .field("lookup_first", &self.lookup_first)
             .finish()
     }
 }
@@ -446,8 +466,12 @@ impl Policy {
 #[derive(Clone, Debug)]
 pub(crate) struct SpecState {
     policy: Policy,
-    /// Lookup's state (`None`: a draft model proposes).
+    /// Lookup's state (with a draft model: its lookup-first, if on).
     lookup: Option<Lookup>,
+    /// Whether a draft model proposes.
+    draft_model: bool,
+    /// Whether the current proposal came from lookup.
+    from_lookup: bool,
     draft_len: usize,
     rate: f32,
     verifications: u32,
@@ -462,23 +486,27 @@ pub(crate) struct SpecState {
 impl SpecState {
     /// The state of a sequence under `s` (`None`: no speculation).
     pub(crate) fn new(s: &Speculation) -> Option<Self> {
-        let (policy, lookup) = match s {
-            Speculation::Off => return None,
-            Speculation::NgramLookup(c) => (
-                Policy::ngram(c),
-                Some(Lookup {
-                    config: *c,
-                    stats: MatchStats::new(),
-                    matched: 0,
-                }),
-            ),
-            Speculation::DraftModel(c) => (Policy::draft_model(c), None),
+        let lookup = |c: &NgramLookup| Lookup {
+            config: *c,
+            stats: MatchStats::new(),
+            matched: 0,
         };
-        Some(Self::from_parts(policy, lookup))
+        let (policy, lookup, draft_model) = match s {
+            Speculation::Off => return None,
+            Speculation::NgramLookup(c) => (Policy::ngram(c), Some(lookup(c)), false),
+            Speculation::DraftModel(c) => (
+                Policy::draft_model(c),
+                c.lookup_first.as_ref().map(lookup),
+                true,
+            ),
+        };
+        Some(Self::from_parts(policy, lookup, draft_model))
     }
 
-    fn from_parts(policy: Policy, lookup: Option<Lookup>) -> Self {
+    fn from_parts(policy: Policy, lookup: Option<Lookup>, draft_model: bool) -> Self {
         Self {
+            draft_model,
+            from_lookup: false,
             draft_len: policy.start,
             rate: 0.5,
             verifications: 0,
@@ -508,6 +536,29 @@ impl SpecState {
     /// are filled by the engine (after [`budget`](Self::budget)).
     pub(crate) fn propose(&mut self, text: &[u32], left: usize) {
         let n = self.budget(left);
+        self.lookup_into_proposal(text, n);
+    }
+
+    /// The draft model's budget for the next step (see [`budget`](Self::budget)), or 0 when
+    /// lookup first ([`DraftModel::lookup_first`]) confidently proposed at least
+    /// [`LOOKUP_FIRST_MIN`] tokens (up to the draft model's `max_draft` and `left`) into
+    /// [`proposal`](Self::proposal): those are the draft then.
+    pub(crate) fn propose_before_draft(&mut self, text: &[u32], left: usize) -> usize {
+        self.proposal.clear();
+        if self.lookup.is_some() && left > 0 {
+            self.lookup_into_proposal(text, self.policy.max_draft.min(left));
+            if self.proposal.len() >= LOOKUP_FIRST_MIN.min(left) {
+                self.from_lookup = true;
+                return 0;
+            }
+        }
+        self.from_lookup = false;
+        self.budget(left)
+    }
+
+    /// Lookup's draft of at most `n` tokens into the proposal (cleared first).
+    fn lookup_into_proposal(&mut self, text: &[u32], n: usize) {
+        self.proposal.clear();
         let Some(l) = &mut self.lookup else {
             return;
         };
@@ -529,9 +580,14 @@ impl SpecState {
         l.matched = m;
     }
 
-    /// Whether a draft model proposes (rather than lookup).
+    /// Whether lookup proposed the current drafts (rather than a draft model).
+    pub(crate) fn proposed_by_lookup(&self) -> bool {
+        !self.draft_model || self.from_lookup
+    }
+
+    /// Whether a draft model proposes (lookup first or not).
     pub(crate) fn uses_draft_model(&self) -> bool {
-        self.lookup.is_none()
+        self.draft_model
     }
 
     /// Most decoding sequences in a batch for which anyone drafts.
@@ -544,8 +600,10 @@ impl SpecState {
         if drafted == 0 {
             return;
         }
-        if let Some(l) = &mut self.lookup {
-            l.stats.record(l.matched, drafted, accepted);
+        if !self.draft_model || self.from_lookup {
+            if let Some(l) = &mut self.lookup {
+                l.stats.record(l.matched, drafted, accepted);
+            }
             return;
         }
         let c = self.policy;
@@ -749,6 +807,7 @@ mod tests {
                 start: 2,
             },
             None,
+            true,
         );
         assert!(st.uses_draft_model());
         assert_eq!(st.budget(100), 2);
