@@ -859,6 +859,46 @@ mod tests {
         assert_eq!(k, FIRST_BACKOFF);
     }
 
+    /// A draft model's sequence with lookup first: a confident lookup of at least
+    /// `LOOKUP_FIRST_MIN` tokens is the draft (no draft-model budget) and its verification
+    /// updates lookup's estimate, not the draft model's length; otherwise the draft model's
+    /// budget, with an empty proposal.
+    #[test]
+    fn lookup_first_stands_in_for_the_draft_model_when_confident() {
+        let policy = Policy {
+            max_draft: 6,
+            min_acceptance: 0.3,
+            max_batch: 1,
+            start: 6,
+        };
+        let lookup = || Lookup {
+            config: NgramLookup::default(),
+            stats: MatchStats::new(),
+            matched: 0,
+        };
+        let mut st = SpecState::from_parts(policy, Some(lookup()), true);
+        let long = [1u32, 2, 3, 4, 5, 6, 7, 8, 9, 0, 1, 2, 3, 4];
+        assert_eq!(st.propose_before_draft(&long, 100), 0);
+        assert_eq!(st.proposal, [5, 6, 7, 8, 9, 0]);
+        assert!(st.proposed_by_lookup());
+        st.record(6, 2);
+        assert_eq!(st.draft_len, 6, "the draft model's length is untouched");
+        assert!(st.lookup.as_ref().expect("lookup").stats.verified[3] > 0.0);
+        // A 2-token match proposes 2 (< 4): the draft model drafts, up to its length.
+        let two = [7u32, 8, 1, 2, 3, 4, 5, 9, 9, 1, 2];
+        assert_eq!(st.propose_before_draft(&two, 100), 6);
+        assert!(st.proposal.is_empty() && !st.proposed_by_lookup());
+        st.record(6, 1);
+        assert_eq!(st.draft_len, 5);
+        // Near the end: as many as are left is enough.
+        assert_eq!(st.propose_before_draft(&long, 2), 0);
+        assert_eq!(st.proposal, [5, 6]);
+        // Without lookup first, always the draft model.
+        let mut st = SpecState::from_parts(policy, None, true);
+        assert_eq!(st.propose_before_draft(&long, 100), 6);
+        assert!(st.proposal.is_empty() && !st.proposed_by_lookup());
+    }
+
     /// `longest_match` against the definition (every `n`, every occurrence), on random texts
     /// over small alphabets (many matches of every length).
     #[test]
