@@ -119,8 +119,9 @@ pub struct DraftModel {
     /// fit decodes without drafts.
     pub kv_budget_bytes: usize,
     /// Lookup first: where n-gram lookup in the sequence's own text confidently proposes at
-    /// least [`LOOKUP_FIRST_MIN`] tokens (as [`Speculation::NgramLookup`] with its defaults
-    /// would), those are the draft and the draft model does not run for that step (its ring
+    /// least [`LOOKUP_FIRST_MIN`] tokens (as [`Speculation::NgramLookup`] with these settings
+    /// would, up to this draft model's `max_draft`; its `max_draft` and `max_batch` are not
+    /// used), those are the draft and the draft model does not run for that step (its ring
     /// catches up on the text later). Text that repeats the prompt then costs no draft passes.
     pub lookup_first: Option<NgramLookup>,
 }
