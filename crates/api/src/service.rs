@@ -152,6 +152,9 @@ pub struct ServiceMetrics {
     /// Speculative decoding: draft tokens accepted since start (acceptance rate: this over
     /// `draft_tokens`).
     pub accepted_draft_tokens: u64,
+    /// Speculative decoding: of the draft tokens, those n-gram lookup proposed (all of them
+    /// with `--speculate ngram`; with a draft model, its lookup-first drafts).
+    pub lookup_draft_tokens: u64,
     /// Sequence steps that emitted tokens since start (tokens per target step:
     /// `generated_tokens` over this).
     pub sampled_steps: u64,

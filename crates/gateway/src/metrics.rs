@@ -458,6 +458,12 @@ impl GatewayMetrics {
         );
         counter(
             &mut o,
+            "zerolayer_lookup_draft_tokens_total",
+            "Speculative draft tokens proposed by n-gram lookup (a draft model's lookup-first share, or all with --speculate ngram).",
+            svc.lookup_draft_tokens,
+        );
+        counter(
+            &mut o,
             "zerolayer_sampled_steps_total",
             "Sequence steps that emitted tokens (tokens per target step: generated tokens over this).",
             svc.sampled_steps,
@@ -496,6 +502,25 @@ mod tests {
         assert!(s.contains("x_bucket{le=\"300\"} 2\n"));
         assert!(s.contains("x_bucket{le=\"+Inf\"} 3\n"));
         assert!(s.contains("x_count 3\n"));
+    }
+
+    /// The speculation counters reach the exposition under their names, each its own value.
+    #[test]
+    fn speculation_counters_are_exported() {
+        let mut svc = ServiceMetrics::default();
+        svc.draft_tokens = 90;
+        svc.accepted_draft_tokens = 70;
+        svc.lookup_draft_tokens = 40;
+        svc.sampled_steps = 33;
+        let out = GatewayMetrics::new().render(&svc, true);
+        for line in [
+            "zerolayer_draft_tokens_total 90",
+            "zerolayer_accepted_draft_tokens_total 70",
+            "zerolayer_lookup_draft_tokens_total 40",
+            "zerolayer_sampled_steps_total 33",
+        ] {
+            assert!(out.lines().any(|l| l == line), "{line} missing:\n{out}");
+        }
     }
 
     #[test]

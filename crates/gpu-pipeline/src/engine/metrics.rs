@@ -189,6 +189,7 @@ impl From<&EngineMetrics> for ServiceMetrics {
         s.prefix_cache_hit_tokens = m.prefix_hit_tokens;
         s.draft_tokens = m.draft_tokens;
         s.accepted_draft_tokens = m.accepted_draft_tokens;
+        s.lookup_draft_tokens = m.lookup_draft_tokens;
         s.sampled_steps = m.sampled_steps;
         s
     }
