@@ -1053,9 +1053,12 @@ mod avx512 {
 
     /// The q8_0 key rows of a 16-key block, prepared once for every query row: the quants
     /// transposed so that a vector holds one 4-byte group of every key (read from the ring's
-    /// rows in place, with a zero row for each key past the block's last), and the scales as f32, block-major (`d[16 * b + key]`). A query row's
-    /// 16 dot products are then 8 `vpdpbusd` per block on a broadcast query group, with no
-    /// reduction across lanes (the transpose, once per block, is shared by every row).
+    /// rows in place, with a zero row for each key past the block's last), and the scales as
+    /// f32, block-major (`d[16 * b + key]`). A query row's 16 dot products are then 8
+    /// `vpdpbusd` per block on a broadcast query group, with no reduction across lanes (the
+    /// transpose, once per block, is shared by every row). Aligned to a cache line, so that
+    /// each of `kt`'s 64-byte vectors is one line to load.
+    #[repr(C, align(64))]
     struct Q8Keys {
         /// The 16 rows transposed, offset by 128 (`vpdpbusd`'s unsigned operand): per block `b`
         /// and 4-byte group `g` (elements `32b + 4g..32b + 4g + 4`), one vector at `8b + g`
