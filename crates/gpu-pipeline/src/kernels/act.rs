@@ -164,15 +164,85 @@ pub(crate) fn quantize_tokens(backend: CpuIsa, x: &[f32], cols: usize, acts: &mu
     }
 }
 
-/// [`quantize_token`] compiled for AVX2 (rounding is `vroundps`, not a libm call; measured
-/// 5% of prompt processing on an AVX2-only host).
+/// AVX2 version of [`quantize_token`], producing identical bytes: a block's maximum magnitude
+/// from four 8-lane vectors, its quants by `vcvtps2dq` (round to nearest even, the default
+/// MXCSR mode, as `round_ties_even`) and saturating packs (as `as i8`). The scalar loop
+/// compiled for AVX2 took 9.7% of the default model's prompt processing on the AVX2 backend
+/// (`perf`, Zen 4, `ZEROLAYER_KERNELS=avx2`, 512 tokens, 2 threads).
 ///
 /// # Safety
 /// The CPU supports AVX2 and FMA.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn quantize_token_avx2(x: &[f32], acts: &mut [ActQuad]) {
-    quantize_token(x, acts);
+    use std::arch::x86_64::*;
+    let nblocks = x.len() / 32;
+    let abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFF_FFFF));
+    // The packs interleave 128-bit lanes; this puts the 32 bytes back in element order.
+    let order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    let hsum = |v: __m256i| {
+        let s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256::<1>(v));
+        let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b01_00_11_10>(s));
+        let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b10_11_00_01>(s));
+        _mm_cvtsi128_si32(s)
+    };
+    for (qi, a) in acts.iter_mut().enumerate() {
+        if 4 * qi + 4 > nblocks {
+            *a = ActQuad::ZERO;
+        }
+        for l in 0..4 {
+            let b = 4 * qi + l;
+            if b >= nblocks {
+                break;
+            }
+            // SAFETY: block `b` is inside `x` (32 floats).
+            let v: [__m256; 4] =
+                std::array::from_fn(|k| unsafe { _mm256_loadu_ps(x.as_ptr().add(32 * b + 8 * k)) });
+            // `max_ps(new, m)` returns `m` where `new` is NaN, as `f32::max` ignores NaN.
+            let m = v.iter().fold(_mm256_setzero_ps(), |m, &vk| {
+                _mm256_max_ps(_mm256_and_ps(vk, abs_mask), m)
+            });
+            let m = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps::<1>(m));
+            let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+            let m = _mm_max_ss(m, _mm_movehdup_ps(m));
+            let (d, id) = block_scale(_mm_cvtss_f32(m));
+            let idv = _mm256_set1_ps(id);
+            // NaN products (non-finite activations) become 0, as `as i8` makes them.
+            let q = v.map(|vk| {
+                let p = _mm256_mul_ps(vk, idv);
+                let p = _mm256_and_ps(p, _mm256_cmp_ps::<_CMP_ORD_Q>(p, p));
+                _mm256_cvtps_epi32(p)
+            });
+            let s0 = hsum(_mm256_add_epi32(q[0], q[1]));
+            let s1 = hsum(_mm256_add_epi32(q[2], q[3]));
+            let bytes = _mm256_permutevar8x32_epi32(
+                _mm256_packs_epi16(
+                    _mm256_packs_epi32(q[0], q[1]),
+                    _mm256_packs_epi32(q[2], q[3]),
+                ),
+                order,
+            );
+            // SAFETY: each store writes 16 bytes inside a 64-byte array.
+            unsafe {
+                _mm_storeu_si128(
+                    a.x0.as_mut_ptr().add(16 * l).cast(),
+                    _mm256_castsi256_si128(bytes),
+                );
+                _mm_storeu_si128(
+                    a.x1.as_mut_ptr().add(16 * l).cast(),
+                    _mm256_extracti128_si256::<1>(bytes),
+                );
+            }
+            let sx = d * (s0 + s1) as f32;
+            for k in 4 * l..4 * l + 4 {
+                a.dx[k] = d;
+                a.sx[k] = sx;
+                a.sq[k] = s0 + s1;
+                a.sq0[k] = s0;
+                a.sq1[k] = s1;
+            }
+        }
+    }
 }
 
 /// Scale and reciprocal of a block with maximum magnitude `amax`.
@@ -247,11 +317,18 @@ mod tests {
                     s ^= s >> 7;
                     s ^= s << 17;
                     let v = (s >> 40) as f32 / (1u64 << 24) as f32 - 0.5;
-                    // One all-zero block, and a wide range of magnitudes.
-                    if i / 32 == 1 {
-                        0.0
-                    } else {
-                        v * (1 << (i % 7)) as f32
+                    // One all-zero block; one whose scale is 1 (maximum 127) with exact
+                    // ties to round to even; one with NaNs (ignored by the maximum, quantized
+                    // to 0) and a negative zero; one with an infinity; and a wide range of
+                    // magnitudes.
+                    match (i / 32, i % 32) {
+                        (1, _) => 0.0,
+                        (2, 0) => -127.0,
+                        (2, e) => (e as f32 - 16.0) + 0.5,
+                        (3, 5 | 17) => f32::NAN,
+                        (3, 6) => -0.0,
+                        (5, 9) => f32::NEG_INFINITY,
+                        _ => v * (1 << (i % 7)) as f32,
                     }
                 })
                 .collect();

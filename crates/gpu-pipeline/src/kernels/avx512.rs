@@ -1115,7 +1115,10 @@ fn rows_impl<const F: u8>(
 unsafe fn quant_block(p: *const f32) -> (f32, __m512i, __m512i) {
     // SAFETY: forwarded from the caller.
     let (v0, v1) = unsafe { (_mm512_loadu_ps(p), _mm512_loadu_ps(p.add(16))) };
-    let amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+    // `max_ps(new, m)` returns `m` where `new` is NaN, as `f32::max` ignores NaN; the
+    // reduction then sees no NaN.
+    let m = _mm512_max_ps(_mm512_abs_ps(v0), _mm512_setzero_ps());
+    let amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v1), m));
     let (d, id) = block_scale(amax);
     let idv = _mm512_set1_ps(id);
     // Round to nearest even (the default MXCSR mode), as `round_ties_even` does. NaN products
