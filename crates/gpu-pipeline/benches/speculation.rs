@@ -19,7 +19,9 @@
 //! target model file (default: the default model); ZEROLAYER_BENCH_DRAFT: a draft model file
 //! of the same vocabulary, which then proposes instead of lookup (ZEROLAYER_BENCH_MIN_ACCEPTANCE:
 //! its `DraftModel::min_acceptance`; ZEROLAYER_BENCH_DRAFT_LOOKUP=0: without its lookup first,
-//! `DraftModel::lookup_first`); ZEROLAYER_BENCH_PROMPTS_OUT: a directory that receives each
+//! `DraftModel::lookup_first`); ZEROLAYER_BENCH_MAX_BATCH: `max_batch` of either proposer (the
+//! most decoding sequences for which anyone drafts; it matters in the batched runs);
+//! ZEROLAYER_BENCH_PROMPTS_OUT: a directory that receives each
 //! prompt as text (`NAME.txt`, special tokens written out) and its token limit
 //! (`NAME.max`), for a peer run on the same prompts (`scripts/bench-speculation
 //! --draft-model`).
@@ -187,6 +189,10 @@ fn main() {
     ) {
         lookup = lookup.with_ngram(min, max);
     }
+    let max_batch = env_usize("ZEROLAYER_BENCH_MAX_BATCH");
+    if let Some(b) = max_batch {
+        lookup = lookup.with_max_batch(b);
+    }
     let env_f32 = |name: &str| -> Option<f32> { std::env::var(name).ok()?.parse().ok() };
     let p_min = env_f32("ZEROLAYER_BENCH_P_MIN");
     if let Some(p) = p_min {
@@ -227,6 +233,9 @@ fn main() {
             }
             if let Some(p) = p_min {
                 draft = draft.with_min_probability(p);
+            }
+            if let Some(b) = max_batch {
+                draft = draft.with_max_batch(b);
             }
             if std::env::var("ZEROLAYER_BENCH_DRAFT_LOOKUP").is_ok_and(|v| v == "0") {
                 draft = draft.with_lookup_first(None);

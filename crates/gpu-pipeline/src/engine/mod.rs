@@ -987,8 +987,8 @@ impl<E: Executor> Worker<E> {
         let vocab = self.model.config().vocab_size;
         let shared = self.shared.clone();
         loop {
-            // ---- speculation: the drafts each decoding sequence would verify next (none in a
-            // large batch: see `NgramLookup::max_batch`)
+            // ---- speculation: the drafts each decoding sequence would verify next (fewer the
+            // more sequences decode: see `NgramLookup::max_batch`)
             let decoding = active.values().filter(|a| a.decoding()).count();
             for a in active.values_mut() {
                 a.propose(decoding);
@@ -1485,9 +1485,9 @@ impl<S: KvStorage> Active<'_, S> {
         if decoding && batch <= sp.max_batch() {
             let left = (self.req.max_new_tokens).saturating_sub(self.output_tokens + 1);
             if sp.uses_draft_model() {
-                self.draft_want = sp.propose_before_draft(&self.history, left);
+                self.draft_want = sp.propose_before_draft(&self.history, left, batch);
             } else {
-                sp.propose(&self.history, left);
+                sp.propose(&self.history, left, batch);
             }
             // Lookup's drafts (a draft model's are cut as it drafts).
             if !sp.proposal.is_empty()

@@ -217,12 +217,19 @@ pub struct NgramLookup {
     /// are accepted; 0.3 did best when the bench prompts' outputs were replayed under that
     /// cost (1.71x plain, against 1.68x for 0.4 and 1.66x for 0.5).
     pub min_probability: f32,
-    /// Most decoding sequences in the batch for which anyone drafts (default 1: a sequence
-    /// drafts only while it decodes alone). A draft token costs a token's compute whether it
-    /// is accepted or not, and saves a share of a step that shrinks as the batch grows (the
-    /// weights are read once per step for all its tokens): alone (default model, 2 threads) a
-    /// draft token cost about a fifth of a step, so drafts pay from an acceptance of about 0.2;
-    /// with up to 4 drafting, three chats at once ran at 0.95x (`scripts/bench-speculation`).
+    /// Most decoding sequences in the batch for which anyone drafts (default 16). A draft
+    /// token costs a token's compute whether it is accepted or not, and what an accepted one
+    /// saves shrinks as the batch grows: a step reads the weights once for all its tokens, so
+    /// the more sequences decode together, the more a step costs per token in compute rather
+    /// than in reading the weights, and the nearer a draft token's cost comes to what a token
+    /// costs in a plain batched step. So in a batch of `B` decoding sequences a draft goes on
+    /// only while its estimated probability `p` has odds `p / (1 - p)` at least `B` times
+    /// those of `min_probability` ([`min_probability_in_batch`](Self::min_probability_in_batch):
+    /// 0.3 alone, 0.46 for 2, 0.68 for 5, 0.87 for 16), so only long, well-predicted matches
+    /// draft in a large batch. Default model, 2 threads, `scripts/bench-speculation --rounds
+    /// 3`: each kind's prompts at once (5 repetitive, 3 chats), against plain batched decoding
+    /// in the same run: drafting only alone (`max_batch` 1) 0.98x and 0.93x, up to 8 at the
+    /// single-stream threshold 1.20x and 0.98x, with the odds rule 1.27x and 1.10x.
     pub max_batch: usize,
 }
 
@@ -233,7 +240,7 @@ impl Default for NgramLookup {
             max_ngram: 16,
             min_ngram: 1,
             min_probability: 0.3,
-            max_batch: 1,
+            max_batch: 16,
         }
     }
 }
@@ -260,6 +267,24 @@ impl NgramLookup {
     pub fn with_min_probability(mut self, p: f32) -> Self {
         self.min_probability = p;
         self
+    }
+
+    /// The probability a draft must keep in a batch of `batch` decoding sequences: odds
+    /// `batch` times those of [`min_probability`](Self::min_probability) (see
+    /// [`max_batch`](Self::max_batch)); `min_probability` itself for one.
+    ///
+    /// ```
+    /// use gpu_pipeline::engine::NgramLookup;
+    /// let l = NgramLookup::default().with_min_probability(0.5);
+    /// assert_eq!(l.min_probability_in_batch(1), 0.5);
+    /// assert!((l.min_probability_in_batch(3) - 0.75).abs() < 1e-6); // odds 1 -> 3
+    /// ```
+    pub fn min_probability_in_batch(&self, batch: usize) -> f32 {
+        let (p, b) = (self.min_probability, batch.max(1) as f32);
+        if b == 1.0 || p <= 0.0 || p >= 1.0 {
+            return p;
+        }
+        b * p / (1.0 + p * (b - 1.0))
     }
 }
 
@@ -531,23 +556,28 @@ impl SpecState {
     }
 
     /// Proposes the drafts of the next step into [`proposal`](Self::proposal), at most
-    /// `left`: by lookup in `text`, the tokens after the longest match while the estimated
-    /// probability that they are all accepted stays at least
-    /// [`NgramLookup::min_probability`] (empty when nothing matches). A draft model's proposals
-    /// are filled by the engine (after [`budget`](Self::budget)).
-    pub(crate) fn propose(&mut self, text: &[u32], left: usize) {
+    /// `left`, in a batch of `batch` decoding sequences: by lookup in `text`, the tokens after
+    /// the longest match while the estimated probability that they are all accepted stays at
+    /// least [`NgramLookup::min_probability_in_batch`] (empty when nothing matches). A draft
+    /// model's proposals are filled by the engine (after [`budget`](Self::budget)).
+    pub(crate) fn propose(&mut self, text: &[u32], left: usize, batch: usize) {
         let n = self.budget(left);
-        self.lookup_into_proposal(text, n);
+        self.lookup_into_proposal(text, n, batch);
     }
 
     /// The draft model's budget for the next step (see [`budget`](Self::budget)), or 0 when
     /// lookup first ([`DraftModel::lookup_first`]) confidently proposed at least
     /// [`LOOKUP_FIRST_MIN`] tokens (up to the draft model's `max_draft` and `left`) into
     /// [`proposal`](Self::proposal): those are the draft then.
-    pub(crate) fn propose_before_draft(&mut self, text: &[u32], left: usize) -> usize {
+    pub(crate) fn propose_before_draft(
+        &mut self,
+        text: &[u32],
+        left: usize,
+        batch: usize,
+    ) -> usize {
         self.proposal.clear();
         if self.lookup.is_some() && left > 0 {
-            self.lookup_into_proposal(text, self.policy.max_draft.min(left));
+            self.lookup_into_proposal(text, self.policy.max_draft.min(left), batch);
             if self.proposal.len() >= LOOKUP_FIRST_MIN.min(left) {
                 self.from_lookup = true;
                 return 0;
@@ -557,8 +587,9 @@ impl SpecState {
         self.budget(left)
     }
 
-    /// Lookup's draft of at most `n` tokens into the proposal (cleared first).
-    fn lookup_into_proposal(&mut self, text: &[u32], n: usize) {
+    /// Lookup's draft of at most `n` tokens into the proposal (cleared first), in a batch of
+    /// `batch` decoding sequences.
+    fn lookup_into_proposal(&mut self, text: &[u32], n: usize, batch: usize) {
         self.proposal.clear();
         let Some(l) = &mut self.lookup else {
             return;
@@ -570,10 +601,11 @@ impl SpecState {
         if n == 0 || m < l.config.min_ngram {
             return;
         }
+        let min_p = l.config.min_probability_in_batch(batch);
         let mut p = 1.0;
         for (j, &t) in text[from..].iter().take(n).enumerate() {
             p *= l.stats.p(m + j);
-            if p < l.config.min_probability {
+            if p < min_p {
                 break;
             }
             self.proposal.push(t);
@@ -709,7 +741,7 @@ mod tests {
             let (mut steps, mut accepted_total) = (0, 0);
             while spec.len() < prompt.len() + n {
                 let left = prompt.len() + n - spec.len() - 1;
-                state.propose(&spec, left);
+                state.propose(&spec, left, 1);
                 let drafts = state.proposal.clone();
                 let base = spec.len();
                 let mut with_drafts = spec.clone();
@@ -879,7 +911,7 @@ mod tests {
         };
         let mut st = SpecState::from_parts(policy, Some(lookup()), true);
         let long = [1u32, 2, 3, 4, 5, 6, 7, 8, 9, 0, 1, 2, 3, 4];
-        assert_eq!(st.propose_before_draft(&long, 100), 0);
+        assert_eq!(st.propose_before_draft(&long, 100, 1), 0);
         assert_eq!(st.proposal, [5, 6, 7, 8, 9, 0]);
         assert!(st.proposed_by_lookup());
         st.record(6, 2);
@@ -887,16 +919,16 @@ mod tests {
         assert!(st.lookup.as_ref().expect("lookup").stats.verified[3] > 0.0);
         // A 2-token match proposes 2 (< 4): the draft model drafts, up to its length.
         let two = [7u32, 8, 1, 2, 3, 4, 5, 9, 9, 1, 2];
-        assert_eq!(st.propose_before_draft(&two, 100), 6);
+        assert_eq!(st.propose_before_draft(&two, 100, 1), 6);
         assert!(st.proposal.is_empty() && !st.proposed_by_lookup());
         st.record(6, 1);
         assert_eq!(st.draft_len, 5);
         // Near the end: as many as are left is enough.
-        assert_eq!(st.propose_before_draft(&long, 2), 0);
+        assert_eq!(st.propose_before_draft(&long, 2, 1), 0);
         assert_eq!(st.proposal, [5, 6]);
         // Without lookup first, always the draft model.
         let mut st = SpecState::from_parts(policy, None, true);
-        assert_eq!(st.propose_before_draft(&long, 100), 6);
+        assert_eq!(st.propose_before_draft(&long, 100, 1), 6);
         assert!(st.proposal.is_empty() && !st.proposed_by_lookup());
     }
 
@@ -936,42 +968,64 @@ mod tests {
         assert!(!st.uses_draft_model());
         // The last 4 tokens (1 2 3 4) occurred at the start, followed by 5 6 7 8 9 1 2 3 4.
         let text = [1u32, 2, 3, 4, 5, 6, 7, 8, 9, 0, 1, 2, 3, 4];
-        st.propose(&text, 100);
+        st.propose(&text, 100, 1);
         assert_eq!(
             st.proposal,
             [5, 6, 7, 8, 9, 0],
             "a long match drafts max_draft"
         );
-        st.propose(&text, 3);
+        st.propose(&text, 3, 1);
         assert_eq!(st.proposal, [5, 6, 7], "never more than the tokens left");
-        st.propose(&text, 0);
+        st.propose(&text, 0, 1);
         assert!(st.proposal.is_empty());
         // "9" occurred once before, as a 1-token match: 0.15 < 0.3, no draft.
-        st.propose(&[9, 5, 1, 9], 100);
+        st.propose(&[9, 5, 1, 9], 100, 1);
         assert!(st.proposal.is_empty());
         // A 2-token match: 0.5, then 0.5 * 0.6 = 0.3 (kept), then * 0.8 < 0.3.
         let two = [7u32, 8, 1, 2, 3, 4, 5, 9, 9, 1, 2];
-        st.propose(&two, 100);
+        st.propose(&two, 100, 1);
         assert_eq!(st.proposal, [3, 4]);
         // Rejected at its first token again and again: the 2-token estimate falls under 0.3
         // after 6 (4 / 14; after 5 it is 4 / 13 and still drafts one token).
         for _ in 0..6 {
-            st.propose(&two, 100);
+            st.propose(&two, 100, 1);
             let n = st.proposal.len();
             st.record(n, 0);
         }
-        st.propose(&two, 100);
+        st.propose(&two, 100, 1);
         assert!(st.proposal.is_empty(), "{:?}", st.proposal);
         // The long match's estimate is its own: still drafting there.
-        st.propose(&text, 100);
+        st.propose(&text, 100, 1);
         assert_eq!(st.proposal.len(), 6);
         // Accepted drafts raise the estimate again.
         for _ in 0..40 {
-            st.propose(&text, 100);
+            st.propose(&text, 100, 1);
             let n = st.proposal.len();
             st.record(n, n);
         }
         let stats = &st.lookup.as_ref().expect("lookup").stats;
         assert!(stats.p(4) > MATCH_PRIOR[3] && stats.p(2) < 0.3);
+    }
+
+    /// In a batch a draft needs odds `B` times the single-stream threshold's: the 4-token
+    /// match's running estimates (0.8, 0.68, 0.61, 0.55, 0.52, 0.50) draft 6 tokens alone and
+    /// for 2 (0.46), 2 for 4 (0.63), none for 16 (0.87); past `max_batch` nothing.
+    #[test]
+    fn lookup_drafts_shrink_with_the_batch() {
+        let cfg = NgramLookup::default().with_max_draft(6);
+        assert_eq!(cfg.max_batch, 16);
+        assert_eq!(cfg.min_probability_in_batch(0), 0.3);
+        let mut last = 0.3;
+        for b in 2..=32 {
+            let p = cfg.min_probability_in_batch(b);
+            assert!(p > last && p < 1.0, "batch {b}: {p}");
+            last = p;
+        }
+        let mut st = SpecState::new(&Speculation::NgramLookup(cfg)).expect("on");
+        let text = [1u32, 2, 3, 4, 5, 6, 7, 8, 9, 0, 1, 2, 3, 4];
+        for (batch, want) in [(1, 6), (2, 6), (4, 2), (16, 0)] {
+            st.propose(&text, 100, batch);
+            assert_eq!(st.proposal.len(), want, "batch {batch}");
+        }
     }
 }
