@@ -867,10 +867,12 @@ mod avx512 {
                 // Decode streams the weights once: the first tile prefetches ahead in the task.
                 let pf = (t0 == 0).then_some(&task[(at + PF_AHEAD).min(task.len())..]);
                 let ap = &acts[t0 * nb..];
-                let mut tile = [_mm512_setzero_ps(); 4];
+                let mut tile = [_mm512_setzero_ps(); 8];
                 // SAFETY: `ap` holds at least the tile's tokens; `group` is `nb` packed blocks.
                 let len = unsafe {
                     match n - t0 {
+                        8.. => put(&mut tile, by_chain::<F, 8>(group, bb, ap, nb, pf)),
+                        6.. => put(&mut tile, by_chain::<F, 6>(group, bb, ap, nb, pf)),
                         4.. => put(&mut tile, interleaved::<F, 4>(group, bb, ap, nb, pf)),
                         3 => put(&mut tile, interleaved::<F, 3>(group, bb, ap, nb, pf)),
                         2 => put(&mut tile, interleaved::<F, 2>(group, bb, ap, nb, pf)),
@@ -885,9 +887,53 @@ mod avx512 {
         }
     }
 
+    /// [`interleaved`] for `T` tokens, one chain (block index modulo 4) at a time: each block
+    /// is still decoded once, but only the chain's `T` accumulators are live, so 8 tokens fit
+    /// the registers (the group's blocks, a few KiB, stay in L1 between the chains). Same bits.
+    ///
+    /// # Safety
+    /// As for [`interleaved`].
+    #[inline]
+    #[target_feature(
+        enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,gfni,avx2,fma,f16c"
+    )]
+    unsafe fn by_chain<const F: u8, const T: usize>(
+        group: &[u8],
+        bb: usize,
+        acts: &[ActBlock],
+        nb: usize,
+        pf: Option<&[u8]>,
+    ) -> [__m512; T] {
+        let chain = |l: usize| {
+            let mut acc = [_mm512_setzero_ps(); T];
+            let mut b = l;
+            while b < nb {
+                if l == 0
+                    && let Some(pf) = pf
+                {
+                    let (from, to) = (b * bb, (b * bb + 4 * bb).min(pf.len()));
+                    for off in (from..to).step_by(64) {
+                        // A hint inside `pf` (no side effects).
+                        _mm_prefetch::<_MM_HINT_T2>(pf[off..].as_ptr().cast());
+                    }
+                }
+                // SAFETY: `group` holds the group's `nb` whole blocks (K-quants: super-blocks).
+                let blk = unsafe { block16::<F>(group.as_ptr(), b, bb) };
+                step::<F, T>(&blk, std::array::from_fn(|t| &acts[t * nb + b]), &mut acc);
+                b += 4;
+            }
+            acc
+        };
+        let (c0, c1, c2, c3) = (chain(0), chain(1), chain(2), chain(3));
+        std::array::from_fn(|t| {
+            let s02 = _mm512_add_ps(c0[t], c2[t]);
+            _mm512_add_ps(s02, _mm512_add_ps(c1[t], c3[t]))
+        })
+    }
+
     /// Copies a tile's `T` outputs to the front of `buf`; returns `T`.
     #[inline(always)]
-    fn put<const T: usize>(buf: &mut [__m512; 4], v: [__m512; T]) -> usize {
+    fn put<const T: usize>(buf: &mut [__m512; 8], v: [__m512; T]) -> usize {
         buf[..T].copy_from_slice(&v);
         T
     }
