@@ -867,12 +867,15 @@ mod avx512 {
                 // Decode streams the weights once: the first tile prefetches ahead in the task.
                 let pf = (t0 == 0).then_some(&task[(at + PF_AHEAD).min(task.len())..]);
                 let ap = &acts[t0 * nb..];
-                let mut tile = [_mm512_setzero_ps(); 8];
+                let mut tile = [_mm512_setzero_ps(); 9];
                 // SAFETY: `ap` holds at least the tile's tokens; `group` is `nb` packed blocks.
                 let len = unsafe {
                     match n - t0 {
-                        8.. => put(&mut tile, by_chain::<F, 8>(group, bb, ap, nb, pf)),
-                        6.. => put(&mut tile, by_chain::<F, 6>(group, bb, ap, nb, pf)),
+                        9.. => put(&mut tile, by_chain::<F, 9>(group, bb, ap, nb, pf)),
+                        8 => put(&mut tile, by_chain::<F, 8>(group, bb, ap, nb, pf)),
+                        7 => put(&mut tile, by_chain::<F, 7>(group, bb, ap, nb, pf)),
+                        6 => put(&mut tile, by_chain::<F, 6>(group, bb, ap, nb, pf)),
+                        5 => put(&mut tile, by_chain::<F, 5>(group, bb, ap, nb, pf)),
                         4.. => put(&mut tile, interleaved::<F, 4>(group, bb, ap, nb, pf)),
                         3 => put(&mut tile, interleaved::<F, 3>(group, bb, ap, nb, pf)),
                         2 => put(&mut tile, interleaved::<F, 2>(group, bb, ap, nb, pf)),
@@ -933,7 +936,7 @@ mod avx512 {
 
     /// Copies a tile's `T` outputs to the front of `buf`; returns `T`.
     #[inline(always)]
-    fn put<const T: usize>(buf: &mut [__m512; 8], v: [__m512; T]) -> usize {
+    fn put<const T: usize>(buf: &mut [__m512; 9], v: [__m512; T]) -> usize {
         buf[..T].copy_from_slice(&v);
         T
     }
