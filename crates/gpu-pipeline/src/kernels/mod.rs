@@ -758,8 +758,12 @@ struct Job<'w, 'y> {
     first: usize,
     n: usize,
     out: OutRows<'y>,
-    /// Rows per task.
+    /// Rows per task (up to `tail_from`).
     chunk: usize,
+    /// Where the tail's smaller tasks start (`w.rows`: none).
+    tail_from: usize,
+    /// Rows per task of the tail.
+    tail_chunk: usize,
     /// Index of the job's first task.
     first_task: usize,
 }
@@ -791,6 +795,8 @@ impl<'w, 'y> Job<'w, 'y> {
                 _y: std::marker::PhantomData,
             },
             chunk: 1,
+            tail_from: 0,
+            tail_chunk: 1,
             first_task: 0,
         }
     }
@@ -1200,10 +1206,20 @@ fn run_jobs(
                 .div_ceil(threads * if n <= 2 { DECODE_TASKS_PER_THREAD } else { 8 }))
             .max(min_rows)
             .next_multiple_of(align);
+        // Decode: the last `threads` tasks' worth of rows goes in quarter-size tasks, so the
+        // thread that finishes first waits on a small task, not a whole one (tasks are claimed
+        // in order).
+        (j.tail_from, j.tail_chunk) = (j.w.rows, j.chunk);
+        let whole = j.w.rows / j.chunk;
+        if n <= 2 && threads > 1 && whole > threads {
+            j.tail_from = (whole - threads) * j.chunk;
+            j.tail_chunk = (j.chunk / 4).next_multiple_of(align).max(align);
+        }
         j.first_task = tasks;
         // A job without tokens has no tasks.
         if n > 0 {
-            tasks += j.w.rows.div_ceil(j.chunk);
+            tasks +=
+                j.tail_from.div_ceil(j.chunk) + (j.w.rows - j.tail_from).div_ceil(j.tail_chunk);
         }
     }
     let jobs: &[Job<'_, '_>] = jobs;
@@ -1212,8 +1228,16 @@ fn run_jobs(
         // tasks shares its `first_task` with the next one, which `partition_point` skips).
         let i = jobs.partition_point(|j| j.first_task <= t) - 1;
         let j = &jobs[i];
-        let start = (t - j.first_task) * j.chunk;
-        let end = (start + j.chunk).min(j.w.rows);
+        // `tail_from` is a multiple of `chunk` where there is a tail, else `w.rows`.
+        let (k, big) = (t - j.first_task, j.tail_from.div_ceil(j.chunk));
+        let (start, len) = if k < big {
+            (k * j.chunk, j.chunk)
+        } else {
+            (j.tail_from + (k - big) * j.tail_chunk, j.tail_chunk)
+        };
+        let end = (start + len)
+            .min(j.w.rows)
+            .min(if k < big { j.tail_from } else { j.w.rows });
         let mut rows_out = RowsOut {
             base: &j.out,
             start,
