@@ -105,8 +105,9 @@ pub(crate) struct ServeArgs {
     #[arg(long, value_parser = zerolayer::parse_byte_size)]
     device_budget: Option<u64>,
     /// Speculative decoding: `off`, or `ngram` (n-gram prompt lookup: drafts taken from each
-    /// request's prompt and output, verified in the batched step; the output is unchanged, and
-    /// a request whose drafts are rarely accepted stops drafting).
+    /// request's prompt and output, verified in the batched step; the output is unchanged; a
+    /// request drafts where its text repeats itself, and fewer tokens the more requests decode
+    /// together).
     #[arg(long, value_enum, default_value_t = super::Speculate::Off)]
     speculate: super::Speculate,
     /// With --speculate ngram or --draft-model: most draft tokens verified per step.

@@ -1235,9 +1235,7 @@ fn run_jobs(
         } else {
             (j.tail_from + (k - big) * j.tail_chunk, j.tail_chunk)
         };
-        let end = (start + len)
-            .min(j.w.rows)
-            .min(if k < big { j.tail_from } else { j.w.rows });
+        let end = (start + len).min(j.w.rows);
         let mut rows_out = RowsOut {
             base: &j.out,
             start,

@@ -891,8 +891,9 @@ mod avx512 {
     }
 
     /// [`interleaved`] for `T` tokens, one chain (block index modulo 4) at a time: each block
-    /// is still decoded once, but only the chain's `T` accumulators are live, so 8 tokens fit
-    /// the registers (the group's blocks, a few KiB, stay in L1 between the chains). Same bits.
+    /// is still decoded once, but only the chain's `T` accumulators are live, so up to 9 tokens
+    /// (a verification of 8 drafts) fit the registers (the group's blocks, a few KiB, stay in
+    /// L1 between the chains). Same bits.
     ///
     /// # Safety
     /// As for [`interleaved`].
