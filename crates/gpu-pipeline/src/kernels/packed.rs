@@ -912,14 +912,8 @@ mod avx512 {
             let mut acc = [_mm512_setzero_ps(); T];
             let mut b = l;
             while b < nb {
-                if l == 0
-                    && let Some(pf) = pf
-                {
-                    let (from, to) = (b * bb, (b * bb + 4 * bb).min(pf.len()));
-                    for off in (from..to).step_by(64) {
-                        // A hint inside `pf` (no side effects).
-                        _mm_prefetch::<_MM_HINT_T2>(pf[off..].as_ptr().cast());
-                    }
+                if l == 0 {
+                    prefetch_quad(pf, b, bb);
                 }
                 // SAFETY: `group` holds the group's `nb` whole blocks (K-quants: super-blocks).
                 let blk = unsafe { block16::<F>(group.as_ptr(), b, bb) };
@@ -933,6 +927,19 @@ mod avx512 {
             let s02 = _mm512_add_ps(c0[t], c2[t]);
             _mm512_add_ps(s02, _mm512_add_ps(c1[t], c3[t]))
         })
+    }
+
+    /// Prefetches (into L2) the 4 blocks of `bb` bytes from block `b` of `pf`, the bytes
+    /// [`PF_AHEAD`] past the group being decoded (none without `pf`, or past its end).
+    #[inline(always)]
+    fn prefetch_quad(pf: Option<&[u8]>, b: usize, bb: usize) {
+        if let Some(pf) = pf {
+            let (from, to) = (b * bb, (b * bb + 4 * bb).min(pf.len()));
+            for off in (from..to).step_by(64) {
+                // SAFETY: a hint inside `pf` (no side effects); SSE is baseline on x86_64.
+                unsafe { _mm_prefetch::<_MM_HINT_T2>(pf[off..].as_ptr().cast()) };
+            }
+        }
     }
 
     /// Copies a tile's `T` outputs to the front of `buf`; returns `T`.
@@ -1323,13 +1330,7 @@ mod avx512 {
         };
         let quads = nb / 4;
         for q in 0..quads {
-            if let Some(pf) = pf {
-                let (from, to) = (4 * q * bb, (4 * q * bb + 4 * bb).min(pf.len()));
-                for off in (from..to).step_by(64) {
-                    // A hint inside `pf` (no side effects).
-                    _mm_prefetch::<_MM_HINT_T2>(pf[off..].as_ptr().cast());
-                }
-            }
+            prefetch_quad(pf, 4 * q, bb);
             // Written out: a loop over `l` is not unrolled for the larger block decoders (Q2_K,
             // Q3_K), and the chains then live on the stack.
             block(&mut acc, 4 * q, 0);
