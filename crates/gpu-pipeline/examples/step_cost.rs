@@ -1,10 +1,11 @@
 //! Cost of a decode step by the number of tokens it carries (a verification of `k` drafts is a
 //! step of `k + 1` tokens with every row's logits), relative to a 1-token step, on the default
-//! model at a context of 300 tokens (or `context`): what a draft token costs, the figure that
+//! model (or `model`) at a context of 300 tokens (or `context`): what a draft token costs, the figure that
 //! bounds what speculative decoding can gain. Medians over rounds that cycle through the step
 //! sizes; each step is rolled back, so every one runs at the same context.
 //!
-//! `cargo run --release -p zerolayer-gpu-pipeline --example step_cost [threads] [rounds] [context]`
+//! `cargo run --release -p zerolayer-gpu-pipeline --example step_cost [threads] [rounds] [context]
+//! [model.gguf]` (default model: the default model; context: 300).
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -16,14 +17,17 @@ fn main() {
     let mut args = std::env::args().skip(1);
     let threads: usize = args.next().and_then(|a| a.parse().ok()).unwrap_or(2);
     let rounds: usize = args.next().and_then(|a| a.parse().ok()).unwrap_or(30);
-    let path = weight_cache::locate_default_model().expect("scripts/fetch-model first");
+    let ctx: usize = args.next().and_then(|a| a.parse().ok()).unwrap_or(300);
+    let path = match args.next() {
+        Some(p) => std::path::PathBuf::from(p),
+        None => weight_cache::locate_default_model().expect("scripts/fetch-model first"),
+    };
     // SAFETY: the model file is not modified while mapped.
     let gguf = Arc::new(unsafe { weight_cache::Gguf::open(&path) }.expect("open"));
     let model = Model::load(gguf, ModelOptions::default().with_threads(threads)).expect("load");
     let shape = model.kv_shape(KvDtype::F16);
     let pool = KvPool::new(shape, 1024 * shape.bytes_per_token()).expect("pool");
     let mut kv = pool.alloc(1024, RingMode::Strict).expect("ring");
-    let ctx: usize = args.next().and_then(|a| a.parse().ok()).unwrap_or(300);
     let prompt: Vec<u32> = (0..ctx as u32).map(|i| 100 + (i * 37) % 5000).collect();
     let mut out = Vec::new();
     let mut step = |tokens: &[u32], logits, kv: &mut _| {

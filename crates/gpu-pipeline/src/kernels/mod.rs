@@ -971,7 +971,7 @@ fn with_offsets<'w, 'y, R>(
     let mut count = 0;
     for j in jobs.iter() {
         if j.uses_blocks(backend)
-            && j.n >= panel::PANEL_MIN_TOKENS
+            && panel::runs(j.w.layout, j.n)
             && let Some(key) = Fmt::of(j.w.dtype).and_then(panel::offset_key)
             && !keys[..count].contains(&key)
         {

@@ -831,7 +831,7 @@ mod avx512 {
         rows: Range<usize>,
         out: &mut RowsOut<'_>,
     ) {
-        if n >= super::super::panel::PANEL_MIN_TOKENS {
+        if super::super::panel::runs(w.layout, n) {
             // Many tokens: unpack each group once into the panel kernel's buffer and reuse it
             // for the whole token chunk.
             // SAFETY: forwarded (same contract).

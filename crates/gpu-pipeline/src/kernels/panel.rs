@@ -53,6 +53,27 @@ pub(crate) const PANEL_ROWS: usize = 16;
 /// decoding needs no packing pass (measured crossover on Zen 4).
 pub(crate) const PANEL_MIN_TOKENS: usize = 16;
 
+/// Smallest token count for which a packed matrix ([`Layout::Rows16`]) goes through this kernel
+/// (which then unpacks each 16-row group into its panel buffer); fewer tokens are multiplied
+/// straight from the packed layout in tiles of up to 9 tokens (`packed`), which decodes each
+/// block once per tile but needs no unpacking pass. Measured on Zen 4 (2 threads,
+/// `examples/step_cost` with both kernels alternating in one process), step time tiles / panel:
+/// the default model (Q4_1, Q8_0 head; 576 x 1536) 0.86-0.93 at 16-40 tokens (and at 18 for
+/// its split-activation down projection, a verification of 8 drafts), 0.93-0.94 at 64, even at
+/// 128; the 1.04 GB Q4_K_M (Q4_K, Q6_K; 2048 x 5632) 0.79-0.81 at 18, 0.87-0.92 at 32,
+/// 0.94-0.99 at 48, even at 64, and 256-token prompts 15-20% slower with tiles.
+pub(crate) const PANEL_MIN_TOKENS_PACKED: usize = 64;
+
+/// Whether a product of `n` tokens with a matrix of `layout` runs this kernel (given a format
+/// it [`applies`] to, or a packed matrix).
+pub(crate) fn runs(layout: Layout, n: usize) -> bool {
+    n >= if layout == Layout::Rows16 {
+        PANEL_MIN_TOKENS_PACKED
+    } else {
+        PANEL_MIN_TOKENS
+    }
+}
+
 /// Most tokens multiplied per panel packing (see `panel_rows`): 128 tokens of a 1536-column
 /// input are 384 KiB of activation blocks, well inside a 1 MiB L2. Measured on Zen 4 (2 threads,
 /// Q4_1 1536x576 / 576x1536, Q8_0 4096x576): against 64, 6-20% faster at 100 tokens (one packing
