@@ -24,7 +24,9 @@
 //! ZEROLAYER_BENCH_PROMPTS_OUT: a directory that receives each
 //! prompt as text (`NAME.txt`, special tokens written out) and its token limit
 //! (`NAME.max`), for a peer run on the same prompts (`scripts/bench-speculation
-//! --draft-model`).
+//! --draft-model`); ZEROLAYER_BENCH_TOKENS_OUT: a directory that receives each prompt's token
+//! ids and its plain greedy output's (`NAME.tokens`: a `name kind` line, then the prompt's ids,
+//! then the output's, space-separated), for studying draft policies offline.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -330,6 +332,16 @@ fn main() {
             st.generated as f64 / st.sampled_steps.max(1) as f64,
             identical(st)
         );
+    }
+    if let Some(dir) = std::env::var_os("ZEROLAYER_BENCH_TOKENS_OUT") {
+        let dir = std::path::PathBuf::from(dir);
+        std::fs::create_dir_all(&dir).expect("token directory");
+        for (p, st) in prompts.iter().zip(&stats) {
+            let line = |ids: &[u32]| ids.iter().map(u32::to_string).collect::<Vec<_>>().join(" ");
+            let out = st.outputs.first().map_or(String::new(), |o| line(o));
+            let text = format!("{} {}\n{}\n{}\n", p.name, p.kind, line(&p.ids), out);
+            std::fs::write(dir.join(format!("{}.tokens", p.name)), text).expect("write tokens");
+        }
     }
     let mut kinds: Vec<&str> = prompts.iter().map(|p| p.kind.as_str()).collect();
     kinds.dedup();
