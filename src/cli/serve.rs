@@ -115,7 +115,8 @@ pub(crate) struct ServeArgs {
     max_draft: usize,
     /// Speculative decoding with a draft model: a smaller GGUF file (or Hugging Face directory)
     /// with the model's vocabulary proposes each request's drafts (greedily, in its own KV
-    /// cache, while a request decodes alone); the output is the same as without. CPU executor.
+    /// cache, all drafting requests in one draft pass, fewer tokens the more requests decode
+    /// together); the output is the same as without. CPU executor.
     #[arg(long)]
     draft_model: Option<PathBuf>,
     /// With --draft-model: a draft ends before a token the draft model gives a lower

@@ -434,6 +434,43 @@ fn output_with_a_draft_model_is_the_plain_output() {
     }
 }
 
+/// In a batch, the draft model's cut-off rises with the number of decoding sequences
+/// (`DraftModel::min_probability_in_batch`): five copies of a request decoding together draft
+/// fewer tokens each than the request alone, and still emit the plain output.
+#[test]
+fn a_draft_model_drafts_less_in_a_batch() {
+    let req = GenerationRequest::new(chat(CODE), 60);
+    let want = run(&engine(Speculation::Off), req.clone());
+    let spec = || {
+        Speculation::DraftModel(
+            DraftModel::new(test_model("smollm2.Q2_K"))
+                .with_min_probability(0.5)
+                .with_max_batch(16)
+                .with_lookup_first(None),
+        )
+    };
+    let alone = engine(spec());
+    assert_eq!(run(&alone, req.clone()), want);
+    let batched = engine(spec());
+    let handles: Vec<_> = (0..5)
+        .map(|_| batched.submit(req.clone()).expect("submit"))
+        .collect();
+    for h in &handles {
+        assert_eq!(collect(h), want);
+    }
+    let (a, b) = (alone.metrics(), batched.metrics());
+    let (per_alone, per_batched) = (a.draft_tokens as f64, b.draft_tokens as f64 / 5.0);
+    eprintln!("draft tokens per request: alone {per_alone}, in a batch of 5 {per_batched}");
+    assert!(per_alone > 10.0, "{a:?}");
+    // Identical sequences draft identically unless the cut-off differs (61 against 52 when
+    // written: the Q2_K draft is mostly confident beyond 0.83, the bar for 5).
+    assert!(per_batched + 5.0 <= per_alone, "alone {a:?}, batched {b:?}");
+    // The bar: odds 5 times those of 0.5.
+    let d = DraftModel::new(test_model("smollm2.Q2_K")).with_min_probability(0.5);
+    assert_eq!(d.min_probability_in_batch(1), 0.5);
+    assert!((d.min_probability_in_batch(5) - 5.0 / 6.0).abs() < 1e-6);
+}
+
 /// A draft model with another vocabulary is refused when the engine starts.
 #[test]
 fn a_draft_model_with_another_vocabulary_is_refused() {

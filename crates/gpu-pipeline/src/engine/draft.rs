@@ -67,7 +67,10 @@ impl Drafter {
     pub(crate) fn draft<'a, 't: 'a, S: KvStorage + 'a>(
         &mut self,
         seqs: impl Iterator<Item = &'a mut Active<'t, S>>,
+        batch: usize,
     ) {
+        // The cut-off in a batch of `batch` decoding sequences (`DraftModel::max_batch`).
+        let cut = super::speculate::odds_bar(self.min_probability, batch);
         let mut want: Vec<&mut Active<'t, S>> = seqs.filter(|a| a.draft_want > 0).collect();
         want.retain_mut(|a| self.ready(a));
         if want.is_empty() {
@@ -126,7 +129,7 @@ impl Drafter {
             for (row, &i) in live.iter().enumerate() {
                 let (token, p) = top_token(&self.logits[row * vocab..(row + 1) * vocab]);
                 // A row without a finite maximum (NaN probability) stops the draft too.
-                if p.is_nan() || p < self.min_probability {
+                if p.is_nan() || p < cut {
                     continue;
                 }
                 let a = &mut *want[i];

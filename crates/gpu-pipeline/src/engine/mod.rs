@@ -994,7 +994,7 @@ impl<E: Executor> Worker<E> {
                 a.propose(decoding);
             }
             if let Some(d) = &mut self.draft {
-                d.draft(active.values_mut());
+                d.draft(active.values_mut(), decoding);
             }
             // ---- between steps: cancellations, admissions, the plan
             let mut st = shared.lock();

@@ -112,8 +112,16 @@ pub struct DraftModel {
     /// Acceptance rate (an exponential average over verifications) below which a sequence
     /// stops drafting for a while.
     pub min_acceptance: f32,
-    /// Most decoding sequences in the batch for which anyone drafts (as
-    /// [`NgramLookup::max_batch`]).
+    /// Most decoding sequences in the batch for which anyone drafts (default 16), with
+    /// lookup's odds rule ([`NgramLookup::max_batch`]): in a batch of `B` decoding sequences a
+    /// draft token's top probability must have odds `B` times those of `min_probability`
+    /// ([`min_probability_in_batch`](Self::min_probability_in_batch): 0.1 alone, 0.18 for 2,
+    /// 0.36 for 5, 0.64 for 16). All drafting sequences share each draft pass. The default
+    /// model (Q4_1) drafting for its F32 version, `scripts/bench-speculation --rounds 2
+    /// --max-batch 8` (2 threads; each kind's prompts at once against plain batched decoding in
+    /// the same run): 5 repetitive prompts 1.37x, 3 chats 1.53x; with the weaker Q2_K
+    /// requantization as the draft 1.23x and 1.00x, against 1.04x and 0.99x drafting only alone
+    /// (`max_batch` 1, the default before).
     pub max_batch: usize,
     /// KV budget of the draft model's own pool, in bytes. A sequence whose draft ring does not
     /// fit decodes without drafts.
@@ -134,15 +142,15 @@ impl DraftModel {
     /// Drafts from `model` with the default policy: up to 8 tokens, cut at a top-token
     /// probability under 0.1 (the probability over the whole vocabulary: on the default model
     /// drafting for its F32 version, `scripts/bench-speculation`, 0.5 cut most drafts short,
-    /// 1.4x plain decoding against 1.7x at 0.1-0.2), off under an acceptance of 0.3, only while
-    /// one sequence decodes, 256 MiB of draft KV.
+    /// 1.4x plain decoding against 1.7x at 0.1-0.2), off under an acceptance of 0.3, while up
+    /// to 16 sequences decode (the cut-off rising with their number), 256 MiB of draft KV.
     pub fn new(model: Arc<Model>) -> Self {
         Self {
             model,
             max_draft: 8,
             min_probability: 0.1,
             min_acceptance: 0.3,
-            max_batch: 1,
+            max_batch: 16,
             kv_budget_bytes: 256 << 20,
             lookup_first: Some(NgramLookup::default()),
         }
@@ -166,6 +174,26 @@ impl DraftModel {
     pub fn with_max_batch(mut self, n: usize) -> Self {
         self.max_batch = n;
         self
+    }
+    /// The cut-off of a draft token in a batch of `batch` decoding sequences: the top token's
+    /// probability must have odds `batch` times those of
+    /// [`min_probability`](Self::min_probability) (lookup's rule,
+    /// [`NgramLookup::min_probability_in_batch`]; see [`max_batch`](Self::max_batch)).
+    ///
+    /// ```no_run
+    /// # use std::sync::Arc;
+    /// # use gpu_pipeline::engine::DraftModel;
+    /// # use gpu_pipeline::{Model, ModelOptions};
+    /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// # let gguf = Arc::new(unsafe { weight_cache::Gguf::open("small.gguf")? });
+    /// # let draft = Arc::new(Model::load(gguf, ModelOptions::default())?);
+    /// let d = DraftModel::new(draft).with_min_probability(0.2);
+    /// assert_eq!(d.min_probability_in_batch(1), 0.2);
+    /// assert!((d.min_probability_in_batch(4) - 0.5).abs() < 1e-6); // odds 0.25 -> 1
+    /// # Ok(()) }
+    /// ```
+    pub fn min_probability_in_batch(&self, batch: usize) -> f32 {
+        odds_bar(self.min_probability, batch)
     }
     /// Sets [`kv_budget_bytes`](Self::kv_budget_bytes).
     pub fn with_kv_budget_bytes(mut self, b: usize) -> Self {
@@ -280,12 +308,19 @@ impl NgramLookup {
     /// assert!((l.min_probability_in_batch(3) - 0.75).abs() < 1e-6); // odds 1 -> 3
     /// ```
     pub fn min_probability_in_batch(&self, batch: usize) -> f32 {
-        let (p, b) = (self.min_probability, batch.max(1) as f32);
-        if b == 1.0 || p <= 0.0 || p >= 1.0 {
-            return p;
-        }
-        b * p / (1.0 + p * (b - 1.0))
+        odds_bar(self.min_probability, batch)
     }
+}
+
+/// `p` with its odds `p / (1 - p)` multiplied by `batch` (`p` itself for a batch of at most
+/// one, or `p` outside `(0, 1)`): the bar a draft clears in a batch of `batch` decoding
+/// sequences (see [`NgramLookup::max_batch`]).
+pub(crate) fn odds_bar(p: f32, batch: usize) -> f32 {
+    let b = batch.max(1) as f32;
+    if b == 1.0 || p <= 0.0 || p >= 1.0 {
+        return p;
+    }
+    b * p / (1.0 + p * (b - 1.0))
 }
 
 /// The longest match of the end of `text` with its earlier text: `(n, from)` where the last
