@@ -58,9 +58,9 @@ pub(crate) const PANEL_MIN_TOKENS: usize = 16;
 /// straight from the packed layout in tiles of up to 9 tokens (`packed`), which decodes each
 /// block once per tile but needs no unpacking pass. Measured on Zen 4 (2 threads,
 /// `examples/step_cost` with both kernels alternating in one process), step time tiles / panel:
-/// the default model (Q4_1, Q8_0 head; 576 x 1536) 0.86-0.93 at 16-40 tokens (and at 18 for
-/// its split-activation down projection, a verification of 8 drafts), 0.93-0.94 at 64, even at
-/// 128; the 1.04 GB Q4_K_M (Q4_K, Q6_K; 2048 x 5632) 0.79-0.81 at 18, 0.87-0.92 at 32,
+/// the default model (Q4_1, Q8_0 head; 576 x 1536) 0.81-0.95 at 16-40 tokens (most 0.82-0.90),
+/// 0.92-0.95 for a verification of 8 drafts (an 18-token split-activation down projection),
+/// 0.93-0.94 at 64, 0.94-1.02 at 128; the 1.04 GB Q4_K_M (Q4_K, Q6_K; 2048 x 5632) 0.79-0.81 at 18, 0.87-0.92 at 32,
 /// 0.94-0.99 at 48, even at 64, and 256-token prompts 15-20% slower with tiles.
 pub(crate) const PANEL_MIN_TOKENS_PACKED: usize = 64;
 
