@@ -1,11 +1,11 @@
 //! Cost of a decode step by the number of tokens it carries (a verification of `k` drafts is a
 //! step of `k + 1` tokens with every row's logits), relative to a 1-token step, on the default
-//! model (or `model`) at a context of 300 tokens (or `context`): what a draft token costs, the figure that
-//! bounds what speculative decoding can gain. Medians over rounds that cycle through the step
-//! sizes; each step is rolled back, so every one runs at the same context.
+//! model (or `model.gguf`) at a context of 300 tokens (or `context`): what a draft token costs,
+//! the figure that bounds what speculative decoding can gain. Medians over rounds that cycle
+//! through the step sizes; each step is rolled back, so every one runs at the same context.
 //!
 //! `cargo run --release -p zerolayer-gpu-pipeline --example step_cost [threads] [rounds] [context]
-//! [model.gguf]` (default model: the default model; context: 300).
+//! [model.gguf]`
 
 use std::sync::Arc;
 use std::time::Instant;
