@@ -1189,12 +1189,19 @@ pub(crate) unsafe fn quantize_blocks(x: &[f32], out: &mut [ActBlock]) {
     for (b, o) in out.iter_mut().enumerate().take(x.len() / 32) {
         // SAFETY: block `b` is inside `x` (32 floats).
         let (d, q0, q1) = unsafe { quant_block(x.as_ptr().add(32 * b)) };
-        let sum0 = _mm512_reduce_add_epi32(q0);
-        let sum = sum0 + _mm512_reduce_add_epi32(q1);
+        let (b0, b1) = (_mm512_cvtepi32_epi8(q0), _mm512_cvtepi32_epi8(q1));
+        // The halves' sums from the bytes: `vpsadbw` of the quants offset by 128 (each in
+        // -127..=127) sums 8 at a time; 16 offsets (2048) come off each half.
+        let sad = |v: __m128i| {
+            let s = _mm_sad_epu8(_mm_xor_si128(v, _mm_set1_epi8(-128)), _mm_setzero_si128());
+            (_mm_cvtsi128_si64(s) + _mm_extract_epi64::<1>(s)) as i32 - 2048
+        };
+        let sum0 = sad(b0);
+        let sum = sum0 + sad(b1);
         // SAFETY: each store writes 16 bytes inside the 32-byte `q`.
         unsafe {
-            _mm_storeu_si128(o.q.as_mut_ptr().cast(), _mm512_cvtepi32_epi8(q0));
-            _mm_storeu_si128(o.q.as_mut_ptr().add(16).cast(), _mm512_cvtepi32_epi8(q1));
+            _mm_storeu_si128(o.q.as_mut_ptr().cast(), b0);
+            _mm_storeu_si128(o.q.as_mut_ptr().add(16).cast(), b1);
         }
         o.d = d;
         o.sx = d * sum as f32;
