@@ -441,14 +441,11 @@ fn output_with_a_draft_model_is_the_plain_output() {
 fn a_draft_model_drafts_less_in_a_batch() {
     let req = GenerationRequest::new(chat(CODE), 60);
     let want = run(&engine(Speculation::Off), req.clone());
-    let spec = || {
-        Speculation::DraftModel(
-            DraftModel::new(test_model("smollm2.Q2_K"))
-                .with_min_probability(0.5)
-                .with_max_batch(16)
-                .with_lookup_first(None),
-        )
-    };
+    let draft = DraftModel::new(test_model("smollm2.Q2_K"))
+        .with_min_probability(0.5)
+        .with_max_batch(16)
+        .with_lookup_first(None);
+    let spec = || Speculation::DraftModel(draft.clone());
     let alone = engine(spec());
     assert_eq!(run(&alone, req.clone()), want);
     let batched = engine(spec());
@@ -466,9 +463,8 @@ fn a_draft_model_drafts_less_in_a_batch() {
     // written: the Q2_K draft is mostly confident beyond 0.83, the bar for 5).
     assert!(per_batched + 5.0 <= per_alone, "alone {a:?}, batched {b:?}");
     // The bar: odds 5 times those of 0.5.
-    let d = DraftModel::new(test_model("smollm2.Q2_K")).with_min_probability(0.5);
-    assert_eq!(d.min_probability_in_batch(1), 0.5);
-    assert!((d.min_probability_in_batch(5) - 5.0 / 6.0).abs() < 1e-6);
+    assert_eq!(draft.min_probability_in_batch(1), 0.5);
+    assert!((draft.min_probability_in_batch(5) - 5.0 / 6.0).abs() < 1e-6);
 }
 
 /// A draft model with another vocabulary is refused when the engine starts.

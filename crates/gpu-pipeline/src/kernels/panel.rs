@@ -68,8 +68,9 @@ const PF_ACTS: usize = 16;
 /// `examples/step_cost` with both kernels alternating in one process), step time tiles / panel:
 /// the default model (Q4_1, Q8_0 head; 576 x 1536) 0.81-0.95 at 16-40 tokens (most 0.82-0.90),
 /// 0.92-0.95 for a verification of 8 drafts (an 18-token split-activation down projection),
-/// 0.93-0.94 at 64, 0.94-1.02 at 128; the 1.04 GB Q4_K_M (Q4_K, Q6_K; 2048 x 5632) 0.79-0.81 at 18, 0.87-0.92 at 32,
-/// 0.94-0.99 at 48, even at 64, and 256-token prompts 15-20% slower with tiles.
+/// 0.93-0.94 at 64, 0.94-1.02 at 128; the 1.04 GB Q4_K_M (Q4_K, Q6_K; 2048 x 5632)
+/// 0.79-0.81 at 18, 0.87-0.92 at 32, 0.94-0.99 at 48, even at 64, and 256-token prompts 15-20%
+/// slower with tiles.
 pub(crate) const PANEL_MIN_TOKENS_PACKED: usize = 64;
 
 /// Whether a product of `n` tokens with a matrix of `layout` runs this kernel (given a format
