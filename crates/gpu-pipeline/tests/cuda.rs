@@ -401,9 +401,6 @@ fn synthetic_families_match_the_cpu_and_stream_at_30_and_10_percent() {
     assert!(covered >= 3, "only {covered} families covered");
 }
 
-/// Every weight format the kernels read, through the whole forward pass: the synthetic llama
-/// with its matrices (and token embedding) in Q4_0, Q4_1, Q8_0, F16, BF16 and F32 matches the
-/// CPU executor (top-1 where the gap > 0.5).
 /// The synthetic llama of the weight-format tests: small, its matrices in one format each.
 const FORMAT_DIMS: synthetic::Dims = synthetic::Dims {
     n_embd: 128,
@@ -416,26 +413,54 @@ const FORMAT_DIMS: synthetic::Dims = synthetic::Dims {
     ctx: 256,
 };
 
-/// Every weight format the CUDA kernels read.
-const FORMATS: [weight_cache::GgmlType; 6] = {
-    use weight_cache::GgmlType::*;
-    [Q4_0, Q4_1, Q8_0, F16, BF16, F32]
+/// [`FORMAT_DIMS`] for the 256-element formats (K-quants, IQ4_XS): every matrix's rows a
+/// multiple of 256 columns.
+const FORMAT_DIMS_256: synthetic::Dims = synthetic::Dims {
+    n_embd: 256,
+    n_ff: 512,
+    head_dim: 64,
+    ..FORMAT_DIMS
 };
 
-/// The synthetic llama of [`FORMAT_DIMS`] with its matrices in `fmt` (checked), loaded.
+/// Every weight format the CUDA kernels read: every format of the CPU kernels.
+const FORMATS: [weight_cache::GgmlType; 15] = {
+    use weight_cache::GgmlType::*;
+    [
+        Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, F16, BF16, F32,
+    ]
+};
+
+/// The dimensions of `fmt`'s synthetic model.
+fn format_dims(fmt: weight_cache::GgmlType) -> synthetic::Dims {
+    if fmt.block_size() == 256 {
+        FORMAT_DIMS_256
+    } else {
+        FORMAT_DIMS
+    }
+}
+
+/// The synthetic llama of [`format_dims`] with its matrices in `fmt` (checked), loaded.
 fn format_model(fmt: weight_cache::GgmlType) -> Arc<Model> {
-    let bytes = synthetic::build_in("llama", FORMAT_DIMS, 11, fmt).build();
+    let bytes = synthetic::build_in("llama", format_dims(fmt), 11, fmt).build();
     let gguf = Arc::new(Gguf::from_bytes(bytes).unwrap());
-    assert!(gguf.tensors().any(|t| t.dtype == fmt), "{fmt:?}");
+    let n = gguf.tensors().filter(|t| t.dtype == fmt).count();
+    // The matrices of every layer, the token embedding and the head.
+    assert!(
+        n >= 7 * format_dims(fmt).n_layers + 2,
+        "{fmt:?}: {n} tensors"
+    );
     Arc::new(Model::load(gguf, ModelOptions::default().with_threads(2)).unwrap())
 }
 
+/// Every weight format the kernels read, through the whole forward pass: the synthetic llama
+/// with its matrices (and token embedding and head) in each format matches the CPU executor
+/// (top-1 where the gap > 0.5). The decoders themselves are checked on the host bit for bit
+/// (`tests/cuda_decoders.rs`).
 #[test]
 fn every_weight_format_matches_the_cpu_executor() {
     if !gpu() {
         return;
     }
-    let dims = FORMAT_DIMS;
     for fmt in FORMATS {
         let model = format_model(fmt);
         let gpu = CudaExecutor::new(model.clone(), options(None))
@@ -443,7 +468,7 @@ fn every_weight_format_matches_the_cpu_executor() {
         let (checked, agree, max_diff) = compare(
             &batch_logits(&CpuExecutor::new(model)),
             &batch_logits(&gpu),
-            dims.vocab,
+            format_dims(fmt).vocab,
         );
         eprintln!("{fmt:?}: top-1 {agree}/{checked}, max |logit diff| {max_diff}");
         assert!(checked > 0, "{fmt:?}: no row with a clear top-1");
@@ -451,16 +476,16 @@ fn every_weight_format_matches_the_cpu_executor() {
     }
 }
 
-/// The synthetic models the GPU format test uses load and run on the CPU (so a GPU run fails
-/// only on the GPU's side).
+/// The synthetic models the GPU format test uses load and run on the CPU, with rows whose top-1
+/// is clear (so a GPU run fails only on the GPU's side).
 #[test]
 fn the_synthetic_models_of_every_format_run_on_the_cpu() {
-    let dims = FORMAT_DIMS;
     for fmt in FORMATS {
         let model = format_model(fmt);
         let logits = batch_logits(&CpuExecutor::new(model));
         assert!(logits.iter().all(|v| v.is_finite()), "{fmt:?}");
-        let (checked, _, _) = compare(&logits, &logits, dims.vocab);
+        let (checked, _, _) = compare(&logits, &logits, format_dims(fmt).vocab);
+        eprintln!("{fmt:?}: {checked} rows with a clear top-1");
         assert!(checked > 0, "{fmt:?}: no row with a clear top-1");
     }
 }

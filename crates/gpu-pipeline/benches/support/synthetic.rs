@@ -74,6 +74,67 @@ fn q8_0(rng: &mut Rng, rows: usize, cols: usize, scale: f32) -> Vec<u8> {
     out
 }
 
+/// The byte offsets, in a block of `dtype`, of its f16 scale `d` and (formats with one) its f16
+/// scale of the minimums `dmin`: the fields [`random_blocks`] sets.
+fn scale_fields(dtype: GgmlType) -> (usize, Option<usize>) {
+    match dtype {
+        GgmlType::Q2_K => (80, Some(82)),
+        GgmlType::Q3_K => (108, None),
+        GgmlType::Q4_K | GgmlType::Q5_K => (0, Some(2)),
+        GgmlType::Q6_K => (208, None),
+        GgmlType::IQ4_NL | GgmlType::IQ4_XS => (0, None),
+        other => panic!("{other:?}: use weight_cache::quantize"),
+    }
+}
+
+/// `values.len() / cols` rows of random `dtype` blocks (a format without a reference quantizer
+/// here: the K-quants and IQ4): random quants and sub-block scales, every block's `d` (and
+/// `dmin`) one value each, chosen so that the weights have the mean 0 and the RMS of `values`
+/// (for the formats with minimums the mean is set by `dmin`). Random weights of the right
+/// size, not an encoding of `values`.
+fn random_blocks(rng: &mut Rng, dtype: GgmlType, values: &[f32], cols: usize) -> Vec<u8> {
+    let (d_at, dmin_at) = scale_fields(dtype);
+    let bytes = dtype.row_bytes(cols).expect("whole blocks") * (values.len() / cols);
+    let mut data: Vec<u8> = (0..bytes).map(|_| rng.next() as u8).collect();
+    let set = |data: &mut [u8], d: f32, dmin: f32| {
+        for blk in data.chunks_exact_mut(dtype.type_size()) {
+            blk[d_at..d_at + 2].copy_from_slice(&half::f16::from_f32(d).to_le_bytes());
+            if let Some(at) = dmin_at {
+                blk[at..at + 2].copy_from_slice(&half::f16::from_f32(dmin).to_le_bytes());
+            }
+        }
+    };
+    let stats = |data: &[u8]| {
+        let mut w = vec![0f32; values.len()];
+        weight_cache::dequantize(dtype, data, &mut w).expect("dequantizable");
+        let n = w.len() as f64;
+        let mean = w.iter().map(|&x| f64::from(x)).sum::<f64>() / n;
+        let ms = w.iter().map(|&x| f64::from(x) * f64::from(x)).sum::<f64>() / n;
+        (mean, ms)
+    };
+    // The weights are linear in `d` and `dmin`: their means at (1, 0) and (0, 1) give the ratio
+    // that cancels the mean, and the RMS at that ratio the common factor.
+    set(&mut data, 1.0, 0.0);
+    let (mean_d, _) = stats(&data);
+    let ratio = if dmin_at.is_some() {
+        set(&mut data, 0.0, 1.0);
+        let (mean_m, _) = stats(&data);
+        -mean_d / mean_m
+    } else {
+        0.0
+    };
+    set(&mut data, 1.0, ratio as f32);
+    let (_, ms) = stats(&data);
+    let target = values
+        .iter()
+        .map(|&x| f64::from(x) * f64::from(x))
+        .sum::<f64>()
+        / values.len() as f64;
+    let k = (target / ms).sqrt();
+    set(&mut data, k as f32, (k * ratio) as f32);
+    data
+}
+
 fn f32s(v: &[f32]) -> Vec<u8> {
     v.iter().flat_map(|x| x.to_le_bytes()).collect()
 }
@@ -112,7 +173,10 @@ pub(crate) fn build_with(
 }
 
 /// [`build`] with its matrices in `matrices` (the Q8_0 ones dequantized and requantized: the
-/// same values up to the format's rounding), for kernels of other formats.
+/// same values up to the format's rounding), for kernels of other formats. The K-quants and
+/// IQ4, which weight-cache cannot quantize, get random blocks of the same mean and RMS
+/// instead (`random_blocks`; their rows need a multiple of 256 columns for the 256-element
+/// formats).
 pub(crate) fn build_in(arch: &str, d: Dims, seed: u64, matrices: GgmlType) -> GgufBuilder {
     build_full(arch, d, seed, &[], &[], matrices)
 }
@@ -206,13 +270,20 @@ fn build_full(
         d.n_kv_heads as u64 * hd,
         d.n_ff as u64,
     );
+    // Matrices in a format without a reference quantizer draw their random blocks from here.
+    let block_rng = std::cell::RefCell::new(Rng(0x2545_F491_4F6C_DD1D ^ seed));
     let t = |b: GgufBuilder, name: String, dtype: GgmlType, shape: &[u64], data: Vec<u8>| {
         if skip.contains(&name.as_str()) {
             b
         } else if dtype == GgmlType::Q8_0 && matrices != GgmlType::Q8_0 {
             let mut f = vec![0f32; data.len() / 34 * 32];
             weight_cache::dequantize(dtype, &data, &mut f).expect("Q8_0");
-            let q = weight_cache::quantize(matrices, &f).expect("a quantizable format");
+            let q = match weight_cache::quantize(matrices, &f) {
+                Ok(q) => q,
+                Err(_) => {
+                    random_blocks(&mut block_rng.borrow_mut(), matrices, &f, shape[0] as usize)
+                }
+            };
             b.tensor(&name, matrices, shape, q)
         } else {
             b.tensor(&name, dtype, shape, data)

@@ -10,14 +10,6 @@ typedef unsigned short u16;
 typedef unsigned int u32;
 typedef unsigned long long u64;
 
-// The weight formats (must match `WeightFormat` in kernels.rs).
-#define FMT_F32 0
-#define FMT_F16 1
-#define FMT_BF16 2
-#define FMT_Q4_0 3
-#define FMT_Q4_1 4
-#define FMT_Q8_0 5
-
 __device__ __forceinline__ float f16_bits_to_f32(u16 h) {
     float f;
     asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
@@ -39,55 +31,210 @@ __device__ __forceinline__ float load_f32(const u8* p) {
     return __int_as_float((int)((u32)p[0] | ((u32)p[1] << 8) | ((u32)p[2] << 16) | ((u32)p[3] << 24)));
 }
 
-// Elements [32 b, 32 b + 32) of one weight row into `out`, dequantized (weight_cache::dequantize):
-// Q4_0 `(q - 8) d`, Q4_1 `q d + m`, Q8_0 `q d`, low nibbles first then high nibbles. Float
-// formats give 0 past `cols` (quantized rows are whole blocks).
-template <int FMT>
-__device__ __forceinline__ void load32(const u8* row, u32 b, u32 cols, float* out) {
-    if (FMT == FMT_Q4_0) {
-        const u8* blk = row + (u64)b * 18;
-        const float d = load_f16(blk);
-        const u8* q = blk + 2;
-#pragma unroll
-        for (int i = 0; i < 16; i++) {
-            out[i] = (float)((int)(q[i] & 15) - 8) * d;
-            out[i + 16] = (float)((int)(q[i] >> 4) - 8) * d;
-        }
-    } else if (FMT == FMT_Q4_1) {
-        const u8* blk = row + (u64)b * 20;
-        const float d = load_f16(blk);
-        const float m = load_f16(blk + 2);
-        const u8* q = blk + 4;
-#pragma unroll
-        for (int i = 0; i < 16; i++) {
-            out[i] = (float)(q[i] & 15) * d + m;
-            out[i + 16] = (float)(q[i] >> 4) * d + m;
-        }
-    } else if (FMT == FMT_Q8_0) {
-        const u8* blk = row + (u64)b * 34;
-        const float d = load_f16(blk);
-        const signed char* q = (const signed char*)(blk + 2);
-#pragma unroll
-        for (int i = 0; i < 32; i++) {
-            out[i] = (float)q[i] * d;
-        }
-    } else {
-#pragma unroll
-        for (int i = 0; i < 32; i++) {
+// ---- Weight decoding (weight_cache::dequantize) --------------------------------------------
+//
+// Plain C from here to the end marker: `tests/cuda_decoders.rs` compiles this part with the host's
+// C compiler (with host versions of the loads above) and checks every format against
+// weight-cache's dequantization bit for bit. NVRTC may fuse a multiply and an add into one FMA:
+// on the device the same formula, not always the same bits.
+// BEGIN HOST-TESTABLE DECODERS
+
+// The weight formats; the suffixes of the `matmul_*` / `embed_*` kernels (kernels.rs).
+#define FMT_F32 0
+#define FMT_F16 1
+#define FMT_BF16 2
+#define FMT_Q4_0 3
+#define FMT_Q4_1 4
+#define FMT_Q8_0 5
+#define FMT_Q5_0 6
+#define FMT_Q5_1 7
+#define FMT_Q2_K 8
+#define FMT_Q3_K 9
+#define FMT_Q4_K 10
+#define FMT_Q5_K 11
+#define FMT_Q6_K 12
+#define FMT_IQ4_NL 13
+#define FMT_IQ4_XS 14
+
+// weight_cache::quant::KVALUES_IQ4NL.
+__constant__ const signed char KVALUES_IQ4NL[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                                    1,    13,   25,  38,  53,  69,  89,  113};
+
+// out[e] = scale[e / 16] * v[e] (+ min[e / 16]): weight-cache's `SubBlock::weight`, unfused on
+// the host. `v` are the quants minus the format's offset (exact integers).
+__device__ __forceinline__ void dq_affine(const int* v, const float* scale, const float* min,
+                                          float* out) {
+    for (int e = 0; e < 32; e++) {
+        const float y = scale[e / 16] * (float)v[e];
+        out[e] = min ? y + min[e / 16] : y;
+    }
+}
+
+// Elements [32 b, 32 b + 32) of one weight row of format `fmt` (`cols` elements) into `out`,
+// dequantized as weight_cache::dequantize does. A 256-element format's `b` is sub-block `b % 8`
+// of super-block `b / 8`. Float formats give 0 past `cols` (quantized rows are whole blocks).
+__device__ __forceinline__ void dequant32(int fmt, const u8* row, u32 b, u32 cols, float* out) {
+    int v[32];
+    float scale[2], min[2];
+    int has_min = 0;
+    if (fmt == FMT_F32 || fmt == FMT_F16 || fmt == FMT_BF16) {
+        for (u32 i = 0; i < 32; i++) {
             const u32 c = b * 32 + i;
-            float v = 0.0f;
+            float x = 0.0f;
             if (c < cols) {
-                if (FMT == FMT_F32) {
-                    v = load_f32(row + (u64)c * 4);
-                } else if (FMT == FMT_F16) {
-                    v = load_f16(row + (u64)c * 2);
+                if (fmt == FMT_F32) {
+                    x = load_f32(row + (u64)c * 4);
+                } else if (fmt == FMT_F16) {
+                    x = load_f16(row + (u64)c * 2);
                 } else {
-                    v = load_bf16(row + (u64)c * 2);
+                    x = load_bf16(row + (u64)c * 2);
                 }
             }
-            out[i] = v;
+            out[i] = x;
         }
+        return;
     }
+    if (fmt == FMT_Q4_0 || fmt == FMT_Q4_1 || fmt == FMT_IQ4_NL) {
+        // d (f16), [Q4_1: m (f16)], 16 bytes: element j in the low nibble of byte j, j + 16 in
+        // its high nibble.
+        const u32 bs = fmt == FMT_Q4_1 ? 20 : 18;
+        const u8* blk = row + (u64)b * bs;
+        const u8* qs = blk + bs - 16;
+        for (int j = 0; j < 16; j++) {
+            const int lo = qs[j] & 15, hi = qs[j] >> 4;
+            if (fmt == FMT_IQ4_NL) {
+                v[j] = KVALUES_IQ4NL[lo];
+                v[j + 16] = KVALUES_IQ4NL[hi];
+            } else {
+                const int off = fmt == FMT_Q4_0 ? 8 : 0;
+                v[j] = lo - off;
+                v[j + 16] = hi - off;
+            }
+        }
+        scale[0] = scale[1] = load_f16(blk);
+        if (fmt == FMT_Q4_1) {
+            min[0] = min[1] = load_f16(blk + 2);
+            has_min = 1;
+        }
+    } else if (fmt == FMT_Q5_0 || fmt == FMT_Q5_1) {
+        // d, [m], qh (u32: bit e is element e's fifth bit), 16 nibble bytes as Q4_0.
+        const u32 bs = fmt == FMT_Q5_1 ? 24 : 22;
+        const u8* blk = row + (u64)b * bs;
+        const u8* qh = blk + bs - 20;
+        const u32 h = (u32)qh[0] | ((u32)qh[1] << 8) | ((u32)qh[2] << 16) | ((u32)qh[3] << 24);
+        const u8* qs = blk + bs - 16;
+        const int off = fmt == FMT_Q5_0 ? 16 : 0;
+        for (int j = 0; j < 16; j++) {
+            v[j] = (int)((qs[j] & 15) | (((h >> j) & 1) << 4)) - off;
+            v[j + 16] = (int)((qs[j] >> 4) | (((h >> (j + 16)) & 1) << 4)) - off;
+        }
+        scale[0] = scale[1] = load_f16(blk);
+        if (fmt == FMT_Q5_1) {
+            min[0] = min[1] = load_f16(blk + 2);
+            has_min = 1;
+        }
+    } else if (fmt == FMT_Q8_0) {
+        const u8* blk = row + (u64)b * 34;
+        for (int e = 0; e < 32; e++) v[e] = (signed char)blk[2 + e];
+        scale[0] = scale[1] = load_f16(blk);
+    } else if (fmt == FMT_Q4_K || fmt == FMT_Q5_K) {
+        // d, dmin (f16), 12 bytes of 6-bit scales and minimums (ggml's get_scale_min_k4),
+        // [Q5_K: qh, 32 bytes: bit s of byte l is element l of sub-block s's fifth bit], qs
+        // (128 bytes: sub-block s is the low (s even) or high nibbles of bytes 32 (s / 2) + l).
+        const u32 bs = fmt == FMT_Q4_K ? 144 : 176;
+        const u32 s = b % 8;
+        const u8* blk = row + (u64)(b / 8) * bs;
+        const u8* sc = blk + 4;
+        const u8* qh = blk + 16;
+        const u8* qs = blk + (fmt == FMT_Q4_K ? 16 : 48) + 32 * (s / 2);
+        const u32 shift = 4 * (s % 2);
+        for (int l = 0; l < 32; l++) {
+            int q = (qs[l] >> shift) & 15;
+            if (fmt == FMT_Q5_K) q |= ((qh[l] >> s) & 1) << 4;
+            v[l] = q;
+        }
+        int scv, mv;
+        if (s < 4) {
+            scv = sc[s] & 63;
+            mv = sc[s + 4] & 63;
+        } else {
+            scv = (sc[s + 4] & 15) | ((sc[s - 4] >> 6) << 4);
+            mv = (sc[s + 4] >> 4) | ((sc[s] >> 6) << 4);
+        }
+        scale[0] = scale[1] = load_f16(blk) * (float)scv;
+        min[0] = min[1] = -(load_f16(blk + 2) * (float)mv);
+        has_min = 1;
+    } else if (fmt == FMT_Q6_K) {
+        // ql (128), qh (64), 16 signed 8-bit scales (one per 16 elements), d.
+        const u32 s = b % 8, half = s / 4, j = s % 4;
+        const u8* blk = row + (u64)(b / 8) * 210;
+        const u8* ql = blk + 64 * half;
+        const u8* qh = blk + 128 + 32 * half;
+        const signed char* scs = (const signed char*)(blk + 192);
+        for (int l = 0; l < 32; l++) {
+            const int lo8 = ql[l + 32 * (j % 2)];
+            const int lo = j < 2 ? (lo8 & 15) : (lo8 >> 4);
+            v[l] = (lo | (((qh[l] >> (2 * j)) & 3) << 4)) - 32;
+        }
+        const float d = load_f16(blk + 208);
+        scale[0] = d * (float)scs[8 * half + 2 * j];
+        scale[1] = d * (float)scs[8 * half + 2 * j + 1];
+    } else if (fmt == FMT_Q2_K) {
+        // 16 scale bytes (per 16 elements: scale in the low nibble, minimum in the high), qs
+        // (64: sub-block s is bits 2 (s % 4) of bytes 32 (s / 4) + l), d, dmin.
+        const u32 s = b % 8;
+        const u8* blk = row + (u64)(b / 8) * 84;
+        const u8* qs = blk + 16 + 32 * (s / 4);
+        const u32 shift = 2 * (s % 4);
+        for (int l = 0; l < 32; l++) v[l] = (qs[l] >> shift) & 3;
+        const float d = load_f16(blk + 80), dmin = load_f16(blk + 82);
+        for (int h = 0; h < 2; h++) {
+            const int sc = blk[2 * s + h];
+            scale[h] = d * (float)(sc & 15);
+            min[h] = -(dmin * (float)(sc >> 4));
+        }
+        has_min = 1;
+    } else if (fmt == FMT_Q3_K) {
+        // hmask (32: bit s of byte l is element l of sub-block s's third bit), qs (64, as
+        // Q2_K's), 12 bytes of 6-bit scales (weight_cache::quant::scale_k3), d.
+        const u32 s = b % 8;
+        const u8* blk = row + (u64)(b / 8) * 110;
+        const u8* qs = blk + 32 + 32 * (s / 4);
+        const u8* sc = blk + 96;
+        const u32 shift = 2 * (s % 4);
+        for (int l = 0; l < 32; l++) {
+            v[l] = (int)(((qs[l] >> shift) & 3) | (((blk[l] >> s) & 1) << 2)) - 4;
+        }
+        const float d = load_f16(blk + 108);
+        for (int h = 0; h < 2; h++) {
+            const u32 i = 2 * s + h;
+            const int low = i < 8 ? (sc[i] & 15) : (sc[i - 8] >> 4);
+            const int high = (sc[8 + i % 4] >> (2 * (i / 4))) & 3;
+            scale[h] = d * (float)((low | (high << 4)) - 32);
+        }
+    } else {
+        // FMT_IQ4_XS: d, scales_h (u16: bits 2s), scales_l (4 bytes: nibble s % 2 of byte
+        // s / 2), qs (128: sub-block s is bytes 16 s.., nibbles as IQ4_NL).
+        const u32 s = b % 8;
+        const u8* blk = row + (u64)(b / 8) * 136;
+        const u32 sh = load_u16(blk + 2);
+        const int low = (blk[4 + s / 2] >> (4 * (s % 2))) & 15;
+        const int high = (sh >> (2 * s)) & 3;
+        const u8* qs = blk + 8 + 16 * s;
+        for (int j = 0; j < 16; j++) {
+            v[j] = KVALUES_IQ4NL[qs[j] & 15];
+            v[j + 16] = KVALUES_IQ4NL[qs[j] >> 4];
+        }
+        scale[0] = scale[1] = load_f16(blk) * (float)((low | (high << 4)) - 32);
+    }
+    dq_affine(v, scale, has_min ? min : 0, out);
+}
+
+// END HOST-TESTABLE DECODERS
+
+template <int FMT>
+__device__ __forceinline__ void load32(const u8* row, u32 b, u32 cols, float* out) {
+    dequant32(FMT, row, b, cols, out);
 }
 
 __device__ __forceinline__ float warp_sum(float v) {
@@ -191,6 +338,15 @@ MATMUL(matmul_bf16, FMT_BF16)
 MATMUL(matmul_q4_0, FMT_Q4_0)
 MATMUL(matmul_q4_1, FMT_Q4_1)
 MATMUL(matmul_q8_0, FMT_Q8_0)
+MATMUL(matmul_q5_0, FMT_Q5_0)
+MATMUL(matmul_q5_1, FMT_Q5_1)
+MATMUL(matmul_q2_k, FMT_Q2_K)
+MATMUL(matmul_q3_k, FMT_Q3_K)
+MATMUL(matmul_q4_k, FMT_Q4_K)
+MATMUL(matmul_q5_k, FMT_Q5_K)
+MATMUL(matmul_q6_k, FMT_Q6_K)
+MATMUL(matmul_iq4_nl, FMT_IQ4_NL)
+MATMUL(matmul_iq4_xs, FMT_IQ4_XS)
 
 // ---- Embedding lookup (Model::embed): x[t] = dequantize(token_embd[tokens[t]]) * scale --------
 // Grid n tokens, any block size.
@@ -223,6 +379,15 @@ EMBED(embed_bf16, FMT_BF16)
 EMBED(embed_q4_0, FMT_Q4_0)
 EMBED(embed_q4_1, FMT_Q4_1)
 EMBED(embed_q8_0, FMT_Q8_0)
+EMBED(embed_q5_0, FMT_Q5_0)
+EMBED(embed_q5_1, FMT_Q5_1)
+EMBED(embed_q2_k, FMT_Q2_K)
+EMBED(embed_q3_k, FMT_Q3_K)
+EMBED(embed_q4_k, FMT_Q4_K)
+EMBED(embed_q5_k, FMT_Q5_K)
+EMBED(embed_q6_k, FMT_Q6_K)
+EMBED(embed_iq4_nl, FMT_IQ4_NL)
+EMBED(embed_iq4_xs, FMT_IQ4_XS)
 
 // ---- Element-wise ---------------------------------------------------------------------------
 

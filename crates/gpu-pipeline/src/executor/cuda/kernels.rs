@@ -17,12 +17,30 @@ pub const KERNEL_NAMES: &[&str] = &[
     "matmul_q4_0",
     "matmul_q4_1",
     "matmul_q8_0",
+    "matmul_q5_0",
+    "matmul_q5_1",
+    "matmul_q2_k",
+    "matmul_q3_k",
+    "matmul_q4_k",
+    "matmul_q5_k",
+    "matmul_q6_k",
+    "matmul_iq4_nl",
+    "matmul_iq4_xs",
     "embed_f32",
     "embed_f16",
     "embed_bf16",
     "embed_q4_0",
     "embed_q4_1",
     "embed_q8_0",
+    "embed_q5_0",
+    "embed_q5_1",
+    "embed_q2_k",
+    "embed_q3_k",
+    "embed_q4_k",
+    "embed_q5_k",
+    "embed_q6_k",
+    "embed_iq4_nl",
+    "embed_iq4_xs",
     "rmsnorm",
     "add_inplace",
     "add_bias",
@@ -43,7 +61,8 @@ pub(crate) const MM_TOKENS: u32 = 8;
 pub(crate) const NORM_THREADS: u32 = 256;
 pub(crate) const ATT_THREADS: u32 = 128;
 
-/// The weight formats the kernels read: the suffix of their `matmul_*` / `embed_*` names.
+/// The weight formats the kernels read (every format of the CPU kernels): the suffix of their
+/// `matmul_*` / `embed_*` names.
 pub(crate) fn format_suffix(dtype: GgmlType) -> Option<&'static str> {
     Some(match dtype {
         GgmlType::F32 => "f32",
@@ -52,6 +71,15 @@ pub(crate) fn format_suffix(dtype: GgmlType) -> Option<&'static str> {
         GgmlType::Q4_0 => "q4_0",
         GgmlType::Q4_1 => "q4_1",
         GgmlType::Q8_0 => "q8_0",
+        GgmlType::Q5_0 => "q5_0",
+        GgmlType::Q5_1 => "q5_1",
+        GgmlType::Q2_K => "q2_k",
+        GgmlType::Q3_K => "q3_k",
+        GgmlType::Q4_K => "q4_k",
+        GgmlType::Q5_K => "q5_k",
+        GgmlType::Q6_K => "q6_k",
+        GgmlType::IQ4_NL => "iq4_nl",
+        GgmlType::IQ4_XS => "iq4_xs",
         _ => return None,
     })
 }
