@@ -99,8 +99,9 @@ pub(crate) struct GenerateArgs {
     /// Access profile: loaded before (when it exists) and saved after generating.
     #[arg(long)]
     weight_profile: Option<PathBuf>,
-    /// What runs the forward pass: `cpu` (the SIMD kernels) or `cuda` (an NVIDIA GPU; unverified
-    /// on hardware until scripts/gpu-check has passed).
+    /// What runs the forward pass: `cpu` (the SIMD kernels) or `cuda` (an NVIDIA GPU; dense
+    /// families, every weight format; slow, and partly verified on hardware: see the
+    /// gpu-pipeline README).
     #[arg(long, value_enum, default_value_t = ExecutorKind::Cpu)]
     executor: ExecutorKind,
     /// With --executor cuda: device bytes for the weights; the layers that do not fit stream

@@ -96,8 +96,8 @@ pub(crate) struct ServeArgs {
     /// when idle.
     #[arg(long, value_parser = zerolayer::parse_byte_size)]
     weight_budget: Option<u64>,
-    /// What runs the forward pass: `cpu` or `cuda` (an NVIDIA GPU; unverified on hardware until
-    /// scripts/gpu-check has passed).
+    /// What runs the forward pass: `cpu` or `cuda` (an NVIDIA GPU; dense families, every weight
+    /// format; slow, and partly verified on hardware: see the gpu-pipeline README).
     #[arg(long, value_enum, default_value_t = super::generate::ExecutorKind::Cpu)]
     executor: super::generate::ExecutorKind,
     /// With --executor cuda: device bytes for the weights, e.g. 2G; the layers that do not fit

@@ -338,9 +338,11 @@ fn cuda_streaming_under_a_budget_gives_the_resident_logits_bit_for_bit() {
 }
 
 /// Synthetic random-weight models of every family (40 layers, tiny vocabulary): the families
-/// the CUDA kernels cover match the CPU executor (top-1 where the gap > 0.5) and stream
-/// bit-identically at 30% and 10% of their weights; the others are refused with a typed
-/// `Unsupported` error naming the feature.
+/// the CUDA kernels cover (every dense one: llama, qwen2, qwen3's Q/K norms, gemma2's and
+/// gemma3's post-norms, soft-caps, windows and two RoPE bases, phi3, smollm3) match the CPU
+/// executor (top-1 where the gap > 0.5) and stream bit-identically at 30% and 10% of their
+/// weights; the mixtures of experts are refused with a typed `Unsupported` error naming the
+/// feature.
 #[test]
 fn synthetic_families_match_the_cpu_and_stream_at_30_and_10_percent() {
     if !gpu() {
@@ -398,7 +400,7 @@ fn synthetic_families_match_the_cpu_and_stream_at_30_and_10_percent() {
             );
         }
     }
-    assert!(covered >= 3, "only {covered} families covered");
+    assert!(covered >= 7, "only {covered} families covered");
 }
 
 /// The synthetic llama of the weight-format tests: small, its matrices in one format each.

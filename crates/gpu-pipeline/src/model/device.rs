@@ -45,6 +45,14 @@ pub(crate) struct DeviceLayer {
     pub(crate) bv: Option<Vec<f32>>,
     pub(crate) bo: Option<Vec<f32>>,
     pub(crate) ffn_norm: Vec<f32>,
+    /// RMSNorm weights of each query and key head (`head_dim` long) or of the whole query and
+    /// key rows (OLMoE), applied after the biases and before RoPE (Qwen3, Gemma 3).
+    pub(crate) q_norm: Option<Vec<f32>>,
+    pub(crate) k_norm: Option<Vec<f32>>,
+    /// RMSNorm weights of the attention output and of the MLP output before their residual adds
+    /// (Gemma 2 and 3).
+    pub(crate) attn_post_norm: Option<Vec<f32>>,
+    pub(crate) ffn_post_norm: Option<Vec<f32>>,
     pub(crate) gate: DeviceTensor,
     pub(crate) up: DeviceTensor,
     pub(crate) down: DeviceTensor,
@@ -75,22 +83,13 @@ pub(crate) struct DeviceGraph {
 
 impl Model {
     /// The graph for a device executor, or the name of the first feature it does not support
-    /// (mixture of experts, Q/K norms, post-norms).
+    /// (mixture of experts).
     pub(crate) fn device_graph(&self) -> Result<DeviceGraph, &'static str> {
-        if self.cfg.post_norms {
-            return Err("post-norms");
-        }
         let mut layers = Vec::with_capacity(self.layers.len());
         for layer in &self.layers {
             let Ffn::Dense(mlp) = &layer.ffn else {
                 return Err("mixture of experts");
             };
-            if layer.q_norm.is_some() || layer.k_norm.is_some() {
-                return Err("per-head Q/K RMSNorm");
-            }
-            if layer.attn_post_norm.is_some() || layer.ffn_post_norm.is_some() {
-                return Err("post-norms");
-            }
             layers.push(DeviceLayer {
                 attn_norm: layer.attn_norm.clone(),
                 wq: (&layer.wq).into(),
@@ -102,6 +101,10 @@ impl Model {
                 bv: layer.bv.clone(),
                 bo: layer.bo.clone(),
                 ffn_norm: layer.ffn_norm.clone(),
+                q_norm: layer.q_norm.clone(),
+                k_norm: layer.k_norm.clone(),
+                attn_post_norm: layer.attn_post_norm.clone(),
+                ffn_post_norm: layer.ffn_post_norm.clone(),
                 gate: (&mlp.gate).into(),
                 up: (&mlp.up).into(),
                 down: (&mlp.down).into(),

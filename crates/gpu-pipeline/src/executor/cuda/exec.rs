@@ -160,6 +160,8 @@ struct LayerVecs {
     attn_norm: CudaSlice<f32>,
     ffn_norm: CudaSlice<f32>,
     biases: [Option<CudaSlice<f32>>; 4],
+    /// Q and K norms, then the attention and MLP post-norms (see `DeviceLayer`).
+    norms: [Option<CudaSlice<f32>>; 4],
 }
 
 /// The kernels, by name.
@@ -365,11 +367,17 @@ impl CudaExecutor {
         };
         let mut vecs = Vec::with_capacity(graph.layers.len());
         for l in &graph.layers {
-            let bias = |b: &Option<Vec<f32>>| b.as_deref().map(vec_up).transpose();
+            let opt = |b: &Option<Vec<f32>>| b.as_deref().map(vec_up).transpose();
             vecs.push(LayerVecs {
                 attn_norm: vec_up(&l.attn_norm)?,
                 ffn_norm: vec_up(&l.ffn_norm)?,
-                biases: [bias(&l.bq)?, bias(&l.bk)?, bias(&l.bv)?, bias(&l.bo)?],
+                biases: [opt(&l.bq)?, opt(&l.bk)?, opt(&l.bv)?, opt(&l.bo)?],
+                norms: [
+                    opt(&l.q_norm)?,
+                    opt(&l.k_norm)?,
+                    opt(&l.attn_post_norm)?,
+                    opt(&l.ffn_post_norm)?,
+                ],
             });
         }
         let output_norm = vec_up(&graph.output_norm)?;
@@ -736,6 +744,23 @@ fn rmsnorm(
     Ok(())
 }
 
+/// RMSNorm in place of the first `n` floats of `x` in rows of `w.len()` (Q/K norms per head or
+/// per row, post-norms), through `scratch` (at least `n` floats): the norm into it, then copied
+/// back.
+fn rmsnorm_in_place(
+    core: &Core,
+    x: &mut CudaSlice<f32>,
+    w: &CudaSlice<f32>,
+    eps: f32,
+    n: usize,
+    scratch: &mut CudaSlice<f32>,
+) -> Result<(), CudaError> {
+    rmsnorm(core, x, w, eps, n / w.len().max(1), scratch)?;
+    core.compute
+        .memcpy_dtod(&scratch.slice(0..n), &mut x.slice_mut(0..n))
+        .map_err(CudaError::driver("copy norm"))
+}
+
 /// RoPE of `rows` rows of `heads` heads with the table rows `cs` (at `cs_offset` floats).
 #[allow(clippy::too_many_arguments)]
 fn rope(
@@ -880,7 +905,8 @@ impl Device {
         for (buf, n) in [
             (&mut sc.x, total * d),
             (&mut sc.h, total * d),
-            (&mut sc.tmp, total * d),
+            // `tmp` is also the K norm's scratch.
+            (&mut sc.tmp, total * d.max(kvd)),
             (&mut sc.q, total * qd),
             (&mut sc.att, total * qd),
             (&mut sc.k, total * kvd),
@@ -938,6 +964,15 @@ impl Device {
                     add_bias(core, buf, b, total * width)?;
                 }
             }
+            // Per-head (or whole-row) Q/K norms, through scratch that is free until the
+            // attention and the output projection write it.
+            let eps = cfg.rms_eps;
+            if let Some(w) = &vecs.norms[0] {
+                rmsnorm_in_place(core, &mut sc.q, w, eps, total * qd, &mut sc.att)?;
+            }
+            if let Some(w) = &vecs.norms[1] {
+                rmsnorm_in_place(core, &mut sc.k, w, eps, total * kvd, &mut sc.tmp)?;
+            }
             if let Some((t, layout)) = layer.rope {
                 let neox = layout == crate::model::RopeLayout::Neox;
                 let table = t * total * n_rot..(t + 1) * total * n_rot;
@@ -983,6 +1018,9 @@ impl Device {
             if let Some(b) = &vecs.biases[3] {
                 add_bias(core, &mut sc.tmp, b, total * d)?;
             }
+            if let Some(w) = &vecs.norms[2] {
+                rmsnorm_in_place(core, &mut sc.tmp, w, eps, total * d, &mut sc.h)?;
+            }
             // Stage 3: MLP block.
             add(core, &mut sc.x, &sc.tmp, total * d)?;
             rmsnorm(core, &sc.x, &vecs.ffn_norm, cfg.rms_eps, total, &mut sc.h)?;
@@ -1001,6 +1039,9 @@ impl Device {
                 unsafe { b.launch(elementwise(n32)) }.map_err(CudaError::driver("activation"))?;
             }
             matmul(core, weights, &layer.down, &sc.gate, total, &mut sc.tmp)?;
+            if let Some(w) = &vecs.norms[3] {
+                rmsnorm_in_place(core, &mut sc.tmp, w, eps, total * d, &mut sc.h)?;
+            }
             release_layer(core, weights, stats, model, li)?;
         }
 
