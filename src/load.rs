@@ -73,10 +73,17 @@ pub enum ExecutorChoice {
     /// The CPU kernels.
     #[default]
     Cpu,
-    /// The CUDA executor (unverified on hardware until `scripts/gpu-check` passes), with this
+    /// The CUDA executor (partly verified on hardware: see the gpu-pipeline README), with this
     /// many device bytes for the weights (`None`: all resident). A build without the `cuda`
     /// feature answers [`LoadServiceError::CudaNotBuilt`].
     Cuda {
+        /// Device bytes for the weights.
+        budget: Option<u64>,
+    },
+    /// The CUDA executor where it starts (a driver, NVRTC or precompiled kernels, a GPU, a model
+    /// its kernels cover, the budget met), else the CPU kernels; the log says which ran and,
+    /// for the CPU, why the GPU did not.
+    Auto {
         /// Device bytes for the weights.
         budget: Option<u64>,
     },
@@ -101,6 +108,13 @@ pub fn executor(
     match choice {
         ExecutorChoice::Cpu => Ok(CpuExecutor::new(model).into()),
         ExecutorChoice::Cuda { budget } => cuda_executor(model, budget),
+        ExecutorChoice::Auto { budget } => match cuda_executor(model.clone(), budget) {
+            Ok(exec) => Ok(exec),
+            Err(e) => {
+                tracing::info!(reason = %e, "no usable GPU: the forward pass runs on the CPU kernels");
+                Ok(CpuExecutor::new(model).into())
+            }
+        },
     }
 }
 

@@ -219,6 +219,48 @@ fn generate_with_executor_cuda_without_a_driver_fails_cleanly() {
     assert!(!stderr.contains("panicked"), "{stderr}");
 }
 
+/// `--executor auto` on a machine without a usable GPU: the CPU runs the forward pass (the same
+/// greedy text as `--executor cpu`), and the log says why (SKIPPED where libcuda loads).
+#[cfg(feature = "cuda")]
+#[test]
+fn generate_with_executor_auto_without_a_gpu_runs_on_the_cpu_and_says_so() {
+    if gpu_pipeline::executor::cuda::probe_driver().is_ok() {
+        eprintln!("SKIPPED: this machine has libcuda");
+        return;
+    }
+    let args = |executor: &'static str| {
+        let mut c = zerolayer(&[
+            "generate",
+            "--executor",
+            executor,
+            "--prompt",
+            "The capital of France is",
+            "--max-tokens",
+            "6",
+        ]);
+        c.env("RUST_LOG", "info");
+        c
+    };
+    let (cpu, _) = ok(args("cpu").output().unwrap());
+    let (auto, log) = ok(args("auto").output().unwrap());
+    assert_eq!(auto, cpu);
+    assert!(!cpu.trim().is_empty());
+    assert!(
+        log.contains("no usable GPU: the forward pass runs on the CPU kernels")
+            && log.contains("no CUDA driver"),
+        "{log}"
+    );
+    // A device budget goes with `cuda` and `auto` only.
+    let out = zerolayer(&["generate", "--device-budget", "1G", "--prompt", "Hi"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        String::from_utf8_lossy(&out.stderr)
+            .contains("--device-budget needs --executor cuda or auto")
+    );
+}
+
 #[test]
 fn tokenize_turns_json_lines_into_ids() {
     let (out, _) = ok(run_with_stdin(

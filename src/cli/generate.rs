@@ -99,14 +99,15 @@ pub(crate) struct GenerateArgs {
     /// Access profile: loaded before (when it exists) and saved after generating.
     #[arg(long)]
     weight_profile: Option<PathBuf>,
-    /// What runs the forward pass: `cpu` (the SIMD kernels) or `cuda` (an NVIDIA GPU; dense
+    /// What runs the forward pass: `cpu` (the SIMD kernels), `cuda` (an NVIDIA GPU; dense
     /// families, every weight format; slow, and partly verified on hardware: see the
-    /// gpu-pipeline README).
+    /// gpu-pipeline README) or `auto` (the GPU where the CUDA executor starts, else the CPU; the
+    /// log says which).
     #[arg(long, value_enum, default_value_t = ExecutorKind::Cpu)]
     executor: ExecutorKind,
-    /// With --executor cuda: device bytes for the weights; the layers that do not fit stream
-    /// from host memory every step (default: all resident).
-    #[arg(long)]
+    /// With --executor cuda or auto: device bytes for the weights, e.g. 2G; the layers that do
+    /// not fit stream from host memory every step (default: all resident).
+    #[arg(long, value_parser = zerolayer::parse_byte_size)]
     device_budget: Option<u64>,
     /// Speculative decoding: `off`, or `ngram` (n-gram prompt lookup; the generation then runs
     /// through the serving engine, on the CPU; the output is the same as without).
@@ -138,6 +139,8 @@ pub(crate) enum ExecutorKind {
     Cpu,
     /// The CUDA executor (needs the `cuda` feature, on by default, and a GPU at run time).
     Cuda,
+    /// The CUDA executor where it starts, else the CPU kernels (the log says which, and why).
+    Auto,
 }
 
 /// `zerolayer perplexity`.
@@ -300,9 +303,12 @@ pub(crate) fn executor_choice(
     budget: Option<u64>,
 ) -> anyhow::Result<zerolayer::ExecutorChoice> {
     match kind {
-        ExecutorKind::Cpu if budget.is_some() => bail!("--device-budget needs --executor cuda"),
+        ExecutorKind::Cpu if budget.is_some() => {
+            bail!("--device-budget needs --executor cuda or auto")
+        }
         ExecutorKind::Cpu => Ok(zerolayer::ExecutorChoice::Cpu),
         ExecutorKind::Cuda => Ok(zerolayer::ExecutorChoice::Cuda { budget }),
+        ExecutorKind::Auto => Ok(zerolayer::ExecutorChoice::Auto { budget }),
     }
 }
 
@@ -411,6 +417,16 @@ fn generate(a: &GenerateArgs, loaded: LoadedModel, prompt: &[u32]) -> anyhow::Re
     if a.executor == ExecutorKind::Cuda && speculating {
         bail!("--speculate and --draft-model need --executor cpu");
     }
+    // Speculation runs on the CPU executor: `auto` picks it.
+    let kind = match a.executor {
+        ExecutorKind::Auto if speculating => {
+            tracing::info!(
+                "speculative decoding runs on the CPU kernels: --executor auto picks them"
+            );
+            ExecutorKind::Cpu
+        }
+        kind => kind,
+    };
     let speculation = super::speculation(
         a.speculate,
         a.max_draft,
@@ -419,7 +435,11 @@ fn generate(a: &GenerateArgs, loaded: LoadedModel, prompt: &[u32]) -> anyhow::Re
         !a.no_draft_lookup,
         a.threads,
     )?;
-    let choice = executor_choice(a.executor, a.device_budget)?;
+    // (`auto` turned CPU by speculation has no device budget to use.)
+    let budget = a
+        .device_budget
+        .filter(|_| kind != ExecutorKind::Cpu || a.executor == kind);
+    let choice = executor_choice(kind, budget)?;
     let exec = zerolayer::executor(model.clone(), choice).map_err(|e| match choice {
         zerolayer::ExecutorChoice::Cuda { .. } => anyhow::anyhow!("--executor cuda: {e}"),
         _ => e.into(),

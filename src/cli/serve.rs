@@ -96,12 +96,13 @@ pub(crate) struct ServeArgs {
     /// when idle.
     #[arg(long, value_parser = zerolayer::parse_byte_size)]
     weight_budget: Option<u64>,
-    /// What runs the forward pass: `cpu` or `cuda` (an NVIDIA GPU; dense families, every weight
-    /// format; slow, and partly verified on hardware: see the gpu-pipeline README).
+    /// What runs the forward pass: `cpu`, `cuda` (an NVIDIA GPU; dense families, every weight
+    /// format; slow, and partly verified on hardware: see the gpu-pipeline README) or `auto` (the
+    /// GPU where the CUDA executor starts, else the CPU; the log says which).
     #[arg(long, value_enum, default_value_t = super::generate::ExecutorKind::Cpu)]
     executor: super::generate::ExecutorKind,
-    /// With --executor cuda: device bytes for the weights, e.g. 2G; the layers that do not fit
-    /// stream from host memory every step (default: all resident).
+    /// With --executor cuda or auto: device bytes for the weights, e.g. 2G; the layers that do
+    /// not fit stream from host memory every step (default: all resident).
     #[arg(long, value_parser = zerolayer::parse_byte_size)]
     device_budget: Option<u64>,
     /// Speculative decoding: `off`, or `ngram` (n-gram prompt lookup: drafts taken from each
