@@ -125,6 +125,9 @@ fn cuda_executor(
 ) -> Result<HostedExecutor, LoadServiceError> {
     let mut opts = gpu_pipeline::executor::CudaOptions::default();
     opts.budget = budget;
+    // Kernels compiled beforehand (`examples/cuda_ptx.rs`), for a machine with the driver and
+    // without NVRTC.
+    opts.ptx_dir = std::env::var_os("ZEROLAYER_CUDA_PTX_DIR").map(Into::into);
     let exec = gpu_pipeline::executor::CudaExecutor::new(model, opts)?;
     let st = exec.stats();
     tracing::info!(

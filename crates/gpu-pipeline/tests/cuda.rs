@@ -492,6 +492,75 @@ fn the_synthetic_models_of_every_format_run_on_the_cpu() {
     }
 }
 
+/// The real-vocabulary case (`examples/real_vocab_model.rs`: the default model's tokenizer and
+/// random weights): the file `ZEROLAYER_REAL_VOCAB_MODEL` names (`scripts/gpu-check` carries it),
+/// else built here from the default model when that is present; `None` without either.
+fn real_vocab_gguf() -> Option<(Arc<Gguf>, Option<Arc<Gguf>>)> {
+    let default = weight_cache::locate_default_model()
+        .ok()
+        // SAFETY: the model file is not modified while it is mapped.
+        .map(|p| Arc::new(unsafe { Gguf::open(&p) }.unwrap()));
+    if let Ok(path) = std::env::var("ZEROLAYER_REAL_VOCAB_MODEL") {
+        let bytes = std::fs::read(&path).unwrap_or_else(|e| panic!("{path}: {e}"));
+        return Some((Arc::new(Gguf::from_bytes(bytes).unwrap()), default));
+    }
+    let src = default.clone()?;
+    let dims = synthetic::Dims {
+        n_embd: 64,
+        n_ff: 128,
+        n_layers: 4,
+        n_heads: 4,
+        n_kv_heads: 2,
+        head_dim: 16,
+        vocab: synthetic::vocabulary_size(&src),
+        ctx: 512,
+    };
+    let bytes = synthetic::with_vocabulary(dims, 5, &src);
+    Some((Arc::new(Gguf::from_bytes(bytes).unwrap()), default))
+}
+
+/// A model on a real vocabulary: its tokenizer (from the file's own metadata) encodes text as the
+/// default model's does, and the GPU's logits over that text match the CPU executor's (top-1
+/// where the gap > 0.5). On the CPU (CI) the first half; on a GPU both.
+#[test]
+fn a_real_vocabulary_model_runs_on_the_gpu_as_on_the_cpu() {
+    let Some((gguf, default)) = real_vocab_gguf() else {
+        assert!(!gpu(), "the GPU check needs ZEROLAYER_REAL_VOCAB_MODEL");
+        eprintln!("SKIPPED: no default model and no ZEROLAYER_REAL_VOCAB_MODEL");
+        return;
+    };
+    let tok = token_stream::Tokenizer::from_gguf(&gguf).expect("the copied tokenizer loads");
+    let text = "The capital of France is Paris. Rust's borrow checker (2015) says: \"no\"!";
+    let ids: Vec<u32> = tok.encode(text).to_vec();
+    assert!(ids.len() > 10, "{ids:?}");
+    if let Some(d) = &default {
+        let real = token_stream::Tokenizer::from_gguf(d).unwrap();
+        assert_eq!(ids, real.encode(text).to_vec(), "the default model's ids");
+    }
+    let model = Arc::new(Model::load(gguf, ModelOptions::default().with_threads(2)).unwrap());
+    let vocab = model.config().vocab_size;
+    let want = all_logits(&CpuExecutor::new(model.clone()), &ids);
+    assert!(want.iter().all(|v| v.is_finite()));
+    let (checked, _, _) = compare(&want, &want, vocab);
+    assert!(checked > 0, "no row with a clear top-1");
+    if !gpu() {
+        return;
+    }
+    let exec = CudaExecutor::new(model, options(None)).unwrap();
+    let got = all_logits(&exec, &ids);
+    let (checked, agree, max_diff) = compare(&want, &got, vocab);
+    let argmax =
+        |row: &[f32]| (0..row.len()).fold(0, |b, i| if row[i] > row[b] { i } else { b }) as u32;
+    let next: Vec<u32> = got.chunks_exact(vocab).map(argmax).collect();
+    eprintln!(
+        "real vocabulary ({vocab} tokens, {} positions): top-1 {agree}/{checked}, max |logit \
+         diff| {max_diff}; the GPU's next tokens: {:?}",
+        ids.len(),
+        tok.decode(&next)
+    );
+    assert_eq!(agree, checked, "top-1 differs from the CPU's");
+}
+
 /// Every (layer, head, K then V) of `ring` in view order, read back from the device through the
 /// ring's slots, as f32.
 fn device_views(ring: &KvRing<DeviceKv>) -> Vec<Vec<f32>> {
