@@ -219,11 +219,12 @@ fn generate_with_executor_cuda_without_a_driver_fails_cleanly() {
     assert!(!stderr.contains("panicked"), "{stderr}");
 }
 
-/// `--executor auto` on a machine without a usable GPU: the CPU runs the forward pass (the same
-/// greedy text as `--executor cpu`), and the log says why (SKIPPED where libcuda loads).
+/// `--executor auto` (generate, perplexity, bench) on a machine without a usable GPU: the CPU runs
+/// the forward pass (the same greedy text and perplexity as `--executor cpu`), and the log says
+/// why (SKIPPED where libcuda loads).
 #[cfg(feature = "cuda")]
 #[test]
-fn generate_with_executor_auto_without_a_gpu_runs_on_the_cpu_and_says_so() {
+fn executor_auto_without_a_gpu_runs_on_the_cpu_and_says_so() {
     if gpu_pipeline::executor::cuda::probe_driver().is_ok() {
         eprintln!("SKIPPED: this machine has libcuda");
         return;
@@ -250,6 +251,42 @@ fn generate_with_executor_auto_without_a_gpu_runs_on_the_cpu_and_says_so() {
             && log.contains("no CUDA driver"),
         "{log}"
     );
+    // `perplexity` and `bench` take the same choice: the same perplexity on the CPU either way.
+    let ppl = |executor: &str| {
+        let text = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/crates/gpu-pipeline/tests/fixtures/ppl-text.txt"
+        );
+        let (out, _) = ok(zerolayer(&[
+            "perplexity",
+            text,
+            "--ctx",
+            "64",
+            "--chunks",
+            "2",
+            "--executor",
+            executor,
+        ])
+        .output()
+        .unwrap());
+        out.split_whitespace().nth(1).unwrap().to_owned()
+    };
+    assert_eq!(ppl("auto"), ppl("cpu"));
+    let (bench, _) = ok(zerolayer(&[
+        "bench",
+        "--executor",
+        "auto",
+        "--prompt-tokens",
+        "8",
+        "--gen-tokens",
+        "3",
+        "--reps",
+        "1",
+        "--json",
+    ])
+    .output()
+    .unwrap());
+    assert!(bench.contains("\"pp\""), "{bench}");
     // A device budget goes with `cuda` and `auto` only.
     let out = zerolayer(&["generate", "--device-budget", "1G", "--prompt", "Hi"])
         .output()

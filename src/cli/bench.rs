@@ -8,11 +8,11 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use gpu_pipeline::engine::{Engine, GenerationRequest};
-use gpu_pipeline::executor::CpuExecutor;
+use gpu_pipeline::executor::Executor;
 use gpu_pipeline::{LogitsWanted, SeqStep};
 use serde_json::json;
 
-use super::generate::{new_ring, one_request_engine};
+use super::generate::one_request_engine;
 use super::{LoadedModel, load_model, model_path};
 use kv_ring::KvDtype;
 
@@ -57,6 +57,12 @@ pub(crate) struct BenchArgs {
     /// first token: the prefill of its `--depth` tokens and one more).
     #[arg(long)]
     json: bool,
+    /// What runs both tests: `cpu`, `cuda` or `auto` (as `generate --executor`).
+    #[arg(long, value_enum, default_value_t = super::generate::ExecutorKind::Cpu)]
+    executor: super::generate::ExecutorKind,
+    /// With --executor cuda or auto: device bytes for the weights, e.g. 2G.
+    #[arg(long, value_parser = zerolayer::parse_byte_size)]
+    device_budget: Option<u64>,
 }
 
 /// Text the `pp` prompt is cut from (repeated as needed).
@@ -78,13 +84,18 @@ pub(crate) fn main(a: BenchArgs) -> anyhow::Result<()> {
         prompt.extend_from_slice(tokenizer.encode(PROMPT_TEXT).as_slice());
     }
     prompt.truncate(a.prompt_tokens);
+    let exec = Arc::new(super::generate::executor_for(
+        Arc::new(model),
+        a.executor,
+        a.device_budget,
+    )?);
 
     let mut logits = Vec::new();
     let mut pp = Vec::with_capacity(a.reps);
     for _ in 0..a.reps {
-        let mut kv = new_ring(&model, a.prompt_tokens, a.kv_dtype.into())?;
+        let mut kv = super::generate::ring_on(&*exec, a.prompt_tokens, a.kv_dtype.into())?;
         let t0 = Instant::now();
-        model.forward(
+        exec.forward(
             &mut [SeqStep {
                 tokens: &prompt,
                 kv: &mut kv,
@@ -102,7 +113,6 @@ pub(crate) fn main(a: BenchArgs) -> anyhow::Result<()> {
         context.extend_from_slice(tokenizer.encode(PROMPT_TEXT).as_slice());
     }
     context.truncate(a.depth + 1);
-    let exec = Arc::new(CpuExecutor::new(Arc::new(model)));
     let cfg = one_request_engine(&*exec, context.len() + a.gen_tokens, a.kv_dtype.into());
     let engine = Engine::with_executor(exec, None, cfg)?;
     let (mut tg, mut first) = (Vec::with_capacity(a.reps), Vec::with_capacity(a.reps));

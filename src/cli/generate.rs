@@ -175,6 +175,12 @@ pub(crate) struct PerplexityArgs {
     /// not split), `all` splits every product (about fp32, ~2x prefill work).
     #[arg(long, value_enum, default_value_t = super::Split::FfnDown)]
     activation_split: super::Split,
+    /// What runs the forward pass: `cpu`, `cuda` or `auto` (as `generate --executor`).
+    #[arg(long, value_enum, default_value_t = ExecutorKind::Cpu)]
+    executor: ExecutorKind,
+    /// With --executor cuda or auto: device bytes for the weights, e.g. 2G.
+    #[arg(long, value_parser = zerolayer::parse_byte_size)]
+    device_budget: Option<u64>,
 }
 
 /// A KV ring of `cap` tokens for `model` stored as `dtype`, from a pool sized for it alone.
@@ -184,6 +190,30 @@ pub(crate) fn new_ring(model: &Model, cap: usize, dtype: KvDtype) -> anyhow::Res
     let shape = model.kv_shape(dtype);
     let pool = KvPool::new(shape, cap * shape.bytes_per_token())?;
     Ok(pool.alloc(cap, RingMode::Strict)?)
+}
+
+/// A ring of `cap` tokens in `exec`'s KV memory (the device's for the CUDA executor).
+pub(crate) fn ring_on<E: Executor>(
+    exec: &E,
+    cap: usize,
+    dtype: KvDtype,
+) -> anyhow::Result<KvRing<E::Kv>> {
+    let shape = exec.kv_shape(dtype);
+    let pool = KvPool::new_in(shape, cap * shape.bytes_per_token(), exec.kv_allocator())?;
+    Ok(pool.alloc(cap, RingMode::Strict)?)
+}
+
+/// `--executor`'s executor over `model` (a `cuda` that does not start is the error, named).
+pub(crate) fn executor_for(
+    model: Arc<Model>,
+    kind: ExecutorKind,
+    budget: Option<u64>,
+) -> anyhow::Result<gpu_pipeline::executor::HostedExecutor> {
+    let choice = executor_choice(kind, budget)?;
+    zerolayer::executor(model, choice).map_err(|e| match choice {
+        zerolayer::ExecutorChoice::Cuda { .. } => anyhow::anyhow!("--executor cuda: {e}"),
+        _ => e.into(),
+    })
 }
 
 /// Runs `zerolayer perplexity`: llama.cpp's `perplexity()` (`tools/perplexity/perplexity.cpp`).
@@ -206,6 +236,7 @@ pub(crate) fn perplexity(a: PerplexityArgs) -> anyhow::Result<()> {
         bail!("this vocabulary ends every prompt with a token: perplexity is not defined for it");
     }
     let vocab = model.config().vocab_size;
+    let exec = executor_for(Arc::new(model), a.executor, a.device_budget)?;
     let mut text = std::fs::read_to_string(&a.file)?;
     if text.ends_with('\n') {
         text.pop();
@@ -229,8 +260,8 @@ pub(crate) fn perplexity(a: PerplexityArgs) -> anyhow::Result<()> {
     let mut running = Vec::with_capacity(n_win);
     let t0 = Instant::now();
     for (w, window) in perplexity_windows(&ids, a.ctx, bos).take(n_win).enumerate() {
-        let mut kv = new_ring(&model, a.ctx, a.kv_dtype.into())?;
-        model.forward(
+        let mut kv = ring_on(&exec, a.ctx, a.kv_dtype.into())?;
+        exec.forward(
             &mut [SeqStep {
                 tokens: &window,
                 kv: &mut kv,
@@ -439,11 +470,7 @@ fn generate(a: &GenerateArgs, loaded: LoadedModel, prompt: &[u32]) -> anyhow::Re
     let budget = a
         .device_budget
         .filter(|_| kind != ExecutorKind::Cpu || a.executor == kind);
-    let choice = executor_choice(kind, budget)?;
-    let exec = zerolayer::executor(model.clone(), choice).map_err(|e| match choice {
-        zerolayer::ExecutorChoice::Cuda { .. } => anyhow::anyhow!("--executor cuda: {e}"),
-        _ => e.into(),
-    })?;
+    let exec = executor_for(model.clone(), kind, budget)?;
     let sampling = SamplerConfig::default()
         .with_temperature(a.temperature)
         .with_top_k(a.top_k.unwrap_or(0))
