@@ -99,8 +99,8 @@ pub(crate) struct GenerateArgs {
     /// Access profile: loaded before (when it exists) and saved after generating.
     #[arg(long)]
     weight_profile: Option<PathBuf>,
-    /// What runs the forward pass: `cpu` (the SIMD kernels), `cuda` (an NVIDIA GPU; dense
-    /// families, every weight format; slow, and partly verified on hardware: see the
+    /// What runs the forward pass: `cpu` (the SIMD kernels), `cuda` (an NVIDIA GPU; every
+    /// family and weight format; slow, and partly verified on hardware: see the
     /// gpu-pipeline README) or `auto` (the GPU where the CUDA executor starts, else the CPU; the
     /// log says which).
     #[arg(long, value_enum, default_value_t = ExecutorKind::Cpu)]

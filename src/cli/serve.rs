@@ -96,7 +96,7 @@ pub(crate) struct ServeArgs {
     /// when idle.
     #[arg(long, value_parser = zerolayer::parse_byte_size)]
     weight_budget: Option<u64>,
-    /// What runs the forward pass: `cpu`, `cuda` (an NVIDIA GPU; dense families, every weight
+    /// What runs the forward pass: `cpu`, `cuda` (an NVIDIA GPU; every family and weight
     /// format; slow, and partly verified on hardware: see the gpu-pipeline README) or `auto` (the
     /// GPU where the CUDA executor starts, else the CPU; the log says which).
     #[arg(long, value_enum, default_value_t = super::generate::ExecutorKind::Cpu)]

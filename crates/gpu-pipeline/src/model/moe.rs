@@ -44,17 +44,17 @@ pub(super) struct GatedMlp {
 #[derive(Debug)]
 pub(super) struct Experts {
     /// `ffn_gate_inp`: one row of `n_embd` per expert.
-    router: Lin,
+    pub(super) router: Lin,
     /// Experts per token in this layer.
-    n_used: usize,
+    pub(super) n_used: usize,
     /// Each expert's matrices: row ranges of the stacked `ffn_{gate,up,down}_exps` (or of
     /// `ffn_gate_up_exps`), or 2-D tensors of their own.
-    experts: Vec<GatedMlp>,
+    pub(super) experts: Vec<GatedMlp>,
     /// The weight-cache indices of the stacked tensors the experts are parts of (each touched
     /// once per expert), when they come from a GGUF file's stacks.
     stacks: Vec<usize>,
     /// Qwen2-MoE's shared expert and its gate vector (`ffn_gate_inp_shexp`).
-    shared: Option<(GatedMlp, Vec<f32>)>,
+    pub(super) shared: Option<(GatedMlp, Vec<f32>)>,
 }
 
 /// A layer's feed-forward block.
@@ -597,7 +597,7 @@ impl Model {
 /// Groups the slots by expert (`expert[s]` is slot `s`'s expert), stable in slot order:
 /// expert `e`'s rows are `start[e]..start[e + 1]`, `order` lists the slots by row and `row_of`
 /// gives each slot's row. `cursor` is scratch of one entry per expert.
-fn group_slots(
+pub(super) fn group_slots(
     expert: &[u32],
     start: &mut [usize],
     cursor: &mut [usize],

@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{
-    CudaContext, CudaEvent, CudaFunction, CudaSlice, CudaStream, CudaView, DeviceRepr,
+    CudaContext, CudaEvent, CudaFunction, CudaSlice, CudaStream, CudaView, CudaViewMut, DeviceRepr,
     LaunchConfig, PinnedHostSlice, PushKernelArg, ValidAsZeroBits, sys,
 };
 use cudarc::nvrtc::Ptx;
@@ -19,7 +19,7 @@ use super::super::plan::{LayerWeights, Placement, PlanOptions, StreamPlan, Weigh
 use super::kernels::{self, MM_THREADS, MM_TOKENS, NORM_THREADS};
 use super::kv::{DeviceKv, DeviceRing, RingTables, StepError, kv_err};
 use super::{CudaError, probe};
-use crate::model::device::{DeviceGraph, DeviceTensor};
+use crate::model::device::{DeviceFfn, DeviceGraph, DeviceMoe, DeviceTensor, Routing};
 use crate::model::{Activation, ForwardError, LogitsWanted, Model, ModelConfig, SeqStep};
 use crate::threadpool::ThreadPool;
 
@@ -162,6 +162,8 @@ struct LayerVecs {
     biases: [Option<CudaSlice<f32>>; 4],
     /// Q and K norms, then the attention and MLP post-norms (see `DeviceLayer`).
     norms: [Option<CudaSlice<f32>>; 4],
+    /// Qwen2-MoE's shared-expert gate vector.
+    shexp_gate: Option<CudaSlice<f32>>,
 }
 
 /// The kernels, by name.
@@ -204,6 +206,18 @@ struct Scratch {
     scores: CudaSlice<f32>,
     tokens: CudaSlice<u32>,
     sel_idx: CudaSlice<u32>,
+    /// Mixture of experts: router scores, the experts' gathered inputs, gate, up and output
+    /// rows (one per slot), the shared expert's output, the gather indices, each slot's row
+    /// and weight.
+    router: CudaSlice<f32>,
+    moe_in: CudaSlice<f32>,
+    moe_gate: CudaSlice<f32>,
+    moe_up: CudaSlice<f32>,
+    moe_out: CudaSlice<f32>,
+    shared: CudaSlice<f32>,
+    moe_idx: CudaSlice<u32>,
+    moe_rows: CudaSlice<u32>,
+    moe_w: CudaSlice<f32>,
 }
 
 /// Host buffers of one forward.
@@ -214,6 +228,10 @@ struct HostScratch {
     sel_idx: Vec<u32>,
     /// Per step: first token row.
     rows: Vec<usize>,
+    /// Mixture of experts: router probabilities, the routing, the gathered rows' tokens.
+    probs: Vec<f32>,
+    routing: Routing,
+    gather: Vec<u32>,
 }
 
 /// What does not change during a forward pass.
@@ -378,6 +396,10 @@ impl CudaExecutor {
                     opt(&l.attn_post_norm)?,
                     opt(&l.ffn_post_norm)?,
                 ],
+                shexp_gate: match &l.ffn {
+                    DeviceFfn::Moe(m) => opt(&m.shared.as_ref().map(|(_, g)| g.clone()))?,
+                    DeviceFfn::Dense(_) => None,
+                },
             });
         }
         let output_norm = vec_up(&graph.output_norm)?;
@@ -408,6 +430,15 @@ impl CudaExecutor {
             scores: z32()?,
             tokens: zu()?,
             sel_idx: zu()?,
+            router: z32()?,
+            moe_in: z32()?,
+            moe_gate: z32()?,
+            moe_up: z32()?,
+            moe_out: z32()?,
+            shared: z32()?,
+            moe_idx: zu()?,
+            moe_rows: zu()?,
+            moe_w: z32()?,
         };
         let weight_bytes = std::iter::once(&graph.embd)
             .chain((graph.output != graph.embd).then_some(&graph.output))
@@ -672,6 +703,27 @@ fn matmul(
     n: usize,
     y: &mut CudaSlice<f32>,
 ) -> Result<(), CudaError> {
+    let (xl, yl) = (x.len(), y.len());
+    matmul_view(
+        core,
+        weights,
+        t,
+        &x.slice(0..xl),
+        n,
+        &mut y.slice_mut(0..yl),
+    )
+}
+
+/// [`matmul`] over views (an expert's rows of the gathered inputs and outputs).
+fn matmul_view(
+    core: &Core,
+    weights: &Weights,
+    t: &DeviceTensor,
+    x: &CudaView<'_, f32>,
+    n: usize,
+    y: &mut CudaViewMut<'_, f32>,
+) -> Result<(), CudaError> {
+    debug_assert!(x.len() >= n * t.cols && y.len() >= n * t.rows);
     let f = Kernels::of(&core.kernels.matmul, t.dtype);
     let w = weights.view(t);
     let (row_bytes, rows, cols, n32) = (
@@ -780,6 +832,190 @@ fn rope(
     // floats and `cs` `rows * n_rot`.
     unsafe { b.launch(blocks(u32_of("rows", rows * heads)?, 64)) }
         .map_err(CudaError::driver("rope"))?;
+    Ok(())
+}
+
+/// `gate = act(gate) * up` over `n` floats of the views.
+fn activate(
+    core: &Core,
+    cfg: &ModelConfig,
+    gate: &mut CudaViewMut<'_, f32>,
+    up: &CudaView<'_, f32>,
+    n: usize,
+) -> Result<(), CudaError> {
+    let name = match cfg.activation {
+        Activation::Silu => "silu_mul",
+        Activation::GeluTanh => "gelu_tanh_mul",
+    };
+    let n32 = u32_of("elements", n)?;
+    let mut b = core.compute.launch_builder(core.kernels.get(name));
+    b.arg(gate).arg(up).arg(&n32);
+    // SAFETY: `silu_mul` / `gelu_tanh_mul(float*, const float*, u32)` over `n` floats of both.
+    unsafe { b.launch(elementwise(n32)) }.map_err(CudaError::driver("activation"))?;
+    Ok(())
+}
+
+/// A gated MLP over the `total` rows of `sc.h` into `sc.tmp` (`sc.gate`, `sc.up` as scratch).
+fn gated_mlp(
+    core: &Core,
+    weights: &Weights,
+    cfg: &ModelConfig,
+    [gate, up, down]: [&DeviceTensor; 3],
+    sc: &mut Scratch,
+    total: usize,
+) -> Result<(), CudaError> {
+    let (st, inner) = (&core.compute, gate.rows);
+    ensure(st, &mut sc.gate, total * inner)?;
+    ensure(st, &mut sc.up, total * inner)?;
+    matmul(core, weights, gate, &sc.h, total, &mut sc.gate)?;
+    matmul(core, weights, up, &sc.h, total, &mut sc.up)?;
+    let n = total * inner;
+    activate(
+        core,
+        cfg,
+        &mut sc.gate.slice_mut(0..n),
+        &sc.up.slice(0..n),
+        n,
+    )?;
+    matmul(core, weights, down, &sc.gate, total, &mut sc.tmp)
+}
+
+/// A mixture of experts over the `total` rows of `sc.h` into `sc.tmp` (`model::moe`): the
+/// router's scores on the device, copied to the host and routed there exactly as the CPU routes,
+/// the slots' rows gathered by expert, each chosen expert's gated MLP over its rows, then each
+/// token's weighted sum in rank order; Qwen2-MoE's shared expert added after.
+#[allow(clippy::too_many_arguments)]
+fn experts(
+    core: &Core,
+    weights: &Weights,
+    cfg: &ModelConfig,
+    moe: &DeviceMoe,
+    vecs: &LayerVecs,
+    sc: &mut Scratch,
+    hs: &mut HostScratch,
+    total: usize,
+) -> Result<(), CudaError> {
+    let st = &core.compute;
+    let (d, ne, k) = (cfg.n_embd, moe.experts.len(), moe.n_used);
+    let slots = total * k;
+    let Some(ff) = moe.experts.first().map(|e| e[0].rows) else {
+        return Ok(());
+    };
+    // 1-2: the router's scores, routed on the host.
+    ensure(st, &mut sc.router, total * ne)?;
+    matmul(core, weights, &moe.router, &sc.h, total, &mut sc.router)?;
+    hs.probs.resize(total * ne, 0.0);
+    st.memcpy_dtoh(&sc.router.slice(0..total * ne), &mut hs.probs[..])
+        .map_err(CudaError::driver("copy router scores"))?;
+    st.synchronize().map_err(CudaError::driver("synchronize"))?;
+    moe.route(&mut hs.probs, total, &mut hs.routing);
+    let r = &hs.routing;
+    // 3: each slot's input row (its token's), grouped by expert.
+    hs.gather.clear();
+    hs.gather
+        .extend(r.order[..slots].iter().map(|&slot| slot / k as u32));
+    upload(st, &hs.gather, &mut sc.moe_idx)?;
+    upload(st, &r.row_of[..slots], &mut sc.moe_rows)?;
+    upload(st, &r.weight[..slots], &mut sc.moe_w)?;
+    for (buf, n) in [
+        (&mut sc.moe_in, slots * d),
+        (&mut sc.moe_gate, slots * ff),
+        (&mut sc.moe_up, slots * ff),
+        (&mut sc.moe_out, slots * d),
+    ] {
+        ensure(st, buf, n)?;
+    }
+    {
+        let d32 = d as u32;
+        let mut b = st.launch_builder(core.kernels.get("gather_rows"));
+        b.arg(&sc.h).arg(&sc.moe_idx).arg(&d32).arg(&mut sc.moe_in);
+        // SAFETY: `gather_rows(const float*, const u32*, u32, float*)`; the indices are rows of
+        // `h` (tokens below `total`); `moe_in` holds `slots * d` floats.
+        unsafe { b.launch(blocks(u32_of("slots", slots)?, 256)) }
+            .map_err(CudaError::driver("gather"))?;
+    }
+    for e in 0..ne {
+        let (s, n) = (r.start[e], r.start[e + 1] - r.start[e]);
+        if n == 0 {
+            continue;
+        }
+        let [gate, up, down] = &moe.experts[e];
+        let input = sc.moe_in.slice(s * d..(s + n) * d);
+        matmul_view(
+            core,
+            weights,
+            gate,
+            &input,
+            n,
+            &mut sc.moe_gate.slice_mut(s * ff..(s + n) * ff),
+        )?;
+        matmul_view(
+            core,
+            weights,
+            up,
+            &input,
+            n,
+            &mut sc.moe_up.slice_mut(s * ff..(s + n) * ff),
+        )?;
+        activate(
+            core,
+            cfg,
+            &mut sc.moe_gate.slice_mut(s * ff..(s + n) * ff),
+            &sc.moe_up.slice(s * ff..(s + n) * ff),
+            n * ff,
+        )?;
+        matmul_view(
+            core,
+            weights,
+            down,
+            &sc.moe_gate.slice(s * ff..(s + n) * ff),
+            n,
+            &mut sc.moe_out.slice_mut(s * d..(s + n) * d),
+        )?;
+    }
+    // 4: each token's weighted sum.
+    {
+        let (k32, d32) = (k as u32, d as u32);
+        let mut b = st.launch_builder(core.kernels.get("moe_combine"));
+        b.arg(&sc.moe_out)
+            .arg(&sc.moe_rows)
+            .arg(&sc.moe_w)
+            .arg(&k32)
+            .arg(&d32)
+            .arg(&mut sc.tmp);
+        // SAFETY: `moe_combine(const float*, const u32*, const float*, u32, u32, float*)`; the
+        // rows are below `slots`, `moe_out` holds `slots * d` floats, `tmp` `total * d`.
+        unsafe { b.launch(blocks(u32_of("tokens", total)?, 128)) }
+            .map_err(CudaError::driver("combine experts"))?;
+    }
+    if let (Some(([gate, up, down], _)), Some(g)) = (&moe.shared, &vecs.shexp_gate) {
+        let inner = gate.rows;
+        ensure(st, &mut sc.gate, total * inner)?;
+        ensure(st, &mut sc.up, total * inner)?;
+        ensure(st, &mut sc.shared, total * d)?;
+        matmul(core, weights, gate, &sc.h, total, &mut sc.gate)?;
+        matmul(core, weights, up, &sc.h, total, &mut sc.up)?;
+        let n = total * inner;
+        activate(
+            core,
+            cfg,
+            &mut sc.gate.slice_mut(0..n),
+            &sc.up.slice(0..n),
+            n,
+        )?;
+        matmul(core, weights, down, &sc.gate, total, &mut sc.shared)?;
+        let d32 = d as u32;
+        let mut b = st.launch_builder(core.kernels.get("shared_expert_add"));
+        b.arg(&sc.h)
+            .arg(g)
+            .arg(&sc.shared)
+            .arg(&d32)
+            .arg(&mut sc.tmp);
+        // SAFETY: `shared_expert_add(const float*, const float*, const float*, u32, float*)`;
+        // `h`, `shared` and `tmp` hold `total * d` floats, `g` `d`.
+        unsafe { b.launch(blocks(u32_of("tokens", total)?, 128)) }
+            .map_err(CudaError::driver("shared expert"))?;
+    }
     Ok(())
 }
 
@@ -1024,21 +1260,14 @@ impl Device {
             // Stage 3: MLP block.
             add(core, &mut sc.x, &sc.tmp, total * d)?;
             rmsnorm(core, &sc.x, &vecs.ffn_norm, cfg.rms_eps, total, &mut sc.h)?;
-            matmul(core, weights, &layer.gate, &sc.h, total, &mut sc.gate)?;
-            matmul(core, weights, &layer.up, &sc.h, total, &mut sc.up)?;
-            {
-                let name = match cfg.activation {
-                    Activation::Silu => "silu_mul",
-                    Activation::GeluTanh => "gelu_tanh_mul",
-                };
-                let n32 = u32_of("elements", total * cfg.n_ff)?;
-                let mut b = st.launch_builder(core.kernels.get(name));
-                b.arg(&mut sc.gate).arg(&sc.up).arg(&n32);
-                // SAFETY: `silu_mul` / `gelu_tanh_mul(float*, const float*, u32)` over
-                // `total * n_ff` floats.
-                unsafe { b.launch(elementwise(n32)) }.map_err(CudaError::driver("activation"))?;
+            match &layer.ffn {
+                DeviceFfn::Dense([gate, up, down]) => {
+                    gated_mlp(core, weights, cfg, [gate, up, down], sc, total)?;
+                }
+                DeviceFfn::Moe(moe) => {
+                    experts(core, weights, cfg, moe, vecs, sc, hs, total)?;
+                }
             }
-            matmul(core, weights, &layer.down, &sc.gate, total, &mut sc.tmp)?;
             if let Some(w) = &vecs.norms[3] {
                 rmsnorm_in_place(core, &mut sc.tmp, w, eps, total * d, &mut sc.h)?;
             }

@@ -470,6 +470,36 @@ extern "C" __global__ void rope(float* x, u32 heads, u32 hd, u32 n_rot, const fl
     }
 }
 
+// A mixture of experts' weighted sum (model::moe, step 4): out[t] = sum over ranks r of
+// w[t k + r] * y[rows[t k + r]], in rank order (the first term assigned, as the CPU sums). `y`
+// holds the experts' output rows, `rows` each slot's row. Grid tokens, threads over d.
+extern "C" __global__ void moe_combine(const float* y, const u32* rows, const float* w, u32 k,
+                                       u32 d, float* out) {
+    const u32 t = blockIdx.x;
+    for (u32 c = threadIdx.x; c < d; c += blockDim.x) {
+        float acc = 0.0f;
+        for (u32 r = 0; r < k; r++) {
+            const u32 s = t * k + r;
+            const float v = w[s] * y[(u64)rows[s] * d + c];
+            acc = r == 0 ? v : acc + v;
+        }
+        out[(u64)t * d + c] = acc;
+    }
+}
+
+// Qwen2-MoE's shared expert (model::moe::shared_expert): out[t] += y[t] * g with
+// x = h[t] . gate and g = silu(x) / x (ggml's form). Grid tokens, 128 threads.
+extern "C" __global__ void __launch_bounds__(128)
+    shared_expert_add(const float* h, const float* gate, const float* y, u32 d, float* out) {
+    __shared__ float red[32];
+    const u32 t = blockIdx.x;
+    float s = 0.0f;
+    for (u32 c = threadIdx.x; c < d; c += blockDim.x) s += h[(u64)t * d + c] * gate[c];
+    const float x = block_sum(s, red);
+    const float g = x / (1.0f + expf(-x)) / x;
+    for (u32 c = threadIdx.x; c < d; c += blockDim.x) out[(u64)t * d + c] += y[(u64)t * d + c] * g;
+}
+
 // dst[i] = src[idx[i]] for rows of `width` (the rows whose logits are wanted). Grid n_out.
 extern "C" __global__ void gather_rows(const float* src, const u32* idx, u32 width, float* dst) {
     const float* s = src + (u64)idx[blockIdx.x] * width;

@@ -49,6 +49,8 @@ pub const KERNEL_NAMES: &[&str] = &[
     "softcap",
     "rope",
     "gather_rows",
+    "moe_combine",
+    "shared_expert_add",
     "kv_scatter",
     "attention_ring",
 ];
