@@ -128,6 +128,19 @@ fn cuda_executor(
     // Kernels compiled beforehand (`examples/cuda_ptx.rs`), for a machine with the driver and
     // without NVRTC.
     opts.ptx_dir = std::env::var_os("ZEROLAYER_CUDA_PTX_DIR").map(Into::into);
+    // The access profile where `serve` keeps it by default (beside the model file): under a
+    // budget the hottest tensors (experts) stay on the device.
+    let beside = model
+        .gguf()
+        .and_then(|g| g.path())
+        .map(|p| p.with_extension("profile"))
+        .filter(|p| p.is_file());
+    if let Some(path) = beside.filter(|_| budget.is_some()) {
+        match weight_cache::AccessProfile::load(&path) {
+            Ok(p) => opts.profile = Some(p),
+            Err(e) => tracing::warn!(profile = %path.display(), "ignoring the access profile: {e}"),
+        }
+    }
     let exec = gpu_pipeline::executor::CudaExecutor::new(model, opts)?;
     let st = exec.stats();
     tracing::info!(

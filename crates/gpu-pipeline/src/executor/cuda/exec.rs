@@ -12,7 +12,7 @@ use cudarc::driver::{
 use cudarc::nvrtc::Ptx;
 use kv_ring::{KvDtype, KvShape};
 use token_stream::Tokenizer;
-use weight_cache::{GgmlType, WeightCache};
+use weight_cache::{AccessProfile, GgmlType, WeightCache};
 
 use super::super::Executor;
 use super::super::plan::{LayerWeights, Placement, PlanOptions, StreamPlan, WeightSpan};
@@ -41,6 +41,10 @@ pub struct CudaOptions {
     /// the `cuda_ptx` example): when it holds the device's, NVRTC is not needed (the driver
     /// loads the PTX). `scripts/gpu-check` uses it for machines without the CUDA toolkit.
     pub ptx_dir: Option<PathBuf>,
+    /// The model file's access profile (weight-cache's): under a budget, the tensors with the
+    /// most touches per byte stay resident first (a mixture of experts' hot experts: each
+    /// expert's matrices are tensors of their own to the plan), the rest stream.
+    pub profile: Option<AccessProfile>,
 }
 
 impl CudaOptions {
@@ -59,6 +63,12 @@ impl CudaOptions {
     /// A directory of precompiled PTX (see [`CudaOptions::ptx_dir`]).
     pub fn with_ptx_dir(mut self, dir: impl Into<PathBuf>) -> Self {
         self.ptx_dir = Some(dir.into());
+        self
+    }
+
+    /// The access profile the weight plan ranks tensors by (see [`CudaOptions::profile`]).
+    pub fn with_profile(mut self, profile: AccessProfile) -> Self {
+        self.profile = Some(profile);
         self
     }
 }
@@ -377,7 +387,14 @@ impl CudaExecutor {
         let copy = ctx
             .new_stream()
             .map_err(CudaError::driver("create stream"))?;
-        let weights = upload_weights(&ctx, &compute, &model, &graph, opts.budget)?;
+        let weights = upload_weights(
+            &ctx,
+            &compute,
+            &model,
+            &graph,
+            opts.budget,
+            opts.profile.as_ref(),
+        )?;
         let vec_up = |v: &[f32]| {
             compute
                 .clone_htod(v)
@@ -505,6 +522,7 @@ fn upload_weights(
     model: &Model,
     graph: &DeviceGraph,
     budget: Option<u64>,
+    profile: Option<&AccessProfile>,
 ) -> Result<Weights, CudaError> {
     // Distinct tensors (a tied output head is the embedding), globals first.
     let mut list: Vec<&DeviceTensor> = Vec::new();
@@ -544,7 +562,7 @@ fn upload_weights(
         + 2 * ALIGN;
     let opts = PlanOptions {
         align: ALIGN,
-        profile: None,
+        profile,
     };
     let plan = StreamPlan::new(&global, &layers, budget.unwrap_or(everything), &opts)?;
     let slot_bytes = plan.slot_bytes() as usize;
