@@ -49,7 +49,9 @@ Deterministic: fixed seeds (numpy default_rng), same gguf/llama.cpp release, sam
 
 usage: make_arch_models.py [--only NAME...]   (NAME as in MODELS / QUANTIZED, e.g. arch-qwen3)
        make_arch_models.py --bench-moe FILE    (not a test model: BENCH_MOE below, ~1.4 GB)
-       make_arch_models.py --bench-dense FILE  (not a test model: BENCH_DENSE below, Q4_K_M ~1.1 GB)
+       make_arch_models.py --bench-dense FILE [TYPE]  (not a test model: BENCH_DENSE below;
+                                               TYPE a llama.cpp file type, default Q4_K_M ~1.1 GB;
+                                               Q5_K_M ~1.2 GB, Q8_0 ~1.8 GB)
 """
 import json
 import math
@@ -533,11 +535,12 @@ def write_bench_moe(path):
 # parameters (d 2048, 26 layers, 32 heads of 64 with 8 KV heads, FFN 8192, the 32k llama-spm
 # vocabulary, untied head), written as F16 beside FILE and quantized by llama.cpp's own
 # quantizer into Q4_K_M (llama.cpp's mix: Q4_K with Q6_K for half the ffn_down/attn_v and the
-# head), ~1.1 GB: 30x this machine's L3, the honest case for decode bandwidth.
+# head), ~1.1 GB: 30x this machine's L3, the honest case for decode bandwidth; or another file
+# type (Q5_K_M, Q8_0: issue 49's other real-size files).
 BENCH_DENSE = dict(d=2048, ff=8192, nl=26, nh=32, nkv=8)
 
 
-def write_bench_dense(path):
+def write_bench_dense(path, ftype="Q4_K_M"):
     c = BENCH_DENSE
     d, ff, nl, nh, nkv = c["d"], c["ff"], c["nl"], c["nh"], c["nkv"]
     hd = d // nh
@@ -559,7 +562,7 @@ def write_bench_dense(path):
     b.add("output_norm.weight", b.vec(d))
     b.add("output.weight", b.mat(b.vocab, d, 4.0), F16)
     b.finish()
-    quantize(f16, path, "Q4_K_M", False)
+    quantize(f16, path, ftype, False)
     f16.unlink()
 
 
@@ -577,8 +580,10 @@ def main():
         print(f"make-arch-models: {path} ({path.stat().st_size >> 20} MiB)", file=sys.stderr)
         return
     if "--bench-dense" in sys.argv:
-        path = pathlib.Path(sys.argv[sys.argv.index("--bench-dense") + 1])
-        write_bench_dense(path)
+        at = sys.argv.index("--bench-dense")
+        path = pathlib.Path(sys.argv[at + 1])
+        ftype = sys.argv[at + 2] if len(sys.argv) > at + 2 else "Q4_K_M"
+        write_bench_dense(path, ftype)
         print(f"make-arch-models: {path} ({path.stat().st_size >> 20} MiB)", file=sys.stderr)
         return
     only = set(sys.argv[sys.argv.index("--only") + 1:]) if "--only" in sys.argv else None
