@@ -160,8 +160,8 @@ pub(crate) struct DeviceGraph {
 }
 
 impl Model {
-    /// The graph for a device executor, or the name of the first feature it does not support
-    /// (mixture of experts).
+    /// The graph for a device executor (every family the CPU runs), or the name of what it
+    /// lacks (a mixture of experts without its configuration).
     pub(crate) fn device_graph(&self) -> Result<DeviceGraph, &'static str> {
         let mut layers = Vec::with_capacity(self.layers.len());
         for layer in &self.layers {
