@@ -21,25 +21,11 @@ fn main() {
     };
     // SAFETY: the model file is not modified while it is mapped.
     let gguf = unsafe { weight_cache::Gguf::open(&src) }.expect("open the vocabulary's model");
-    let bytes = synthetic::with_vocabulary(real_vocab_dims(&gguf), 5, &gguf);
+    let bytes = synthetic::with_vocabulary(synthetic::real_vocab_dims(&gguf), 5, &gguf);
     std::fs::write(&out, &bytes).expect("write");
     eprintln!(
         "{out}: {} bytes, vocabulary of {}",
         bytes.len(),
         src.display()
     );
-}
-
-/// The small llama's shape over `gguf`'s vocabulary (as `tests/cuda.rs` builds it).
-fn real_vocab_dims(gguf: &weight_cache::Gguf) -> synthetic::Dims {
-    synthetic::Dims {
-        n_embd: 64,
-        n_ff: 128,
-        n_layers: 4,
-        n_heads: 4,
-        n_kv_heads: 2,
-        head_dim: 16,
-        vocab: synthetic::vocabulary_size(gguf),
-        ctx: 512,
-    }
 }

@@ -505,17 +505,7 @@ fn real_vocab_gguf() -> Option<(Arc<Gguf>, Option<Arc<Gguf>>)> {
         return Some((Arc::new(Gguf::from_bytes(bytes).unwrap()), default));
     }
     let src = default.clone()?;
-    let dims = synthetic::Dims {
-        n_embd: 64,
-        n_ff: 128,
-        n_layers: 4,
-        n_heads: 4,
-        n_kv_heads: 2,
-        head_dim: 16,
-        vocab: synthetic::vocabulary_size(&src),
-        ctx: 512,
-    };
-    let bytes = synthetic::with_vocabulary(dims, 5, &src);
+    let bytes = synthetic::with_vocabulary(synthetic::real_vocab_dims(&src), 5, &src);
     Some((Arc::new(Gguf::from_bytes(bytes).unwrap()), default))
 }
 
@@ -776,8 +766,7 @@ fn wrapping_run<E: Executor>(exec: &E, dtype: KvDtype) -> Vec<f32> {
 }
 
 /// The synthetic llama of the ring-wrap tests, as is and with a window of 48 on every other
-/// layer (Mistral's kind of window; the window families gemma2/3 are not covered by the CUDA
-/// kernels).
+/// layer (Mistral's kind of window; gemma2/3's run in the family test).
 fn wrap_models() -> Vec<(&'static str, Arc<Model>)> {
     let dims = synthetic::Dims {
         n_embd: 64,

@@ -14,6 +14,10 @@ use std::process::{Command, Stdio};
 use half::{bf16, f16};
 use weight_cache::GgmlType;
 
+#[path = "../benches/support/synthetic.rs"]
+mod synthetic;
+use synthetic::Rng;
+
 const KERNELS: &str = include_str!("../src/executor/cuda/kernels.cu");
 
 /// What the kernels' part needs from outside it, for the host: the integer types, the CUDA
@@ -95,27 +99,16 @@ const FORMATS: [(GgmlType, u32, &[usize]); 15] = [
     (GgmlType::IQ4_XS, 14, &[0]),
 ];
 
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
+/// A finite value of magnitude about 2^-12..2^3 (zero one time in 16), either sign.
+fn scale(rng: &mut Rng) -> f32 {
+    let r = rng.next();
+    if r.is_multiple_of(16) {
+        return 0.0;
     }
-
-    /// A finite value of magnitude about 2^-12..2^3 (zero one time in 16), either sign.
-    fn scale(&mut self) -> f32 {
-        let r = self.next();
-        if r.is_multiple_of(16) {
-            return 0.0;
-        }
-        let mag = ((r >> 8) % 1000) as f32 / 1000.0 + 0.5;
-        let exp = ((r >> 20) % 16) as i32 - 12;
-        let v = mag * 2f32.powi(exp);
-        if r >> 40 & 1 == 1 { -v } else { v }
-    }
+    let mag = ((r >> 8) % 1000) as f32 / 1000.0 + 0.5;
+    let exp = ((r >> 20) % 16) as i32 - 12;
+    let v = mag * 2f32.powi(exp);
+    if r >> 40 & 1 == 1 { -v } else { v }
 }
 
 /// `rows` random rows of `cols` elements of `dtype`.
@@ -128,19 +121,19 @@ fn random_rows(
 ) -> Vec<u8> {
     let n = rows * cols;
     match dtype {
-        GgmlType::F32 => (0..n).flat_map(|_| rng.scale().to_le_bytes()).collect(),
+        GgmlType::F32 => (0..n).flat_map(|_| scale(rng).to_le_bytes()).collect(),
         GgmlType::F16 => (0..n)
-            .flat_map(|_| f16::from_f32(rng.scale()).to_le_bytes())
+            .flat_map(|_| f16::from_f32(scale(rng)).to_le_bytes())
             .collect(),
         GgmlType::BF16 => (0..n)
-            .flat_map(|_| bf16::from_f32(rng.scale()).to_le_bytes())
+            .flat_map(|_| bf16::from_f32(scale(rng)).to_le_bytes())
             .collect(),
         _ => {
             let bytes = dtype.row_bytes(cols).unwrap() * rows;
             let mut data: Vec<u8> = (0..bytes).map(|_| rng.next() as u8).collect();
             for blk in data.chunks_exact_mut(dtype.type_size()) {
                 for &at in scales {
-                    blk[at..at + 2].copy_from_slice(&f16::from_f32(rng.scale()).to_le_bytes());
+                    blk[at..at + 2].copy_from_slice(&f16::from_f32(scale(rng)).to_le_bytes());
                 }
             }
             data

@@ -45,10 +45,10 @@ pub(crate) fn expert_ff(d: Dims) -> usize {
 }
 
 /// A small deterministic generator (xorshift).
-struct Rng(u64);
+pub(crate) struct Rng(pub(crate) u64);
 
 impl Rng {
-    fn next(&mut self) -> u64 {
+    pub(crate) fn next(&mut self) -> u64 {
         self.0 ^= self.0 << 13;
         self.0 ^= self.0 >> 7;
         self.0 ^= self.0 << 17;
@@ -497,6 +497,21 @@ pub(crate) fn vocabulary_size(vocab_from: &weight_cache::Gguf) -> usize {
     match vocab_from.metadata("tokenizer.ggml.tokens") {
         Some(weight_cache::MetaValue::Array(a)) => a.len(),
         _ => panic!("no tokenizer.ggml.tokens"),
+    }
+}
+
+/// The small llama of the real-vocabulary case (`examples/real_vocab_model.rs`, `tests/cuda.rs`)
+/// over `vocab_from`'s vocabulary.
+pub(crate) fn real_vocab_dims(vocab_from: &weight_cache::Gguf) -> Dims {
+    Dims {
+        n_embd: 64,
+        n_ff: 128,
+        n_layers: 4,
+        n_heads: 4,
+        n_kv_heads: 2,
+        head_dim: 16,
+        vocab: vocabulary_size(vocab_from),
+        ctx: 512,
     }
 }
 

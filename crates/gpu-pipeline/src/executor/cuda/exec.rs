@@ -873,7 +873,8 @@ fn activate(
     Ok(())
 }
 
-/// A gated MLP over the `total` rows of `sc.h` into `sc.tmp` (`sc.gate`, `sc.up` as scratch).
+/// A gated MLP over the `total` rows of `sc.h` into `sc.tmp`, or (`shared`: Qwen2-MoE's shared
+/// expert) into `sc.shared`; `sc.gate`, `sc.up` as scratch.
 fn gated_mlp(
     core: &Core,
     weights: &Weights,
@@ -881,6 +882,7 @@ fn gated_mlp(
     [gate, up, down]: [&DeviceTensor; 3],
     sc: &mut Scratch,
     total: usize,
+    shared: bool,
 ) -> Result<(), CudaError> {
     let (st, inner) = (&core.compute, gate.rows);
     ensure(st, &mut sc.gate, total * inner)?;
@@ -895,7 +897,13 @@ fn gated_mlp(
         &sc.up.slice(0..n),
         n,
     )?;
-    matmul(core, weights, down, &sc.gate, total, &mut sc.tmp)
+    let out = if shared {
+        ensure(st, &mut sc.shared, total * cfg.n_embd)?;
+        &mut sc.shared
+    } else {
+        &mut sc.tmp
+    };
+    matmul(core, weights, down, &sc.gate, total, out)
 }
 
 /// A mixture of experts over the `total` rows of `sc.h` into `sc.tmp` (`model::moe`): the
@@ -1007,21 +1015,7 @@ fn experts(
             .map_err(CudaError::driver("combine experts"))?;
     }
     if let (Some(([gate, up, down], _)), Some(g)) = (&moe.shared, &vecs.shexp_gate) {
-        let inner = gate.rows;
-        ensure(st, &mut sc.gate, total * inner)?;
-        ensure(st, &mut sc.up, total * inner)?;
-        ensure(st, &mut sc.shared, total * d)?;
-        matmul(core, weights, gate, &sc.h, total, &mut sc.gate)?;
-        matmul(core, weights, up, &sc.h, total, &mut sc.up)?;
-        let n = total * inner;
-        activate(
-            core,
-            cfg,
-            &mut sc.gate.slice_mut(0..n),
-            &sc.up.slice(0..n),
-            n,
-        )?;
-        matmul(core, weights, down, &sc.gate, total, &mut sc.shared)?;
+        gated_mlp(core, weights, cfg, [gate, up, down], sc, total, true)?;
         let d32 = d as u32;
         let mut b = st.launch_builder(core.kernels.get("shared_expert_add"));
         b.arg(&sc.h)
@@ -1280,7 +1274,7 @@ impl Device {
             rmsnorm(core, &sc.x, &vecs.ffn_norm, cfg.rms_eps, total, &mut sc.h)?;
             match &layer.ffn {
                 DeviceFfn::Dense([gate, up, down]) => {
-                    gated_mlp(core, weights, cfg, [gate, up, down], sc, total)?;
+                    gated_mlp(core, weights, cfg, [gate, up, down], sc, total, false)?;
                 }
                 DeviceFfn::Moe(moe) => {
                     experts(core, weights, cfg, moe, vecs, sc, hs, total)?;
