@@ -219,9 +219,9 @@ fn generate_with_executor_cuda_without_a_driver_fails_cleanly() {
     assert!(!stderr.contains("panicked"), "{stderr}");
 }
 
-/// `--executor auto` (generate, perplexity, bench) on a machine without a usable GPU: the CPU runs
-/// the forward pass (the same greedy text and perplexity as `--executor cpu`), and the log says
-/// why (SKIPPED where libcuda loads).
+/// `--executor auto` (generate, perplexity, bench, run) on a machine without a usable GPU: the
+/// CPU runs the forward pass (the same greedy text, perplexity and answer as `--executor cpu`),
+/// and the log says why (SKIPPED where libcuda loads).
 #[cfg(feature = "cuda")]
 #[test]
 fn executor_auto_without_a_gpu_runs_on_the_cpu_and_says_so() {
@@ -272,6 +272,23 @@ fn executor_auto_without_a_gpu_runs_on_the_cpu_and_says_so() {
         out.split_whitespace().nth(1).unwrap().to_owned()
     };
     assert_eq!(ppl("auto"), ppl("cpu"));
+    // And `run`: the same answer through `auto`.
+    let chat = |executor: &str| {
+        let (out, _) = ok(run_with_stdin(
+            &mut zerolayer(&[
+                "run",
+                "--temperature",
+                "0",
+                "--max-tokens",
+                "8",
+                "--executor",
+                executor,
+            ]),
+            "What is 2+2?\n/bye\n",
+        ));
+        out
+    };
+    assert_eq!(chat("auto"), chat("cpu"));
     let (bench, _) = ok(zerolayer(&[
         "bench",
         "--executor",

@@ -45,6 +45,12 @@ pub(crate) struct RunArgs {
     /// After each answer, print its token counts, time to first token and speed on stderr.
     #[arg(long)]
     stats: bool,
+    /// What runs the forward pass: `cpu`, `cuda` or `auto` (as `generate --executor`).
+    #[arg(long, value_enum, default_value_t = super::generate::ExecutorKind::Cpu)]
+    executor: super::generate::ExecutorKind,
+    /// With --executor cuda or auto: device bytes for the weights, e.g. 2G.
+    #[arg(long, value_parser = zerolayer::parse_byte_size)]
+    device_budget: Option<u64>,
 }
 
 const HELP: &str = "/reset  start the conversation over (the system prompt stays)\n\
@@ -56,9 +62,11 @@ Ctrl-C  stop the answer being written (at the prompt: leave)";
 pub(crate) fn main(args: RunArgs) -> anyhow::Result<()> {
     let path = super::model_path(args.model.as_deref())?;
     let options = ModelOptions::default().with_threads(args.threads.unwrap_or(0));
+    let executor = super::generate::executor_choice(args.executor, args.device_budget)?;
     // SAFETY: the model file is not modified while this process maps it.
-    let service = unsafe { EngineService::load(&path, options, EngineConfig::default()) }
-        .with_context(|| format!("loading {}", path.display()))?;
+    let service =
+        unsafe { EngineService::load_on(&path, options, EngineConfig::default(), executor) }
+            .with_context(|| format!("loading {}", path.display()))?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;
