@@ -1,6 +1,9 @@
 //! The CUDA executor's bench for `scripts/gpu-check` (needs a GPU): prefill and decode tok/s,
 //! 100-concurrent decode throughput, and device bytes + decode tok/s at 100% / 30% / 10% weight
-//! budgets, each beside the CPU executor's figure in the same run (ratios printed).
+//! budgets, each beside the CPU executor's figure in the same run (ratios printed), and beside
+//! the card's own limits probed in the same run: its device-to-device copy bandwidth (decode as
+//! GB/s of weights against it) and its host-to-device bandwidth from pinned memory (streaming as
+//! GB/s uploaded per second against it).
 //!
 //! Model: the default model when present (`ZEROLAYER_MODEL` or the cache), else a synthetic
 //! llama-shaped Q8_0 model of 40 layers (printed). `ZEROLAYER_CUDA_PTX_DIR`: precompiled kernels
@@ -146,6 +149,38 @@ fn concurrent<E: Executor>(exec: &E) -> f64 {
     (N * 32) as f64 / t0.elapsed().as_secs_f64()
 }
 
+/// The card's device-to-device copy bandwidth (2 GiB; bytes read plus bytes written) and its
+/// host-to-device bandwidth from pinned host memory (1 GiB), GB/s, medians of 5.
+fn probes() -> Result<(f64, f64), cudarc::driver::DriverError> {
+    let ctx = cudarc::driver::CudaContext::new(0)?;
+    let st = ctx.default_stream();
+    let n = 1usize << 31;
+    let src = st.alloc_zeros::<u8>(n)?;
+    let mut dst = st.alloc_zeros::<u8>(n)?;
+    st.synchronize()?;
+    let mut copy = Vec::new();
+    for _ in 0..5 {
+        let t0 = Instant::now();
+        st.memcpy_dtod(&src, &mut dst)?;
+        st.synchronize()?;
+        copy.push(2.0 * n as f64 / t0.elapsed().as_secs_f64() / 1e9);
+    }
+    drop((src, dst));
+    let h = 1usize << 30;
+    // SAFETY: `u8` has no invalid values; the buffer is written before it is read.
+    let mut pinned = unsafe { ctx.alloc_pinned::<u8>(h) }?;
+    pinned.as_mut_slice()?.fill(1);
+    let mut dev = st.alloc_zeros::<u8>(h)?;
+    let mut up = Vec::new();
+    for _ in 0..5 {
+        let t0 = Instant::now();
+        st.memcpy_htod(pinned.as_slice()?, &mut dev)?;
+        st.synchronize()?;
+        up.push(h as f64 / t0.elapsed().as_secs_f64() / 1e9);
+    }
+    Ok((median(copy), median(up)))
+}
+
 fn cuda(model: &Arc<Model>, budget: Option<u64>) -> Result<CudaExecutor, String> {
     let mut opts = CudaOptions::default();
     opts.budget = budget;
@@ -166,6 +201,20 @@ fn main() {
         st.device, st.arch, st.weight_bytes
     );
 
+    // The card's limits, measured in this run (the executor's device memory stays allocated).
+    let (copy_gbs, h2d_gbs) = match probes() {
+        Ok((c, h)) => {
+            println!(
+                "card: device copy {c:.0} GB/s (read + write), host-to-device (pinned) {h:.1} GB/s"
+            );
+            (c, h)
+        }
+        Err(e) => {
+            println!("card probes failed: {e}");
+            (f64::NAN, f64::NAN)
+        }
+    };
+
     let (cp, cd) = single(&cpu);
     let (gp, gd) = single(&gpu);
     println!(
@@ -175,6 +224,11 @@ fn main() {
     println!(
         "decode tok/s (1 seq): cuda {gd:.1}, cpu {cd:.1}, ratio {:.2}",
         gd / cd
+    );
+    let read = gd * st.weight_bytes as f64 / 1e9;
+    println!(
+        "decode reads {read:.1} GB/s of weights = {:.1}% of the card's read bandwidth (half the copy's)",
+        100.0 * read / (copy_gbs / 2.0)
     );
     let (cc, gc) = (concurrent(&cpu), concurrent(&gpu));
     println!(
@@ -189,6 +243,11 @@ fn main() {
                 let (_, d) = single(&exec);
                 let c = concurrent(&exec);
                 let st = exec.stats();
+                let streamed = d * st.streamed_bytes_per_step as f64 / 1e9;
+                println!(
+                    "budget {pct}%: streams {streamed:.1} GB/s host-to-device = {:.0}% of the probe",
+                    100.0 * streamed / h2d_gbs
+                );
                 println!(
                     "budget {pct}%: device weight bytes {} ({:.1}% of weights), streamed/step {}, decode tok/s {d:.1} ({:.2} of resident), 100-conc tok/s {c:.0} ({:.2} of resident)",
                     st.weight_device_bytes,
