@@ -9,56 +9,7 @@
 //!
 //! `cargo run --release -p zerolayer-gpu-pipeline --example pad_layers -- IN.gguf OUT.gguf N`
 
-use weight_cache::{Gguf, GgufBuilder, MetaType, MetaValue};
-
-/// GGUF's value type ids.
-fn type_id(t: MetaType) -> u32 {
-    match t {
-        MetaType::U8 => 0,
-        MetaType::I8 => 1,
-        MetaType::U16 => 2,
-        MetaType::I16 => 3,
-        MetaType::U32 => 4,
-        MetaType::I32 => 5,
-        MetaType::F32 => 6,
-        MetaType::Bool => 7,
-        MetaType::String => 8,
-        MetaType::Array => 9,
-        MetaType::U64 => 10,
-        MetaType::I64 => 11,
-        MetaType::F64 => 12,
-        other => panic!("no GGUF type id for {other:?}"),
-    }
-}
-
-/// `v` encoded as a GGUF value (without its type id).
-fn encode(v: &MetaValue<'_>, out: &mut Vec<u8>) {
-    match v {
-        MetaValue::U8(x) => out.push(*x),
-        MetaValue::I8(x) => out.extend(x.to_le_bytes()),
-        MetaValue::U16(x) => out.extend(x.to_le_bytes()),
-        MetaValue::I16(x) => out.extend(x.to_le_bytes()),
-        MetaValue::U32(x) => out.extend(x.to_le_bytes()),
-        MetaValue::I32(x) => out.extend(x.to_le_bytes()),
-        MetaValue::U64(x) => out.extend(x.to_le_bytes()),
-        MetaValue::I64(x) => out.extend(x.to_le_bytes()),
-        MetaValue::F32(x) => out.extend(x.to_le_bytes()),
-        MetaValue::F64(x) => out.extend(x.to_le_bytes()),
-        MetaValue::Bool(x) => out.push(u8::from(*x)),
-        MetaValue::String(s) => {
-            out.extend((s.len() as u64).to_le_bytes());
-            out.extend(s.as_bytes());
-        }
-        MetaValue::Array(a) => {
-            out.extend(type_id(a.elem_type()).to_le_bytes());
-            out.extend((a.len() as u64).to_le_bytes());
-            for e in a.iter() {
-                encode(&e, out);
-            }
-        }
-        other => panic!("cannot encode {other:?}"),
-    }
-}
+use weight_cache::{Gguf, GgufBuilder, MetaValue};
 
 /// The layer index of a `blk.N.` tensor name, and the rest of the name.
 fn layer_of(name: &str) -> Option<(usize, &str)> {
@@ -94,9 +45,7 @@ fn main() {
             b = b.kv_u32(key, (layers + extra) as u32);
             continue;
         }
-        let mut bytes = Vec::new();
-        encode(&v, &mut bytes);
-        b = b.kv_raw(key, type_id(v.meta_type()), &bytes);
+        b = b.kv_value(key, &v);
     }
     let tensors: Vec<_> = g.tensors().collect();
     for t in &tensors {

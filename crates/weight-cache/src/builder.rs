@@ -1,6 +1,7 @@
 //! A small GGUF writer, for tests, fuzz seeds and tiny synthetic models.
 
 use crate::GgmlType;
+use crate::gguf::MetaValue;
 
 /// Builds a GGUF v3 image in memory.
 ///
@@ -36,6 +37,31 @@ fn put_str(out: &mut Vec<u8>, s: &str) {
     out.extend(s.as_bytes());
 }
 
+/// `v` encoded as a GGUF value, without its type id (an array's elements recursively).
+fn put_value(out: &mut Vec<u8>, v: &MetaValue<'_>) {
+    match v {
+        MetaValue::U8(x) => out.push(*x),
+        MetaValue::I8(x) => out.extend(x.to_le_bytes()),
+        MetaValue::U16(x) => out.extend(x.to_le_bytes()),
+        MetaValue::I16(x) => out.extend(x.to_le_bytes()),
+        MetaValue::U32(x) => out.extend(x.to_le_bytes()),
+        MetaValue::I32(x) => out.extend(x.to_le_bytes()),
+        MetaValue::U64(x) => out.extend(x.to_le_bytes()),
+        MetaValue::I64(x) => out.extend(x.to_le_bytes()),
+        MetaValue::F32(x) => out.extend(x.to_le_bytes()),
+        MetaValue::F64(x) => out.extend(x.to_le_bytes()),
+        MetaValue::Bool(x) => out.push(u8::from(*x)),
+        MetaValue::String(s) => put_str(out, s),
+        MetaValue::Array(a) => {
+            out.extend(a.elem_type().id().to_le_bytes());
+            out.extend((a.len() as u64).to_le_bytes());
+            for e in a.iter() {
+                put_value(out, &e);
+            }
+        }
+    }
+}
+
 impl GgufBuilder {
     /// An empty v3 file with the default alignment (32).
     pub fn new() -> Self {
@@ -67,6 +93,26 @@ impl GgufBuilder {
         self.kv.extend(value);
         self.n_kv += 1;
         self
+    }
+
+    /// Add an entry with the value `v` as read from another file ([`crate::Gguf::metadata`]),
+    /// whatever its type (arrays included): how a file's metadata is copied into a new one.
+    ///
+    /// ```
+    /// use weight_cache::{Gguf, GgufBuilder};
+    /// let src = Gguf::from_bytes(
+    ///     GgufBuilder::new().kv_str_array("tokenizer.ggml.tokens", &["a", "b"]).build(),
+    /// )
+    /// .unwrap();
+    /// let v = src.metadata("tokenizer.ggml.tokens").unwrap();
+    /// let copy = Gguf::from_bytes(GgufBuilder::new().kv_value("tokenizer.ggml.tokens", &v).build())
+    ///     .unwrap();
+    /// assert_eq!(copy.metadata("tokenizer.ggml.tokens"), Some(v));
+    /// ```
+    pub fn kv_value(self, key: &str, v: &MetaValue<'_>) -> Self {
+        let mut b = Vec::new();
+        put_value(&mut b, v);
+        self.kv_raw(key, v.meta_type().id(), &b)
     }
 
     /// Add a `u32` entry.

@@ -228,6 +228,25 @@ pub enum MetaType {
 }
 
 impl MetaType {
+    /// GGUF's value type id (the inverse of `from_id`).
+    pub(crate) fn id(self) -> u32 {
+        match self {
+            Self::U8 => 0,
+            Self::I8 => 1,
+            Self::U16 => 2,
+            Self::I16 => 3,
+            Self::U32 => 4,
+            Self::I32 => 5,
+            Self::F32 => 6,
+            Self::Bool => 7,
+            Self::String => 8,
+            Self::Array => 9,
+            Self::U64 => 10,
+            Self::I64 => 11,
+            Self::F64 => 12,
+        }
+    }
+
     fn from_id(id: u32) -> Option<Self> {
         Some(match id {
             0 => Self::U8,

@@ -520,47 +520,13 @@ pub(crate) fn real_vocab_dims(vocab_from: &weight_cache::Gguf) -> Dims {
 /// vocabulary, its tokenizer and chat template, small enough to travel where the real model
 /// does not (the GPU check).
 pub(crate) fn with_vocabulary(d: Dims, seed: u64, vocab_from: &weight_cache::Gguf) -> Vec<u8> {
-    use weight_cache::MetaValue as V;
     assert_eq!(d.vocab, vocabulary_size(vocab_from), "dims.vocab");
     let mut b = build("llama", d, seed);
-    let keys: Vec<String> = vocab_from
+    for key in vocab_from
         .metadata_keys()
         .filter(|k| k.starts_with("tokenizer."))
-        .map(str::to_owned)
-        .collect();
-    for key in &keys {
-        let value = vocab_from.metadata(key).expect("listed");
-        b = match value {
-            V::String(s) => b.kv_str(key, s),
-            V::U32(x) => b.kv_u32(key, x),
-            V::I32(x) => b.kv_i32(key, x),
-            V::Bool(x) => b.kv_bool(key, x),
-            V::F32(x) => b.kv_f32(key, x),
-            V::Array(a) => match a.elem_type() {
-                weight_cache::MetaType::String => {
-                    let v: Vec<&str> = a
-                        .iter()
-                        .map(|e| match e {
-                            V::String(s) => s,
-                            other => panic!("{key}: {other:?}"),
-                        })
-                        .collect();
-                    b.kv_str_array(key, &v)
-                }
-                weight_cache::MetaType::I32 => {
-                    let v: Vec<i32> = a
-                        .iter()
-                        .map(|e| match e {
-                            V::I32(x) => x,
-                            other => panic!("{key}: {other:?}"),
-                        })
-                        .collect();
-                    b.kv_i32_array(key, &v)
-                }
-                other => panic!("{key}: arrays of {other:?} are not copied"),
-            },
-            other => panic!("{key}: {other:?} is not copied"),
-        };
+    {
+        b = b.kv_value(key, &vocab_from.metadata(key).expect("listed"));
     }
     b.build()
 }
