@@ -448,15 +448,15 @@ fn generate(a: &GenerateArgs, loaded: LoadedModel, prompt: &[u32]) -> anyhow::Re
     if a.executor == ExecutorKind::Cuda && speculating {
         bail!("--speculate and --draft-model need --executor cpu");
     }
-    // Speculation runs on the CPU executor: `auto` picks it.
-    let kind = match a.executor {
+    // Speculation runs on the CPU executor: `auto` picks it (and has no device budget to use).
+    let (kind, budget) = match a.executor {
         ExecutorKind::Auto if speculating => {
             tracing::info!(
                 "speculative decoding runs on the CPU kernels: --executor auto picks them"
             );
-            ExecutorKind::Cpu
+            (ExecutorKind::Cpu, None)
         }
-        kind => kind,
+        kind => (kind, a.device_budget),
     };
     let speculation = super::speculation(
         a.speculate,
@@ -466,10 +466,6 @@ fn generate(a: &GenerateArgs, loaded: LoadedModel, prompt: &[u32]) -> anyhow::Re
         !a.no_draft_lookup,
         a.threads,
     )?;
-    // (`auto` turned CPU by speculation has no device budget to use.)
-    let budget = a
-        .device_budget
-        .filter(|_| kind != ExecutorKind::Cpu || a.executor == kind);
     let exec = executor_for(model.clone(), kind, budget)?;
     let sampling = SamplerConfig::default()
         .with_temperature(a.temperature)

@@ -6,8 +6,8 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{
-    CudaContext, CudaEvent, CudaFunction, CudaSlice, CudaStream, CudaView, CudaViewMut, DeviceRepr,
-    LaunchConfig, PinnedHostSlice, PushKernelArg, ValidAsZeroBits, sys,
+    CudaContext, CudaEvent, CudaFunction, CudaSlice, CudaStream, CudaView, CudaViewMut,
+    DevicePtrMut, DeviceRepr, LaunchConfig, PinnedHostSlice, PushKernelArg, ValidAsZeroBits, sys,
 };
 use cudarc::nvrtc::Ptx;
 use kv_ring::{KvDtype, KvShape};
@@ -815,20 +815,26 @@ fn rmsnorm(
 }
 
 /// RMSNorm in place of the first `n` floats of `x` in rows of `w.len()` (Q/K norms per head or
-/// per row, post-norms), through `scratch` (at least `n` floats): the norm into it, then copied
-/// back.
+/// per row, post-norms): the `rmsnorm` kernel with one pointer as both its input and output,
+/// which it allows (every element is read and then written by the same thread, after the row's
+/// sum).
 fn rmsnorm_in_place(
     core: &Core,
     x: &mut CudaSlice<f32>,
     w: &CudaSlice<f32>,
     eps: f32,
     n: usize,
-    scratch: &mut CudaSlice<f32>,
 ) -> Result<(), CudaError> {
-    rmsnorm(core, x, w, eps, n / w.len().max(1), scratch)?;
-    core.compute
-        .memcpy_dtod(&scratch.slice(0..n), &mut x.slice_mut(0..n))
-        .map_err(CudaError::driver("copy norm"))
+    debug_assert!(x.len() >= n);
+    let d = w.len() as u32;
+    let rows = u32_of("rows", n / w.len().max(1))?;
+    let (ptr, _sync) = x.device_ptr_mut(&core.compute);
+    let mut b = core.compute.launch_builder(core.kernels.get("rmsnorm"));
+    b.arg(&ptr).arg(w).arg(&d).arg(&eps).arg(&ptr);
+    // SAFETY: `rmsnorm(const float*, const float*, u32, float, float*)` with `x`'s device address
+    // as both `x` and `out` (64-bit pointers), `rows * d <= n` floats of it.
+    unsafe { b.launch(blocks(rows, NORM_THREADS)) }.map_err(CudaError::driver("rmsnorm"))?;
+    Ok(())
 }
 
 /// RoPE of `rows` rows of `heads` heads with the table rows `cs` (at `cs_offset` floats).
@@ -1153,8 +1159,7 @@ impl Device {
         for (buf, n) in [
             (&mut sc.x, total * d),
             (&mut sc.h, total * d),
-            // `tmp` is also the K norm's scratch.
-            (&mut sc.tmp, total * d.max(kvd)),
+            (&mut sc.tmp, total * d),
             (&mut sc.q, total * qd),
             (&mut sc.att, total * qd),
             (&mut sc.k, total * kvd),
@@ -1212,14 +1217,13 @@ impl Device {
                     add_bias(core, buf, b, total * width)?;
                 }
             }
-            // Per-head (or whole-row) Q/K norms, through scratch that is free until the
-            // attention and the output projection write it.
+            // Per-head (or whole-row) Q/K norms, in place.
             let eps = cfg.rms_eps;
             if let Some(w) = &vecs.norms[0] {
-                rmsnorm_in_place(core, &mut sc.q, w, eps, total * qd, &mut sc.att)?;
+                rmsnorm_in_place(core, &mut sc.q, w, eps, total * qd)?;
             }
             if let Some(w) = &vecs.norms[1] {
-                rmsnorm_in_place(core, &mut sc.k, w, eps, total * kvd, &mut sc.tmp)?;
+                rmsnorm_in_place(core, &mut sc.k, w, eps, total * kvd)?;
             }
             if let Some((t, layout)) = layer.rope {
                 let neox = layout == crate::model::RopeLayout::Neox;
@@ -1267,7 +1271,7 @@ impl Device {
                 add_bias(core, &mut sc.tmp, b, total * d)?;
             }
             if let Some(w) = &vecs.norms[2] {
-                rmsnorm_in_place(core, &mut sc.tmp, w, eps, total * d, &mut sc.h)?;
+                rmsnorm_in_place(core, &mut sc.tmp, w, eps, total * d)?;
             }
             // Stage 3: MLP block.
             add(core, &mut sc.x, &sc.tmp, total * d)?;
@@ -1281,7 +1285,7 @@ impl Device {
                 }
             }
             if let Some(w) = &vecs.norms[3] {
-                rmsnorm_in_place(core, &mut sc.tmp, w, eps, total * d, &mut sc.h)?;
+                rmsnorm_in_place(core, &mut sc.tmp, w, eps, total * d)?;
             }
             release_layer(core, weights, stats, model, li)?;
         }
